@@ -1,0 +1,436 @@
+"""Budgets: a total budget -> ``budget_LH`` (or ``budget_L``) int32, every budget counting the
+protected tokens (sinks, observation window) too, as ``max_capacity_prompt`` does upstream.
+
+Every allocator is written in ``jnp`` so budgets, ``beta``, ``alpha`` and ``q_len`` can be traced
+data (a sweep vmaps over them); the shape-defining arguments (``num_layers``, ``num_heads``,
+``capacity``) are static Python ints. Concrete inputs are validated at the boundary and raise
+``ValueError``; a budget that would leave a row empty raises instead of silently keeping nothing
+(kvpress issues #227/#264/#277).
+
+References (``shared/reference/ALGORITHMS.md`` sections 2.4-2.7, 7): KVCache-Factory
+``PyramidKVCluster`` (legacy integer arithmetic), kvpress ``PyramidKVPress.get_layer_budget``,
+Ada-KV ``AdaptiveSnapKVCluster``, kvpress ``AdaKVPress``, HeadKV ``ReasonSnapKVCluster``, CAKE
+``CakeprefillKVCache`` + ``adjust_budgets``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import select
+
+Array = jax.Array
+
+PYRAMID_MODES = ("legacy_floor", "kvpress", "exact_total")
+ADAKV_MODES = ("official", "kvpress")
+HEADKV_MODES = ("official", "kvfactory")
+
+
+# --------------------------------------------------------------------------- validation helpers
+
+
+def _concrete(*xs) -> bool:
+  return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _check_static_int(name: str, value, minimum: int = 1) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+  return int(value)
+
+
+def _check_nonneg(name: str, value):
+  """Rejects negative concrete values (ints or arrays); traced values pass through."""
+  if _concrete(value) and np.any(np.asarray(value) < 0):
+    raise ValueError(f"{name}: expected a non-negative budget, got {np.asarray(value).tolist()}")
+
+
+def _check_choice(name: str, value: str, choices) -> None:
+  if value not in choices:
+    raise ValueError(f"{name}: unknown value {value!r}; expected one of {tuple(choices)}")
+
+
+def _check_window(budget, window) -> None:
+  _check_nonneg("window", window)
+  if _concrete(budget, window) and np.any(np.asarray(budget) < np.asarray(window)):
+    raise ValueError(
+      f"budget: {np.asarray(budget).tolist()} is smaller than the protected window "
+      f"{np.asarray(window).tolist()}; every budget counts the window, expected budget >= window"
+    )
+
+
+def _check_not_empty(name: str, budgets: Array, q_len) -> Array:
+  """A row that would keep nothing of a non-empty prompt is a bug upstream; here it is an error."""
+  if _concrete(budgets, q_len) and np.any((np.asarray(budgets) <= 0) & (np.asarray(q_len) > 0)):
+    raise ValueError(
+      f"{name}: the allocation {np.asarray(budgets).tolist()} leaves a row with no cache; "
+      "expected a larger budget (or a non-zero window)"
+    )
+  return budgets
+
+
+# --------------------------------------------------------------------------- simple allocations
+
+
+def uniform(num_layers: int, num_heads: int, budget) -> Array:
+  """The same budget for every layer and head: ``budget_LH`` int32."""
+  num_layers = _check_static_int("num_layers", num_layers)
+  num_heads = _check_static_int("num_heads", num_heads)
+  _check_nonneg("budget", budget)
+  return jnp.full((num_layers, num_heads), budget, jnp.int32)
+
+
+def per_head(budget_L, num_heads: int) -> Array:
+  """Broadcast a per-layer budget ``[L]`` to every head: ``budget_LH`` int32."""
+  budget_L = jnp.asarray(budget_L, jnp.int32)
+  num_heads = _check_static_int("num_heads", num_heads)
+  return jnp.broadcast_to(budget_L[:, None], budget_L.shape + (num_heads,))
+
+
+def from_table(table, num_layers: int, num_heads: int) -> Array:
+  """An explicit budget table from a config -> validated ``budget_LH`` int32.
+
+  Accepts a scalar, a per-layer list ``[L]`` or a full ``[L][H]`` table of non-negative ints.
+  """
+  num_layers = _check_static_int("num_layers", num_layers)
+  num_heads = _check_static_int("num_heads", num_heads)
+  arr = np.asarray(table)
+  if arr.dtype == object or not (
+    np.issubdtype(arr.dtype, np.integer)
+    or (np.issubdtype(arr.dtype, np.floating) and np.all(arr == np.round(arr)))
+  ):
+    raise ValueError(f"table: expected integer budgets, got {table!r}")
+  if arr.ndim == 1 and arr.shape == (num_layers,):
+    arr = np.broadcast_to(arr[:, None], (num_layers, num_heads))
+  elif arr.ndim == 0:
+    arr = np.broadcast_to(arr, (num_layers, num_heads))
+  if arr.shape != (num_layers, num_heads):
+    raise ValueError(
+      f"table: shape {arr.shape} does not match [L={num_layers}, H={num_heads}] "
+      f"(or [L={num_layers}] or a scalar)"
+    )
+  _check_nonneg("table", arr)
+  return jnp.asarray(arr, jnp.int32)
+
+
+def round_to_total(weights_L: Array, total) -> Array:
+  """Largest-remainder rounding: non-negative reals -> ints that sum to exactly ``total``.
+
+  ``weights_L`` must already sum to ``total`` (up to float error). The leftover units go to the
+  largest fractional parts, ties to the lower index (via :func:`kvjax.select.keep_mask`).
+  """
+  floors = jnp.floor(weights_L)
+  deficit = jnp.asarray(total, jnp.int32) - floors.sum().astype(jnp.int32)
+  extra = select.keep_mask(weights_L - floors, jnp.clip(deficit, 0, weights_L.shape[-1]))
+  return floors.astype(jnp.int32) + extra.astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- PyramidKV
+
+
+def pyramid(
+  num_layers: int,
+  budget,
+  window,
+  q_len,
+  beta=20,
+  mode: str = "legacy_floor",
+) -> Array:
+  """PyramidKV's per-layer budgets ``[L]`` int32, **including** the window ``w``.
+
+  ``budget`` is ``max_capacity_prompt`` (window included), ``q_len`` the prompt length. Layer 0
+  (bottom) gets the most, layer ``L - 1`` the least: an arithmetic sequence whose mean is the
+  uniform budget. ``beta=20`` is hard-coded upstream.
+
+  * ``"legacy_floor"``: KVCache-Factory ``PyramidKVCluster.update_kv`` exactly: integer ``//``
+    with divisor ``L - 1``; ``q_len < budget`` keeps everything (``q_len``); ``q_len <
+    2 (budget - w)`` is uniform SnapKV (``budget``); otherwise ``max - l * step + w``. The floor
+    makes long-prompt totals exceed ``L * budget`` at small budgets, as published.
+  * ``"kvpress"``: kvpress ``get_layer_budget``: float division and ``round`` (half to even);
+    falls back to uniform ``round(budget - w + w)`` unless ``q_len >= max >= min >= w``. kvpress
+    derives ``budget = w + q_len * (1 - compression_ratio)``: pass that (a float) to reproduce it.
+  * ``"exact_total"``: the same line in real numbers, rounded by largest remainder so the layers
+    sum to exactly ``L * budget``; ``q_len < budget`` keeps everything.
+  """
+  num_layers = _check_static_int("num_layers", num_layers)
+  _check_choice("mode", mode, PYRAMID_MODES)
+  _check_nonneg("budget", budget)
+  _check_nonneg("q_len", q_len)
+  _check_window(budget, window)
+  if _concrete(beta) and np.any(np.asarray(beta) < 1):
+    raise ValueError(f"beta: expected beta >= 1, got {beta!r}")
+  fn = {"legacy_floor": _pyramid_legacy, "kvpress": _pyramid_kvpress, "exact_total": _pyramid_exact}
+  out = fn[mode](num_layers, budget, window, q_len, beta)
+  return _check_not_empty("budget", out, q_len)
+
+
+def _pyramid_legacy(num_layers, budget, window, q_len, beta):
+  budget, window, q_len = (jnp.asarray(x, jnp.int32) for x in (budget, window, q_len))
+  avg = budget - window
+  min_num = jnp.floor_divide(avg, beta).astype(jnp.int32)
+  max_num = avg * 2 - min_num
+  clipped = max_num >= q_len - window
+  max_num = jnp.where(clipped, q_len - window, max_num)
+  min_num = jnp.where(clipped, avg * 2 - max_num, min_num)
+  steps = jnp.floor_divide(max_num - min_num, max(num_layers - 1, 1))
+  layers = jnp.arange(num_layers, dtype=jnp.int32)
+  pyramid_L = max_num - layers * steps + window
+  out = jnp.where(q_len < avg * 2, budget, pyramid_L)
+  return jnp.where(q_len < budget, q_len, out).astype(jnp.int32)
+
+
+def _pyramid_kvpress(num_layers, budget, window, q_len, beta):
+  budget, window, q_len, beta = (jnp.asarray(x, jnp.float32) for x in (budget, window, q_len, beta))
+  avg = budget - window
+  min_num = avg / beta
+  max_num = avg * 2 - min_num
+  clipped = max_num >= q_len - window
+  max_num = jnp.where(clipped, q_len - window, max_num)
+  min_num = jnp.where(clipped, avg * 2 - max_num, min_num)
+  ok = (q_len >= max_num) & (max_num >= min_num) & (min_num >= window)
+  steps = (max_num - min_num) / max(num_layers - 1, 1)
+  layers = jnp.arange(num_layers, dtype=jnp.float32)
+  pyramid_L = jnp.round(max_num - layers * steps)
+  # kvpress's fallback is ``round(q_len * (1 - ratio))`` == ``round(budget - window)`` there.
+  fallback = jnp.maximum(jnp.round(avg), 1.0)
+  return jnp.where(ok, pyramid_L, fallback).astype(jnp.int32)
+
+
+def _pyramid_exact(num_layers, budget, window, q_len, beta):
+  budget_i, window_i, q_len_i = (jnp.asarray(x, jnp.int32) for x in (budget, window, q_len))
+  avg = (budget_i - window_i).astype(jnp.float32)
+  min_num = avg / jnp.asarray(beta, jnp.float32)
+  max_num = jnp.minimum(avg * 2 - min_num, (q_len_i - window_i).astype(jnp.float32))
+  min_num = avg * 2 - max_num
+  steps = (max_num - min_num) / max(num_layers - 1, 1)
+  line_L = max_num - jnp.arange(num_layers, dtype=jnp.float32) * steps
+  if num_layers == 1:
+    line_L = jnp.broadcast_to(avg, (1,))
+  # Rescale away float drift so the rounding target is exact, then add the window back.
+  line_L = jnp.maximum(line_L, 0.0)
+  line_L = line_L * (avg * num_layers) / jnp.maximum(line_L.sum(), 1e-9)
+  selected_L = round_to_total(line_L, (budget_i - window_i) * num_layers)
+  return jnp.where(q_len_i < budget_i, q_len_i, selected_L + window_i).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- Ada-KV
+
+
+def _top_sum(scores_LHT: Array, count, capacity: int) -> Array:
+  """Sum of each row's ``count`` largest scores (``count <= capacity``)."""
+  top = jax.lax.top_k(scores_LHT, capacity)[0]
+  keep = jnp.arange(capacity) < jnp.asarray(count)[..., None]
+  return jnp.where(keep, top, 0.0).sum(-1)
+
+
+def adakv(
+  scores_LHT: Array,
+  budget,
+  window: int,
+  *,
+  floor_alpha: float = 0.2,
+  normalize: bool = False,
+  mode: str = "official",
+  capacity: int | None = None,
+) -> Array:
+  """Ada-KV head-adaptive budgets ``[L, H]`` int32 (window included) from per-head scores.
+
+  ``scores_LHT`` are the pooled SnapKV-style scores over all ``T`` positions (the last
+  ``window`` positions are the protected window; their values are ignored in ``"official"``).
+  ``budget`` is the per-head ``max_capacity_prompt`` (a scalar, or ``[L]`` for a layer schedule
+  such as Ada-KV's ``pyram_mode``), so the layer total is ``H * budget``.
+
+  * ``"official"`` (Ada-KV ``AdaptiveSnapKVCluster``): ``b = budget - w``; global top ``H * b``
+    of the layer's prefix scores (each head's scores scaled by ``sum(top-b) / sum(all)`` when
+    ``normalize``) gives counts ``c_h``; ``cap_h = round(c_h (1 - alpha) + int(b * alpha))``
+    (half to even) plus ``w``. As upstream, the caps need not sum exactly to ``H * b``. No
+    compression (``T``) when ``b > T - w``. Defaults: ``alpha = 0.2``, ``normalize`` off
+    (KVCache-Factory and HeadKV runs use ``normalize=True``).
+  * ``"kvpress"`` (``AdaKVPress``): each head force-keeps its top ``max(int(budget * alpha), 1)``,
+    then the layer keeps its best ``H * budget`` scores across heads: counts sum exactly to
+    ``H * budget``. Window protection comes from the scores (``+inf``).
+
+  ``capacity``: static bound on ``budget`` for the top-k (default ``T``).
+  """
+  _check_choice("mode", mode, ADAKV_MODES)
+  if not hasattr(scores_LHT, "ndim") or scores_LHT.ndim != 3:
+    raise ValueError(f"scores: expected [L, H, T], got {getattr(scores_LHT, 'shape', scores_LHT)}")
+  L, H, T = scores_LHT.shape
+  if not isinstance(window, int) or not 0 <= window <= T:
+    raise ValueError(f"window: expected an int in [0, T={T}], got {window!r}")
+  if _concrete(floor_alpha) and not 0.0 <= float(floor_alpha) <= 1.0:
+    raise ValueError(f"floor_alpha: expected a value in [0, 1], got {floor_alpha!r}")
+  _check_window(budget, window)
+  capacity = T if capacity is None else _check_static_int("capacity", capacity)
+  if _concrete(budget) and np.any(np.asarray(budget) > capacity) and capacity < T:
+    raise ValueError(f"budget: {budget!r} exceeds capacity={capacity}")
+  budget_L = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), (L,))
+  if mode == "kvpress":
+    return _adakv_kvpress(scores_LHT, budget_L, floor_alpha, min(capacity, T))
+  return _adakv_official(scores_LHT, budget_L, window, floor_alpha, normalize, min(capacity, T))
+
+
+def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity):
+  L, H, T = scores_LHT.shape
+  prefix_LHP = scores_LHT[..., : T - window].astype(jnp.float32)
+  cap = max(min(capacity, T - window), 1)
+  base_L = budget_L - window
+  if normalize:
+    count_LH = jnp.broadcast_to(jnp.minimum(base_L, cap)[:, None], (L, H))
+    ratio_LH = _top_sum(prefix_LHP, count_LH, cap) / prefix_LHP.sum(-1)
+    prefix_LHP = prefix_LHP * ratio_LH[..., None]
+  pooled_L = jnp.minimum(base_L * H, H * (T - window))
+  counts_LH = select.pooled_budgets(prefix_LHP, pooled_L, capacity=min(cap * H, H * (T - window)))
+  floor_L = jnp.floor(base_L.astype(jnp.float32) * alpha)
+  caps_LH = jnp.round(counts_LH * (1.0 - alpha) + floor_L[:, None]).astype(jnp.int32) + window
+  return jnp.where((base_L > T - window)[:, None], T, caps_LH).astype(jnp.int32)
+
+
+def _adakv_kvpress(scores_LHT, budget_L, alpha, capacity):
+  L, H, T = scores_LHT.shape
+  n_kept_L = budget_L
+  n_safe_L = jnp.floor(n_kept_L.astype(jnp.float32) * alpha).astype(jnp.int32)
+  # kvpress: ``n_safe = max(1, n_safe) if n_kept > 0 else 0`` whenever alpha > 0.
+  n_safe_L = jnp.where(
+    jnp.asarray(alpha) > 0, jnp.where(n_kept_L > 0, jnp.maximum(n_safe_L, 1), 0), n_safe_L
+  )
+  forced = select.keep_mask(
+    scores_LHT, jnp.broadcast_to(n_safe_L[:, None], (L, H)), capacity=capacity
+  )
+  boosted = jnp.where(forced, jnp.inf, scores_LHT)
+  return select.pooled_budgets(boosted, n_kept_L * H, capacity=min(capacity * H, H * T))
+
+
+# --------------------------------------------------------------------------- HeadKV
+
+
+def headkv(
+  head_scores_LH,
+  budget,
+  window,
+  *,
+  beta: float = 1.5,
+  temp: float = 1.0,
+  mode: str = "official",
+) -> Array:
+  """HeadKV static per-head budgets ``[L, H]`` int32 (window included) from head importance.
+
+  ``head_scores_LH``: one positive importance per (layer, query head), e.g. the mean of HeadKV's
+  retrieval(-reasoning) score lists (:func:`headkv_scores_from_json`). Normalised to sum 1,
+  raised to ``temp``, renormalised; with ``b`` the per-head base:
+  ``pool = (b // beta) * L * H``, ``cap = round(s * pool + b - b // beta) + w`` (float floor
+  division, half-to-even rounding), so budget moves across layers *and* heads.
+
+  * ``"official"`` (HeadKV ``ReasonSnapKVCluster``): ``b = budget - w``; CLI default
+    ``beta=1.5``, ``temp=1``.
+  * ``"kvfactory"`` (KVCache-Factory ``run_longbench.py``): ``b = budget`` (window included) and
+    no ``temp`` step; default there ``beta=1.01``.
+
+  The total is ``L * H * budget`` up to rounding, as upstream.
+  """
+  _check_choice("mode", mode, HEADKV_MODES)
+  scores = jnp.asarray(head_scores_LH, jnp.float32)
+  if scores.ndim != 2:
+    raise ValueError(f"head_scores: expected [L, H], got shape {scores.shape}")
+  if _concrete(scores) and (
+    not np.isfinite(np.asarray(scores)).all() or np.any(np.asarray(scores) < 0)
+  ):
+    raise ValueError("head_scores: expected finite non-negative head importances")
+  if _concrete(beta) and float(beta) <= 1.0:
+    raise ValueError(f"beta: expected beta > 1, got {beta!r}")
+  _check_window(budget, window)
+  L, H = scores.shape
+  share = scores / scores.sum()
+  if mode == "official":
+    share = share**temp
+    share = share / share.sum()
+    base = jnp.asarray(budget, jnp.float32) - jnp.asarray(window, jnp.float32)
+  else:
+    base = jnp.asarray(budget, jnp.float32)
+  pooled = jnp.floor(base / beta)
+  caps = jnp.round(share * pooled * L * H + (base - pooled)).astype(jnp.int32)
+  return caps + jnp.asarray(window, jnp.int32)
+
+
+def headkv_scores_from_json(path: str, num_layers: int, num_heads: int) -> np.ndarray:
+  """HeadKV's head-score file (one JSON dict ``"layer-head": [scores...]``) -> ``[L, H]`` means."""
+  with open(path) as f:
+    head_lists = json.loads(f.readline())
+  out = np.zeros((num_layers, num_heads), np.float64)
+  for key, values in head_lists.items():
+    layer, head = (int(x) for x in key.split("-"))
+    if not (0 <= layer < num_layers and 0 <= head < num_heads):
+      raise ValueError(f"path: head {key!r} outside [L={num_layers}, H={num_heads}]")
+    out[layer, head] = np.mean(values)
+  return out
+
+
+# --------------------------------------------------------------------------- CAKE
+
+
+def cake_preference(attn_LHWT: Array, window: int, tau1=1.0, tau2=1.0) -> Array:
+  """CAKE layer preference ``P_l = H_l^(1/tau1) * V_l^(1/tau2)`` ``[L]``.
+
+  On the window rows over the prefix keys ``A = attn[..., -w:, :-w]`` (not renormalised):
+  ``H_l = -sum A log(A + 1e-10)`` over every head, row and key; ``V_l`` = the unbiased variance
+  over the window queries, summed over heads and keys.
+  """
+  T = attn_LHWT.shape[-1]
+  A = attn_LHWT[..., -window:, : T - window].astype(jnp.float32)
+  entropy_L = -(A * jnp.log(A + 1e-10)).sum((1, 2, 3))
+  var_L = A.var(axis=2, ddof=1).sum((1, 2))
+  return entropy_L ** (1.0 / tau1) * var_L ** (1.0 / tau2)
+
+
+def adjust_budgets(budgets_L: Array, total, seq_len) -> Array:
+  """CAKE ``adjust_budgets``: truncate to int, cap at ``seq_len`` and hand the excess to the
+  uncapped layers (remainder to the lowest indices), then force the exact ``total`` by adding to
+  layers below ``seq_len`` (or removing from layers above 1), remainder to the lowest indices.
+  """
+  b = jnp.trunc(budgets_L).astype(jnp.int32)
+  seq_len = jnp.asarray(seq_len, jnp.int32)
+  excess = jnp.maximum(b - seq_len, 0).sum()
+  b = jnp.minimum(b, seq_len)
+  b = _spread(b, excess, b < seq_len)
+  diff = jnp.asarray(total, jnp.int32) - b.sum()
+  valid = jnp.where(diff > 0, b < seq_len, b > 1)
+  return _spread(b, jnp.abs(diff), valid, sign=jnp.sign(diff))
+
+
+def _spread(b, amount, valid, sign=1):
+  """Adds ``amount`` evenly over ``valid`` entries, the remainder to the first valid ones."""
+  num_valid = valid.sum()
+  safe = jnp.maximum(num_valid, 1)
+  rank = jnp.cumsum(valid) - 1
+  add = jnp.where(valid, amount // safe + (rank < amount % safe), 0)
+  return jnp.where(num_valid > 0, b + sign * add, b).astype(jnp.int32)
+
+
+def cake(attn_LHWT: Array, budget, window: int, tau1=1.0, tau2=1.0) -> Array:
+  """CAKE preference-proportional layer budgets ``[L]`` int32, window included.
+
+  ``total = (budget - w) * L`` is split in proportion to :func:`cake_preference`, passed through
+  :func:`adjust_budgets` with ``seq_len = T - w``, capped at ``T - w``, plus ``w``. No
+  compression (``T``) while ``T <= budget + w`` (``CakeprefillKVCache``'s guard). Defaults
+  ``tau1 = tau2 = 1``; upstream tunes them per model (``config/model2tau.json``, e.g.
+  Llama-3.1-8B at budget 1024: ``(1.6, 0.4)``). This is the non-cascading mode.
+  """
+  if not hasattr(attn_LHWT, "ndim") or attn_LHWT.ndim != 4:
+    raise ValueError(f"attn: expected [L, H, W, T], got {getattr(attn_LHWT, 'shape', attn_LHWT)}")
+  L, _, W, T = attn_LHWT.shape
+  if not isinstance(window, int) or not 1 <= window <= min(W, T):
+    raise ValueError(f"window: expected an int in [1, W={W}], got {window!r}")
+  _check_window(budget, window)
+  for name, tau in (("tau1", tau1), ("tau2", tau2)):
+    if _concrete(tau) and float(tau) <= 0:
+      raise ValueError(f"{name}: expected a positive temperature, got {tau!r}")
+  pref_L = cake_preference(attn_LHWT, window, tau1, tau2)
+  total = (jnp.asarray(budget, jnp.int32) - window) * L
+  raw_L = pref_L / pref_L.sum() * total
+  layer_L = jnp.minimum(adjust_budgets(raw_L, total, T - window), T - window) + window
+  out = jnp.where(T <= jnp.asarray(budget) + window, T, layer_L).astype(jnp.int32)
+  return _check_not_empty("budget", out, T)

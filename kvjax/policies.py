@@ -1,0 +1,381 @@
+"""Policies by name: scorer + protection + grouping + allocation, composed from a string.
+
+Configs and notebooks name policies as strings (``"snapkv"``, ``"pyramidkv"``,
+``"adakv_snapkv"``, ...). :func:`make` returns a frozen, hashable :class:`Policy` whose numbers
+(budget, and the data-valued options) stay traced data under ``jit``/``vmap``, while the choice
+of scorer is static Python (DESIGN.md: never ``lax.switch`` over policies under ``vmap``).
+
+A policy reads an :class:`Evidence` pytree; build one from a prompt's queries/keys with
+:func:`evidence_from_qk`, or fill the fields you have (the synthetic lab provides attention rows
+directly). Budgets passed to a policy are per-(layer, head) ``max_capacity_prompt`` values:
+a scalar, ``[L]`` or ``[L, H]``, window and sinks included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax import budgets as budgets_lib
+from kvjax import scores as scores_lib
+from kvjax import select
+
+Array = jax.Array
+
+
+@struct.dataclass
+class Evidence:
+  """What a policy may observe at compression time (any field may be ``None``).
+
+  Attributes:
+    attn_window_LHWT: causal softmax rows of the last ``W`` prompt queries over all ``T`` keys.
+    column_sums_LHT: attention received per key, summed over causal prompt queries (H2O).
+    legacy_column_sums_LHT: the same under KVCache-Factory's legacy non-causal prefill mask.
+    keys_LGTD: keys as cached (post-RoPE), for key norm.
+    future_attn_LHST: attention of future queries over the ``T`` positions (oracle only).
+    head_scores_LH: static head importance (HeadKV).
+    rng: a PRNG key (random policy).
+  """
+
+  attn_window_LHWT: Array | None = None
+  column_sums_LHT: Array | None = None
+  legacy_column_sums_LHT: Array | None = None
+  keys_LGTD: Array | None = None
+  future_attn_LHST: Array | None = None
+  head_scores_LH: Array | None = None
+  rng: Array | None = None
+
+
+def evidence_from_qk(
+  queries_LHTD: Array,
+  keys_LGTD: Array,
+  *,
+  window: int = 32,
+  legacy_window: int = 8,
+  column_sums: bool = True,
+  rng: Array | None = None,
+) -> Evidence:
+  """Evidence of one prompt from its post-RoPE queries ``[L, Hq, T, D]`` and keys ``[L, G, T, D]``.
+
+  Builds the window rows (no ``T x T`` matrix) and, if ``column_sums``, the causal and legacy
+  H2O column sums blockwise.
+  """
+  T = queries_LHTD.shape[2]
+  attn = scores_lib.window_attention(queries_LHTD[:, :, T - min(window, T) :], keys_LGTD)
+  sums = legacy = None
+  if column_sums:
+    sums = scores_lib.attention_column_sums(queries_LHTD, keys_LGTD, mask="causal")
+    legacy = scores_lib.attention_column_sums(
+      queries_LHTD, keys_LGTD, mask="kvfactory_legacy", window=legacy_window
+    )
+  return Evidence(
+    attn_window_LHWT=attn,
+    column_sums_LHT=sums,
+    legacy_column_sums_LHT=legacy,
+    keys_LGTD=keys_LGTD,
+    rng=rng,
+  )
+
+
+def _need(evidence: Evidence, field: str, policy: str) -> Array:
+  value = getattr(evidence, field)
+  if value is None:
+    raise ValueError(f"evidence: policy {policy!r} needs evidence.{field}, which is None")
+  return value
+
+
+# --------------------------------------------------------------------------- scorers by family
+
+
+def _positions_shape(evidence: Evidence, policy: str) -> tuple[int, int, int]:
+  """``(L, H, T)`` from whichever evidence is present (keys are ``[L, G, T, D]``)."""
+  for field in ("attn_window_LHWT", "column_sums_LHT", "future_attn_LHST"):
+    value = getattr(evidence, field)
+    if value is not None:
+      return value.shape[0], value.shape[1], value.shape[-1]
+  if evidence.keys_LGTD is not None:
+    return evidence.keys_LGTD.shape[:3]
+  raise ValueError(f"evidence: policy {policy!r} needs at least one evidence field to size [L, H, T]")
+
+
+def _score_recency(evidence, opts):
+  L, H, T = _positions_shape(evidence, "sliding_window")
+  return scores_lib.recency(T, (L, H))
+
+
+def _score_streaming(evidence, opts):
+  L, H, T = _positions_shape(evidence, "streaming_llm")
+  return scores_lib.streaming(T, (L, H), sinks=opts["sinks"])
+
+
+def _score_snapkv(evidence, opts):
+  attn = _need(evidence, "attn_window_LHWT", opts["_name"])
+  return scores_lib.snapkv(
+    attn, kernel=opts["kernel"], pool=opts["pool"], reduce=opts["reduce"], window=opts["window"]
+  )
+
+
+def _score_h2o(evidence, opts):
+  field = "legacy_column_sums_LHT" if opts["form"] == "kvfactory_legacy" else "column_sums_LHT"
+  sums = _need(evidence, field, opts["_name"])
+  return scores_lib.h2o_from_column_sums(sums, form=opts["form"], recent=opts["recent"])
+
+
+def _score_tova(evidence, opts):
+  attn = _need(evidence, "attn_window_LHWT", opts["_name"])
+  return scores_lib.tova(attn[:, :, -1, :])
+
+
+def _score_knorm(evidence, opts):
+  return scores_lib.knorm(_need(evidence, "keys_LGTD", opts["_name"]))
+
+
+def _score_random(evidence, opts):
+  L, H, T = _positions_shape(evidence, "random")
+  return scores_lib.random(_need(evidence, "rng", opts["_name"]), (L, H, T))
+
+
+def _score_oracle(evidence, opts):
+  return scores_lib.oracle(_need(evidence, "future_attn_LHST", opts["_name"]))
+
+
+def _score_cake(evidence, opts):
+  attn = _need(evidence, "attn_window_LHWT", opts["_name"])
+  return scores_lib.cake(attn, gamma=opts["gamma"], kernel=opts["kernel"], window=opts["window"])
+
+
+# --------------------------------------------------------------------------- allocators
+
+
+def _as_LH(budget, L: int, H: int) -> Array:
+  budget = jnp.asarray(budget, jnp.int32)
+  if budget.ndim == 1:
+    budget = budget[:, None]
+  try:
+    return jnp.broadcast_to(budget, (L, H))
+  except ValueError:
+    raise ValueError(
+      f"budget: shape {budget.shape} is not a scalar, [L={L}] or [L={L}, H={H}]"
+    ) from None
+
+
+def _window_of(evidence: Evidence, opts) -> int:
+  if opts.get("window") is not None:
+    return opts["window"]
+  return _need(evidence, "attn_window_LHWT", opts["_name"]).shape[2]
+
+
+def _alloc_given(evidence, scores_LHT, budget, opts):
+  L, H, _ = scores_LHT.shape
+  return _as_LH(budget, L, H)
+
+
+def _alloc_pyramid(evidence, scores_LHT, budget, opts):
+  L, H, T = scores_LHT.shape
+  layer_L = budgets_lib.pyramid(
+    L, budget, _window_of(evidence, opts), T, beta=opts["beta"], mode=opts["pyramid_mode"]
+  )
+  return budgets_lib.per_head(layer_L, H)
+
+
+def _alloc_adakv(evidence, scores_LHT, budget, opts):
+  L, H, T = scores_LHT.shape
+  window = _window_of(evidence, opts)
+  if opts.get("pyramid_mode"):
+    budget = budgets_lib.pyramid(L, budget, window, T, beta=opts["beta"], mode=opts["pyramid_mode"])
+  return budgets_lib.adakv(
+    scores_LHT,
+    budget,
+    window,
+    floor_alpha=opts["floor_alpha"],
+    normalize=opts["normalize"],
+    mode=opts["adakv_mode"],
+  )
+
+
+def _alloc_headkv(evidence, scores_LHT, budget, opts):
+  head_scores = _need(evidence, "head_scores_LH", opts["_name"])
+  return budgets_lib.headkv(
+    head_scores,
+    budget,
+    _window_of(evidence, opts),
+    beta=opts["beta"],
+    temp=opts["temp"],
+    mode=opts["headkv_mode"],
+  )
+
+
+def _alloc_cake(evidence, scores_LHT, budget, opts):
+  attn = _need(evidence, "attn_window_LHWT", opts["_name"])
+  layer_L = budgets_lib.cake(attn, budget, _window_of(evidence, opts), opts["tau1"], opts["tau2"])
+  return budgets_lib.per_head(layer_L, scores_LHT.shape[1])
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  scorer: Callable[[Evidence, dict], Array]
+  allocator: Callable[[Evidence, Array, Any, dict], Array]
+  defaults: dict
+  doc: str
+
+
+_SNAP = dict(kernel=7, pool="max", reduce="sum", window=None)
+_SNAP_MEAN = dict(_SNAP, reduce="mean")
+_GROUPING = dict(num_kv_heads=None, gqa="mean")
+
+REGISTRY: dict[str, Spec] = {
+  "sliding_window": Spec(_score_recency, _alloc_given, {}, "the last B tokens"),
+  "streaming_llm": Spec(_score_streaming, _alloc_given, dict(sinks=4), "4 sinks + recent"),
+  "h2o": Spec(
+    _score_h2o, _alloc_given, dict(form="causal", recent=8), "causal heavy hitters + recent 8"
+  ),
+  "h2o_kvfactory_legacy": Spec(
+    _score_h2o,
+    _alloc_given,
+    dict(form="kvfactory_legacy", recent=8),
+    "KVCache-Factory's published H2O (non-causal prefill column sums) + window 8",
+  ),
+  "h2o_kvpress": Spec(
+    _score_h2o, _alloc_given, dict(form="kvpress", recent=0), "kvpress ObservedAttentionPress"
+  ),
+  "tova": Spec(_score_tova, _alloc_given, {}, "last query's row averaged over heads"),
+  "snapkv": Spec(_score_snapkv, _alloc_given, dict(_SNAP), "window votes, maxpool k=7"),
+  "snapkv_kvpress": Spec(
+    _score_snapkv,
+    _alloc_given,
+    dict(kernel=5, pool="avg", reduce="mean", window=None),
+    "kvpress SnapKVPress (mean votes, avgpool k=5; add num_kv_heads for its GQA mean)",
+  ),
+  "pyramidkv": Spec(
+    _score_snapkv,
+    _alloc_pyramid,
+    dict(_SNAP, beta=20, pyramid_mode="legacy_floor"),
+    "SnapKV scores under PyramidKV's layer schedule",
+  ),
+  "adakv_snapkv": Spec(
+    _score_snapkv,
+    _alloc_adakv,
+    dict(_SNAP_MEAN, floor_alpha=0.2, normalize=False, adakv_mode="official", pyramid_mode=None),
+    "Ada-KV head-adaptive budgets over SnapKV scores",
+  ),
+  "adakv_pyramidkv": Spec(
+    _score_snapkv,
+    _alloc_adakv,
+    dict(
+      _SNAP_MEAN,
+      floor_alpha=0.2,
+      normalize=False,
+      adakv_mode="official",
+      beta=20,
+      pyramid_mode="legacy_floor",
+    ),
+    "Ada-KV within PyramidKV's layer schedule (Ada-KV pyram_mode)",
+  ),
+  "headkv": Spec(
+    _score_snapkv,
+    _alloc_headkv,
+    dict(_SNAP_MEAN, beta=1.5, temp=1.0, headkv_mode="official"),
+    "HeadKV static head budgets over SnapKV mean votes",
+  ),
+  "cake": Spec(
+    _score_cake,
+    _alloc_cake,
+    dict(gamma=200.0, kernel=5, window=None, tau1=1.0, tau2=1.0),
+    "CAKE layer preference budgets, mean + gamma var eviction score",
+  ),
+  "knorm": Spec(_score_knorm, _alloc_given, {}, "lowest key norm"),
+  "random": Spec(_score_random, _alloc_given, {}, "uniform random scores"),
+  "oracle": Spec(_score_oracle, _alloc_given, {}, "future attention (upper bound)"),
+}
+
+
+def names() -> tuple[str, ...]:
+  """All registered policy names."""
+  return tuple(REGISTRY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """A named policy with frozen options; pure methods, safe to close over in ``jit``."""
+
+  name: str
+  options: tuple[tuple[str, Any], ...]
+
+  @property
+  def opts(self) -> dict:
+    return dict(self.options, _name=self.name)
+
+  def scores(self, evidence: Evidence) -> Array:
+    """Evidence -> ``scores_LHT`` (grouped to KV heads when ``num_kv_heads`` is set)."""
+    opts = self.opts
+    scores_LHT = REGISTRY[self.name].scorer(evidence, opts)
+    if opts["num_kv_heads"] is not None and scores_LHT.shape[1] != opts["num_kv_heads"]:
+      scores_LHT = scores_lib.group(scores_LHT, opts["num_kv_heads"], opts["gqa"])
+    return scores_LHT
+
+  def budgets(self, evidence: Evidence, scores_LHT: Array, budget) -> Array:
+    """Total budget (scalar, ``[L]`` or ``[L, H]``) -> ``budget_LH`` int32 under this allocator."""
+    return REGISTRY[self.name].allocator(evidence, scores_LHT, budget, self.opts)
+
+  def keep_mask(self, evidence: Evidence, budget, *, capacity: int | None = None) -> Array:
+    """Kept positions ``[L, H, T]`` bool."""
+    scores_LHT = self.scores(evidence)
+    return select.keep_mask(scores_LHT, self.budgets(evidence, scores_LHT, budget), capacity=capacity)
+
+  def compact(self, evidence: Evidence, budget, capacity: int) -> tuple[Array, Array]:
+    """Kept positions as ``(idx_LHB, valid_LHB)`` for a real cache of capacity ``B``."""
+    scores_LHT = self.scores(evidence)
+    return select.compact(scores_LHT, self.budgets(evidence, scores_LHT, budget), capacity)
+
+
+def make(name: str, **options) -> Policy:
+  """The policy ``name`` with ``options`` overriding its reference defaults.
+
+  Every policy also accepts ``num_kv_heads`` (group query-head scores to KV heads; default
+  ``None`` keeps the query-head granularity of the published tables) and ``gqa``
+  (``"mean"``/``"max"``/``"sum"``).
+  """
+  if name not in REGISTRY:
+    raise ValueError(f"name: unknown policy {name!r}; expected one of {names()}")
+  spec = REGISTRY[name]
+  allowed = dict(spec.defaults, **_GROUPING)
+  unknown = sorted(set(options) - set(allowed))
+  if unknown:
+    raise ValueError(
+      f"options: {unknown} are not options of policy {name!r}; expected some of {sorted(allowed)}"
+    )
+  merged = dict(allowed, **options)
+  _validate(name, merged)
+  return Policy(name, tuple(sorted(merged.items())))
+
+
+def _validate(name: str, opts: dict) -> None:
+  """Static options are checked at construction, before any jit."""
+  if "kernel" in opts:
+    scores_lib.check_kernel(opts["kernel"])
+  for key, choices in (
+    ("pool", scores_lib.POOLS),
+    ("reduce", scores_lib.REDUCES),
+    ("gqa", scores_lib.GROUPINGS),
+    ("form", scores_lib.H2O_FORMS),
+    ("adakv_mode", budgets_lib.ADAKV_MODES),
+    ("headkv_mode", budgets_lib.HEADKV_MODES),
+  ):
+    if key in opts and opts[key] not in choices:
+      raise ValueError(f"{key}: unknown value {opts[key]!r} for {name!r}; expected one of {choices}")
+  if opts.get("pyramid_mode") not in (None, *budgets_lib.PYRAMID_MODES):
+    raise ValueError(
+      f"pyramid_mode: unknown value {opts['pyramid_mode']!r}; expected one of "
+      f"{budgets_lib.PYRAMID_MODES}"
+    )
+  kv = opts.get("num_kv_heads")
+  if kv is not None and (not isinstance(kv, int) or kv < 1):
+    raise ValueError(f"num_kv_heads: expected a positive int or None, got {kv!r}")

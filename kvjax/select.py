@@ -1,0 +1,236 @@
+"""Selection: the only place in kvjax that turns scores and budgets into kept positions.
+
+Semantics shared by every function here (DESIGN.md, step 4):
+
+* Higher score = keep. Each row keeps exactly ``min(budget, length)`` positions, where ``length`` is
+  the number of valid (prefix) positions of the row, ``T`` by default.
+* Ties go to the lower position, as ``lax.top_k`` and torch's ``topk`` on CPU both do.
+* ``+inf`` is the "always keep" sentinel written by :func:`kvjax.scores.protect`; ``-inf`` is
+  "keep only if the budget is larger than everything else". NaN is rejected.
+* A budget of at least ``T`` keeps the whole row: the reference "no compression when the prompt is
+  shorter than the budget" guard (SnapKV, PyramidKV, Ada-KV all return the cache untouched).
+* Budgets are traced data. Only shapes and the capacity (the static upper bound on budgets below
+  ``T``) are static, so a sweep over budget values compiles once.
+
+The implementation is ``lax.top_k`` up to the static capacity plus a scatter of
+``arange(capacity) < budget``: exact, tie-consistent, and about 10x faster on CPU than a double
+argsort (DESIGN.md, "On CPU, JAX sorts floats slowly").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+Array = jax.Array
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _check_scores(scores) -> None:
+  if not hasattr(scores, "ndim") or scores.ndim < 1:
+    raise ValueError(f"scores: expected an array [..., T] with at least one axis, got {scores!r}")
+  if not jnp.issubdtype(scores.dtype, jnp.floating):
+    raise ValueError(f"scores: expected a floating dtype, got {scores.dtype}")
+  if scores.shape[-1] < 1:
+    raise ValueError(f"scores: expected at least one position, got shape {scores.shape}")
+  if _is_concrete(scores) and np.isnan(np.asarray(scores)).any():
+    raise ValueError("scores: contains NaN; expected finite scores (or +/-inf sentinels)")
+
+
+def _check_counts(name: str, value, batch_shape: tuple[int, ...]):
+  """Validates an integer per-row count (budget or length) and returns it as int32."""
+  value = jnp.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.integer):
+    raise ValueError(f"{name}: expected an integer array, got dtype {value.dtype}")
+  try:
+    np.broadcast_shapes(value.shape, batch_shape)
+  except ValueError:
+    raise ValueError(
+      f"{name}: shape {value.shape} does not broadcast to the row shape {batch_shape}"
+    ) from None
+  if len(np.broadcast_shapes(value.shape, batch_shape)) != len(batch_shape):
+    raise ValueError(f"{name}: shape {value.shape} has more axes than the rows {batch_shape}")
+  if _is_concrete(value) and value.size and int(np.min(np.asarray(value))) < 0:
+    raise ValueError(f"{name}: expected non-negative counts, got minimum {int(np.min(value))}")
+  return jnp.broadcast_to(value.astype(jnp.int32), batch_shape)
+
+
+def _check_capacity(capacity: int, budget, length, num_positions: int) -> None:
+  if not isinstance(capacity, (int, np.integer)) or capacity < 1:
+    raise ValueError(f"capacity: expected a positive static int, got {capacity!r}")
+  if capacity >= num_positions or not _is_concrete(budget):
+    return
+  # A budget in (capacity, length) cannot be honoured exactly: refuse instead of clamping.
+  if not _is_concrete(length):
+    return
+  budget, length = np.asarray(budget), np.asarray(length)
+  over = (budget > capacity) & (budget < length)
+  if over.any():
+    raise ValueError(
+      f"budget: {int(budget[over].max())} exceeds capacity={capacity} for a row of "
+      f"length {int(length[over].max())}; expected budget <= capacity or budget >= length"
+    )
+
+
+def _iota(shape: tuple[int, ...]) -> Array:
+  """int32 positions along the last axis, materialised at ``shape`` (no rank promotion)."""
+  return lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+
+
+def _top_positions(scores: Array, length: Array, capacity: int) -> Array:
+  """Positions of the ``capacity`` highest scores per row, best first, ties to the lower position.
+
+  Positions at or beyond ``length`` are demoted below every valid position. When ``capacity``
+  exceeds ``T`` the result is padded with ``T`` (an out-of-range "no position" marker).
+  """
+  num_positions = scores.shape[-1]
+  valid = _iota(scores.shape) < length[..., None]
+  scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
+  k = min(capacity, num_positions)
+  _, idx = lax.top_k(scores, k)
+  # -inf scores at valid positions tie with the demoted invalid ones; lower positions win the
+  # tie in top_k, and every valid position is lower than every invalid one, so order is exact.
+  if capacity > num_positions:
+    pad = jnp.full(idx.shape[:-1] + (capacity - num_positions,), num_positions, jnp.int32)
+    idx = jnp.concatenate([idx.astype(jnp.int32), pad], axis=-1)
+  return idx.astype(jnp.int32)
+
+
+def _kept_slots(budget: Array, length: Array, capacity: int) -> Array:
+  """Bool [..., capacity]: slot r of the ranked top list is kept iff r < min(budget, length)."""
+  return _iota(budget.shape + (capacity,)) < jnp.minimum(budget, length)[..., None]
+
+
+def _scatter_rows(idx: Array, values: Array, num_positions: int) -> Array:
+  """Scatters ``values`` [..., K] to positions ``idx`` [..., K] of a fresh [..., T] bool array."""
+  batch_shape = idx.shape[:-1]
+  rows = int(np.prod(batch_shape, dtype=np.int64))
+  idx_RK = idx.reshape(rows, -1)
+  row_RK = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], idx_RK.shape)
+  out_RT = jnp.zeros((rows, num_positions), jnp.bool_)
+  out_RT = out_RT.at[row_RK, idx_RK].set(values.reshape(rows, -1), mode="drop")
+  return out_RT.reshape(batch_shape + (num_positions,))
+
+
+def _mask_impl(scores: Array, budget: Array, length: Array, capacity: int) -> Array:
+  num_positions = scores.shape[-1]
+  cap = min(capacity, num_positions)
+  idx = _top_positions(scores, length, cap)
+  keep = _scatter_rows(idx, _kept_slots(budget, length, cap), num_positions)
+  # Rows whose budget covers the whole valid prefix keep all of it (the no-compression guard),
+  # even when the prefix is longer than the static capacity.
+  everything = _iota(scores.shape) < length[..., None]
+  return jnp.where((budget >= length)[..., None], everything, keep)
+
+
+def _prepare(scores, budget, length, capacity):
+  _check_scores(scores)
+  batch_shape = scores.shape[:-1]
+  num_positions = scores.shape[-1]
+  budget = _check_counts("budget", budget, batch_shape)
+  if length is None:
+    length = jnp.full(batch_shape, num_positions, jnp.int32)
+  else:
+    length = _check_counts("length", length, batch_shape)
+    if _is_concrete(length) and length.size and int(np.max(np.asarray(length))) > num_positions:
+      raise ValueError(f"length: {int(np.max(length))} exceeds T={num_positions}")
+  if capacity is None:
+    capacity = num_positions
+  _check_capacity(capacity, budget, length, num_positions)
+  return budget, length, int(capacity)
+
+
+def keep_mask(scores: Array, budget, *, length=None, capacity: int | None = None) -> Array:
+  """Bool mask [..., T] of the ``min(budget, length)`` highest scores of each row.
+
+  Args:
+    scores: float [..., T], higher = keep.
+    budget: int, broadcastable to ``scores.shape[:-1]`` (e.g. ``budget_LH`` for ``scores_LHT``).
+    length: optional int per row: only positions ``< length`` are candidates (a causal prefix or
+      a padded prompt). Defaults to ``T``.
+    capacity: static upper bound on the budgets below ``T`` (default ``T``). Pass the largest
+      budget of a sweep: ``top_k`` then costs ``O(T log capacity)`` instead of a full sort.
+
+  Exactly ``min(budget, length)`` entries are True per row; ties go to the lower position.
+  """
+  budget, length, capacity = _prepare(scores, budget, length, capacity)
+  return _mask_jit(scores, budget, length, capacity)
+
+
+def compact(scores: Array, budget, capacity: int, *, length=None) -> tuple[Array, Array]:
+  """Kept positions in a static buffer: ``(idx [..., capacity] int32, valid [..., capacity] bool)``.
+
+  The valid slots hold the kept positions in ascending order and come first; invalid slots hold
+  0 (a safe gather index) and must be masked by ``valid``. The set equals :func:`keep_mask`'s
+  whenever ``budget <= capacity``; a budget at or above the row length keeps the first
+  ``min(length, capacity)`` positions' worth of the best scores, so callers sizing a real cache
+  pass ``capacity >= max budget``. This is the layout of :mod:`kvjax.model.cache`.
+  """
+  budget, length, capacity = _prepare(scores, budget, length, capacity)
+  return _compact_jit(scores, budget, length, capacity)
+
+
+def _compact_impl(scores, budget, length, capacity):
+  num_positions = scores.shape[-1]
+  idx = _top_positions(scores, length, capacity)
+  valid = _kept_slots(budget, length, capacity)
+  # Ascending order of the kept positions: an int32 sort of a short row (cheap), with invalid
+  # slots pushed to the end by the sentinel T.
+  idx = jnp.sort(jnp.where(valid, idx, num_positions), axis=-1)
+  valid = idx < num_positions
+  return jnp.where(valid, idx, 0), valid
+
+
+_mask_jit = jax.jit(_mask_impl, static_argnames="capacity")
+_compact_jit = jax.jit(_compact_impl, static_argnames="capacity")
+
+
+def _flatten_heads(scores_LHT: Array) -> Array:
+  if scores_LHT.ndim < 2:
+    raise ValueError(f"scores: expected [..., H, T] for pooled selection, got {scores_LHT.shape}")
+  return scores_LHT.reshape(scores_LHT.shape[:-2] + (-1,))
+
+
+def keep_mask_pooled(
+  scores_LHT: Array, budget_L, *, length=None, capacity: int | None = None
+) -> Array:
+  """Selection pooled across the heads of a layer, under a per-layer total budget.
+
+  Flattens ``[..., H, T]`` to ``[..., H*T]`` and keeps the ``budget_L`` best entries of each
+  layer, so heads receive data-dependent counts (the Ada-KV / kvpress ``AdaKVPress`` pooling).
+  Ties go to the lower head, then the lower position. ``length`` (per layer and head, optional)
+  excludes positions past each head's prefix. Returns bool ``[..., H, T]``.
+  """
+  num_heads, num_positions = scores_LHT.shape[-2:]
+  if length is not None:
+    length = _check_counts("length", length, scores_LHT.shape[:-1])
+    scores_LHT = jnp.where(_iota(scores_LHT.shape) < length[..., None], scores_LHT, -jnp.inf)
+    total = length.sum(-1)
+  else:
+    total = None
+  flat = _flatten_heads(scores_LHT)
+  budget_L = _check_counts("budget", budget_L, flat.shape[:-1])
+  if total is not None:
+    # Invalid positions carry -inf and must never be kept, so cap by the valid count.
+    budget_L = jnp.minimum(budget_L, total)
+  keep = keep_mask(flat, budget_L, capacity=capacity)
+  return keep.reshape(scores_LHT.shape[:-2] + (num_heads, num_positions))
+
+
+def pooled_budgets(scores_LHT: Array, budget_L, *, capacity: int | None = None) -> Array:
+  """Per-head counts [..., H] int32 of :func:`keep_mask_pooled`; they sum to ``budget_L``.
+
+  Selecting each head's own top ``count_h`` reproduces the pooled set (up to exact ties across
+  heads), which is how a real per-head cache stores a pooled selection.
+  """
+  return keep_mask_pooled(scores_LHT, budget_L, capacity=capacity).sum(-1, dtype=jnp.int32)
+
+
+def kept_count(keep: Array) -> Array:
+  """Number of kept positions per row, int32."""
+  return keep.sum(-1, dtype=jnp.int32)

@@ -1,0 +1,14 @@
+"""Test configuration: strict broadcasting catches accidental [L, H] vs [L, H, T] broadcasts."""
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def full_mode() -> bool:
+  """Heavy checks run only with KVJAX_FULL=1 (CI runs the quick mode)."""
+  return os.environ.get("KVJAX_FULL", "0") == "1"

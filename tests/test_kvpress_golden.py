@@ -1,0 +1,118 @@
+"""Golden tests against NVIDIA kvpress 0.5.5 on a tiny random Llama.
+
+The fixture ``tests/fixtures/kvpress_0_5_5.npz`` is produced by ``tests/make_kvpress_fixtures.py``
+(run it in a separate torch venv; kvjax itself never imports torch). It holds the post-RoPE
+queries/keys each press saw, kvpress's raw scores and the positions kvpress kept at ratio 0.5.
+"""
+
+import json
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import budgets, scores, select
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "kvpress_0_5_5.npz"
+RATIO = 0.5
+
+
+@pytest.fixture(scope="module")
+def fx():
+  data = np.load(FIXTURE)
+  out = {k: data[k] for k in data.files}
+  out["meta"] = json.loads(str(out.pop("meta_json")))
+  return out
+
+
+def n_kept(T):
+  return max(1, int(T * (1 - RATIO)))
+
+
+def test_fixture_attention_is_reproduced_by_window_attention(fx):
+  q, k, attn = fx["queries_LHTD"], fx["keys_LGTD"], fx["attn_LHTT"]
+  W = 8
+  ours = scores.window_attention(jnp.asarray(q[:, :, -W:]), jnp.asarray(k))
+  np.testing.assert_allclose(np.asarray(ours), attn[:, :, -W:], atol=2e-6)
+
+
+def snapkv_kvpress(fx, window=8):
+  q, k = fx["queries_LHTD"], fx["keys_LGTD"]
+  attn = scores.window_attention(jnp.asarray(q[:, :, -window:]), jnp.asarray(k))
+  s = scores.snapkv(attn, kernel=5, pool="avg", reduce="mean")
+  return scores.group(s, k.shape[1], "mean")
+
+
+def test_snapkv_scores_and_kept_set(fx):
+  ours = np.asarray(snapkv_kvpress(fx))
+  T = ours.shape[-1]
+  np.testing.assert_allclose(ours[..., : T - 8], fx["snapkv_scores_LGT"][..., : T - 8], atol=1e-6)
+  assert np.isinf(ours[..., T - 8 :]).all()
+  keep = np.asarray(select.keep_mask(jnp.asarray(ours), jnp.int32(n_kept(T))))
+  np.testing.assert_array_equal(keep, fx["snapkv_keep_LGT"])
+
+
+def test_streaming_llm_kept_set(fx):
+  L, G, T = fx["streaming_llm_keep_LGT"].shape
+  keep = np.asarray(select.keep_mask(scores.streaming(T, (L, G), sinks=4), jnp.int32(n_kept(T))))
+  np.testing.assert_array_equal(keep, fx["streaming_llm_keep_LGT"])
+
+
+def test_tova_scores_and_kept_set(fx):
+  attn = fx["attn_LHTT"]
+  L, G, T = fx["tova_keep_LGT"].shape
+  ours = np.asarray(scores.tova(jnp.asarray(attn[:, :, -1, :])))
+  ours = scores.group(jnp.asarray(ours), G, "mean")  # identical rows: grouping is a no-op
+  np.testing.assert_allclose(np.asarray(ours)[..., :-1], fx["tova_scores_LGT"][..., :-1], atol=1e-6)
+  # kvpress's TOVAPress additionally forces the last token (official TOVA does not).
+  forced = scores.protect(ours, recent=1)
+  keep = np.asarray(select.keep_mask(forced, jnp.int32(n_kept(T))))
+  np.testing.assert_array_equal(keep, fx["tova_keep_LGT"])
+
+
+def test_observed_attention_is_h2o_kvpress_form(fx):
+  q, k = jnp.asarray(fx["queries_LHTD"]), jnp.asarray(fx["keys_LGTD"])
+  G = k.shape[1]
+  ours = scores.group(scores.h2o(q, k, form="kvpress", block=7), G, "mean")
+  np.testing.assert_allclose(np.asarray(ours), fx["observed_attention_scores_LGT"], rtol=2e-5)
+  keep = np.asarray(select.keep_mask(ours, jnp.int32(n_kept(ours.shape[-1]))))
+  np.testing.assert_array_equal(keep, fx["observed_attention_keep_LGT"])
+
+
+def test_knorm(fx):
+  ours = np.asarray(scores.knorm(jnp.asarray(fx["keys_LGTD"])))
+  np.testing.assert_allclose(ours, fx["knorm_scores_LGT"], rtol=1e-6)
+  keep = np.asarray(select.keep_mask(jnp.asarray(ours), jnp.int32(n_kept(ours.shape[-1]))))
+  np.testing.assert_array_equal(keep, fx["knorm_keep_LGT"])
+
+
+def test_pyramidkv_layer_budgets_and_kept_set(fx):
+  L, G, T = fx["pyramidkv_keep_LGT"].shape
+  layer = budgets.pyramid(L, 8 + T * (1 - RATIO), 8, T, beta=20, mode="kvpress")
+  np.testing.assert_array_equal(np.asarray(layer), fx["pyramidkv_budgets_L"])
+  ours = snapkv_kvpress(fx)
+  keep = np.asarray(select.keep_mask(ours, budgets.per_head(layer, G)))
+  np.testing.assert_array_equal(keep, fx["pyramidkv_keep_LGT"])
+
+
+def test_pyramid_kvpress_budget_grid(fx):
+  grid = fx["pyramid_budgets_grid"]
+  for num_layers, q_len, ratio100, window, layer, expected in grid:
+    ratio = ratio100 / 100
+    ours = budgets.pyramid(
+      int(num_layers), window + q_len * (1 - ratio), int(window), int(q_len), mode="kvpress"
+    )
+    assert int(ours[layer]) == expected, (num_layers, q_len, ratio, window, layer)
+
+
+@pytest.mark.parametrize("name, alpha", [("adakv_snapkv", 0.2), ("adakv_knorm_a08", 0.8)])
+def test_adakv_kvpress_allocation(fx, name, alpha):
+  raw = jnp.asarray(fx[f"{name}_scores_LGT"])
+  T = raw.shape[-1]
+  counts = budgets.adakv(raw, n_kept(T), 0, floor_alpha=alpha, mode="kvpress")
+  expected = fx["meta"]["presses"][name]["kept_per_head_LG"]
+  np.testing.assert_array_equal(np.asarray(counts), expected)
+  np.testing.assert_array_equal(np.asarray(counts).sum(-1), raw.shape[1] * n_kept(T))
+  keep = np.asarray(select.keep_mask(raw, counts))
+  np.testing.assert_array_equal(keep, fx[f"{name}_keep_LGT"])

@@ -1,0 +1,200 @@
+"""Properties of kvjax.select against a numpy stable-argsort reference."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import select
+
+
+def reference_mask(scores, budget, length=None):
+  """Numpy reference: stable descending order (ties to the lower position), first min(b, len)."""
+  scores = np.asarray(scores, np.float64)
+  T = scores.shape[-1]
+  flat = scores.reshape(-1, T)
+  budget = np.broadcast_to(np.asarray(budget), scores.shape[:-1]).reshape(-1)
+  length = np.full(flat.shape[0], T) if length is None else np.broadcast_to(length, scores.shape[:-1]).reshape(-1)
+  out = np.zeros(flat.shape, bool)
+  for r in range(flat.shape[0]):
+    n = int(length[r])
+    order = np.argsort(-flat[r, :n], kind="stable")
+    out[r, order[: min(int(budget[r]), n)]] = True
+  return out.reshape(scores.shape)
+
+
+def random_case(rng, with_ties=False):
+  shape = tuple(rng.integers(1, 5, size=rng.integers(1, 3))) + (int(rng.integers(1, 40)),)
+  if with_ties:
+    scores = rng.integers(0, 4, size=shape).astype(np.float32)
+  else:
+    scores = rng.normal(size=shape).astype(np.float32)
+  budget = rng.integers(0, shape[-1] + 3, size=shape[:-1]).astype(np.int32)
+  return scores, budget
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_keep_mask_matches_reference_count_and_ties(seed):
+  rng = np.random.default_rng(seed)
+  scores, budget = random_case(rng, with_ties=seed % 2 == 0)
+  keep = np.asarray(select.keep_mask(jnp.asarray(scores), jnp.asarray(budget)))
+  np.testing.assert_array_equal(keep, reference_mask(scores, budget))
+  np.testing.assert_array_equal(keep.sum(-1), np.minimum(budget, scores.shape[-1]))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_length_prefix_and_capacity(seed):
+  rng = np.random.default_rng(100 + seed)
+  scores, _ = random_case(rng, with_ties=seed % 3 == 0)
+  T = scores.shape[-1]
+  length = rng.integers(0, T + 1, size=scores.shape[:-1]).astype(np.int32)
+  capacity = int(rng.integers(1, T + 1))
+  # budgets either within capacity or covering the row (the only combinations a capacity allows)
+  small = rng.integers(0, capacity + 1, size=scores.shape[:-1])
+  budget = np.where(rng.random(scores.shape[:-1]) < 0.2, T + 1, small).astype(np.int32)
+  keep = np.asarray(select.keep_mask(jnp.asarray(scores), budget, length=length, capacity=capacity))
+  np.testing.assert_array_equal(keep, reference_mask(scores, budget, length))
+  assert not keep[np.arange(T) >= length[..., None]].any()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_compact_equals_keep_mask(seed):
+  rng = np.random.default_rng(200 + seed)
+  scores, budget = random_case(rng, with_ties=seed % 2 == 1)
+  T = scores.shape[-1]
+  capacity = int(rng.integers(1, T + 4))
+  budget = np.minimum(budget, capacity).astype(np.int32)
+  idx, valid = select.compact(jnp.asarray(scores), budget, capacity)
+  idx, valid = np.asarray(idx), np.asarray(valid)
+  assert idx.shape == scores.shape[:-1] + (capacity,) and idx.dtype == np.int32
+  expected = reference_mask(scores, budget)
+  rebuilt = np.zeros_like(expected)
+  for r in np.ndindex(scores.shape[:-1]):
+    kept = idx[r][valid[r]]
+    assert np.all(np.diff(kept) > 0), "valid slots must be strictly ascending"
+    assert valid[r].tolist() == sorted(valid[r].tolist(), reverse=True), "valid slots first"
+    rebuilt[r][kept] = True
+  np.testing.assert_array_equal(rebuilt, expected)
+  assert (idx[~valid] == 0).all()
+
+
+def test_budget_above_T_keeps_everything_even_beyond_capacity():
+  scores = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 50)), jnp.float32)
+  keep = select.keep_mask(scores, jnp.full((2, 3), 50), capacity=8)
+  assert bool(keep.all())
+  keep = select.keep_mask(scores, jnp.full((2, 3), 10**6), capacity=8)
+  assert bool(keep.all())
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_monotone_in_budget(seed):
+  rng = np.random.default_rng(300 + seed)
+  scores, _ = random_case(rng, with_ties=True)
+  T = scores.shape[-1]
+  prev = np.zeros(scores.shape, bool)
+  for b in range(T + 2):
+    keep = np.asarray(select.keep_mask(jnp.asarray(scores), np.int32(b)))
+    assert (keep >= prev).all(), "a larger budget must keep a superset"
+    prev = keep
+
+
+def test_head_permutation_equivariance():
+  rng = np.random.default_rng(7)
+  scores = rng.normal(size=(3, 6, 33)).astype(np.float32)
+  budget = rng.integers(0, 33, size=(3, 6)).astype(np.int32)
+  perm = rng.permutation(6)
+  keep = np.asarray(select.keep_mask(jnp.asarray(scores), budget))
+  keep_p = np.asarray(select.keep_mask(jnp.asarray(scores[:, perm]), budget[:, perm]))
+  np.testing.assert_array_equal(keep[:, perm], keep_p)
+
+
+def test_protected_positions_win_and_count_inside_budget():
+  from kvjax import scores as sc
+
+  rng = np.random.default_rng(3)
+  raw = jnp.asarray(rng.normal(size=(2, 4, 40)), jnp.float32) * 100
+  protected = sc.protect(raw, sinks=3, recent=5)
+  keep = np.asarray(select.keep_mask(protected, jnp.int32(12)))
+  assert keep[..., :3].all() and keep[..., -5:].all()
+  assert (keep.sum(-1) == 12).all()
+  # a budget below the protected count keeps the lower protected positions first
+  keep = np.asarray(select.keep_mask(protected, jnp.int32(5)))
+  assert keep[..., :3].all() and keep[..., 35:37].all() and keep.sum() == 2 * 4 * 5
+
+
+def test_no_retrace_on_new_budget_values():
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def run(scores, budget):
+    keep = select.keep_mask(scores, budget, capacity=16)
+    idx, valid = select.compact(scores, budget, 16)
+    return keep, idx, valid
+
+  scores = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4, 64)), jnp.float32)
+  for b in range(0, 17, 3):
+    keep, _, valid = run(scores, jnp.full((4, 4), b, jnp.int32))
+    assert int(keep.sum()) == 16 * b and int(valid.sum()) == 16 * b
+  for seed in range(3):
+    budget = jnp.asarray(np.random.default_rng(seed).integers(0, 17, (4, 4)), jnp.int32)
+    run(scores, budget)
+  chex.clear_trace_counter()
+
+
+def test_vmap_over_budget_configurations():
+  rng = np.random.default_rng(11)
+  scores = jnp.asarray(rng.normal(size=(2, 3, 30)), jnp.float32)
+  budgets = jnp.asarray(rng.integers(0, 12, size=(5, 2, 3)), jnp.int32)
+  sweep = jax.jit(jax.vmap(lambda b: select.keep_mask(scores, b, capacity=12)))
+  masks = np.asarray(sweep(budgets))
+  for c in range(5):
+    np.testing.assert_array_equal(masks[c], reference_mask(np.asarray(scores), np.asarray(budgets[c])))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_pooled_selection(seed):
+  rng = np.random.default_rng(400 + seed)
+  L, H, T = 3, int(rng.integers(1, 6)), int(rng.integers(2, 30))
+  scores = rng.normal(size=(L, H, T)).astype(np.float32)
+  budget = rng.integers(0, H * T + 3, size=(L,)).astype(np.int32)
+  keep = np.asarray(select.keep_mask_pooled(jnp.asarray(scores), budget))
+  expected = reference_mask(scores.reshape(L, H * T), budget).reshape(L, H, T)
+  np.testing.assert_array_equal(keep, expected)
+  counts = np.asarray(select.pooled_budgets(jnp.asarray(scores), budget))
+  np.testing.assert_array_equal(counts.sum(-1), np.minimum(budget, H * T))
+  # each head's own top count_h is the pooled set (no exact ties in normal scores)
+  per_head = np.asarray(select.keep_mask(jnp.asarray(scores), counts))
+  np.testing.assert_array_equal(per_head, keep)
+
+
+def test_pooled_with_length():
+  scores = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 10)), jnp.float32)
+  length = jnp.asarray([[10, 4, 0], [2, 2, 2]], jnp.int32)
+  keep = np.asarray(select.keep_mask_pooled(scores, jnp.asarray([100, 5]), length=length))
+  assert keep[0].sum() == 14 and keep[1].sum() == 5
+  assert not keep[0, 1, 4:].any() and not keep[0, 2].any() and not keep[1, :, 2:].any()
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    (dict(budget=-1), "budget: expected non-negative"),
+    (dict(budget=np.ones((3, 3), np.int32)), "budget: shape"),
+    (dict(budget=np.float32(2.0)), "budget: expected an integer"),
+    (dict(budget=np.int32(2), capacity=0), "capacity"),
+    (dict(budget=np.int32(9), capacity=4), "budget: 9 exceeds capacity=4"),
+    (dict(budget=np.int32(2), length=np.int32(99)), "length: 99 exceeds"),
+    (dict(budget=np.int32(2), length=np.int32(-1)), "length: expected non-negative"),
+  ],
+)
+def test_bad_input_raises(kwargs, match):
+  scores = jnp.zeros((2, 16), jnp.float32)
+  with pytest.raises(ValueError, match=match):
+    select.keep_mask(scores, **kwargs)
+
+
+def test_nan_scores_raise():
+  with pytest.raises(ValueError, match="scores: contains NaN"):
+    select.keep_mask(jnp.asarray([[0.0, jnp.nan]]), jnp.int32(1))
+  with pytest.raises(ValueError, match="scores: expected a floating"):
+    select.compact(jnp.asarray([[1, 2]]), jnp.int32(1), 2)
