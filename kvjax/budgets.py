@@ -316,6 +316,7 @@ def headkv(
   beta: float = 1.5,
   temp: float = 1.0,
   mode: str = "official",
+  q_len=None,
 ) -> Array:
   """HeadKV static per-head budgets ``[L, H]`` int32 (window included) from head importance.
 
@@ -330,7 +331,9 @@ def headkv(
   * ``"kvfactory"`` (KVCache-Factory ``run_longbench.py``): ``b = budget`` (window included) and
     no ``temp`` step; default there ``beta=1.01``.
 
-  The total is ``L * H * budget`` up to rounding, as upstream.
+  The total is ``L * H * budget`` up to rounding, as upstream. With ``q_len`` given, a prompt
+  no longer than the budget is not compressed (``q_len`` everywhere), HeadKV's
+  ``base_capacity > q_len - w`` guard.
   """
   _check_choice("mode", mode, HEADKV_MODES)
   scores = jnp.asarray(head_scores_LH, jnp.float32)
@@ -353,7 +356,10 @@ def headkv(
     base = jnp.asarray(budget, jnp.float32)
   pooled = jnp.floor(base / beta)
   caps = jnp.round(share * pooled * L * H + (base - pooled)).astype(jnp.int32)
-  return caps + jnp.asarray(window, jnp.int32)
+  caps = caps + jnp.asarray(window, jnp.int32)
+  if q_len is None:
+    return caps
+  return jnp.where(jnp.asarray(budget) > jnp.asarray(q_len), q_len, caps).astype(jnp.int32)
 
 
 def headkv_scores_from_json(path: str, num_layers: int, num_heads: int) -> np.ndarray:
@@ -432,5 +438,5 @@ def cake(attn_LHWT: Array, budget, window: int, tau1=1.0, tau2=1.0) -> Array:
   total = (jnp.asarray(budget, jnp.int32) - window) * L
   raw_L = pref_L / pref_L.sum() * total
   layer_L = jnp.minimum(adjust_budgets(raw_L, total, T - window), T - window) + window
-  out = jnp.where(T <= jnp.asarray(budget) + window, T, layer_L).astype(jnp.int32)
+  out = jnp.where(jnp.asarray(budget) + window >= T, T, layer_L).astype(jnp.int32)
   return _check_not_empty("budget", out, T)

@@ -100,7 +100,9 @@ def _positions_shape(evidence: Evidence, policy: str) -> tuple[int, int, int]:
       return value.shape[0], value.shape[1], value.shape[-1]
   if evidence.keys_LGTD is not None:
     return evidence.keys_LGTD.shape[:3]
-  raise ValueError(f"evidence: policy {policy!r} needs at least one evidence field to size [L, H, T]")
+  raise ValueError(
+    f"evidence: policy {policy!r} needs at least one evidence field to size [L, H, T]"
+  )
 
 
 def _score_recency(evidence, opts):
@@ -207,6 +209,7 @@ def _alloc_headkv(evidence, scores_LHT, budget, opts):
     beta=opts["beta"],
     temp=opts["temp"],
     mode=opts["headkv_mode"],
+    q_len=scores_LHT.shape[-1],
   )
 
 
@@ -328,7 +331,9 @@ class Policy:
   def keep_mask(self, evidence: Evidence, budget, *, capacity: int | None = None) -> Array:
     """Kept positions ``[L, H, T]`` bool."""
     scores_LHT = self.scores(evidence)
-    return select.keep_mask(scores_LHT, self.budgets(evidence, scores_LHT, budget), capacity=capacity)
+    return select.keep_mask(
+      scores_LHT, self.budgets(evidence, scores_LHT, budget), capacity=capacity
+    )
 
   def compact(self, evidence: Evidence, budget, capacity: int) -> tuple[Array, Array]:
     """Kept positions as ``(idx_LHB, valid_LHB)`` for a real cache of capacity ``B``."""
@@ -370,7 +375,9 @@ def _validate(name: str, opts: dict) -> None:
     ("headkv_mode", budgets_lib.HEADKV_MODES),
   ):
     if key in opts and opts[key] not in choices:
-      raise ValueError(f"{key}: unknown value {opts[key]!r} for {name!r}; expected one of {choices}")
+      raise ValueError(
+        f"{key}: unknown value {opts[key]!r} for {name!r}; expected one of {choices}"
+      )
   if opts.get("pyramid_mode") not in (None, *budgets_lib.PYRAMID_MODES):
     raise ValueError(
       f"pyramid_mode: unknown value {opts['pyramid_mode']!r}; expected one of "

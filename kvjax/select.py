@@ -106,26 +106,32 @@ def _kept_slots(budget: Array, length: Array, capacity: int) -> Array:
   return _iota(budget.shape + (capacity,)) < jnp.minimum(budget, length)[..., None]
 
 
-def _scatter_rows(idx: Array, values: Array, num_positions: int) -> Array:
-  """Scatters ``values`` [..., K] to positions ``idx`` [..., K] of a fresh [..., T] bool array."""
-  batch_shape = idx.shape[:-1]
-  rows = int(np.prod(batch_shape, dtype=np.int64))
-  idx_RK = idx.reshape(rows, -1)
-  row_RK = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], idx_RK.shape)
-  out_RT = jnp.zeros((rows, num_positions), jnp.bool_)
-  out_RT = out_RT.at[row_RK, idx_RK].set(values.reshape(rows, -1), mode="drop")
-  return out_RT.reshape(batch_shape + (num_positions,))
-
-
-def _mask_impl(scores: Array, budget: Array, length: Array, capacity: int) -> Array:
+def _rank_impl(scores: Array, length: Array, capacity: int) -> Array:
+  """int32 [..., T]: each position's rank among the row's top ``capacity`` (``capacity`` if not
+  among them). One ``top_k`` plus one scatter; every budget is then a comparison."""
   num_positions = scores.shape[-1]
   cap = min(capacity, num_positions)
   idx = _top_positions(scores, length, cap)
-  keep = _scatter_rows(idx, _kept_slots(budget, length, cap), num_positions)
+  batch_shape = idx.shape[:-1]
+  rows = int(np.prod(batch_shape, dtype=np.int64))
+  idx_RK = idx.reshape(rows, cap)
+  row_RK = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], idx_RK.shape)
+  rank_RK = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[None, :], idx_RK.shape)
+  out_RT = jnp.full((rows, num_positions), cap, jnp.int32)
+  out_RT = out_RT.at[row_RK, idx_RK].set(rank_RK, mode="drop", unique_indices=True)
+  return out_RT.reshape(batch_shape + (num_positions,))
+
+
+def _mask_from_rank(rank: Array, budget: Array, length: Array) -> Array:
+  keep = rank < jnp.minimum(budget, length)[..., None]
   # Rows whose budget covers the whole valid prefix keep all of it (the no-compression guard),
   # even when the prefix is longer than the static capacity.
-  everything = _iota(scores.shape) < length[..., None]
+  everything = _iota(rank.shape) < length[..., None]
   return jnp.where((budget >= length)[..., None], everything, keep)
+
+
+def _mask_impl(scores: Array, budget: Array, length: Array, capacity: int) -> Array:
+  return _mask_from_rank(_rank_impl(scores, length, capacity), budget, length)
 
 
 def _prepare(scores, budget, length, capacity):
@@ -162,6 +168,18 @@ def keep_mask(scores: Array, budget, *, length=None, capacity: int | None = None
   return _mask_jit(scores, budget, length, capacity)
 
 
+def ranks(scores: Array, *, length=None, capacity: int | None = None) -> Array:
+  """Rank of every position in its row, best first (ties to the lower position): int32 [..., T].
+
+  Positions outside the top ``capacity`` (default ``T``) or beyond ``length`` get rank
+  ``capacity`` (or more). ``keep_mask(scores, b) == ranks(scores) < min(b, length)`` for every
+  ``b <= capacity``, so a sweep computes the ranks once and answers every budget with a
+  comparison (or a prefix sum of the sorted metric).
+  """
+  _, length, capacity = _prepare(scores, jnp.zeros((), jnp.int32), length, capacity)
+  return _rank_jit(scores, length, capacity)
+
+
 def compact(scores: Array, budget, capacity: int, *, length=None) -> tuple[Array, Array]:
   """Kept positions in a static buffer: ``(idx [..., capacity] int32, valid [..., capacity] bool)``.
 
@@ -187,6 +205,7 @@ def _compact_impl(scores, budget, length, capacity):
 
 
 _mask_jit = jax.jit(_mask_impl, static_argnames="capacity")
+_rank_jit = jax.jit(_rank_impl, static_argnames="capacity")
 _compact_jit = jax.jit(_compact_impl, static_argnames="capacity")
 
 

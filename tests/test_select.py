@@ -15,7 +15,11 @@ def reference_mask(scores, budget, length=None):
   T = scores.shape[-1]
   flat = scores.reshape(-1, T)
   budget = np.broadcast_to(np.asarray(budget), scores.shape[:-1]).reshape(-1)
-  length = np.full(flat.shape[0], T) if length is None else np.broadcast_to(length, scores.shape[:-1]).reshape(-1)
+  length = (
+    np.full(flat.shape[0], T)
+    if length is None
+    else np.broadcast_to(length, scores.shape[:-1]).reshape(-1)
+  )
   out = np.zeros(flat.shape, bool)
   for r in range(flat.shape[0]):
     n = int(length[r])
@@ -148,7 +152,9 @@ def test_vmap_over_budget_configurations():
   sweep = jax.jit(jax.vmap(lambda b: select.keep_mask(scores, b, capacity=12)))
   masks = np.asarray(sweep(budgets))
   for c in range(5):
-    np.testing.assert_array_equal(masks[c], reference_mask(np.asarray(scores), np.asarray(budgets[c])))
+    np.testing.assert_array_equal(
+      masks[c], reference_mask(np.asarray(scores), np.asarray(budgets[c]))
+    )
 
 
 @pytest.mark.parametrize("seed", range(10))
