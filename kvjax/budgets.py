@@ -80,12 +80,21 @@ def uniform(num_layers: int, num_heads: int, budget) -> Array:
   """The same budget for every layer and head: ``budget_LH`` int32."""
   num_layers = _check_static_int("num_layers", num_layers)
   num_heads = _check_static_int("num_heads", num_heads)
-  _check_nonneg("budget", budget)
+  _check_int_budget("budget", budget)
   return jnp.full((num_layers, num_heads), budget, jnp.int32)
+
+
+def _check_int_budget(name: str, value) -> None:
+  """Budgets are token counts: integer dtype, non-negative (no silent truncation of 5.5)."""
+  arr = jnp.asarray(value)
+  if not jnp.issubdtype(arr.dtype, jnp.integer):
+    raise ValueError(f"{name}: expected integer token counts, got dtype {arr.dtype}")
+  _check_nonneg(name, value)
 
 
 def per_head(budget_L, num_heads: int) -> Array:
   """Broadcast a per-layer budget ``[L]`` to every head: ``budget_LH`` int32."""
+  _check_int_budget("budget", budget_L)
   budget_L = jnp.asarray(budget_L, jnp.int32)
   num_heads = _check_static_int("num_heads", num_heads)
   return jnp.broadcast_to(budget_L[:, None], budget_L.shape + (num_heads,))
@@ -220,10 +229,18 @@ def _pyramid_exact(num_layers, budget, window, q_len, beta):
 # --------------------------------------------------------------------------- Ada-KV
 
 
+def _int_product(count, factor) -> Array:
+  """``int(count * factor)`` as upstream computes it: exactly in float64 on the host when both
+  are concrete (float32 can land one below an integer, e.g. ``90 * 0.7``), float32 under trace."""
+  if _concrete(count, factor):
+    return jnp.asarray(np.floor(np.asarray(count, np.float64) * float(factor)), jnp.float32)
+  return jnp.floor(jnp.asarray(count, jnp.float32) * factor)
+
+
 def _top_sum(scores_LHT: Array, count, capacity: int) -> Array:
   """Sum of each row's ``count`` largest scores (``count <= capacity``)."""
   top = jax.lax.top_k(scores_LHT, capacity)[0]
-  keep = jnp.arange(capacity) < jnp.asarray(count)[..., None]
+  keep = jax.lax.broadcasted_iota(jnp.int32, top.shape, top.ndim - 1) < count[..., None]
   return jnp.where(keep, top, 0.0).sum(-1)
 
 
@@ -285,7 +302,7 @@ def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity):
     prefix_LHP = prefix_LHP * ratio_LH[..., None]
   pooled_L = jnp.minimum(base_L * H, H * (T - window))
   counts_LH = select.pooled_budgets(prefix_LHP, pooled_L, capacity=min(cap * H, H * (T - window)))
-  floor_L = jnp.floor(base_L.astype(jnp.float32) * alpha)
+  floor_L = _int_product(base_L, alpha)
   caps_LH = jnp.round(counts_LH * (1.0 - alpha) + floor_L[:, None]).astype(jnp.int32) + window
   return jnp.where((base_L > T - window)[:, None], T, caps_LH).astype(jnp.int32)
 
@@ -347,6 +364,32 @@ def headkv(
     raise ValueError(f"beta: expected beta > 1, got {beta!r}")
   _check_window(budget, window)
   L, H = scores.shape
+  if _concrete(head_scores_LH, budget, window, beta, temp):
+    caps = _headkv_host(np.asarray(head_scores_LH, np.float64), budget, window, beta, temp, mode)
+  else:
+    caps = _headkv_traced(scores, budget, window, beta, temp, mode)
+  if q_len is None:
+    return caps
+  return jnp.where(jnp.asarray(budget) > jnp.asarray(q_len), q_len, caps).astype(jnp.int32)
+
+
+def _headkv_host(scores, budget, window, beta, temp, mode) -> Array:
+  """Upstream's float64 arithmetic and Python float floor division (``120 // 1.2 == 100.0``)."""
+  L, H = scores.shape
+  share = scores / scores.sum()
+  base = float(budget)
+  if mode == "official":
+    share = share**temp
+    share = share / share.sum()
+    base = float(budget) - float(window)
+  pooled = base // float(beta)
+  caps = np.round(share * pooled * L * H + (base - pooled)).astype(np.int64)
+  return jnp.asarray(caps + int(window), jnp.int32)
+
+
+def _headkv_traced(scores, budget, window, beta, temp, mode) -> Array:
+  """The same formula under ``jit``/``vmap`` (float32: rare off-by-one against upstream)."""
+  L, H = scores.shape
   share = scores / scores.sum()
   if mode == "official":
     share = share**temp
@@ -356,10 +399,7 @@ def headkv(
     base = jnp.asarray(budget, jnp.float32)
   pooled = jnp.floor(base / beta)
   caps = jnp.round(share * pooled * L * H + (base - pooled)).astype(jnp.int32)
-  caps = caps + jnp.asarray(window, jnp.int32)
-  if q_len is None:
-    return caps
-  return jnp.where(jnp.asarray(budget) > jnp.asarray(q_len), q_len, caps).astype(jnp.int32)
+  return caps + jnp.asarray(window, jnp.int32)
 
 
 def headkv_scores_from_json(path: str, num_layers: int, num_heads: int) -> np.ndarray:

@@ -1,0 +1,41 @@
+"""The attention-policy lab (the main job): ``--config=configs/lab.py[:scenario|:quick]``.
+
+``:needle_qa`` (any scenario name) runs that scenario alone; ``:quick`` shrinks the world for a
+smoke run. Every field can be overridden, e.g. ``--config.budget=32``.
+"""
+
+import ml_collections
+
+SCENARIOS = ("streaming_chat", "needle_qa", "diffuse", "topic_drift", "funnel")
+POLICIES = (
+  "sliding_window",
+  "streaming_llm",
+  "h2o",
+  "tova",
+  "snapkv",
+  "pyramidkv",
+  "adakv_snapkv",
+  "cake",
+  "random",
+  "oracle",
+)
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.scenarios = SCENARIOS  # tuples, so they can be overridden on the command line
+  c.policies = POLICIES
+  c.budget = 64  # per (layer, head), sinks and window included
+  c.world = ml_collections.ConfigDict(
+    dict(num_layers=8, num_heads=8, prompt_len=512, gen_steps=128, head_dim=16, window=32, seed=0)
+  )
+  c.figure_step = -1  # -1: the middle of the last fact's query window
+  c.figure_policy = "snapkv"  # whose retained part the attention-row panel draws
+  c.workdir = ml_collections.config_dict.placeholder(str)  # default: runs/lab-<timestamp>
+  for part in (arg or "").split(","):
+    if part == "quick":
+      c.world.update(num_layers=2, num_heads=4, prompt_len=192, gen_steps=48, window=16)
+      c.budget = 32
+    elif part:
+      c.scenarios = (part,)  # validated by kvjax.lab (unknown names raise ValueError)
+  return c

@@ -1,0 +1,39 @@
+"""The main job: every policy on every lab scenario; prints the table and the run directory.
+
+python experiments/lab.py --config=configs/lab.py[:scenario] [--config.budget=64]
+"""
+
+import datetime
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from absl import app  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+  "config",
+  str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "lab.py"),
+  "Lab configuration.",
+  lock_config=True,
+)
+
+
+def main(argv):
+  del argv
+  from kvjax import lab
+
+  config = _CONFIG.value
+  workdir = config.workdir or os.path.join(
+    "runs", "lab-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  )
+  table = lab.run(config, workdir)
+  with __import__("pandas").option_context("display.width", 200, "display.max_columns", 40):
+    print(lab.pivot(table).to_string())
+  print(f"run directory: {os.path.abspath(workdir)}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,147 @@
+"""The attention-policy lab: every policy on every scenario, a summary table and the figures.
+
+:func:`run` is what ``experiments/lab.py`` calls; notebooks call it too. It returns the summary
+as a ``pandas.DataFrame`` and writes ``summary.csv``, ``layers.csv`` and one PNG per scenario
+(:func:`kvjax.plotting.lab_figure`) into the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import time
+
+import jax
+import numpy as np
+import pandas as pd
+
+from kvjax import metrics, online, plotting, synthetic
+
+SUMMARY_COLUMNS = (
+  "scenario",
+  "policy",
+  "budget",
+  "retained_mass",
+  "oracle_gap",
+  "output_error",
+  "fact_recall",
+  "budget_use",
+  "oracle_mass",
+)
+WORLD_SIZE_FIELDS = (
+  "num_layers",
+  "num_heads",
+  "prompt_len",
+  "gen_steps",
+  "head_dim",
+  "window",
+  "seed",
+)
+
+
+def world_config(scenario: str, world_cfg) -> synthetic.WorldConfig:
+  """Scenario preset + the size fields of the lab config (``config.world``)."""
+  sizes = {k: world_cfg[k] for k in WORLD_SIZE_FIELDS if k in world_cfg}
+  cfg = synthetic.scenario(scenario)
+  # Presets place facts for the default 512-token prompt: rescale them to the requested sizes.
+  fields = dict(sizes)
+  P = sizes.get("prompt_len", cfg.prompt_len)
+  S = sizes.get("gen_steps", cfg.gen_steps)
+  W = sizes.get("window", cfg.window)
+  fields["fact_positions"] = tuple(
+    min(int(p * P / cfg.prompt_len), P - W - cfg.fact_span) for p in cfg.fact_positions
+  )
+  fields["fact_steps"] = tuple(
+    (int(a * S / cfg.gen_steps), max(int(b * S / cfg.gen_steps), int(a * S / cfg.gen_steps) + 1))
+    for a, b in cfg.fact_steps
+  )
+  if cfg.drift_step >= 0:
+    fields["drift_step"] = int(cfg.drift_step * S / cfg.gen_steps)
+  return synthetic.validate(dataclasses.replace(cfg, **fields))
+
+
+def validate_config(config) -> None:
+  """Names the offending field for an unknown scenario or policy, or a bad budget."""
+  for s in config.scenarios:
+    if s not in synthetic.SCENARIOS:
+      raise ValueError(
+        f"scenarios: unknown scenario {s!r}; expected some of {tuple(synthetic.SCENARIOS)}"
+      )
+  for p in config.policies:
+    if p not in online.LAB_POLICIES:
+      raise ValueError(
+        f"policies: unknown lab policy {p!r}; expected some of {online.LAB_POLICIES}"
+      )
+  if not config.scenarios or not config.policies:
+    raise ValueError("scenarios/policies: expected at least one of each")
+  T = config.world.prompt_len + config.world.gen_steps
+  if not 1 <= config.budget <= T:
+    raise ValueError(f"budget: {config.budget} does not fit the world (1..T={T})")
+  if config.figure_policy not in config.policies:
+    raise ValueError(f"figure_policy: {config.figure_policy!r} is not among the policies run")
+
+
+def pick_step(world: synthetic.World, requested: int) -> int:
+  """The figure's step: ``requested`` if >= 0, else the middle of the last fact's query window."""
+  S = world.dims.gen_steps
+  if requested >= 0:
+    if requested >= S:
+      raise ValueError(f"figure_step: {requested} is outside the {S} generation steps")
+    return requested
+  active = np.flatnonzero(np.asarray(world.fact_active_FS).any(0))
+  return int(active[len(active) // 2]) if active.size else S // 2
+
+
+def run_scenario(scenario: str, config, workdir: pathlib.Path | None, log=print) -> list[dict]:
+  """All policies on one scenario; returns summary rows (and writes the figure)."""
+  world = synthetic.make_world(world_config(scenario, config.world))
+  step = pick_step(world, config.figure_step)
+  evidence = online.prompt_evidence(world, jax.random.key(config.world.seed))
+  rows, traces = [], {}
+  for name in config.policies:
+    start = time.perf_counter()
+    trace = online.simulate(world, name, config.budget, record_map=True, evidence=evidence)
+    summary = metrics.summarize(trace.metrics)
+    traces[name] = (trace, summary)
+    rows.append(
+      dict(scenario=scenario, policy=name, budget=config.budget)
+      | {k: summary[k] for k in SUMMARY_COLUMNS[3:]}
+      | {"layer_retained": summary["retained_mass_L"].tolist()}
+    )
+    log(
+      f"  {scenario:15s} {name:16s} R={summary['retained_mass']:.3f} ({time.perf_counter() - start:.1f}s)"
+    )
+  if workdir is not None:
+    fig = plotting.lab_figure(world, traces, step, config.figure_policy, title=scenario)
+    fig.savefig(workdir / f"{scenario}.png", dpi=110)
+    plotting.close(fig)
+  return rows
+
+
+def run(config, workdir: str | pathlib.Path | None, log=print) -> pd.DataFrame:
+  """Runs the lab described by ``config`` (``configs/lab.py``); returns the summary table."""
+  validate_config(config)
+  out = None
+  if workdir is not None:
+    out = pathlib.Path(workdir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(config.to_json_best_effort(indent=2))
+  rows = []
+  for scenario in config.scenarios:
+    rows += run_scenario(scenario, config, out, log)
+  table = pd.DataFrame(rows)
+  layers = table[["scenario", "policy", "layer_retained"]].explode("layer_retained")
+  layers["layer"] = layers.groupby(["scenario", "policy"]).cumcount()
+  table = table.drop(columns="layer_retained")[list(SUMMARY_COLUMNS)]
+  if out is not None:
+    table.to_csv(out / "summary.csv", index=False)
+    layers.rename(columns={"layer_retained": "retained_mass"}).to_csv(
+      out / "layers.csv", index=False
+    )
+  return table
+
+
+def pivot(table: pd.DataFrame) -> pd.DataFrame:
+  """Policy x scenario view of the four headline metrics, for printing."""
+  metrics_cols = ["retained_mass", "oracle_gap", "output_error", "fact_recall"]
+  return table.pivot(index="policy", columns="scenario", values=metrics_cols).round(3)
