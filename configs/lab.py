@@ -30,7 +30,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     dict(num_layers=8, num_heads=8, prompt_len=512, gen_steps=128, head_dim=16, window=32, seed=0)
   )
   c.figure_step = -1  # -1: the middle of the last fact's query window
-  c.figure_policy = "snapkv"  # whose retained part the attention-row panel draws
+  c.figure_policy = (
+    ""  # whose kept part the attention-row panel draws ("": snapkv if run, else the first)
+  )
   c.workdir = ml_collections.config_dict.placeholder(str)  # default: runs/lab-<timestamp>
   for part in (arg or "").split(","):
     if part == "quick":

@@ -77,7 +77,7 @@ def validate_config(config) -> None:
   T = config.world.prompt_len + config.world.gen_steps
   if not 1 <= config.budget <= T:
     raise ValueError(f"budget: {config.budget} does not fit the world (1..T={T})")
-  if config.figure_policy not in config.policies:
+  if config.figure_policy and config.figure_policy not in config.policies:
     raise ValueError(f"figure_policy: {config.figure_policy!r} is not among the policies run")
 
 
@@ -112,7 +112,8 @@ def run_scenario(scenario: str, config, workdir: pathlib.Path | None, log=print)
       f"  {scenario:15s} {name:16s} R={summary['retained_mass']:.3f} ({time.perf_counter() - start:.1f}s)"
     )
   if workdir is not None:
-    fig = plotting.lab_figure(world, traces, step, config.figure_policy, title=scenario)
+    focus = config.figure_policy or ("snapkv" if "snapkv" in traces else next(iter(traces)))
+    fig = plotting.lab_figure(world, traces, step, focus, title=scenario)
     fig.savefig(workdir / f"{scenario}.png", dpi=110)
     plotting.close(fig)
   return rows

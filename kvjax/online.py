@@ -214,7 +214,7 @@ def _evict(policy, slots: _Slots, budget_LH, recent_LH, t, capacity) -> _Slots:
   pos = jnp.concatenate([slots.pos, new], -1)
   valid = jnp.concatenate([slots.valid, jnp.ones((L, H, 1), bool)], -1)
   aux = jnp.concatenate([slots.aux, jnp.zeros((L, H, 1), jnp.float32)], -1)
-  is_new = jnp.arange(pos.shape[-1]) == pos.shape[-1] - 1
+  is_new = jax.lax.broadcasted_iota(jnp.int32, pos.shape, 2) == pos.shape[-1] - 1
   recency = pos.astype(jnp.float32)
   opts = policy.opts
   if policy.name == "streaming_llm":

@@ -204,12 +204,12 @@ def make_world(cfg: WorldConfig) -> World:
   for f, pos in enumerate(cfg.fact_positions):
     fact_mask[f, pos : pos + cfg.fact_span] = True
   if fact_mask.size:
-    salience = salience + cfg.fact_salience * jnp.asarray(fact_mask.any(0), jnp.float32)
+    salience = salience + cfg.fact_salience * jnp.asarray(fact_mask.any(0), jnp.float32)[None, None]
   if cfg.drift_step >= 0:
     start = cfg.prompt_len + cfg.drift_step
     drift = np.zeros(T, np.float32)
     drift[start : start + cfg.drift_tokens] = cfg.drift_salience
-    salience = salience + jnp.asarray(drift)
+    salience = salience + jnp.asarray(drift)[None, None]
   active = np.zeros((MAX_FACTS, cfg.gen_steps), bool)
   for f, (start, end) in enumerate(cfg.fact_steps):
     active[f, start:end] = True

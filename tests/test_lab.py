@@ -1,0 +1,206 @@
+"""The lab's audit: the essay's checks and qualitative claims, on generated worlds."""
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pandas as pd
+import pytest
+
+from kvjax import lab, metrics, online, synthetic
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SIZES = dict(num_layers=4, num_heads=4)
+BUDGET = 64
+
+
+@functools.cache
+def world(name: str, **kw) -> synthetic.World:
+  return synthetic.make_world(synthetic.scenario(name, **SIZES, **kw))
+
+
+@functools.cache
+def trace(name: str, policy: str, budget: int = BUDGET) -> online.Trace:
+  return online.simulate(world(name), policy, budget, record_map=True)
+
+
+def mass(name, policy, budget=BUDGET, steps=slice(None)):
+  return float(np.asarray(trace(name, policy, budget).metrics.retained)[steps].mean())
+
+
+@pytest.mark.parametrize("name", synthetic.SCENARIOS)
+def test_rows_are_distributions_over_the_causal_prefix(name):
+  w = world(name)
+  P, T = w.dims.prompt_len, w.dims.total_len
+  for t in (0, 3, P - w.dims.window, P - 1, P, P + 40, T - 1):
+    row = np.asarray(synthetic.attention_row(w, t))
+    assert (row >= 0).all()
+    np.testing.assert_allclose(row[..., : t + 1].sum(-1), 1.0, atol=1e-5)
+    assert (row[..., t + 1 :] == 0).all()
+
+
+def test_determinism():
+  a = synthetic.make_world(synthetic.scenario("needle_qa", **SIZES))
+  b = synthetic.make_world(synthetic.scenario("needle_qa", **SIZES))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  t1 = online.simulate(a, "h2o", 48)
+  t2 = online.simulate(b, "h2o", 48)
+  np.testing.assert_array_equal(np.asarray(t1.metrics.retained), np.asarray(t2.metrics.retained))
+  c = synthetic.make_world(synthetic.scenario("needle_qa", seed=1, **SIZES))
+  assert not np.array_equal(np.asarray(a.salience_LHT), np.asarray(c.salience_LHT))
+
+
+@pytest.mark.parametrize("policy", online.LAB_POLICIES)
+def test_budget_mass_bounds_and_oracle_at_every_step(policy):
+  tr = trace("streaming_chat", policy)
+  w = world("streaming_chat")
+  valid = np.asarray(tr.valid_SLHB)
+  pos = np.asarray(tr.positions_SLHB)
+  budget = np.asarray(tr.budget_LH)
+  counts = valid.sum(-1)
+  assert (counts <= budget).all(), "over budget"
+  t = w.dims.prompt_len + np.arange(w.dims.gen_steps)
+  np.testing.assert_array_equal(counts, np.minimum(budget, t[:, None, None] + 1))
+  assert ((pos == t[:, None, None, None]) & valid).any(-1).all(), "current token not cached"
+  assert (pos[valid] <= np.broadcast_to(t[:, None, None, None], pos.shape)[valid]).all()
+  r = np.asarray(tr.metrics.retained)
+  assert (r >= -1e-6).all() and (r <= 1 + 1e-5).all()
+  assert (np.asarray(tr.metrics.oracle) >= r - 1e-5).all(), "oracle must upper-bound every step"
+
+
+def test_allocations_run_in_the_lab():
+  pyramid = np.asarray(trace("funnel", "pyramidkv").budget_LH)
+  assert pyramid[0, 0] > pyramid[-1, 0], "PyramidKV gives lower layers more"
+  ada = np.asarray(trace("funnel", "adakv_snapkv").budget_LH)
+  assert len(np.unique(ada)) > 1, "Ada-KV gives heads different budgets"
+
+
+def test_sink_plus_window_beats_sliding_when_sinks_present():
+  assert mass("streaming_chat", "streaming_llm") > mass("streaming_chat", "sliding_window") + 0.2
+
+
+def test_heavy_hitters_beat_sliding_in_fact_heavy_setting():
+  assert mass("needle_qa", "h2o") > mass("needle_qa", "sliding_window") + 0.2
+
+
+def test_observation_voting_retains_old_facts_in_needle():
+  s = metrics.summarize(trace("needle_qa", "snapkv").metrics)
+  assert s["fact_recall"] >= 0.99
+  assert metrics.summarize(trace("needle_qa", "sliding_window").metrics)["fact_recall"] == 0.0
+
+
+def test_shrinking_the_budget_makes_recency_fail_in_needle_qa():
+  w = world("needle_qa")
+  big = w.dims.total_len - 30  # covers every fact
+  recall = [
+    metrics.summarize(trace("needle_qa", "sliding_window", b).metrics)["fact_recall"]
+    for b in (big, 256, BUDGET)
+  ]
+  assert recall[0] == 1.0 and recall[-1] == 0.0 and recall[0] > recall[1] >= recall[2]
+
+
+def test_diffuse_old_positions_lose_to_sliding_window():
+  sliding = mass("diffuse", "sliding_window")
+  assert sliding > mass("diffuse", "h2o") and sliding > mass("diffuse", "snapkv")
+
+
+def test_topic_drift_h2o_adapts_while_prompt_vote_goes_stale():
+  w = world("topic_drift")
+  cfg = synthetic.scenario("topic_drift")
+  late = slice(cfg.drift_step + w.dims.window + 8, None)
+  assert mass("topic_drift", "h2o", steps=late) > mass("topic_drift", "snapkv", steps=late) + 0.2
+  early = slice(cfg.drift_step + 4, cfg.drift_step + w.dims.window - 4)  # before the window rolls
+  assert (
+    abs(mass("topic_drift", "h2o", steps=early) - mass("topic_drift", "snapkv", steps=early)) < 0.1
+  )
+
+
+def test_funnel_upper_layers_concentrate():
+  w = world("funnel")
+  row = np.asarray(synthetic.attention_row(w, w.dims.total_len - 1))
+  entropy_L = -(row * np.log(np.where(row > 0, row, 1))).sum(-1).mean(-1)
+  assert (np.diff(entropy_L) < 0).all(), entropy_L
+
+
+@pytest.mark.parametrize(
+  "kw, match",
+  [
+    (dict(fact_positions=(600,), fact_steps=((0, 4),)), "fact_positions: 600"),
+    (dict(window=600), "window: 600 is longer than the prompt"),
+    (dict(num_layers=0), "num_layers: expected a positive int"),
+    (dict(fact_steps=((0, 400),), fact_positions=(10,)), r"fact_steps: \(0, 400\)"),
+    (dict(recency_tau=0.0), "recency_tau"),
+  ],
+)
+def test_bad_world_config(kw, match):
+  with pytest.raises(ValueError, match=match):
+    synthetic.scenario("needle_qa", **kw)
+
+
+def test_bad_lab_inputs():
+  with pytest.raises(ValueError, match="scenario: unknown scenario 'needles'"):
+    synthetic.scenario("needles")
+  with pytest.raises(ValueError, match="overrides: unknown world fields"):
+    synthetic.scenario("needle_qa", sinks=3)
+  w = world("needle_qa")
+  with pytest.raises(ValueError, match="budget: 100000 is larger than the world"):
+    online.simulate(w, "snapkv", 100000)
+  with pytest.raises(ValueError, match="name: policy 'headkv' is not simulated"):
+    online.simulate(w, "headkv", 64)
+  with pytest.raises(ValueError, match="budget: 0 < 1"):
+    online.simulate(w, "sliding_window", 0)
+
+
+def quick_config(**kw):
+  import configs.lab as lab_config  # noqa: PLC0415
+
+  config = lab_config.get_config("quick")
+  config.scenarios = ("needle_qa", "topic_drift")
+  config.policies = ("sliding_window", "h2o", "snapkv", "oracle")
+  for k, v in kw.items():
+    setattr(config, k, v)
+  return config
+
+
+def test_lab_run_writes_summary_and_figures(tmp_path, monkeypatch):
+  monkeypatch.syspath_prepend(str(ROOT))
+  table = lab.run(quick_config(), tmp_path, log=lambda *_: None)
+  csv = pd.read_csv(tmp_path / "summary.csv")
+  for col in ("scenario", "policy", "retained_mass", "oracle_gap", "output_error", "fact_recall"):
+    assert col in csv.columns
+  assert len(csv) == len(table) == 8
+  assert (tmp_path / "needle_qa.png").stat().st_size > 10_000
+  assert (tmp_path / "topic_drift.png").exists() and (tmp_path / "layers.csv").exists()
+  with pytest.raises(ValueError, match="policies: unknown lab policy 'snap'"):
+    lab.run(quick_config(policies=("snap",)), None)
+  with pytest.raises(ValueError, match="budget: 100000 does not fit"):
+    lab.run(quick_config(budget=100000), None)
+
+
+def test_main_job_entry_point(tmp_path):
+  cmd = [
+    sys.executable,
+    str(ROOT / "experiments" / "lab.py"),
+    "--config=configs/lab.py:quick,needle_qa",
+  ]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+    cmd + ["--config.policies=('sliding_window','oracle')", f"--config.workdir={tmp_path}"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert f"run directory: {tmp_path}" in out.stdout
+  assert (tmp_path / "summary.csv").exists() and (tmp_path / "needle_qa.png").exists()
+  typo = subprocess.run(
+    cmd + ["--config.budgte=3"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300
+  )
+  assert typo.returncode != 0 and "budgte" in typo.stderr
