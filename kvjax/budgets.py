@@ -287,8 +287,11 @@ def adakv(
     raise ValueError(f"budget: {budget!r} exceeds capacity={capacity}")
   budget_L = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), (L,))
   if mode == "kvpress":
-    return _adakv_kvpress(scores_LHT, budget_L, floor_alpha, min(capacity, T))
-  return _adakv_official(scores_LHT, budget_L, window, floor_alpha, normalize, min(capacity, T))
+    out = _adakv_kvpress(scores_LHT, budget_L, floor_alpha, min(capacity, T))
+  else:
+    out = _adakv_official(scores_LHT, budget_L, window, floor_alpha, normalize, min(capacity, T))
+  # A head that wins nothing (no floor, no window) under a positive budget would be left empty.
+  return _check_not_empty("budget", out, jnp.where(budget_L[:, None] > 0, T, 0))
 
 
 def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity):

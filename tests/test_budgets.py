@@ -361,7 +361,11 @@ def test_adakv_kvpress_counts(alpha):
   L, H, T = 2, 4, 64
   scores = jnp.asarray(distinct_scores(rng, (L, H, T)))
   for budget in [0, 1, 3, 8, 16, 33, 64]:
-    got = np.asarray(budgets.adakv(scores, budget, 0, floor_alpha=alpha, mode="kvpress"))
+    try:
+      got = np.asarray(budgets.adakv(scores, budget, 0, floor_alpha=alpha, mode="kvpress"))
+    except ValueError as err:  # without the safeguard a head can win nothing: never silently
+      assert alpha == 0 and budget > 0 and "leaves a row with no cache" in str(err)
+      continue
     assert got.shape == (L, H)
     assert got.sum(-1).tolist() == [H * budget] * L, budget
     floor = max(1, int(budget * alpha)) if (budget > 0 and alpha > 0) else 0
@@ -640,3 +644,10 @@ def test_adakv_official_vmap_and_jit_over_budgets():
     np.testing.assert_array_equal(np.asarray(out[i]), want, err_msg=f"budget={b}")
     np.testing.assert_array_equal(np.asarray(jitted(jnp.int32(b))), want)
   assert math.prod(out.shape) == len(bs) * L * H
+
+
+def test_adakv_empty_head_raises():
+  # head 1 never wins the pooled top-k; with alpha 0 and no window it would keep nothing
+  scores = jnp.asarray([[[5.0, 4.0, 3.0, 2.0], [0.1, 0.2, 0.3, 0.4]]])
+  with pytest.raises(ValueError, match="budget: the allocation .* leaves a row with no cache"):
+    budgets.adakv(scores, 2, 0, floor_alpha=0.0)
