@@ -304,7 +304,11 @@ def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity):
     ratio_LH = _top_sum(prefix_LHP, count_LH, cap) / prefix_LHP.sum(-1)
     prefix_LHP = prefix_LHP * ratio_LH[..., None]
   pooled_L = jnp.minimum(base_L * H, H * (T - window))
-  counts_LH = select.pooled_budgets(prefix_LHP, pooled_L, capacity=min(cap * H, H * (T - window)))
+  if normalize:  # the scaling depends on the budget: one pooled selection per budget
+    counts_LH = select.pooled_budgets(prefix_LHP, pooled_L, capacity=min(cap * H, H * (T - window)))
+  else:  # budget-free scores: one pooled top-k, every budget a lookup (vmaps cheaply)
+    table = select.pooled_count_table(prefix_LHP, cap * H)
+    counts_LH = select.pooled_counts_from_table(table, pooled_L)
   floor_L = _int_product(base_L, alpha)
   caps_LH = jnp.round(counts_LH * (1.0 - alpha) + floor_L[:, None]).astype(jnp.int32) + window
   return jnp.where((base_L > T - window)[:, None], T, caps_LH).astype(jnp.int32)

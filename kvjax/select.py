@@ -250,6 +250,32 @@ def pooled_budgets(scores_LHT: Array, budget_L, *, capacity: int | None = None) 
   return keep_mask_pooled(scores_LHT, budget_L, capacity=capacity).sum(-1, dtype=jnp.int32)
 
 
+def pooled_count_table(scores_LHT: Array, max_total: int) -> Array:
+  """Cumulative per-head counts along each layer's pooled order: int32 ``[..., K + 1, H]``.
+
+  Row ``n`` holds how many of the layer's ``n`` best entries (flattened over heads, ties to the
+  lower head then position) fall in each head, for ``n <= K = min(max_total, H*T)``. One
+  ``top_k`` answers every pooled budget: ``table[..., n, :]`` equals
+  ``pooled_budgets(scores, n)``. This is what lets a sweep over thousands of Ada-KV budgets
+  share a single selection.
+  """
+  _check_scores(scores_LHT)
+  num_heads, num_positions = scores_LHT.shape[-2:]
+  k = min(int(max_total), num_heads * num_positions)
+  _, idx = lax.top_k(_flatten_heads(scores_LHT).astype(jnp.float32), k)
+  onehot = jax.nn.one_hot(idx // num_positions, num_heads, dtype=jnp.int32)
+  counts = jnp.cumsum(onehot, axis=-2, dtype=jnp.int32)
+  zeros = jnp.zeros(counts.shape[:-2] + (1, num_heads), jnp.int32)
+  return jnp.concatenate([zeros, counts], axis=-2)
+
+
+def pooled_counts_from_table(table: Array, total) -> Array:
+  """Per-head counts ``[..., H]`` for pooled budgets ``total`` ``[...]`` (clipped to ``K``)."""
+  k = table.shape[-2] - 1
+  n = jnp.clip(jnp.asarray(total, jnp.int32), 0, k)
+  return jnp.take_along_axis(table, n[..., None, None], axis=-2)[..., 0, :]
+
+
 def kept_count(keep: Array) -> Array:
   """Number of kept positions per row, int32."""
   return keep.sum(-1, dtype=jnp.int32)

@@ -204,3 +204,16 @@ def test_nan_scores_raise():
     select.keep_mask(jnp.asarray([[0.0, jnp.nan]]), jnp.int32(1))
   with pytest.raises(ValueError, match="scores: expected a floating"):
     select.compact(jnp.asarray([[1, 2]]), jnp.int32(1), 2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pooled_count_table_answers_every_pooled_budget(seed):
+  rng = np.random.default_rng(500 + seed)
+  L, H, T = 2, 3, 11
+  scores = jnp.asarray(rng.integers(0, 5, size=(L, H, T)).astype(np.float32))  # with ties
+  table = select.pooled_count_table(scores, 20)
+  assert table.shape == (L, 21, H)
+  for n in range(0, 25):
+    counts = select.pooled_counts_from_table(table, jnp.full((L,), n))
+    expected = select.pooled_budgets(scores, jnp.full((L,), min(n, 20)))
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(expected))
