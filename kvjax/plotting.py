@@ -72,3 +72,61 @@ def lab_figure(world: synthetic.World, traces: dict, step: int, focus: str, titl
   fig.suptitle(title)
   fig.tight_layout()
   return fig
+
+
+# --------------------------------------------------------------------------- sweeps
+
+
+def _label(frame, keys) -> str:
+  return "/".join(str(frame[k]) for k in keys)
+
+
+def sweep_metric_vs_budget(table, metric: str = "retained_mass"):
+  """One panel per policy: ``metric`` against the total budget, a line per layer schedule and
+  head allocation (mean over the other swept fields)."""
+  policies = sorted(table["policy"].unique())
+  fig, axes = plt.subplots(1, len(policies), figsize=(4.2 * len(policies), 3.6), squeeze=False)
+  for ax, policy in zip(axes[0], policies, strict=True):
+    sub = table[table["policy"] == policy]
+    lines = sub.groupby(["schedule", "head_alloc", "budget"])[metric].mean().reset_index()
+    for (schedule, head), line in lines.groupby(["schedule", "head_alloc"]):
+      ax.plot(line["budget"], line[metric], marker="o", label=f"{schedule}/{head}")
+    ax.set(xscale="log", xlabel="budget per head", ylabel=metric, title=policy)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  return fig
+
+
+def budget_profiles(table):
+  """Mean per-layer budget of each layer schedule (and head allocation), one line each."""
+  import json  # noqa: PLC0415
+
+  fig, ax = plt.subplots(figsize=(6, 3.8))
+  budget = sorted(table["budget"].unique())[len(table["budget"].unique()) // 2]
+  sub = table[table["budget"] == budget]
+  for (schedule, mode), group in sub.groupby(["schedule", "pyramid_mode"]):
+    profile = np.mean([json.loads(p) for p in group["budget_profile"]], axis=0)
+    label = schedule if schedule != "pyramid" else f"pyramid ({mode})"
+    ax.plot(profile, marker="o", label=label)
+  ax.set(
+    xlabel="layer",
+    ylabel="budget (mean over heads)",
+    title=f"Layer budget profiles at budget {budget}",
+  )
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  return fig
+
+
+def pareto(table, metric: str = "retained_mass"):
+  """``metric`` against cache bytes for every configuration, with each policy's frontier."""
+  fig, ax = plt.subplots(figsize=(6.5, 4.2))
+  for policy, sub in table.groupby("policy"):
+    ax.scatter(sub["cache_bytes"], sub[metric], s=10, alpha=0.5, label=policy)
+    ordered = sub.sort_values("cache_bytes")
+    front = ordered[ordered[metric] >= ordered[metric].cummax()]
+    ax.plot(front["cache_bytes"], front[metric], lw=1)
+  ax.set(xscale="log", xlabel="cache bytes (K and V)", ylabel=metric, title="Pareto view")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  return fig

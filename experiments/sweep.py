@@ -1,0 +1,52 @@
+"""Budget sweeps from a config file; prints the run directory and the best configuration per budget.
+
+  python experiments/sweep.py --config=configs/sweep_lab.py [--config.workdir=DIR]
+
+Rerunning the same command with the same workdir resumes: only missing configurations run.
+"""
+
+import datetime
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+  "config",
+  str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "sweep_lab.py"),
+  "Sweep configuration.",
+  lock_config=True,
+)
+_PLOTS = flags.DEFINE_bool("plots", True, "Write the PNG figures into the run directory.")
+
+
+def main(argv):
+  del argv
+  import pandas as pd
+
+  from kvjax import plotting, sweep
+
+  config = _CONFIG.value
+  workdir = config.workdir or os.path.join(
+    "runs", "sweep-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  )
+  table = sweep.run(config, workdir)
+  if _PLOTS.value:
+    for name, fig in (
+      ("metric_vs_budget.png", plotting.sweep_metric_vs_budget(table)),
+      ("budget_profiles.png", plotting.budget_profiles(table)),
+      ("pareto.png", plotting.pareto(table)),
+    ):
+      fig.savefig(os.path.join(workdir, name), dpi=110)
+      plotting.close(fig)
+  with pd.option_context("display.width", 200, "display.max_columns", 20):
+    print(sweep.best_per_budget(table).round(4).to_string(index=False))
+  print(f"run directory: {os.path.abspath(workdir)}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,536 @@
+"""Budget sweeps from a declared grid: grouped by static structure, vmapped, sharded, resumable.
+
+A sweep is a base configuration plus a grid (``product`` axes crossed with ``zip`` axes, the
+``get_hyper`` idea of big_vision without its internal module). Each configuration is a
+*prefill-time* selection of the prompt of a synthetic world, judged by the attention the
+generated tokens will actually pay to the prompt (the "one-shot" view: kvpress's optimal pruning
+is its oracle):
+
+* ``retained_mass``: ``sum_{i in S} m_i`` with ``m_i`` the mean over generation steps of the full
+  attention on prompt position ``i`` (mean over layers and heads);
+* ``oracle_mass`` / ``oracle_gap``: the best ``B`` positions of ``m`` at the same ``budget_LH``;
+* ``fact_recall``: share of the fact tokens generation queries that stay cached;
+* ``cache_tokens`` / ``cache_bytes``: the compressed cache (K and V, ``bytes_per_value`` each).
+
+All three are sums over kept positions, so each configuration is a gather into prefix sums of
+one ``top_k`` per group (DESIGN.md, "compute shared work once"): scores and sort are computed
+once per group, budgets are data, and a group of thousands of configurations is one
+``jit(vmap(...))`` compile evaluated chunk by chunk (bounded memory). With several devices the
+configuration axis is sharded over a ``Mesh`` with ``NamedSharding``. Results are appended to
+``results.csv`` chunk by chunk; rerunning computes only the missing ``config_id``\\ s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import pathlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pandas as pd
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kvjax import budgets as budgets_lib
+from kvjax import lab, policies, synthetic
+from kvjax import scores as scores_lib
+
+Array = jax.Array
+
+STATIC_FIELDS = (
+  "scenario",
+  "policy",
+  "schedule",
+  "head_alloc",
+  "pyramid_mode",
+  "window",
+  "kernel",
+  "pool",
+)
+DATA_FIELDS = ("budget", "beta", "alpha", "head_beta", "sinks", "tau1", "tau2")
+FIELDS = STATIC_FIELDS + DATA_FIELDS
+POLICIES = (
+  "snapkv",
+  "snapkv_kvpress",
+  "h2o",
+  "h2o_kvpress",
+  "tova",
+  "streaming_llm",
+  "sliding_window",
+  "random",
+  "oracle",
+)
+SCHEDULES = ("uniform", "pyramid", "cake")
+HEAD_ALLOCS = ("uniform", "adakv", "headkv")
+METRICS = (
+  "retained_mass",
+  "oracle_mass",
+  "oracle_gap",
+  "fact_recall",
+  "cache_tokens",
+  "cache_bytes",
+)
+
+
+# --------------------------------------------------------------------------- the grid
+
+
+def _axis_values(name: str, values, base) -> tuple:
+  if name not in FIELDS:
+    raise ValueError(f"grid: unknown axis {name!r}; expected one of {FIELDS}")
+  if isinstance(values, (str, bytes)) or not isinstance(values, (tuple, list)):
+    values = (values,)
+  if not values:
+    raise ValueError(f"grid: axis {name!r} has no values")
+  expected = type(base[name])
+  for v in values:
+    ok = isinstance(v, expected) or (expected is float and isinstance(v, int))
+    if not ok or isinstance(v, bool):
+      raise ValueError(
+        f"grid: axis {name!r} value {v!r} is a {type(v).__name__}, expected {expected.__name__}"
+      )
+  return tuple(values)
+
+
+def expand(grid, base) -> list[dict]:
+  """``product`` axes crossed with the ``zip`` axes (zipped together) over ``base``.
+
+  ``grid.product`` and ``grid.zip`` map field names to tuples of values. Returns one resolved
+  dict per configuration, in a deterministic order.
+  """
+  product = {k: _axis_values(k, v, base) for k, v in dict(grid.get("product", {})).items()}
+  zipped = {k: _axis_values(k, v, base) for k, v in dict(grid.get("zip", {})).items()}
+  both = set(product) & set(zipped)
+  if both:
+    raise ValueError(f"grid: axes {sorted(both)} appear in both product and zip")
+  lengths = {len(v) for v in zipped.values()}
+  if len(lengths) > 1:
+    raise ValueError(f"grid: zip axes have different lengths {sorted(lengths)}")
+  zip_rows = list(zip(*zipped.values(), strict=True)) if zipped else [()]
+  configs = []
+  for prod in itertools.product(*product.values()):
+    for zrow in zip_rows:
+      cfg = {k: base[k] for k in FIELDS}
+      cfg.update(zip(product, prod, strict=True))
+      cfg.update(zip(zipped, zrow, strict=True))
+      configs.append(cfg)
+  if not configs or (not product and not zipped):
+    raise ValueError("grid: empty grid; declare at least one product or zip axis")
+  return configs
+
+
+def config_id(cfg: dict) -> str:
+  """Stable hash of a configuration's swept fields (independent of dict order)."""
+  canonical = json.dumps({k: cfg[k] for k in FIELDS}, sort_keys=True)
+  return hashlib.sha1(canonical.encode()).hexdigest()[:12]
+
+
+def validate(cfg: dict, dims: synthetic.Dims | None) -> None:
+  """Names the offending field of one configuration (sizes are checked when ``dims`` is given)."""
+  checks = (
+    ("scenario", cfg["scenario"] in synthetic.SCENARIOS, tuple(synthetic.SCENARIOS)),
+    ("policy", cfg["policy"] in POLICIES, POLICIES),
+    ("schedule", cfg["schedule"] in SCHEDULES, SCHEDULES),
+    ("head_alloc", cfg["head_alloc"] in HEAD_ALLOCS, HEAD_ALLOCS),
+    ("pyramid_mode", cfg["pyramid_mode"] in budgets_lib.PYRAMID_MODES, budgets_lib.PYRAMID_MODES),
+  )
+  for name, ok, choices in checks:
+    if not ok:
+      raise ValueError(f"{name}: unknown value {cfg[name]!r}; expected one of {choices}")
+  if dims is None:
+    return
+  if not 1 <= cfg["window"] <= dims.window:
+    raise ValueError(
+      f"window: {cfg['window']} outside 1..{dims.window} (the world's observation window)"
+    )
+  if not cfg["window"] < cfg["budget"] <= dims.prompt_len:
+    raise ValueError(
+      f"budget: {cfg['budget']} does not fit the world: expected window={cfg['window']} < "
+      f"budget <= prompt_len={dims.prompt_len}"
+    )
+  if cfg["head_alloc"] == "headkv" and cfg["schedule"] != "uniform":
+    raise ValueError(f"schedule: HeadKV allocates across layers itself; got {cfg['schedule']!r}")
+  policies.make("snapkv", kernel=cfg["kernel"], pool=cfg["pool"])  # validates kernel and pool
+
+
+# --------------------------------------------------------------------------- evidence
+
+
+@dataclasses.dataclass
+class WorldEvidence:
+  """Everything a group needs from one scenario, computed once."""
+
+  world: synthetic.World
+  attn_window_LHWP: Array
+  future_mass_LHP: Array
+  fact_P: Array
+  calibration: synthetic.World | None = None
+  _column_sums: Array | None = None
+  _head_scores: Array | None = None
+
+  @property
+  def column_sums_LHP(self) -> Array:
+    if self._column_sums is None:
+      P = self.world.dims.prompt_len
+      self._column_sums = synthetic.prompt_column_sums(self.world)[..., :P]
+    return self._column_sums
+
+  @property
+  def head_scores_LH(self) -> Array:
+    """HeadKV's retrieval-head scores, measured offline on a calibration world (next seed):
+    the attention each head pays to the queried facts, averaged over the steps that query one."""
+    if self._head_scores is None:
+      self._head_scores = _retrieval_scores(self.calibration)
+    return self._head_scores
+
+
+@jax.jit
+def _future_mass(world: synthetic.World) -> tuple[Array, Array]:
+  dims = world.dims
+
+  def add(acc, s):
+    row = synthetic.attention_row(world, dims.prompt_len + s)
+    fact = synthetic.active_fact_positions(world, s)
+    return (acc[0] + row[..., : dims.prompt_len], acc[1] | fact[: dims.prompt_len]), None
+
+  init = (
+    jnp.zeros((dims.num_layers, dims.num_heads, dims.prompt_len)),
+    jnp.zeros(dims.prompt_len, bool),
+  )
+  (total, facts), _ = jax.lax.scan(add, init, jnp.arange(dims.gen_steps))
+  return total / dims.gen_steps, facts
+
+
+@jax.jit
+def _retrieval_scores(world: synthetic.World) -> Array:
+  dims = world.dims
+
+  def add(acc, s):
+    row = synthetic.attention_row(world, dims.prompt_len + s)
+    fact = synthetic.active_fact_positions(world, s)
+    return acc + jnp.where(fact, row, 0.0).sum(-1), None
+
+  total, _ = jax.lax.scan(
+    add, jnp.zeros((dims.num_layers, dims.num_heads)), jnp.arange(dims.gen_steps)
+  )
+  return total / dims.gen_steps + 1e-6  # strictly positive importances
+
+
+def world_evidence(scenario: str, world_cfg) -> WorldEvidence:
+  cfg = lab.world_config(scenario, world_cfg)
+  world = synthetic.make_world(cfg)
+  P = cfg.prompt_len
+  m, facts = _future_mass(world)
+  calibration = synthetic.make_world(dataclasses.replace(cfg, seed=cfg.seed + 1))
+  return WorldEvidence(
+    world=world,
+    attn_window_LHWP=synthetic.window_rows(world)[..., :P],
+    future_mass_LHP=m,
+    fact_P=facts,
+    calibration=calibration,
+  )
+
+
+# --------------------------------------------------------------------------- one group
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupKey:
+  scenario: str
+  policy: str
+  schedule: str
+  head_alloc: str
+  pyramid_mode: str
+  window: int
+  kernel: int
+  pool: str
+
+
+def group_key(cfg: dict) -> GroupKey:
+  return GroupKey(*(cfg[f] for f in STATIC_FIELDS))
+
+
+def _policy_scores(key: GroupKey, ev: dict, dims: synthetic.Dims, sinks) -> Array:
+  """Scores over the ``P`` prompt positions (budget-free, so computed once per group under
+  ``vmap``; only StreamingLLM's sink count is data)."""
+  L, H, P = dims.num_layers, dims.num_heads, dims.prompt_len
+  if key.policy == "streaming_llm":
+    return scores_lib.streaming(P, (L, H), sinks=sinks)
+  options = {}
+  if key.policy in ("snapkv", "snapkv_kvpress"):
+    options = dict(window=key.window, kernel=key.kernel, pool=key.pool)
+  if key.policy == "h2o":
+    options = dict(recent=key.window)
+  evidence = policies.Evidence(
+    attn_window_LHWT=ev["attn"],
+    column_sums_LHT=ev.get("column_sums"),
+    future_attn_LHST=ev["mass"][:, :, None, :],
+    rng=jax.random.key(0),
+  )
+  return policies.make(key.policy, **options).scores(evidence)
+
+
+def _allocate(key: GroupKey, d: dict, scores_LHP: Array, ev: dict, dims, capacity: int) -> Array:
+  L, H, P = dims.num_layers, dims.num_heads, dims.prompt_len
+  b = d["budget"]
+  if key.head_alloc == "headkv":
+    return budgets_lib.headkv(ev["head_scores"], b, key.window, beta=d["head_beta"], q_len=P)
+  if key.schedule == "uniform":
+    budget_L = jnp.full((L,), b, jnp.int32)
+  elif key.schedule == "pyramid":
+    budget_L = budgets_lib.pyramid(L, b, key.window, P, beta=d["beta"], mode=key.pyramid_mode)
+  else:
+    budget_L = budgets_lib.cake(ev["attn"], b, key.window, d["tau1"], d["tau2"])
+  if key.head_alloc == "uniform":
+    return budgets_lib.per_head(budget_L, H)
+  return budgets_lib.adakv(
+    scores_LHP, budget_L, key.window, floor_alpha=d["alpha"], capacity=capacity
+  )
+
+
+def _prefix(values_LHK: Array) -> Array:
+  zeros = jnp.zeros(values_LHK.shape[:-1] + (1,), values_LHK.dtype)
+  return jnp.concatenate([zeros, jnp.cumsum(values_LHK, -1)], -1)
+
+
+def capacities(key: GroupKey, max_budget: int, prompt_len: int) -> tuple[int, int]:
+  """Static bounds ``(layer_cap, order_cap)`` for a group whose nominal budgets are at most
+  ``max_budget``: ``layer_cap`` bounds every layer's per-head budget (PyramidKV's bottom layer
+  gets up to ``2 (B - w) + w``; CAKE and HeadKV can give a layer the whole prompt), and
+  ``order_cap`` bounds any single head's budget (Ada-KV can hand one head most of its layer).
+  Metrics are exact because no budget ever exceeds these bounds."""
+  P = prompt_len
+  layer_cap = {"uniform": max_budget, "pyramid": 2 * max_budget + 1}.get(key.schedule, P)
+  if key.head_alloc == "headkv":
+    layer_cap = P
+  layer_cap = min(layer_cap, P)
+  order_cap = P if key.head_alloc != "uniform" else layer_cap
+  return layer_cap, order_cap
+
+
+def make_evaluator(
+  key: GroupKey, dims: synthetic.Dims, max_budget: int, bytes_per_value: int
+) -> Callable:
+  """The single-configuration function of a group: ``(evidence, data) -> metrics``.
+
+  Evidence is an argument, not a closure, so XLA never constant-folds the shared sort; under
+  ``vmap(in_axes=(None, 0))`` everything that does not read ``data`` is computed once.
+  """
+  P = dims.prompt_len
+  layer_cap, cap = capacities(key, max_budget, P)
+
+  def evaluate(ev: dict, d: dict) -> dict:
+    m = ev["mass"]
+    fact = jnp.broadcast_to(ev["fact"].astype(jnp.float32), m.shape)
+    scores_LHP = _policy_scores(key, ev, dims, d["sinks"])
+    _, order = jax.lax.top_k(scores_LHP, cap)
+    mass_prefix = _prefix(jnp.take_along_axis(m, order, -1))
+    fact_prefix = _prefix(jnp.take_along_axis(fact, order, -1))
+    oracle_prefix = _prefix(jax.lax.top_k(m, cap)[0])
+    budget_LH = _allocate(key, d, scores_LHP, ev, dims, layer_cap)
+    n = jnp.minimum(budget_LH, cap)[..., None]
+    full = budget_LH >= P  # the no-compression guard: everything stays
+
+    def at(prefix, total):
+      return jnp.where(full, total, jnp.take_along_axis(prefix, n, -1)[..., 0])
+
+    retained = at(mass_prefix, m.sum(-1))
+    oracle = at(oracle_prefix, m.sum(-1))
+    hits = at(fact_prefix, fact.sum(-1))
+    tokens = jnp.minimum(budget_LH, P).sum()
+    return {
+      "retained_mass": retained.mean(),
+      "oracle_mass": oracle.mean(),
+      "oracle_gap": (oracle - retained).mean(),
+      "fact_recall": hits.sum() / jnp.maximum(fact.sum(), 1.0),
+      "cache_tokens": tokens,
+      "cache_bytes": tokens * 2 * dims.head_dim * bytes_per_value,
+      "budget_L": budget_LH.mean(-1),
+    }
+
+  return evaluate
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+def _sharding():
+  devices = jax.devices()
+  if len(devices) == 1:
+    return None, 1
+  mesh = Mesh(np.asarray(devices), ("c",))
+  return NamedSharding(mesh, PartitionSpec("c")), len(devices)
+
+
+def _stack(members: list[dict], size: int) -> dict:
+  padded = members + [members[-1]] * (size - len(members))  # pad: one shape, one compile
+  out = {}
+  for f in DATA_FIELDS:
+    dtype = np.int32 if f in ("budget", "sinks") else np.float32
+    out[f] = np.asarray([c[f] for c in padded], dtype)
+  return out
+
+
+class Engine:
+  """Evaluates configurations group by group: one compiled ``jit(vmap)`` per static structure
+  (scenarios share it: their evidence is data), chunks of ``chunk_size`` configurations."""
+
+  def __init__(self, world_cfg, *, capacity: int, chunk_size: int = 256, bytes_per_value: int = 2):
+    self.world_cfg = world_cfg
+    self.capacity = capacity
+    self.sharding, self.num_devices = _sharding()
+    self.chunk_size = -(-chunk_size // self.num_devices) * self.num_devices
+    self.bytes_per_value = bytes_per_value
+    self._evidence: dict[str, WorldEvidence] = {}
+    self.compiled: dict[tuple, Callable] = {}
+
+  def world_evidence(self, scenario: str) -> WorldEvidence:
+    if scenario not in self._evidence:
+      self._evidence[scenario] = world_evidence(scenario, self.world_cfg)
+    return self._evidence[scenario]
+
+  def evidence(self, key: GroupKey) -> dict:
+    """The arrays a group reads (H2O column sums and HeadKV head scores only when needed)."""
+    ev = self.world_evidence(key.scenario)
+    arrays = {"attn": ev.attn_window_LHWP, "mass": ev.future_mass_LHP, "fact": ev.fact_P}
+    if key.policy.startswith("h2o"):
+      arrays["column_sums"] = ev.column_sums_LHP
+    if key.head_alloc == "headkv":
+      arrays["head_scores"] = ev.head_scores_LH
+    return arrays
+
+  def group_fn(self, key: GroupKey) -> Callable:
+    structure = dataclasses.replace(key, scenario="")
+    if structure not in self.compiled:
+      dims = self.world_evidence(key.scenario).world.dims
+      single = make_evaluator(structure, dims, self.capacity, self.bytes_per_value)
+      self.compiled[structure] = jax.jit(jax.vmap(single, in_axes=(None, 0)))
+    return self.compiled[structure]
+
+  def evaluate(self, members: list[dict]):
+    """Metrics of ``members`` (one group), chunk by chunk: yields a list of row dicts per chunk."""
+    key = group_key(members[0])
+    fn = self.group_fn(key)
+    evidence = self.evidence(key)
+    for start in range(0, len(members), self.chunk_size):
+      chunk = members[start : start + self.chunk_size]
+      data = _stack(chunk, self.chunk_size)
+      if self.sharding is not None:
+        data = jax.device_put(data, self.sharding)
+      out = jax.device_get(fn(evidence, data))
+      rows = []
+      for i, cfg in enumerate(chunk):
+        row = {"config_id": config_id(cfg)} | {k: cfg[k] for k in FIELDS}
+        row |= {k: float(out[k][i]) for k in METRICS}
+        row["budget_profile"] = json.dumps(np.round(out["budget_L"][i], 2).tolist())
+        rows.append(row)
+      yield rows
+
+
+# --------------------------------------------------------------------------- results on disk
+
+
+def _grid_signature(config) -> str:
+  return json.dumps(
+    {"base": config.base.to_dict(), "grid": config.grid.to_dict(), "world": config.world.to_dict()},
+    sort_keys=True,
+    default=list,
+  )
+
+
+def _prepare_dir(config, out: pathlib.Path) -> None:
+  out.mkdir(parents=True, exist_ok=True)
+  sig_path = out / "sweep.json"
+  signature = _grid_signature(config)
+  if sig_path.exists() and sig_path.read_text() != signature:
+    raise ValueError(
+      f"workdir: {out} holds results of a different grid (sweep.json differs); "
+      "expected the same config to resume, or a fresh workdir"
+    )
+  sig_path.write_text(signature)
+  (out / "config.json").write_text(config.to_json_best_effort(indent=2))
+
+
+def read_results(path: pathlib.Path) -> pd.DataFrame:
+  """Complete rows of a results file; a line cut by an interruption is dropped and rewritten."""
+  if not path.exists():
+    return pd.DataFrame()
+  text = path.read_text()
+  if text and not text.endswith("\n"):
+    text = text[: text.rfind("\n") + 1]
+    path.write_text(text)
+  if not text.strip():
+    return pd.DataFrame()
+  return pd.read_csv(path)
+
+
+def _append(path: pathlib.Path, rows: list[dict]) -> None:
+  frame = pd.DataFrame(rows)
+  header = not path.exists() or path.stat().st_size == 0
+  data = frame.to_csv(index=False, header=header)
+  with open(path, "a") as f:  # one write per chunk, flushed to disk before the next
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def run(config, workdir, *, log=print, progress: bool = True) -> pd.DataFrame:
+  """Runs (or resumes) the sweep ``config`` into ``workdir``; returns the full results table."""
+  from tqdm.auto import tqdm  # noqa: PLC0415
+
+  configs = expand(config.grid, config.base)
+  engine = Engine(
+    config.world,
+    capacity=max(c["budget"] for c in configs),
+    chunk_size=config.chunk_size,
+    bytes_per_value=config.bytes_per_value,
+  )
+  if configs[0]["scenario"] not in synthetic.SCENARIOS:
+    validate(configs[0], None)
+  dims = engine.world_evidence(configs[0]["scenario"]).world.dims
+  for cfg in configs:
+    validate(cfg, dims)
+  ids = [config_id(c) for c in configs]
+  if len(set(ids)) != len(ids):
+    raise ValueError("grid: the grid repeats a configuration (duplicate config_id)")
+  out = pathlib.Path(workdir)
+  _prepare_dir(config, out)
+  path = out / "results.csv"
+  done = set(read_results(path).get("config_id", pd.Series(dtype=str)))
+  todo = [c for c in configs if config_id(c) not in done]
+  log(f"sweep: {len(configs)} configurations, {len(done)} already in {path}, {len(todo)} to run")
+  groups: dict[GroupKey, list[dict]] = {}
+  for cfg in todo:
+    groups.setdefault(group_key(cfg), []).append(cfg)
+  with tqdm(total=len(todo), unit="cfg", disable=not progress, smoothing=0.1) as bar:
+    for members in groups.values():
+      for rows in engine.evaluate(members):
+        _append(path, rows)
+        bar.update(len(rows))
+  table = read_results(path)
+  return table[table["config_id"].isin(set(ids))]
+
+
+def best_per_budget(table: pd.DataFrame, metric: str = "retained_mass") -> pd.DataFrame:
+  """The best realisable configuration at each budget (the oracle is the reference, not a
+  candidate), with the oracle's mass at that configuration as ``oracle_gap``."""
+  table = table[table["policy"] != "oracle"]
+  if table.empty:
+    return table
+  idx = table.groupby("budget")[metric].idxmax()
+  cols = [
+    "budget",
+    "policy",
+    "schedule",
+    "head_alloc",
+    metric,
+    "oracle_gap",
+    "fact_recall",
+    "cache_bytes",
+  ]
+  return table.loc[idx, cols].reset_index(drop=True)

@@ -1,0 +1,206 @@
+"""Sweeps: grid expansion, vmapped == looped, one compile per group, sharding, resume, bad input."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pandas as pd
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from configs import sweep_lab  # noqa: E402
+from kvjax import select, sweep  # noqa: E402
+
+
+def quick(**product):
+  c = sweep_lab.get_config("quick")
+  if product:
+    c.grid.product = ml_collections.ConfigDict(product)
+  return c
+
+
+def test_expand_product_and_zip():
+  c = quick()
+  c.grid.product = ml_collections.ConfigDict(dict(budget=(16, 32), policy=("snapkv", "h2o")))
+  c.grid.zip = ml_collections.ConfigDict(
+    dict(schedule=("uniform", "pyramid", "cake"), beta=(20.0, 4.0, 20.0))
+  )
+  configs = sweep.expand(c.grid, c.base)
+  assert len(configs) == 2 * 2 * 3
+  assert {(x["schedule"], x["beta"]) for x in configs} == {
+    ("uniform", 20.0),
+    ("pyramid", 4.0),
+    ("cake", 20.0),
+  }
+  ids = [sweep.config_id(x) for x in configs]
+  assert len(set(ids)) == len(ids)
+  shuffled = dict(reversed(list(configs[0].items())))
+  assert sweep.config_id(shuffled) == ids[0]
+
+
+@pytest.mark.parametrize(
+  "product, zipped, match",
+  [
+    ({}, {}, "grid: empty grid"),
+    (dict(budgte=(1,)), {}, "grid: unknown axis 'budgte'"),
+    (dict(budget=("64",)), {}, "grid: axis 'budget' value '64' is a str, expected int"),
+    (dict(budget=()), {}, "grid: axis 'budget' has no values"),
+    ({}, dict(schedule=("uniform", "pyramid"), beta=(1.0,)), "zip axes have different lengths"),
+  ],
+)
+def test_bad_grids(product, zipped, match):
+  c = quick()
+  c.grid.product = ml_collections.ConfigDict(product)
+  c.grid.zip = ml_collections.ConfigDict(zipped)
+  with pytest.raises(ValueError, match=match):
+    sweep.expand(c.grid, c.base)
+
+
+def test_bad_configurations(tmp_path):
+  with pytest.raises(ValueError, match="budget: 100000 does not fit the world"):
+    sweep.run(quick(budget=(100000,)), tmp_path / "a", progress=False)
+  with pytest.raises(ValueError, match="schedule: unknown value 'pyramidal'"):
+    sweep.run(quick(schedule=("pyramidal",)), tmp_path / "b", progress=False)
+  with pytest.raises(ValueError, match="policy: unknown value 'snap'"):
+    sweep.run(quick(policy=("snap",)), tmp_path / "c", progress=False)
+  with pytest.raises(ValueError, match="kernel: expected a positive odd"):
+    sweep.run(quick(kernel=(4,)), tmp_path / "d", progress=False)
+  sweep.run(quick(budget=(16,)), tmp_path / "e", progress=False, log=lambda *_: None)
+  with pytest.raises(ValueError, match="workdir: .* holds results of a different grid"):
+    sweep.run(quick(budget=(32,)), tmp_path / "e", progress=False)
+
+
+def test_vmapped_equals_loop_of_single_config_function():
+  c = quick(
+    policy=("snapkv", "streaming_llm", "h2o"),
+    schedule=("uniform", "pyramid", "cake"),
+    head_alloc=("uniform", "adakv"),
+    budget=(20, 40),
+    sinks=(2, 4),
+  )
+  configs = sweep.expand(c.grid, c.base)
+  engine = sweep.Engine(c.world, capacity=40, chunk_size=8)
+  groups = {}
+  for cfg in configs:
+    groups.setdefault(sweep.group_key(cfg), []).append(cfg)
+  for key, members in groups.items():
+    rows = [r for chunk in engine.evaluate(members) for r in chunk]
+    single = jax.jit(
+      sweep.make_evaluator(key, engine.world_evidence(key.scenario).world.dims, 40, 2)
+    )
+    ev = engine.evidence(key)
+    for cfg, row in zip(members, rows, strict=True):
+      data = {k: v[0] for k, v in sweep._stack([cfg], 1).items()}
+      out = single(ev, data)
+      for m in ("retained_mass", "oracle_gap", "fact_recall", "cache_tokens"):
+        np.testing.assert_allclose(row[m], float(out[m]), rtol=1e-5, atol=1e-6)
+  # one compile per static structure, however many chunks
+  assert all(fn._cache_size() == 1 for fn in engine.compiled.values())
+
+
+def test_prefix_sum_metric_equals_the_mask_route():
+  c = quick(policy=("snapkv",), head_alloc=("adakv",), schedule=("pyramid",), budget=(24,))
+  cfg = sweep.expand(c.grid, c.base)[0]
+  engine = sweep.Engine(c.world, capacity=24)
+  row = next(engine.evaluate([cfg]))[0]
+  key = sweep.group_key(cfg)
+  ev = engine.evidence(key)
+  dims = engine.world_evidence(key.scenario).world.dims
+  scores = sweep._policy_scores(key, ev, dims, cfg["sinks"])
+  d = {k: jnp.asarray(v[0]) for k, v in sweep._stack([cfg], 1).items()}
+  budget_LH = sweep._allocate(
+    key, d, scores, ev, dims, sweep.capacities(key, 24, dims.prompt_len)[0]
+  )
+  keep = select.keep_mask(scores, budget_LH)
+  expected = float((np.asarray(ev["mass"]) * np.asarray(keep)).sum(-1).mean())
+  np.testing.assert_allclose(row["retained_mass"], expected, rtol=1e-5)
+  assert row["cache_tokens"] == int(np.asarray(budget_LH).sum())
+
+
+def run_cli(workdir, *extra, env=None, wait=True):
+  cmd = [
+    sys.executable,
+    str(ROOT / "experiments" / "sweep.py"),
+    "--config=configs/sweep_lab.py:quick",
+    f"--config.workdir={workdir}",
+    *extra,
+  ]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+  if not wait:
+    return subprocess.Popen(
+      cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+  return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_entry_point_writes_results_and_plots(tmp_path):
+  out = run_cli(tmp_path)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert f"run directory: {tmp_path}" in out.stdout
+  table = pd.read_csv(tmp_path / "results.csv")
+  assert len(table) == 12 and table["config_id"].is_unique
+  for col in (
+    "config_id",
+    "policy",
+    "schedule",
+    "budget",
+    "retained_mass",
+    "oracle_gap",
+    "cache_bytes",
+  ):
+    assert col in table.columns
+  for png in ("metric_vs_budget.png", "budget_profiles.png", "pareto.png"):
+    assert (tmp_path / png).stat().st_size > 5000
+  assert json.loads((tmp_path / "sweep.json").read_text())["grid"]["product"]["budget"] == [
+    16,
+    32,
+    64,
+  ]
+
+
+def test_interrupted_run_resumes_without_loss_or_duplicates(tmp_path):
+  budgets = "--config.grid.product.budget=(12,16,20,24,28,32,40,48,56,64)"
+  proc = run_cli(tmp_path / "run", budgets, "--config.chunk_size=2", "--noplots", wait=False)
+  results = tmp_path / "run" / "results.csv"
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:
+    if results.exists() and results.read_text().count("\n") >= 4:
+      proc.send_signal(signal.SIGKILL)
+      break
+    time.sleep(0.02)
+  proc.wait(timeout=60)
+  assert proc.returncode == -signal.SIGKILL, "the run finished before it could be interrupted"
+  partial = pd.read_csv(results)
+  assert 0 < len(partial) < 40
+  out = run_cli(tmp_path / "run", budgets, "--config.chunk_size=2", "--noplots")
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert f"{len(partial)} already in" in out.stdout + out.stderr
+  resumed = pd.read_csv(results)
+  assert len(resumed) == 40 and resumed["config_id"].is_unique
+  clean = run_cli(tmp_path / "clean", budgets, "--noplots")
+  assert clean.returncode == 0
+  fresh = pd.read_csv(tmp_path / "clean" / "results.csv").set_index("config_id").sort_index()
+  resumed = resumed.set_index("config_id").sort_index()
+  pd.testing.assert_series_equal(resumed["retained_mass"], fresh["retained_mass"], rtol=1e-6)
+
+
+def test_sharded_over_8_host_devices_matches_one_device(tmp_path):
+  one = run_cli(tmp_path / "one", "--noplots")
+  eight = run_cli(
+    tmp_path / "eight", "--noplots", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  )
+  assert one.returncode == 0 and eight.returncode == 0, eight.stderr[-3000:]
+  a = pd.read_csv(tmp_path / "one" / "results.csv").set_index("config_id").sort_index()
+  b = pd.read_csv(tmp_path / "eight" / "results.csv").set_index("config_id").sort_index()
+  for m in ("retained_mass", "oracle_gap", "fact_recall", "cache_tokens"):
+    np.testing.assert_allclose(a[m], b[m], rtol=1e-5, atol=1e-7)
