@@ -253,6 +253,7 @@ def adakv(
   normalize: bool = False,
   mode: str = "official",
   capacity: int | None = None,
+  table: Array | None = None,
 ) -> Array:
   """Ada-KV head-adaptive budgets ``[L, H]`` int32 (window included) from per-head scores.
 
@@ -271,7 +272,8 @@ def adakv(
     then the layer keeps its best ``H * budget`` scores across heads: counts sum exactly to
     ``H * budget``. Window protection comes from the scores (``+inf``).
 
-  ``capacity``: static bound on ``budget`` for the top-k (default ``T``).
+  ``capacity``: static bound on ``budget`` for the top-k (default ``T``). ``table``: the
+  :func:`adakv_table` of these scores, to share one pooled selection across many budgets.
   """
   _check_choice("mode", mode, ADAKV_MODES)
   if not hasattr(scores_LHT, "ndim") or scores_LHT.ndim != 3:
@@ -289,12 +291,22 @@ def adakv(
   if mode == "kvpress":
     out = _adakv_kvpress(scores_LHT, budget_L, floor_alpha, min(capacity, T))
   else:
-    out = _adakv_official(scores_LHT, budget_L, window, floor_alpha, normalize, min(capacity, T))
+    out = _adakv_official(
+      scores_LHT, budget_L, window, floor_alpha, normalize, min(capacity, T), table
+    )
   # A head that wins nothing (no floor, no window) under a positive budget would be left empty.
   return _check_not_empty("budget", out, jnp.where(budget_L[:, None] > 0, T, 0))
 
 
-def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity):
+def adakv_table(scores_LHT: Array, window: int, capacity: int) -> Array:
+  """The pooled count table of the official Ada-KV allocation (prefix scores, no window), for
+  per-head budgets up to ``capacity``: see :func:`kvjax.select.pooled_count_table`."""
+  L, H, T = scores_LHT.shape
+  cap = max(min(capacity, T - window), 1)
+  return select.pooled_count_table(scores_LHT[..., : T - window].astype(jnp.float32), cap * H)
+
+
+def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity, table=None):
   L, H, T = scores_LHT.shape
   prefix_LHP = scores_LHT[..., : T - window].astype(jnp.float32)
   cap = max(min(capacity, T - window), 1)
@@ -307,7 +319,7 @@ def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity):
   if normalize:  # the scaling depends on the budget: one pooled selection per budget
     counts_LH = select.pooled_budgets(prefix_LHP, pooled_L, capacity=min(cap * H, H * (T - window)))
   else:  # budget-free scores: one pooled top-k, every budget a lookup (vmaps cheaply)
-    table = select.pooled_count_table(prefix_LHP, cap * H)
+    table = adakv_table(scores_LHT, window, capacity) if table is None else table
     counts_LH = select.pooled_counts_from_table(table, pooled_L)
   floor_L = _int_product(base_L, alpha)
   caps_LH = jnp.round(counts_LH * (1.0 - alpha) + floor_L[:, None]).astype(jnp.int32) + window
@@ -425,17 +437,21 @@ def headkv_scores_from_json(path: str, num_layers: int, num_heads: int) -> np.nd
 # --------------------------------------------------------------------------- CAKE
 
 
-def cake_preference(attn_LHWT: Array, window: int, tau1=1.0, tau2=1.0) -> Array:
-  """CAKE layer preference ``P_l = H_l^(1/tau1) * V_l^(1/tau2)`` ``[L]``.
-
-  On the window rows over the prefix keys ``A = attn[..., -w:, :-w]`` (not renormalised):
-  ``H_l = -sum A log(A + 1e-10)`` over every head, row and key; ``V_l`` = the unbiased variance
-  over the window queries, summed over heads and keys.
-  """
+def cake_statistics(attn_LHWT: Array, window: int) -> tuple[Array, Array]:
+  """CAKE's per-layer entropy ``H_l`` and variance ``V_l`` ``([L], [L])`` on the window rows over
+  the prefix keys ``A = attn[..., -w:, :-w]`` (not renormalised): ``H_l = -sum A log(A + 1e-10)``
+  over every head, row and key; ``V_l`` = the unbiased variance over the window queries, summed
+  over heads and keys. Budget-free, so a sweep computes them once."""
   T = attn_LHWT.shape[-1]
   A = attn_LHWT[..., -window:, : T - window].astype(jnp.float32)
   entropy_L = -(A * jnp.log(A + 1e-10)).sum((1, 2, 3))
   var_L = A.var(axis=2, ddof=1).sum((1, 2))
+  return entropy_L, var_L
+
+
+def cake_preference(attn_LHWT: Array, window: int, tau1=1.0, tau2=1.0) -> Array:
+  """CAKE layer preference ``P_l = H_l^(1/tau1) * V_l^(1/tau2)`` ``[L]`` (:func:`cake_statistics`)."""
+  entropy_L, var_L = cake_statistics(attn_LHWT, window)
   return entropy_L ** (1.0 / tau1) * var_L ** (1.0 / tau2)
 
 
@@ -481,7 +497,15 @@ def cake(attn_LHWT: Array, budget, window: int, tau1=1.0, tau2=1.0) -> Array:
   for name, tau in (("tau1", tau1), ("tau2", tau2)):
     if _concrete(tau) and float(tau) <= 0:
       raise ValueError(f"{name}: expected a positive temperature, got {tau!r}")
-  pref_L = cake_preference(attn_LHWT, window, tau1, tau2)
+  return cake_from_statistics(cake_statistics(attn_LHWT, window), budget, window, T, tau1, tau2)
+
+
+def cake_from_statistics(statistics, budget, window: int, q_len: int, tau1=1.0, tau2=1.0) -> Array:
+  """:func:`cake` from precomputed :func:`cake_statistics` (what a sweep over budgets and
+  temperatures shares)."""
+  entropy_L, var_L = statistics
+  L, T = entropy_L.shape[0], q_len
+  pref_L = entropy_L ** (1.0 / tau1) * var_L ** (1.0 / tau2)
   total = (jnp.asarray(budget, jnp.int32) - window) * L
   raw_L = pref_L / pref_L.sum() * total
   layer_L = jnp.minimum(adjust_budgets(raw_L, total, T - window), T - window) + window

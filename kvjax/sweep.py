@@ -275,21 +275,24 @@ def _policy_scores(key: GroupKey, ev: dict, dims: synthetic.Dims, sinks) -> Arra
   return policies.make(key.policy, **options).scores(evidence)
 
 
-def _allocate(key: GroupKey, d: dict, scores_LHP: Array, ev: dict, dims, capacity: int) -> Array:
+def _allocate(key: GroupKey, d: dict, shared: dict, dims, layer_cap: int) -> Array:
   L, H, P = dims.num_layers, dims.num_heads, dims.prompt_len
   b = d["budget"]
   if key.head_alloc == "headkv":
-    return budgets_lib.headkv(ev["head_scores"], b, key.window, beta=d["head_beta"], q_len=P)
+    return budgets_lib.headkv(shared["head_scores"], b, key.window, beta=d["head_beta"], q_len=P)
   if key.schedule == "uniform":
     budget_L = jnp.full((L,), b, jnp.int32)
   elif key.schedule == "pyramid":
     budget_L = budgets_lib.pyramid(L, b, key.window, P, beta=d["beta"], mode=key.pyramid_mode)
   else:
-    budget_L = budgets_lib.cake(ev["attn"], b, key.window, d["tau1"], d["tau2"])
+    budget_L = budgets_lib.cake_from_statistics(
+      shared["cake_stats"], b, key.window, P, d["tau1"], d["tau2"]
+    )
   if key.head_alloc == "uniform":
     return budgets_lib.per_head(budget_L, H)
   return budgets_lib.adakv(
-    scores_LHP, budget_L, key.window, floor_alpha=d["alpha"], capacity=capacity
+    shared["scores"], budget_L, key.window, floor_alpha=d["alpha"], capacity=layer_cap,
+    table=shared["adakv_table"],
   )
 
 
@@ -313,47 +316,78 @@ def capacities(key: GroupKey, max_budget: int, prompt_len: int) -> tuple[int, in
   return layer_cap, order_cap
 
 
-def make_evaluator(
-  key: GroupKey, dims: synthetic.Dims, max_budget: int, bytes_per_value: int
-) -> Callable:
-  """The single-configuration function of a group: ``(evidence, data) -> metrics``.
+def make_evaluator(key: GroupKey, dims: synthetic.Dims, max_budget: int, bytes_per_value: int):
+  """A group's two functions: ``prepare(evidence) -> shared`` (scores, one sort, prefix sums,
+  Ada-KV's pooled table, CAKE's statistics: everything budget-free, computed once per group) and
+  ``per_config(shared, data) -> metrics`` (allocation and gathers; vmapped over configurations).
 
-  Evidence is an argument, not a closure, so XLA never constant-folds the shared sort; under
-  ``vmap(in_axes=(None, 0))`` everything that does not read ``data`` is computed once.
+  Evidence is an argument, not a closure, so XLA never constant-folds the shared sort.
+  StreamingLLM's scores depend on its (data) sink count, so it sorts per configuration.
   """
   P = dims.prompt_len
   layer_cap, cap = capacities(key, max_budget, P)
+  per_config_scores = key.policy == "streaming_llm"
 
-  def evaluate(ev: dict, d: dict) -> dict:
-    m = ev["mass"]
-    fact = jnp.broadcast_to(ev["fact"].astype(jnp.float32), m.shape)
-    scores_LHP = _policy_scores(key, ev, dims, d["sinks"])
+  def ordered(ev, scores_LHP):
     _, order = jax.lax.top_k(scores_LHP, cap)
-    mass_prefix = _prefix(jnp.take_along_axis(m, order, -1))
-    fact_prefix = _prefix(jnp.take_along_axis(fact, order, -1))
-    oracle_prefix = _prefix(jax.lax.top_k(m, cap)[0])
-    budget_LH = _allocate(key, d, scores_LHP, ev, dims, layer_cap)
+    fact = jnp.broadcast_to(ev["fact"].astype(jnp.float32), ev["mass"].shape)
+    return {
+      "mass_prefix": _prefix(jnp.take_along_axis(ev["mass"], order, -1)),
+      "fact_prefix": _prefix(jnp.take_along_axis(fact, order, -1)),
+    }
+
+  def prepare(ev: dict) -> dict:
+    m = ev["mass"]
+    shared = {
+      "mass_total": m.sum(-1),
+      "fact_total": jnp.broadcast_to(ev["fact"].sum().astype(jnp.float32), m.shape[:-1]),
+      "oracle_prefix": _prefix(jax.lax.top_k(m, cap)[0]),
+      "head_scores": ev.get("head_scores"),
+      "cake_stats": budgets_lib.cake_statistics(ev["attn"], key.window) if key.schedule == "cake" else None,
+      "scores": None,
+      "adakv_table": None,
+    }
+    if per_config_scores:
+      shared["ev"] = ev
+      return shared
+    scores_LHP = _policy_scores(key, ev, dims, 0)
+    shared.update(ordered(ev, scores_LHP), scores=scores_LHP)
+    if key.head_alloc == "adakv":
+      shared["adakv_table"] = budgets_lib.adakv_table(scores_LHP, key.window, layer_cap)
+    return shared
+
+  def per_config(shared: dict, d: dict) -> dict:
+    if per_config_scores:
+      scores_LHP = _policy_scores(key, shared["ev"], dims, d["sinks"])
+      shared = dict(shared, scores=scores_LHP, **ordered(shared["ev"], scores_LHP))
+    budget_LH = _allocate(key, d, shared, dims, layer_cap)
     n = jnp.minimum(budget_LH, cap)[..., None]
     full = budget_LH >= P  # the no-compression guard: everything stays
 
     def at(prefix, total):
       return jnp.where(full, total, jnp.take_along_axis(prefix, n, -1)[..., 0])
 
-    retained = at(mass_prefix, m.sum(-1))
-    oracle = at(oracle_prefix, m.sum(-1))
-    hits = at(fact_prefix, fact.sum(-1))
+    retained = at(shared["mass_prefix"], shared["mass_total"])
+    oracle = at(shared["oracle_prefix"], shared["mass_total"])
+    hits = at(shared["fact_prefix"], shared["fact_total"])
     tokens = jnp.minimum(budget_LH, P).sum()
     return {
       "retained_mass": retained.mean(),
       "oracle_mass": oracle.mean(),
       "oracle_gap": (oracle - retained).mean(),
-      "fact_recall": hits.sum() / jnp.maximum(fact.sum(), 1.0),
+      "fact_recall": hits.sum() / jnp.maximum(shared["fact_total"].sum(), 1.0),
       "cache_tokens": tokens,
       "cache_bytes": tokens * 2 * dims.head_dim * bytes_per_value,
       "budget_L": budget_LH.mean(-1),
     }
 
-  return evaluate
+  return prepare, per_config
+
+
+def single_config_fn(key: GroupKey, dims: synthetic.Dims, max_budget: int, bytes_per_value: int = 2):
+  """One configuration end to end, ``(evidence, data) -> metrics`` (the loop baseline)."""
+  prepare, per_config = make_evaluator(key, dims, max_budget, bytes_per_value)
+  return lambda ev, d: per_config(prepare(ev), d)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -404,25 +438,26 @@ class Engine:
       arrays["head_scores"] = ev.head_scores_LH
     return arrays
 
-  def group_fn(self, key: GroupKey) -> Callable:
+  def group_fn(self, key: GroupKey) -> tuple[Callable, Callable]:
+    """``(jit(prepare), jit(vmap(per_config)))`` for the group's static structure."""
     structure = dataclasses.replace(key, scenario="")
     if structure not in self.compiled:
       dims = self.world_evidence(key.scenario).world.dims
-      single = make_evaluator(structure, dims, self.capacity, self.bytes_per_value)
-      self.compiled[structure] = jax.jit(jax.vmap(single, in_axes=(None, 0)))
+      prepare, per_config = make_evaluator(structure, dims, self.capacity, self.bytes_per_value)
+      self.compiled[structure] = (jax.jit(prepare), jax.jit(jax.vmap(per_config, in_axes=(None, 0))))
     return self.compiled[structure]
 
   def evaluate(self, members: list[dict]):
     """Metrics of ``members`` (one group), chunk by chunk: yields a list of row dicts per chunk."""
     key = group_key(members[0])
-    fn = self.group_fn(key)
-    evidence = self.evidence(key)
+    prepare, fn = self.group_fn(key)
+    shared = prepare(self.evidence(key))
     for start in range(0, len(members), self.chunk_size):
       chunk = members[start : start + self.chunk_size]
       data = _stack(chunk, self.chunk_size)
       if self.sharding is not None:
         data = jax.device_put(data, self.sharding)
-      out = jax.device_get(fn(evidence, data))
+      out = jax.device_get(fn(shared, data))
       rows = []
       for i, cfg in enumerate(chunk):
         row = {"config_id": config_id(cfg)} | {k: cfg[k] for k in FIELDS}
