@@ -94,11 +94,7 @@ def by_group(configs):
 
 
 def sweep_all(engine, groups) -> int:
-  n = 0
-  for members in groups.values():
-    for rows in engine.evaluate(members):
-      n += len(rows)
-  return n
+  return sum(len(rows) for rows in engine.evaluate_groups(groups))
 
 
 def main() -> None:
@@ -111,7 +107,9 @@ def main() -> None:
   world = ml_collections.ConfigDict(
     dict(num_layers=L, num_heads=H, prompt_len=P, gen_steps=S, head_dim=4, window=16, seed=0)
   )
-  print(f"jax {jax.__version__} on {jax.default_backend()} x{jax.device_count()}; world L={L} H={H} P={P}")
+  print(
+    f"jax {jax.__version__} on {jax.default_backend()} x{jax.device_count()}; world L={L} H={H} P={P}"
+  )
   configs = make_configs(1000, P)
   groups = by_group(configs)
   engine = sweep.Engine(world, capacity=max(c["budget"] for c in configs), chunk_size=1000)
@@ -131,15 +129,21 @@ def main() -> None:
   print(f"first pass (compile + run): {first:.2f} s; compile ~ {first - compiled:.2f} s")
 
   # the per-configuration stage alone (shared per-group work excluded)
-  shared = {}
-  for key in groups:
-    prepare, _ = engine.group_fn(key)
-    shared[key] = jax.block_until_ready(prepare(engine.evidence(key)))
-  start = time.perf_counter()
+  staged = []
   for key, members in groups.items():
-    _, fn = engine.group_fn(key)
+    fns = engine.group_fns(key)
+    ev = engine.evidence(key)
+    state = jax.block_until_ready(fns["prepare"](ev))
+    cap = sweep.round_capacity(512 * 3, P)
+    ordered = None
+    if state["scores"] is not None:
+      ordered = jax.block_until_ready(engine._order(fns["fns"].order, ev, state["scores"], cap))
     data = sweep._stack(members, engine.chunk_size)
-    jax.block_until_ready(fn(shared[key], data))
+    jax.block_until_ready(fns["metrics"](state, ordered, data, cap))  # compile for this cap
+    staged.append((fns["metrics"], state, ordered, data, cap))
+  start = time.perf_counter()
+  for fn, state, ordered, data, cap in staged:
+    jax.block_until_ready(fn(state, ordered, data, cap))
   stage = time.perf_counter() - start
   print(
     f"compiled sweep: {n} configs in {compiled:.2f} s = {n / compiled:,.0f} configs/s end to end; "
@@ -175,7 +179,9 @@ def main() -> None:
       start = time.perf_counter()
       done = sweep_all(engine_many, many)
       took = time.perf_counter() - start
-    print(f"{done:>6} configs: {took:.1f} s, {done / took:,.0f} configs/s, peak RSS {mem.peak:,.0f} MiB")
+    print(
+      f"{done:>6} configs: {took:.1f} s, {done / took:,.0f} configs/s, peak RSS {mem.peak:,.0f} MiB"
+    )
 
 
 if __name__ == "__main__":

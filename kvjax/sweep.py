@@ -291,7 +291,11 @@ def _allocate(key: GroupKey, d: dict, shared: dict, dims, layer_cap: int) -> Arr
   if key.head_alloc == "uniform":
     return budgets_lib.per_head(budget_L, H)
   return budgets_lib.adakv(
-    shared["scores"], budget_L, key.window, floor_alpha=d["alpha"], capacity=layer_cap,
+    shared["scores"],
+    budget_L,
+    key.window,
+    floor_alpha=d["alpha"],
+    capacity=layer_cap,
     table=shared["adakv_table"],
   )
 
@@ -301,93 +305,125 @@ def _prefix(values_LHK: Array) -> Array:
   return jnp.concatenate([zeros, jnp.cumsum(values_LHK, -1)], -1)
 
 
-def capacities(key: GroupKey, max_budget: int, prompt_len: int) -> tuple[int, int]:
-  """Static bounds ``(layer_cap, order_cap)`` for a group whose nominal budgets are at most
-  ``max_budget``: ``layer_cap`` bounds every layer's per-head budget (PyramidKV's bottom layer
-  gets up to ``2 (B - w) + w``; CAKE and HeadKV can give a layer the whole prompt), and
-  ``order_cap`` bounds any single head's budget (Ada-KV can hand one head most of its layer).
-  Metrics are exact because no budget ever exceeds these bounds."""
-  P = prompt_len
-  layer_cap = {"uniform": max_budget, "pyramid": 2 * max_budget + 1}.get(key.schedule, P)
-  if key.head_alloc == "headkv":
-    layer_cap = P
-  layer_cap = min(layer_cap, P)
-  order_cap = P if key.head_alloc != "uniform" else layer_cap
-  return layer_cap, order_cap
+def layer_capacity(key: GroupKey, max_budget: int, prompt_len: int) -> int:
+  """Static bound on any layer's per-head budget before head allocation: PyramidKV's bottom
+  layer gets up to ``2 (B - w) + w``; CAKE and HeadKV can give a layer the whole prompt."""
+  cap = {"uniform": max_budget, "pyramid": 2 * max_budget + 1}.get(key.schedule, prompt_len)
+  return min(prompt_len if key.head_alloc == "headkv" else cap, prompt_len)
 
 
-def make_evaluator(key: GroupKey, dims: synthetic.Dims, max_budget: int, bytes_per_value: int):
-  """A group's two functions: ``prepare(evidence) -> shared`` (scores, one sort, prefix sums,
-  Ada-KV's pooled table, CAKE's statistics: everything budget-free, computed once per group) and
-  ``per_config(shared, data) -> metrics`` (allocation and gathers; vmapped over configurations).
+def round_capacity(max_budget: int, prompt_len: int, quantum: int = 256) -> int:
+  """The sort depth for budgets up to ``max_budget``: rounded up (with slack) so a handful of
+  static shapes serve every sweep, and never beyond the prompt."""
+  return min(prompt_len, -(-(max_budget + 1) // quantum) * quantum)
 
-  Evidence is an argument, not a closure, so XLA never constant-folds the shared sort.
-  StreamingLLM's scores depend on its (data) sink count, so it sorts per configuration.
+
+@dataclasses.dataclass(frozen=True)
+class GroupFunctions:
+  """The pure functions of one static structure (see :func:`make_group`)."""
+
+  prepare: Callable  # evidence -> allocation state (scores, Ada-KV table, CAKE statistics, ...)
+  allocate: Callable  # (state, data) -> budget_LH
+  order: Callable  # (evidence, scores, order_cap) -> prefix sums in this policy's order
+  metrics: Callable  # (state, ordered, data, order_cap) -> metrics
+
+
+def make_group(
+  key: GroupKey, dims: synthetic.Dims, max_budget: int, bytes_per_value: int
+) -> GroupFunctions:
+  """A group's functions. Everything budget-free (scores, Ada-KV's pooled count table, CAKE's
+  statistics, the sort and its prefix sums) is computed once; a configuration is an allocation
+  and a few gathers. Evidence is an argument, never a closure, so XLA does not constant-fold the
+  sort. StreamingLLM's scores depend on its (data) sink count, so it sorts per configuration.
   """
   P = dims.prompt_len
-  layer_cap, cap = capacities(key, max_budget, P)
+  layer_cap = layer_capacity(key, max_budget, P)
   per_config_scores = key.policy == "streaming_llm"
 
-  def ordered(ev, scores_LHP):
-    _, order = jax.lax.top_k(scores_LHP, cap)
-    fact = jnp.broadcast_to(ev["fact"].astype(jnp.float32), ev["mass"].shape)
-    return {
-      "mass_prefix": _prefix(jnp.take_along_axis(ev["mass"], order, -1)),
-      "fact_prefix": _prefix(jnp.take_along_axis(fact, order, -1)),
-    }
-
   def prepare(ev: dict) -> dict:
-    m = ev["mass"]
-    shared = {
-      "mass_total": m.sum(-1),
-      "fact_total": jnp.broadcast_to(ev["fact"].sum().astype(jnp.float32), m.shape[:-1]),
-      "oracle_prefix": _prefix(jax.lax.top_k(m, cap)[0]),
+    state = {
+      "ev": ev,
       "head_scores": ev.get("head_scores"),
-      "cake_stats": budgets_lib.cake_statistics(ev["attn"], key.window) if key.schedule == "cake" else None,
+      "cake_stats": budgets_lib.cake_statistics(ev["attn"], key.window)
+      if key.schedule == "cake"
+      else None,
       "scores": None,
       "adakv_table": None,
     }
-    if per_config_scores:
-      shared["ev"] = ev
-      return shared
-    scores_LHP = _policy_scores(key, ev, dims, 0)
-    shared.update(ordered(ev, scores_LHP), scores=scores_LHP)
-    if key.head_alloc == "adakv":
-      shared["adakv_table"] = budgets_lib.adakv_table(scores_LHP, key.window, layer_cap)
-    return shared
+    if not per_config_scores:
+      state["scores"] = _policy_scores(key, ev, dims, 0)
+      if key.head_alloc == "adakv":
+        state["adakv_table"] = budgets_lib.adakv_table(state["scores"], key.window, layer_cap)
+    return state
 
-  def per_config(shared: dict, d: dict) -> dict:
+  def scores_of(state, d):
     if per_config_scores:
-      scores_LHP = _policy_scores(key, shared["ev"], dims, d["sinks"])
-      shared = dict(shared, scores=scores_LHP, **ordered(shared["ev"], scores_LHP))
-    budget_LH = _allocate(key, d, shared, dims, layer_cap)
-    n = jnp.minimum(budget_LH, cap)[..., None]
+      return _policy_scores(key, state["ev"], dims, d["sinks"])
+    return state["scores"]
+
+  def allocate(state: dict, d: dict) -> Array:
+    if per_config_scores and key.head_alloc == "adakv":
+      scores = scores_of(state, d)
+      state = dict(
+        state, scores=scores, adakv_table=budgets_lib.adakv_table(scores, key.window, layer_cap)
+      )
+    return _allocate(key, d, state, dims, layer_cap)
+
+  def order(ev: dict, scores_LHP, order_cap: int) -> dict:
+    _, idx = jax.lax.top_k(scores_LHP, order_cap)
+    m = ev["mass"]
+    fact = jnp.broadcast_to(ev["fact"].astype(jnp.float32), m.shape)
+    return {
+      "mass_prefix": _prefix(jnp.take_along_axis(m, idx, -1)),
+      "fact_prefix": _prefix(jnp.take_along_axis(fact, idx, -1)),
+      "oracle_prefix": _prefix(jax.lax.top_k(m, order_cap)[0]),
+      "mass_total": m.sum(-1),
+      "fact_total": jnp.broadcast_to(ev["fact"].astype(jnp.float32).sum(), m.shape[:-1]),
+    }
+
+  def metrics(state: dict, ordered: dict, d: dict, order_cap: int) -> dict:
+    if per_config_scores:
+      ordered = order(state["ev"], scores_of(state, d), order_cap)
+    budget_LH = allocate(state, d)
+    n = jnp.minimum(budget_LH, order_cap)[..., None]
     full = budget_LH >= P  # the no-compression guard: everything stays
 
     def at(prefix, total):
       return jnp.where(full, total, jnp.take_along_axis(prefix, n, -1)[..., 0])
 
-    retained = at(shared["mass_prefix"], shared["mass_total"])
-    oracle = at(shared["oracle_prefix"], shared["mass_total"])
-    hits = at(shared["fact_prefix"], shared["fact_total"])
+    retained = at(ordered["mass_prefix"], ordered["mass_total"])
+    oracle = at(ordered["oracle_prefix"], ordered["mass_total"])
+    hits = at(ordered["fact_prefix"], ordered["fact_total"])
     tokens = jnp.minimum(budget_LH, P).sum()
     return {
       "retained_mass": retained.mean(),
       "oracle_mass": oracle.mean(),
       "oracle_gap": (oracle - retained).mean(),
-      "fact_recall": hits.sum() / jnp.maximum(shared["fact_total"].sum(), 1.0),
+      "fact_recall": hits.sum() / jnp.maximum(ordered["fact_total"].sum(), 1.0),
       "cache_tokens": tokens,
       "cache_bytes": tokens * 2 * dims.head_dim * bytes_per_value,
       "budget_L": budget_LH.mean(-1),
+      # a budget past the sort depth would be silently clamped: the engine checks this flag
+      "overflow": jnp.any((budget_LH > order_cap) & ~full),
     }
 
-  return prepare, per_config
+  return GroupFunctions(prepare, allocate, order, metrics)
 
 
-def single_config_fn(key: GroupKey, dims: synthetic.Dims, max_budget: int, bytes_per_value: int = 2):
-  """One configuration end to end, ``(evidence, data) -> metrics`` (the loop baseline)."""
-  prepare, per_config = make_evaluator(key, dims, max_budget, bytes_per_value)
-  return lambda ev, d: per_config(prepare(ev), d)
+def single_config_fn(
+  key: GroupKey, dims: synthetic.Dims, max_budget: int, bytes_per_value: int = 2
+):
+  """One configuration end to end, ``(evidence, data) -> metrics``, sorting the whole prompt
+  (the loop baseline and the reference the vmapped sweep is tested against)."""
+  fns = make_group(key, dims, max_budget, bytes_per_value)
+  P = dims.prompt_len
+
+  def single(ev, d):
+    state = fns.prepare(ev)
+    scores = state["scores"] if state["scores"] is not None else jnp.zeros(ev["mass"].shape)
+    return fns.metrics(state, fns.order(ev, scores, P), d, P)
+
+  return single
 
 
 # --------------------------------------------------------------------------- the engine
@@ -410,9 +446,19 @@ def _stack(members: list[dict], size: int) -> dict:
   return out
 
 
+def _scores_key(key: GroupKey) -> tuple:
+  """Groups that share scores (and so one sort): same world, scorer and scorer options."""
+  return (key.scenario, key.policy, key.window, key.kernel, key.pool)
+
+
 class Engine:
-  """Evaluates configurations group by group: one compiled ``jit(vmap)`` per static structure
-  (scenarios share it: their evidence is data), chunks of ``chunk_size`` configurations."""
+  """Evaluates configurations in two passes over their groups (one group = one static
+  structure; scenarios share compiled code, their evidence being data):
+
+  1. allocate every configuration (cheap, vmapped) to learn the largest per-head budget;
+  2. sort each shared score set once, only as deep as that budget, then evaluate every
+     configuration chunk by chunk with one compiled ``jit(vmap)`` per group.
+  """
 
   def __init__(self, world_cfg, *, capacity: int, chunk_size: int = 256, bytes_per_value: int = 2):
     self.world_cfg = world_cfg
@@ -421,7 +467,10 @@ class Engine:
     self.chunk_size = -(-chunk_size // self.num_devices) * self.num_devices
     self.bytes_per_value = bytes_per_value
     self._evidence: dict[str, WorldEvidence] = {}
-    self.compiled: dict[tuple, Callable] = {}
+    self.compiled: dict[GroupKey, dict[str, Callable]] = {}
+    self._order = jax.jit(
+      lambda order, ev, scores, cap: order(ev, scores, cap), static_argnums=(0, 3)
+    )
 
   def world_evidence(self, scenario: str) -> WorldEvidence:
     if scenario not in self._evidence:
@@ -438,33 +487,73 @@ class Engine:
       arrays["head_scores"] = ev.head_scores_LH
     return arrays
 
-  def group_fn(self, key: GroupKey) -> tuple[Callable, Callable]:
-    """``(jit(prepare), jit(vmap(per_config)))`` for the group's static structure."""
+  def group_fns(self, key: GroupKey) -> dict[str, Callable]:
+    """Compiled functions of the group's static structure (each compiles once)."""
     structure = dataclasses.replace(key, scenario="")
     if structure not in self.compiled:
       dims = self.world_evidence(key.scenario).world.dims
-      prepare, per_config = make_evaluator(structure, dims, self.capacity, self.bytes_per_value)
-      self.compiled[structure] = (jax.jit(prepare), jax.jit(jax.vmap(per_config, in_axes=(None, 0))))
+      fns = make_group(structure, dims, self.capacity, self.bytes_per_value)
+      self.compiled[structure] = {
+        "fns": fns,
+        "prepare": jax.jit(fns.prepare),
+        "max_budget": jax.jit(jax.vmap(fns.allocate, in_axes=(None, 0))),
+        "metrics": jax.jit(jax.vmap(fns.metrics, in_axes=(None, None, 0, None)), static_argnums=3),
+      }
     return self.compiled[structure]
 
-  def evaluate(self, members: list[dict]):
-    """Metrics of ``members`` (one group), chunk by chunk: yields a list of row dicts per chunk."""
-    key = group_key(members[0])
-    prepare, fn = self.group_fn(key)
-    shared = prepare(self.evidence(key))
+  def _chunks(self, members: list[dict]):
     for start in range(0, len(members), self.chunk_size):
       chunk = members[start : start + self.chunk_size]
       data = _stack(chunk, self.chunk_size)
       if self.sharding is not None:
         data = jax.device_put(data, self.sharding)
-      out = jax.device_get(fn(shared, data))
-      rows = []
-      for i, cfg in enumerate(chunk):
-        row = {"config_id": config_id(cfg)} | {k: cfg[k] for k in FIELDS}
-        row |= {k: float(out[k][i]) for k in METRICS}
-        row["budget_profile"] = json.dumps(np.round(out["budget_L"][i], 2).tolist())
-        rows.append(row)
-      yield rows
+      yield chunk, data
+
+  def evaluate_groups(self, groups: dict[GroupKey, list[dict]]):
+    """Yields ``(rows, n)`` per evaluated chunk for all ``groups`` (two passes, see above)."""
+    states, deepest = {}, {}
+    for key, members in groups.items():  # pass 1: allocations only
+      fns = self.group_fns(key)
+      states[key] = fns["prepare"](self.evidence(key))
+      top = max(
+        int(np.asarray(fns["max_budget"](states[key], data)).max())
+        for _, data in self._chunks(members)
+      )
+      deepest[_scores_key(key)] = max(deepest.get(_scores_key(key), 0), top)
+    ordered_cache = {}
+    for key, members in groups.items():  # pass 2: one sort per score set, then gathers
+      fns = self.group_fns(key)
+      P = self.world_evidence(key.scenario).world.dims.prompt_len
+      cap = round_capacity(deepest[_scores_key(key)], P)
+      state = states.pop(key)
+      ordered = None
+      if state["scores"] is not None:
+        cache_key = (_scores_key(key), cap)
+        if cache_key not in ordered_cache:
+          ordered_cache.clear()  # bounded memory: keep one score set's prefixes at a time
+          ordered_cache[cache_key] = self._order(
+            fns["fns"].order, self.evidence(key), state["scores"], cap
+          )
+        ordered = ordered_cache[cache_key]
+      for chunk, data in self._chunks(members):
+        out = jax.device_get(fns["metrics"](state, ordered, data, cap))
+        if np.any(out["overflow"][: len(chunk)]):
+          raise RuntimeError(f"sweep: a budget exceeded the sort depth {cap} in group {key}")
+        yield self._rows(chunk, out)
+
+  def evaluate(self, members: list[dict]):
+    """Rows of one group's configurations, chunk by chunk."""
+    yield from self.evaluate_groups({group_key(members[0]): members})
+
+  @staticmethod
+  def _rows(chunk: list[dict], out: dict) -> list[dict]:
+    rows = []
+    for i, cfg in enumerate(chunk):
+      row = {"config_id": config_id(cfg)} | {k: cfg[k] for k in FIELDS}
+      row |= {k: float(out[k][i]) for k in METRICS}
+      row["budget_profile"] = json.dumps(np.round(out["budget_L"][i], 2).tolist())
+      rows.append(row)
+    return rows
 
 
 # --------------------------------------------------------------------------- results on disk
@@ -543,10 +632,9 @@ def run(config, workdir, *, log=print, progress: bool = True) -> pd.DataFrame:
   for cfg in todo:
     groups.setdefault(group_key(cfg), []).append(cfg)
   with tqdm(total=len(todo), unit="cfg", disable=not progress, smoothing=0.1) as bar:
-    for members in groups.values():
-      for rows in engine.evaluate(members):
-        _append(path, rows)
-        bar.update(len(rows))
+    for rows in engine.evaluate_groups(groups):
+      _append(path, rows)
+      bar.update(len(rows))
   table = read_results(path)
   return table[table["config_id"].isin(set(ids))]
 

@@ -95,7 +95,9 @@ def test_vmapped_equals_loop_of_single_config_function():
     groups.setdefault(sweep.group_key(cfg), []).append(cfg)
   for key, members in groups.items():
     rows = [r for chunk in engine.evaluate(members) for r in chunk]
-    single = jax.jit(sweep.single_config_fn(key, engine.world_evidence(key.scenario).world.dims, 40))
+    single = jax.jit(
+      sweep.single_config_fn(key, engine.world_evidence(key.scenario).world.dims, 40)
+    )
     ev = engine.evidence(key)
     for cfg, row in zip(members, rows, strict=True):
       data = {k: v[0] for k, v in sweep._stack([cfg], 1).items()}
@@ -103,7 +105,9 @@ def test_vmapped_equals_loop_of_single_config_function():
       for m in ("retained_mass", "oracle_gap", "fact_recall", "cache_tokens"):
         np.testing.assert_allclose(row[m], float(out[m]), rtol=1e-5, atol=1e-6)
   # one compile per static structure, however many chunks
-  assert all(f._cache_size() == 1 for fns in engine.compiled.values() for f in fns)
+  for fns in engine.compiled.values():
+    for name in ("prepare", "max_budget", "metrics"):
+      assert fns[name]._cache_size() == 1, name
 
 
 def test_prefix_sum_metric_equals_the_mask_route():
@@ -116,9 +120,8 @@ def test_prefix_sum_metric_equals_the_mask_route():
   dims = engine.world_evidence(key.scenario).world.dims
   scores = sweep._policy_scores(key, ev, dims, cfg["sinks"])
   d = {k: jnp.asarray(v[0]) for k, v in sweep._stack([cfg], 1).items()}
-  prepare, _ = sweep.make_evaluator(key, dims, 24, 2)
-  layer_cap = sweep.capacities(key, 24, dims.prompt_len)[0]
-  budget_LH = sweep._allocate(key, d, prepare(ev), dims, layer_cap)
+  fns = sweep.make_group(key, dims, 24, 2)
+  budget_LH = fns.allocate(fns.prepare(ev), d)
   keep = select.keep_mask(scores, budget_LH)
   expected = float((np.asarray(ev["mass"]) * np.asarray(keep)).sum(-1).mean())
   np.testing.assert_allclose(row["retained_mass"], expected, rtol=1e-5)
