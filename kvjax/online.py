@@ -132,7 +132,7 @@ def simulate(
     evidence = prompt_evidence(world, jax.random.key(seed))
   if name in ("sliding_window", "streaming_llm", "h2o", "tova", "oracle", "random"):
     L, H = world.dims.num_layers, world.dims.num_heads
-    budget_LH = policies._as_LH(budget, L, H)
+    budget_LH = policies.as_budget_LH(budget, L, H)
   else:
     budget_LH = allocate(world, policy, budget, evidence)
   b = check_budget(world, budget_LH)

@@ -154,8 +154,12 @@ def _score_cake(evidence, opts):
 # --------------------------------------------------------------------------- allocators
 
 
-def _as_LH(budget, L: int, H: int) -> Array:
-  budget = jnp.asarray(budget, jnp.int32)
+def as_budget_LH(budget, L: int, H: int) -> Array:
+  """A scalar, ``[L]`` or ``[L, H]`` budget as ``budget_LH`` int32 (``ValueError`` otherwise)."""
+  budget = jnp.asarray(budget)
+  if not jnp.issubdtype(budget.dtype, jnp.integer):
+    raise ValueError(f"budget: expected integer token counts, got dtype {budget.dtype}")
+  budget = budget.astype(jnp.int32)
   if budget.ndim == 1:
     budget = budget[:, None]
   try:
@@ -174,7 +178,7 @@ def _window_of(evidence: Evidence, opts) -> int:
 
 def _alloc_given(evidence, scores_LHT, budget, opts):
   L, H, _ = scores_LHT.shape
-  return _as_LH(budget, L, H)
+  return as_budget_LH(budget, L, H)
 
 
 def _alloc_pyramid(evidence, scores_LHT, budget, opts):
