@@ -1,0 +1,7 @@
+"""Real models: a flax nnx Llama-family decoder, HF checkpoint loading, a compressed KV cache."""
+
+from kvjax.model.config import ModelConfig, from_hf_dict
+from kvjax.model.llama import Llama, forward, prefill
+from kvjax.model.loading import load
+
+__all__ = ["Llama", "ModelConfig", "forward", "from_hf_dict", "load", "prefill"]

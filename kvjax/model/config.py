@@ -1,0 +1,107 @@
+"""Model configuration read from a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, Qwen3).
+
+transformers 5 keeps RoPE settings in ``rope_parameters``; older files use ``rope_theta`` and
+``rope_scaling``: both are accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+SUPPORTED = {
+  "LlamaForCausalLM": "llama",
+  "MistralForCausalLM": "mistral",
+  "Qwen2ForCausalLM": "qwen2",
+  "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The static description of a Llama-family decoder (hashable: usable as a jit static arg)."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  rope_type: str = "default"  # default | llama3
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
+  tie_word_embeddings: bool = False
+  qkv_bias: bool = False  # Qwen2 (and Llama's attention_bias)
+  o_bias: bool = False  # Llama's attention_bias also biases o_proj
+  qk_norm: bool = False  # Qwen3
+  sliding_window: int | None = None  # Mistral (when the prompt is longer than it)
+  family: str = "llama"
+
+  @property
+  def num_groups(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+
+def _rope(raw: dict) -> dict:
+  params = dict(raw.get("rope_parameters") or {})
+  scaling = dict(raw.get("rope_scaling") or {})
+  params = {**scaling, **params}
+  theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+  rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+  if rope_type not in ("default", "llama3"):
+    raise ValueError(f"rope_type: unsupported {rope_type!r}; supported: 'default', 'llama3'")
+  out = dict(rope_theta=float(theta), rope_type=rope_type)
+  if rope_type == "llama3":
+    out.update(
+      rope_factor=float(params["factor"]),
+      rope_low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+      rope_high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+      rope_original_max_positions=int(params.get("original_max_position_embeddings", 8192)),
+    )
+  return out
+
+
+def from_hf_dict(raw: dict) -> ModelConfig:
+  """A ``ModelConfig`` from the parsed ``config.json``; unsupported architectures name themselves."""
+  archs = raw.get("architectures") or []
+  arch = next((a for a in archs if a in SUPPORTED), None)
+  if arch is None:
+    raise ValueError(
+      f"architectures: {archs or raw.get('model_type')!r} is not supported; "
+      f"supported: {sorted(SUPPORTED)}"
+    )
+  family = SUPPORTED[arch]
+  heads = int(raw["num_attention_heads"])
+  head_dim = raw.get("head_dim") or int(raw["hidden_size"]) // heads
+  use_sliding = family == "mistral" or raw.get("use_sliding_window", False)
+  return ModelConfig(
+    vocab_size=int(raw["vocab_size"]),
+    hidden_size=int(raw["hidden_size"]),
+    intermediate_size=int(raw["intermediate_size"]),
+    num_layers=int(raw["num_hidden_layers"]),
+    num_heads=heads,
+    num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+    head_dim=int(head_dim),
+    rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+    tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+    o_bias=family != "qwen2" and bool(raw.get("attention_bias", False)),
+    qk_norm=family == "qwen3",
+    sliding_window=raw.get("sliding_window") if use_sliding else None,
+    family=family,
+    **_rope(raw),
+  )
+
+
+def from_pretrained_dir(path: str | pathlib.Path) -> ModelConfig:
+  path = pathlib.Path(path)
+  config_path = path / "config.json"
+  if not config_path.exists():
+    raise ValueError(f"path: {path} has no config.json")
+  return from_hf_dict(json.loads(config_path.read_text()))

@@ -1,0 +1,107 @@
+"""Hugging Face checkpoints (``*.safetensors``, single or sharded with an index) -> :class:`Llama`.
+
+A missing or mis-shaped tensor raises ``ValueError`` naming the tensor, the expected and the
+found shape. Hub ids are fetched with ``huggingface_hub`` when the machine is online (tests
+never do: they save tiny checkpoints themselves).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.model import config as config_lib
+from kvjax.model.llama import Llama
+
+
+def _read_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+  from safetensors.numpy import load_file  # noqa: PLC0415
+
+  index = path / "model.safetensors.index.json"
+  if index.exists():
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+  else:
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+  if not files:
+    raise ValueError(f"path: no *.safetensors files in {path}")
+  tensors: dict[str, np.ndarray] = {}
+  for name in files:
+    tensors.update(load_file(str(path / name)))
+  return tensors
+
+
+def _expected(cfg: config_lib.ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
+  """HF tensor name per layer -> (kvjax param, torch shape [out, in], transpose?)."""
+  d, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+  spec = {
+    "self_attn.q_proj.weight": ("wq", (q, d), True),
+    "self_attn.k_proj.weight": ("wk", (kv, d), True),
+    "self_attn.v_proj.weight": ("wv", (kv, d), True),
+    "self_attn.o_proj.weight": ("wo", (d, q), True),
+    "mlp.gate_proj.weight": ("w_gate", (F, d), True),
+    "mlp.up_proj.weight": ("w_up", (F, d), True),
+    "mlp.down_proj.weight": ("w_down", (d, F), True),
+    "input_layernorm.weight": ("attn_norm", (d,), False),
+    "post_attention_layernorm.weight": ("mlp_norm", (d,), False),
+  }
+  if cfg.qkv_bias:
+    spec |= {
+      "self_attn.q_proj.bias": ("bq", (q,), False),
+      "self_attn.k_proj.bias": ("bk", (kv,), False),
+      "self_attn.v_proj.bias": ("bv", (kv,), False),
+    }
+  if cfg.o_bias:
+    spec["self_attn.o_proj.bias"] = ("bo", (d,), False)
+  if cfg.qk_norm:
+    spec |= {
+      "self_attn.q_norm.weight": ("q_norm", (D,), False),
+      "self_attn.k_norm.weight": ("k_norm", (D,), False),
+    }
+  return spec
+
+
+def _take(tensors: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
+  if name not in tensors:
+    raise ValueError(f"checkpoint: tensor {name!r} is missing (expected shape {shape})")
+  t = tensors[name]
+  if tuple(t.shape) != tuple(shape):
+    raise ValueError(f"checkpoint: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+  return np.asarray(t, np.float32)
+
+
+def params_from_tensors(cfg: config_lib.ModelConfig, tensors: dict, dtype=jnp.float32) -> dict:
+  """The stacked kvjax parameter dict from HF tensor names."""
+  out: dict[str, np.ndarray] = {}
+  for suffix, (name, shape, transpose) in _expected(cfg).items():
+    layers = [_take(tensors, f"model.layers.{i}.{suffix}", shape) for i in range(cfg.num_layers)]
+    out[name] = np.stack([w.T if transpose else w for w in layers])
+  out["embed"] = _take(tensors, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+  out["final_norm"] = _take(tensors, "model.norm.weight", (cfg.hidden_size,))
+  if not cfg.tie_word_embeddings:
+    out["lm_head"] = _take(tensors, "lm_head.weight", (cfg.vocab_size, cfg.hidden_size)).T
+  return {k: jnp.asarray(v, dtype) for k, v in out.items()}
+
+
+def load(
+  path_or_hub_id: str | pathlib.Path, dtype=jnp.float32
+) -> tuple[Llama, config_lib.ModelConfig]:
+  """``(model, config)`` from a local directory (``config.json`` + safetensors) or a hub id."""
+  path = pathlib.Path(path_or_hub_id)
+  if not path.exists():
+    from huggingface_hub import snapshot_download  # noqa: PLC0415
+
+    path = pathlib.Path(
+      snapshot_download(str(path_or_hub_id), allow_patterns=["*.json", "*.safetensors"])
+    )
+  cfg = config_lib.from_pretrained_dir(path)
+  params = params_from_tensors(cfg, _read_tensors(path), dtype)
+  model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(model, state)
+  return model, cfg
