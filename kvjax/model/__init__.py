@@ -5,3 +5,7 @@ from kvjax.model.llama import Llama, forward, prefill
 from kvjax.model.loading import load
 
 __all__ = ["Llama", "ModelConfig", "forward", "from_hf_dict", "load", "prefill"]
+
+from kvjax.model.generate import generate, generate_configs  # noqa: E402
+
+__all__ += ["generate", "generate_configs"]

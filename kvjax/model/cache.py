@@ -1,0 +1,287 @@
+"""A real compressed KV cache: fixed-capacity slot tables per (layer, batch row, head).
+
+``keys``/``values`` are ``[L, B, H, C, D]`` buffers sized by the capacity ``C`` (``H`` = KV heads,
+or query heads for the query-head layout of the published tables), with original positions and
+a validity mask per slot. Attention masks empty slots, never evicted keys: an evicted key is
+gone. Per-layer and per-head budgets decode correctly because every row is its own slot table.
+
+* :func:`compress` turns a prefill (:func:`kvjax.model.llama.prefill`) into a cache with any
+  registry policy and allocation, through :func:`kvjax.select.compact` (the only selection).
+* :func:`decode_step` runs one token through the model against the cache. Prefill-time policies
+  (SnapKV, PyramidKV, Ada-KV, HeadKV, CAKE, ...) and the full cache append without eviction, as
+  the official code does; decode-time policies (``sliding_window``, ``streaming_llm``, ``h2o``,
+  ``tova``) admit the new token and evict to stay within budget before attending.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax import policies, select
+from kvjax.model import llama
+from kvjax.model.config import ModelConfig
+
+Array = jax.Array
+
+DECODE_POLICIES = ("sliding_window", "streaming_llm", "h2o", "tova")
+LAYOUTS = ("kv", "query")
+
+
+@struct.dataclass
+class KVCache:
+  keys: Array  # [L, B, H, C, D] post-RoPE, original positions
+  values: Array  # [L, B, H, C, D]
+  positions: Array  # [L, B, H, C] int32
+  valid: Array  # [L, B, H, C] bool
+  budget: Array  # [B, L, H] int32: slots each row may hold
+  scores: Array | None = None  # [L, B, H, C] decode-time evidence (H2O sums, TOVA's last row)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+  """Static choices of a compressed cache."""
+
+  policy: policies.Policy
+  capacity: int
+  layout: str = "kv"  # "kv": per KV head; "query": per query head (K/V repeated, 4x for Llama 3)
+  recent: int = 8  # H2O's probation window during decoding
+
+  @property
+  def decode_time(self) -> bool:
+    return self.policy.name in DECODE_POLICIES
+
+
+def memory(cache: KVCache) -> dict:
+  """Bytes of the cache: allocated buffers, K/V actually held, bookkeeping."""
+  kv_itemsize = cache.keys.dtype.itemsize
+  D = cache.keys.shape[-1]
+  held = int(cache.valid.sum()) * 2 * D * kv_itemsize
+  allocated = 2 * cache.keys.size * kv_itemsize
+  book = (
+    cache.positions.size * 4
+    + cache.valid.size
+    + (0 if cache.scores is None else cache.scores.size * 4)
+  )
+  return {"kv_bytes_held": held, "kv_bytes_allocated": allocated, "bookkeeping_bytes": book}
+
+
+def full_cache_bytes(cfg: ModelConfig, batch: int, length: int, itemsize: int) -> int:
+  """Bytes of an uncompressed cache of ``length`` tokens (K and V, every KV head)."""
+  return cfg.num_layers * batch * cfg.num_kv_heads * length * cfg.head_dim * 2 * itemsize
+
+
+def _batch_first(x):
+  return None if x is None else jnp.moveaxis(x, 1, 0)
+
+
+def _evidence(pre: dict, valid_T: Array, rng) -> policies.Evidence:
+  """One example's evidence (batch axis removed); padding never scores."""
+  return policies.Evidence(
+    attn_window_LHWT=pre.get("attn_window"),
+    column_sums_LHT=pre.get("column_sums"),
+    legacy_column_sums_LHT=None,
+    keys_LGTD=pre["keys"],
+    rng=rng,
+  )
+
+
+def compress(
+  cfg: ModelConfig, pre: dict, spec: CacheSpec, budget, *, head_scores=None, rng=None
+) -> KVCache:
+  """A cache of capacity ``spec.capacity`` from prefill outputs ``pre`` under ``budget``
+  (scalar, ``[L]`` or ``[L, H]``), per batch row (allocations may differ between rows)."""
+  L, B, G, T, D = pre["keys"].shape
+  rng = jax.random.key(0) if rng is None else rng
+  keys, values = pre["keys"], pre["values"]
+  if spec.layout == "query":
+    keys, values = (jnp.repeat(t, cfg.num_groups, axis=2) for t in (keys, values))
+  H = keys.shape[2]
+
+  def one(pre_b, valid_T, keys_b, rng_b):
+    ev = _evidence(pre_b, valid_T, rng_b)
+    if head_scores is not None:
+      ev = ev.replace(head_scores_LH=head_scores)
+    if spec.policy.name == "full":
+      scores = jnp.broadcast_to(jnp.where(valid_T, 0.0, -jnp.inf), (L, H, T))
+      budget_LH = jnp.full((L, H), T, jnp.int32)
+    else:
+      scores = spec.policy.scores(ev)
+      if scores.shape[1] != H:
+        scores = _to_layout(scores, H, cfg)
+      scores = jnp.where(valid_T, scores, -jnp.inf)
+      budget_LH = spec.policy.budgets(ev, scores, budget)
+    count = jnp.minimum(budget_LH, valid_T.sum())
+    idx, kept = select.compact(scores, count, spec.capacity)
+    state = _decode_state(spec, pre_b, scores, idx, kept, H)
+    return idx, kept, budget_LH, state
+
+  pre_b = {k: _batch_first(pre.get(k)) for k in ("attn_window", "column_sums", "keys")}
+  idx, kept, budget_LH, state = jax.vmap(one)(
+    pre_b, pre["valid"], _batch_first(keys), jax.random.split(rng, B)
+  )
+  idx_L, kept_L = jnp.moveaxis(idx, 0, 1), jnp.moveaxis(kept, 0, 1)  # [L, B, H, C]
+  gather = lambda t: jnp.take_along_axis(t, idx_L[..., None], axis=3)  # noqa: E731
+  positions = jnp.take_along_axis(
+    jnp.broadcast_to(pre["positions"][None, :, None, :], (L, B, H, T)), idx_L, axis=3
+  )
+  return KVCache(
+    keys=jnp.where(kept_L[..., None], gather(keys), 0).astype(keys.dtype),
+    values=jnp.where(kept_L[..., None], gather(values), 0).astype(values.dtype),
+    positions=jnp.where(kept_L, positions, 0),
+    valid=kept_L,
+    budget=budget_LH,
+    scores=None if state is None else jnp.moveaxis(state, 0, 1),
+  )
+
+
+def _to_layout(scores_LHT, H, cfg):
+  """Query-head scores to the cache's heads (KV heads: mean over each group, as kvpress)."""
+  from kvjax import scores as scores_lib  # noqa: PLC0415
+
+  if scores_LHT.shape[1] == cfg.num_heads and cfg.num_kv_heads == H:
+    return scores_lib.group(scores_LHT, H, "mean")
+  if scores_LHT.shape[1] == cfg.num_kv_heads and cfg.num_heads == H:
+    return jnp.repeat(scores_LHT, cfg.num_groups, axis=1)
+  raise ValueError(f"scores: {scores_LHT.shape[1]} heads cannot map to the cache's {H} heads")
+
+
+def _decode_state(spec: CacheSpec, pre_b, scores_LHT, idx, kept, H):
+  if spec.policy.name == "h2o":
+    sums = pre_b["column_sums"]
+    if sums.shape[1] != H:
+      sums = sums.reshape(sums.shape[0], H, -1, sums.shape[-1]).mean(2)
+    return jnp.where(kept, jnp.take_along_axis(sums, idx, -1), 0.0)
+  if spec.policy.name == "tova":
+    return jnp.where(kept, jnp.take_along_axis(scores_LHT, idx, -1), 0.0)
+  return None
+
+
+def _eviction_scores(spec: CacheSpec, positions, scores, pos_B) -> Array:
+  """Decode-time keep scores of the current slots (higher = keep); H2O's probation covers the
+  ``recent`` positions before the new token's."""
+  name = spec.policy.name
+  recency = positions.astype(jnp.float32)
+  if name == "streaming_llm":
+    return jnp.where(positions < spec.policy.opts["sinks"], jnp.inf, recency)
+  if name == "h2o":
+    return jnp.where(positions > pos_B[:, None, None] - spec.recent, jnp.inf, scores)
+  if name == "tova":
+    return scores
+  return recency
+
+
+def _insert(spec: CacheSpec, layer_cache: dict, budget_BH, k_new, v_new, pos_B, t_B):
+  """Admit the new token into each row's slots (evicting per policy when the row is full)."""
+  keys, values, positions, valid = (
+    layer_cache[n] for n in ("keys", "values", "positions", "valid")
+  )
+  B, H, C, _ = keys.shape
+  fill = valid.sum(-1)
+  if spec.decode_time:
+    scores = layer_cache.get("scores")
+    keep_old = _eviction_scores(spec, positions, scores, pos_B)
+    keep_old = jnp.where(valid, keep_old, -jnp.inf)
+    # room for the new token: keep the best `budget - 1` current slots (select.keep_mask)
+    room = jnp.minimum(jnp.minimum(budget_BH, C) - 1, fill)
+    kept = select.keep_mask(keep_old, room) & valid
+    slot = jnp.argmin(kept, axis=-1)  # the first slot not kept: evicted, or empty
+    valid = kept
+  else:
+    slot = jnp.minimum(fill, C - 1)
+  onehot = jax.nn.one_hot(slot, C, dtype=bool)  # [B, H, C]
+  keys = jnp.where(onehot[..., None], k_new, keys)
+  values = jnp.where(onehot[..., None], v_new, values)
+  positions = jnp.where(onehot, pos_B[:, None, None], positions)
+  valid = valid | onehot
+  out = dict(layer_cache, keys=keys, values=values, positions=positions, valid=valid)
+  if spec.decode_time and layer_cache.get("scores") is not None:
+    out["scores"] = jnp.where(onehot, 0.0, jnp.where(valid, layer_cache["scores"], 0.0))
+  return out
+
+
+def decode_step(
+  cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache, token_B, pos_B, t_B
+):
+  """One generated token through every layer: ``(logits [B, V], updated cache)``.
+
+  ``pos_B`` is the token's RoPE position (original positions), ``t_B`` its index in the
+  sequence (for probation windows).
+  """
+  x = params["embed"][token_B][:, None, :]
+  stacked = {k: v for k, v in params.items() if k not in ("embed", "final_norm", "lm_head")}
+  layer_cache = {
+    "keys": cache.keys,
+    "values": cache.values,
+    "positions": cache.positions,
+    "valid": cache.valid,
+  }
+  if cache.scores is not None:
+    layer_cache["scores"] = cache.scores
+  budget_LBH = jnp.moveaxis(cache.budget, 0, 1)
+
+  def layer(x, inputs):
+    p, lc, budget_BH = inputs
+    q, k, v = llama.project_qkv(cfg, p, x, pos_B[:, None])
+    if spec.layout == "query":
+      k, v = jnp.repeat(k, cfg.num_groups, 1), jnp.repeat(v, cfg.num_groups, 1)
+    lc = _insert(spec, lc, budget_BH, k, v, pos_B, t_B)
+    probs = _cache_probs(q, lc["keys"], lc["valid"])
+    out = (
+      llama.attend(probs, lc["values"])
+      if spec.layout == "kv"
+      else _attend_query(probs, lc["values"])
+    )
+    if spec.decode_time and "scores" in lc:
+      lc = dict(lc, scores=_observe(spec, lc, probs, cfg))
+    return llama.output_and_mlp(cfg, p, x, out), lc
+
+  x, new = jax.lax.scan(layer, x, (stacked, layer_cache, budget_LBH))
+  logits = llama.logits_of(cfg, params, x)[:, 0]
+  return logits, cache.replace(**new)
+
+
+def _cache_probs(q_BHqD, keys_BHCD, valid_BHC):
+  """Softmax of the query over each row's valid slots: ``[B, Hq, 1, C]``."""
+  B, Hq, _, D = q_BHqD.shape
+  H = keys_BHCD.shape[1]
+  rep = Hq // H
+  q = q_BHqD.astype(jnp.float32).reshape(B, H, rep, 1, D)
+  logits = jnp.einsum("bhrqd,bhcd->bhrqc", q, keys_BHCD.astype(jnp.float32)) / jnp.sqrt(D).astype(
+    jnp.float32
+  )
+  logits = jnp.where(valid_BHC[:, :, None, None, :], logits, -jnp.inf)
+  return jax.nn.softmax(logits, -1).reshape(B, Hq, 1, -1)
+
+
+def _attend_query(probs_BHq1C, values_BHqCD):
+  return jnp.einsum("bhqc,bhcd->bhqd", probs_BHq1C, values_BHqCD.astype(jnp.float32))
+
+
+def _observe(spec: CacheSpec, lc, probs_BHq1C, cfg) -> Array:
+  """H2O accumulates the attention its own compressed cache received; TOVA keeps the row,
+  averaged over all heads of the layer."""
+  B, Hq, _, C = probs_BHq1C.shape
+  H = lc["keys"].shape[1]
+  per_head = probs_BHq1C[:, :, 0].reshape(B, H, Hq // H, C).mean(2)
+  if spec.policy.name == "h2o":
+    return lc["scores"] + per_head
+  # TOVA: mean over every query head of the layer, per slot position (rows share positions
+  # only when budgets are uniform; each head scores its own slots with the layer mean row)
+  return (
+    jnp.broadcast_to(per_head.mean(1, keepdims=True), per_head.shape)
+    if H == 1
+    else _tova_rows(lc, per_head)
+  )
+
+
+def _tova_rows(lc, per_head_BHC):
+  """Layer-mean attention of each cached position, read back at every head's slots."""
+  pos, valid = lc["positions"], lc["valid"]
+  same = (pos[:, :, None, :, None] == pos[:, None, :, None, :]) & valid[:, None, :, None, :]
+  # [B, H, H', C, C']: head h's slot c and head h''s slot c' hold the same position
+  mass = jnp.einsum("bhgcd,bgd->bhc", same.astype(jnp.float32), per_head_BHC)
+  return jnp.where(valid, mass / per_head_BHC.shape[1], 0.0)

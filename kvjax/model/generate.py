@@ -1,0 +1,203 @@
+"""Greedy (or sampled) generation with a compressed cache, and one prefill shared by many
+budget configurations (compress + decode vmapped over configurations)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import policies
+from kvjax.model import cache as cache_lib
+from kvjax.model import llama
+from kvjax.model.config import ModelConfig
+
+Array = jax.Array
+
+
+@dataclasses.dataclass
+class Generation:
+  tokens: np.ndarray  # [B, N] (or [C, B, N] for several configurations)
+  memory: dict  # cache bytes, and the full cache's for comparison
+  budget_LH: np.ndarray  # the allocation actually used, per batch row
+
+
+def to_left_padding(input_ids: np.ndarray, attention_mask: np.ndarray, pad_id: int = 0):
+  """Right- (or mixed-) padded rows moved so every row's real tokens end at the last column."""
+  ids, mask = np.asarray(input_ids), np.asarray(attention_mask).astype(bool)
+  out_ids, out_mask = np.full_like(ids, pad_id), np.zeros_like(mask)
+  for r in range(ids.shape[0]):
+    real = ids[r][mask[r]]
+    if real.size:
+      out_ids[r, -real.size :], out_mask[r, -real.size :] = real, True
+  return out_ids, out_mask.astype(np.int32)
+
+
+def _policy(name: str, options: dict) -> policies.Policy:
+  if name == "full":
+    if options:
+      raise ValueError(f"options: the full cache takes none, got {sorted(options)}")
+    return policies.Policy("full", ())
+  return policies.make(name, **options)
+
+
+def _window(policy: policies.Policy, T: int) -> int:
+  opts = dict(policy.options)
+  return min(int(opts.get("window") or 32), T)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "window", "column_sums"))
+def _prefill(cfg, params, ids, mask, window, column_sums):
+  return llama.prefill(cfg, params, ids, mask, window=window, column_sums=column_sums)
+
+
+def _allocation(cfg, pre, spec0, budget, head_scores):
+  """Every row's ``budget_LH`` (to size the cache before compressing)."""
+  cache = cache_lib.compress(
+    cfg, pre, dataclasses.replace(spec0, capacity=1), budget, head_scores=head_scores
+  )
+  return cache.budget
+
+
+def _capacity(policy, budget_max: int, T: int, new: int) -> int:
+  if policy.name == "full":
+    return T + new
+  if policy.name in cache_lib.DECODE_POLICIES:
+    return max(min(budget_max, T + new), 1)
+  return min(budget_max, T) + new
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "new", "temperature"))
+def _compress_and_decode(cfg, params, pre, spec, budget, head_scores, first, new, temperature, rng):
+  cache = cache_lib.compress(cfg, pre, spec, budget, head_scores=head_scores, rng=rng)
+  B, T = pre["valid"].shape
+  start_pos = pre["valid"].sum(-1).astype(jnp.int32)  # next RoPE position per row
+
+  def step(carry, i):
+    cache, token, rng = carry
+    rng, sub = jax.random.split(rng)
+    logits, cache = cache_lib.decode_step(cfg, params, spec, cache, token, start_pos + i, T + i)
+    return (cache, _pick(logits, temperature, sub), rng), token
+
+  (cache, last, _), tokens = jax.lax.scan(step, (cache, first, rng), jnp.arange(new - 1))
+  tokens = jnp.concatenate([tokens, last[None]], 0) if new > 1 else first[None]
+  return tokens.T, cache
+
+
+def _pick(logits_BV, temperature, rng):
+  if temperature == 0:
+    return jnp.argmax(logits_BV, -1).astype(jnp.int32)
+  return jax.random.categorical(rng, logits_BV / temperature).astype(jnp.int32)
+
+
+def _prepare(model, prompt_ids, attention_mask, padding_side, policy_name, options, max_new_tokens):
+  cfg: ModelConfig = model.cfg
+  ids = np.asarray(prompt_ids, np.int32)
+  if ids.ndim != 2:
+    raise ValueError(f"prompt_ids: expected [batch, T] token ids, got shape {ids.shape}")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+  if padding_side not in ("left", "right"):
+    raise ValueError(f"padding_side: expected 'left' or 'right', got {padding_side!r}")
+  mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, np.int32)
+  if mask.shape != ids.shape:
+    raise ValueError(f"attention_mask: shape {mask.shape}, expected {ids.shape}")
+  ids, mask = to_left_padding(ids, mask)  # left padding whichever side was given
+  policy = _policy(policy_name, options)
+  T = ids.shape[1]
+  window = _window(policy, T) if policy.name != "full" else 0
+  column_sums = policy.name.startswith("h2o")
+  params = model.params()
+  pre = _prefill(cfg, params, jnp.asarray(ids), jnp.asarray(mask), window, column_sums)
+  return cfg, params, policy, pre, T
+
+
+def generate(
+  model,
+  prompt_ids,
+  *,
+  policy: str = "full",
+  budget=None,
+  max_new_tokens: int = 32,
+  attention_mask=None,
+  padding_side: str = "left",
+  temperature: float = 0.0,
+  rng=None,
+  layout: str = "kv",
+  head_scores=None,
+  **policy_options,
+) -> Generation:
+  """Generates ``max_new_tokens`` per row with policy ``policy`` under ``budget`` (per head,
+  window included; a scalar, ``[L]`` or ``[L, H]``). ``policy="full"`` keeps everything.
+
+  The prompt is compressed once after prefill; prefill-time policies then append (no eviction),
+  decode-time policies evict as they go within ``budget``. Greedy by default.
+  """
+  if layout not in cache_lib.LAYOUTS:
+    raise ValueError(f"layout: expected one of {cache_lib.LAYOUTS}, got {layout!r}")
+  cfg, params, pol, pre, T = _prepare(
+    model, prompt_ids, attention_mask, padding_side, policy, policy_options, max_new_tokens
+  )
+  if pol.name != "full" and budget is None:
+    raise ValueError("budget: required for a compressing policy")
+  budget = 0 if budget is None else budget
+  spec = cache_lib.CacheSpec(pol, 1, layout)
+  budget_LH = (
+    np.asarray(_allocation(cfg, pre, spec, budget, head_scores)) if pol.name != "full" else None
+  )
+  cap = _capacity(pol, int(budget_LH.max()) if budget_LH is not None else T, T, max_new_tokens)
+  spec = dataclasses.replace(spec, capacity=cap)
+  first = jnp.argmax(pre["logits"][:, -1], -1).astype(jnp.int32)
+  rng = jax.random.key(0) if rng is None else rng
+  tokens, cache = _compress_and_decode(
+    cfg, params, pre, spec, budget, head_scores, first, max_new_tokens, float(temperature), rng
+  )
+  itemsize = cache.keys.dtype.itemsize
+  mem = cache_lib.memory(cache) | {
+    "full_cache_bytes": cache_lib.full_cache_bytes(
+      cfg, tokens.shape[0], T + max_new_tokens, itemsize
+    )
+  }
+  return Generation(np.asarray(tokens), mem, np.asarray(cache.budget))
+
+
+def generate_configs(
+  model,
+  prompt_ids,
+  budgets,
+  *,
+  policy: str,
+  max_new_tokens: int = 32,
+  attention_mask=None,
+  padding_side: str = "left",
+  layout: str = "kv",
+  head_scores=None,
+  **policy_options,
+) -> Generation:
+  """One prefill shared by ``C`` budget configurations (``budgets``: ``[C]``, ``[C, L]`` or
+  ``[C, L, H]``): compress + decode are vmapped over configurations. Tokens ``[C, B, N]``."""
+  cfg, params, pol, pre, T = _prepare(
+    model, prompt_ids, attention_mask, padding_side, policy, policy_options, max_new_tokens
+  )
+  budgets = jnp.asarray(budgets)
+  if not jnp.issubdtype(budgets.dtype, jnp.integer) or budgets.ndim < 1:
+    raise ValueError(
+      f"budgets: expected integer budgets with a leading config axis, got {budgets.dtype}{budgets.shape}"
+    )
+  spec = cache_lib.CacheSpec(pol, 1, layout)
+  alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, head_scores))(budgets)
+  cap = _capacity(pol, int(np.asarray(alloc).max()), T, max_new_tokens)
+  spec = dataclasses.replace(spec, capacity=cap)
+  first = jnp.argmax(pre["logits"][:, -1], -1).astype(jnp.int32)
+  run = jax.vmap(
+    lambda b: _compress_and_decode(
+      cfg, params, pre, spec, b, head_scores, first, max_new_tokens, 0.0, jax.random.key(0)
+    )[0]
+  )
+  tokens = run(budgets)
+  itemsize = pre["keys"].dtype.itemsize
+  held = int(np.minimum(np.asarray(alloc), T).sum()) * 2 * cfg.head_dim * itemsize
+  return Generation(np.asarray(tokens), {"kv_bytes_budgeted": held}, np.asarray(alloc))
