@@ -3,7 +3,11 @@
 This is a standalone script; it is NOT run by the test suite or CI (kvjax does not depend on
 torch). It runs several kvpress presses on a tiny seeded random Llama and writes
 ``tests/fixtures/kvpress_0_5_5.npz`` (~100 KB, float32/int32/bool arrays plus a
-``meta_json`` string describing every press and how kvpress scores it).
+``meta_json`` string describing every press and how kvpress scores it). It also saves the exact
+tiny checkpoint the presses ran with (final float32 weights, after the N(0, INIT_STD^2)
+re-initialisation) as ``tests/fixtures/kvpress_tiny_llama/`` (``config.json`` +
+``model.safetensors``, via ``save_pretrained(..., safe_serialization=True)``), so kvjax can run
+its own presses on the very same model; the prompt is ``input_ids_T`` in the npz.
 
 How to (re)generate, from the repository root, with a venv kept OUTSIDE the repo::
 
@@ -28,15 +32,18 @@ What it records (L layers, Hq query heads, G kv heads, T prompt tokens, D head d
 * ``<press>_keep_LGT``: which positions kvpress actually kept at compression_ratio=0.5, recovered
   from the compressed cache (or, for AdaKV, from ``module.masked_key_indices``).
 * ``pyramidkv_budgets_L`` and ``pyramid_budgets_grid`` (+ ``pyramid_budgets_grid_is_fallback``).
+* ``meta_json["checkpoint"]``: the checkpoint directory and where the prompt ids live.
 * ``adakv_knorm_a08_*``: an extra AdaKV(KnormPress, alpha_safeguard=0.8) run, whose safeguard
   really changes the kept set (the requested AdaKV(SnapKV, 0.2) safeguard is a no-op here).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -52,6 +59,10 @@ HQ = 4
 G = 2
 D = 16
 VOCAB = 128
+# Small MLP keeps the saved checkpoint at ~216 KB. 32 (not 64) also keeps every top-k margin
+# >= 6e-5 and keeps adakv_knorm_a08's safeguard active (64 left observed_attention at a 6e-6
+# margin and made that safeguard a no-op).
+INTERMEDIATE = 32
 INIT_STD = 0.2  # larger than Llama's 0.02 so attention is peaky and top-k margins are clear
 RATIO = 0.5
 WINDOW = 8
@@ -61,6 +72,8 @@ ALPHA = 0.2
 BETA = 20
 
 OUT = Path(__file__).resolve().parent / "fixtures" / "kvpress_0_5_5.npz"
+CKPT_DIR = OUT.parent / "kvpress_tiny_llama"
+CKPT_FILES = ("config.json", "model.safetensors")
 
 
 def _setup_determinism() -> None:
@@ -77,7 +90,7 @@ def build_model():
   config = LlamaConfig(
     vocab_size=VOCAB,
     hidden_size=HIDDEN,
-    intermediate_size=4 * HIDDEN,
+    intermediate_size=INTERMEDIATE,
     num_hidden_layers=LAYERS,
     num_attention_heads=HQ,
     num_key_value_heads=G,
@@ -101,6 +114,31 @@ def build_model():
         p.fill_(1.0)
   model.set_attn_implementation("eager")
   return model
+
+
+def save_checkpoint(model) -> dict:
+  """Save the exact float32 weights the presses ran with; reload and check they round-trip."""
+  from transformers import LlamaForCausalLM
+
+  assert all(p.dtype == torch.float32 for p in model.parameters())
+  if CKPT_DIR.exists():
+    shutil.rmtree(CKPT_DIR)
+  model.save_pretrained(CKPT_DIR, safe_serialization=True)
+  for extra in sorted(CKPT_DIR.iterdir()):
+    if extra.name not in CKPT_FILES:  # e.g. generation_config.json
+      extra.unlink()
+  assert sorted(f.name for f in CKPT_DIR.iterdir()) == sorted(CKPT_FILES)
+  for f in CKPT_FILES:
+    os.chmod(CKPT_DIR / f, 0o644)  # safetensors writes 0600
+  reloaded = LlamaForCausalLM.from_pretrained(CKPT_DIR, dtype=torch.float32)
+  ref = model.state_dict()
+  got = reloaded.state_dict()
+  assert sorted(ref) == sorted(got)
+  for k in ref:
+    assert got[k].dtype == torch.float32 and torch.equal(got[k], ref[k]), k
+  sizes = {f: (CKPT_DIR / f).stat().st_size for f in CKPT_FILES}
+  sha = hashlib.sha256((CKPT_DIR / "model.safetensors").read_bytes()).hexdigest()
+  return {"sizes": sizes, "sha256": sha, "reloaded": reloaded}
 
 
 def make_prompt() -> torch.Tensor:
@@ -298,7 +336,7 @@ def main() -> int:
     "model": {
       "class": "LlamaForCausalLM",
       "hidden_size": HIDDEN,
-      "intermediate_size": 4 * HIDDEN,
+      "intermediate_size": INTERMEDIATE,
       "num_hidden_layers": LAYERS,
       "num_attention_heads": HQ,
       "num_key_value_heads": G,
@@ -430,6 +468,29 @@ def main() -> int:
       "description": DESCRIPTIONS["adakv"].format(inner=inner_cls.__name__),
     }
   model.set_attn_implementation("eager")
+
+  # ---- checkpoint (the exact weights every press above ran with) ----------------------------
+  ckpt = save_checkpoint(model)
+  reloaded = ckpt["reloaded"]
+  reloaded.eval().set_attn_implementation("eager")
+  snap = SnapKVPress(compression_ratio=RATIO, window_size=WINDOW, kernel_size=KERNEL)
+  rec = Recorder(snap)
+  cache = run_press(reloaded, input_ids, snap)
+  assert np.array_equal(scores_arr(rec), arrays["snapkv_scores_LGT"])
+  assert np.array_equal(kept_from_cache(cache, rec), arrays["snapkv_keep_LGT"])
+  del reloaded, ckpt["reloaded"]
+  meta["checkpoint"] = {
+    "dir": CKPT_DIR.name,
+    "path": CKPT_DIR.relative_to(OUT.parents[2]).as_posix(),
+    "files": list(CKPT_FILES),
+    "format": "transformers LlamaForCausalLM save_pretrained(safe_serialization=True)",
+    "dtype": "float32",
+    "weights": "final weights every press ran with (after the N(0, INIT_STD^2) re-init)",
+    "model_safetensors_sha256": ckpt["sha256"],
+    "file_sizes_bytes": ckpt["sizes"],
+    "input_ids": "input_ids_T in this npz (int32 [T]; batch of 1, no BOS added, no attention mask)",
+    "verified": "reloaded checkpoint reproduces snapkv_scores_LGT and snapkv_keep_LGT exactly",
+  }
 
   # ---- PyramidKV budget grid -----------------------------------------------------------------
   rows, fallback = [], []

@@ -6,6 +6,7 @@ from kvjax.model.loading import load
 
 __all__ = ["Llama", "ModelConfig", "forward", "from_hf_dict", "load", "prefill"]
 
+from kvjax.model import cache  # noqa: E402
 from kvjax.model.generate import generate, generate_configs  # noqa: E402
 
 __all__ += ["generate", "generate_configs"]

@@ -73,11 +73,16 @@ class Llama(nnx.Module):
 # --------------------------------------------------------------------------- building blocks
 
 
+def along_last(w: Array, ndim: int) -> Array:
+  """A vector over the last axis, shaped to broadcast explicitly against rank ``ndim``."""
+  return w.reshape((1,) * (ndim - 1) + (-1,))
+
+
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
   """HF ``LlamaRMSNorm``: normalise in fp32, cast back, then scale."""
   h = x.astype(jnp.float32)
   h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-  return weight * h.astype(x.dtype)
+  return along_last(weight, x.ndim) * h.astype(x.dtype)
 
 
 def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -102,7 +107,7 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
 def rope(x_BNTD: Array, positions_BT: Array, cfg: ModelConfig) -> Array:
   """Rotary embedding, HF ``rotate_half`` convention; angles in fp32."""
   inv = jnp.asarray(inv_frequencies(cfg), jnp.float32)
-  angles = positions_BT.astype(jnp.float32)[..., None] * inv  # [B, T, D/2]
+  angles = positions_BT.astype(jnp.float32)[..., None] * inv[None, None]  # [B, T, D/2]
   angles = jnp.concatenate([angles, angles], -1)[:, None]  # [B, 1, T, D]
   cos, sin = jnp.cos(angles).astype(x_BNTD.dtype), jnp.sin(angles).astype(x_BNTD.dtype)
   half = x_BNTD.shape[-1] // 2
@@ -121,7 +126,7 @@ def project_qkv(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array):
   h = rms_norm(x_BTd, p["attn_norm"], cfg.rms_norm_eps)
   q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
   if cfg.qkv_bias:
-    q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    q, k, v = q + along_last(p["bq"], 3), k + along_last(p["bk"], 3), v + along_last(p["bv"], 3)
 
   def heads(t, n):
     return t.reshape(B, T, n, cfg.head_dim).transpose(0, 2, 1, 3)
@@ -159,7 +164,7 @@ def output_and_mlp(cfg: ModelConfig, p: dict, x_BTd: Array, attn_BHTD: Array) ->
   B, _, T, _ = attn_BHTD.shape
   o = attn_BHTD.transpose(0, 2, 1, 3).reshape(B, T, -1).astype(x_BTd.dtype) @ p["wo"]
   if cfg.o_bias:
-    o = o + p["bo"]
+    o = o + along_last(p["bo"], 3)
   x = x_BTd + o
   h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
   return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
