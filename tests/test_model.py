@@ -306,3 +306,43 @@ def test_snapkv_on_the_model_keeps_kvpress_positions():
   for l, h in np.ndindex(cfg.num_layers, cfg.num_kv_heads):
     kept[l, h, pos[l, h][valid[l, h]]] = True
   np.testing.assert_array_equal(kept, data["snapkv_keep_LGT"])
+
+
+def test_prefill_evidence_is_consistent_with_full_attention_maps():
+  _, path = make_checkpoint_cached()
+  model, cfg = km.load(path)
+  ids = prompt(T=37, B=2)
+  mask = np.ones_like(ids)
+  mask[1, :5] = 0  # a left-padded row
+  pre = km.prefill(
+    cfg,
+    model.params(),
+    jnp.asarray(ids),
+    jnp.asarray(mask),
+    window=6,
+    column_sums=True,
+    full_attention_layers=(0, 1),
+    block=8,
+  )
+  for layer in (0, 1):
+    maps = np.asarray(pre["full_attention"][layer])  # [B, Hq, T, T]
+    real = mask.astype(bool)
+    np.testing.assert_allclose(
+      maps.sum(-1)[real[:, None, :].repeat(cfg.num_heads, 1)], 1.0, atol=1e-5
+    )
+    assert (maps[1][..., :5] == 0).all(), "padding receives no attention"
+    np.testing.assert_allclose(np.asarray(pre["attn_window"][layer]), maps[:, :, -6:], atol=1e-6)
+    sums = (maps * real[:, None, :, None]).sum(-2)
+    np.testing.assert_allclose(np.asarray(pre["column_sums"][layer]), sums, atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(pre["key_norms"]), np.linalg.norm(np.asarray(pre["keys"]), axis=-1), rtol=1e-6
+  )
+
+
+def test_bfloat16_model_tracks_float32():
+  _, path = make_checkpoint_cached()
+  m32, _ = km.load(path)
+  m16, _ = km.load(path, dtype=jnp.bfloat16)
+  ids = jnp.asarray(prompt(T=24))
+  l32, l16 = np.asarray(m32(ids)), np.asarray(m16(ids))
+  assert l16.dtype == np.float32 and np.abs(l32 - l16).max() < 0.1 * np.abs(l32).max()
