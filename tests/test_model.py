@@ -1,5 +1,6 @@
 """Real models: parity with transformers, the compressed cache, generation, loading errors."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -194,6 +195,9 @@ def make_checkpoint_cached():
       **extra,
     )
     hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+      for p in hf.parameters():
+        p.normal_(0, 0.2)
     path = pathlib.Path(tempfile.mkdtemp())
     hf.save_pretrained(path)
     _CACHE["ckpt"] = (hf, path)
@@ -346,3 +350,30 @@ def test_bfloat16_model_tracks_float32():
   ids = jnp.asarray(prompt(T=24))
   l32, l16 = np.asarray(m32(ids)), np.asarray(m16(ids))
   assert l16.dtype == np.float32 and np.abs(l32 - l16).max() < 0.1 * np.abs(l32).max()
+
+
+def test_streaming_llm_position_reindexing(tmp_path_factory):
+  _, path = make_checkpoint(tmp_path_factory, "llama_mha_tied")  # theta 1e4: positions matter
+  model, cfg = km.load(path)
+  ids = prompt(T=40)
+  full = km.generate(model, ids, max_new_tokens=16).tokens
+  # nothing evicted: ranks inside the cache are the original positions
+  same = km.generate(
+    model, ids, policy="streaming_llm", budget=60, max_new_tokens=16, reindex_positions=True
+  )
+  np.testing.assert_array_equal(same.tokens, full)
+  # with eviction, keys are renumbered by rank: the sinks sit next to the recent window
+  pre = km.prefill(cfg, model.params(), jnp.asarray(ids))
+  logits = {}
+  for reindex in (False, True):
+    spec = cache_lib.CacheSpec(policies.make("streaming_llm"), 12, reindex=reindex)
+    cache = cache_lib.compress(cfg, pre, spec, 12)
+    if reindex:  # stored pre-RoPE: rotating back by the original positions restores the keys
+      restored = km.llama.rope_at(cache.keys, cache.positions, cfg)
+      plain = cache_lib.compress(cfg, pre, dataclasses.replace(spec, reindex=False), 12)
+      np.testing.assert_allclose(np.asarray(restored), np.asarray(plain.keys), atol=1e-5)
+    tok, pos = jnp.asarray([5]), jnp.asarray([40])
+    logits[reindex] = np.asarray(
+      cache_lib.decode_step(cfg, model.params(), spec, cache, tok, pos, pos)[0]
+    )
+  assert np.abs(logits[True] - logits[False]).max() > 1e-3

@@ -49,6 +49,7 @@ class CacheSpec:
   capacity: int
   layout: str = "kv"  # "kv": per KV head; "query": per query head (K/V repeated, 4x for Llama 3)
   recent: int = 8  # H2O's probation window during decoding
+  reindex: bool = False  # StreamingLLM's positions: keys stored pre-RoPE, rotated by cache rank
 
   @property
   def decode_time(self) -> bool:
@@ -128,8 +129,11 @@ def compress(
   positions = jnp.take_along_axis(
     jnp.broadcast_to(pre["positions"][None, :, None, :], (L, B, H, T)), idx_L, axis=3
   )
+  kept_keys = gather(keys)
+  if spec.reindex:  # store pre-RoPE keys: undo each key's rotation at its original position
+    kept_keys = llama.rope_at(kept_keys, -positions, cfg)
   return KVCache(
-    keys=jnp.where(kept_L[..., None], gather(keys), 0).astype(keys.dtype),
+    keys=jnp.where(kept_L[..., None], kept_keys, 0).astype(keys.dtype),
     values=jnp.where(kept_L[..., None], gather(values), 0).astype(values.dtype),
     positions=jnp.where(kept_L, positions, 0),
     valid=kept_L,
@@ -228,8 +232,13 @@ def decode_step(
     q, k, v = llama.project_qkv(cfg, p, x, pos_B[:, None])
     if spec.layout == "query":
       k, v = jnp.repeat(k, cfg.num_groups, 1), jnp.repeat(v, cfg.num_groups, 1)
+    if spec.reindex:
+      k = llama.rope_at(k, -jnp.broadcast_to(pos_B[:, None, None], k.shape[:-1]), cfg)
     lc = _insert(spec, lc, budget_BH, k, v, pos_B, t_B)
-    probs = _cache_probs(q, lc["keys"], lc["valid"])
+    keys = lc["keys"]
+    if spec.reindex:
+      q, keys = _reindexed(cfg, q, keys, lc["positions"], lc["valid"], pos_B)
+    probs = _cache_probs(q, keys, lc["valid"])
     out = (
       llama.attend(probs, lc["values"])
       if spec.layout == "kv"
@@ -242,6 +251,20 @@ def decode_step(
   x, new = jax.lax.scan(layer, x, (stacked, layer_cache, budget_LBH))
   logits = llama.logits_of(cfg, params, x)[:, 0]
   return logits, cache.replace(**new)
+
+
+def _reindexed(cfg, q_BHq1D, keys_BHCD, positions_BHC, valid_BHC, pos_B):
+  """StreamingLLM's pos-shift (``llama_pos_shift_attention_forward``): cached (pre-RoPE) keys are
+  rotated by their rank inside the cache (0..n-1 in position order) and the query by its own
+  rank ``n - 1``, so positions never exceed the cache size."""
+  rank = (
+    valid_BHC[:, :, None, :] & (positions_BHC[:, :, None, :] < positions_BHC[:, :, :, None])
+  ).sum(-1)
+  keys = llama.rope_at(keys_BHCD, rank, cfg)
+  n_BH = valid_BHC.sum(-1)  # each head's cache length: the query's own rank is n - 1
+  n_BHq = jnp.repeat(n_BH, q_BHq1D.shape[1] // n_BH.shape[1], axis=1)
+  q_pos = (n_BHq - 1 - pos_B[:, None])[..., None]  # rotate from the true position to the rank
+  return llama.rope_at(q_BHq1D, q_pos, cfg), keys
 
 
 def _cache_probs(q_BHqD, keys_BHCD, valid_BHC):

@@ -128,13 +128,16 @@ def generate(
   rng=None,
   layout: str = "kv",
   head_scores=None,
+  reindex_positions: bool = False,
   **policy_options,
 ) -> Generation:
   """Generates ``max_new_tokens`` per row with policy ``policy`` under ``budget`` (per head,
   window included; a scalar, ``[L]`` or ``[L, H]``). ``policy="full"`` keeps everything.
 
   The prompt is compressed once after prefill; prefill-time policies then append (no eviction),
-  decode-time policies evict as they go within ``budget``. Greedy by default.
+  decode-time policies evict as they go within ``budget``. Greedy by default. Keys keep their
+  original positions; ``reindex_positions=True`` numbers them by rank inside the cache instead
+  (official StreamingLLM's pos-shift).
   """
   if layout not in cache_lib.LAYOUTS:
     raise ValueError(f"layout: expected one of {cache_lib.LAYOUTS}, got {layout!r}")
@@ -144,7 +147,7 @@ def generate(
   if pol.name != "full" and budget is None:
     raise ValueError("budget: required for a compressing policy")
   budget = 0 if budget is None else budget
-  spec = cache_lib.CacheSpec(pol, 1, layout)
+  spec = cache_lib.CacheSpec(pol, 1, layout, reindex=bool(reindex_positions))
   budget_LH = (
     np.asarray(_allocation(cfg, pre, spec, budget, head_scores)) if pol.name != "full" else None
   )

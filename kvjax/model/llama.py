@@ -115,6 +115,18 @@ def rope(x_BNTD: Array, positions_BT: Array, cfg: ModelConfig) -> Array:
   return x_BNTD * cos + rotated * sin
 
 
+def rope_at(x: Array, positions: Array, cfg: ModelConfig) -> Array:
+  """Rotary embedding of ``x [..., C, D]`` at ``positions [..., C]`` (any leading axes; negative
+  positions undo a rotation: RoPE is a rotation, ``rope_at(rope_at(x, p), -p) == x``)."""
+  inv = jnp.asarray(inv_frequencies(cfg), jnp.float32)
+  angles = positions.astype(jnp.float32)[..., None] * inv.reshape((1,) * positions.ndim + (-1,))
+  angles = jnp.concatenate([angles, angles], -1)
+  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+  return x * cos + rotated * sin
+
+
 def layer_params(params: dict, layer) -> dict:
   """One layer's slice of the stacked parameters."""
   return {k: v[layer] for k, v in params.items() if k not in ("embed", "final_norm", "lm_head")}
