@@ -178,33 +178,28 @@ def _eviction_scores(spec: CacheSpec, positions, scores, pos_B) -> Array:
   return recency
 
 
-def _insert(spec: CacheSpec, layer_cache: dict, budget_BH, k_new, v_new, pos_B, t_B):
-  """Admit the new token into each row's slots (evicting per policy when the row is full)."""
-  keys, values, positions, valid = (
-    layer_cache[n] for n in ("keys", "values", "positions", "valid")
-  )
-  B, H, C, _ = keys.shape
+def _admit(spec: CacheSpec, slots: dict, budget_BH, pos_B):
+  """Where the new token goes in each row: ``(slot [B, H], slots')`` with the bookkeeping
+  (positions, validity, decode-time scores) updated; decode-time policies evict to make room."""
+  positions, valid = slots["positions"], slots["valid"]
+  C = valid.shape[-1]
   fill = valid.sum(-1)
   if spec.decode_time:
-    scores = layer_cache.get("scores")
-    keep_old = _eviction_scores(spec, positions, scores, pos_B)
+    keep_old = _eviction_scores(spec, positions, slots.get("scores"), pos_B)
     keep_old = jnp.where(valid, keep_old, -jnp.inf)
     # room for the new token: keep the best `budget - 1` current slots (select.keep_mask)
     room = jnp.minimum(jnp.minimum(budget_BH, C) - 1, fill)
-    kept = select.keep_mask(keep_old, room) & valid
-    slot = jnp.argmin(kept, axis=-1)  # the first slot not kept: evicted, or empty
-    valid = kept
-  else:
+    valid = select.keep_mask(keep_old, room) & valid
+    slot = jnp.argmin(valid, axis=-1)  # the first slot not kept: evicted, or empty
+  else:  # append; the caller sized the capacity for every generated token
     slot = jnp.minimum(fill, C - 1)
   onehot = jax.nn.one_hot(slot, C, dtype=bool)  # [B, H, C]
-  keys = jnp.where(onehot[..., None], k_new, keys)
-  values = jnp.where(onehot[..., None], v_new, values)
-  positions = jnp.where(onehot, pos_B[:, None, None], positions)
-  valid = valid | onehot
-  out = dict(layer_cache, keys=keys, values=values, positions=positions, valid=valid)
-  if spec.decode_time and layer_cache.get("scores") is not None:
-    out["scores"] = jnp.where(onehot, 0.0, jnp.where(valid, layer_cache["scores"], 0.0))
-  return out
+  out = dict(
+    slots, positions=jnp.where(onehot, pos_B[:, None, None], positions), valid=valid | onehot
+  )
+  if spec.decode_time and slots.get("scores") is not None:
+    out["scores"] = jnp.where(onehot | ~out["valid"], 0.0, slots["scores"])
+  return slot, out
 
 
 def decode_step(
@@ -213,44 +208,47 @@ def decode_step(
   """One generated token through every layer: ``(logits [B, V], updated cache)``.
 
   ``pos_B`` is the token's RoPE position (original positions), ``t_B`` its index in the
-  sequence (for probation windows).
+  sequence. The K/V buffers ride in the layer loop's carry and only the new token's slot is
+  written (an in-place scatter), so a step reads the cache once and writes ``O(B H D)``.
   """
+  B = token_B.shape[0]
   x = params["embed"][token_B][:, None, :]
   stacked = {k: v for k, v in params.items() if k not in ("embed", "final_norm", "lm_head")}
-  layer_cache = {
-    "keys": cache.keys,
-    "values": cache.values,
-    "positions": cache.positions,
-    "valid": cache.valid,
-  }
+  slots = {"positions": cache.positions, "valid": cache.valid}
   if cache.scores is not None:
-    layer_cache["scores"] = cache.scores
+    slots["scores"] = cache.scores
   budget_LBH = jnp.moveaxis(cache.budget, 0, 1)
+  H = cache.keys.shape[2]
+  b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, H))
+  h_idx = jnp.broadcast_to(jnp.arange(H)[None, :], (B, H))
 
-  def layer(x, inputs):
-    p, lc, budget_BH = inputs
+  def layer(carry, inputs):
+    x, keys_all, values_all = carry
+    p, lslots, budget_BH, l = inputs
     q, k, v = llama.project_qkv(cfg, p, x, pos_B[:, None])
     if spec.layout == "query":
       k, v = jnp.repeat(k, cfg.num_groups, 1), jnp.repeat(v, cfg.num_groups, 1)
     if spec.reindex:
       k = llama.rope_at(k, -jnp.broadcast_to(pos_B[:, None, None], k.shape[:-1]), cfg)
-    lc = _insert(spec, lc, budget_BH, k, v, pos_B, t_B)
-    keys = lc["keys"]
+    slot, lslots = _admit(spec, lslots, budget_BH, pos_B)
+    keys_all = keys_all.at[l, b_idx, h_idx, slot].set(k[:, :, 0].astype(keys_all.dtype))
+    values_all = values_all.at[l, b_idx, h_idx, slot].set(v[:, :, 0].astype(values_all.dtype))
+    keys, values = keys_all[l], values_all[l]
     if spec.reindex:
-      q, keys = _reindexed(cfg, q, keys, lc["positions"], lc["valid"], pos_B)
-    probs = _cache_probs(q, keys, lc["valid"])
-    out = (
-      llama.attend(probs, lc["values"])
-      if spec.layout == "kv"
-      else _attend_query(probs, lc["values"])
-    )
-    if spec.decode_time and "scores" in lc:
-      lc = dict(lc, scores=_observe(spec, lc, probs, cfg))
-    return llama.output_and_mlp(cfg, p, x, out), lc
+      q, keys = _reindexed(cfg, q, keys, lslots["positions"], lslots["valid"], pos_B)
+    probs = _cache_probs(q, keys, lslots["valid"])
+    out = llama.attend(probs, values) if spec.layout == "kv" else _attend_query(probs, values)
+    if spec.decode_time and "scores" in lslots:
+      lc = dict(lslots, keys=keys)
+      lslots = dict(lslots, scores=_observe(spec, lc, probs, cfg))
+    return (llama.output_and_mlp(cfg, p, x, out), keys_all, values_all), lslots
 
-  x, new = jax.lax.scan(layer, x, (stacked, layer_cache, budget_LBH))
+  L = cfg.num_layers
+  (x, keys_all, values_all), new_slots = jax.lax.scan(
+    layer, (x, cache.keys, cache.values), (stacked, slots, budget_LBH, jnp.arange(L))
+  )
   logits = llama.logits_of(cfg, params, x)[:, 0]
-  return logits, cache.replace(**new)
+  return logits, cache.replace(keys=keys_all, values=values_all, **new_slots)
 
 
 def _reindexed(cfg, q_BHq1D, keys_BHCD, positions_BHC, valid_BHC, pos_B):
