@@ -37,7 +37,7 @@ import pandas as pd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvjax import budgets as budgets_lib
-from kvjax import lab, policies, synthetic
+from kvjax import lab, policies, select, synthetic
 from kvjax import scores as scores_lib
 
 Array = jax.Array
@@ -370,13 +370,13 @@ def make_group(
     return _allocate(key, d, state, dims, layer_cap)
 
   def order(ev: dict, scores_LHP, order_cap: int) -> dict:
-    _, idx = jax.lax.top_k(scores_LHP, order_cap)
+    idx = select.descending_order(scores_LHP, order_cap)
     m = ev["mass"]
     fact = jnp.broadcast_to(ev["fact"].astype(jnp.float32), m.shape)
     return {
       "mass_prefix": _prefix(jnp.take_along_axis(m, idx, -1)),
       "fact_prefix": _prefix(jnp.take_along_axis(fact, idx, -1)),
-      "oracle_prefix": _prefix(jax.lax.top_k(m, order_cap)[0]),
+      "oracle_prefix": _prefix(jnp.take_along_axis(m, select.descending_order(m, order_cap), -1)),
       "mass_total": m.sum(-1),
       "fact_total": jnp.broadcast_to(ev["fact"].astype(jnp.float32).sum(), m.shape[:-1]),
     }

@@ -217,3 +217,13 @@ def test_pooled_count_table_answers_every_pooled_budget(seed):
     counts = select.pooled_counts_from_table(table, jnp.full((L,), n))
     expected = select.pooled_budgets(scores, jnp.full((L,), min(n, 20)))
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(expected))
+
+
+@pytest.mark.parametrize("T, k", [(300, 300), (1000, 200), (2048, 2048), (513, 100)])
+def test_descending_order_packed_sort_matches_stable_argsort(T, k):
+  rng = np.random.default_rng(T)
+  scores = rng.integers(-3, 3, size=(3, T)).astype(np.float32)  # many ties
+  scores[0, :5] = [np.inf, -np.inf, -0.0, 0.0, np.inf]
+  order = np.asarray(select.descending_order(jnp.asarray(scores), k))
+  expected = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+  np.testing.assert_array_equal(order, expected)
