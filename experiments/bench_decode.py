@@ -135,10 +135,15 @@ def main():
     f"one prefill + {configs} vmapped configs: {t_many:.2f} s; {configs} separate runs: {t_sep:.2f} s; "
     f"{t_sep / t_many:.1f}x faster (target >= 5x)"
   )
-  held = int(np.minimum(many.budget_LH, T).sum()) * 2 * cfg.head_dim * 4
+  # held K/V = (sum over rows and heads of min(budget, T) + the new-1 appended tokens) x 2 x D x 4
+  expected = (
+    np.minimum(many.budget_LH, T).sum((1, 2, 3)) + (new - 1) * cfg.num_layers * cfg.num_kv_heads
+  )
+  expected = expected * 2 * cfg.head_dim * 4
+  held = np.asarray(many.memory["kv_bytes_held_per_config"])
   print(
-    f"cache bytes of the {configs} configs: {many.memory['kv_bytes_budgeted']:,} = sum(budgets) x 2 x D x 4 "
-    f"({held:,}); full cache per config {cache_lib.full_cache_bytes(cfg, 1, T, 4):,}"
+    f"cache bytes per config: {held.min():,} .. {held.max():,}; equal to sum(budgets) x 2 x D x 4: "
+    f"{bool((held == expected).all())}; full cache per config {cache_lib.full_cache_bytes(cfg, 1, T + new, 4):,}"
   )
 
 

@@ -169,6 +169,8 @@ def pyramid(
   _check_choice("mode", mode, PYRAMID_MODES)
   _check_nonneg("budget", budget)
   _check_nonneg("q_len", q_len)
+  if mode != "kvpress":  # kvpress derives a float budget from a ratio; the others count tokens
+    _check_int_budget("budget", budget)
   _check_window(budget, window)
   if _concrete(beta) and np.any(np.asarray(beta) < 1):
     raise ValueError(f"beta: expected beta >= 1, got {beta!r}")
@@ -283,6 +285,7 @@ def adakv(
     raise ValueError(f"window: expected an int in [0, T={T}], got {window!r}")
   if _concrete(floor_alpha) and not 0.0 <= float(floor_alpha) <= 1.0:
     raise ValueError(f"floor_alpha: expected a value in [0, 1], got {floor_alpha!r}")
+  _check_int_budget("budget", budget)
   _check_window(budget, window)
   capacity = T if capacity is None else _check_static_int("capacity", capacity)
   if _concrete(budget) and np.any(np.asarray(budget) > capacity) and capacity < T:
@@ -381,6 +384,7 @@ def headkv(
     raise ValueError("head_scores: expected finite non-negative head importances")
   if _concrete(beta) and float(beta) <= 1.0:
     raise ValueError(f"beta: expected beta > 1, got {beta!r}")
+  _check_int_budget("budget", budget)
   _check_window(budget, window)
   L, H = scores.shape
   if _concrete(head_scores_LH, budget, window, beta, temp):
@@ -491,8 +495,11 @@ def cake(attn_LHWT: Array, budget, window: int, tau1=1.0, tau2=1.0) -> Array:
   if not hasattr(attn_LHWT, "ndim") or attn_LHWT.ndim != 4:
     raise ValueError(f"attn: expected [L, H, W, T], got {getattr(attn_LHWT, 'shape', attn_LHWT)}")
   L, _, W, T = attn_LHWT.shape
-  if not isinstance(window, int) or not 1 <= window <= min(W, T):
-    raise ValueError(f"window: expected an int in [1, W={W}], got {window!r}")
+  if not isinstance(window, int) or not 2 <= window <= min(W, T):
+    raise ValueError(
+      f"window: expected an int in [2, W={W}] (CAKE's variance over window queries), got {window!r}"
+    )
+  _check_int_budget("budget", budget)
   _check_window(budget, window)
   for name, tau in (("tau1", tau1), ("tau2", tau2)):
     if _concrete(tau) and float(tau) <= 0:

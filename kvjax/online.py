@@ -208,13 +208,10 @@ def _prefill(world, policy, budget_LH, recent_LH, evidence, capacity) -> _Slots:
 
 
 def _evict(policy, slots: _Slots, budget_LH, recent_LH, t, capacity) -> _Slots:
-  """Adds token ``t`` and cuts each (layer, head) back to its budget."""
-  L, H, _ = slots.pos.shape
-  new = jnp.full((L, H, 1), t, jnp.int32)
-  pos = jnp.concatenate([slots.pos, new], -1)
-  valid = jnp.concatenate([slots.valid, jnp.ones((L, H, 1), bool)], -1)
-  aux = jnp.concatenate([slots.aux, jnp.zeros((L, H, 1), jnp.float32)], -1)
-  is_new = jax.lax.broadcasted_iota(jnp.int32, pos.shape, 2) == pos.shape[-1] - 1
+  """Keeps each row's best ``budget - 1`` slots (by what the policy knew before step ``t``) and
+  admits token ``t`` into the next free slot: the new token is always cached, even when
+  protected tokens (sinks, probation, pins) alone could fill the budget."""
+  pos, valid, aux = slots.pos, slots.valid, slots.aux
   recency = pos.astype(jnp.float32)
   opts = policy.opts
   if policy.name == "streaming_llm":
@@ -227,11 +224,14 @@ def _evict(policy, slots: _Slots, budget_LH, recent_LH, t, capacity) -> _Slots:
     score = jnp.where(aux > 0, jnp.inf, recency)
   else:
     score = recency
-  score = jnp.where(is_new, jnp.inf, jnp.where(valid, score, -jnp.inf))
-  count = jnp.minimum(budget_LH, valid.sum(-1))
-  idx, kept = select.compact(score, count, capacity)
+  score = jnp.where(valid, score, -jnp.inf)
+  room = jnp.minimum(budget_LH - 1, valid.sum(-1))
+  idx, kept = select.compact(score, room, capacity)  # ascending positions, valid slots first
   take = functools.partial(jnp.take_along_axis, indices=idx, axis=-1)
-  return _Slots(take(pos), kept, jnp.where(kept, take(aux), 0.0))
+  new_slot = jax.nn.one_hot(room, capacity, dtype=bool)  # the first free slot after the kept
+  pos = jnp.where(new_slot, t, jnp.where(kept, take(pos), 0))
+  aux = jnp.where(kept, take(aux), 0.0)
+  return _Slots(pos.astype(jnp.int32), kept | new_slot, aux)
 
 
 def _observe(policy, slots: _Slots, a_hat_LHB, total_len) -> _Slots:

@@ -159,6 +159,8 @@ def as_budget_LH(budget, L: int, H: int) -> Array:
   budget = jnp.asarray(budget)
   if not jnp.issubdtype(budget.dtype, jnp.integer):
     raise ValueError(f"budget: expected integer token counts, got dtype {budget.dtype}")
+  if not isinstance(budget, jax.core.Tracer) and budget.size and int(budget.min()) < 0:
+    raise ValueError(f"budget: expected non-negative token counts, got {int(budget.min())}")
   budget = budget.astype(jnp.int32)
   if budget.ndim == 1:
     budget = budget[:, None]

@@ -54,6 +54,7 @@ STATIC_FIELDS = (
 )
 DATA_FIELDS = ("budget", "beta", "alpha", "head_beta", "sinks", "tau1", "tau2")
 FIELDS = STATIC_FIELDS + DATA_FIELDS
+FLOAT_FIELDS = ("beta", "alpha", "head_beta", "tau1", "tau2")
 POLICIES = (
   "snapkv",
   "snapkv_kvpress",
@@ -126,7 +127,9 @@ def expand(grid, base) -> list[dict]:
 
 def config_id(cfg: dict) -> str:
   """Stable hash of a configuration's swept fields (independent of dict order)."""
-  canonical = json.dumps({k: cfg[k] for k in FIELDS}, sort_keys=True)
+  # float fields hash as floats, so 20 and 20.0 are one configuration
+  typed = {k: float(cfg[k]) if k in FLOAT_FIELDS else cfg[k] for k in FIELDS}
+  canonical = json.dumps(typed, sort_keys=True)
   return hashlib.sha1(canonical.encode()).hexdigest()[:12]
 
 
@@ -152,6 +155,21 @@ def validate(cfg: dict, dims: synthetic.Dims | None) -> None:
     raise ValueError(
       f"budget: {cfg['budget']} does not fit the world: expected window={cfg['window']} < "
       f"budget <= prompt_len={dims.prompt_len}"
+    )
+  data_checks = (
+    ("beta", cfg["beta"] >= 1, "PyramidKV's beta >= 1"),
+    ("alpha", 0 <= cfg["alpha"] <= 1, "Ada-KV's floor_alpha in [0, 1]"),
+    ("head_beta", cfg["head_beta"] > 1, "HeadKV's beta > 1"),
+    ("tau1", cfg["tau1"] > 0, "a positive CAKE temperature"),
+    ("tau2", cfg["tau2"] > 0, "a positive CAKE temperature"),
+    ("sinks", 0 <= cfg["sinks"] < cfg["budget"], "0 <= sinks < budget"),
+  )
+  for name, ok, expected in data_checks:
+    if not ok:
+      raise ValueError(f"{name}: {cfg[name]!r} is invalid; expected {expected}")
+  if cfg["schedule"] == "cake" and cfg["window"] < 2:
+    raise ValueError(
+      f"window: CAKE's variance over window queries needs window >= 2, got {cfg['window']}"
     )
   if cfg["head_alloc"] == "headkv" and cfg["schedule"] != "uniform":
     raise ValueError(f"schedule: HeadKV allocates across layers itself; got {cfg['schedule']!r}")
@@ -404,7 +422,7 @@ def make_group(
       "cache_bytes": tokens * 2 * dims.head_dim * bytes_per_value,
       "budget_L": budget_LH.mean(-1),
       # a budget past the sort depth would be silently clamped: the engine checks this flag
-      "overflow": jnp.any((budget_LH > order_cap) & ~full),
+      "overflow": jnp.any(((budget_LH > order_cap) & ~full) | (budget_LH < 0)),
     }
 
   return GroupFunctions(prepare, allocate, order, metrics)
@@ -561,7 +579,12 @@ class Engine:
 
 def _grid_signature(config) -> str:
   return json.dumps(
-    {"base": config.base.to_dict(), "grid": config.grid.to_dict(), "world": config.world.to_dict()},
+    {
+      "base": config.base.to_dict(),
+      "grid": config.grid.to_dict(),
+      "world": config.world.to_dict(),
+      "bytes_per_value": config.bytes_per_value,
+    },
     sort_keys=True,
     default=list,
   )
@@ -590,7 +613,7 @@ def read_results(path: pathlib.Path) -> pd.DataFrame:
     path.write_text(text)
   if not text.strip():
     return pd.DataFrame()
-  return pd.read_csv(path)
+  return pd.read_csv(path, dtype={"config_id": str})
 
 
 def _append(path: pathlib.Path, rows: list[dict]) -> None:

@@ -204,3 +204,12 @@ def test_main_job_entry_point(tmp_path):
     cmd + ["--config.budgte=3"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300
   )
   assert typo.returncode != 0 and "budgte" in typo.stderr
+
+
+def test_new_token_is_cached_even_when_protected_tokens_fill_the_budget():
+  w = world("streaming_chat")
+  tr = online.simulate(w, "streaming_llm", 4, sinks=4, record_map=True)
+  t = w.dims.prompt_len + np.arange(w.dims.gen_steps)
+  pos, valid = np.asarray(tr.positions_SLHB), np.asarray(tr.valid_SLHB)
+  assert ((pos == t[:, None, None, None]) & valid).any(-1).all()
+  assert (valid.sum(-1) == 4).all()

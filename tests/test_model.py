@@ -377,3 +377,58 @@ def test_streaming_llm_position_reindexing(tmp_path_factory):
       cache_lib.decode_step(cfg, model.params(), spec, cache, tok, pos, pos)[0]
     )
   assert np.abs(logits[True] - logits[False]).max() > 1e-3
+
+
+def test_review_regressions_budgets_capacity_sinks_and_windows(tmp_path_factory):
+  _, path = make_checkpoint_cached()
+  model, cfg = km.load(path)
+  ids = prompt(T=40)
+  for bad, match in (
+    (0, "budget: 0 is below 9"),
+    (-3, "budget: -3"),
+    (20.5, "integer token counts"),
+  ):
+    with pytest.raises(ValueError, match=match):
+      km.generate(model, ids, policy="snapkv", budget=bad, window=8)
+  with pytest.raises(ValueError, match="budget: 10 is below 33"):
+    km.generate_configs(model, ids, [10, 36], policy="pyramidkv")
+  with pytest.raises(ValueError, match="must exceed H2O's recent window"):
+    km.generate(model, ids, policy="h2o", budget=6)
+  # a capacity below the budget is flagged, never silently clamped
+  pre = km.prefill(cfg, model.params(), jnp.asarray(ids), window=8)
+  small = cache_lib.compress(
+    cfg, pre, cache_lib.CacheSpec(policies.make("snapkv", window=8), 4), 33
+  )
+  assert bool(np.asarray(small.overflow).all())
+  # StreamingLLM keeps the first *real* tokens of a left-padded row
+  padded = np.zeros((1, 52), np.int32)
+  padded[0, 12:] = ids[0]
+  mask = (np.arange(52) >= 12).astype(np.int32)[None]
+  pre = km.prefill(cfg, model.params(), jnp.asarray(padded), jnp.asarray(mask))
+  cache = cache_lib.compress(cfg, pre, cache_lib.CacheSpec(policies.make("streaming_llm"), 16), 16)
+  kept = np.asarray(cache.positions)[np.asarray(cache.valid)].reshape(-1, 16)
+  assert (kept[:, :4] == [0, 1, 2, 3]).all() and (kept[:, 4:] == np.arange(28, 40)).all()
+
+
+def test_mistral_sliding_window_applies_during_decoding(tmp_path):
+  torch.manual_seed(0)
+  cfg = transformers.MistralConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    sliding_window=8,
+  )
+  hf = transformers.MistralForCausalLM(cfg).eval()
+  with torch.no_grad():
+    for p in hf.parameters():
+      p.normal_(0, 0.2)
+  hf.save_pretrained(tmp_path)
+  model, _ = km.load(tmp_path)
+  ids = prompt(T=24)
+  out = km.generate(model, ids, max_new_tokens=8).tokens
+  seq = np.concatenate([ids, out], 1)
+  teacher = np.asarray(model(jnp.asarray(seq))).argmax(-1)[0, 23:31]
+  np.testing.assert_array_equal(out[0], teacher)

@@ -205,3 +205,20 @@ def test_sharded_over_8_host_devices_matches_one_device(tmp_path):
   b = pd.read_csv(tmp_path / "eight" / "results.csv").set_index("config_id").sort_index()
   for m in ("retained_mass", "oracle_gap", "fact_recall", "cache_tokens"):
     np.testing.assert_allclose(a[m], b[m], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+  "field, value, match",
+  [
+    ("beta", 0.5, "beta: 0.5 is invalid"),
+    ("alpha", 1.5, "alpha"),
+    ("head_beta", 1.0, "head_beta"),
+    ("tau1", 0.0, "tau1"),
+    ("sinks", -3, "sinks"),
+  ],
+)
+def test_data_fields_are_validated(tmp_path, field, value, match):
+  c = quick()
+  c.grid.product = ml_collections.ConfigDict({field: (value,), "budget": (32,)})
+  with pytest.raises(ValueError, match=match):
+    sweep.run(c, tmp_path, progress=False)

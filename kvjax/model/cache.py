@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax import policies, select
+from kvjax import scores as scores_lib
 from kvjax.model import llama
 from kvjax.model.config import ModelConfig
 
@@ -39,6 +40,9 @@ class KVCache:
   valid: Array  # [L, B, H, C] bool
   budget: Array  # [B, L, H] int32: slots each row may hold
   scores: Array | None = None  # [L, B, H, C] decode-time evidence (H2O sums, TOVA's last row)
+  # set when a row needed more slots than the capacity (a budget above it, or appends past it):
+  # callers raise on it instead of silently dropping tokens
+  overflow: Array | None = None  # [B] bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,17 +115,23 @@ def compress(
       budget_LH = jnp.full((L, H), T, jnp.int32)
     else:
       scores = spec.policy.scores(ev)
+      if spec.policy.name == "streaming_llm":  # sinks are the first *real* tokens of the row
+        pad = T - valid_T.sum()
+        scores = scores_lib.streaming(T, scores.shape[:2], sinks=pad + spec.policy.opts["sinks"])
       if scores.shape[1] != H:
         scores = _to_layout(scores, H, cfg)
+      # allocators see padding as zero evidence (Ada-KV's normalisation sums rows); only the
+      # selection sees it as never-keep
+      budget_LH = spec.policy.budgets(ev, jnp.where(valid_T, scores, 0.0), budget)
       scores = jnp.where(valid_T, scores, -jnp.inf)
-      budget_LH = spec.policy.budgets(ev, scores, budget)
     count = jnp.minimum(budget_LH, valid_T.sum())
     idx, kept = select.compact(scores, count, spec.capacity)
     state = _decode_state(spec, pre_b, scores, idx, kept, H)
-    return idx, kept, budget_LH, state
+    overflow = (count > spec.capacity).any() | (budget_LH < 0).any()
+    return idx, kept, budget_LH, state, overflow
 
   pre_b = {k: _batch_first(pre.get(k)) for k in ("attn_window", "column_sums", "keys")}
-  idx, kept, budget_LH, state = jax.vmap(one)(
+  idx, kept, budget_LH, state, overflow = jax.vmap(one)(
     pre_b, pre["valid"], _batch_first(keys), jax.random.split(rng, B)
   )
   idx_L, kept_L = jnp.moveaxis(idx, 0, 1), jnp.moveaxis(kept, 0, 1)  # [L, B, H, C]
@@ -139,13 +149,12 @@ def compress(
     valid=kept_L,
     budget=budget_LH,
     scores=None if state is None else jnp.moveaxis(state, 0, 1),
+    overflow=overflow,
   )
 
 
 def _to_layout(scores_LHT, H, cfg):
   """Query-head scores to the cache's heads (KV heads: mean over each group, as kvpress)."""
-  from kvjax import scores as scores_lib  # noqa: PLC0415
-
   if scores_LHT.shape[1] == cfg.num_heads and cfg.num_kv_heads == H:
     return scores_lib.group(scores_LHT, H, "mean")
   if scores_LHT.shape[1] == cfg.num_kv_heads and cfg.num_heads == H:
@@ -191,8 +200,9 @@ def _admit(spec: CacheSpec, slots: dict, budget_BH, pos_B):
     room = jnp.minimum(jnp.minimum(budget_BH, C) - 1, fill)
     valid = select.keep_mask(keep_old, room) & valid
     slot = jnp.argmin(valid, axis=-1)  # the first slot not kept: evicted, or empty
-  else:  # append; the caller sized the capacity for every generated token
+  else:  # append; past the capacity the row is flagged (the caller sizes C for every token)
     slot = jnp.minimum(fill, C - 1)
+    slots = dict(slots, overflow=slots["overflow"] | (fill >= C).any(-1))
   onehot = jax.nn.one_hot(slot, C, dtype=bool)  # [B, H, C]
   out = dict(
     slots, positions=jnp.where(onehot, pos_B[:, None, None], positions), valid=valid | onehot
@@ -217,6 +227,7 @@ def decode_step(
   slots = {"positions": cache.positions, "valid": cache.valid}
   if cache.scores is not None:
     slots["scores"] = cache.scores
+  overflow = jnp.zeros((B,), bool) if cache.overflow is None else cache.overflow
   budget_LBH = jnp.moveaxis(cache.budget, 0, 1)
   H = cache.keys.shape[2]
   b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, H))
@@ -230,25 +241,31 @@ def decode_step(
       k, v = jnp.repeat(k, cfg.num_groups, 1), jnp.repeat(v, cfg.num_groups, 1)
     if spec.reindex:
       k = llama.rope_at(k, -jnp.broadcast_to(pos_B[:, None, None], k.shape[:-1]), cfg)
-    slot, lslots = _admit(spec, lslots, budget_BH, pos_B)
+    slot, lslots = _admit(spec, dict(lslots, overflow=jnp.zeros((B,), bool)), budget_BH, pos_B)
+    layer_overflow = lslots.pop("overflow")
     keys_all = keys_all.at[l, b_idx, h_idx, slot].set(k[:, :, 0].astype(keys_all.dtype))
     values_all = values_all.at[l, b_idx, h_idx, slot].set(v[:, :, 0].astype(values_all.dtype))
     keys, values = keys_all[l], values_all[l]
     if spec.reindex:
       q, keys = _reindexed(cfg, q, keys, lslots["positions"], lslots["valid"], pos_B)
-    probs = _cache_probs(q, keys, lslots["valid"])
+    visible = lslots["valid"]
+    if cfg.sliding_window is not None:  # Mistral: keys older than the window are not attended
+      visible = visible & (pos_B[:, None, None] - lslots["positions"] < cfg.sliding_window)
+    probs = _cache_probs(q, keys, visible)
     out = llama.attend(probs, values) if spec.layout == "kv" else _attend_query(probs, values)
     if spec.decode_time and "scores" in lslots:
       lc = dict(lslots, keys=keys)
       lslots = dict(lslots, scores=_observe(spec, lc, probs, cfg))
-    return (llama.output_and_mlp(cfg, p, x, out), keys_all, values_all), lslots
+    carry = (llama.output_and_mlp(cfg, p, x, out), keys_all, values_all)
+    return carry, (lslots, layer_overflow)
 
   L = cfg.num_layers
-  (x, keys_all, values_all), new_slots = jax.lax.scan(
+  (x, keys_all, values_all), (new_slots, layer_overflow) = jax.lax.scan(
     layer, (x, cache.keys, cache.values), (stacked, slots, budget_LBH, jnp.arange(L))
   )
   logits = llama.logits_of(cfg, params, x)[:, 0]
-  return logits, cache.replace(keys=keys_all, values=values_all, **new_slots)
+  overflow = overflow | layer_overflow.any(0)
+  return logits, cache.replace(keys=keys_all, values=values_all, overflow=overflow, **new_slots)
 
 
 def _reindexed(cfg, q_BHq1D, keys_BHCD, positions_BHC, valid_BHC, pos_B):
@@ -290,19 +307,6 @@ def _observe(spec: CacheSpec, lc, probs_BHq1C, cfg) -> Array:
   per_head = probs_BHq1C[:, :, 0].reshape(B, H, Hq // H, C).mean(2)
   if spec.policy.name == "h2o":
     return lc["scores"] + per_head
-  # TOVA: mean over every query head of the layer, per slot position (rows share positions
-  # only when budgets are uniform; each head scores its own slots with the layer mean row)
-  return (
-    jnp.broadcast_to(per_head.mean(1, keepdims=True), per_head.shape)
-    if H == 1
-    else _tova_rows(lc, per_head)
-  )
-
-
-def _tova_rows(lc, per_head_BHC):
-  """Layer-mean attention of each cached position, read back at every head's slots."""
-  pos, valid = lc["positions"], lc["valid"]
-  same = (pos[:, :, None, :, None] == pos[:, None, :, None, :]) & valid[:, None, :, None, :]
-  # [B, H, H', C, C']: head h's slot c and head h''s slot c' hold the same position
-  mass = jnp.einsum("bhgcd,bgd->bhc", same.astype(jnp.float32), per_head_BHC)
-  return jnp.where(valid, mass / per_head_BHC.shape[1], 0.0)
+  # TOVA is layer-wise: every head holds the same positions in the same slots (generate
+  # enforces uniform per-layer budgets for it), so the layer's mean row is a mean over heads.
+  return jnp.broadcast_to(per_head.mean(1, keepdims=True), per_head.shape)

@@ -62,6 +62,43 @@ def _allocation(cfg, pre, spec0, budget, head_scores):
   return cache.budget
 
 
+WINDOWED = (
+  "snapkv",
+  "snapkv_kvpress",
+  "pyramidkv",
+  "adakv_snapkv",
+  "adakv_pyramidkv",
+  "headkv",
+  "cake",
+)
+
+
+def _check_budget(policy: policies.Policy, budget, window: int) -> None:
+  """Concrete budgets (before any vmap hides them): integers, at least one slot, and above the
+  protected window for the observation-window policies."""
+  arr = np.asarray(budget)
+  if not np.issubdtype(arr.dtype, np.integer):
+    raise ValueError(f"budget: expected integer token counts, got {arr.dtype}")
+  floor = window + 1 if policy.name in WINDOWED else 1
+  if arr.size and arr.min() < floor:
+    raise ValueError(
+      f"budget: {int(arr.min())} is below {floor} for {policy.name!r} "
+      f"(every budget counts the window of {window} and needs a selected token)"
+      if policy.name in WINDOWED
+      else f"budget: {int(arr.min())} < 1; every row needs at least one slot"
+    )
+  if policy.name == "h2o" and arr.min() <= policy.opts["recent"]:
+    raise ValueError(
+      f"budget: {int(arr.min())} must exceed H2O's recent window ({policy.opts['recent']}) "
+      "so that heavy hitters have slots"
+    )
+
+
+def _check_overflow(cache) -> None:
+  if cache.overflow is not None and bool(np.asarray(cache.overflow).any()):
+    raise RuntimeError("cache: a row needed more slots than the capacity; tokens would be lost")
+
+
 def _capacity(policy, budget_max: int, T: int, new: int) -> int:
   if policy.name == "full":
     return T + new
@@ -147,17 +184,27 @@ def generate(
   if pol.name != "full" and budget is None:
     raise ValueError("budget: required for a compressing policy")
   budget = 0 if budget is None else budget
-  spec = cache_lib.CacheSpec(pol, 1, layout, reindex=bool(reindex_positions))
+  window = _window(pol, T) if pol.name != "full" else 0
+  if pol.name != "full":
+    _check_budget(pol, budget, window)
+  recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
+  spec = cache_lib.CacheSpec(pol, 1, layout, recent=recent, reindex=bool(reindex_positions))
   budget_LH = (
     np.asarray(_allocation(cfg, pre, spec, budget, head_scores)) if pol.name != "full" else None
   )
+  if pol.name == "tova" and budget_LH is not None and (budget_LH != budget_LH[..., :1]).any():
+    raise ValueError(
+      "budget: TOVA is layer-wise; expected the same budget for every head of a layer"
+    )
   cap = _capacity(pol, int(budget_LH.max()) if budget_LH is not None else T, T, max_new_tokens)
   spec = dataclasses.replace(spec, capacity=cap)
-  first = jnp.argmax(pre["logits"][:, -1], -1).astype(jnp.int32)
   rng = jax.random.key(0) if rng is None else rng
+  rng, first_rng = jax.random.split(rng)
+  first = _pick(pre["logits"][:, -1], float(temperature), first_rng)
   tokens, cache = _compress_and_decode(
     cfg, params, pre, spec, budget, head_scores, first, max_new_tokens, float(temperature), rng
   )
+  _check_overflow(cache)
   itemsize = cache.keys.dtype.itemsize
   mem = cache_lib.memory(cache) | {
     "full_cache_bytes": cache_lib.full_cache_bytes(
@@ -190,7 +237,11 @@ def generate_configs(
     raise ValueError(
       f"budgets: expected integer budgets with a leading config axis, got {budgets.dtype}{budgets.shape}"
     )
-  spec = cache_lib.CacheSpec(pol, 1, layout)
+  window = _window(pol, T) if pol.name != "full" else 0
+  if pol.name != "full":
+    _check_budget(pol, budgets, window)
+  recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
+  spec = cache_lib.CacheSpec(pol, 1, layout, recent=recent)
   alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, head_scores))(budgets)
   cap = _capacity(pol, int(np.asarray(alloc).max()), T, max_new_tokens)
   spec = dataclasses.replace(spec, capacity=cap)
@@ -198,9 +249,11 @@ def generate_configs(
   run = jax.vmap(
     lambda b: _compress_and_decode(
       cfg, params, pre, spec, b, head_scores, first, max_new_tokens, 0.0, jax.random.key(0)
-    )[0]
+    )
   )
-  tokens = run(budgets)
+  tokens, caches = run(budgets)
+  _check_overflow(caches)
   itemsize = pre["keys"].dtype.itemsize
-  held = int(np.minimum(np.asarray(alloc), T).sum()) * 2 * cfg.head_dim * itemsize
-  return Generation(np.asarray(tokens), {"kv_bytes_budgeted": held}, np.asarray(alloc))
+  held_C = np.asarray(caches.valid).sum(axis=(1, 2, 3, 4)) * 2 * cfg.head_dim * itemsize
+  mem = {"kv_bytes_held_per_config": held_C.tolist()}
+  return Generation(np.asarray(tokens), mem, np.asarray(alloc))
