@@ -31,16 +31,6 @@ from kvjax import policies  # noqa: E402
 from kvjax.model import cache as cache_lib  # noqa: E402
 
 
-def timeit(fn, *args, repeats=5):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
 def random_cache(cfg, batch, capacity, fill, rng):
   L, G, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
   k1, k2 = jax.random.split(rng)

@@ -35,8 +35,9 @@ FAMILIES = {
 }
 
 
-def make_checkpoint(tmp_path_factory, name):
-  family, extra, kv_heads = FAMILIES[name]
+def tiny_hf(family: str, kv_heads: int = 2, **extra):
+  """A seeded tiny transformers model of ``family`` (weights ~ N(0, 0.2^2): far from uniform
+  attention, so positions and policies matter)."""
   torch.manual_seed(0)
   cfg = getattr(transformers, f"{family}Config")(
     vocab_size=128,
@@ -51,7 +52,13 @@ def make_checkpoint(tmp_path_factory, name):
   hf = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
   with torch.no_grad():
     for p in hf.parameters():
-      p.normal_(0, 0.2)  # larger than the default init, so attention is far from uniform
+      p.normal_(0, 0.2)
+  return hf
+
+
+def make_checkpoint(tmp_path_factory, name):
+  family, extra, kv_heads = FAMILIES[name]
+  hf = tiny_hf(family, kv_heads, **extra)
   path = tmp_path_factory.mktemp(name)
   hf.save_pretrained(path)
   return hf, path
@@ -182,22 +189,8 @@ def make_checkpoint_cached():
   if "ckpt" not in _CACHE:
     import tempfile  # noqa: PLC0415
 
-    family, extra, kv = FAMILIES["llama3_gqa_untied"]
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-      vocab_size=128,
-      hidden_size=64,
-      intermediate_size=128,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      head_dim=32,
-      **extra,
-    )
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-      for p in hf.parameters():
-        p.normal_(0, 0.2)
+    _, extra, _ = FAMILIES["llama3_gqa_untied"]
+    hf = tiny_hf("Llama", head_dim=32, **extra)
     path = pathlib.Path(tempfile.mkdtemp())
     hf.save_pretrained(path)
     _CACHE["ckpt"] = (hf, path)
@@ -411,20 +404,7 @@ def test_review_regressions_budgets_capacity_sinks_and_windows(tmp_path_factory)
 
 
 def test_mistral_sliding_window_applies_during_decoding(tmp_path):
-  torch.manual_seed(0)
-  cfg = transformers.MistralConfig(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    sliding_window=8,
-  )
-  hf = transformers.MistralForCausalLM(cfg).eval()
-  with torch.no_grad():
-    for p in hf.parameters():
-      p.normal_(0, 0.2)
+  hf = tiny_hf("Mistral", sliding_window=8)
   hf.save_pretrained(tmp_path)
   model, _ = km.load(tmp_path)
   ids = prompt(T=24)
