@@ -210,12 +210,19 @@ def compact(scores: Array, budget, capacity: int, *, length=None) -> tuple[Array
   """Kept positions in a static buffer: ``(idx [..., capacity] int32, valid [..., capacity] bool)``.
 
   The valid slots hold the kept positions in ascending order and come first; invalid slots hold
-  0 (a safe gather index) and must be masked by ``valid``. The set equals :func:`keep_mask`'s
-  whenever ``budget <= capacity``; a budget at or above the row length keeps the first
-  ``min(length, capacity)`` positions' worth of the best scores, so callers sizing a real cache
-  pass ``capacity >= max budget``. This is the layout of :mod:`kvjax.model.cache`.
+  0 (a safe gather index) and must be masked by ``valid``. The set equals :func:`keep_mask`'s.
+  ``min(budget, length)`` must fit the ``capacity``: concrete inputs that do not raise
+  ``ValueError``; under ``jit`` the caller checks (the model cache flags it as ``overflow``).
+  This is the layout of :mod:`kvjax.model.cache`.
   """
   budget, length, capacity = _prepare(scores, budget, length, capacity)
+  if _is_concrete(budget) and _is_concrete(length):
+    need = np.minimum(np.asarray(budget), np.asarray(length))
+    if need.size and int(need.max()) > capacity:
+      raise ValueError(
+        f"capacity: {capacity} slots cannot hold {int(need.max())} kept positions "
+        "(min(budget, length)); expected capacity >= the largest budget"
+      )
   return _compact_jit(scores, budget, length, capacity)
 
 

@@ -227,3 +227,11 @@ def test_descending_order_packed_sort_matches_stable_argsort(T, k):
   order = np.asarray(select.descending_order(jnp.asarray(scores), k))
   expected = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
   np.testing.assert_array_equal(order, expected)
+
+
+def test_compact_refuses_a_capacity_below_the_kept_count():
+  scores = jnp.zeros((2, 50), jnp.float32)
+  with pytest.raises(ValueError, match="capacity: 8 slots cannot hold 50"):
+    select.compact(scores, jnp.int32(100), 8)
+  idx, valid = select.compact(scores, jnp.int32(100), 8, length=jnp.asarray([8, 3]))
+  assert np.asarray(valid).sum(-1).tolist() == [8, 3]
