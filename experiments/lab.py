@@ -23,6 +23,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 def main(argv):
   del argv
+  import pandas as pd
+
   from kvjax import lab
 
   config = _CONFIG.value
@@ -30,7 +32,7 @@ def main(argv):
     "runs", "lab-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   )
   table = lab.run(config, workdir)
-  with __import__("pandas").option_context("display.width", 200, "display.max_columns", 40):
+  with pd.option_context("display.width", 200, "display.max_columns", 40):
     print(lab.pivot(table).to_string())
   print(f"run directory: {os.path.abspath(workdir)}")
 

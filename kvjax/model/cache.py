@@ -83,12 +83,11 @@ def _batch_first(x):
   return None if x is None else jnp.moveaxis(x, 1, 0)
 
 
-def _evidence(pre: dict, valid_T: Array, rng) -> policies.Evidence:
-  """One example's evidence (batch axis removed); padding never scores."""
+def _evidence(pre: dict, rng) -> policies.Evidence:
+  """One example's evidence (batch axis removed); padding is masked by the caller."""
   return policies.Evidence(
     attn_window_LHWT=pre.get("attn_window"),
     column_sums_LHT=pre.get("column_sums"),
-    legacy_column_sums_LHT=None,
     keys_LGTD=pre["keys"],
     rng=rng,
   )
@@ -107,7 +106,7 @@ def compress(
   H = keys.shape[2]
 
   def one(pre_b, valid_T, keys_b, rng_b):
-    ev = _evidence(pre_b, valid_T, rng_b)
+    ev = _evidence(pre_b, rng_b)
     if head_scores is not None:
       ev = ev.replace(head_scores_LH=head_scores)
     if spec.policy.name == "full":
@@ -251,8 +250,8 @@ def decode_step(
     visible = lslots["valid"]
     if cfg.sliding_window is not None:  # Mistral: keys older than the window are not attended
       visible = visible & (pos_B[:, None, None] - lslots["positions"] < cfg.sliding_window)
-    probs = _cache_probs(q, keys, visible)
-    out = llama.attend(probs, values) if spec.layout == "kv" else _attend_query(probs, values)
+    probs = llama.attention_probs(q, keys, visible[:, :, None, :])  # [B, Hq, 1, C]
+    out = llama.attend(probs, values)  # the query layout is the case G = Hq
     if spec.decode_time and "scores" in lslots:
       lc = dict(lslots, keys=keys)
       lslots = dict(lslots, scores=_observe(spec, lc, probs, cfg))
@@ -280,23 +279,6 @@ def _reindexed(cfg, q_BHq1D, keys_BHCD, positions_BHC, valid_BHC, pos_B):
   n_BHq = jnp.repeat(n_BH, q_BHq1D.shape[1] // n_BH.shape[1], axis=1)
   q_pos = (n_BHq - 1 - pos_B[:, None])[..., None]  # rotate from the true position to the rank
   return llama.rope_at(q_BHq1D, q_pos, cfg), keys
-
-
-def _cache_probs(q_BHqD, keys_BHCD, valid_BHC):
-  """Softmax of the query over each row's valid slots: ``[B, Hq, 1, C]``."""
-  B, Hq, _, D = q_BHqD.shape
-  H = keys_BHCD.shape[1]
-  rep = Hq // H
-  q = q_BHqD.astype(jnp.float32).reshape(B, H, rep, 1, D)
-  logits = jnp.einsum("bhrqd,bhcd->bhrqc", q, keys_BHCD.astype(jnp.float32)) / jnp.sqrt(D).astype(
-    jnp.float32
-  )
-  logits = jnp.where(valid_BHC[:, :, None, None, :], logits, -jnp.inf)
-  return jax.nn.softmax(logits, -1).reshape(B, Hq, 1, -1)
-
-
-def _attend_query(probs_BHq1C, values_BHqCD):
-  return jnp.einsum("bhqc,bhcd->bhqd", probs_BHq1C, values_BHqCD.astype(jnp.float32))
 
 
 def _observe(spec: CacheSpec, lc, probs_BHq1C, cfg) -> Array:

@@ -105,14 +105,8 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
 
 
 def rope(x_BNTD: Array, positions_BT: Array, cfg: ModelConfig) -> Array:
-  """Rotary embedding, HF ``rotate_half`` convention; angles in fp32."""
-  inv = jnp.asarray(inv_frequencies(cfg), jnp.float32)
-  angles = positions_BT.astype(jnp.float32)[..., None] * inv[None, None]  # [B, T, D/2]
-  angles = jnp.concatenate([angles, angles], -1)[:, None]  # [B, 1, T, D]
-  cos, sin = jnp.cos(angles).astype(x_BNTD.dtype), jnp.sin(angles).astype(x_BNTD.dtype)
-  half = x_BNTD.shape[-1] // 2
-  rotated = jnp.concatenate([-x_BNTD[..., half:], x_BNTD[..., :half]], -1)
-  return x_BNTD * cos + rotated * sin
+  """Rotary embedding of ``[B, N, T, D]`` heads at per-row positions ``[B, T]``."""
+  return rope_at(x_BNTD, jnp.broadcast_to(positions_BT[:, None], x_BNTD.shape[:-1]), cfg)
 
 
 def rope_at(x: Array, positions: Array, cfg: ModelConfig) -> Array:
@@ -150,15 +144,21 @@ def project_qkv(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array):
   return rope(q, positions_BT, cfg), rope(k, positions_BT, cfg), v
 
 
-def attention_probs(q_BHQD, k_BGKD, allowed_BQK) -> Array:
-  """fp32 softmax of ``q k^T / sqrt(D)`` over allowed keys: ``[B, Hq, Q, K]`` (GQA grouped)."""
+def attention_probs(q_BHQD, k_BGKD, allowed) -> Array:
+  """fp32 softmax of ``q k^T / sqrt(D)`` over allowed keys: ``[B, Hq, Q, K]`` (GQA grouped).
+
+  ``allowed`` is ``[B, Q, K]`` (shared by every head: prefill) or ``[B, G, Q, K]`` (per KV head:
+  a compressed cache, whose rows hold different slots). Fully masked rows give zeros.
+  """
   B, Hq, Q, D = q_BHQD.shape
   G = k_BGKD.shape[1]
+  allowed = allowed[:, None] if allowed.ndim == 3 else allowed
+  allowed = allowed[:, :, None]  # [B, G or 1, 1, Q, K]
   q = q_BHQD.astype(jnp.float32).reshape(B, G, Hq // G, Q, D)
   logits = jnp.einsum("bgrqd,bgkd->bgrqk", q, k_BGKD.astype(jnp.float32)) / math.sqrt(D)
-  logits = jnp.where(allowed_BQK[:, None, None], logits, -jnp.inf)
+  logits = jnp.where(allowed, logits, -jnp.inf)
   probs = jax.nn.softmax(logits, axis=-1)
-  probs = jnp.where(allowed_BQK.any(-1)[:, None, None, :, None], probs, 0.0)  # fully-masked rows
+  probs = jnp.where(allowed.any(-1, keepdims=True), probs, 0.0)
   return probs.reshape(B, Hq, Q, -1)
 
 
