@@ -92,8 +92,20 @@ def pick_step(world: synthetic.World, requested: int) -> int:
   return int(active[len(active) // 2]) if active.size else S // 2
 
 
-def run_scenario(scenario: str, config, workdir: pathlib.Path | None, log=print) -> list[dict]:
-  """All policies on one scenario; returns summary rows (and writes the figure)."""
+@dataclasses.dataclass
+class ScenarioRun:
+  """One scenario simulated under every policy: the world, the figure's step, per-policy
+  ``(trace, summary)`` and the summary rows."""
+
+  scenario: str
+  world: synthetic.World
+  step: int
+  traces: dict
+  rows: list[dict]
+
+
+def simulate_scenario(scenario: str, config, log=print) -> ScenarioRun:
+  """All policies of ``config`` on one scenario (the figure's attention maps recorded)."""
   world = synthetic.make_world(world_config(scenario, config.world))
   step = pick_step(world, config.figure_step)
   evidence = online.prompt_evidence(world, jax.random.key(config.world.seed))
@@ -111,12 +123,34 @@ def run_scenario(scenario: str, config, workdir: pathlib.Path | None, log=print)
     log(
       f"  {scenario:15s} {name:16s} R={summary['retained_mass']:.3f} ({time.perf_counter() - start:.1f}s)"
     )
+  return ScenarioRun(scenario, world, step, traces, rows)
+
+
+def figure(sim: ScenarioRun, config, step: int | None = None):
+  """The essay's four-panel figure of a simulated scenario (at ``step``, default the config's)."""
+  focus = config.figure_policy or ("snapkv" if "snapkv" in sim.traces else next(iter(sim.traces)))
+  step = sim.step if step is None else pick_step(sim.world, step)
+  return plotting.lab_figure(sim.world, sim.traces, step, focus, title=sim.scenario)
+
+
+def retained_by_head(sim: ScenarioRun) -> pd.DataFrame:
+  """Retained attention mass per (policy, layer, head), mean over generation steps."""
+  rows = []
+  for name, (trace, _) in sim.traces.items():
+    retained_LH = np.asarray(trace.metrics.retained).mean(0)
+    for (layer, head), v in np.ndenumerate(retained_LH):
+      rows.append(dict(policy=name, layer=layer, head=head, retained_mass=float(v)))
+  return pd.DataFrame(rows)
+
+
+def run_scenario(scenario: str, config, workdir: pathlib.Path | None, log=print) -> list[dict]:
+  """All policies on one scenario; returns summary rows (and writes the figure)."""
+  sim = simulate_scenario(scenario, config, log)
   if workdir is not None:
-    focus = config.figure_policy or ("snapkv" if "snapkv" in traces else next(iter(traces)))
-    fig = plotting.lab_figure(world, traces, step, focus, title=scenario)
+    fig = figure(sim, config)
     fig.savefig(workdir / f"{scenario}.png", dpi=110)
     plotting.close(fig)
-  return rows
+  return sim.rows
 
 
 def run(config, workdir: str | pathlib.Path | None, log=print) -> pd.DataFrame:

@@ -130,3 +130,141 @@ def pareto(table, metric: str = "retained_mass"):
   ax.legend(fontsize=7)
   fig.tight_layout()
   return fig
+
+
+# --------------------------------------------------------------------------- task accuracy
+
+
+def accuracy_vs_budget(table, metric: str = "accuracy"):
+  """One panel per task: ``metric`` against the per-head budget, a line per policy (mean over
+  context lengths); the full cache as a dashed line."""
+  table = table[table["kind"] == "budget"]
+  task_names = list(dict.fromkeys(table["task"]))
+  cols = min(len(task_names), 4)
+  rows = -(-len(task_names) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+  for ax, task in zip(axes.flat, task_names, strict=False):
+    sub = table[table["task"] == task]
+    full = sub[sub["policy"] == "full"][metric].mean()
+    for policy, line in sub[sub["policy"] != "full"].groupby("policy"):
+      line = line.groupby("budget")[metric].mean()
+      ax.plot(line.index, line.values, marker="o", ms=3, label=policy)
+    ax.axhline(full, color="k", ls="--", lw=1, label="full")
+    ax.set(xscale="log", xlabel="budget per head (tokens)", ylabel=metric, title=task)
+  for ax in list(axes.flat)[len(task_names) :]:
+    ax.axis("off")
+  handles, labels = axes.flat[0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), fontsize=8)
+  fig.tight_layout(rect=(0, 0.08, 1, 1))
+  return fig
+
+
+def needle_heatmap(table, policy: str):
+  """Accuracy over needle depth (rows) x context length (columns) for one policy."""
+  sub = table[table["kind"].astype(str).str.startswith("heatmap") & (table["policy"] == policy)]
+  grid = sub.pivot_table(index="depth", columns="length", values="accuracy", aggfunc="mean")
+  fig, ax = plt.subplots(figsize=(1.2 * grid.shape[1] + 2.5, 0.5 * grid.shape[0] + 2))
+  im = ax.imshow(grid.values, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+  ax.set_xticks(range(grid.shape[1]), [str(c) for c in grid.columns])
+  ax.set_yticks(range(grid.shape[0]), [f"{d:.0%}" for d in grid.index])
+  for (i, j), v in np.ndenumerate(grid.values):
+    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+  ax.set(xlabel="context length", ylabel="needle depth", title=f"needle retrieval: {policy}")
+  fig.colorbar(im, ax=ax, fraction=0.05)
+  fig.tight_layout()
+  return fig
+
+
+def accuracy_figures(table, out_dir) -> list[str]:
+  """Writes ``accuracy_vs_budget.png``, ``kl_vs_budget.png`` and one ``needle_heatmap_*.png`` per
+  heatmap policy into ``out_dir``; returns the file names."""
+  import pathlib  # noqa: PLC0415
+
+  out_dir = pathlib.Path(out_dir)
+  written = []
+  if (table["kind"] == "budget").any():
+    for metric in ("accuracy", "kl"):
+      fig = accuracy_vs_budget(table, metric)
+      fig.savefig(out_dir / f"{metric}_vs_budget.png", dpi=110)
+      close(fig)
+      written.append(f"{metric}_vs_budget.png")
+  heat = table[table["kind"].astype(str).str.startswith("heatmap")]
+  for policy in dict.fromkeys(heat["policy"]):
+    fig = needle_heatmap(table, policy)
+    name = f"needle_heatmap_{policy}.png"
+    fig.savefig(out_dir / name, dpi=110)
+    close(fig)
+    written.append(name)
+  return written
+
+
+def retained_by_head_figure(by_head, title: str = ""):
+  """One ``[layer, head]`` panel of retained mass per policy (``lab.retained_by_head``)."""
+  names = list(dict.fromkeys(by_head["policy"]))
+  fig, axes = plt.subplots(
+    1, len(names), figsize=(2.2 * len(names), 2.6), sharey=True, squeeze=False
+  )
+  for ax, name in zip(axes[0], names, strict=False):
+    grid = by_head[by_head["policy"] == name].pivot(
+      index="layer", columns="head", values="retained_mass"
+    )
+    ax.imshow(grid.values, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    ax.set(title=name, xlabel="head")
+  axes[0][0].set_ylabel("layer")
+  fig.suptitle(title)
+  fig.tight_layout()
+  return fig
+
+
+# --------------------------------------------------------------------------- layer funneling
+
+
+def attention_maps(maps: dict, boundaries=(), vmax: float = 0.01, title: str = ""):
+  """PyramidKV's figure: one ``[T, T]`` map per layer (mean over heads), colour saturating at
+  ``vmax`` so that the structure of small weights shows; ``boundaries`` draws document edges."""
+  layers = sorted(maps)
+  fig, axes = plt.subplots(1, len(layers), figsize=(3.3 * len(layers), 3.3), squeeze=False)
+  for ax, layer in zip(axes[0], layers, strict=False):
+    m = np.asarray(maps[layer])
+    m = m.mean(0) if m.ndim == 3 else m
+    ax.imshow(m, cmap="viridis", vmin=0.0, vmax=vmax, interpolation="nearest")
+    for b in boundaries:
+      ax.axhline(b - 0.5, color="w", lw=0.5)
+      ax.axvline(b - 0.5, color="w", lw=0.5)
+    ax.set(title=f"layer {layer}", xlabel="key", ylabel="query" if layer == layers[0] else None)
+  fig.suptitle(title)
+  fig.tight_layout()
+  return fig
+
+
+def funnel_statistics(table, title: str = ""):
+  """The quantitative funnel: one panel per statistic (``kvjax.funnel`` columns) against layer."""
+  stats = [
+    c
+    for c in ("entropy", "first_token_mass", "own_document_mass", "keys_for_90")
+    if c in table.columns
+  ]
+  fig, axes = plt.subplots(1, len(stats), figsize=(3.4 * len(stats), 2.9), squeeze=False)
+  label_col = "source" if "source" in table.columns else None
+  groups = table.groupby(label_col) if label_col else [("", table)]
+  for ax, stat in zip(axes[0], stats, strict=False):
+    for label, sub in groups:
+      ax.plot(sub["layer"], sub[stat], marker="o", ms=3, label=label or None)
+    ax.set(xlabel="layer", title=stat)
+  if label_col:
+    axes[0][0].legend(fontsize=7)
+  fig.suptitle(title)
+  fig.tight_layout()
+  return fig
+
+
+def layer_budgets(profiles: dict, title: str = ""):
+  """Per-layer budgets (mean over heads) of several allocations at equal total."""
+  fig, ax = plt.subplots(figsize=(5.5, 3.4))
+  for label, b in profiles.items():
+    b = np.asarray(b, float)
+    ax.plot(b.mean(-1) if b.ndim == 2 else b, marker="o", ms=3, label=label)
+  ax.set(xlabel="layer", ylabel="budget per head (tokens)", title=title)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  return fig

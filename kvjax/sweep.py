@@ -603,6 +603,20 @@ def _prepare_dir(config, out: pathlib.Path) -> None:
   (out / "config.json").write_text(config.to_json_best_effort(indent=2))
 
 
+def load_config(path: str | pathlib.Path, arg: str | None = None):
+  """``get_config(arg)`` of an ml-collections config file (what ``--config=path:arg`` loads), for
+  notebooks and scripts that do not parse flags."""
+  import importlib.util  # noqa: PLC0415
+
+  path = pathlib.Path(path)
+  if not path.exists():
+    raise ValueError(f"path: config file {path} does not exist")
+  spec = importlib.util.spec_from_file_location(f"kvjax_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
 def read_results(path: pathlib.Path) -> pd.DataFrame:
   """Complete rows of a results file; a line cut by an interruption is dropped and rewritten."""
   if not path.exists():

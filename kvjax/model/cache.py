@@ -89,6 +89,7 @@ def _evidence(pre: dict, rng) -> policies.Evidence:
     attn_window_LHWT=pre.get("attn_window"),
     column_sums_LHT=pre.get("column_sums"),
     keys_LGTD=pre["keys"],
+    future_attn_LHST=pre.get("future_attn"),
     rng=rng,
   )
 
@@ -129,7 +130,9 @@ def compress(
     overflow = (count > spec.capacity).any() | (budget_LH < 0).any()
     return idx, kept, budget_LH, state, overflow
 
-  pre_b = {k: _batch_first(pre.get(k)) for k in ("attn_window", "column_sums", "keys")}
+  pre_b = {
+    k: _batch_first(pre.get(k)) for k in ("attn_window", "column_sums", "keys", "future_attn")
+  }
   idx, kept, budget_LH, state, overflow = jax.vmap(one)(
     pre_b, pre["valid"], _batch_first(keys), jax.random.split(rng, B)
   )

@@ -99,6 +99,35 @@ def from_hf_dict(raw: dict) -> ModelConfig:
   )
 
 
+def to_hf_dict(cfg: ModelConfig) -> dict:
+  """A ``config.json`` that :func:`from_hf_dict` and ``transformers`` read back to ``cfg``."""
+  arch = {v: k for k, v in SUPPORTED.items()}[cfg.family]
+  if cfg.rope_type != "default":
+    raise ValueError(f"cfg: writing rope_type {cfg.rope_type!r} is not supported")
+  out = {
+    "architectures": [arch],
+    "model_type": cfg.family,
+    "vocab_size": cfg.vocab_size,
+    "hidden_size": cfg.hidden_size,
+    "intermediate_size": cfg.intermediate_size,
+    "num_hidden_layers": cfg.num_layers,
+    "num_attention_heads": cfg.num_heads,
+    "num_key_value_heads": cfg.num_kv_heads,
+    "head_dim": cfg.head_dim,
+    "rms_norm_eps": cfg.rms_norm_eps,
+    "rope_theta": cfg.rope_theta,
+    "tie_word_embeddings": cfg.tie_word_embeddings,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float32",
+  }
+  if cfg.family == "llama":
+    out["attention_bias"] = cfg.qkv_bias
+  if cfg.sliding_window is not None:
+    out["sliding_window"] = cfg.sliding_window
+  return out
+
+
 def from_pretrained_dir(path: str | pathlib.Path) -> ModelConfig:
   path = pathlib.Path(path)
   config_path = path / "config.json"

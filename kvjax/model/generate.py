@@ -257,3 +257,118 @@ def generate_configs(
   held_C = np.asarray(caches.valid).sum(axis=(1, 2, 3, 4)) * 2 * cfg.head_dim * itemsize
   mem = {"kv_bytes_held_per_config": held_C.tolist()}
   return Generation(np.asarray(tokens), mem, np.asarray(alloc))
+
+
+# --------------------------------------------------------------------------- answers through the cache
+
+
+@dataclasses.dataclass
+class Answers:
+  """Per-configuration predictions of an answer, every token predicted from the compressed cache.
+
+  ``predicted [C, B, N]``: greedy tokens at the answer positions (given positions fed from the
+  answer); ``logprobs [C, B, N, V]``: teacher-forced log-probabilities there (for KL
+  divergences); ``budget_LH [C, B, L, H]``: the allocations.
+  """
+
+  predicted: np.ndarray
+  logprobs: np.ndarray
+  budget_LH: np.ndarray
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"))
+def _compress_and_answer(cfg, params, pre, spec, budget, head_scores, inputs_BN, given_BN):
+  """Compresses once, then decodes the answer twice from that cache: greedy (given positions
+  fed from the answer) and teacher-forced (every position fed from the answer)."""
+  cache0 = cache_lib.compress(cfg, pre, spec, budget, head_scores=head_scores)
+  B, T = pre["valid"].shape
+  start_pos = pre["valid"].sum(-1).astype(jnp.int32)
+  N = inputs_BN.shape[1]
+
+  def run(teacher: bool):
+    def step(carry, i):
+      cache, prev = carry
+      token = inputs_BN[:, i] if teacher else jnp.where(given_BN[:, i], inputs_BN[:, i], prev)
+      logits, cache = cache_lib.decode_step(cfg, params, spec, cache, token, start_pos + i, T + i)
+      pred = jnp.argmax(logits, -1).astype(jnp.int32)
+      return (cache, pred), (jax.nn.log_softmax(logits, -1) if teacher else None, pred)
+
+    (cache, _), (logp, pred) = jax.lax.scan(step, (cache0, inputs_BN[:, 0]), jnp.arange(N))
+    return cache, logp, pred.T
+
+  cache, _, greedy = run(False)
+  cache_tf, logp, _ = run(True)
+  overflow = cache.overflow | cache_tf.overflow
+  return greedy, logp.transpose(1, 0, 2), dataclasses.replace(cache, overflow=overflow)
+
+
+def _future_attention(cfg, params, prompt, answer) -> Array:
+  """The oracle's evidence: full-cache attention of the answer-producing queries (the last prompt
+  token and the answer tokens fed after it) over the prompt prefix, ``[L, B, Hq, N, T - 1]``."""
+  seq = jnp.concatenate([prompt, answer[:, :-1]], axis=1)
+  N, T = answer.shape[1], prompt.shape[1]
+  pre = _prefill(cfg, params, seq, jnp.ones_like(seq), N, False)
+  return pre["attn_window"][..., : T - 1]
+
+
+def answer_configs(
+  model,
+  prompt_ids,
+  answer_ids,
+  budgets,
+  *,
+  policy: str,
+  answer_given=None,
+  layout: str = "kv",
+  head_scores=None,
+  **policy_options,
+) -> Answers:
+  """Predicts ``answer_ids [B, N]`` after ``prompt_ids [B, T]`` under ``C`` budget configurations
+  (``budgets``: ``[C]``, ``[C, L]`` or ``[C, L, H]``) with one shared prefill.
+
+  The prompt's first ``T - 1`` tokens are prefilled and compressed (the question sits in the
+  observation window, SnapKV's query-aware setting); its last token and then the answer are
+  decoded through the compressed cache, so *every* answer token is predicted from it (in the
+  usual generate loop the first answer token comes from the full-attention prefill and is immune
+  to compression; here it is not). The greedy pass feeds the model's own prediction at each
+  scored position and the answer at ``answer_given [B, N]`` positions (mqar's query keys); the
+  teacher-forced pass feeds the answer everywhere (for KL divergences).
+  ``policy="oracle"`` uses the full-cache attention of exactly these answer-producing queries.
+  """
+  prompt = np.asarray(prompt_ids, np.int32)
+  answer = np.asarray(answer_ids, np.int32)
+  if prompt.ndim != 2 or prompt.shape[1] < 2:
+    raise ValueError(f"prompt_ids: expected [batch, T >= 2] token ids, got shape {prompt.shape}")
+  if answer.ndim != 2 or answer.shape[0] != prompt.shape[0] or answer.shape[1] < 1:
+    raise ValueError(
+      f"answer_ids: expected [batch={prompt.shape[0]}, N >= 1] token ids, got {answer.shape}"
+    )
+  given = np.zeros(answer.shape, bool) if answer_given is None else np.asarray(answer_given, bool)
+  if given.shape != answer.shape:
+    raise ValueError(f"answer_given: shape {given.shape}, expected {answer.shape}")
+  N = answer.shape[1]
+  cfg, params, pol, pre, T = _prepare(
+    model, prompt[:, :-1], None, "left", policy, policy_options, N
+  )
+  if pol.name == "oracle":
+    pre = dict(pre, future_attn=_future_attention(cfg, params, jnp.asarray(prompt), answer))
+  budgets = jnp.asarray(budgets)
+  if not jnp.issubdtype(budgets.dtype, jnp.integer) or budgets.ndim < 1:
+    raise ValueError(
+      f"budgets: expected integer budgets with a leading config axis, got {budgets.dtype}{budgets.shape}"
+    )
+  window = _window(pol, T) if pol.name != "full" else 0
+  if pol.name != "full":
+    _check_budget(pol, budgets, window)
+  recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
+  spec = cache_lib.CacheSpec(pol, 1, layout, recent=recent)
+  alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, head_scores))(budgets)
+  spec = dataclasses.replace(spec, capacity=_capacity(pol, int(np.asarray(alloc).max()), T, N))
+  inputs = jnp.asarray(np.concatenate([prompt[:, -1:], answer[:, :-1]], axis=1))
+  feed_given = jnp.asarray(np.concatenate([np.ones((len(prompt), 1), bool), given[:, :-1]], 1))
+  run = jax.vmap(
+    lambda b: _compress_and_answer(cfg, params, pre, spec, b, head_scores, inputs, feed_given)
+  )
+  pred, logp, caches = run(budgets)
+  _check_overflow(caches)
+  return Answers(np.asarray(pred), np.asarray(logp), np.asarray(alloc))

@@ -87,6 +87,32 @@ def params_from_tensors(cfg: config_lib.ModelConfig, tensors: dict, dtype=jnp.fl
   return {k: jnp.asarray(v, dtype) for k, v in out.items()}
 
 
+def tensors_from_params(cfg: config_lib.ModelConfig, params: dict) -> dict[str, np.ndarray]:
+  """The inverse of :func:`params_from_tensors`: HF tensor names, ``[out, in]`` weights."""
+  out: dict[str, np.ndarray] = {}
+  for suffix, (name, _, transpose) in _expected(cfg).items():
+    stacked = np.asarray(params[name], np.float32)
+    for i in range(cfg.num_layers):
+      w = stacked[i]
+      out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(w.T if transpose else w)
+  out["model.embed_tokens.weight"] = np.asarray(params["embed"], np.float32)
+  out["model.norm.weight"] = np.asarray(params["final_norm"], np.float32)
+  if not cfg.tie_word_embeddings:
+    out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"], np.float32).T)
+  return out
+
+
+def save(path: str | pathlib.Path, cfg: config_lib.ModelConfig, params: dict) -> None:
+  """Writes ``config.json`` and ``model.safetensors`` that :func:`load` (and ``transformers``)
+  read back."""
+  from safetensors.numpy import save_file  # noqa: PLC0415
+
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / "config.json").write_text(json.dumps(config_lib.to_hf_dict(cfg), indent=2) + "\n")
+  save_file(tensors_from_params(cfg, params), str(path / "model.safetensors"))
+
+
 def load(
   path_or_hub_id: str | pathlib.Path, dtype=jnp.float32
 ) -> tuple[Llama, config_lib.ModelConfig]:
@@ -105,3 +131,29 @@ def load(
   nnx.replace_by_pure_dict(state, params)
   nnx.update(model, state)
   return model, cfg
+
+
+TINY = "tiny"
+
+
+def tiny_path() -> pathlib.Path:
+  """Where the shipped tiny model lives (``kvjax/assets/tiny``)."""
+  import importlib.resources  # noqa: PLC0415
+
+  return pathlib.Path(str(importlib.resources.files("kvjax") / "assets" / TINY))
+
+
+def load_tiny(dtype=jnp.float32):
+  """``(model, config, tokenizer)`` of the tiny retrieval model shipped with kvjax (no network).
+
+  A 4-layer GQA Llama trained by ``experiments/train.py --config=configs/train_tiny.py`` on the
+  tasks of :mod:`kvjax.tasks`; its word tokenizer is :class:`kvjax.tasks.WordTokenizer`.
+  ``kvjax/assets/tiny/card.json`` records how it was trained and its measured accuracy.
+  """
+  from kvjax import tasks  # noqa: PLC0415
+
+  path = tiny_path()
+  if not (path / "model.safetensors").exists():
+    raise FileNotFoundError(f"the tiny model is missing from {path} (reinstall kvjax)")
+  model, cfg = load(path, dtype)
+  return model, cfg, tasks.WordTokenizer.load(path / "tokenizer.json")

@@ -1,0 +1,81 @@
+"""Accuracy vs budget of every policy on the task suite:
+``python experiments/eval.py --config=configs/eval.py --config.workdir=DIR``.
+
+The default (the shipped tiny model, 1k-token contexts, 8 examples per cell) finishes in a few
+minutes on 2 CPU cores; ``:full`` (1k and 2k contexts, 50 examples, a wider heatmap) is for a GPU
+or TPU; ``:quick`` is the CI smoke run.
+"""
+
+import ml_collections
+
+# per (layer, head) budgets include SnapKV's 32-token observation window
+POLICIES = [
+  dict(label="sliding_window", policy="sliding_window"),
+  dict(label="streaming_llm", policy="streaming_llm"),
+  dict(label="h2o", policy="h2o"),
+  dict(label="tova", policy="tova"),
+  dict(label="snapkv", policy="snapkv"),
+  dict(label="pyramidkv", policy="pyramidkv"),
+  dict(label="adakv", policy="adakv_snapkv"),
+  dict(label="headkv", policy="headkv"),
+  dict(label="cake", policy="cake"),
+  dict(label="knorm", policy="knorm"),
+  dict(label="random", policy="random"),
+  dict(label="oracle", policy="oracle"),
+]
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.workdir = "/tmp/kvjax_eval"
+  c.model = (
+    "tiny"  # or a local Hugging Face directory with config.json, safetensors, tokenizer.json
+  )
+  c.seed = 0
+  c.tasks = ml_collections.ConfigDict(
+    dict(
+      passkey={},
+      single_needle={},
+      multi_key=dict(num_distractors=3),
+      multi_value=dict(num_values=4),
+      multi_query=dict(num_pairs=8, num_queries=4),
+      variable_tracking=dict(num_hops=4),
+      mqar=dict(num_pairs=16, num_queries=8),
+    )
+  )
+  c.lengths = [1024]
+  c.examples = 8
+  c.budgets = [48, 64, 128, 256]
+  c.policies = POLICIES
+  c.heatmap = ml_collections.ConfigDict(
+    dict(
+      task="single_needle",
+      policies=["snapkv", "streaming_llm"],
+      budget=64,
+      lengths=[256, 512, 1024],
+      depths=[0.0, 0.25, 0.5, 0.75, 1.0],
+      examples=4,
+    )
+  )
+  if arg == "full":
+    c.lengths = [1024, 2048]
+    c.examples = 50
+    c.budgets = [40, 48, 64, 96, 128, 256, 512]
+    c.heatmap.update(
+      policies=["snapkv", "pyramidkv", "streaming_llm", "h2o"],
+      lengths=[256, 512, 1024, 1536, 2048],
+      depths=[i / 10 for i in range(11)],
+      examples=20,
+    )
+  elif arg == "quick":
+    c.tasks = ml_collections.ConfigDict(
+      dict(single_needle={}, mqar=dict(num_pairs=8, num_queries=4))
+    )
+    c.lengths = [256]
+    c.examples = 4
+    c.budgets = [48, 128]
+    c.policies = [p for p in POLICIES if p["label"] in ("streaming_llm", "snapkv", "oracle")]
+    c.heatmap.update(policies=["snapkv"], lengths=[128, 256], depths=[0.0, 1.0], examples=2)
+  elif arg not in (None, ""):
+    raise ValueError(f"config: unknown preset {arg!r}; expected '', 'full' or 'quick'")
+  return c

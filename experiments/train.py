@@ -1,0 +1,33 @@
+"""Trains the tiny retrieval model: ``python experiments/train.py --config=configs/train_tiny.py
+--workdir=DIR``. Kill it and run the same command again: it resumes from the last checkpoint.
+``--export=DIR`` then writes the final parameters as a Hugging Face style checkpoint
+(``config.json``, ``model.safetensors``, ``tokenizer.json``) like the one shipped in
+``kvjax/assets/tiny``."""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from kvjax import train  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "train_tiny.py")
+)
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/kvjax_train", "checkpoints and metrics.jsonl")
+_EXPORT = flags.DEFINE_string("export", None, "write the trained model here when done")
+
+
+def main(argv):
+  del argv
+  state = train.train(_CONFIG.value, _WORKDIR.value)
+  if _EXPORT.value:
+    train.export(_CONFIG.value, state.params, _EXPORT.value)
+    print(f"exported to {_EXPORT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,218 @@
+"""Accuracy against budget on the task suite, for every policy, with a real model and cache.
+
+For each (task, context length) a fixed set of held-out examples is prefilled once per policy and
+answered under every budget of the grid at once (:func:`kvjax.model.answer_configs`: compress and
+decode vmapped over budgets). Each (task, length, policy) group appends its rows to
+``results.csv`` as soon as it is done; a rerun skips the groups already there (like sweeps).
+Besides accuracy, each row carries the teacher-forced next-token KL divergence between the full and
+the compressed cache, ``KL(p_full || p_compressed)`` averaged over the scored answer tokens.
+
+The needle heatmap (accuracy over depth x context length, the PyramidKV and SnapKV papers'
+figure) comes from the same machinery with ``depth`` fixed per cell.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import ml_collections
+import numpy as np
+import pandas as pd
+
+from kvjax import sweep, tasks
+from kvjax.model import generate as gen
+
+EVAL_SEED = 2**31  # training draws example seeds below 2**31: evaluation seeds never collide
+
+
+def load_model(name: str):
+  """``(model, cfg, tokenizer)``: ``"tiny"`` is the shipped model; anything else is a local
+  Hugging Face directory or, online, a hub id (``config.json``, safetensors, ``tokenizer.json``;
+  the ``bos_token`` of ``tokenizer_config.json`` starts every prompt when there is one)."""
+  from kvjax import model as km  # noqa: PLC0415
+
+  if name == "tiny":
+    return km.load_tiny()
+  path = pathlib.Path(name)
+  if not path.exists():
+    from huggingface_hub import snapshot_download  # noqa: PLC0415
+
+    path = pathlib.Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
+  model, cfg = km.load(path)
+  if not (path / "tokenizer.json").exists():
+    raise ValueError(f"model: {name} has no tokenizer.json next to its weights")
+  bos = None
+  tc = path / "tokenizer_config.json"
+  if tc.exists():
+    bos = json.loads(tc.read_text()).get("bos_token")
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+  return model, cfg, tasks.HFTokenizer(path / "tokenizer.json", bos_token=bos)
+
+
+def examples(task: str, tokenizer, length: int, count: int, options: dict, *, depth=None, seed=0):
+  """``count`` held-out examples of one task (seeds above every training seed)."""
+  return [
+    tasks.generate(
+      task, tokenizer, length=length, seed=EVAL_SEED + seed * 100_003 + i, depth=depth, **options
+    )
+    for i in range(count)
+  ]
+
+
+def kl_divergence(logp_full_BNV: np.ndarray, logp_BNV: np.ndarray, scored_BN: np.ndarray) -> float:
+  """Mean over scored answer tokens of ``KL(p_full || p)`` (nats)."""
+  p = np.exp(logp_full_BNV)
+  kl_BN = (p * (logp_full_BNV - logp_BNV)).sum(-1)
+  return float(kl_BN[scored_BN].mean())
+
+
+def accuracy(exs, predicted_BN: np.ndarray) -> np.ndarray:
+  """Each example's task score (bool ``[B]``) from the predicted answer tokens."""
+  return np.asarray(
+    [tasks.score(e, p[: e.answer.size]) for e, p in zip(exs, predicted_BN, strict=False)]
+  )
+
+
+def head_retrieval_scores(model, tokenizer, *, length: int = 512, count: int = 16) -> np.ndarray:
+  """HeadKV's retrieval scores ``[L, G]`` (KV-head layout, the mean over each query group).
+
+  Following the retrieval-head test (Wu et al. 2024, used by HeadKV): on single-needle examples,
+  a query head scores when its strongest attention, at the query that emits the answer, lands
+  on the needle's value token; the score is the fraction of examples where it does.
+  """
+  from kvjax.model import llama  # noqa: PLC0415
+
+  cfg = model.cfg
+  exs = examples("single_needle", tokenizer, length, count, {}, seed=7)
+  prompts = np.stack([e.prompt for e in exs])
+  pre = gen._prefill(cfg, model.params(), prompts, np.ones_like(prompts), 1, False)
+  top_LBH = np.asarray(pre["attn_window"][..., -1, :]).argmax(-1)  # [L, B, Hq]
+  at_B = np.asarray([e.needle_at[0] for e in exs])
+  hits_LH = (top_LBH == at_B[None, :, None]).mean(1)
+  del llama
+  return hits_LH.reshape(cfg.num_layers, cfg.num_kv_heads, cfg.num_groups).mean(-1)
+
+
+def _policy_options(entry) -> tuple[str, str, dict]:
+  entry = dict(entry)
+  label = entry.pop("label")
+  name = entry.pop("policy")
+  return label, name, entry
+
+
+def evaluate_group(model, exs, budgets, name, options, *, head_scores=None, full=None) -> dict:
+  """One (task, length, policy) group: per-budget accuracy and KL."""
+  prompts, answers, scored = tasks.batch(exs)
+  given = ~scored
+  pad = np.zeros_like(given)
+  for i, e in enumerate(exs):  # padded answer positions are fed, never scored
+    pad[i, e.answer.size :] = True
+  extra = {"head_scores": head_scores} if name == "headkv" else {}
+  out = gen.answer_configs(
+    model,
+    prompts,
+    answers,
+    np.asarray(budgets, np.int32),
+    policy=name,
+    answer_given=given | pad,
+    **extra,
+    **options,
+  )
+  rows = []
+  for c, b in enumerate(budgets):
+    ok = accuracy(exs, out.predicted[c])
+    kl = kl_divergence(full.logprobs[0], out.logprobs[c], scored) if full is not None else 0.0
+    rows.append(dict(budget=int(b), accuracy=float(ok.mean()), kl=kl, n=len(exs)))
+  return {"rows": rows, "answers": out}
+
+
+def _to_plain(value):
+  if isinstance(value, ml_collections.ConfigDict):
+    return value.to_dict()
+  return value
+
+
+def run(config, workdir, *, log=print) -> pd.DataFrame:
+  """Runs (or resumes) the evaluation ``config`` into ``workdir``; returns ``results.csv``."""
+  out = pathlib.Path(workdir)
+  out.mkdir(parents=True, exist_ok=True)
+  sig = json.dumps(
+    {k: _to_plain(config[k]) for k in sorted(config.keys()) if k != "workdir"},
+    sort_keys=True,
+    default=str,
+  )
+  sig_path = out / "eval.json"
+  if sig_path.exists() and sig_path.read_text() != sig:
+    raise ValueError(
+      f"workdir: {out} holds results of a different evaluation (eval.json differs); "
+      "expected the same config to resume, or a fresh workdir"
+    )
+  sig_path.write_text(sig)
+  path = out / "results.csv"
+  table = sweep.read_results(path)
+  done = set()
+  if not table.empty:
+    done = set(zip(table["task"], table["length"], table["policy"], table["kind"], strict=False))
+  model, cfg, tok = load_model(config.model)
+  entries = [_policy_options(e) for e in config.policies]
+  for task, opts in config.tasks.items():
+    opts = _to_plain(opts)
+    for length in config.lengths:
+      exs = examples(task, tok, length, config.examples, opts, seed=config.seed)
+      full = None
+      for label, name, options in [("full", "full", {}), *entries]:
+        if (task, length, label, "budget") in done:
+          continue
+        t0 = time.time()
+        if full is None:
+          full = evaluate_group(model, exs, [length], "full", {})["answers"]
+        budgets = [length] if name == "full" else [b for b in config.budgets if b < length]
+        head = None
+        if name == "headkv":
+          head = head_retrieval_scores(model, tok)
+        res = evaluate_group(model, exs, budgets, name, options, head_scores=head, full=full)
+        rows = [
+          dict(task=task, length=length, policy=label, kind="budget", depth=np.nan, **r)
+          | {"seconds": round(time.time() - t0, 2)}
+          for r in res["rows"]
+        ]
+        sweep._append(path, rows)
+        log(
+          f"{task:18s} {length:5d} {label:16s} "
+          + " ".join(f"{r['budget']}:{r['accuracy']:.2f}" for r in res["rows"])
+        )
+  _heatmap(config, model, tok, path, done, log)
+  table = sweep.read_results(path)
+  from kvjax import plotting  # noqa: PLC0415
+
+  plotting.accuracy_figures(table, out)
+  return table
+
+
+def _heatmap(config, model, tok, path, done, log) -> None:
+  """Needle accuracy over depth x length for each heatmap policy at one budget."""
+  h = config.heatmap
+  if not h.policies:
+    return
+  entries = {e["label"]: _policy_options(e) for e in config.policies}
+  for length in h.lengths:
+    for d in h.depths:
+      cells = []
+      for label in ["full", *h.policies]:
+        kind = f"heatmap@{d:g}"
+        if (h.task, length, label, kind) in done:
+          continue
+        cells.append(label)
+      if not cells:
+        continue
+      exs = examples(h.task, tok, length, h.examples, {}, depth=d, seed=config.seed + 1)
+      for label in cells:
+        _, name, options = ("full", "full", {}) if label == "full" else entries[label]
+        budget = length if name == "full" else min(h.budget, length - 1)
+        res = evaluate_group(model, exs, [budget], name, options)
+        (r,) = res["rows"]
+        row = dict(task=h.task, length=length, policy=label, kind=f"heatmap@{d:g}", depth=d, **r)
+        sweep._append(path, [row | {"seconds": 0.0}])
+      log(f"heatmap length {length} depth {d:g}: done")

@@ -1,0 +1,591 @@
+"""Seeded RULER-style long-context tasks: text templates, two tokenisations, exact scoring.
+
+Each generator writes a haystack of random sentences, hides needles at chosen depths and asks a
+question; it returns an :class:`Example` of token ids. Following RULER (Hsieh et al., 2024,
+``scripts/data/synthetic``) the tasks are:
+
+* ``passkey``: one pass key in the haystack (RULER's ``niah_single_1`` passkey template).
+* ``single_needle``: one "special magic number for KEY" needle (``niah_single_2``).
+* ``multi_key``: the needle among ``num_distractors`` needles with other keys (``niah_multikey``).
+* ``multi_value``: ``num_values`` needles for the same key; all values asked for (``niah_multivalue``).
+* ``multi_query``: ``num_queries`` of ``num_pairs`` keys asked for at once (``niah_multiquery``).
+* ``variable_tracking``: a chain of ``num_hops`` assignments ``var X = Y``; the variables holding
+  the value are asked for (``vt``).
+* ``mqar``: multi-query associative recall (Arora et al., 2023, Zoology): ``num_pairs`` needles,
+  then ``num_queries`` queries ``KEY is VALUE .`` whose keys are given and whose values are scored
+  (dense teacher-forced supervision; the prompt ends at the first query).
+
+Named deviations from RULER: values are two-digit numbers and keys one of 64 made-up names (one
+token each in the tiny model's word vocabulary, small enough for a model trained in minutes on a
+CPU; RULER uses seven-digit numbers and UUIDs or words); the haystack is random sentences over a small word list
+(RULER's "noise" haystack repeats one paragraph, its "essay" haystack is Paul Graham essays, which
+we may not download); answers are scored in order (``scoring="exact"``) except where RULER scores a
+set (``multi_value``, ``multi_query``: every value present, in any order: ``scoring="set"``).
+
+Two tokenisations: :class:`WordTokenizer` (the tiny model's whitespace word vocabulary, stored as a
+Hugging Face ``WordLevel`` ``tokenizer.json``) and :class:`HFTokenizer` (any ``tokenizer.json``
+through the ``tokenizers`` package, for real models). Text pieces are tokenised one at a time, so
+lengths are exact in tokens whichever tokenizer is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Sequence
+
+import numpy as np
+
+TASKS = (
+  "passkey",
+  "single_needle",
+  "multi_key",
+  "multi_value",
+  "multi_query",
+  "variable_tracking",
+  "mqar",
+)
+
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+PUNCT = (".", ",", "?", ":", "=")
+TEMPLATE_WORDS = tuple(
+  [
+    "the",
+    "special",
+    "magic",
+    "number",
+    "numbers",
+    "for",
+    "is",
+    "are",
+    "what",
+    "all",
+    "and",
+    "pass",
+    "key",
+    "remember",
+    "it",
+    "answer",
+    "var",
+    "find",
+    "variables",
+    "that",
+    "assigned",
+    "value",
+    "in",
+    "text",
+    "above",
+    "they",
+    "questions",
+    "document",
+    "grass",
+    "sky",
+    "sun",
+    "here",
+    "we",
+    "go",
+    "there",
+    "back",
+    "again",
+  ]
+)
+FILLER = tuple(
+  [
+    "a",
+    "an",
+    "this",
+    "every",
+    "some",
+    "many",
+    "few",
+    "old",
+    "new",
+    "small",
+    "large",
+    "quiet",
+    "loud",
+    "bright",
+    "dark",
+    "warm",
+    "cold",
+    "early",
+    "late",
+    "red",
+    "blue",
+    "green",
+    "yellow",
+    "happy",
+    "tired",
+    "busy",
+    "calm",
+    "swift",
+    "slow",
+    "cat",
+    "dog",
+    "bird",
+    "horse",
+    "river",
+    "mountain",
+    "city",
+    "village",
+    "garden",
+    "forest",
+    "ocean",
+    "window",
+    "door",
+    "table",
+    "chair",
+    "book",
+    "letter",
+    "song",
+    "story",
+    "road",
+    "bridge",
+    "tower",
+    "farmer",
+    "teacher",
+    "doctor",
+    "sailor",
+    "baker",
+    "painter",
+    "child",
+    "friend",
+    "king",
+    "queen",
+    "soldier",
+    "merchant",
+    "walks",
+    "runs",
+    "sees",
+    "finds",
+    "builds",
+    "paints",
+    "reads",
+    "writes",
+    "sings",
+    "carries",
+    "follows",
+    "watches",
+    "visits",
+    "opens",
+    "closes",
+    "keeps",
+    "holds",
+    "brings",
+    "sends",
+    "meets",
+    "helps",
+    "near",
+    "under",
+    "over",
+    "beside",
+    "behind",
+    "through",
+    "across",
+    "with",
+    "without",
+    "from",
+    "into",
+    "after",
+    "before",
+    "during",
+    "while",
+    "because",
+    "but",
+    "or",
+    "so",
+    "then",
+    "often",
+    "never",
+    "always",
+    "sometimes",
+    "today",
+    "yesterday",
+    "tomorrow",
+    "morning",
+    "evening",
+    "night",
+    "winter",
+    "summer",
+    "spring",
+    "autumn",
+    "rain",
+    "snow",
+    "wind",
+    "stone",
+    "wood",
+    "gold",
+    "silver",
+    "bread",
+    "milk",
+    "apple",
+    "water",
+    "fire",
+    "light",
+    "shadow",
+  ]
+)
+_ONSETS = ["b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z"]
+_VOWELS = ["a", "e", "i", "o", "u"]
+
+
+def _key_words() -> tuple[str, ...]:
+  """64 made-up two-syllable names (``bako``, ``dimu``...), disjoint from every other word."""
+  taken = set(TEMPLATE_WORDS) | set(FILLER)
+  words = []
+  for i in range(len(_ONSETS) ** 2 * len(_VOWELS) ** 2):
+    a, rest = divmod(i, len(_VOWELS) * len(_ONSETS) * len(_VOWELS))
+    b, rest = divmod(rest, len(_ONSETS) * len(_VOWELS))
+    c, d = divmod(rest, len(_VOWELS))
+    w = _ONSETS[a] + _VOWELS[b] + _ONSETS[c] + _VOWELS[d]
+    if w not in taken:
+      words.append(w)
+  rng = np.random.default_rng(1234)  # a fixed spread over onsets, not alphabetical runs
+  return tuple(sorted(rng.choice(words, 64, replace=False).tolist()))
+
+
+KEYS = _key_words()
+VALUES = tuple(str(v) for v in range(10, 100))
+
+
+def tiny_vocabulary() -> list[str]:
+  """The tiny model's vocabulary: specials, punctuation, template and filler words, keys, values."""
+  return [*SPECIALS, *PUNCT, *TEMPLATE_WORDS, *FILLER, *KEYS, *VALUES]
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+class WordTokenizer:
+  """Whitespace word-level tokenizer over a fixed vocabulary (unknown words raise)."""
+
+  def __init__(self, vocab: Sequence[str]):
+    self.vocab = list(vocab)
+    self.ids = {w: i for i, w in enumerate(self.vocab)}
+    if len(self.ids) != len(self.vocab):
+      raise ValueError("vocab: duplicate words")
+    self.pad_id, self.bos_id, self.eos_id = self.ids["<pad>"], self.ids["<bos>"], self.ids["<eos>"]
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self.vocab)
+
+  def encode(self, text: str) -> list[int]:
+    try:
+      return [self.ids[w] for w in text.split()]
+    except KeyError as e:
+      raise ValueError(f"text: word {e.args[0]!r} is not in the vocabulary") from None
+
+  def decode(self, ids) -> str:
+    return " ".join(self.vocab[int(i)] for i in ids)
+
+  def to_json(self) -> dict:
+    """A Hugging Face ``tokenizers`` WordLevel file (loadable by ``HFTokenizer`` as well)."""
+    return {
+      "version": "1.0",
+      "truncation": None,
+      "padding": None,
+      "added_tokens": [
+        {
+          "id": i,
+          "content": s,
+          "single_word": False,
+          "lstrip": False,
+          "rstrip": False,
+          "normalized": False,
+          "special": True,
+        }
+        for i, s in enumerate(SPECIALS)
+      ],
+      "normalizer": None,
+      "pre_tokenizer": {"type": "WhitespaceSplit"},
+      "post_processor": None,
+      "decoder": None,
+      "model": {"type": "WordLevel", "vocab": self.ids, "unk_token": "<unk>"},
+    }
+
+  def save(self, path: str | pathlib.Path) -> None:
+    pathlib.Path(path).write_text(json.dumps(self.to_json()))
+
+  @classmethod
+  def load(cls, path: str | pathlib.Path) -> WordTokenizer:
+    vocab = json.loads(pathlib.Path(path).read_text())["model"]["vocab"]
+    return cls(sorted(vocab, key=vocab.get))
+
+
+class HFTokenizer:
+  """Any Hugging Face ``tokenizer.json`` (``tokenizers`` package), e.g. Llama 3 or Qwen 2.5.
+
+  Pieces are encoded with a leading space and without special tokens, so that concatenated pieces
+  read like the joined text; ``bos_id`` is the tokenizer's ``bos_token`` when it has one.
+  """
+
+  def __init__(self, path: str | pathlib.Path, bos_token: str | None = None):
+    from tokenizers import Tokenizer  # noqa: PLC0415 (optional dependency)
+
+    self.tok = Tokenizer.from_file(str(path))
+    self.vocab_size = self.tok.get_vocab_size()
+    self.bos_id = self.tok.token_to_id(bos_token) if bos_token else None
+    self.pad_id = 0
+
+  def encode(self, text: str) -> list[int]:
+    return self.tok.encode(" " + text, add_special_tokens=False).ids
+
+  def decode(self, ids) -> str:
+    return self.tok.decode([int(i) for i in ids])
+
+
+def tiny_tokenizer() -> WordTokenizer:
+  return WordTokenizer(tiny_vocabulary())
+
+
+# --------------------------------------------------------------------------- examples
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """A prompt and its answer, as token ids.
+
+  ``answer_given[i]`` marks answer tokens that are part of the question (mqar's query keys): they
+  are fed, never scored. ``scoring`` is ``"exact"`` (every scored token, in order) or ``"set"``
+  (the scored tokens as a multiset, any order). ``needle_at`` are the prompt indices of each
+  needle's answer token(s) (for analysis), ``depth`` the requested depth.
+  """
+
+  task: str
+  prompt: np.ndarray  # [T] int32
+  answer: np.ndarray  # [N] int32
+  answer_given: np.ndarray  # [N] bool
+  scoring: str
+  depth: float
+  needle_at: tuple[int, ...]
+  text: str = ""
+
+
+def score(example: Example, predicted: np.ndarray) -> bool:
+  """The task's exact rule over the predicted tokens at the answer's positions (``[N]``)."""
+  predicted = np.asarray(predicted)
+  if predicted.shape != example.answer.shape:
+    raise ValueError(
+      f"predicted: shape {predicted.shape}, expected the answer's {example.answer.shape}"
+    )
+  scored = ~example.answer_given
+  want, got = example.answer[scored], predicted[scored]
+  if example.scoring == "exact":
+    return bool(np.array_equal(want, got))
+  return bool(np.array_equal(np.sort(want), np.sort(got)))
+
+
+# --------------------------------------------------------------------------- text pieces
+
+
+def _sentence(rng: np.random.Generator) -> str:
+  n = int(rng.integers(4, 9))
+  return " ".join(rng.choice(FILLER, n).tolist()) + " ."
+
+
+def _needle(key: str, value: str) -> str:
+  return f"the special magic number for {key} is {value} ."
+
+
+def _draw(rng, pool, n) -> list[str]:
+  if n > len(pool):
+    raise ValueError(f"n: {n} distinct items asked from a pool of {len(pool)}")
+  return rng.choice(pool, n, replace=False).tolist()
+
+
+@dataclasses.dataclass
+class _Spec:
+  needles: list[str]  # inserted in order at ``depths``
+  depths: list[float]
+  question: str
+  answer: list[str]  # answer pieces (words for the tiny vocabulary)
+  given: list[bool]
+  scoring: str
+  answer_words: list[str]  # the word of each needle whose position is recorded
+
+
+def _spec(task, rng, depth, num_distractors, num_values, num_queries, num_pairs, num_hops):
+  spread = lambda n: sorted(rng.uniform(0.0, 1.0, n).tolist())  # noqa: E731
+  if task == "passkey":
+    (v,) = _draw(rng, VALUES, 1)
+    return _Spec(
+      [f"the pass key is {v} . remember it . {v} is the pass key ."],
+      [depth],
+      "what is the pass key ? the pass key is",
+      [v],
+      [False],
+      "exact",
+      [v],
+    )
+  if task in ("single_needle", "multi_key"):
+    n = 1 + (num_distractors if task == "multi_key" else 0)
+    keys, vals = _draw(rng, KEYS, n), _draw(rng, VALUES, n)
+    others = spread(n - 1)
+    depths = sorted([depth, *others])
+    order = [0] + list(range(1, n))  # the asked needle sits at ``depth``; distractors anywhere
+    at = depths.index(depth)
+    order = order[1 : at + 1] + [0] + order[at + 1 :]
+    needles = [_needle(keys[i], vals[i]) for i in order]
+    q = (
+      f"what is the special magic number for {keys[0]} ? the special magic number for {keys[0]} is"
+    )
+    return _Spec(needles, depths, q, [vals[0]], [False], "exact", [vals[i] for i in order])
+  if task == "multi_value":
+    (key,) = _draw(rng, KEYS, 1)
+    vals = _draw(rng, VALUES, num_values)
+    depths = sorted([depth, *spread(num_values - 1)])
+    q = (
+      f"what are all the special magic numbers for {key} ? the special magic numbers for {key} are"
+    )
+    return _Spec(
+      [_needle(key, v) for v in vals], depths, q, vals, [False] * num_values, "set", vals
+    )
+  if task in ("multi_query", "mqar"):
+    if num_queries > num_pairs:
+      raise ValueError(f"num_queries: {num_queries} > num_pairs {num_pairs}")
+    keys, vals = _draw(rng, KEYS, num_pairs), _draw(rng, VALUES, num_pairs)
+    depths = sorted([depth, *spread(num_pairs - 1)])
+    asked = rng.permutation(num_pairs)[:num_queries].tolist()
+    needles = [_needle(k, v) for k, v in zip(keys, vals, strict=False)]
+    if task == "multi_query":
+      listed = " , ".join(keys[i] for i in asked)
+      q = (
+        f"what are the special magic numbers for {listed} ? "
+        f"the special magic numbers for {listed} are"
+      )
+      ans = [vals[i] for i in asked]
+      return _Spec(needles, depths, q, ans, [False] * len(ans), "set", vals)
+    ans, given = [], []
+    for j, i in enumerate(asked):
+      if j:
+        ans += [".", keys[i], "is"]
+        given += [True, True, True]
+      ans.append(vals[i])
+      given.append(False)
+    q = f"answer the questions . {keys[asked[0]]} is"
+    return _Spec(needles, depths, q, ans, given, "exact", vals)
+  if task == "variable_tracking":
+    names = _draw(rng, KEYS, num_hops)
+    (v,) = _draw(rng, VALUES, 1)
+    chain = [f"var {names[0]} = {v} ."] + [
+      f"var {names[i]} = {names[i - 1]} ." for i in range(1, num_hops)
+    ]
+    depths = sorted([depth, *spread(num_hops - 1)])
+    q = f"find all variables that are assigned the value {v} in the text above . they are :"
+    return _Spec(chain, depths, q, names, [False] * num_hops, "exact", names)
+  raise ValueError(f"task: {task!r} is not one of {TASKS}")
+
+
+def generate(
+  task: str,
+  tokenizer,
+  *,
+  length: int,
+  seed: int,
+  depth: float | None = None,
+  num_distractors: int = 3,
+  num_values: int = 4,
+  num_queries: int = 4,
+  num_pairs: int = 8,
+  num_hops: int = 4,
+) -> Example:
+  """One example of ``task`` whose prompt is exactly ``length`` tokens (``bos`` included).
+
+  ``depth`` in [0, 1] places the (first asked) needle at that fraction of the haystack (uniform
+  at random when ``None``); the other needles are spread uniformly at random. Deterministic in
+  ``seed``.
+  """
+  if task not in TASKS:
+    raise ValueError(f"task: {task!r} is not one of {TASKS}")
+  if depth is not None and not 0.0 <= depth <= 1.0:
+    raise ValueError(f"depth: expected a fraction in [0, 1], got {depth}")
+  for name, val in dict(
+    num_distractors=num_distractors,
+    num_values=num_values,
+    num_queries=num_queries,
+    num_pairs=num_pairs,
+    num_hops=num_hops,
+  ).items():
+    if val < (0 if name == "num_distractors" else 1):
+      raise ValueError(f"{name}: expected a positive count, got {val}")
+  rng = np.random.default_rng([seed, TASKS.index(task)])
+  d = float(rng.uniform()) if depth is None else float(depth)
+  spec = _spec(task, rng, d, num_distractors, num_values, num_queries, num_pairs, num_hops)
+
+  enc = tokenizer.encode
+  head = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
+  needles = [enc(n) for n in spec.needles]
+  question = enc(spec.question)
+  fixed = len(head) + sum(map(len, needles)) + len(question)
+  room = length - fixed
+  if room < 0:
+    raise ValueError(
+      f"length: {length} tokens cannot hold the needles and question of {task!r} ({fixed} tokens)"
+    )
+  # haystack sentences up to exactly ``room`` tokens (the last one cut to fit)
+  hay: list[list[int]] = []
+  total = 0
+  while total < room:
+    s = enc(_sentence(rng))[: room - total]
+    hay.append(s)
+    total += len(s)
+  # needles go between sentences, at the sentence boundary nearest their depth
+  bounds = np.cumsum([0] + [len(s) for s in hay])
+  slots = [int(np.argmin(np.abs(bounds - dd * total))) for dd in spec.depths]
+  pieces: list[list[int]] = [head]
+  needle_at: list[int] = []
+  pos = len(head)
+  ni = 0
+  for si in range(len(hay) + 1):
+    while ni < len(needles) and slots[ni] == si:
+      word_ids = enc(spec.answer_words[ni])
+      offset = _find(needles[ni], word_ids)
+      needle_at.append(pos + offset)
+      pieces.append(needles[ni])
+      pos += len(needles[ni])
+      ni += 1
+    if si < len(hay):
+      pieces.append(hay[si])
+      pos += len(hay[si])
+  pieces.append(question)
+  prompt = np.asarray([t for p in pieces for t in p], np.int32)
+  assert prompt.size == length, (prompt.size, length)
+
+  ans_ids, given = [], []
+  for w, g in zip(spec.answer, spec.given, strict=False):
+    ids = enc(w)
+    ans_ids += ids
+    given += [g] * len(ids)
+  return Example(
+    task=task,
+    prompt=prompt,
+    answer=np.asarray(ans_ids, np.int32),
+    answer_given=np.asarray(given, bool),
+    scoring=spec.scoring,
+    depth=d,
+    needle_at=tuple(needle_at),
+  )
+
+
+def _find(haystack: list[int], needle: list[int]) -> int:
+  for i in range(len(haystack) - len(needle) + 1):
+    if haystack[i : i + len(needle)] == needle:
+      return i
+  raise AssertionError("answer word not found in its needle")
+
+
+def batch(examples: Sequence[Example], pad_id: int = 0):
+  """Stacks same-length prompts (``[B, T]``) and right-pads answers (``[B, N]`` plus a mask)."""
+  lengths = {e.prompt.size for e in examples}
+  if len(lengths) != 1:
+    raise ValueError(f"examples: prompts of different lengths {sorted(lengths)}")
+  N = max(e.answer.size for e in examples)
+  prompts = np.stack([e.prompt for e in examples])
+  answers = np.full((len(examples), N), pad_id, np.int32)
+  scored = np.zeros((len(examples), N), bool)
+  for i, e in enumerate(examples):
+    answers[i, : e.answer.size] = e.answer
+    scored[i, : e.answer.size] = ~e.answer_given
+  return prompts, answers, scored

@@ -1,0 +1,313 @@
+"""Training the tiny retrieval model: optax AdamW (warmup + cosine, clipping) on the task mixture,
+with an orbax ``CheckpointManager`` that resumes exactly.
+
+The loss is next-token cross-entropy on the scored answer tokens only (the haystack is random words:
+nothing to learn there). Batches are a pure function of ``(seed, step)``: a resumed run sees the
+same batches as an uninterrupted one, so its loss curve continues unchanged. Context lengths follow
+a curriculum of fixed shapes (one compile each): short contexts first, where retrieval is learned
+cheaply, then a mixture up to ``max_length`` so that the model keeps working at 2k tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import queue
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from kvjax import tasks
+from kvjax.model import llama
+from kvjax.model.config import ModelConfig
+
+
+def answer_room(T: int) -> int:
+  """Tokens reserved after the prompt for the longest answer (mqar's queries fill it)."""
+  return 24 if T <= 256 else 48
+
+
+def model_config(c: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
+  return ModelConfig(
+    vocab_size=vocab_size,
+    hidden_size=c.hidden_size,
+    intermediate_size=c.intermediate_size,
+    num_layers=c.num_layers,
+    num_heads=c.num_heads,
+    num_kv_heads=c.num_kv_heads,
+    head_dim=c.hidden_size // c.num_heads,
+    rope_theta=c.rope_theta,
+    tie_word_embeddings=True,
+  )
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _task_options(
+  task: str, rng: np.random.Generator, c: ml_collections.ConfigDict, T: int
+) -> dict:
+  """Random task sizes so that the model sees every count it is evaluated on and more (needles
+  take at most about half of a short context)."""
+  most = max((T - answer_room(T) - 40) // 10, 4)  # a needle is ~9 tokens, a question < 40
+  queries = (answer_room(T) + 3) // 4  # an mqar answer of q queries takes 4 q - 3 tokens
+  r = lambda lo, hi: int(rng.integers(lo, hi + 1))  # noqa: E731
+  if task == "multi_key":
+    return dict(num_distractors=r(1, min(c.max_distractors, most - 1)))
+  if task == "multi_value":
+    return dict(num_values=r(2, 4))
+  if task == "multi_query":
+    pairs = r(4, min(12, most))
+    return dict(num_pairs=pairs, num_queries=r(2, min(4, pairs)))
+  if task == "variable_tracking":
+    return dict(num_hops=r(2, 5))
+  if task == "mqar":
+    pairs = r(4, min(c.max_pairs, most))
+    return dict(num_pairs=pairs, num_queries=r(min(4, pairs), min(queries, pairs)))
+  return {}
+
+
+def stage_at(step: int, c: ml_collections.ConfigDict):
+  """The curriculum stage of ``step`` (the last one runs to the end)."""
+  return next((s for s in c.curriculum if step < s.until), c.curriculum[-1])
+
+
+def shape_at(step: int, c: ml_collections.ConfigDict) -> tuple[int, int]:
+  """``(length, batch)`` of ``step``: drawn from its stage's shapes (a pure function of the
+  step)."""
+  rng = np.random.default_rng([c.seed, step, 1])
+  shapes = stage_at(step, c).shapes
+  return tuple(shapes[int(rng.integers(len(shapes)))])
+
+
+def make_batch(step: int, c: ml_collections.ConfigDict, tokenizer) -> dict:
+  """The batch of ``step``: ``tokens [B, T]``, ``weights [B, T]`` (1 where the next token is a
+  scored answer token)."""
+  T, B = shape_at(step, c)
+  rng = np.random.default_rng([c.seed, step, 2])
+  mixture = stage_at(step, c).get("mixture") or c.mixture
+  names = list(mixture.keys())
+  probs = np.asarray([mixture[n] for n in names], np.float64)
+  tokens = np.full((B, T), tokenizer.pad_id, np.int32)
+  weights = np.zeros((B, T), np.float32)
+  for b in range(B):
+    task = names[int(rng.choice(len(names), p=probs / probs.sum()))]
+    if task == "copy":
+      tokens[b], weights[b] = _copy_sequence(rng, T, tokenizer)
+      continue
+    ex = tasks.generate(
+      task,
+      tokenizer,
+      length=T - answer_room(T),
+      seed=int(rng.integers(2**31)),
+      **_task_options(task, rng, c, T),
+    )
+    seq = np.concatenate([ex.prompt, ex.answer])
+    tokens[b, : seq.size] = seq
+    # the logit at position i predicts token i + 1
+    weights[b, ex.prompt.size - 1 : seq.size - 1] = ~ex.answer_given
+  return {"tokens": tokens, "weights": weights}
+
+
+def _copy_sequence(rng: np.random.Generator, T: int, tokenizer):
+  """An auxiliary training sequence: random words, then the same words again, the repeat
+  supervised. Copying is what every retrieval task needs; this dense signal (half the tokens)
+  grows the previous-token and induction heads long before the sparse answers alone would."""
+  half = int(rng.integers(8, (T - 1) // 2 + 1))
+  words = rng.choice(tasks.FILLER + tasks.KEYS + tasks.VALUES, half).tolist()
+  ids = [tokenizer.bos_id] + tokenizer.encode(" ".join(words)) * 2
+  seq = np.full(T, tokenizer.pad_id, np.int32)
+  seq[: len(ids)] = ids
+  w = np.zeros(T, np.float32)
+  w[half + 1 : 2 * half] = (
+    1.0  # predicts the repeat from its second word on (the first is unknowable)
+  )
+  return seq, w
+
+
+class Prefetch:
+  """Builds the next batches on a thread while the accelerator trains (numpy releases the GIL
+  rarely, but jitted steps do)."""
+
+  def __init__(self, start: int, stop: int, c, tokenizer, depth: int = 4):
+    self.q: queue.Queue = queue.Queue(depth)
+    self.thread = threading.Thread(target=self._fill, args=(start, stop, c, tokenizer), daemon=True)
+    self.thread.start()
+
+  def _fill(self, start, stop, c, tokenizer):
+    try:
+      for step in range(start, stop):
+        self.q.put((step, make_batch(step, c, tokenizer)))
+    except Exception as e:  # surfaced in the training loop, never a silent hang
+      self.q.put((None, e))
+
+  def __iter__(self):
+    while True:
+      step, item = self.q.get()
+      if step is None:
+        raise item
+      yield step, item
+
+
+# --------------------------------------------------------------------------- model and loss
+
+
+def logits_fn(cfg: ModelConfig, params: dict, tokens_BT: jax.Array) -> jax.Array:
+  """Causal forward for training: the model's own layer functions, one ``[T, T]`` mask."""
+  B, T = tokens_BT.shape
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  allowed = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+  stacked = {k: v for k, v in params.items() if k not in ("embed", "final_norm", "lm_head")}
+
+  def layer(x, p):
+    q, k, v = llama.project_qkv(cfg, p, x, positions)
+    out = llama.attend(llama.attention_probs(q, k, allowed), v)
+    return llama.output_and_mlp(cfg, p, x, out), None
+
+  x, _ = jax.lax.scan(layer, params["embed"][tokens_BT], stacked)
+  return llama.logits_of(cfg, params, x)
+
+
+def loss_fn(cfg, params, batch) -> tuple[jax.Array, dict]:
+  logits = logits_fn(cfg, params, batch["tokens"])[:, :-1]
+  targets = batch["tokens"][:, 1:]
+  w = batch["weights"][:, :-1]
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  n = jnp.maximum(w.sum(), 1.0)
+  correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+  return (nll * w).sum() / n, {"token_accuracy": (correct * w).sum() / n}
+
+
+def optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, c.learning_rate, c.warmup_steps, c.steps, end_value=c.learning_rate * c.final_lr_fraction
+  )
+  decay_mask = lambda params: {k: v.ndim >= 2 for k, v in params.items()}  # noqa: E731
+  return optax.chain(
+    optax.clip_by_global_norm(c.clip_norm),
+    optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=c.weight_decay, mask=decay_mask),
+  )
+
+
+@dataclasses.dataclass
+class TrainState:
+  step: int
+  params: dict
+  opt_state: optax.OptState
+
+
+def init_state(c: ml_collections.ConfigDict, cfg: ModelConfig) -> TrainState:
+  params = llama.Llama(cfg, rngs=nnx.Rngs(c.seed)).params()
+  params = {k: jnp.asarray(v) for k, v in params.items()}
+  return TrainState(0, params, optimizer(c).init(params))
+
+
+def make_step(cfg: ModelConfig, c: ml_collections.ConfigDict):
+  opt = optimizer(c)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    (loss, aux), grads = jax.value_and_grad(lambda p: loss_fn(cfg, p, batch), has_aux=True)(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, dict(aux, loss=loss)
+
+  return step
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_manager(workdir: str | pathlib.Path, keep: int = 2) -> ocp.CheckpointManager:
+  path = pathlib.Path(workdir).absolute() / "checkpoints"
+  return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=keep))
+
+
+def save(mngr: ocp.CheckpointManager, state: TrainState) -> None:
+  item = {"params": state.params, "opt_state": state.opt_state}
+  mngr.save(state.step, args=ocp.args.StandardSave(item))
+  mngr.wait_until_finished()
+
+
+def restore(mngr: ocp.CheckpointManager, like: TrainState) -> TrainState | None:
+  step = mngr.latest_step()
+  if step is None:
+    return None
+  target = {"params": like.params, "opt_state": like.opt_state}
+  item = mngr.restore(step, args=ocp.args.StandardRestore(target))
+  return TrainState(step, item["params"], item["opt_state"])
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, log=print) -> TrainState:
+  """Trains (or resumes) to ``c.steps``; writes ``metrics.jsonl`` (one line per logged step,
+  never duplicated on resume) and checkpoints every ``c.checkpoint_every`` steps."""
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  tok = tasks.tiny_tokenizer()
+  cfg = model_config(c.model, tok.vocab_size)
+  state = init_state(c, cfg)
+  mngr = checkpoint_manager(workdir)
+  restored = restore(mngr, state)
+  if restored is not None:
+    state = restored
+    log(f"resumed at step {state.step}")
+  metrics_path = workdir / "metrics.jsonl"
+  _truncate_metrics(metrics_path, state.step)
+  step_fn = make_step(cfg, c)
+  t0 = time.time()
+  window: list[dict] = []
+  batches = Prefetch(state.step, c.steps, c, tok) if state.step < c.steps else []
+  for step, batch in batches:
+    params, opt_state, m = step_fn(state.params, state.opt_state, batch)
+    state = TrainState(step + 1, params, opt_state)
+    window.append({k: float(v) for k, v in m.items()} | {"length": batch["tokens"].shape[1]})
+    if state.step % c.log_every == 0 or state.step == c.steps:
+      row = {
+        "step": state.step,
+        "loss": float(np.mean([w["loss"] for w in window])),
+        "token_accuracy": float(np.mean([w["token_accuracy"] for w in window])),
+        "seconds": round(time.time() - t0, 1),
+      }
+      window = []
+      with metrics_path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+      log(json.dumps(row))
+    if state.step % c.checkpoint_every == 0 or state.step == c.steps:
+      save(mngr, state)
+    if state.step >= c.steps:
+      break
+  mngr.close()
+  return state
+
+
+def _truncate_metrics(path: pathlib.Path, step: int) -> None:
+  """Drops metric lines past the restored step (written after the last checkpoint)."""
+  if not path.exists():
+    return
+  rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
+
+
+def export(c: ml_collections.ConfigDict, params: dict, path: str | pathlib.Path, **card) -> None:
+  """Writes the model as a Hugging Face style checkpoint (``config.json``,
+  ``model.safetensors``), its ``tokenizer.json`` and a ``card.json`` (training config and any
+  measurements passed in ``card``)."""
+  from kvjax.model import loading  # noqa: PLC0415
+
+  tok = tasks.tiny_tokenizer()
+  cfg = model_config(c.model, tok.vocab_size)
+  path = pathlib.Path(path)
+  loading.save(path, cfg, params)
+  tok.save(path / "tokenizer.json")
+  info = {"training_config": c.to_dict(), **card}
+  (path / "card.json").write_text(json.dumps(info, indent=2, default=str) + "\n")

@@ -1,0 +1,101 @@
+"""Training: the loss falls, checkpoints restore exactly, a killed run resumes on the same curve."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from configs import train_tiny
+from kvjax import tasks, train
+
+
+def quick_config(steps=8):
+  c = train_tiny.get_config("quick")
+  c.steps = steps
+  return c
+
+
+def test_batches_are_a_pure_function_of_the_step():
+  c, tok = quick_config(), tasks.tiny_tokenizer()
+  a, b = train.make_batch(3, c, tok), train.make_batch(3, c, tok)
+  np.testing.assert_array_equal(a["tokens"], b["tokens"])
+  assert not np.array_equal(a["tokens"], train.make_batch(4, c, tok)["tokens"])
+  assert a["tokens"].shape == (4, 128) and a["weights"].sum() > 0
+  # every weighted position predicts an answer (or repeated) token, never padding
+  nxt = a["tokens"][:, 1:][a["weights"][:, :-1] > 0]
+  assert (nxt != tok.pad_id).all()
+
+
+def test_a_few_steps_reduce_the_loss():
+  c, tok = quick_config(), tasks.tiny_tokenizer()
+  c.learning_rate = 1e-2
+  cfg = train.model_config(c.model, tok.vocab_size)
+  state = train.init_state(c, cfg)
+  step = train.make_step(cfg, c)
+  batch = train.make_batch(0, c, tok)
+  first = None
+  params, opt = state.params, state.opt_state
+  for _ in range(6):  # the same batch: the loss must fall
+    params, opt, m = step(params, opt, batch)
+    first = float(m["loss"]) if first is None else first
+  assert float(m["loss"]) < first - 0.5
+
+
+def test_checkpoint_restore_gives_identical_params_and_next_step(tmp_path):
+  c, tok = quick_config(), tasks.tiny_tokenizer()
+  cfg = train.model_config(c.model, tok.vocab_size)
+  step = train.make_step(cfg, c)
+  state = train.init_state(c, cfg)
+  params, opt, _ = step(state.params, state.opt_state, train.make_batch(0, c, tok))
+  state = train.TrainState(1, params, opt)
+  mngr = train.checkpoint_manager(tmp_path)
+  train.save(mngr, state)
+  restored = train.restore(train.checkpoint_manager(tmp_path), train.init_state(c, cfg))
+  assert restored.step == 1
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(restored.params), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  batch = train.make_batch(1, c, tok)
+  p1, _, m1 = step(state.params, state.opt_state, batch)
+  p2, _, m2 = step(restored.params, restored.opt_state, batch)
+  assert float(m1["loss"]) == float(m2["loss"])
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_interrupted_run_resumes_on_the_same_loss_curve(tmp_path):
+  c = quick_config(steps=8)
+  whole = train.train(c, tmp_path / "whole", log=lambda *_: None)
+  # "killed" after step 4: a run to 6 steps leaves a checkpoint at 4 and metrics up to 6
+  c6 = quick_config(steps=6)
+  train.train(c6, tmp_path / "cut", log=lambda *_: None)
+  lines = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+  assert json.loads(lines[-1])["step"] == 6
+  resumed = train.train(c, tmp_path / "cut", log=lambda *_: None)
+  assert resumed.step == whole.step == 8
+  a = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+  b = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 4, 6, 8]
+  np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=1e-5)
+  for x, y in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_export_loads_back_as_a_hugging_face_checkpoint(tmp_path):
+  from kvjax import model as km
+
+  c, tok = quick_config(), tasks.tiny_tokenizer()
+  cfg = train.model_config(c.model, tok.vocab_size)
+  state = train.init_state(c, cfg)
+  train.export(c, state.params, tmp_path, note="test")
+  model, cfg2 = km.load(tmp_path)
+  assert cfg2 == cfg
+  for k, v in state.params.items():
+    np.testing.assert_array_equal(np.asarray(model.params()[k]), np.asarray(v))
+  assert tasks.WordTokenizer.load(tmp_path / "tokenizer.json").vocab == tok.vocab
+  assert json.loads((tmp_path / "card.json").read_text())["note"] == "test"
+
+
+def test_unknown_preset_is_named():
+  with pytest.raises(ValueError, match="preset"):
+    train_tiny.get_config("huge")
