@@ -8,6 +8,8 @@ or TPU; ``:quick`` is the CI smoke run.
 
 import ml_collections
 
+from kvjax import tasks
+
 # per (layer, head) budgets include SnapKV's 32-token observation window
 POLICIES = [
   dict(label="sliding_window", policy="sliding_window"),
@@ -32,17 +34,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     "tiny"  # or a local Hugging Face directory with config.json, safetensors, tokenizer.json
   )
   c.seed = 0
-  c.tasks = ml_collections.ConfigDict(
-    dict(
-      passkey={},
-      single_needle={},
-      multi_key=dict(num_distractors=3),
-      multi_value=dict(num_values=4),
-      multi_query=dict(num_pairs=8, num_queries=4),
-      variable_tracking=dict(num_hops=4),
-      mqar=dict(num_pairs=16, num_queries=8),
-    )
-  )
+  # what compression sees of the question (kvjax.model.answer_configs): "in_window" (query-aware
+  # selection, question re-fed), "after" (kvpress, query-agnostic) or "compressed" (SnapKV's loop)
+  c.question = "in_window"
+  c.tasks = ml_collections.ConfigDict(tasks.EVAL_OPTIONS)
   c.lengths = [1024]
   c.examples = 8
   c.budgets = [48, 64, 128, 256]

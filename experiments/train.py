@@ -4,6 +4,7 @@
 (``config.json``, ``model.safetensors``, ``tokenizer.json``) like the one shipped in
 ``kvjax/assets/tiny``."""
 
+import json
 import pathlib
 import sys
 
@@ -19,6 +20,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/kvjax_train", "checkpoints and metrics.jsonl")
 _EXPORT = flags.DEFINE_string("export", None, "write the trained model here when done")
+_MEASURE = flags.DEFINE_integer("measure", 50, "held-out examples per task and length for the card")
 
 
 def main(argv):
@@ -26,6 +28,9 @@ def main(argv):
   state = train.train(_CONFIG.value, _WORKDIR.value)
   if _EXPORT.value:
     train.export(_CONFIG.value, state.params, _EXPORT.value)
+    card = train.measure(_EXPORT.value, count=_MEASURE.value)
+    train.export(_CONFIG.value, state.params, _EXPORT.value, **card)
+    print(json.dumps(card, indent=1))
     print(f"exported to {_EXPORT.value}")
 
 

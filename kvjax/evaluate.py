@@ -13,6 +13,7 @@ figure) comes from the same machinery with ``depth`` fixed per cell.
 
 from __future__ import annotations
 
+import importlib
 import json
 import pathlib
 import time
@@ -22,7 +23,9 @@ import numpy as np
 import pandas as pd
 
 from kvjax import sweep, tasks
-from kvjax.model import generate as gen
+
+# the module (``kvjax.model.generate`` the attribute is the function of the same name)
+gen = importlib.import_module("kvjax.model.generate")
 
 EVAL_SEED = 2**31  # training draws example seeds below 2**31: evaluation seeds never collide
 
@@ -95,6 +98,23 @@ def head_retrieval_scores(model, tokenizer, *, length: int = 512, count: int = 1
   return hits_LH.reshape(cfg.num_layers, cfg.num_kv_heads, cfg.num_groups).mean(-1)
 
 
+def full_cache_accuracy(model, tokenizer, lengths, count: int, task_options: dict, seed: int = 1):
+  """``{length: {task: accuracy}}`` with the full cache on ``count`` held-out examples each."""
+  out = {}
+  for length in lengths:
+    out[str(length)] = {}
+    for task, opts in task_options.items():
+      exs = examples(task, tokenizer, length, count, dict(opts), seed=seed)
+      oks = []
+      for start in range(0, count, 8):  # batches of 8 bound memory at long contexts
+        part = exs[start : start + 8]
+        P, A, S = tasks.batch(part)
+        ans = gen.answer_configs(model, P, A, np.array([1]), policy="full", answer_given=~S)
+        oks.append(accuracy(part, ans.predicted[0]))
+      out[str(length)][task] = float(np.concatenate(oks).mean())
+  return out
+
+
 def _policy_options(entry) -> tuple[str, str, dict]:
   entry = dict(entry)
   label = entry.pop("label")
@@ -102,8 +122,11 @@ def _policy_options(entry) -> tuple[str, str, dict]:
   return label, name, entry
 
 
-def evaluate_group(model, exs, budgets, name, options, *, head_scores=None, full=None) -> dict:
-  """One (task, length, policy) group: per-budget accuracy and KL."""
+def evaluate_group(
+  model, exs, budgets, name, options, *, head_scores=None, full=None, question="in_window"
+) -> dict:
+  """One (task, length, policy) group: per-budget accuracy and KL (``question``: see
+  :func:`kvjax.model.answer_configs`)."""
   prompts, answers, scored = tasks.batch(exs)
   given = ~scored
   pad = np.zeros_like(given)
@@ -116,6 +139,8 @@ def evaluate_group(model, exs, budgets, name, options, *, head_scores=None, full
     answers,
     np.asarray(budgets, np.int32),
     policy=name,
+    question_len=max(e.question_len for e in exs),
+    question=question,
     answer_given=given | pad,
     **extra,
     **options,
@@ -124,7 +149,11 @@ def evaluate_group(model, exs, budgets, name, options, *, head_scores=None, full
   for c, b in enumerate(budgets):
     ok = accuracy(exs, out.predicted[c])
     kl = kl_divergence(full.logprobs[0], out.logprobs[c], scored) if full is not None else 0.0
-    rows.append(dict(budget=int(b), accuracy=float(ok.mean()), kl=kl, n=len(exs)))
+    # per scored token (mqar's per-query accuracy, as Zoology reports it)
+    tokens = float((out.predicted[c] == answers)[scored].mean())
+    rows.append(
+      dict(budget=int(b), accuracy=float(ok.mean()), token_accuracy=tokens, kl=kl, n=len(exs))
+    )
   return {"rows": rows, "answers": out}
 
 
@@ -157,6 +186,8 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
     done = set(zip(table["task"], table["length"], table["policy"], table["kind"], strict=False))
   model, cfg, tok = load_model(config.model)
   entries = [_policy_options(e) for e in config.policies]
+  q = config.question
+  head = None  # HeadKV's retrieval-head scores, measured once per run
   for task, opts in config.tasks.items():
     opts = _to_plain(opts)
     for length in config.lengths:
@@ -167,12 +198,13 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
           continue
         t0 = time.time()
         if full is None:
-          full = evaluate_group(model, exs, [length], "full", {})["answers"]
+          full = evaluate_group(model, exs, [length], "full", {}, question=q)["answers"]
         budgets = [length] if name == "full" else [b for b in config.budgets if b < length]
-        head = None
-        if name == "headkv":
+        if name == "headkv" and head is None:
           head = head_retrieval_scores(model, tok)
-        res = evaluate_group(model, exs, budgets, name, options, head_scores=head, full=full)
+        res = evaluate_group(
+          model, exs, budgets, name, options, head_scores=head, full=full, question=q
+        )
         rows = [
           dict(task=task, length=length, policy=label, kind="budget", depth=np.nan, **r)
           | {"seconds": round(time.time() - t0, 2)}
@@ -211,7 +243,7 @@ def _heatmap(config, model, tok, path, done, log) -> None:
       for label in cells:
         _, name, options = ("full", "full", {}) if label == "full" else entries[label]
         budget = length if name == "full" else min(h.budget, length - 1)
-        res = evaluate_group(model, exs, [budget], name, options)
+        res = evaluate_group(model, exs, [budget], name, options, question=config.question)
         (r,) = res["rows"]
         row = dict(task=h.task, length=length, policy=label, kind=f"heatmap@{d:g}", depth=d, **r)
         sweep._append(path, [row | {"seconds": 0.0}])

@@ -26,14 +26,16 @@ from kvjax import tasks
 def multi_document_prompt(tokenizer, *, num_docs: int = 4, doc_len: int = 48, seed: int = 0):
   """``(ids [T], doc_id [T])``: ``document k :`` headers over random sentences; ``doc_id`` is -1 on
   the leading ``bos``. A stand-in for PyramidKV's multi-document QA prompt (no downloads)."""
-  if num_docs < 1 or doc_len < 8:
-    raise ValueError(f"num_docs, doc_len: expected >= 1 and >= 8, got {num_docs}, {doc_len}")
+  if not 1 <= num_docs <= 90 or doc_len < 8:
+    raise ValueError(
+      f"num_docs, doc_len: expected 1..90 documents of >= 8 tokens, got {num_docs}, {doc_len}"
+    )
   rng = np.random.default_rng(seed)
   ids = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
   doc = [-1] * len(ids)
   for k in range(num_docs):
-    # header words that exist in the tiny vocabulary: "document" and the number k + 100
-    piece = tokenizer.encode(f"document {100 + k} :")
+    # header words that exist in the tiny vocabulary: "document" and the number k + 10
+    piece = tokenizer.encode(f"document {10 + k} :")
     while len(piece) < doc_len:
       words = rng.choice(tasks.FILLER, int(rng.integers(4, 9))).tolist()
       piece += tokenizer.encode(" ".join(words) + " .")

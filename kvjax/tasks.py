@@ -47,6 +47,17 @@ TASKS = (
   "mqar",
 )
 
+# the sizes the tiny model is evaluated (and its card measured) at
+EVAL_OPTIONS = {
+  "passkey": {},
+  "single_needle": {},
+  "multi_key": {"num_distractors": 3},
+  "multi_value": {"num_values": 4},
+  "multi_query": {"num_pairs": 8, "num_queries": 4},
+  "variable_tracking": {"num_hops": 4},
+  "mqar": {"num_pairs": 16, "num_queries": 8},
+}
+
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PUNCT = (".", ",", "?", ":", "=")
 TEMPLATE_WORDS = tuple(
@@ -350,7 +361,8 @@ class Example:
   ``answer_given[i]`` marks answer tokens that are part of the question (mqar's query keys): they
   are fed, never scored. ``scoring`` is ``"exact"`` (every scored token, in order) or ``"set"``
   (the scored tokens as a multiset, any order). ``needle_at`` are the prompt indices of each
-  needle's answer token(s) (for analysis), ``depth`` the requested depth.
+  needle's answer token(s) (for analysis), ``depth`` the requested depth, ``question_len`` the
+  number of trailing prompt tokens that form the question.
   """
 
   task: str
@@ -360,7 +372,7 @@ class Example:
   scoring: str
   depth: float
   needle_at: tuple[int, ...]
-  text: str = ""
+  question_len: int = 1  # the prompt's last ``question_len`` tokens are the question
 
 
 def score(example: Example, predicted: np.ndarray) -> bool:
@@ -566,6 +578,7 @@ def generate(
     scoring=spec.scoring,
     depth=d,
     needle_at=tuple(needle_at),
+    question_len=len(question),
   )
 
 

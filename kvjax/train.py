@@ -311,3 +311,22 @@ def export(c: ml_collections.ConfigDict, params: dict, path: str | pathlib.Path,
   tok.save(path / "tokenizer.json")
   info = {"training_config": c.to_dict(), **card}
   (path / "card.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+
+
+def measure(path: str | pathlib.Path, *, count: int = 50, lengths=(1024, 2048)) -> dict:
+  """The card's measurements of an exported model: full-cache accuracy per task at each length
+  (``count`` held-out examples at :data:`kvjax.tasks.EVAL_OPTIONS` sizes) and the layer funnel
+  on a multi-document prompt (attention sinks: first-token mass; funneling: entropy per layer)."""
+  from kvjax import evaluate, funnel  # noqa: PLC0415
+  from kvjax.model import loading  # noqa: PLC0415
+
+  model, _ = loading.load(path)
+  tok = tasks.WordTokenizer.load(pathlib.Path(path) / "tokenizer.json")
+  acc = evaluate.full_cache_accuracy(model, tok, lengths, count, tasks.EVAL_OPTIONS)
+  ids, doc = funnel.multi_document_prompt(tok, num_docs=4, doc_len=128)
+  layers = funnel.model_funnel(model, ids, doc).round(4)
+  return {
+    "full_cache_accuracy": acc,
+    "examples_per_cell": count,
+    "funnel": layers.to_dict(orient="list"),
+  }

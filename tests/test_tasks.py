@@ -125,8 +125,12 @@ def test_a_subword_tokenizer_gets_exact_lengths(tmp_path):
   bpe = tk.Tokenizer(tk.models.BPE(unk_token=None))
   bpe.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
   bpe.decoder = tk.decoders.ByteLevel()
-  trainer = tk.trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>"])
-  corpus = [" ".join(tasks.FILLER + tasks.TEMPLATE_WORDS + tasks.KEYS[:50] + tasks.VALUES[:50])]
+  trainer = tk.trainers.BpeTrainer(
+    vocab_size=400,
+    special_tokens=["<s>"],
+    initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),  # every byte: nothing is dropped
+  )
+  corpus = [" ".join(tasks.FILLER + tasks.TEMPLATE_WORDS + tasks.KEYS[:50] + tasks.PUNCT)]
   bpe.train_from_iterator(corpus * 3, trainer)
   bpe.save(str(tmp_path / "tokenizer.json"))
   hf = tasks.HFTokenizer(tmp_path / "tokenizer.json", bos_token="<s>")

@@ -63,19 +63,27 @@ def test_checkpoint_restore_gives_identical_params_and_next_step(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+class KilledError(Exception):
+  pass
+
+
 def test_interrupted_run_resumes_on_the_same_loss_curve(tmp_path):
   c = quick_config(steps=8)
   whole = train.train(c, tmp_path / "whole", log=lambda *_: None)
-  # "killed" after step 4: a run to 6 steps leaves a checkpoint at 4 and metrics up to 6
-  c6 = quick_config(steps=6)
-  train.train(c6, tmp_path / "cut", log=lambda *_: None)
+
+  def kill_at_6(line):  # dies right after logging step 6; the last checkpoint is step 4
+    if '"step": 6' in line:
+      raise KilledError
+
+  with pytest.raises(KilledError):
+    train.train(c, tmp_path / "cut", log=kill_at_6)
   lines = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
   assert json.loads(lines[-1])["step"] == 6
   resumed = train.train(c, tmp_path / "cut", log=lambda *_: None)
   assert resumed.step == whole.step == 8
   a = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
   b = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 4, 6, 8]
+  assert [r["step"] for r in a] == [r["step"] for r in b] == [2, 4, 6, 8]  # none lost or doubled
   np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=1e-5)
   for x, y in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params), strict=True):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)

@@ -302,13 +302,30 @@ def _compress_and_answer(cfg, params, pre, spec, budget, head_scores, inputs_BN,
   return greedy, logp.transpose(1, 0, 2), dataclasses.replace(cache, overflow=overflow)
 
 
-def _future_attention(cfg, params, prompt, answer) -> Array:
-  """The oracle's evidence: full-cache attention of the answer-producing queries (the last prompt
-  token and the answer tokens fed after it) over the prompt prefix, ``[L, B, Hq, N, T - 1]``."""
+QUESTION_MODES = ("in_window", "after", "compressed")
+
+
+def _future_attention(cfg, params, prompt, answer, Tc: int) -> Array:
+  """The oracle's evidence: full-cache attention of every query fed through the cache (the
+  question and the answer) over the ``Tc`` compressed positions, ``[L, B, Hq, M, Tc]``."""
   seq = jnp.concatenate([prompt, answer[:, :-1]], axis=1)
-  N, T = answer.shape[1], prompt.shape[1]
-  pre = _prefill(cfg, params, seq, jnp.ones_like(seq), N, False)
-  return pre["attn_window"][..., : T - 1]
+  M = seq.shape[1] - Tc
+  pre = _prefill(cfg, params, seq, jnp.ones_like(seq), M, False)
+  return pre["attn_window"][..., :Tc]
+
+
+def _restrict(pre: dict, Tc: int) -> dict:
+  """Prefill outputs with the key axis cut to the first ``Tc`` positions (the context): the
+  question's window rows and attention sums stay as evidence, its keys and values go."""
+  out = dict(pre)
+  for k in ("keys", "values"):
+    out[k] = pre[k][..., :Tc, :]
+  for k in ("positions", "valid"):
+    out[k] = pre[k][:, :Tc]
+  for k in ("attn_window", "column_sums", "key_norms"):
+    if k in pre:
+      out[k] = pre[k][..., :Tc]
+  return out
 
 
 def answer_configs(
@@ -318,6 +335,8 @@ def answer_configs(
   budgets,
   *,
   policy: str,
+  question_len: int = 1,
+  question: str = "in_window",
   answer_given=None,
   layout: str = "kv",
   head_scores=None,
@@ -326,14 +345,24 @@ def answer_configs(
   """Predicts ``answer_ids [B, N]`` after ``prompt_ids [B, T]`` under ``C`` budget configurations
   (``budgets``: ``[C]``, ``[C, L]`` or ``[C, L, H]``) with one shared prefill.
 
-  The prompt's first ``T - 1`` tokens are prefilled and compressed (the question sits in the
-  observation window, SnapKV's query-aware setting); its last token and then the answer are
-  decoded through the compressed cache, so *every* answer token is predicted from it (in the
-  usual generate loop the first answer token comes from the full-attention prefill and is immune
-  to compression; here it is not). The greedy pass feeds the model's own prediction at each
-  scored position and the answer at ``answer_given [B, N]`` positions (mqar's query keys); the
-  teacher-forced pass feeds the answer everywhere (for KL divergences).
-  ``policy="oracle"`` uses the full-cache attention of exactly these answer-producing queries.
+  The prompt's last ``question_len`` tokens are the question. The context (the rest) is
+  compressed once per budget (vmapped); the question and then the answer are decoded through
+  the compressed cache, so *every* answer token is predicted from it. ``question`` says what the
+  compression sees:
+
+  * ``"in_window"`` (default): the whole prompt is prefilled, so the policies' evidence (SnapKV's
+    observation window, H2O's sums) includes the question, but only context tokens are kept and
+    the question is re-fed. Query-aware selection without the leak below.
+  * ``"after"``: only the context is prefilled (kvpress's pipeline: query-agnostic compression).
+  * ``"compressed"``: the official generate loop of SnapKV and PyramidKV: the question is
+    compressed with the context (``question_len`` is then 1: only the last prompt token is
+    re-fed). Caveat: question tokens kept in the cache carry what the model already retrieved
+    during the full-attention prefill, so a policy can answer while evicting the needle.
+
+  The greedy pass feeds the model's own prediction at each scored answer position and the answer
+  at ``answer_given [B, N]`` positions (mqar's query keys); the teacher-forced pass feeds the
+  answer everywhere (for KL divergences). Question tokens are held beyond the budget, like
+  generated ones. ``policy="oracle"`` uses the full-cache attention of exactly the fed queries.
   """
   prompt = np.asarray(prompt_ids, np.int32)
   answer = np.asarray(answer_ids, np.int32)
@@ -343,32 +372,45 @@ def answer_configs(
     raise ValueError(
       f"answer_ids: expected [batch={prompt.shape[0]}, N >= 1] token ids, got {answer.shape}"
     )
+  if question not in QUESTION_MODES:
+    raise ValueError(f"question: expected one of {QUESTION_MODES}, got {question!r}")
+  if question == "compressed":
+    question_len = 1
+  if not 1 <= question_len < prompt.shape[1]:
+    raise ValueError(
+      f"question_len: expected 1 <= question_len < T={prompt.shape[1]}, got {question_len}"
+    )
   given = np.zeros(answer.shape, bool) if answer_given is None else np.asarray(answer_given, bool)
   if given.shape != answer.shape:
     raise ValueError(f"answer_given: shape {given.shape}, expected {answer.shape}")
-  N = answer.shape[1]
-  cfg, params, pol, pre, T = _prepare(
-    model, prompt[:, :-1], None, "left", policy, policy_options, N
-  )
+  B, N = answer.shape
+  Tc = prompt.shape[1] - question_len
+  seen = prompt if question == "in_window" else prompt[:, :Tc]
+  cfg, params, pol, pre, _ = _prepare(model, seen, None, "left", policy, policy_options, N)
+  pre = _restrict(pre, Tc)
   if pol.name == "oracle":
-    pre = dict(pre, future_attn=_future_attention(cfg, params, jnp.asarray(prompt), answer))
+    pre = dict(pre, future_attn=_future_attention(cfg, params, jnp.asarray(prompt), answer, Tc))
   budgets = jnp.asarray(budgets)
   if not jnp.issubdtype(budgets.dtype, jnp.integer) or budgets.ndim < 1:
     raise ValueError(
       f"budgets: expected integer budgets with a leading config axis, got {budgets.dtype}{budgets.shape}"
     )
-  window = _window(pol, T) if pol.name != "full" else 0
+  window = _window(pol, seen.shape[1]) if pol.name != "full" else 0
   if pol.name != "full":
     _check_budget(pol, budgets, window)
   recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
   spec = cache_lib.CacheSpec(pol, 1, layout, recent=recent)
   alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, head_scores))(budgets)
-  spec = dataclasses.replace(spec, capacity=_capacity(pol, int(np.asarray(alloc).max()), T, N))
-  inputs = jnp.asarray(np.concatenate([prompt[:, -1:], answer[:, :-1]], axis=1))
-  feed_given = jnp.asarray(np.concatenate([np.ones((len(prompt), 1), bool), given[:, :-1]], 1))
+  M = question_len + N - 1  # tokens fed through the cache
+  spec = dataclasses.replace(spec, capacity=_capacity(pol, int(np.asarray(alloc).max()), Tc, M))
+  inputs = jnp.asarray(np.concatenate([prompt[:, Tc:], answer[:, :-1]], axis=1))
+  feed_given = np.concatenate([np.ones((B, question_len), bool), given[:, :-1]], 1)
   run = jax.vmap(
-    lambda b: _compress_and_answer(cfg, params, pre, spec, b, head_scores, inputs, feed_given)
+    lambda b: _compress_and_answer(
+      cfg, params, pre, spec, b, head_scores, inputs, jnp.asarray(feed_given)
+    )
   )
   pred, logp, caches = run(budgets)
   _check_overflow(caches)
-  return Answers(np.asarray(pred), np.asarray(logp), np.asarray(alloc))
+  q = question_len - 1  # predictions from the last question token on are the answer's
+  return Answers(np.asarray(pred[:, :, q:]), np.asarray(logp[:, :, q:]), np.asarray(alloc))
