@@ -85,8 +85,6 @@ def head_retrieval_scores(model, tokenizer, *, length: int = 512, count: int = 1
   a query head scores when its strongest attention, at the query that emits the answer, lands
   on the needle's value token; the score is the fraction of examples where it does.
   """
-  from kvjax.model import llama  # noqa: PLC0415
-
   cfg = model.cfg
   exs = examples("single_needle", tokenizer, length, count, {}, seed=7)
   prompts = np.stack([e.prompt for e in exs])
@@ -94,7 +92,6 @@ def head_retrieval_scores(model, tokenizer, *, length: int = 512, count: int = 1
   top_LBH = np.asarray(pre["attn_window"][..., -1, :]).argmax(-1)  # [L, B, Hq]
   at_B = np.asarray([e.needle_at[0] for e in exs])
   hits_LH = (top_LBH == at_B[None, :, None]).mean(1)
-  del llama
   return hits_LH.reshape(cfg.num_layers, cfg.num_kv_heads, cfg.num_groups).mean(-1)
 
 
@@ -127,11 +124,9 @@ def evaluate_group(
 ) -> dict:
   """One (task, length, policy) group: per-budget accuracy and KL (``question``: see
   :func:`kvjax.model.answer_configs`)."""
+  if len(budgets) == 0:
+    raise ValueError(f"budgets: no budget to evaluate for policy {name!r}")
   prompts, answers, scored = tasks.batch(exs)
-  given = ~scored
-  pad = np.zeros_like(given)
-  for i, e in enumerate(exs):  # padded answer positions are fed, never scored
-    pad[i, e.answer.size :] = True
   extra = {"head_scores": head_scores} if name == "headkv" else {}
   out = gen.answer_configs(
     model,
@@ -141,14 +136,14 @@ def evaluate_group(
     policy=name,
     question_len=max(e.question_len for e in exs),
     question=question,
-    answer_given=given | pad,
+    answer_given=~scored,  # given tokens and padding are fed, never scored
     **extra,
     **options,
   )
   rows = []
   for c, b in enumerate(budgets):
     ok = accuracy(exs, out.predicted[c])
-    kl = kl_divergence(full.logprobs[0], out.logprobs[c], scored) if full is not None else 0.0
+    kl = kl_divergence(full.logprobs[0], out.logprobs[c], scored) if full is not None else np.nan
     # per scored token (mqar's per-query accuracy, as Zoology reports it)
     tokens = float((out.predicted[c] == answers)[scored].mean())
     rows.append(
@@ -163,29 +158,63 @@ def _to_plain(value):
   return value
 
 
+def _model_fingerprint(name: str) -> str:
+  """What identifies the evaluated weights: the shipped model's file hash (it changes when the
+  model is retrained), else the name."""
+  if name != "tiny":
+    return name
+  import hashlib  # noqa: PLC0415
+
+  from kvjax.model import loading  # noqa: PLC0415
+
+  data = (loading.tiny_path() / "model.safetensors").read_bytes()
+  return "tiny:" + hashlib.sha256(data).hexdigest()[:16]
+
+
+def _complete_groups(table: pd.DataFrame, path: pathlib.Path, expected: dict) -> set:
+  """Groups with all their rows; rows of a group cut by an interruption are dropped from the
+  file (and the group reruns), so nothing is lost or doubled."""
+  if table.empty:
+    return set()
+  keys = list(zip(table["task"], table["length"], table["policy"], table["kind"], strict=True))
+  counts = pd.Series(keys).value_counts().to_dict()
+  done = {k for k, n in counts.items() if n == expected.get(k, 1)}
+  if len(done) < len(counts):
+    keep = [k in done for k in keys]
+    table[keep].to_csv(path, index=False)
+  return done
+
+
 def run(config, workdir, *, log=print) -> pd.DataFrame:
   """Runs (or resumes) the evaluation ``config`` into ``workdir``; returns ``results.csv``."""
   out = pathlib.Path(workdir)
   out.mkdir(parents=True, exist_ok=True)
+  plain = {k: _to_plain(config[k]) for k in sorted(config.keys()) if k != "workdir"}
   sig = json.dumps(
-    {k: _to_plain(config[k]) for k in sorted(config.keys()) if k != "workdir"},
-    sort_keys=True,
-    default=str,
+    plain | {"weights": _model_fingerprint(config.model)}, sort_keys=True, default=str
   )
   sig_path = out / "eval.json"
-  if sig_path.exists() and sig_path.read_text() != sig:
-    raise ValueError(
-      f"workdir: {out} holds results of a different evaluation (eval.json differs); "
-      "expected the same config to resume, or a fresh workdir"
-    )
-  sig_path.write_text(sig)
   path = out / "results.csv"
   table = sweep.read_results(path)
-  done = set()
-  if not table.empty:
-    done = set(zip(table["task"], table["length"], table["policy"], table["kind"], strict=False))
-  model, cfg, tok = load_model(config.model)
+  if not table.empty and sig_path.exists() and sig_path.read_text() != sig:
+    raise ValueError(
+      f"workdir: {out} holds results of a different evaluation or model (eval.json differs); "
+      "expected the same config and weights to resume, or a fresh workdir"
+    )
+  sig_path.write_text(sig)
   entries = [_policy_options(e) for e in config.policies]
+  groups = {}  # (task, length, label, kind) -> budgets
+  for task in config.tasks:
+    for length in config.lengths:
+      for label, name, _ in [("full", "full", {}), *entries]:
+        budgets = [length] if name == "full" else [b for b in config.budgets if b < length]
+        if not budgets:
+          raise ValueError(
+            f"budgets: none of {list(config.budgets)} is below the context length {length}"
+          )
+        groups[(task, length, label, "budget")] = budgets
+  done = _complete_groups(table, path, {k: len(v) for k, v in groups.items()})
+  model, cfg, tok = load_model(config.model)
   q = config.question
   head = None  # HeadKV's retrieval-head scores, measured once per run
   for task, opts in config.tasks.items():
@@ -194,16 +223,16 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
       exs = examples(task, tok, length, config.examples, opts, seed=config.seed)
       full = None
       for label, name, options in [("full", "full", {}), *entries]:
-        if (task, length, label, "budget") in done:
+        key = (task, length, label, "budget")
+        if key in done:
           continue
         t0 = time.time()
         if full is None:
           full = evaluate_group(model, exs, [length], "full", {}, question=q)["answers"]
-        budgets = [length] if name == "full" else [b for b in config.budgets if b < length]
         if name == "headkv" and head is None:
           head = head_retrieval_scores(model, tok)
         res = evaluate_group(
-          model, exs, budgets, name, options, head_scores=head, full=full, question=q
+          model, exs, groups[key], name, options, head_scores=head, full=full, question=q
         )
         rows = [
           dict(task=task, length=length, policy=label, kind="budget", depth=np.nan, **r)
@@ -215,7 +244,7 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
           f"{task:18s} {length:5d} {label:16s} "
           + " ".join(f"{r['budget']}:{r['accuracy']:.2f}" for r in res["rows"])
         )
-  _heatmap(config, model, tok, path, done, log)
+  head = _heatmap(config, model, tok, path, done, head, log)
   table = sweep.read_results(path)
   from kvjax import plotting  # noqa: PLC0415
 
@@ -223,11 +252,15 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
   return table
 
 
-def _heatmap(config, model, tok, path, done, log) -> None:
+def _heatmap(config, model, tok, path, done, head, log):
   """Needle accuracy over depth x length for each heatmap policy at one budget."""
   h = config.heatmap
   if not h.policies:
-    return
+    return head
+  if h.budget >= min(h.lengths):
+    raise ValueError(
+      f"heatmap.budget: {h.budget} must be below every heatmap length {list(h.lengths)}"
+    )
   entries = {e["label"]: _policy_options(e) for e in config.policies}
   for length in h.lengths:
     for d in h.depths:
@@ -239,12 +272,18 @@ def _heatmap(config, model, tok, path, done, log) -> None:
         cells.append(label)
       if not cells:
         continue
-      exs = examples(h.task, tok, length, h.examples, {}, depth=d, seed=config.seed + 1)
+      opts = _to_plain(config.tasks[h.task]) if h.task in config.tasks else {}
+      exs = examples(h.task, tok, length, h.examples, opts, depth=d, seed=config.seed + 1)
       for label in cells:
         _, name, options = ("full", "full", {}) if label == "full" else entries[label]
-        budget = length if name == "full" else min(h.budget, length - 1)
-        res = evaluate_group(model, exs, [budget], name, options, question=config.question)
+        budget = length if name == "full" else h.budget
+        if name == "headkv" and head is None:
+          head = head_retrieval_scores(model, tok)
+        res = evaluate_group(
+          model, exs, [budget], name, options, head_scores=head, question=config.question
+        )
         (r,) = res["rows"]
         row = dict(task=h.task, length=length, policy=label, kind=f"heatmap@{d:g}", depth=d, **r)
         sweep._append(path, [row | {"seconds": 0.0}])
       log(f"heatmap length {length} depth {d:g}: done")
+  return head

@@ -45,6 +45,12 @@ def multi_document_prompt(tokenizer, *, num_docs: int = 4, doc_len: int = 48, se
   return np.asarray(ids, np.int32), np.asarray(doc, np.int32)
 
 
+def document_edges(doc_id_T: np.ndarray) -> list[int]:
+  """Positions where a new document starts (for drawing boundaries on attention maps)."""
+  doc = np.asarray(doc_id_T)
+  return [int(i) for i in np.flatnonzero(doc[1:] != doc[:-1]) + 1]
+
+
 def row_statistics(probs_HQK: np.ndarray, doc_id_K: np.ndarray | None = None, q_index=None) -> dict:
   """Funnel statistics of one layer's attention rows ``[H, Q, K]`` (rows sum to 1 over the
   visible keys). ``q_index [Q]`` are the rows' positions (default: the last ``Q`` of ``K``)."""

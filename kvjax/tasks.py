@@ -19,8 +19,10 @@ Named deviations from RULER: values are two-digit numbers and keys one of 64 mad
 token each in the tiny model's word vocabulary, small enough for a model trained in minutes on a
 CPU; RULER uses seven-digit numbers and UUIDs or words); the haystack is random sentences over a small word list
 (RULER's "noise" haystack repeats one paragraph, its "essay" haystack is Paul Graham essays, which
-we may not download); answers are scored in order (``scoring="exact"``) except where RULER scores a
-set (``multi_value``, ``multi_query``: every value present, in any order: ``scoring="set"``).
+we may not download); ``multi_value`` and ``multi_query`` are scored as sets (every value present,
+in any order: ``scoring="set"``) as in RULER, the others in order (``scoring="exact"``), which for
+``variable_tracking`` is stricter than RULER's set of variable names (the chain order is the
+natural order to list them and what the tiny model learns).
 
 Two tokenisations: :class:`WordTokenizer` (the tiny model's whitespace word vocabulary, stored as a
 Hugging Face ``WordLevel`` ``tokenizer.json``) and :class:`HFTokenizer` (any ``tokenizer.json``
@@ -338,7 +340,10 @@ class HFTokenizer:
     self.tok = Tokenizer.from_file(str(path))
     self.vocab_size = self.tok.get_vocab_size()
     self.bos_id = self.tok.token_to_id(bos_token) if bos_token else None
-    self.pad_id = 0
+    if bos_token and self.bos_id is None:
+      raise ValueError(f"bos_token: {bos_token!r} is not in the vocabulary of {path}")
+    # padding only fills unscored answer slots (never attended: prompts are unpadded)
+    self.pad_id = self.bos_id if self.bos_id is not None else 0
 
   def encode(self, text: str) -> list[int]:
     return self.tok.encode(" " + text, add_special_tokens=False).ids
@@ -369,6 +374,7 @@ class Example:
   prompt: np.ndarray  # [T] int32
   answer: np.ndarray  # [N] int32
   answer_given: np.ndarray  # [N] bool
+  answer_piece: np.ndarray  # [N] int: which answer value each token belongs to
   scoring: str
   depth: float
   needle_at: tuple[int, ...]
@@ -386,7 +392,13 @@ def score(example: Example, predicted: np.ndarray) -> bool:
   want, got = example.answer[scored], predicted[scored]
   if example.scoring == "exact":
     return bool(np.array_equal(want, got))
-  return bool(np.array_equal(np.sort(want), np.sort(got)))
+  # a set of values, each value the tuple of its tokens (multi-token values under BPE tokenizers)
+  pieces = example.answer_piece[scored]
+
+  def values(tokens):
+    return sorted(tuple(tokens[pieces == p].tolist()) for p in np.unique(pieces))
+
+  return values(want) == values(got)
 
 
 # --------------------------------------------------------------------------- text pieces
@@ -401,9 +413,9 @@ def _needle(key: str, value: str) -> str:
   return f"the special magic number for {key} is {value} ."
 
 
-def _draw(rng, pool, n) -> list[str]:
+def _draw(rng, pool, n, name: str = "count") -> list[str]:
   if n > len(pool):
-    raise ValueError(f"n: {n} distinct items asked from a pool of {len(pool)}")
+    raise ValueError(f"{name}: {n} distinct items asked from a pool of {len(pool)}")
   return rng.choice(pool, n, replace=False).tolist()
 
 
@@ -433,7 +445,7 @@ def _spec(task, rng, depth, num_distractors, num_values, num_queries, num_pairs,
     )
   if task in ("single_needle", "multi_key"):
     n = 1 + (num_distractors if task == "multi_key" else 0)
-    keys, vals = _draw(rng, KEYS, n), _draw(rng, VALUES, n)
+    keys, vals = _draw(rng, KEYS, n, "num_distractors"), _draw(rng, VALUES, n, "num_distractors")
     others = spread(n - 1)
     depths = sorted([depth, *others])
     order = [0] + list(range(1, n))  # the asked needle sits at ``depth``; distractors anywhere
@@ -446,7 +458,7 @@ def _spec(task, rng, depth, num_distractors, num_values, num_queries, num_pairs,
     return _Spec(needles, depths, q, [vals[0]], [False], "exact", [vals[i] for i in order])
   if task == "multi_value":
     (key,) = _draw(rng, KEYS, 1)
-    vals = _draw(rng, VALUES, num_values)
+    vals = _draw(rng, VALUES, num_values, "num_values")
     depths = sorted([depth, *spread(num_values - 1)])
     q = (
       f"what are all the special magic numbers for {key} ? the special magic numbers for {key} are"
@@ -457,7 +469,10 @@ def _spec(task, rng, depth, num_distractors, num_values, num_queries, num_pairs,
   if task in ("multi_query", "mqar"):
     if num_queries > num_pairs:
       raise ValueError(f"num_queries: {num_queries} > num_pairs {num_pairs}")
-    keys, vals = _draw(rng, KEYS, num_pairs), _draw(rng, VALUES, num_pairs)
+    keys, vals = (
+      _draw(rng, KEYS, num_pairs, "num_pairs"),
+      _draw(rng, VALUES, num_pairs, "num_pairs"),
+    )
     depths = sorted([depth, *spread(num_pairs - 1)])
     asked = rng.permutation(num_pairs)[:num_queries].tolist()
     needles = [_needle(k, v) for k, v in zip(keys, vals, strict=False)]
@@ -479,7 +494,7 @@ def _spec(task, rng, depth, num_distractors, num_values, num_queries, num_pairs,
     q = f"answer the questions . {keys[asked[0]]} is"
     return _Spec(needles, depths, q, ans, given, "exact", vals)
   if task == "variable_tracking":
-    names = _draw(rng, KEYS, num_hops)
+    names = _draw(rng, KEYS, num_hops, "num_hops")
     (v,) = _draw(rng, VALUES, 1)
     chain = [f"var {names[0]} = {v} ."] + [
       f"var {names[i]} = {names[i - 1]} ." for i in range(1, num_hops)
@@ -505,8 +520,10 @@ def generate(
 ) -> Example:
   """One example of ``task`` whose prompt is exactly ``length`` tokens (``bos`` included).
 
-  ``depth`` in [0, 1] places the (first asked) needle at that fraction of the haystack (uniform
-  at random when ``None``); the other needles are spread uniformly at random. Deterministic in
+  ``depth`` in [0, 1] is where one needle sits, as a fraction of the haystack (uniform at random
+  when ``None``): the asked one for ``passkey``, ``single_needle`` and ``multi_key``; for the
+  tasks with several needles (values, pairs, a chain) the others are drawn uniformly and all are
+  placed in sorted order, so ``depth`` places whichever needle sorts there. Deterministic in
   ``seed``.
   """
   if task not in TASKS:
@@ -521,7 +538,7 @@ def generate(
     num_hops=num_hops,
   ).items():
     if val < (0 if name == "num_distractors" else 1):
-      raise ValueError(f"{name}: expected a positive count, got {val}")
+      raise ValueError(f"{name}: expected a count >= {int(name != 'num_distractors')}, got {val}")
   rng = np.random.default_rng([seed, TASKS.index(task)])
   d = float(rng.uniform()) if depth is None else float(depth)
   spec = _spec(task, rng, d, num_distractors, num_values, num_queries, num_pairs, num_hops)
@@ -565,16 +582,18 @@ def generate(
   prompt = np.asarray([t for p in pieces for t in p], np.int32)
   assert prompt.size == length, (prompt.size, length)
 
-  ans_ids, given = [], []
-  for w, g in zip(spec.answer, spec.given, strict=False):
+  ans_ids, given, piece = [], [], []
+  for i, (w, g) in enumerate(zip(spec.answer, spec.given, strict=True)):
     ids = enc(w)
     ans_ids += ids
     given += [g] * len(ids)
+    piece += [i] * len(ids)
   return Example(
     task=task,
     prompt=prompt,
     answer=np.asarray(ans_ids, np.int32),
     answer_given=np.asarray(given, bool),
+    answer_piece=np.asarray(piece, np.int32),
     scoring=spec.scoring,
     depth=d,
     needle_at=tuple(needle_at),

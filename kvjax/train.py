@@ -190,6 +190,8 @@ def optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
   schedule = optax.warmup_cosine_decay_schedule(
     0.0, c.learning_rate, c.warmup_steps, c.steps, end_value=c.learning_rate * c.final_lr_fraction
   )
+  # every matrix-shaped leaf decays; with parameters stacked over layers this includes the norm
+  # scales [L, d] (the shipped model was trained so; the final norm [d] does not decay)
   decay_mask = lambda params: {k: v.ndim >= 2 for k, v in params.items()}  # noqa: E731
   return optax.chain(
     optax.clip_by_global_norm(c.clip_norm),
@@ -205,8 +207,18 @@ class TrainState:
 
 
 def init_state(c: ml_collections.ConfigDict, cfg: ModelConfig) -> TrainState:
+  """Step 0: random parameters, or those of the latest checkpoint in ``c.init_from`` (a second
+  training phase; the optimizer starts afresh)."""
   params = llama.Llama(cfg, rngs=nnx.Rngs(c.seed)).params()
   params = {k: jnp.asarray(v) for k, v in params.items()}
+  if c.get("init_from"):
+    source = checkpoint_manager(c.init_from)
+    like = TrainState(0, params, optimizer(c).init(params))
+    restored = restore(source, like)
+    source.close()
+    if restored is None:
+      raise ValueError(f"init_from: no checkpoint in {c.init_from}")
+    params = restored.params
   return TrainState(0, params, optimizer(c).init(params))
 
 
@@ -255,6 +267,7 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, log=prin
   workdir.mkdir(parents=True, exist_ok=True)
   tok = tasks.tiny_tokenizer()
   cfg = model_config(c.model, tok.vocab_size)
+  _check_config(workdir, c)
   state = init_state(c, cfg)
   mngr = checkpoint_manager(workdir)
   restored = restore(mngr, state)
@@ -290,11 +303,37 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, log=prin
   return state
 
 
+def _plain(value):
+  """A JSON-able copy of a config (lists of ConfigDicts included)."""
+  if isinstance(value, ml_collections.ConfigDict):
+    return {k: _plain(v) for k, v in value.items()}
+  if isinstance(value, list | tuple):
+    return [_plain(v) for v in value]
+  return value
+
+
+def _check_config(workdir: pathlib.Path, c: ml_collections.ConfigDict) -> None:
+  """A workdir resumes only the run it holds: a different config is refused."""
+  path = workdir / "train_config.json"
+  text = json.dumps(_plain(c), sort_keys=True, indent=1)
+  if path.exists() and path.read_text() != text:
+    raise ValueError(
+      f"workdir: {workdir} holds a run of a different config (train_config.json differs); "
+      "expected the same config to resume, or a fresh workdir"
+    )
+  path.write_text(text)
+
+
 def _truncate_metrics(path: pathlib.Path, step: int) -> None:
   """Drops metric lines past the restored step (written after the last checkpoint)."""
   if not path.exists():
     return
-  rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  rows = []
+  for line in path.read_text().splitlines():
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError:  # a line cut by the kill
+      continue
   path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
 
 
@@ -309,7 +348,7 @@ def export(c: ml_collections.ConfigDict, params: dict, path: str | pathlib.Path,
   path = pathlib.Path(path)
   loading.save(path, cfg, params)
   tok.save(path / "tokenizer.json")
-  info = {"training_config": c.to_dict(), **card}
+  info = {"training_config": _plain(c), **card}
   (path / "card.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
 
 

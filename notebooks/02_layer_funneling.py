@@ -75,8 +75,9 @@ print(f"prompt of {ids.size} tokens:", tokenizer.decode(ids[:24]), "...")
 # %%
 layers = funnel.evenly_spaced_layers(cfg.num_layers, NUM_MAPS)
 maps = funnel.model_attention(model, ids, layers)
-edges = [int(i) for i in range(1, ids.size) if doc[i] != doc[i - 1]]
-plotting.attention_maps(maps, edges, vmax=0.01, title=f"{MODEL}: attention (mean over heads)")
+plotting.attention_maps(
+  maps, funnel.document_edges(doc), vmax=0.01, title=f"{MODEL}: attention (mean over heads)"
+)
 plt.show()
 
 # %% [markdown]
@@ -104,7 +105,8 @@ shown = {layer: syn_maps[layer] for layer in funnel.evenly_spaced_layers(len(syn
 plotting.attention_maps(shown, vmax=0.01, title="synthetic funnel world (query rows x keys)")
 plt.show()
 syn_table = funnel.synthetic_funnel(world).assign(source="synthetic funnel")
-plotting.funnel_statistics(pd.concat([syn_table]), title="synthetic funnel world")
+both = pd.concat([model_table, syn_table], ignore_index=True)
+plotting.funnel_statistics(both, title=f"{MODEL} vs the synthetic funnel world")
 plt.show()
 
 # %% [markdown]

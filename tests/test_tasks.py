@@ -140,3 +140,20 @@ def test_a_subword_tokenizer_gets_exact_lengths(tmp_path):
   e = tasks.generate("single_needle", hf, length=400, seed=1)
   value = hf.decode(e.answer).strip()
   assert value in tasks.VALUES and f"is {value} ." in hf.decode(e.prompt)
+
+
+def test_set_scoring_compares_whole_values_not_tokens():
+  e = tasks.generate("multi_value", TOK, length=300, seed=2, num_values=2)
+  # as if each value were two tokens (a BPE tokenizer): "42 24" must not match "44 22"
+  two = tasks.Example(
+    task="multi_value",
+    prompt=e.prompt,
+    answer=np.array([4, 2, 2, 4], np.int32),
+    answer_given=np.zeros(4, bool),
+    answer_piece=np.array([0, 0, 1, 1], np.int32),
+    scoring="set",
+    depth=0.0,
+    needle_at=(),
+  )
+  assert tasks.score(two, np.array([2, 4, 4, 2]))  # the values swapped: fine
+  assert not tasks.score(two, np.array([4, 4, 2, 2]))  # digits swapped across values: wrong

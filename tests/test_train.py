@@ -107,3 +107,17 @@ def test_export_loads_back_as_a_hugging_face_checkpoint(tmp_path):
 def test_unknown_preset_is_named():
   with pytest.raises(ValueError, match="preset"):
     train_tiny.get_config("huge")
+
+
+def test_a_torn_metrics_line_and_a_changed_config(tmp_path):
+  c = quick_config(steps=4)
+  train.train(c, tmp_path, log=lambda *_: None)
+  with (tmp_path / "metrics.jsonl").open("a") as f:
+    f.write('{"step": 6, "lo')  # cut by a kill
+  c6 = quick_config(steps=6)
+  with pytest.raises(ValueError, match="different config"):
+    train.train(c6, tmp_path, log=lambda *_: None)
+  state = train.train(c, tmp_path, log=lambda *_: None)  # same config: resumes (nothing to do)
+  assert state.step == 4
+  steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [2, 4]

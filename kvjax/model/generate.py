@@ -229,6 +229,8 @@ def generate_configs(
 ) -> Generation:
   """One prefill shared by ``C`` budget configurations (``budgets``: ``[C]``, ``[C, L]`` or
   ``[C, L, H]``): compress + decode are vmapped over configurations. Tokens ``[C, B, N]``."""
+  if layout not in cache_lib.LAYOUTS:
+    raise ValueError(f"layout: expected one of {cache_lib.LAYOUTS}, got {layout!r}")
   cfg, params, pol, pre, T = _prepare(
     model, prompt_ids, attention_mask, padding_side, policy, policy_options, max_new_tokens
   )
@@ -361,9 +363,24 @@ def answer_configs(
 
   The greedy pass feeds the model's own prediction at each scored answer position and the answer
   at ``answer_given [B, N]`` positions (mqar's query keys); the teacher-forced pass feeds the
-  answer everywhere (for KL divergences). Question tokens are held beyond the budget, like
-  generated ones. ``policy="oracle"`` uses the full-cache attention of exactly the fed queries.
+  answer everywhere (for KL divergences). Prefill-time policies hold the question tokens beyond
+  the budget, like generated ones; decode-time policies (sliding window, StreamingLLM, H2O, TOVA)
+  spend their budget on them as on any decoded token. ``policy="oracle"`` uses the full-cache
+  attention of exactly the fed queries.
+
+  In ``"in_window"`` mode the evidence is the full prompt's, cut to the context keys: window rows
+  keep their original normalisation (their mass on question keys is not redistributed), and
+  SnapKV-style policies protect the last ``window`` context positions (the question itself is
+  re-fed, so it is always present).
   """
+  if layout not in cache_lib.LAYOUTS:
+    raise ValueError(f"layout: expected one of {cache_lib.LAYOUTS}, got {layout!r}")
+  budgets = jnp.asarray(budgets)
+  if not jnp.issubdtype(budgets.dtype, jnp.integer) or budgets.ndim < 1 or budgets.shape[0] < 1:
+    raise ValueError(
+      "budgets: expected integer budgets with a non-empty leading config axis, "
+      f"got {budgets.dtype}{budgets.shape}"
+    )
   prompt = np.asarray(prompt_ids, np.int32)
   answer = np.asarray(answer_ids, np.int32)
   if prompt.ndim != 2 or prompt.shape[1] < 2:
@@ -390,11 +407,6 @@ def answer_configs(
   pre = _restrict(pre, Tc)
   if pol.name == "oracle":
     pre = dict(pre, future_attn=_future_attention(cfg, params, jnp.asarray(prompt), answer, Tc))
-  budgets = jnp.asarray(budgets)
-  if not jnp.issubdtype(budgets.dtype, jnp.integer) or budgets.ndim < 1:
-    raise ValueError(
-      f"budgets: expected integer budgets with a leading config axis, got {budgets.dtype}{budgets.shape}"
-    )
   window = _window(pol, seen.shape[1]) if pol.name != "full" else 0
   if pol.name != "full":
     _check_budget(pol, budgets, window)
