@@ -146,9 +146,11 @@ def accuracy_vs_budget(table, metric: str = "accuracy"):
   for ax, task in zip(axes.flat, task_names, strict=False):
     sub = table[table["task"] == task]
     full = sub[sub["policy"] == "full"][metric].mean()
-    for policy, line in sub[sub["policy"] != "full"].groupby("policy"):
+    for i, (policy, line) in enumerate(sub[sub["policy"] != "full"].groupby("policy")):
       line = line.groupby("budget")[metric].mean()
-      ax.plot(line.index, line.values, marker="o", ms=3, label=policy)
+      # 12+ policies: tab20 colours and alternating markers keep every line distinguishable
+      style = dict(color=plt.cm.tab20(i % 20), marker="osD^v<>"[i % 7], ms=3)
+      ax.plot(line.index, line.values, label=policy, **style)
     ax.axhline(full, color="k", ls="--", lw=1, label="full")
     ax.set(xscale="log", xlabel="budget per head (tokens)", ylabel=metric, title=task)
   for ax in list(axes.flat)[len(task_names) :]:

@@ -116,6 +116,12 @@ def test_answer_inputs_are_validated(random_model):
     km.answer_configs(random_model, P, A, np.array([50]), policy="snapkv", layout="heads")
   with pytest.raises(ValueError, match="question"):
     km.answer_configs(random_model, P, A, np.array([50]), policy="snapkv", question="before")
+  with pytest.raises(
+    ValueError, match="head_scores"
+  ):  # all-zero importances: no silent window-only
+    km.answer_configs(
+      random_model, P, A, np.array([50]), policy="headkv", head_scores=np.zeros((2, 2))
+    )
   with pytest.raises(ValueError, match="question_len"):
     km.answer_configs(random_model, P, A, np.array([50]), policy="snapkv", question_len=100)
 
@@ -155,12 +161,12 @@ def test_tiny_model_reaches_its_stated_accuracy_on_held_out_examples(tiny, task)
   model, cfg, tok = tiny
   card = json.loads((km.loading.tiny_path() / "card.json").read_text())
   stated = card["full_cache_accuracy"]["1024"][task]
-  opts = dict(eval_config.get_config().tasks[task])
-  exs = evaluate.examples(task, tok, 1024, 8, opts, seed=99)
+  assert stated >= 0.95  # the target for the retrieval tasks the model masters
+  exs = evaluate.examples(task, tok, 1024, 8, tasks.EVAL_OPTIONS[task], seed=99)
   P, A, S = tasks.batch(exs)
   out = km.answer_configs(model, P, A, np.array([1]), policy="full", answer_given=~S)
   acc = evaluate.accuracy(exs, out.predicted[0]).mean()
-  # 8 held-out examples: allow one miss beyond the stated rate
+  # 8 fresh held-out examples: allow one miss beyond the stated rate
   assert acc >= stated - 1 / 8 - 1e-9, (task, acc, stated)
 
 
@@ -177,6 +183,9 @@ def test_on_the_tiny_model_the_oracle_beats_random_and_keeps_the_answer(tiny):
   acc = {p: evaluate.accuracy(exs, o.predicted[0]).mean() for p, o in out.items()}
   assert kl["oracle"] < kl["random"] and acc["oracle"] >= acc["random"]
   assert acc["oracle"] >= evaluate.accuracy(exs, full.predicted[0]).mean() - 1 / 8
+  # HeadKV's importance (retrieval mass near the needle) is positive and favours some heads
+  scores = evaluate.head_retrieval_scores(model, tok, count=4)
+  assert scores.shape == (cfg.num_layers, cfg.num_kv_heads) and scores.max() > 4 * scores.mean() / 2
 
 
 def test_eval_quick_writes_results_resumes_and_plots(tmp_path):

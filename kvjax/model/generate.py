@@ -94,6 +94,21 @@ def _check_budget(policy: policies.Policy, budget, window: int) -> None:
     )
 
 
+def _check_head_scores(policy: policies.Policy, head_scores) -> None:
+  """HeadKV needs positive head importances: all-zero scores would silently leave every head
+  with only its window."""
+  if policy.name != "headkv":
+    return
+  if head_scores is None:
+    raise ValueError("head_scores: HeadKV needs per-head importance scores [L, H]")
+  arr = np.asarray(head_scores, np.float64)
+  if arr.ndim != 2 or not np.isfinite(arr).all() or (arr < 0).any() or arr.sum() <= 0:
+    raise ValueError(
+      f"head_scores: expected finite non-negative [L, H] scores with a positive sum, got "
+      f"shape {arr.shape}, sum {arr.sum() if arr.size else 0.0}"
+    )
+
+
 def _check_overflow(cache) -> None:
   if cache.overflow is not None and bool(np.asarray(cache.overflow).any()):
     raise RuntimeError("cache: a row needed more slots than the capacity; tokens would be lost")
@@ -187,6 +202,7 @@ def generate(
   window = _window(pol, T) if pol.name != "full" else 0
   if pol.name != "full":
     _check_budget(pol, budget, window)
+  _check_head_scores(pol, head_scores)
   recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
   spec = cache_lib.CacheSpec(pol, 1, layout, recent=recent, reindex=bool(reindex_positions))
   budget_LH = (
@@ -242,6 +258,7 @@ def generate_configs(
   window = _window(pol, T) if pol.name != "full" else 0
   if pol.name != "full":
     _check_budget(pol, budgets, window)
+  _check_head_scores(pol, head_scores)
   recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
   spec = cache_lib.CacheSpec(pol, 1, layout, recent=recent)
   alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, head_scores))(budgets)
@@ -410,6 +427,7 @@ def answer_configs(
   window = _window(pol, seen.shape[1]) if pol.name != "full" else 0
   if pol.name != "full":
     _check_budget(pol, budgets, window)
+  _check_head_scores(pol, head_scores)
   recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
   spec = cache_lib.CacheSpec(pol, 1, layout, recent=recent)
   alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, head_scores))(budgets)
