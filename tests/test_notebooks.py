@@ -48,8 +48,9 @@ def test_colab_badge_install_device_and_parameters_cells(path):
   assert len(params) == 1 and "QUICK" in params[0].source
 
 
-def _quick(nb):
-  """Drops the install cells and injects ``QUICK = True`` after the parameters cell."""
+def _quick(nb, workdir):
+  """Drops the install cells and injects ``QUICK = True`` (and a fresh ``WORKDIR`` where the
+  notebook has one) after the parameters cell."""
   cells = []
   for cell in nb.cells:
     tags = cell.metadata.get("tags", ())
@@ -57,7 +58,10 @@ def _quick(nb):
       continue
     cells.append(cell)
     if "parameters" in tags:
-      cells.append(nbformat.v4.new_code_cell("QUICK = True", metadata={"tags": ["injected"]}))
+      source = "QUICK = True"
+      if "WORKDIR" in cell.source:
+        source += f"\nWORKDIR = {str(workdir)!r}"
+      cells.append(nbformat.v4.new_code_cell(source, metadata={"tags": ["injected"]}))
   nb.cells = cells
   return nb
 
@@ -65,7 +69,7 @@ def _quick(nb):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_in_quick_mode(path, tmp_path, monkeypatch):
   monkeypatch.setenv("MPLBACKEND", "Agg")
-  nb = _quick(nbformat.read(path, as_version=4))
+  nb = _quick(nbformat.read(path, as_version=4), tmp_path / "run")
   client = nbclient.NotebookClient(
     nb, timeout=LIMIT_S, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
   )
