@@ -18,7 +18,6 @@ import json
 import pathlib
 import time
 
-import ml_collections
 import numpy as np
 import pandas as pd
 
@@ -157,12 +156,6 @@ def evaluate_group(
   return {"rows": rows, "answers": out}
 
 
-def _to_plain(value):
-  if isinstance(value, ml_collections.ConfigDict):
-    return value.to_dict()
-  return value
-
-
 def _model_fingerprint(name: str) -> str:
   """What identifies the evaluated weights: the shipped model's file hash (it changes when the
   model is retrained), else the name."""
@@ -194,7 +187,7 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
   """Runs (or resumes) the evaluation ``config`` into ``workdir``; returns ``results.csv``."""
   out = pathlib.Path(workdir)
   out.mkdir(parents=True, exist_ok=True)
-  plain = {k: _to_plain(config[k]) for k in sorted(config.keys()) if k != "workdir"}
+  plain = {k: sweep.plain(config[k]) for k in sorted(config.keys()) if k != "workdir"}
   sig = json.dumps(
     plain | {"weights": _model_fingerprint(config.model)}, sort_keys=True, default=str
   )
@@ -223,7 +216,7 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
   q = config.question
   head = None  # HeadKV's retrieval-head scores, measured once per run
   for task, opts in config.tasks.items():
-    opts = _to_plain(opts)
+    opts = sweep.plain(opts)
     for length in config.lengths:
       exs = examples(task, tok, length, config.examples, opts, seed=config.seed)
       full = None
@@ -277,7 +270,7 @@ def _heatmap(config, model, tok, path, done, head, log):
         cells.append(label)
       if not cells:
         continue
-      opts = _to_plain(config.tasks[h.task]) if h.task in config.tasks else {}
+      opts = sweep.plain(config.tasks[h.task]) if h.task in config.tasks else {}
       exs = examples(h.task, tok, length, h.examples, opts, depth=d, seed=config.seed + 1)
       for label in cells:
         _, name, options = ("full", "full", {}) if label == "full" else entries[label]

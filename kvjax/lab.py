@@ -153,6 +153,14 @@ def run_scenario(scenario: str, config, workdir: pathlib.Path | None, log=print)
   return sim.rows
 
 
+def summary_tables(rows: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame]:
+  """Summary rows -> ``(summary [SUMMARY_COLUMNS], per-layer retained mass)``."""
+  table = pd.DataFrame(rows)
+  layers = table[["scenario", "policy", "layer_retained"]].explode("layer_retained")
+  layers["layer"] = layers.groupby(["scenario", "policy"]).cumcount()
+  return table.drop(columns="layer_retained")[list(SUMMARY_COLUMNS)], layers
+
+
 def run(config, workdir: str | pathlib.Path | None, log=print) -> pd.DataFrame:
   """Runs the lab described by ``config`` (``configs/lab.py``); returns the summary table."""
   validate_config(config)
@@ -164,10 +172,7 @@ def run(config, workdir: str | pathlib.Path | None, log=print) -> pd.DataFrame:
   rows = []
   for scenario in config.scenarios:
     rows += run_scenario(scenario, config, out, log)
-  table = pd.DataFrame(rows)
-  layers = table[["scenario", "policy", "layer_retained"]].explode("layer_retained")
-  layers["layer"] = layers.groupby(["scenario", "policy"]).cumcount()
-  table = table.drop(columns="layer_retained")[list(SUMMARY_COLUMNS)]
+  table, layers = summary_tables(rows)
   if out is not None:
     table.to_csv(out / "summary.csv", index=False)
     layers.rename(columns={"layer_retained": "retained_mass"}).to_csv(

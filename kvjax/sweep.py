@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pandas as pd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -601,6 +602,15 @@ def _prepare_dir(config, out: pathlib.Path) -> None:
     )
   sig_path.write_text(signature)
   (out / "config.json").write_text(config.to_json_best_effort(indent=2))
+
+
+def plain(value):
+  """A JSON-able copy of a config value (ConfigDicts, and lists of them, become dicts)."""
+  if isinstance(value, ml_collections.ConfigDict):
+    return {k: plain(v) for k, v in value.items()}
+  if isinstance(value, list | tuple):
+    return [plain(v) for v in value]
+  return value
 
 
 def load_config(path: str | pathlib.Path, arg: str | None = None):

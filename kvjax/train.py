@@ -25,7 +25,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from kvjax import tasks
+from kvjax import sweep, tasks
 from kvjax.model import llama
 from kvjax.model.config import ModelConfig
 
@@ -303,19 +303,10 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, log=prin
   return state
 
 
-def _plain(value):
-  """A JSON-able copy of a config (lists of ConfigDicts included)."""
-  if isinstance(value, ml_collections.ConfigDict):
-    return {k: _plain(v) for k, v in value.items()}
-  if isinstance(value, list | tuple):
-    return [_plain(v) for v in value]
-  return value
-
-
 def _check_config(workdir: pathlib.Path, c: ml_collections.ConfigDict) -> None:
   """A workdir resumes only the run it holds: a different config is refused."""
   path = workdir / "train_config.json"
-  text = json.dumps(_plain(c), sort_keys=True, indent=1)
+  text = json.dumps(sweep.plain(c), sort_keys=True, indent=1)
   if path.exists() and path.read_text() != text:
     raise ValueError(
       f"workdir: {workdir} holds a run of a different config (train_config.json differs); "
@@ -348,7 +339,7 @@ def export(c: ml_collections.ConfigDict, params: dict, path: str | pathlib.Path,
   path = pathlib.Path(path)
   loading.save(path, cfg, params)
   tok.save(path / "tokenizer.json")
-  info = {"training_config": _plain(c), **card}
+  info = {"training_config": sweep.plain(c), **card}
   (path / "card.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
 
 

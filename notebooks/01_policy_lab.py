@@ -69,12 +69,8 @@ for sim in runs.values():
   plt.show()
 
 # %%
-import pandas as pd
-
-summary = pd.DataFrame([row for sim in runs.values() for row in sim.rows]).drop(
-  columns="layer_retained"
-)
-display(lab.pivot(summary[list(lab.SUMMARY_COLUMNS)]))
+summary, _ = lab.summary_tables([row for sim in runs.values() for row in sim.rows])
+display(lab.pivot(summary))
 
 # %% [markdown]
 # ## The step as a parameter

@@ -53,19 +53,8 @@ def test_teacher_forced_logprobs_match_the_full_forward(random_model):
   np.testing.assert_array_equal(out.predicted[0][S], greedy[S])
 
 
-POLICIES = [
-  "sliding_window",
-  "streaming_llm",
-  "h2o",
-  "tova",
-  "snapkv",
-  "pyramidkv",
-  "adakv_snapkv",
-  "cake",
-  "knorm",
-  "random",
-  "oracle",
-]
+# every policy of the evaluation but HeadKV (which needs measured head scores)
+POLICIES = [p["policy"] for p in eval_config.POLICIES if p["policy"] != "headkv"]
 
 
 CASES = [(p, "in_window") for p in POLICIES] + [

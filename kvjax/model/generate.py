@@ -230,6 +230,30 @@ def generate(
   return Generation(np.asarray(tokens), mem, np.asarray(cache.budget))
 
 
+def _check_config_budgets(budgets) -> Array:
+  """A leading configuration axis of integer budgets (``[C]``, ``[C, L]`` or ``[C, L, H]``)."""
+  budgets = jnp.asarray(budgets)
+  if not jnp.issubdtype(budgets.dtype, jnp.integer) or budgets.ndim < 1 or budgets.shape[0] < 1:
+    raise ValueError(
+      "budgets: expected integer budgets with a non-empty leading config axis, "
+      f"got {budgets.dtype}{budgets.shape}"
+    )
+  return budgets
+
+
+def _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, T, new):
+  """Checks the budgets, then the cache spec sized for every configuration and their
+  allocations ``[C, B, L, H]`` (shared by ``generate_configs`` and ``answer_configs``)."""
+  if pol.name != "full":
+    _check_budget(pol, budgets, window)
+  _check_head_scores(pol, head_scores)
+  recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
+  spec = cache_lib.CacheSpec(pol, 1, layout, recent=recent)
+  alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, head_scores))(budgets)
+  cap = _capacity(pol, int(np.asarray(alloc).max()), T, new)
+  return dataclasses.replace(spec, capacity=cap), alloc
+
+
 def generate_configs(
   model,
   prompt_ids,
@@ -250,20 +274,11 @@ def generate_configs(
   cfg, params, pol, pre, T = _prepare(
     model, prompt_ids, attention_mask, padding_side, policy, policy_options, max_new_tokens
   )
-  budgets = jnp.asarray(budgets)
-  if not jnp.issubdtype(budgets.dtype, jnp.integer) or budgets.ndim < 1:
-    raise ValueError(
-      f"budgets: expected integer budgets with a leading config axis, got {budgets.dtype}{budgets.shape}"
-    )
+  budgets = _check_config_budgets(budgets)
   window = _window(pol, T) if pol.name != "full" else 0
-  if pol.name != "full":
-    _check_budget(pol, budgets, window)
-  _check_head_scores(pol, head_scores)
-  recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
-  spec = cache_lib.CacheSpec(pol, 1, layout, recent=recent)
-  alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, head_scores))(budgets)
-  cap = _capacity(pol, int(np.asarray(alloc).max()), T, max_new_tokens)
-  spec = dataclasses.replace(spec, capacity=cap)
+  spec, alloc = _configs_spec(
+    cfg, pol, pre, budgets, window, head_scores, layout, T, max_new_tokens
+  )
   first = jnp.argmax(pre["logits"][:, -1], -1).astype(jnp.int32)
   run = jax.vmap(
     lambda b: _compress_and_decode(
@@ -392,12 +407,7 @@ def answer_configs(
   """
   if layout not in cache_lib.LAYOUTS:
     raise ValueError(f"layout: expected one of {cache_lib.LAYOUTS}, got {layout!r}")
-  budgets = jnp.asarray(budgets)
-  if not jnp.issubdtype(budgets.dtype, jnp.integer) or budgets.ndim < 1 or budgets.shape[0] < 1:
-    raise ValueError(
-      "budgets: expected integer budgets with a non-empty leading config axis, "
-      f"got {budgets.dtype}{budgets.shape}"
-    )
+  budgets = _check_config_budgets(budgets)
   prompt = np.asarray(prompt_ids, np.int32)
   answer = np.asarray(answer_ids, np.int32)
   if prompt.ndim != 2 or prompt.shape[1] < 2:
@@ -425,14 +435,8 @@ def answer_configs(
   if pol.name == "oracle":
     pre = dict(pre, future_attn=_future_attention(cfg, params, jnp.asarray(prompt), answer, Tc))
   window = _window(pol, seen.shape[1]) if pol.name != "full" else 0
-  if pol.name != "full":
-    _check_budget(pol, budgets, window)
-  _check_head_scores(pol, head_scores)
-  recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
-  spec = cache_lib.CacheSpec(pol, 1, layout, recent=recent)
-  alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, head_scores))(budgets)
   M = question_len + N - 1  # tokens fed through the cache
-  spec = dataclasses.replace(spec, capacity=_capacity(pol, int(np.asarray(alloc).max()), Tc, M))
+  spec, alloc = _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, Tc, M)
   inputs = jnp.asarray(np.concatenate([prompt[:, Tc:], answer[:, :-1]], axis=1))
   feed_given = np.concatenate([np.ones((B, question_len), bool), given[:, :-1]], 1)
   run = jax.vmap(
