@@ -77,6 +77,13 @@ def accuracy(exs, predicted_BN: np.ndarray) -> np.ndarray:
   )
 
 
+def recall(exs, predicted_BN: np.ndarray) -> np.ndarray:
+  """Each example's RULER ``string_match_all`` (float ``[B]``, :func:`kvjax.tasks.recall`)."""
+  return np.asarray(
+    [tasks.recall(e, p[: e.answer.size]) for e, p in zip(exs, predicted_BN, strict=False)]
+  )
+
+
 def head_retrieval_scores(
   model, tokenizer, *, length: int = 512, count: int = 16, span: int = 2
 ) -> np.ndarray:
@@ -99,20 +106,24 @@ def head_retrieval_scores(
   return mass_LH.reshape(cfg.num_layers, cfg.num_kv_heads, cfg.num_groups).mean(-1)
 
 
-def full_cache_accuracy(model, tokenizer, lengths, count: int, task_options: dict, seed: int = 1):
-  """``{length: {task: accuracy}}`` with the full cache on ``count`` held-out examples each."""
-  out = {}
+def full_cache_scores(model, tokenizer, lengths, count: int, task_options: dict, seed: int = 1):
+  """``{"accuracy": {length: {task: score}}, "recall": {...}}`` with the full cache on ``count``
+  held-out examples each (``recall``: RULER's partial-credit ``string_match_all``)."""
+  out = {"accuracy": {}, "recall": {}}
   for length in lengths:
-    out[str(length)] = {}
+    for metric in out.values():
+      metric[str(length)] = {}
     for task, opts in task_options.items():
       exs = examples(task, tokenizer, length, count, dict(opts), seed=seed)
-      oks = []
+      oks, found = [], []
       for start in range(0, count, 8):  # batches of 8 bound memory at long contexts
         part = exs[start : start + 8]
         P, A, S = tasks.batch(part)
         ans = gen.answer_configs(model, P, A, np.array([1]), policy="full", answer_given=~S)
         oks.append(accuracy(part, ans.predicted[0]))
-      out[str(length)][task] = float(np.concatenate(oks).mean())
+        found.append(recall(part, ans.predicted[0]))
+      out["accuracy"][str(length)][task] = float(np.concatenate(oks).mean())
+      out["recall"][str(length)][task] = float(np.concatenate(found).mean())
   return out
 
 
@@ -146,12 +157,19 @@ def evaluate_group(
   )
   rows = []
   for c, b in enumerate(budgets):
-    ok = accuracy(exs, out.predicted[c])
+    ok, found = accuracy(exs, out.predicted[c]), recall(exs, out.predicted[c])
     kl = kl_divergence(full.logprobs[0], out.logprobs[c], scored) if full is not None else np.nan
     # per scored token (mqar's per-query accuracy, as Zoology reports it)
     tokens = float((out.predicted[c] == answers)[scored].mean())
     rows.append(
-      dict(budget=int(b), accuracy=float(ok.mean()), token_accuracy=tokens, kl=kl, n=len(exs))
+      dict(
+        budget=int(b),
+        accuracy=float(ok.mean()),
+        recall=float(found.mean()),
+        token_accuracy=tokens,
+        kl=kl,
+        n=len(exs),
+      )
     )
   return {"rows": rows, "answers": out}
 
@@ -183,6 +201,22 @@ def _complete_groups(table: pd.DataFrame, path: pathlib.Path, expected: dict) ->
   return done
 
 
+COLUMNS = [
+  "task",
+  "length",
+  "policy",
+  "kind",
+  "depth",
+  "budget",
+  "accuracy",
+  "recall",
+  "token_accuracy",
+  "kl",
+  "n",
+  "seconds",
+]
+
+
 def run(config, workdir, *, log=print) -> pd.DataFrame:
   """Runs (or resumes) the evaluation ``config`` into ``workdir``; returns ``results.csv``."""
   out = pathlib.Path(workdir)
@@ -198,6 +232,11 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
     raise ValueError(
       f"workdir: {out} holds results of a different evaluation or model (eval.json differs); "
       "expected the same config and weights to resume, or a fresh workdir"
+    )
+  if not table.empty and list(table.columns) != COLUMNS:
+    raise ValueError(
+      f"workdir: {path} has the columns {list(table.columns)}, expected {COLUMNS} (written by "
+      "another kvjax version); use a fresh workdir"
     )
   sig_path.write_text(sig)
   entries = [_policy_options(e) for e in config.policies]

@@ -178,14 +178,15 @@ def needle_heatmap(table, policy: str):
 
 
 def accuracy_figures(table, out_dir) -> list[str]:
-  """Writes ``accuracy_vs_budget.png``, ``kl_vs_budget.png`` and one ``needle_heatmap_*.png`` per
-  heatmap policy into ``out_dir``; returns the file names."""
+  """Writes ``accuracy_vs_budget.png``, ``recall_vs_budget.png`` (RULER's partial credit, when the
+  table has it), ``kl_vs_budget.png`` and one ``needle_heatmap_*.png`` per heatmap policy into
+  ``out_dir``; returns the file names."""
   import pathlib  # noqa: PLC0415
 
   out_dir = pathlib.Path(out_dir)
   written = []
   if (table["kind"] == "budget").any():
-    for metric in ("accuracy", "kl"):
+    for metric in [m for m in ("accuracy", "recall", "kl") if m in table.columns]:
       fig = accuracy_vs_budget(table, metric)
       fig.savefig(out_dir / f"{metric}_vs_budget.png", dpi=110)
       close(fig)

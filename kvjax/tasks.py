@@ -401,6 +401,25 @@ def score(example: Example, predicted: np.ndarray) -> bool:
   return values(want) == values(got)
 
 
+def recall(example: Example, predicted: np.ndarray) -> float:
+  """RULER's ``string_match_all`` for one example: the fraction of the answer's items found in
+  the prediction, in any order and whatever else it holds (partial credit, where :func:`score`
+  is all or nothing). An item is one value (its tokens, contiguous) and the prediction is the
+  scored tokens at the answer's positions; RULER matches substrings of up to 128 generated
+  tokens, this looks only at the answer's own length."""
+  predicted = np.asarray(predicted)
+  if predicted.shape != example.answer.shape:
+    raise ValueError(
+      f"predicted: shape {predicted.shape}, expected the answer's {example.answer.shape}"
+    )
+  scored = ~example.answer_given
+  got = predicted[scored].tolist()
+  pieces, want = example.answer_piece[scored], example.answer[scored]
+  items = [want[pieces == p].tolist() for p in np.unique(pieces)]
+  found = [any(got[i : i + len(t)] == t for i in range(len(got) - len(t) + 1)) for t in items]
+  return float(np.mean(found))
+
+
 # --------------------------------------------------------------------------- text pieces
 
 

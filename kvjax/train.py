@@ -2,7 +2,10 @@
 with an orbax ``CheckpointManager`` that resumes exactly.
 
 The loss is next-token cross-entropy on the scored answer tokens only (the haystack is random words:
-nothing to learn there). Batches are a pure function of ``(seed, step)``: a resumed run sees the
+nothing to learn there). With ``set_targets`` the set-scored tasks (RULER's multi-value and
+multi-query, scored as sets) are taught as sets: the answer items are teacher-forced in a random
+order and every item not yet given is an accepted next token (``-log`` of their summed
+probability), so the model learns to give each matching value once rather than a reference order. Batches are a pure function of ``(seed, step)``: a resumed run sees the
 same batches as an uninterrupted one, so its loss curve continues unchanged. Context lengths follow
 a curriculum of fixed shapes (one compile each): short contexts first, where retrieval is learned
 cheaply, then a mixture up to ``max_length`` so that the model keeps working at 2k tokens.
@@ -88,9 +91,15 @@ def shape_at(step: int, c: ml_collections.ConfigDict) -> tuple[int, int]:
   return tuple(shapes[int(rng.integers(len(shapes)))])
 
 
+MAX_SET = 8  # the most answer items a set target lists (training draws at most 4 values or queries)
+
+
 def make_batch(step: int, c: ml_collections.ConfigDict, tokenizer) -> dict:
   """The batch of ``step``: ``tokens [B, T]``, ``weights [B, T]`` (1 where the next token is a
-  scored answer token)."""
+  scored answer token) and ``targets [B, T, MAX_SET]``: the tokens accepted as the next one
+  (-1 pads). That is the next token alone, except with ``c.set_targets`` on a set-scored task
+  (``multi_value``, ``multi_query``), where every answer item not yet given is accepted: the task
+  is scored as a set, so the order of the reference answer is not something to learn."""
   T, B = shape_at(step, c)
   rng = np.random.default_rng([c.seed, step, 2])
   mixture = stage_at(step, c).get("mixture") or c.mixture
@@ -98,6 +107,7 @@ def make_batch(step: int, c: ml_collections.ConfigDict, tokenizer) -> dict:
   probs = np.asarray([mixture[n] for n in names], np.float64)
   tokens = np.full((B, T), tokenizer.pad_id, np.int32)
   weights = np.zeros((B, T), np.float32)
+  targets = np.full((B, T, MAX_SET), -1, np.int32)
   for b in range(B):
     task = names[int(rng.choice(len(names), p=probs / probs.sum()))]
     if task == "copy":
@@ -110,11 +120,30 @@ def make_batch(step: int, c: ml_collections.ConfigDict, tokenizer) -> dict:
       seed=int(rng.integers(2**31)),
       **_task_options(task, rng, c, T),
     )
-    seq = np.concatenate([ex.prompt, ex.answer])
+    answer = ex.answer
+    as_set = bool(c.get("set_targets")) and _single_token_set(ex)
+    if as_set:
+      # the teacher-forced items in a random order: in the reference order the last item is never
+      # given before the end, so "repeat the last match" would always be accepted
+      answer = rng.permutation(answer)
+    seq = np.concatenate([ex.prompt, answer])
     tokens[b, : seq.size] = seq
     # the logit at position i predicts token i + 1
     weights[b, ex.prompt.size - 1 : seq.size - 1] = ~ex.answer_given
-  return {"tokens": tokens, "weights": weights}
+    if as_set:
+      for i in range(answer.size):
+        targets[b, ex.prompt.size - 1 + i, 1 : answer.size - i] = answer[i + 1 :]
+  targets[:, :-1, 0] = tokens[:, 1:]
+  return {"tokens": tokens, "weights": weights, "targets": targets}
+
+
+def _single_token_set(ex: tasks.Example) -> bool:
+  """A set-scored answer whose items are one token each (the tiny vocabulary's values): then any
+  remaining item is a correct next token. Multi-token items keep the reference order."""
+  n = ex.answer.size
+  if ex.scoring != "set" or n > MAX_SET:
+    return False
+  return bool(np.array_equal(ex.answer_piece, np.arange(n)) and not ex.answer_given.any())
 
 
 def _copy_sequence(rng: np.random.Generator, T: int, tokenizer):
@@ -177,12 +206,17 @@ def logits_fn(cfg: ModelConfig, params: dict, tokens_BT: jax.Array) -> jax.Array
 
 
 def loss_fn(cfg, params, batch) -> tuple[jax.Array, dict]:
-  logits = logits_fn(cfg, params, batch["tokens"])[:, :-1]
-  targets = batch["tokens"][:, 1:]
+  """Cross-entropy of the accepted next tokens: ``-log sum_{t in targets} p(t)`` (the plain
+  next-token loss where one token is accepted), averaged over the weighted positions."""
+  logp = jax.nn.log_softmax(logits_fn(cfg, params, batch["tokens"])[:, :-1])
+  targets = batch["targets"][:, :-1]
+  ok = targets >= 0
+  picked = jnp.take_along_axis(logp, jnp.maximum(targets, 0), axis=-1)
+  nll = -jax.nn.logsumexp(jnp.where(ok, picked, -jnp.inf), axis=-1)
   w = batch["weights"][:, :-1]
-  nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   n = jnp.maximum(w.sum(), 1.0)
-  correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+  best = jnp.argmax(logp, -1)[..., None]
+  correct = ((best == targets) & ok).any(-1).astype(jnp.float32)
   return (nll * w).sum() / n, {"token_accuracy": (correct * w).sum() / n}
 
 
@@ -352,11 +386,12 @@ def measure(path: str | pathlib.Path, *, count: int = 50, lengths=(1024, 2048)) 
 
   model, _ = loading.load(path)
   tok = tasks.WordTokenizer.load(pathlib.Path(path) / "tokenizer.json")
-  acc = evaluate.full_cache_accuracy(model, tok, lengths, count, tasks.EVAL_OPTIONS)
+  scores = evaluate.full_cache_scores(model, tok, lengths, count, tasks.EVAL_OPTIONS)
   ids, doc = funnel.multi_document_prompt(tok, num_docs=4, doc_len=128)
   layers = funnel.model_funnel(model, ids, doc).round(4)
   return {
-    "full_cache_accuracy": acc,
+    "full_cache_accuracy": scores["accuracy"],
+    "full_cache_ruler_recall": scores["recall"],
     "examples_per_cell": count,
     "funnel": layers.to_dict(orient="list"),
   }

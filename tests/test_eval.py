@@ -180,7 +180,8 @@ def test_on_the_tiny_model_the_oracle_beats_random_and_keeps_the_answer(tiny):
 def test_eval_quick_writes_results_resumes_and_plots(tmp_path):
   c = eval_config.get_config("quick")
   table = evaluate.run(c, tmp_path, log=lambda *_: None)
-  assert {"task", "policy", "budget", "accuracy", "kl"} <= set(table.columns)
+  assert list(table.columns) == evaluate.COLUMNS
+  assert ((table["recall"] >= table["accuracy"]) & (table["recall"] <= 1)).all()
   budget_rows = table[table["kind"] == "budget"]
   full = budget_rows[budget_rows["policy"] == "full"]
   assert len(full) == 2 and (full["kl"] == 0).all()
@@ -191,6 +192,11 @@ def test_eval_quick_writes_results_resumes_and_plots(tmp_path):
   assert len(again) == n
   c.budgets = [64]
   with pytest.raises(ValueError, match="different evaluation"):
+    evaluate.run(c, tmp_path, log=lambda *_: None)
+  # a results file of another layout is refused, never appended to
+  c = eval_config.get_config("quick")
+  table.drop(columns=["recall"]).to_csv(tmp_path / "results.csv", index=False)
+  with pytest.raises(ValueError, match="columns"):
     evaluate.run(c, tmp_path, log=lambda *_: None)
 
 

@@ -66,6 +66,24 @@ def test_multi_value_and_multi_query_are_scored_as_sets():
     assert _count(q.prompt, v) == 1
 
 
+def test_recall_is_ruler_string_match_all():
+  e = tasks.generate("multi_value", TOK, length=300, seed=2, num_values=4)
+  assert tasks.recall(e, e.answer[::-1]) == 1.0
+  repeated = e.answer.copy()
+  repeated[3] = repeated[0]  # three of the four values, one of them twice
+  assert tasks.recall(e, repeated) == 0.75 and not tasks.score(e, repeated)
+  assert tasks.recall(e, np.full(4, TOK.pad_id)) == 0.0
+  v = tasks.generate("variable_tracking", TOK, length=300, seed=4, num_hops=3)
+  assert tasks.recall(v, v.answer[::-1]) == 1.0 and not tasks.score(v, v.answer[::-1])
+  m = tasks.generate("mqar", TOK, length=300, seed=4, num_pairs=8, num_queries=3)
+  pred = m.answer.copy()
+  pred[m.answer_given] = 0  # given positions are not the model's and never count
+  pred[-1] = 0
+  np.testing.assert_allclose(tasks.recall(m, pred), 2 / 3)
+  with pytest.raises(ValueError, match="predicted"):
+    tasks.recall(m, pred[:-1])
+
+
 def test_exact_scoring_is_exact_and_mqar_ignores_given_tokens():
   e = tasks.generate("variable_tracking", TOK, length=300, seed=4, num_hops=3)
   assert e.scoring == "exact" and tasks.score(e, e.answer)
@@ -157,3 +175,5 @@ def test_set_scoring_compares_whole_values_not_tokens():
   )
   assert tasks.score(two, np.array([2, 4, 4, 2]))  # the values swapped: fine
   assert not tasks.score(two, np.array([4, 4, 2, 2]))  # digits swapped across values: wrong
+  assert tasks.recall(two, np.array([2, 4, 4, 2])) == 1.0
+  assert tasks.recall(two, np.array([2, 2, 4, 4])) == 0.5  # "2 4" is in it, contiguous; "4 2" not

@@ -27,6 +27,51 @@ def test_batches_are_a_pure_function_of_the_step():
   assert (nxt != tok.pad_id).all()
 
 
+def test_set_targets_accept_every_item_not_yet_given():
+  c, tok = quick_config(), tasks.tiny_tokenizer()
+  c.curriculum[0].mixture = {"multi_value": 1.0}
+  plain = train.make_batch(0, c, tok)
+  # off: the next token alone is accepted
+  np.testing.assert_array_equal(plain["targets"][:, :-1, 0], plain["tokens"][:, 1:])
+  assert (plain["targets"][:, :, 1:] == -1).all()
+  c.set_targets = True
+  in_prompt_order = []
+  for step in range(3):
+    batch = train.make_batch(step, c, tok)
+    for b in range(batch["tokens"].shape[0]):
+      at = np.flatnonzero(batch["weights"][b])
+      given = batch["tokens"][b, at + 1].tolist()
+      # the values of the key's needles, each once, in some order
+      prompt = batch["tokens"][b, : at[0] + 1].tolist()
+      assert len(set(given)) == len(given) >= 2 and all(v in prompt for v in given)
+      in_prompt_order.append(given == sorted(given, key=prompt.index))
+      for i, pos in enumerate(at):
+        accepted = batch["targets"][b, pos]
+        assert accepted[0] == given[i]
+        assert set(accepted[accepted >= 0].tolist()) == set(given[i:])
+  # the teacher-forced order is drawn, not the reference (prompt) order
+  assert not all(in_prompt_order)
+
+
+def test_loss_is_minus_log_of_the_accepted_mass():
+  c, tok = quick_config(), tasks.tiny_tokenizer()
+  cfg = train.model_config(c.model, tok.vocab_size)
+  params = train.init_state(c, cfg).params
+  tokens = np.asarray([[tok.bos_id, 5, 6, 7, 8, 9]], np.int32)
+  weights = np.asarray([[0, 0, 1, 1, 0, 0]], np.float32)
+  targets = np.full((1, 6, train.MAX_SET), -1, np.int32)
+  targets[0, :-1, 0] = tokens[0, 1:]
+  targets[0, 2, 1] = 11  # position 2 accepts 7 or 11
+  batch = {"tokens": tokens, "weights": weights, "targets": targets}
+  loss, _ = train.loss_fn(cfg, params, batch)
+  logp = np.asarray(jax.nn.log_softmax(train.logits_fn(cfg, params, tokens)[0]), np.float64)
+  want = -(np.log(np.exp(logp[2, 7]) + np.exp(logp[2, 11])) + logp[3, 8]) / 2
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+  targets[0, 2, 1] = -1  # one accepted token: the plain next-token cross-entropy
+  loss, _ = train.loss_fn(cfg, params, batch | {"targets": targets})
+  np.testing.assert_allclose(float(loss), -(logp[2, 7] + logp[3, 8]) / 2, rtol=1e-5)
+
+
 def test_a_few_steps_reduce_the_loss():
   c, tok = quick_config(), tasks.tiny_tokenizer()
   c.learning_rate = 1e-2
