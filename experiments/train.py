@@ -2,24 +2,28 @@
 --workdir=DIR``. Kill it and run the same command again: it resumes from the last checkpoint.
 ``--export=DIR`` then writes the final parameters as a Hugging Face style checkpoint
 (``config.json``, ``model.safetensors``, ``tokenizer.json``) like the one shipped in
-``kvjax/assets/tiny``."""
+``kvjax/assets/tiny``, with a ``card.json`` of its measurements and training phases (``--after``:
+the workdirs of the earlier phases this run continues)."""
 
 import json
+import os
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from kvjax import train  # noqa: E402
+from kvjax import tasks, train  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "train_tiny.py")
 )
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/kvjax_train", "checkpoints and metrics.jsonl")
 _EXPORT = flags.DEFINE_string("export", None, "write the trained model here when done")
+_AFTER = flags.DEFINE_list("after", [], "workdirs of the earlier training phases, for the card")
 _MEASURE = flags.DEFINE_integer("measure", 50, "held-out examples per task and length for the card")
 
 
@@ -29,6 +33,9 @@ def main(argv):
   if _EXPORT.value:
     train.export(_CONFIG.value, state.params, _EXPORT.value)
     card = train.measure(_EXPORT.value, count=_MEASURE.value)
+    phases = [train.phase_record(d) for d in [*_AFTER.value, _WORKDIR.value]]
+    hardware = f"{os.cpu_count()}-core {jax.default_backend()}, jax {jax.__version__}"
+    card |= {"phases": phases, "hardware": hardware, "task_options": tasks.EVAL_OPTIONS}
     train.export(_CONFIG.value, state.params, _EXPORT.value, **card)
     print(json.dumps(card, indent=1))
     print(f"exported to {_EXPORT.value}")

@@ -362,10 +362,27 @@ def _truncate_metrics(path: pathlib.Path, step: int) -> None:
   path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
 
 
+def phase_record(workdir: str | pathlib.Path) -> dict:
+  """What a training run in ``workdir`` was, for a model card: its config, steps, wall seconds
+  and final logged loss."""
+  workdir = pathlib.Path(workdir)
+  config_path, metrics_path = workdir / "train_config.json", workdir / "metrics.jsonl"
+  if not config_path.exists() or not metrics_path.exists():
+    raise ValueError(f"workdir: {workdir} holds no training run (train_config.json, metrics.jsonl)")
+  last = json.loads(metrics_path.read_text().splitlines()[-1])
+  return {
+    "config": json.loads(config_path.read_text()),
+    "steps": last["step"],
+    "seconds": last["seconds"],
+    "final_loss": last["loss"],
+  }
+
+
 def export(c: ml_collections.ConfigDict, params: dict, path: str | pathlib.Path, **card) -> None:
   """Writes the model as a Hugging Face style checkpoint (``config.json``,
-  ``model.safetensors``), its ``tokenizer.json`` and a ``card.json`` (training config and any
-  measurements passed in ``card``)."""
+  ``model.safetensors``), its ``tokenizer.json`` and a ``card.json``: the training ``phases``
+  (:func:`phase_record` of each run; ``c`` alone when none are given) and any measurements
+  passed in ``card``."""
   from kvjax.model import loading  # noqa: PLC0415
 
   tok = tasks.tiny_tokenizer()
@@ -373,8 +390,17 @@ def export(c: ml_collections.ConfigDict, params: dict, path: str | pathlib.Path,
   path = pathlib.Path(path)
   loading.save(path, cfg, params)
   tok.save(path / "tokenizer.json")
-  info = {"training_config": sweep.plain(c), **card}
+  phases = card.pop("phases", None) or [{"config": sweep.plain(c)}]
+  info = {"model": describe(cfg), "phases": phases, **card}
   (path / "card.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+
+
+def describe(cfg: ModelConfig) -> str:
+  return (
+    f"Llama config, {cfg.num_layers} layers, width {cfg.hidden_size}, {cfg.num_heads} query / "
+    f"{cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim}, SwiGLU {cfg.intermediate_size}, "
+    f"tied embeddings, vocabulary {cfg.vocab_size}"
+  )
 
 
 def measure(path: str | pathlib.Path, *, count: int = 50, lengths=(1024, 2048)) -> dict:

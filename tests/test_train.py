@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from configs import train_tiny
-from kvjax import tasks, train
+from kvjax import sweep, tasks, train
 
 
 def quick_config(steps=8):
@@ -132,6 +132,11 @@ def test_interrupted_run_resumes_on_the_same_loss_curve(tmp_path):
   np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=1e-5)
   for x, y in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params), strict=True):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+  record = train.phase_record(tmp_path / "cut")  # what a model card says of the run
+  assert record["steps"] == 8 and record["config"]["steps"] == 8
+  assert record["final_loss"] == b[-1]["loss"]
+  with pytest.raises(ValueError, match="workdir"):
+    train.phase_record(tmp_path / "nothing")
 
 
 def test_export_loads_back_as_a_hugging_face_checkpoint(tmp_path):
@@ -146,7 +151,9 @@ def test_export_loads_back_as_a_hugging_face_checkpoint(tmp_path):
   for k, v in state.params.items():
     np.testing.assert_array_equal(np.asarray(model.params()[k]), np.asarray(v))
   assert tasks.WordTokenizer.load(tmp_path / "tokenizer.json").vocab == tok.vocab
-  assert json.loads((tmp_path / "card.json").read_text())["note"] == "test"
+  card = json.loads((tmp_path / "card.json").read_text())
+  assert card["note"] == "test" and card["phases"] == [{"config": sweep.plain(c)}]
+  assert card["model"].startswith(f"Llama config, {cfg.num_layers} layers")
 
 
 def test_unknown_preset_is_named():
