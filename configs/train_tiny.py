@@ -1,7 +1,15 @@
 """The tiny retrieval model shipped in ``kvjax/assets/tiny``: ``--config=configs/train_tiny.py``.
 
-The shipped model is two phases on this 2-core CPU: the default (2900 steps, a curriculum from
-32 to 2048 tokens) then ``:long`` (700 steps from its final checkpoint, mostly 2k contexts).
+The shipped model is five phases on this 2-core CPU, each from the previous one's final
+checkpoint (``--config.init_from=<workdir>``):
+
+1. the default: 2900 steps, a curriculum from 32 to 2048 tokens;
+2. ``:long``: 700 steps, mostly 2k contexts;
+3. ``:sets``: 800 steps on short dense contexts, set targets for the set-scored tasks
+   (``train.make_batch``), weighted to the tasks that list several items;
+4. ``:sets_long``: 2000 more short steps, then 600 up to 2k;
+5. ``:sets_more``: 2400 steps mixing short and long contexts in every batch draw.
+
 ``:quick`` is a few steps at short length (tests and CI).
 """
 
@@ -74,7 +82,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.warmup_steps = 50
     c.learning_rate = 1e-3
     c.curriculum = [stage(10**9, [(1024, 4), (2048, 2), (2048, 2)])]
-  elif arg in ("sets", "sets_long"):
+  elif arg in ("sets", "sets_long", "sets_more", "sets_2k"):
     # phases 3-4: weighted to the tasks that list several items, with set targets for the
     # set-scored ones (phases 1-2 learned which values match but not to give each exactly once).
     # Phase 3 (``:sets``, from phase 2) is short dense contexts; phase 4 (``:sets_long``, from
@@ -94,16 +102,35 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       copy=0.25,
     )
     short = [(128, 32), (256, 16)]
+    long = [(512, 8), (1024, 4), (2048, 2)]
     if arg == "sets":
       c.init_from = "runs/train_long"
       c.steps = 800
       c.curriculum = [stage(10**9, short)]
-    else:
+    elif arg == "sets_long":
       # a lower rate: restarting at 2e-3 undid phase 3's last gains (its loss rose 0.31 -> 0.45)
       c.init_from = "runs/train_sets"
       c.steps = 2600
       c.learning_rate = 7e-4
-      c.curriculum = [stage(2000, short), stage(10**9, [(512, 8), (1024, 4), (2048, 2)])]
+      c.curriculum = [stage(2000, short), stage(10**9, long)]
+    elif arg == "sets_2k":
+      # phase 6: phase 5 left mqar at 2k at 0.79 (1.00 after phase 2): long contexts only, as
+      # phase 2 did after phase 1, at a low rate
+      c.init_from = "runs/train_sets_more"
+      c.steps = 900
+      c.learning_rate = 3e-4
+      c.mixture.update(multi_query=3.5, mqar=3.0)
+      c.curriculum = [stage(10**9, [long[0], long[1], long[2], long[2]])]
+    else:
+      # phase 5: phase 4 was still improving (multi_value 0.09 -> 0.47 and multi_query 0.03 ->
+      # 0.22 exact at 256 tokens over its short stage), but its switch to long contexts cost a
+      # lot (the loss rose from 0.14 to 1.55; at 1k, mqar fell from 1.00 to 0.56 and
+      # multi_query to 0): short and long shapes mixed in every stage, mqar weighted back up
+      c.init_from = "runs/train_sets_long"
+      c.steps = 2400
+      c.learning_rate = 5e-4
+      c.mixture.update(multi_query=3.5, mqar=3.0)
+      c.curriculum = [stage(10**9, [short[0], *short, *long])]
   elif arg == "quick":
     c.steps = 8
     c.warmup_steps = 2
@@ -113,6 +140,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.curriculum = [stage(10**9, [(128, 4)])]
   elif arg not in (None, ""):
     raise ValueError(
-      f"config: unknown preset {arg!r}; expected '', 'long', 'sets', 'sets_long' or 'quick'"
+      f"config: unknown preset {arg!r}; expected '', 'long', 'sets', 'sets_long', 'sets_more', 'sets_2k' or 'quick'"
     )
   return c

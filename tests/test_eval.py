@@ -145,18 +145,28 @@ def test_load_tiny_returns_model_config_and_tokenizer(tiny):
   assert "full_cache_accuracy" in card
 
 
-@pytest.mark.parametrize("task", ["passkey", "single_needle", "multi_key", "mqar"])
+# the tasks the shipped model holds to the 95 % target (card.json has every task)
+MASTERED = ("passkey", "single_needle", "multi_key", "mqar")
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
 def test_tiny_model_reaches_its_stated_accuracy_on_held_out_examples(tiny, task):
   model, cfg, tok = tiny
   card = json.loads((km.loading.tiny_path() / "card.json").read_text())
   stated = card["full_cache_accuracy"]["1024"][task]
-  assert stated >= 0.95  # the target for the retrieval tasks the model masters
+  stated_recall = card["full_cache_ruler_recall"]["1024"][task]
+  if task in MASTERED:
+    assert stated >= 0.95
   exs = evaluate.examples(task, tok, 1024, 8, tasks.EVAL_OPTIONS[task], seed=99)
   P, A, S = tasks.batch(exs)
   out = km.answer_configs(model, P, A, np.array([1]), policy="full", answer_given=~S)
   acc = evaluate.accuracy(exs, out.predicted[0]).mean()
-  # 8 fresh held-out examples: allow one miss beyond the stated rate
-  assert acc >= stated - 1 / 8 - 1e-9, (task, acc, stated)
+  recall = evaluate.recall(exs, out.predicted[0]).mean()
+  # 8 fresh held-out examples: 2.5 binomial standard deviations below the stated rate, and at
+  # least one miss
+  for got, rate in ((acc, stated), (recall, stated_recall)):
+    margin = max(1 / 8, 2.5 * np.sqrt(rate * (1 - rate) / 8))
+    assert got >= rate - margin - 1e-9, (task, got, rate)
 
 
 def test_on_the_tiny_model_the_oracle_beats_random_and_keeps_the_answer(tiny):
