@@ -1,14 +1,15 @@
 """The tiny retrieval model shipped in ``kvjax/assets/tiny``: ``--config=configs/train_tiny.py``.
 
-The shipped model is five phases on this 2-core CPU, each from the previous one's final
-checkpoint (``--config.init_from=<workdir>``):
+The shipped model is six phases on this 2-core CPU, each from the previous one's final
+checkpoint (``--config.init_from=<workdir>``; steps and times are in its ``card.json``):
 
 1. the default: 2900 steps, a curriculum from 32 to 2048 tokens;
 2. ``:long``: 700 steps, mostly 2k contexts;
 3. ``:sets``: 800 steps on short dense contexts, set targets for the set-scored tasks
    (``train.make_batch``), weighted to the tasks that list several items;
 4. ``:sets_long``: 2000 more short steps, then 600 up to 2k;
-5. ``:sets_more``: 2400 steps mixing short and long contexts in every batch draw.
+5. ``:sets_more``: 2400 steps mixing short and long contexts;
+6. ``:sets_2k``: 900 steps at 512 to 2048 tokens.
 
 ``:quick`` is a few steps at short length (tests and CI).
 """

@@ -146,7 +146,7 @@ def test_load_tiny_returns_model_config_and_tokenizer(tiny):
 
 
 # the tasks the shipped model holds to the 95 % target (card.json has every task)
-MASTERED = ("passkey", "single_needle", "multi_key", "mqar")
+MASTERED = ("passkey", "single_needle", "multi_key", "variable_tracking", "mqar")
 
 
 @pytest.mark.parametrize("task", tasks.TASKS)
@@ -182,9 +182,10 @@ def test_on_the_tiny_model_the_oracle_beats_random_and_keeps_the_answer(tiny):
   acc = {p: evaluate.accuracy(exs, o.predicted[0]).mean() for p, o in out.items()}
   assert kl["oracle"] < kl["random"] and acc["oracle"] >= acc["random"]
   assert acc["oracle"] >= evaluate.accuracy(exs, full.predicted[0]).mean() - 1 / 8
-  # HeadKV's importance (retrieval mass near the needle) is positive and favours some heads
+  # HeadKV's importance (retrieval mass near the needle) is positive and differs across heads
   scores = evaluate.head_retrieval_scores(model, tok, count=4)
-  assert scores.shape == (cfg.num_layers, cfg.num_kv_heads) and scores.max() > 4 * scores.mean() / 2
+  assert scores.shape == (cfg.num_layers, cfg.num_kv_heads)
+  assert scores.min() > 0 and scores.max() > 2 * scores.min()
 
 
 def test_eval_quick_writes_results_resumes_and_plots(tmp_path):
