@@ -84,11 +84,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.learning_rate = 1e-3
     c.curriculum = [stage(10**9, [(1024, 4), (2048, 2), (2048, 2)])]
   elif arg in ("sets", "sets_long", "sets_more", "sets_2k"):
-    # phases 3-4: weighted to the tasks that list several items, with set targets for the
+    # phases 3-6: weighted to the tasks that list several items, with set targets for the
     # set-scored ones (phases 1-2 learned which values match but not to give each exactly once).
     # Phase 3 (``:sets``, from phase 2) is short dense contexts; phase 4 (``:sets_long``, from
     # phase 3) continues short, then returns to contexts up to 2k (short-only training had cost
-    # variable tracking its accuracy at 1k).
+    # variable tracking its accuracy at 1k); phases 5 and 6 below.
     c.set_targets = True
     c.warmup_steps = 50
     c.learning_rate = 2e-3
@@ -140,7 +140,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.update(num_layers=2, hidden_size=64, intermediate_size=128)
     c.curriculum = [stage(10**9, [(128, 4)])]
   elif arg not in (None, ""):
-    raise ValueError(
-      f"config: unknown preset {arg!r}; expected '', 'long', 'sets', 'sets_long', 'sets_more', 'sets_2k' or 'quick'"
-    )
+    presets = ("", "long", "sets", "sets_long", "sets_more", "sets_2k", "quick")
+    raise ValueError(f"config: unknown preset {arg!r}; expected one of {presets}")
   return c

@@ -5,10 +5,12 @@ The loss is next-token cross-entropy on the scored answer tokens only (the hayst
 nothing to learn there). With ``set_targets`` the set-scored tasks (RULER's multi-value and
 multi-query, scored as sets) are taught as sets: the answer items are teacher-forced in a random
 order and every item not yet given is an accepted next token (``-log`` of their summed
-probability), so the model learns to give each matching value once rather than a reference order. Batches are a pure function of ``(seed, step)``: a resumed run sees the
-same batches as an uninterrupted one, so its loss curve continues unchanged. Context lengths follow
-a curriculum of fixed shapes (one compile each): short contexts first, where retrieval is learned
-cheaply, then a mixture up to ``max_length`` so that the model keeps working at 2k tokens.
+probability), so the model learns to give each matching value once rather than a reference order.
+
+Batches are a pure function of ``(seed, step)``: a resumed run sees the same batches as an
+uninterrupted one, so its loss curve continues unchanged. Context lengths follow a curriculum of
+fixed shapes (one compile each): short contexts first, where retrieval is learned cheaply, then a
+mixture up to ``max_length`` so that the model keeps working at 2k tokens.
 """
 
 from __future__ import annotations
