@@ -381,24 +381,30 @@ class Example:
   question_len: int = 1  # the prompt's last ``question_len`` tokens are the question
 
 
-def score(example: Example, predicted: np.ndarray) -> bool:
-  """The task's exact rule over the predicted tokens at the answer's positions (``[N]``)."""
+def _scored(example: Example, predicted) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The reference and predicted tokens at the scored answer positions, and the answer item
+  (value) each position belongs to."""
   predicted = np.asarray(predicted)
   if predicted.shape != example.answer.shape:
     raise ValueError(
       f"predicted: shape {predicted.shape}, expected the answer's {example.answer.shape}"
     )
   scored = ~example.answer_given
-  want, got = example.answer[scored], predicted[scored]
+  return example.answer[scored], predicted[scored], example.answer_piece[scored]
+
+
+def _items(tokens: np.ndarray, pieces: np.ndarray) -> list[tuple[int, ...]]:
+  """Each answer item as the tuple of its tokens (multi-token values under BPE tokenizers)."""
+  return [tuple(tokens[pieces == p].tolist()) for p in np.unique(pieces)]
+
+
+def score(example: Example, predicted: np.ndarray) -> bool:
+  """The task's exact rule over the predicted tokens at the answer's positions (``[N]``)."""
+  want, got, pieces = _scored(example, predicted)
   if example.scoring == "exact":
     return bool(np.array_equal(want, got))
-  # a set of values, each value the tuple of its tokens (multi-token values under BPE tokenizers)
-  pieces = example.answer_piece[scored]
-
-  def values(tokens):
-    return sorted(tuple(tokens[pieces == p].tolist()) for p in np.unique(pieces))
-
-  return values(want) == values(got)
+  # a set of values, compared value by value so that multi-token values cannot mix
+  return sorted(_items(want, pieces)) == sorted(_items(got, pieces))
 
 
 def recall(example: Example, predicted: np.ndarray) -> float:
@@ -407,16 +413,12 @@ def recall(example: Example, predicted: np.ndarray) -> float:
   is all or nothing). An item is one value (its tokens, contiguous) and the prediction is the
   scored tokens at the answer's positions; RULER matches substrings of up to 128 generated
   tokens, this looks only at the answer's own length."""
-  predicted = np.asarray(predicted)
-  if predicted.shape != example.answer.shape:
-    raise ValueError(
-      f"predicted: shape {predicted.shape}, expected the answer's {example.answer.shape}"
-    )
-  scored = ~example.answer_given
-  got = predicted[scored].tolist()
-  pieces, want = example.answer_piece[scored], example.answer[scored]
-  items = [want[pieces == p].tolist() for p in np.unique(pieces)]
-  found = [any(got[i : i + len(t)] == t for i in range(len(got) - len(t) + 1)) for t in items]
+  want, got, pieces = _scored(example, predicted)
+  got = tuple(got.tolist())
+  found = [
+    any(got[i : i + len(t)] == t for i in range(len(got) - len(t) + 1))
+    for t in _items(want, pieces)
+  ]
   return float(np.mean(found))
 
 

@@ -355,13 +355,18 @@ def _truncate_metrics(path: pathlib.Path, step: int) -> None:
   """Drops metric lines past the restored step (written after the last checkpoint)."""
   if not path.exists():
     return
+  rows = _read_metrics(path)
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
+
+
+def _read_metrics(path: pathlib.Path) -> list[dict]:
   rows = []
   for line in path.read_text().splitlines():
     try:
       rows.append(json.loads(line))
     except json.JSONDecodeError:  # a line cut by the kill
       continue
-  path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
+  return rows
 
 
 def phase_record(workdir: str | pathlib.Path) -> dict:
@@ -369,9 +374,12 @@ def phase_record(workdir: str | pathlib.Path) -> dict:
   and final logged loss."""
   workdir = pathlib.Path(workdir)
   config_path, metrics_path = workdir / "train_config.json", workdir / "metrics.jsonl"
-  if not config_path.exists() or not metrics_path.exists():
-    raise ValueError(f"workdir: {workdir} holds no training run (train_config.json, metrics.jsonl)")
-  last = json.loads(metrics_path.read_text().splitlines()[-1])
+  rows = _read_metrics(metrics_path) if metrics_path.exists() else []
+  if not config_path.exists() or not rows:
+    raise ValueError(
+      f"workdir: {workdir} holds no training run (train_config.json and logged metrics.jsonl)"
+    )
+  last = rows[-1]
   return {
     "config": json.loads(config_path.read_text()),
     "steps": last["step"],

@@ -32,6 +32,11 @@ DECODE_POLICIES = ("sliding_window", "streaming_llm", "h2o", "tova")
 LAYOUTS = ("kv", "query")
 
 
+def check_layout(layout: str) -> None:
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+
+
 @struct.dataclass
 class KVCache:
   keys: Array  # [L, B, H, C, D] post-RoPE, original positions

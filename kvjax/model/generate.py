@@ -191,8 +191,7 @@ def generate(
   original positions; ``reindex_positions=True`` numbers them by rank inside the cache instead
   (official StreamingLLM's pos-shift).
   """
-  if layout not in cache_lib.LAYOUTS:
-    raise ValueError(f"layout: expected one of {cache_lib.LAYOUTS}, got {layout!r}")
+  cache_lib.check_layout(layout)
   cfg, params, pol, pre, T = _prepare(
     model, prompt_ids, attention_mask, padding_side, policy, policy_options, max_new_tokens
   )
@@ -269,8 +268,7 @@ def generate_configs(
 ) -> Generation:
   """One prefill shared by ``C`` budget configurations (``budgets``: ``[C]``, ``[C, L]`` or
   ``[C, L, H]``): compress + decode are vmapped over configurations. Tokens ``[C, B, N]``."""
-  if layout not in cache_lib.LAYOUTS:
-    raise ValueError(f"layout: expected one of {cache_lib.LAYOUTS}, got {layout!r}")
+  cache_lib.check_layout(layout)
   cfg, params, pol, pre, T = _prepare(
     model, prompt_ids, attention_mask, padding_side, policy, policy_options, max_new_tokens
   )
@@ -405,8 +403,7 @@ def answer_configs(
   SnapKV-style policies protect the last ``window`` context positions (the question itself is
   re-fed, so it is always present).
   """
-  if layout not in cache_lib.LAYOUTS:
-    raise ValueError(f"layout: expected one of {cache_lib.LAYOUTS}, got {layout!r}")
+  cache_lib.check_layout(layout)
   budgets = _check_config_budgets(budgets)
   prompt = np.asarray(prompt_ids, np.int32)
   answer = np.asarray(answer_ids, np.int32)
