@@ -8,7 +8,7 @@ or TPU; ``:quick`` is the CI smoke run.
 
 import ml_collections
 
-from kvjax import tasks
+from kvjax.eval import tasks
 
 # per (layer, head) budgets include SnapKV's 32-token observation window
 POLICIES = [

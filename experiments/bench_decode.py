@@ -9,26 +9,22 @@ On a small random Llama-family model (8 layers, d=512, 8 query heads, 4 KV heads
    prompt, 16 new tokens); target at least 5x faster;
 3. cache bytes vs sum(budgets) x 2 x D x dtype size (bookkeeping share).
 
-Usage: ``python experiments/bench_decode.py [--quick]``.
+Usage: ``python -m experiments.bench_decode [--quick]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import pathlib
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from kvjax import model as km  # noqa: E402
-from kvjax import policies  # noqa: E402
-from kvjax.model import cache as cache_lib  # noqa: E402
+from kvjax import model as km
+from kvjax import policies
+from kvjax.model import cache as cache_lib
 
 
 def random_cache(cfg, batch, capacity, fill, rng):

@@ -6,7 +6,7 @@
 2. 64 budget configurations: one ``jit(vmap(keep_mask))`` call against a Python loop of 64 calls
    of the same jitted single-configuration function. Prints the speed-up (target >= 10x).
 
-Usage: ``python experiments/bench_select.py [--quick]`` (``--quick`` shrinks T for a smoke run).
+Usage: ``python -m experiments.bench_select [--quick]`` (``--quick`` shrinks T for a smoke run).
 """
 
 from __future__ import annotations

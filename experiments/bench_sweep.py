@@ -12,26 +12,23 @@ synthetic world with ``L=32, H=32, P=8192``. Prints:
 * peak resident memory of a fresh process sweeping 1,000 and 10,000 configurations (bounded:
   shared work is per group, configurations stream through fixed-size chunks).
 
-Usage: ``python experiments/bench_sweep.py [--quick]``.
+Usage: ``python -m experiments.bench_sweep [--quick]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import pathlib
 import subprocess
 import sys
 import threading
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import jax
+import ml_collections
+import numpy as np
 
-import jax  # noqa: E402
-import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
-
-from configs import sweep_lab  # noqa: E402
-from kvjax import sweep  # noqa: E402
+from configs import sweep_lab
+from kvjax.lab import sweep
 
 
 def rss_mb() -> float:
@@ -144,7 +141,7 @@ def main() -> None:
     ordered = None
     if state["scores"] is not None:
       ordered = jax.block_until_ready(engine._order(fns["fns"].order, ev, state["scores"], cap))
-    data = sweep._stack(members, engine.chunk_size)
+    data = sweep.stack_data(members, engine.chunk_size)
     jax.block_until_ready(fns["metrics"](state, ordered, data, cap))  # compile for this cap
     staged.append((fns["metrics"], state, ordered, data, cap))
   start = time.perf_counter()
@@ -161,10 +158,10 @@ def main() -> None:
     dims = engine.world_evidence(key.scenario).world.dims
     single = jax.jit(sweep.single_config_fn(key, dims, engine.capacity))
     ev = engine.evidence(key)
-    one = {k: v[0] for k, v in sweep._stack(members[:1], 1).items()}
+    one = {k: v[0] for k, v in sweep.stack_data(members[:1], 1).items()}
     jax.block_until_ready(single(ev, one))  # compile outside the timing
     for cfg in members[: args.loop_sample]:
-      data = {k: v[0] for k, v in sweep._stack([cfg], 1).items()}
+      data = {k: v[0] for k, v in sweep.stack_data([cfg], 1).items()}
       t0 = time.perf_counter()
       jax.block_until_ready(single(ev, data))
       loop_times.append(time.perf_counter() - t0)
@@ -177,7 +174,8 @@ def main() -> None:
   )
 
   for count in (1000, 10000):  # fresh processes, so each peak is that sweep's own
-    cmd = [sys.executable, __file__, "--memory", str(count)] + (["--quick"] if args.quick else [])
+    cmd = [sys.executable, "-m", "experiments.bench_sweep", "--memory", str(count)]
+    cmd += ["--quick"] if args.quick else []
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     print(out.stdout.strip().splitlines()[-1])
 

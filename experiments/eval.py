@@ -1,16 +1,14 @@
-"""Accuracy vs budget: ``python experiments/eval.py --config=configs/eval.py
+"""Accuracy vs budget: ``python -m experiments.eval --config=configs/eval.py
 --config.workdir=DIR`` writes ``DIR/results.csv`` (task, length, policy, budget, accuracy, kl, ...)
 and the figures beside it. Interrupt and rerun: finished groups are kept, the rest are run."""
 
 import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import matplotlib
+from absl import app
+from ml_collections import config_flags
 
-from absl import app  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from kvjax import evaluate  # noqa: E402
+from kvjax.eval import evaluate
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "eval.py")
@@ -19,6 +17,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 def main(argv):
   del argv
+  matplotlib.use("Agg")  # figures go to files
   config = _CONFIG.value
   table = evaluate.run(config, config.workdir)
   summary = (

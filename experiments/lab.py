@@ -1,17 +1,18 @@
 """The main job: every policy on every lab scenario; prints the table and the run directory.
 
-python experiments/lab.py --config=configs/lab.py[:scenario] [--config.budget=64]
+python -m experiments.lab --config=configs/lab.py[:scenario] [--config.budget=64]
 """
 
 import datetime
 import os
 import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import matplotlib
+import pandas as pd
+from absl import app
+from ml_collections import config_flags
 
-from absl import app  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from kvjax import lab
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
@@ -23,10 +24,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 def main(argv):
   del argv
-  import pandas as pd
-
-  from kvjax import lab
-
+  matplotlib.use("Agg")  # figures go to files
   config = _CONFIG.value
   workdir = config.workdir or os.path.join(
     "runs", "lab-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -1,6 +1,6 @@
 """Budget sweeps from a config file; prints the run directory and the best configuration per budget.
 
-  python experiments/sweep.py --config=configs/sweep_lab.py [--config.workdir=DIR]
+  python -m experiments.sweep --config=configs/sweep_lab.py [--config.workdir=DIR]
 
 Rerunning the same command with the same workdir resumes: only missing configurations run.
 """
@@ -8,12 +8,14 @@ Rerunning the same command with the same workdir resumes: only missing configura
 import datetime
 import os
 import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import matplotlib
+import pandas as pd
+from absl import app, flags
+from ml_collections import config_flags
 
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from kvjax import plotting
+from kvjax.lab import sweep
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config",
@@ -26,10 +28,7 @@ _PLOTS = flags.DEFINE_bool("plots", True, "Write the PNG figures into the run di
 
 def main(argv):
   del argv
-  import pandas as pd
-
-  from kvjax import plotting, sweep
-
+  matplotlib.use("Agg")  # figures go to files
   config = _CONFIG.value
   workdir = config.workdir or os.path.join(
     "runs", "sweep-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

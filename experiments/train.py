@@ -1,4 +1,4 @@
-"""Trains the tiny retrieval model: ``python experiments/train.py --config=configs/train_tiny.py
+"""Trains the tiny retrieval model: ``python -m experiments.train --config=configs/train_tiny.py
 --workdir=DIR``. Kill it and run the same command again: it resumes from the last checkpoint.
 ``--export=DIR`` then writes the final parameters as a Hugging Face style checkpoint
 (``config.json``, ``model.safetensors``, ``tokenizer.json``) like the one shipped in
@@ -8,15 +8,13 @@ the workdirs of the earlier phases this run continues)."""
 import json
 import os
 import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import jax
+from absl import app, flags
+from ml_collections import config_flags
 
-import jax  # noqa: E402
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from kvjax import tasks, train  # noqa: E402
+from kvjax.eval import card as card_lib
+from kvjax.eval import tasks, train
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "train_tiny.py")
@@ -31,12 +29,12 @@ def main(argv):
   del argv
   state = train.train(_CONFIG.value, _WORKDIR.value)
   if _EXPORT.value:
-    train.export(_CONFIG.value, state.params, _EXPORT.value)
-    card = train.measure(_EXPORT.value, count=_MEASURE.value)
-    phases = [train.phase_record(d) for d in [*_AFTER.value, _WORKDIR.value]]
+    card_lib.export(_CONFIG.value, state.params, _EXPORT.value)
+    card = card_lib.measure(_EXPORT.value, count=_MEASURE.value)
+    phases = [card_lib.phase_record(d) for d in [*_AFTER.value, _WORKDIR.value]]
     hardware = f"{os.cpu_count()}-core {jax.default_backend()}, jax {jax.__version__}"
     card |= {"phases": phases, "hardware": hardware, "task_options": tasks.EVAL_OPTIONS}
-    train.export(_CONFIG.value, state.params, _EXPORT.value, **card)
+    card_lib.export(_CONFIG.value, state.params, _EXPORT.value, **card)
     print(json.dumps(card, indent=1))
     print(f"exported to {_EXPORT.value}")
 

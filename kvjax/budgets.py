@@ -33,10 +33,6 @@ HEADKV_MODES = ("official", "kvfactory")
 # --------------------------------------------------------------------------- validation helpers
 
 
-def _concrete(*xs) -> bool:
-  return not any(isinstance(x, jax.core.Tracer) for x in xs)
-
-
 def _check_static_int(name: str, value, minimum: int = 1) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
     raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
@@ -45,7 +41,7 @@ def _check_static_int(name: str, value, minimum: int = 1) -> int:
 
 def _check_nonneg(name: str, value):
   """Rejects negative concrete values (ints or arrays); traced values pass through."""
-  if _concrete(value) and np.any(np.asarray(value) < 0):
+  if select.is_concrete(value) and np.any(np.asarray(value) < 0):
     raise ValueError(f"{name}: expected a non-negative budget, got {np.asarray(value).tolist()}")
 
 
@@ -56,7 +52,7 @@ def _check_choice(name: str, value: str, choices) -> None:
 
 def _check_window(budget, window) -> None:
   _check_nonneg("window", window)
-  if _concrete(budget, window) and np.any(np.asarray(budget) < np.asarray(window)):
+  if select.is_concrete(budget, window) and np.any(np.asarray(budget) < np.asarray(window)):
     raise ValueError(
       f"budget: {np.asarray(budget).tolist()} is smaller than the protected window "
       f"{np.asarray(window).tolist()}; every budget counts the window, expected budget >= window"
@@ -65,7 +61,9 @@ def _check_window(budget, window) -> None:
 
 def _check_not_empty(name: str, budgets: Array, q_len) -> Array:
   """A row that would keep nothing of a non-empty prompt is a bug upstream; here it is an error."""
-  if _concrete(budgets, q_len) and np.any((np.asarray(budgets) <= 0) & (np.asarray(q_len) > 0)):
+  if select.is_concrete(budgets, q_len) and np.any(
+    (np.asarray(budgets) <= 0) & (np.asarray(q_len) > 0)
+  ):
     raise ValueError(
       f"{name}: the allocation {np.asarray(budgets).tolist()} leaves a row with no cache; "
       "expected a larger budget (or a non-zero window)"
@@ -172,7 +170,7 @@ def pyramid(
   if mode != "kvpress":  # kvpress derives a float budget from a ratio; the others count tokens
     _check_int_budget("budget", budget)
   _check_window(budget, window)
-  if _concrete(beta) and np.any(np.asarray(beta) < 1):
+  if select.is_concrete(beta) and np.any(np.asarray(beta) < 1):
     raise ValueError(f"beta: expected beta >= 1, got {beta!r}")
   fn = {"legacy_floor": _pyramid_legacy, "kvpress": _pyramid_kvpress, "exact_total": _pyramid_exact}
   out = fn[mode](num_layers, budget, window, q_len, beta)
@@ -234,7 +232,7 @@ def _pyramid_exact(num_layers, budget, window, q_len, beta):
 def _int_product(count, factor) -> Array:
   """``int(count * factor)`` as upstream computes it: exactly in float64 on the host when both
   are concrete (float32 can land one below an integer, e.g. ``90 * 0.7``), float32 under trace."""
-  if _concrete(count, factor):
+  if select.is_concrete(count, factor):
     return jnp.asarray(np.floor(np.asarray(count, np.float64) * float(factor)), jnp.float32)
   return jnp.floor(jnp.asarray(count, jnp.float32) * factor)
 
@@ -283,12 +281,12 @@ def adakv(
   L, H, T = scores_LHT.shape
   if not isinstance(window, int) or not 0 <= window <= T:
     raise ValueError(f"window: expected an int in [0, T={T}], got {window!r}")
-  if _concrete(floor_alpha) and not 0.0 <= float(floor_alpha) <= 1.0:
+  if select.is_concrete(floor_alpha) and not 0.0 <= float(floor_alpha) <= 1.0:
     raise ValueError(f"floor_alpha: expected a value in [0, 1], got {floor_alpha!r}")
   _check_int_budget("budget", budget)
   _check_window(budget, window)
   capacity = T if capacity is None else _check_static_int("capacity", capacity)
-  if _concrete(budget) and np.any(np.asarray(budget) > capacity) and capacity < T:
+  if select.is_concrete(budget) and np.any(np.asarray(budget) > capacity) and capacity < T:
     raise ValueError(f"budget: {budget!r} exceeds capacity={capacity}")
   budget_L = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), (L,))
   if mode == "kvpress":
@@ -378,16 +376,16 @@ def headkv(
   scores = jnp.asarray(head_scores_LH, jnp.float32)
   if scores.ndim != 2:
     raise ValueError(f"head_scores: expected [L, H], got shape {scores.shape}")
-  if _concrete(scores) and (
+  if select.is_concrete(scores) and (
     not np.isfinite(np.asarray(scores)).all() or np.any(np.asarray(scores) < 0)
   ):
     raise ValueError("head_scores: expected finite non-negative head importances")
-  if _concrete(beta) and float(beta) <= 1.0:
+  if select.is_concrete(beta) and float(beta) <= 1.0:
     raise ValueError(f"beta: expected beta > 1, got {beta!r}")
   _check_int_budget("budget", budget)
   _check_window(budget, window)
   L, H = scores.shape
-  if _concrete(head_scores_LH, budget, window, beta, temp):
+  if select.is_concrete(head_scores_LH, budget, window, beta, temp):
     caps = _headkv_host(np.asarray(head_scores_LH, np.float64), budget, window, beta, temp, mode)
   else:
     caps = _headkv_traced(scores, budget, window, beta, temp, mode)
@@ -502,7 +500,7 @@ def cake(attn_LHWT: Array, budget, window: int, tau1=1.0, tau2=1.0) -> Array:
   _check_int_budget("budget", budget)
   _check_window(budget, window)
   for name, tau in (("tau1", tau1), ("tau2", tau2)):
-    if _concrete(tau) and float(tau) <= 0:
+    if select.is_concrete(tau) and float(tau) <= 0:
       raise ValueError(f"{name}: expected a positive temperature, got {tau!r}")
   return cake_from_statistics(cake_statistics(attn_LHWT, window), budget, window, T, tau1, tau2)
 

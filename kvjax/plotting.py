@@ -1,15 +1,12 @@
-"""Figures (matplotlib, headless): the lab's four-panel figure of the essay, made multi-layer."""
+"""Figures (matplotlib; the backend is the entry point's choice): the lab's four-panel figure, sweeps, accuracy."""
 
 from __future__ import annotations
 
-import matplotlib
+import json
+import pathlib
 
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from kvjax import synthetic  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
 
 def close(fig) -> None:
@@ -24,12 +21,22 @@ def cache_fraction(trace, step: int, total_len: int) -> np.ndarray:
   return counts / (pos.shape[0] * pos.shape[1])
 
 
-def lab_figure(world: synthetic.World, traces: dict, step: int, focus: str, title: str = ""):
+def lab_figure(
+  traces: dict,
+  step: int,
+  focus: str,
+  *,
+  prompt_len: int,
+  facts_T: np.ndarray,
+  active_T: np.ndarray,
+  row_LHT: np.ndarray,
+  title: str = "",
+):
   """Four panels: retained mass over steps per policy; each policy's cache map at ``step`` with
-  the old facts marked (the active one stronger); the full attention row in gray with the part
-  ``focus`` retains over it; retained mass per layer (the funnel)."""
-  dims = world.dims
-  T, P = dims.total_len, dims.prompt_len
+  the old facts ``facts_T`` marked (the ones queried at ``step``, ``active_T``, stronger); the
+  full attention row ``row_LHT`` of that step in gray with the part ``focus`` retains over it;
+  retained mass per layer (the funnel)."""
+  T, P = row_LHT.shape[-1], prompt_len
   fig, axes = plt.subplots(2, 2, figsize=(14, 9))
   ax_mass, ax_map, ax_row, ax_layer = axes.ravel()
   for name, (trace, summary) in traces.items():
@@ -46,14 +53,13 @@ def lab_figure(world: synthetic.World, traces: dict, step: int, focus: str, titl
   grid = np.stack([cache_fraction(traces[n][0], step, T) for n in names])
   ax_map.imshow(grid, aspect="auto", cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
   ax_map.set_yticks(range(len(names)), names, fontsize=8)
-  active = np.asarray(synthetic.active_fact_positions(world, step))
-  facts = np.asarray(world.fact_mask_FT).any(0)
-  for p in np.flatnonzero(facts):
+  active = np.asarray(active_T)
+  for p in np.flatnonzero(np.asarray(facts_T)):
     ax_map.axvline(p, color="red", lw=2.0 if active[p] else 0.8, alpha=0.9 if active[p] else 0.35)
   ax_map.axvline(P + step, color="tab:blue", lw=1)
   ax_map.set(xlabel="position", title=f"Cache map at step {step} (share of layer-heads holding it)")
 
-  row = np.asarray(synthetic.attention_row(world, P + step))
+  row = np.asarray(row_LHT)
   mean_row = row.mean((0, 1))
   trace = traces[focus][0]
   kept = np.zeros(row.shape, bool)
@@ -99,8 +105,6 @@ def sweep_metric_vs_budget(table, metric: str = "retained_mass"):
 
 def budget_profiles(table):
   """Mean per-layer budget of each layer schedule (and head allocation), one line each."""
-  import json  # noqa: PLC0415
-
   fig, ax = plt.subplots(figsize=(6, 3.8))
   budget = sorted(table["budget"].unique())[len(table["budget"].unique()) // 2]
   sub = table[table["budget"] == budget]
@@ -181,8 +185,6 @@ def accuracy_figures(table, out_dir) -> list[str]:
   """Writes ``accuracy_vs_budget.png``, ``recall_vs_budget.png`` (RULER's partial credit, when the
   table has it), ``kl_vs_budget.png`` and one ``needle_heatmap_*.png`` per heatmap policy into
   ``out_dir``; returns the file names."""
-  import pathlib  # noqa: PLC0415
-
   out_dir = pathlib.Path(out_dir)
   written = []
   if (table["kind"] == "budget").any():

@@ -228,52 +228,106 @@ def _alloc_cake(evidence, scores_LHT, budget, opts):
 # --------------------------------------------------------------------------- the registry
 
 
+PREFILL, DECODE = "prefill", "decode"
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
+  """A registered policy: its scorer and allocator, reference defaults, and the properties that
+  the lab, the sweeps and the real-model cache read instead of lists of names.
+
+  Attributes:
+    acts: ``"prefill"`` (select once after the prompt, then append, as SnapKV's code does) or
+      ``"decode"`` (evict at every generated token: window, StreamingLLM, H2O, TOVA).
+    windowed: protects the observation window, so a budget must exceed it.
+    replay: the synthetic lab can replay it online (:mod:`kvjax.lab.online`).
+    needs: the :class:`Evidence` fields the scorer reads.
+    window_option: the option that holds the protected recent window (``"window"`` or H2O's
+      ``"recent"``), which a sweep's ``window`` axis sets; ``None`` when there is none.
+    data_options: options that stay traced data in a sweep (StreamingLLM's sink count).
+  """
+
   scorer: Callable[[Evidence, dict], Array]
   allocator: Callable[[Evidence, Array, Any, dict], Array]
   defaults: dict
   doc: str
+  acts: str = PREFILL
+  windowed: bool = False
+  replay: bool = True
+  needs: tuple[str, ...] = ("attn_window_LHWT",)
+  window_option: str | None = None
+  data_options: tuple[str, ...] = ()
 
 
 _SNAP = dict(kernel=7, pool="max", reduce="sum", window=None)
 _SNAP_MEAN = dict(_SNAP, reduce="mean")
 _GROUPING = dict(num_kv_heads=None, gqa="mean")
+_NONE: tuple[str, ...] = ()
+_WINDOWED = dict(windowed=True, window_option="window")
 
 REGISTRY: dict[str, Spec] = {
-  "sliding_window": Spec(_score_recency, _alloc_given, {}, "the last B tokens"),
-  "streaming_llm": Spec(_score_streaming, _alloc_given, dict(sinks=4), "4 sinks + recent"),
+  "sliding_window": Spec(
+    _score_recency, _alloc_given, {}, "the last B tokens", acts=DECODE, needs=_NONE
+  ),
+  "streaming_llm": Spec(
+    _score_streaming,
+    _alloc_given,
+    dict(sinks=4),
+    "4 sinks + recent",
+    acts=DECODE,
+    needs=_NONE,
+    data_options=("sinks",),
+  ),
   "h2o": Spec(
-    _score_h2o, _alloc_given, dict(form="causal", recent=8), "causal heavy hitters + recent 8"
+    _score_h2o,
+    _alloc_given,
+    dict(form="causal", recent=8),
+    "causal heavy hitters + recent 8",
+    acts=DECODE,
+    needs=("column_sums_LHT",),
+    window_option="recent",
   ),
   "h2o_kvfactory_legacy": Spec(
     _score_h2o,
     _alloc_given,
     dict(form="kvfactory_legacy", recent=8),
     "KVCache-Factory's published H2O (non-causal prefill column sums) + window 8",
+    replay=False,
+    needs=("legacy_column_sums_LHT",),
+    window_option="recent",
   ),
   "h2o_kvpress": Spec(
-    _score_h2o, _alloc_given, dict(form="kvpress", recent=0), "kvpress ObservedAttentionPress"
+    _score_h2o,
+    _alloc_given,
+    dict(form="kvpress", recent=0),
+    "kvpress ObservedAttentionPress",
+    replay=False,
+    needs=("column_sums_LHT",),
   ),
-  "tova": Spec(_score_tova, _alloc_given, {}, "last query's row averaged over heads"),
-  "snapkv": Spec(_score_snapkv, _alloc_given, dict(_SNAP), "window votes, maxpool k=7"),
+  "tova": Spec(_score_tova, _alloc_given, {}, "last query's row averaged over heads", acts=DECODE),
+  "snapkv": Spec(
+    _score_snapkv, _alloc_given, dict(_SNAP), "window votes, maxpool k=7", **_WINDOWED
+  ),
   "snapkv_kvpress": Spec(
     _score_snapkv,
     _alloc_given,
     dict(kernel=5, pool="avg", reduce="mean", window=None),
     "kvpress SnapKVPress (mean votes, avgpool k=5; add num_kv_heads for its GQA mean)",
+    **_WINDOWED,
   ),
   "pyramidkv": Spec(
     _score_snapkv,
     _alloc_pyramid,
     dict(_SNAP, beta=20, pyramid_mode="legacy_floor"),
     "SnapKV scores under PyramidKV's layer schedule",
+    **_WINDOWED,
   ),
   "adakv_snapkv": Spec(
     _score_snapkv,
     _alloc_adakv,
     dict(_SNAP_MEAN, floor_alpha=0.2, normalize=False, adakv_mode="official", pyramid_mode=None),
     "Ada-KV head-adaptive budgets over SnapKV scores",
+    **_WINDOWED,
   ),
   "adakv_pyramidkv": Spec(
     _score_snapkv,
@@ -287,28 +341,75 @@ REGISTRY: dict[str, Spec] = {
       pyramid_mode="legacy_floor",
     ),
     "Ada-KV within PyramidKV's layer schedule (Ada-KV pyram_mode)",
+    **_WINDOWED,
   ),
   "headkv": Spec(
     _score_snapkv,
     _alloc_headkv,
     dict(_SNAP_MEAN, beta=1.5, temp=1.0, headkv_mode="official"),
     "HeadKV static head budgets over SnapKV mean votes",
+    replay=False,
+    needs=("attn_window_LHWT", "head_scores_LH"),
+    **_WINDOWED,
   ),
   "cake": Spec(
     _score_cake,
     _alloc_cake,
     dict(gamma=200.0, kernel=5, window=None, tau1=1.0, tau2=1.0),
     "CAKE layer preference budgets, mean + gamma var eviction score",
+    **_WINDOWED,
   ),
-  "knorm": Spec(_score_knorm, _alloc_given, {}, "lowest key norm"),
-  "random": Spec(_score_random, _alloc_given, {}, "uniform random scores"),
-  "oracle": Spec(_score_oracle, _alloc_given, {}, "future attention (upper bound)"),
+  "knorm": Spec(
+    _score_knorm, _alloc_given, {}, "lowest key norm", replay=False, needs=("keys_LGTD",)
+  ),
+  "random": Spec(_score_random, _alloc_given, {}, "uniform random scores", needs=("rng",)),
+  "oracle": Spec(
+    _score_oracle,
+    _alloc_given,
+    {},
+    "future attention (upper bound)",
+    needs=("future_attn_LHST",),
+  ),
 }
 
 
 def names() -> tuple[str, ...]:
   """All registered policy names."""
   return tuple(REGISTRY)
+
+
+def spec(name: str) -> Spec:
+  """The registry entry of policy ``name`` (``ValueError`` for an unknown name)."""
+  if name not in REGISTRY:
+    raise ValueError(f"name: unknown policy {name!r}; expected one of {names()}")
+  return REGISTRY[name]
+
+
+def acts_at_decode(name: str) -> bool:
+  """Whether policy ``name`` evicts as it decodes (else it selects once after the prompt)."""
+  return spec(name).acts == DECODE
+
+
+def allocates(name: str) -> bool:
+  """Whether policy ``name`` turns a total budget into its own ``budget_LH`` (PyramidKV, Ada-KV,
+  HeadKV, CAKE), rather than taking the budget as given."""
+  return spec(name).allocator is not _alloc_given
+
+
+def replayable() -> tuple[str, ...]:
+  """The policies the synthetic lab can replay online."""
+  return tuple(n for n, s in REGISTRY.items() if s.replay)
+
+
+def accepted_options(name: str, *, window=None, **candidates) -> dict:
+  """Of ``candidates`` (and the protected ``window``), the options that policy ``name`` takes:
+  what a sweep's static axes become for that policy. ``window`` goes to the policy's
+  :attr:`Spec.window_option` when it has one."""
+  entry = spec(name)
+  out = {k: v for k, v in candidates.items() if k in entry.defaults}
+  if window is not None and entry.window_option is not None:
+    out[entry.window_option] = window
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,10 +455,7 @@ def make(name: str, **options) -> Policy:
   ``None`` keeps the query-head granularity of the published tables) and ``gqa``
   (``"mean"``/``"max"``/``"sum"``).
   """
-  if name not in REGISTRY:
-    raise ValueError(f"name: unknown policy {name!r}; expected one of {names()}")
-  spec = REGISTRY[name]
-  allowed = dict(spec.defaults, **_GROUPING)
+  allowed = dict(spec(name).defaults, **_GROUPING)
   unknown = sorted(set(options) - set(allowed))
   if unknown:
     raise ValueError(

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kvjax import select
+
 Array = jax.Array
 
 POOLS = ("max", "avg")
@@ -33,17 +35,13 @@ H2O_FORMS = ("causal", "kvfactory_legacy", "kvpress")
 # --------------------------------------------------------------------------- validation helpers
 
 
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
-
-
 def _check_array(name: str, x, ndim: int, letters: str):
   if not hasattr(x, "ndim") or x.ndim != ndim:
     shape = getattr(x, "shape", type(x).__name__)
     raise ValueError(f"{name}: expected a rank-{ndim} array [{', '.join(letters)}], got {shape}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"{name}: expected a floating dtype, got {x.dtype}")
-  if _is_concrete(x) and not np.isfinite(np.asarray(x, np.float32)).all():
+  if select.is_concrete(x) and not np.isfinite(np.asarray(x, np.float32)).all():
     raise ValueError(f"{name}: contains NaN or inf; expected finite values")
 
 
@@ -197,7 +195,7 @@ def protect(scores: Array, *, sinks=0, recent=0, length=None) -> Array:
   """
   T = scores.shape[-1]
   for name, value in (("sinks", sinks), ("recent", recent)):
-    if _is_concrete(value) and np.any(np.asarray(value) < 0):
+    if select.is_concrete(value) and np.any(np.asarray(value) < 0):
       raise ValueError(f"{name}: expected a non-negative count, got {value!r}")
   rows = scores.shape[:-1]
 

@@ -27,8 +27,9 @@ from jax import lax
 Array = jax.Array
 
 
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
+def is_concrete(*xs) -> bool:
+  """Whether every value is known in Python (not traced), so that it can be validated there."""
+  return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
 def _check_scores(scores) -> None:
@@ -38,7 +39,7 @@ def _check_scores(scores) -> None:
     raise ValueError(f"scores: expected a floating dtype, got {scores.dtype}")
   if scores.shape[-1] < 1:
     raise ValueError(f"scores: expected at least one position, got shape {scores.shape}")
-  if _is_concrete(scores) and np.isnan(np.asarray(scores)).any():
+  if is_concrete(scores) and np.isnan(np.asarray(scores)).any():
     raise ValueError("scores: contains NaN; expected finite scores (or +/-inf sentinels)")
 
 
@@ -55,7 +56,7 @@ def _check_counts(name: str, value, batch_shape: tuple[int, ...]):
     ) from None
   if len(np.broadcast_shapes(value.shape, batch_shape)) != len(batch_shape):
     raise ValueError(f"{name}: shape {value.shape} has more axes than the rows {batch_shape}")
-  if _is_concrete(value) and value.size and int(np.min(np.asarray(value))) < 0:
+  if is_concrete(value) and value.size and int(np.min(np.asarray(value))) < 0:
     raise ValueError(f"{name}: expected non-negative counts, got minimum {int(np.min(value))}")
   return jnp.broadcast_to(value.astype(jnp.int32), batch_shape)
 
@@ -63,10 +64,10 @@ def _check_counts(name: str, value, batch_shape: tuple[int, ...]):
 def _check_capacity(capacity: int, budget, length, num_positions: int) -> None:
   if not isinstance(capacity, (int, np.integer)) or capacity < 1:
     raise ValueError(f"capacity: expected a positive static int, got {capacity!r}")
-  if capacity >= num_positions or not _is_concrete(budget):
+  if capacity >= num_positions or not is_concrete(budget):
     return
   # A budget in (capacity, length) cannot be honoured exactly: refuse instead of clamping.
-  if not _is_concrete(length):
+  if not is_concrete(length):
     return
   budget, length = np.asarray(budget), np.asarray(length)
   over = (budget > capacity) & (budget < length)
@@ -169,7 +170,7 @@ def _prepare(scores, budget, length, capacity):
     length = jnp.full(batch_shape, num_positions, jnp.int32)
   else:
     length = _check_counts("length", length, batch_shape)
-    if _is_concrete(length) and length.size and int(np.max(np.asarray(length))) > num_positions:
+    if is_concrete(length) and length.size and int(np.max(np.asarray(length))) > num_positions:
       raise ValueError(f"length: {int(np.max(length))} exceeds T={num_positions}")
   if capacity is None:
     capacity = num_positions
@@ -216,7 +217,7 @@ def compact(scores: Array, budget, capacity: int, *, length=None) -> tuple[Array
   This is the layout of :mod:`kvjax.model.cache`.
   """
   budget, length, capacity = _prepare(scores, budget, length, capacity)
-  if _is_concrete(budget) and _is_concrete(length):
+  if is_concrete(budget) and is_concrete(length):
     need = np.minimum(np.asarray(budget), np.asarray(length))
     if need.size and int(need.max()) > capacity:
       raise ValueError(

@@ -48,7 +48,8 @@ import matplotlib.pyplot as plt
 from IPython.display import display
 
 from configs import lab as lab_config
-from kvjax import lab, plotting
+from kvjax import plotting
+from kvjax.lab import suite
 
 config = lab_config.get_config("quick" if QUICK else None)
 config.budget = min(BUDGET, 32) if QUICK else BUDGET
@@ -58,19 +59,19 @@ print(config.world)
 
 # %% [markdown]
 # ## Every scenario, every policy
-# Each scenario is simulated once for all policies (`kvjax.lab.simulate_scenario`); the figure
+# Each scenario is simulated once for all policies (`kvjax.lab.suite.simulate_scenario`); the figure
 # shows the essay's four panels: what the focus policy keeps over time, the attention row at the
 # chosen step with the kept part, the retained mass per policy and per layer.
 
 # %%
-runs = {s: lab.simulate_scenario(s, config, log=lambda *_: None) for s in config.scenarios}
+runs = {s: suite.simulate_scenario(s, config, log=lambda *_: None) for s in config.scenarios}
 for sim in runs.values():
-  fig = lab.figure(sim, config)
+  fig = suite.figure(sim, config)
   plt.show()
 
 # %%
-summary, _ = lab.summary_tables([row for sim in runs.values() for row in sim.rows])
-display(lab.pivot(summary))
+summary, _ = suite.summary_tables([row for sim in runs.values() for row in sim.rows])
+display(suite.pivot(summary))
 
 # %% [markdown]
 # ## The step as a parameter
@@ -83,11 +84,11 @@ try:
   import ipywidgets as widgets
 
   widgets.interact(
-    lambda step: (lab.figure(sim, config, step), plt.show()),
+    lambda step: (suite.figure(sim, config, step), plt.show()),
     step=widgets.IntSlider(sim.step, 0, sim.world.dims.gen_steps - 1),
   )
 except ImportError:
-  lab.figure(sim, config, sim.step)
+  suite.figure(sim, config, sim.step)
   plt.show()
 
 # %% [markdown]
@@ -97,7 +98,7 @@ except ImportError:
 # (Ada-KV, HeadKV) and layer schedules (PyramidKV, CAKE) try to fix.
 
 # %%
-by_head = lab.retained_by_head(sim)
+by_head = suite.retained_by_head(sim)
 plotting.retained_by_head_figure(
   by_head, f"{sim.scenario}: retained mass per (layer, head) at budget {config.budget}"
 )

@@ -62,7 +62,9 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from IPython.display import display
 
-from kvjax import evaluate, funnel, lab, plotting, synthetic
+from kvjax import plotting
+from kvjax.eval import evaluate, funnel
+from kvjax.lab import synthetic
 
 model, cfg, tokenizer = evaluate.load_model(MODEL)
 ids, doc = funnel.multi_document_prompt(tokenizer, num_docs=NUM_DOCS, doc_len=DOC_LEN)
@@ -99,7 +101,7 @@ plt.show()
 from configs import lab as lab_config
 
 world_cfg = lab_config.get_config("quick" if QUICK else None).world
-world = synthetic.make_world(lab.world_config("funnel", world_cfg))
+world = synthetic.make_world(synthetic.world_config("funnel", world_cfg))
 syn_maps = funnel.synthetic_attention(world, steps=32 if QUICK else 96)
 shown = {layer: syn_maps[layer] for layer in funnel.evenly_spaced_layers(len(syn_maps), NUM_MAPS)}
 plotting.attention_maps(shown, vmax=0.01, title="synthetic funnel world (query rows x keys)")

@@ -52,9 +52,10 @@ WORKDIR = "runs/notebook_sweep"
 import matplotlib.pyplot as plt
 from IPython.display import display
 
-from kvjax import plotting, sweep
+from kvjax import plotting, rundir
+from kvjax.lab import sweep
 
-config = sweep.load_config(CONFIG, "quick" if QUICK else None)
+config = rundir.load_config(CONFIG, "quick" if QUICK else None)
 workdir = WORKDIR + ("_quick" if QUICK else "")
 print(config.grid)
 

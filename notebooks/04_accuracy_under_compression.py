@@ -24,7 +24,7 @@
 #
 # Retained attention mass is a first instrument; what users care about is whether the model
 # still answers. Here a real model with a real compressed cache runs the RULER-style task suite
-# (`kvjax.tasks`): every answer token is predicted from the compressed cache, one prefill per
+# (`kvjax.eval.tasks`): every answer token is predicted from the compressed cache, one prefill per
 # example is shared by all budgets (compress and decode `vmap`ped over budgets), and besides
 # accuracy the teacher-forced KL divergence to the full cache is reported. Last, the needle
 # heatmap (depth x context length) of the PyramidKV and SnapKV papers.
@@ -58,9 +58,10 @@ WORKDIR = "runs/notebook_eval"
 import matplotlib.pyplot as plt
 from IPython.display import display
 
-from kvjax import evaluate, plotting, sweep
+from kvjax import plotting, rundir
+from kvjax.eval import evaluate
 
-config = sweep.load_config("configs/eval.py", "quick" if QUICK else PRESET)
+config = rundir.load_config("configs/eval.py", "quick" if QUICK else PRESET)
 config.model = MODEL
 workdir = WORKDIR + ("_quick" if QUICK else "") + ("" if MODEL == "tiny" else "_hf")
 print(config.tasks, config.lengths, config.budgets)

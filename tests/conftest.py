@@ -3,6 +3,7 @@
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("MPLBACKEND", "Agg")  # headless figures in tests and the notebooks they run
 
 import jax  # noqa: E402
 

@@ -10,9 +10,9 @@ from flax import nnx
 
 import kvjax.model as km
 from configs import eval as eval_config
-from kvjax import evaluate, funnel, tasks
+from kvjax.eval import evaluate, funnel, tasks, vocab
 
-TOK = tasks.tiny_tokenizer()
+TOK = vocab.tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

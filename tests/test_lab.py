@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvjax import lab, metrics, online, synthetic
+from kvjax import lab
+from kvjax.lab import metrics, online, synthetic
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SIZES = dict(num_layers=4, num_heads=4)
@@ -185,7 +186,8 @@ def test_lab_run_writes_summary_and_figures(tmp_path, monkeypatch):
 def test_main_job_entry_point(tmp_path):
   cmd = [
     sys.executable,
-    str(ROOT / "experiments" / "lab.py"),
+    "-m",
+    "experiments.lab",
     "--config=configs/lab.py:quick,needle_qa",
   ]
   env = dict(os.environ, JAX_PLATFORMS="cpu")

@@ -19,7 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from configs import sweep_lab  # noqa: E402
-from kvjax import select, sweep  # noqa: E402
+from kvjax import select  # noqa: E402
+from kvjax.lab import sweep  # noqa: E402
 
 
 def quick(**product):
@@ -100,7 +101,7 @@ def test_vmapped_equals_loop_of_single_config_function():
     )
     ev = engine.evidence(key)
     for cfg, row in zip(members, rows, strict=True):
-      data = {k: v[0] for k, v in sweep._stack([cfg], 1).items()}
+      data = {k: v[0] for k, v in sweep.stack_data([cfg], 1).items()}
       out = single(ev, data)
       for m in ("retained_mass", "oracle_gap", "fact_recall", "cache_tokens"):
         np.testing.assert_allclose(row[m], float(out[m]), rtol=1e-5, atol=1e-6)
@@ -119,7 +120,7 @@ def test_prefix_sum_metric_equals_the_mask_route():
   ev = engine.evidence(key)
   dims = engine.world_evidence(key.scenario).world.dims
   scores = sweep._policy_scores(key, ev, dims, cfg["sinks"])
-  d = {k: jnp.asarray(v[0]) for k, v in sweep._stack([cfg], 1).items()}
+  d = {k: jnp.asarray(v[0]) for k, v in sweep.stack_data([cfg], 1).items()}
   fns = sweep.make_group(key, dims, 24, 2)
   budget_LH = fns.allocate(fns.prepare(ev), d)
   keep = select.keep_mask(scores, budget_LH)
@@ -131,7 +132,8 @@ def test_prefix_sum_metric_equals_the_mask_route():
 def run_cli(workdir, *extra, env=None, wait=True):
   cmd = [
     sys.executable,
-    str(ROOT / "experiments" / "sweep.py"),
+    "-m",
+    "experiments.sweep",
     "--config=configs/sweep_lab.py:quick",
     f"--config.workdir={workdir}",
     *extra,

@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
-from kvjax import tasks
+from kvjax.eval import tasks, vocab
+from kvjax.model import tokenizer
 
-TOK = tasks.tiny_tokenizer()
+TOK = vocab.tiny_tokenizer()
 
 
 @pytest.mark.parametrize("task", tasks.TASKS)
@@ -43,7 +44,7 @@ def test_multi_key_distractors_have_distinct_keys_and_values():
   for v in vals:
     assert _count(e.prompt, v) == 1
   key = TOK.decode(e.prompt[-2:-1])  # "... for KEY is"
-  assert key in tasks.KEYS and _count(e.prompt, TOK.ids[key]) == 3  # needle + twice in question
+  assert key in vocab.KEYS and _count(e.prompt, TOK.ids[key]) == 3  # needle + twice in question
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
@@ -127,9 +128,9 @@ def test_bad_arguments_are_named():
 def test_tokenizer_json_round_trips_through_hugging_face_tokenizers(tmp_path):
   pytest.importorskip("tokenizers")
   TOK.save(tmp_path / "tokenizer.json")
-  again = tasks.WordTokenizer.load(tmp_path / "tokenizer.json")
+  again = tokenizer.WordTokenizer.load(tmp_path / "tokenizer.json")
   assert again.vocab == TOK.vocab
-  hf = tasks.HFTokenizer(tmp_path / "tokenizer.json", bos_token="<bos>")
+  hf = tokenizer.HFTokenizer(tmp_path / "tokenizer.json", bos_token="<bos>")
   e = tasks.generate("multi_key", TOK, length=200, seed=0)
   f = tasks.generate("multi_key", hf, length=200, seed=0)
   np.testing.assert_array_equal(e.prompt, f.prompt)
@@ -148,16 +149,16 @@ def test_a_subword_tokenizer_gets_exact_lengths(tmp_path):
     special_tokens=["<s>"],
     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),  # every byte: nothing is dropped
   )
-  corpus = [" ".join(tasks.FILLER + tasks.TEMPLATE_WORDS + tasks.KEYS[:50] + tasks.PUNCT)]
+  corpus = [" ".join(vocab.FILLER + vocab.TEMPLATE_WORDS + vocab.KEYS[:50] + vocab.PUNCT)]
   bpe.train_from_iterator(corpus * 3, trainer)
   bpe.save(str(tmp_path / "tokenizer.json"))
-  hf = tasks.HFTokenizer(tmp_path / "tokenizer.json", bos_token="<s>")
+  hf = tokenizer.HFTokenizer(tmp_path / "tokenizer.json", bos_token="<s>")
   for task in tasks.TASKS:
     e = tasks.generate(task, hf, length=400, seed=1)
     assert e.prompt.size == 400
   e = tasks.generate("single_needle", hf, length=400, seed=1)
   value = hf.decode(e.answer).strip()
-  assert value in tasks.VALUES and f"is {value} ." in hf.decode(e.prompt)
+  assert value in vocab.VALUES and f"is {value} ." in hf.decode(e.prompt)
 
 
 def test_set_scoring_compares_whole_values_not_tokens():

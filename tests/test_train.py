@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 
 from configs import train_tiny
-from kvjax import sweep, tasks, train
+from kvjax import model as km
+from kvjax import rundir
+from kvjax.eval import card, train, vocab
+from kvjax.model import tokenizer
 
 
 def quick_config(steps=8):
@@ -17,7 +20,7 @@ def quick_config(steps=8):
 
 
 def test_batches_are_a_pure_function_of_the_step():
-  c, tok = quick_config(), tasks.tiny_tokenizer()
+  c, tok = quick_config(), vocab.tiny_tokenizer()
   a, b = train.make_batch(3, c, tok), train.make_batch(3, c, tok)
   np.testing.assert_array_equal(a["tokens"], b["tokens"])
   assert not np.array_equal(a["tokens"], train.make_batch(4, c, tok)["tokens"])
@@ -28,7 +31,7 @@ def test_batches_are_a_pure_function_of_the_step():
 
 
 def test_set_targets_accept_every_item_not_yet_given():
-  c, tok = quick_config(), tasks.tiny_tokenizer()
+  c, tok = quick_config(), vocab.tiny_tokenizer()
   c.curriculum[0].mixture = {"multi_value": 1.0}
   plain = train.make_batch(0, c, tok)
   # off: the next token alone is accepted
@@ -54,7 +57,7 @@ def test_set_targets_accept_every_item_not_yet_given():
 
 
 def test_loss_is_minus_log_of_the_accepted_mass():
-  c, tok = quick_config(), tasks.tiny_tokenizer()
+  c, tok = quick_config(), vocab.tiny_tokenizer()
   cfg = train.model_config(c.model, tok.vocab_size)
   params = train.init_state(c, cfg).params
   tokens = np.asarray([[tok.bos_id, 5, 6, 7, 8, 9]], np.int32)
@@ -73,7 +76,7 @@ def test_loss_is_minus_log_of_the_accepted_mass():
 
 
 def test_a_few_steps_reduce_the_loss():
-  c, tok = quick_config(), tasks.tiny_tokenizer()
+  c, tok = quick_config(), vocab.tiny_tokenizer()
   c.learning_rate = 1e-2
   cfg = train.model_config(c.model, tok.vocab_size)
   state = train.init_state(c, cfg)
@@ -88,7 +91,7 @@ def test_a_few_steps_reduce_the_loss():
 
 
 def test_checkpoint_restore_gives_identical_params_and_next_step(tmp_path):
-  c, tok = quick_config(), tasks.tiny_tokenizer()
+  c, tok = quick_config(), vocab.tiny_tokenizer()
   cfg = train.model_config(c.model, tok.vocab_size)
   step = train.make_step(cfg, c)
   state = train.init_state(c, cfg)
@@ -132,28 +135,26 @@ def test_interrupted_run_resumes_on_the_same_loss_curve(tmp_path):
   np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=1e-5)
   for x, y in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params), strict=True):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
-  record = train.phase_record(tmp_path / "cut")  # what a model card says of the run
+  record = card.phase_record(tmp_path / "cut")  # what a model card says of the run
   assert record["steps"] == 8 and record["config"]["steps"] == 8
   assert record["final_loss"] == b[-1]["loss"]
   with pytest.raises(ValueError, match="workdir"):
-    train.phase_record(tmp_path / "nothing")
+    card.phase_record(tmp_path / "nothing")
 
 
 def test_export_loads_back_as_a_hugging_face_checkpoint(tmp_path):
-  from kvjax import model as km
-
-  c, tok = quick_config(), tasks.tiny_tokenizer()
+  c, tok = quick_config(), vocab.tiny_tokenizer()
   cfg = train.model_config(c.model, tok.vocab_size)
   state = train.init_state(c, cfg)
-  train.export(c, state.params, tmp_path, note="test")
+  card.export(c, state.params, tmp_path, note="test")
   model, cfg2 = km.load(tmp_path)
   assert cfg2 == cfg
   for k, v in state.params.items():
     np.testing.assert_array_equal(np.asarray(model.params()[k]), np.asarray(v))
-  assert tasks.WordTokenizer.load(tmp_path / "tokenizer.json").vocab == tok.vocab
-  card = json.loads((tmp_path / "card.json").read_text())
-  assert card["note"] == "test" and card["phases"] == [{"config": sweep.plain(c)}]
-  assert card["model"].startswith(f"Llama config, {cfg.num_layers} layers")
+  assert tokenizer.WordTokenizer.load(tmp_path / "tokenizer.json").vocab == tok.vocab
+  written = json.loads((tmp_path / "card.json").read_text())
+  assert written["note"] == "test" and written["phases"] == [{"config": rundir.plain(c)}]
+  assert written["model"].startswith(f"Llama config, {cfg.num_layers} layers")
 
 
 def test_unknown_preset_is_named():

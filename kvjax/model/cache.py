@@ -28,7 +28,6 @@ from kvjax.model.config import ModelConfig
 
 Array = jax.Array
 
-DECODE_POLICIES = ("sliding_window", "streaming_llm", "h2o", "tova")
 LAYOUTS = ("kv", "query")
 
 
@@ -62,7 +61,7 @@ class CacheSpec:
 
   @property
   def decode_time(self) -> bool:
-    return self.policy.name in DECODE_POLICIES
+    return self.policy.name != "full" and policies.acts_at_decode(self.policy.name)
 
 
 def memory(cache: KVCache) -> dict:
@@ -88,31 +87,30 @@ def _batch_first(x):
   return None if x is None else jnp.moveaxis(x, 1, 0)
 
 
-def _evidence(pre: dict, rng) -> policies.Evidence:
-  """One example's evidence (batch axis removed); padding is masked by the caller."""
+def _evidence_per_row(pre: llama.Prefill) -> policies.Evidence:
+  """The prefill's evidence with the batch axis first (to ``vmap`` over rows)."""
   return policies.Evidence(
-    attn_window_LHWT=pre.get("attn_window"),
-    column_sums_LHT=pre.get("column_sums"),
-    keys_LGTD=pre["keys"],
-    future_attn_LHST=pre.get("future_attn"),
-    rng=rng,
+    attn_window_LHWT=_batch_first(pre.attn_window),
+    column_sums_LHT=_batch_first(pre.column_sums),
+    keys_LGTD=_batch_first(pre.keys),
+    future_attn_LHST=_batch_first(pre.future_attn),
   )
 
 
 def compress(
-  cfg: ModelConfig, pre: dict, spec: CacheSpec, budget, *, head_scores=None, rng=None
+  cfg: ModelConfig, pre: llama.Prefill, spec: CacheSpec, budget, *, head_scores=None, rng=None
 ) -> KVCache:
   """A cache of capacity ``spec.capacity`` from prefill outputs ``pre`` under ``budget``
   (scalar, ``[L]`` or ``[L, H]``), per batch row (allocations may differ between rows)."""
-  L, B, G, T, D = pre["keys"].shape
+  L, B, G, T, D = pre.keys.shape
   rng = jax.random.key(0) if rng is None else rng
-  keys, values = pre["keys"], pre["values"]
+  keys, values = pre.keys, pre.values
   if spec.layout == "query":
     keys, values = (jnp.repeat(t, cfg.num_groups, axis=2) for t in (keys, values))
   H = keys.shape[2]
 
-  def one(pre_b, valid_T, keys_b, rng_b):
-    ev = _evidence(pre_b, rng_b)
+  def one(ev, valid_T, rng_b):
+    ev = ev.replace(rng=rng_b)
     if head_scores is not None:
       ev = ev.replace(head_scores_LH=head_scores)
     if spec.policy.name == "full":
@@ -131,20 +129,17 @@ def compress(
       scores = jnp.where(valid_T, scores, -jnp.inf)
     count = jnp.minimum(budget_LH, valid_T.sum())
     idx, kept = select.compact(scores, count, spec.capacity)
-    state = _decode_state(spec, pre_b, scores, idx, kept, H)
+    state = _decode_state(spec, ev, scores, idx, kept, H)
     overflow = (count > spec.capacity).any() | (budget_LH < 0).any()
     return idx, kept, budget_LH, state, overflow
 
-  pre_b = {
-    k: _batch_first(pre.get(k)) for k in ("attn_window", "column_sums", "keys", "future_attn")
-  }
   idx, kept, budget_LH, state, overflow = jax.vmap(one)(
-    pre_b, pre["valid"], _batch_first(keys), jax.random.split(rng, B)
+    _evidence_per_row(pre), pre.valid, jax.random.split(rng, B)
   )
   idx_L, kept_L = jnp.moveaxis(idx, 0, 1), jnp.moveaxis(kept, 0, 1)  # [L, B, H, C]
   gather = lambda t: jnp.take_along_axis(t, idx_L[..., None], axis=3)  # noqa: E731
   positions = jnp.take_along_axis(
-    jnp.broadcast_to(pre["positions"][None, :, None, :], (L, B, H, T)), idx_L, axis=3
+    jnp.broadcast_to(pre.positions[None, :, None, :], (L, B, H, T)), idx_L, axis=3
   )
   kept_keys = gather(keys)
   if spec.reindex:  # store pre-RoPE keys: undo each key's rotation at its original position
@@ -169,9 +164,9 @@ def _to_layout(scores_LHT, H, cfg):
   raise ValueError(f"scores: {scores_LHT.shape[1]} heads cannot map to the cache's {H} heads")
 
 
-def _decode_state(spec: CacheSpec, pre_b, scores_LHT, idx, kept, H):
+def _decode_state(spec: CacheSpec, ev: policies.Evidence, scores_LHT, idx, kept, H):
   if spec.policy.name == "h2o":
-    sums = pre_b["column_sums"]
+    sums = ev.column_sums_LHT
     if sums.shape[1] != H:
       sums = sums.reshape(sums.shape[0], H, -1, sums.shape[-1]).mean(2)
     return jnp.where(kept, jnp.take_along_axis(sums, idx, -1), 0.0)
@@ -230,7 +225,7 @@ def decode_step(
   """
   B = token_B.shape[0]
   x = params["embed"][token_B][:, None, :]
-  stacked = {k: v for k, v in params.items() if k not in ("embed", "final_norm", "lm_head")}
+  stacked = llama.stacked(params)
   slots = {"positions": cache.positions, "valid": cache.valid}
   if cache.scores is not None:
     slots["scores"] = cache.scores

@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from kvjax.model.config import ModelConfig
 
@@ -121,9 +121,18 @@ def rope_at(x: Array, positions: Array, cfg: ModelConfig) -> Array:
   return x * cos + rotated * sin
 
 
+# parameters outside the layer stack (everything else is stacked over a leading layer axis)
+UNSTACKED = ("embed", "final_norm", "lm_head")
+
+
+def stacked(params: dict) -> dict:
+  """The per-layer parameters, each ``[L, ...]``: what the layer scan iterates over."""
+  return {k: v for k, v in params.items() if k not in UNSTACKED}
+
+
 def layer_params(params: dict, layer) -> dict:
   """One layer's slice of the stacked parameters."""
-  return {k: v[layer] for k, v in params.items() if k not in ("embed", "final_norm", "lm_head")}
+  return {k: v[layer] for k, v in stacked(params).items()}
 
 
 def project_qkv(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array):
@@ -188,6 +197,14 @@ def logits_of(cfg: ModelConfig, params: dict, x_BTd: Array) -> Array:
   return (h @ head).astype(jnp.float32)
 
 
+def dense_layer(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array, allowed) -> tuple:
+  """One decoder layer with one dense mask ``allowed`` (``[B, T, T]``): the new residual stream
+  and the layer's attention probabilities ``[B, Hq, T, T]`` (training and attention maps)."""
+  q, k, v = project_qkv(cfg, p, x_BTd, positions_BT)
+  probs = attention_probs(q, k, allowed)
+  return output_and_mlp(cfg, p, x_BTd, attend(probs, v)), probs
+
+
 def positions_from_mask(attention_mask_BT: Array) -> Array:
   """HF-style positions of a (left-)padded batch: ``cumsum(mask) - 1``, 0 on padding."""
   return jnp.maximum(jnp.cumsum(attention_mask_BT, -1) - 1, 0).astype(jnp.int32)
@@ -213,7 +230,35 @@ def forward(
   block: int = 256,
 ) -> Array:
   """Full causal forward: logits ``[B, T, V]`` (queries processed in blocks of ``block``)."""
-  return prefill(cfg, params, input_ids, attention_mask, block=block)["logits"]
+  return prefill(cfg, params, input_ids, attention_mask, block=block).logits
+
+
+@struct.dataclass
+class Prefill:
+  """What one pass over a prompt returns: logits, the full post-RoPE K/V and the evidence.
+
+  Attributes:
+    logits: ``[B, T, V]`` fp32.
+    keys, values: ``[L, B, G, T, D]`` (keys post-RoPE, at their original positions).
+    positions, valid: ``[B, T]`` RoPE positions and the non-padding mask.
+    key_norms: ``[L, B, G, T]`` (key norm's evidence).
+    attn_window: ``[L, B, Hq, W, T]`` fp32, the last ``W`` query rows (no ``T x T`` matrix).
+    column_sums: ``[L, B, Hq, T]`` attention received from all valid queries (H2O).
+    full_attention: ``{layer: [B, Hq, T, T]}`` for plots, on request.
+    future_attn: ``[L, B, Hq, S, T]`` attention of later queries (the oracle's evidence; set by
+      the caller that has them).
+  """
+
+  logits: Array
+  keys: Array
+  values: Array
+  positions: Array
+  valid: Array
+  key_norms: Array
+  attn_window: Array | None = None
+  column_sums: Array | None = None
+  full_attention: dict | None = None
+  future_attn: Array | None = None
 
 
 def prefill(
@@ -226,14 +271,12 @@ def prefill(
   column_sums: bool = False,
   full_attention_layers: tuple[int, ...] = (),
   block: int = 256,
-) -> dict:
-  """One pass over the prompt returning logits, the full post-RoPE K/V and the evidence.
+) -> Prefill:
+  """One pass over the prompt: a :class:`Prefill` with logits, K/V and the requested evidence.
 
-  Returns ``logits [B, T, V]``, ``keys``/``values [L, B, G, T, D]``, ``positions [B, T]``,
-  ``valid [B, T]`` and, on request, ``attn_window [L, B, Hq, W, T]`` (the last ``window`` query
-  rows; no ``T x T`` matrix), ``column_sums [L, B, Hq, T]`` (attention received from all valid
-  queries, accumulated block by block: memory ``O(T * block)``), ``key_norms [L, B, G, T]`` and
-  ``full_attention {layer: [B, Hq, T, T]}`` for plotting.
+  ``window`` asks for the last ``window`` query rows, ``column_sums`` for H2O's attention sums
+  (accumulated block by block: memory ``O(T * block)``), ``full_attention_layers`` for full
+  maps of those layers.
   """
   B, T = input_ids.shape
   if attention_mask is None:
@@ -273,15 +316,18 @@ def prefill(
       ys["attn_window"] = attention_probs(q[:, :, -window:], k, allowed)
     return output_and_mlp(cfg, p, x, out), ys
 
-  stacked = {k: v for k, v in params.items() if k not in ("embed", "final_norm", "lm_head")}
-  x, ys = jax.lax.scan(layer, x, stacked)
-  out = dict(ys, logits=logits_of(cfg, params, x), positions=positions, valid=valid)
-  out["key_norms"] = jnp.linalg.norm(ys["keys"].astype(jnp.float32), axis=-1)
+  x, ys = jax.lax.scan(layer, x, stacked(params))
+  maps = None
   if full_attention_layers:
-    out["full_attention"] = full_attention_maps(
-      cfg, params, input_ids, attention_mask, full_attention_layers
-    )
-  return out
+    maps = full_attention_maps(cfg, params, input_ids, attention_mask, full_attention_layers)
+  return Prefill(
+    logits=logits_of(cfg, params, x),
+    positions=positions,
+    valid=valid,
+    key_norms=jnp.linalg.norm(ys["keys"].astype(jnp.float32), axis=-1),
+    full_attention=maps,
+    **ys,
+  )
 
 
 def full_attention_maps(cfg, params, input_ids, attention_mask, layers) -> dict:
@@ -293,13 +339,10 @@ def full_attention_maps(cfg, params, input_ids, attention_mask, layers) -> dict:
   x = params["embed"][input_ids]
   maps = {}
   for layer in range(cfg.num_layers):
-    p = layer_params(params, layer)
-    q, k, v = project_qkv(cfg, p, x, positions)
     allowed = causal_allowed(positions, positions, valid, index, index, cfg.sliding_window)
-    probs = attention_probs(q, k, allowed)
+    x, probs = dense_layer(cfg, layer_params(params, layer), x, positions, allowed)
     if layer in layers:
       maps[layer] = probs
-    x = output_and_mlp(cfg, p, x, attend(probs, v))
     if layer >= max(layers):
       break
   return maps

@@ -7,20 +7,21 @@ never do: they save tiny checkpoints themselves).
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import pathlib
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from kvjax.model import config as config_lib
 from kvjax.model.llama import Llama
+from kvjax.model.tokenizer import WordTokenizer
 
 
 def _read_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
-  from safetensors.numpy import load_file  # noqa: PLC0415
-
   index = path / "model.safetensors.index.json"
   if index.exists():
     files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -105,8 +106,6 @@ def tensors_from_params(cfg: config_lib.ModelConfig, params: dict) -> dict[str, 
 def save(path: str | pathlib.Path, cfg: config_lib.ModelConfig, params: dict) -> None:
   """Writes ``config.json`` and ``model.safetensors`` that :func:`load` (and ``transformers``)
   read back."""
-  from safetensors.numpy import save_file  # noqa: PLC0415
-
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
   (path / "config.json").write_text(json.dumps(config_lib.to_hf_dict(cfg), indent=2) + "\n")
@@ -138,8 +137,6 @@ TINY = "tiny"
 
 def tiny_path() -> pathlib.Path:
   """Where the shipped tiny model lives (``kvjax/assets/tiny``)."""
-  import importlib.resources  # noqa: PLC0415
-
   return pathlib.Path(str(importlib.resources.files("kvjax") / "assets" / TINY))
 
 
@@ -147,13 +144,11 @@ def load_tiny(dtype=jnp.float32):
   """``(model, config, tokenizer)`` of the tiny retrieval model shipped with kvjax (no network).
 
   A 4-layer GQA Llama trained by ``experiments/train.py --config=configs/train_tiny.py`` on the
-  tasks of :mod:`kvjax.tasks`; its word tokenizer is :class:`kvjax.tasks.WordTokenizer`.
+  tasks of :mod:`kvjax.eval.tasks`; its tokenizer is :class:`kvjax.model.tokenizer.WordTokenizer`.
   ``kvjax/assets/tiny/card.json`` records how it was trained and its measured accuracy.
   """
-  from kvjax import tasks  # noqa: PLC0415
-
   path = tiny_path()
   if not (path / "model.safetensors").exists():
     raise FileNotFoundError(f"the tiny model is missing from {path} (reinstall kvjax)")
   model, cfg = load(path, dtype)
-  return model, cfg, tasks.WordTokenizer.load(path / "tokenizer.json")
+  return model, cfg, WordTokenizer.load(path / "tokenizer.json")

@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 
-from kvjax import tasks
+from kvjax import model as km
+from kvjax.eval import vocab
+from kvjax.lab import synthetic
 
 
 def multi_document_prompt(tokenizer, *, num_docs: int = 4, doc_len: int = 48, seed: int = 0):
@@ -37,7 +39,7 @@ def multi_document_prompt(tokenizer, *, num_docs: int = 4, doc_len: int = 48, se
     # header words that exist in the tiny vocabulary: "document" and the number k + 10
     piece = tokenizer.encode(f"document {10 + k} :")
     while len(piece) < doc_len:
-      words = rng.choice(tasks.FILLER, int(rng.integers(4, 9))).tolist()
+      words = rng.choice(vocab.FILLER, int(rng.integers(4, 9))).tolist()
       piece += tokenizer.encode(" ".join(words) + " .")
     piece = piece[:doc_len]
     ids += piece
@@ -77,12 +79,10 @@ def row_statistics(probs_HQK: np.ndarray, doc_id_K: np.ndarray | None = None, q_
 
 def model_attention(model, ids_T: np.ndarray, layers=None) -> dict[int, np.ndarray]:
   """``{layer: [Hq, T, T]}`` full-cache attention of one prompt (all layers by default)."""
-  from kvjax.model import llama  # noqa: PLC0415
-
   cfg = model.cfg
   layers = tuple(range(cfg.num_layers)) if layers is None else tuple(layers)
   ids = jnp.asarray(np.asarray(ids_T, np.int32)[None])
-  maps = llama.full_attention_maps(cfg, model.params(), ids, jnp.ones_like(ids), layers)
+  maps = km.llama.full_attention_maps(cfg, model.params(), ids, jnp.ones_like(ids), layers)
   return {layer: np.asarray(m[0]) for layer, m in maps.items()}
 
 
@@ -101,8 +101,6 @@ def model_funnel(model, ids_T: np.ndarray, doc_id_T: np.ndarray | None = None) -
 def synthetic_funnel(world, steps: int = 8) -> pd.DataFrame:
   """Per-layer funnel statistics of a synthetic world's attention rows at ``steps`` evenly spaced
   generation steps (document structure: none; ``own_document_mass`` is omitted)."""
-  from kvjax import synthetic  # noqa: PLC0415
-
   dims = world.dims
   ts = np.linspace(dims.prompt_len, dims.prompt_len + dims.gen_steps - 1, steps).astype(int)
   rows_SLHT = np.stack([np.asarray(synthetic.attention_row(world, jnp.asarray(t))) for t in ts])
@@ -121,21 +119,17 @@ def evenly_spaced_layers(num_layers: int, count: int = 4) -> list[int]:
 def synthetic_attention(world, steps: int = 64) -> dict[int, np.ndarray]:
   """``{layer: [H, S, T]}`` attention rows of a synthetic world at ``steps`` evenly spaced
   positions from the observation window to the end (the world's analogue of an attention map)."""
-  from kvjax import synthetic  # noqa: PLC0415
-
   d = world.dims
   ts = np.linspace(d.prompt_len - d.window, d.prompt_len + d.gen_steps - 1, steps).astype(int)
   rows = np.stack([np.asarray(synthetic.attention_row(world, jnp.asarray(t))) for t in ts])
   return {layer: rows[:, layer].transpose(1, 0, 2) for layer in range(rows.shape[1])}
 
 
-def model_layer_budgets(model, ids_T: np.ndarray, budget: int, policies=None) -> dict:
+def model_layer_budgets(model, ids_T: np.ndarray, budget: int, allocations=None) -> dict:
   """Each allocation's ``budget_LH`` on one prompt at the same mean per-head ``budget``:
   ``uniform`` (SnapKV), ``pyramidkv`` (PyramidKV's schedule), ``cake`` (CAKE's layer
   preferences from this prompt's attention) and ``adakv`` (Ada-KV's head-adaptive split)."""
-  from kvjax import model as km  # noqa: PLC0415
-
-  policies = policies or {
+  allocations = allocations or {
     "uniform": "snapkv",
     "pyramidkv": "pyramidkv",
     "cake": "cake",
@@ -143,7 +137,7 @@ def model_layer_budgets(model, ids_T: np.ndarray, budget: int, policies=None) ->
   }
   ids = np.asarray(ids_T, np.int32)[None]
   out = {}
-  for label, name in policies.items():
+  for label, name in allocations.items():
     g = km.generate_configs(model, ids, np.array([budget]), policy=name, max_new_tokens=1)
     out[label] = np.asarray(g.budget_LH[0, 0])
   return out

@@ -62,29 +62,19 @@ def _allocation(cfg, pre, spec0, budget, head_scores):
   return cache.budget
 
 
-WINDOWED = (
-  "snapkv",
-  "snapkv_kvpress",
-  "pyramidkv",
-  "adakv_snapkv",
-  "adakv_pyramidkv",
-  "headkv",
-  "cake",
-)
-
-
 def _check_budget(policy: policies.Policy, budget, window: int) -> None:
   """Concrete budgets (before any vmap hides them): integers, at least one slot, and above the
   protected window for the observation-window policies."""
   arr = np.asarray(budget)
   if not np.issubdtype(arr.dtype, np.integer):
     raise ValueError(f"budget: expected integer token counts, got {arr.dtype}")
-  floor = window + 1 if policy.name in WINDOWED else 1
+  windowed = policies.spec(policy.name).windowed
+  floor = window + 1 if windowed else 1
   if arr.size and arr.min() < floor:
     raise ValueError(
       f"budget: {int(arr.min())} is below {floor} for {policy.name!r} "
       f"(every budget counts the window of {window} and needs a selected token)"
-      if policy.name in WINDOWED
+      if windowed
       else f"budget: {int(arr.min())} < 1; every row needs at least one slot"
     )
   if policy.name == "h2o" and arr.min() <= policy.opts["recent"]:
@@ -117,7 +107,7 @@ def _check_overflow(cache) -> None:
 def _capacity(policy, budget_max: int, T: int, new: int) -> int:
   if policy.name == "full":
     return T + new
-  if policy.name in cache_lib.DECODE_POLICIES:
+  if policies.acts_at_decode(policy.name):
     return max(min(budget_max, T + new), 1)
   return min(budget_max, T) + new
 
@@ -125,8 +115,8 @@ def _capacity(policy, budget_max: int, T: int, new: int) -> int:
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "new", "temperature"))
 def _compress_and_decode(cfg, params, pre, spec, budget, head_scores, first, new, temperature, rng):
   cache = cache_lib.compress(cfg, pre, spec, budget, head_scores=head_scores, rng=rng)
-  B, T = pre["valid"].shape
-  start_pos = pre["valid"].sum(-1).astype(jnp.int32)  # next RoPE position per row
+  B, T = pre.valid.shape
+  start_pos = pre.valid.sum(-1).astype(jnp.int32)  # next RoPE position per row
 
   def step(carry, i):
     cache, token, rng = carry
@@ -215,7 +205,7 @@ def generate(
   spec = dataclasses.replace(spec, capacity=cap)
   rng = jax.random.key(0) if rng is None else rng
   rng, first_rng = jax.random.split(rng)
-  first = _pick(pre["logits"][:, -1], float(temperature), first_rng)
+  first = _pick(pre.logits[:, -1], float(temperature), first_rng)
   tokens, cache = _compress_and_decode(
     cfg, params, pre, spec, budget, head_scores, first, max_new_tokens, float(temperature), rng
   )
@@ -277,7 +267,7 @@ def generate_configs(
   spec, alloc = _configs_spec(
     cfg, pol, pre, budgets, window, head_scores, layout, T, max_new_tokens
   )
-  first = jnp.argmax(pre["logits"][:, -1], -1).astype(jnp.int32)
+  first = jnp.argmax(pre.logits[:, -1], -1).astype(jnp.int32)
   run = jax.vmap(
     lambda b: _compress_and_decode(
       cfg, params, pre, spec, b, head_scores, first, max_new_tokens, 0.0, jax.random.key(0)
@@ -285,7 +275,7 @@ def generate_configs(
   )
   tokens, caches = run(budgets)
   _check_overflow(caches)
-  itemsize = pre["keys"].dtype.itemsize
+  itemsize = pre.keys.dtype.itemsize
   held_C = np.asarray(caches.valid).sum(axis=(1, 2, 3, 4)) * 2 * cfg.head_dim * itemsize
   mem = {"kv_bytes_held_per_config": held_C.tolist()}
   return Generation(np.asarray(tokens), mem, np.asarray(alloc))
@@ -313,8 +303,8 @@ def _compress_and_answer(cfg, params, pre, spec, budget, head_scores, inputs_BN,
   """Compresses once, then decodes the answer twice from that cache: greedy (given positions
   fed from the answer) and teacher-forced (every position fed from the answer)."""
   cache0 = cache_lib.compress(cfg, pre, spec, budget, head_scores=head_scores)
-  B, T = pre["valid"].shape
-  start_pos = pre["valid"].sum(-1).astype(jnp.int32)
+  B, T = pre.valid.shape
+  start_pos = pre.valid.sum(-1).astype(jnp.int32)
   N = inputs_BN.shape[1]
 
   def run(teacher: bool):
@@ -343,21 +333,25 @@ def _future_attention(cfg, params, prompt, answer, Tc: int) -> Array:
   seq = jnp.concatenate([prompt, answer[:, :-1]], axis=1)
   M = seq.shape[1] - Tc
   pre = _prefill(cfg, params, seq, jnp.ones_like(seq), M, False)
-  return pre["attn_window"][..., :Tc]
+  return pre.attn_window[..., :Tc]
 
 
-def _restrict(pre: dict, Tc: int) -> dict:
+def _restrict(pre: llama.Prefill, Tc: int) -> llama.Prefill:
   """Prefill outputs with the key axis cut to the first ``Tc`` positions (the context): the
   question's window rows and attention sums stay as evidence, its keys and values go."""
-  out = dict(pre)
-  for k in ("keys", "values"):
-    out[k] = pre[k][..., :Tc, :]
-  for k in ("positions", "valid"):
-    out[k] = pre[k][:, :Tc]
-  for k in ("attn_window", "column_sums", "key_norms"):
-    if k in pre:
-      out[k] = pre[k][..., :Tc]
-  return out
+
+  def keys_axis(x):
+    return None if x is None else x[..., :Tc]
+
+  return pre.replace(
+    keys=pre.keys[..., :Tc, :],
+    values=pre.values[..., :Tc, :],
+    positions=pre.positions[:, :Tc],
+    valid=pre.valid[:, :Tc],
+    attn_window=keys_axis(pre.attn_window),
+    column_sums=keys_axis(pre.column_sums),
+    key_norms=keys_axis(pre.key_norms),
+  )
 
 
 def answer_configs(
@@ -430,7 +424,7 @@ def answer_configs(
   cfg, params, pol, pre, _ = _prepare(model, seen, None, "left", policy, policy_options, N)
   pre = _restrict(pre, Tc)
   if pol.name == "oracle":
-    pre = dict(pre, future_attn=_future_attention(cfg, params, jnp.asarray(prompt), answer, Tc))
+    pre = pre.replace(future_attn=_future_attention(cfg, params, jnp.asarray(prompt), answer, Tc))
   window = _window(pol, seen.shape[1]) if pol.name != "full" else 0
   M = question_len + N - 1  # tokens fed through the cache
   spec, alloc = _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, Tc, M)

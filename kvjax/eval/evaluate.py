@@ -13,7 +13,7 @@ figure) comes from the same machinery with ``depth`` fixed per cell.
 
 from __future__ import annotations
 
-import importlib
+import hashlib
 import json
 import pathlib
 import time
@@ -21,10 +21,11 @@ import time
 import numpy as np
 import pandas as pd
 
-from kvjax import sweep, tasks
-
-# the module (``kvjax.model.generate`` the attribute is the function of the same name)
-gen = importlib.import_module("kvjax.model.generate")
+from kvjax import model as km
+from kvjax import plotting, rundir
+from kvjax.eval import tasks
+from kvjax.model import decoding, loading
+from kvjax.model.tokenizer import HFTokenizer
 
 EVAL_SEED = 2**31  # training draws example seeds below 2**31: evaluation seeds never collide
 
@@ -33,8 +34,6 @@ def load_model(name: str):
   """``(model, cfg, tokenizer)``: ``"tiny"`` is the shipped model; anything else is a local
   Hugging Face directory or, online, a hub id (``config.json``, safetensors, ``tokenizer.json``;
   the ``bos_token`` of ``tokenizer_config.json`` starts every prompt when there is one)."""
-  from kvjax import model as km  # noqa: PLC0415
-
   if name == "tiny":
     return km.load_tiny()
   path = pathlib.Path(name)
@@ -50,7 +49,7 @@ def load_model(name: str):
   if tc.exists():
     bos = json.loads(tc.read_text()).get("bos_token")
     bos = bos.get("content") if isinstance(bos, dict) else bos
-  return model, cfg, tasks.HFTokenizer(path / "tokenizer.json", bos_token=bos)
+  return model, cfg, HFTokenizer(path / "tokenizer.json", bos_token=bos)
 
 
 def examples(task: str, tokenizer, length: int, count: int, options: dict, *, depth=None, seed=0):
@@ -98,8 +97,8 @@ def head_retrieval_scores(
   cfg = model.cfg
   exs = examples("single_needle", tokenizer, length, count, {}, seed=7)
   prompts = np.stack([e.prompt for e in exs])
-  pre = gen._prefill(cfg, model.params(), prompts, np.ones_like(prompts), 1, False)
-  row_LBHT = np.asarray(pre["attn_window"][..., -1, :])
+  pre = km.prefill(cfg, model.params(), prompts, np.ones_like(prompts), window=1)
+  row_LBHT = np.asarray(pre.attn_window[..., -1, :])
   at_B = np.asarray([e.needle_at[0] for e in exs])
   near_BT = np.abs(np.arange(length)[None, :] - at_B[:, None]) <= span
   mass_LH = (row_LBHT * near_BT[None, :, None, :]).sum(-1).mean(1)
@@ -119,7 +118,7 @@ def full_cache_scores(model, tokenizer, lengths, count: int, task_options: dict,
       for start in range(0, count, 8):  # batches of 8 bound memory at long contexts
         part = exs[start : start + 8]
         P, A, S = tasks.batch(part)
-        ans = gen.answer_configs(model, P, A, np.array([1]), policy="full", answer_given=~S)
+        ans = decoding.answer_configs(model, P, A, np.array([1]), policy="full", answer_given=~S)
         oks.append(accuracy(part, ans.predicted[0]))
         found.append(recall(part, ans.predicted[0]))
       out["accuracy"][str(length)][task] = float(np.concatenate(oks).mean())
@@ -143,7 +142,7 @@ def evaluate_group(
     raise ValueError(f"budgets: no budget to evaluate for policy {name!r}")
   prompts, answers, scored = tasks.batch(exs)
   extra = {"head_scores": head_scores} if name == "headkv" else {}
-  out = gen.answer_configs(
+  out = decoding.answer_configs(
     model,
     prompts,
     answers,
@@ -179,15 +178,11 @@ def _model_fingerprint(name: str) -> str:
   model is retrained), else the name."""
   if name != "tiny":
     return name
-  import hashlib  # noqa: PLC0415
-
-  from kvjax.model import loading  # noqa: PLC0415
-
   data = (loading.tiny_path() / "model.safetensors").read_bytes()
   return "tiny:" + hashlib.sha256(data).hexdigest()[:16]
 
 
-def _complete_groups(table: pd.DataFrame, path: pathlib.Path, expected: dict) -> set:
+def complete_groups(table: pd.DataFrame, path: pathlib.Path, expected: dict) -> set:
   """Groups with all their rows; rows of a group cut by an interruption are dropped from the
   file (and the group reruns), so nothing is lost or doubled."""
   if table.empty:
@@ -197,7 +192,7 @@ def _complete_groups(table: pd.DataFrame, path: pathlib.Path, expected: dict) ->
   done = {k for k, n in counts.items() if n == expected.get(k, 1)}
   if len(done) < len(counts):
     keep = [k in done for k in keys]
-    table[keep].to_csv(path, index=False)
+    rundir.write_rows(path, table[keep])
   return done
 
 
@@ -219,26 +214,16 @@ COLUMNS = [
 
 def run(config, workdir, *, log=print) -> pd.DataFrame:
   """Runs (or resumes) the evaluation ``config`` into ``workdir``; returns ``results.csv``."""
-  out = pathlib.Path(workdir)
-  out.mkdir(parents=True, exist_ok=True)
-  plain = {k: sweep.plain(config[k]) for k in sorted(config.keys()) if k != "workdir"}
-  sig = json.dumps(
-    plain | {"weights": _model_fingerprint(config.model)}, sort_keys=True, default=str
-  )
-  sig_path = out / "eval.json"
-  path = out / "results.csv"
-  table = sweep.read_results(path)
-  if not table.empty and sig_path.exists() and sig_path.read_text() != sig:
-    raise ValueError(
-      f"workdir: {out} holds results of a different evaluation or model (eval.json differs); "
-      "expected the same config and weights to resume, or a fresh workdir"
-    )
+  path = pathlib.Path(workdir) / "results.csv"
+  table = rundir.read_rows(path)
+  plain = {k: config[k] for k in config if k != "workdir"}
+  sig = rundir.signature(plain | {"weights": _model_fingerprint(config.model)})
+  out = rundir.claim(workdir, "eval.json", sig, has_results=not table.empty)
   if not table.empty and list(table.columns) != COLUMNS:
     raise ValueError(
       f"workdir: {path} has the columns {list(table.columns)}, expected {COLUMNS} (written by "
       "another kvjax version); use a fresh workdir"
     )
-  sig_path.write_text(sig)
   entries = [_policy_options(e) for e in config.policies]
   groups = {}  # (task, length, label, kind) -> budgets
   for task in config.tasks:
@@ -250,12 +235,12 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
             f"budgets: none of {list(config.budgets)} is below the context length {length}"
           )
         groups[(task, length, label, "budget")] = budgets
-  done = _complete_groups(table, path, {k: len(v) for k, v in groups.items()})
+  done = complete_groups(table, path, {k: len(v) for k, v in groups.items()})
   model, cfg, tok = load_model(config.model)
   q = config.question
   head = None  # HeadKV's retrieval-head scores, measured once per run
   for task, opts in config.tasks.items():
-    opts = sweep.plain(opts)
+    opts = rundir.plain(opts)
     for length in config.lengths:
       exs = examples(task, tok, length, config.examples, opts, seed=config.seed)
       full = None
@@ -276,15 +261,13 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
           | {"seconds": round(time.time() - t0, 2)}
           for r in res["rows"]
         ]
-        sweep._append(path, rows)
+        rundir.append_rows(path, rows)
         log(
           f"{task:18s} {length:5d} {label:16s} "
           + " ".join(f"{r['budget']}:{r['accuracy']:.2f}" for r in res["rows"])
         )
   head = _heatmap(config, model, tok, path, done, head, log)
-  table = sweep.read_results(path)
-  from kvjax import plotting  # noqa: PLC0415
-
+  table = rundir.read_rows(path)
   plotting.accuracy_figures(table, out)
   return table
 
@@ -309,7 +292,7 @@ def _heatmap(config, model, tok, path, done, head, log):
         cells.append(label)
       if not cells:
         continue
-      opts = sweep.plain(config.tasks[h.task]) if h.task in config.tasks else {}
+      opts = rundir.plain(config.tasks[h.task]) if h.task in config.tasks else {}
       exs = examples(h.task, tok, length, h.examples, opts, depth=d, seed=config.seed + 1)
       for label in cells:
         _, name, options = ("full", "full", {}) if label == "full" else entries[label]
@@ -321,6 +304,6 @@ def _heatmap(config, model, tok, path, done, head, log):
         )
         (r,) = res["rows"]
         row = dict(task=h.task, length=length, policy=label, kind=f"heatmap@{d:g}", depth=d, **r)
-        sweep._append(path, [row | {"seconds": 0.0}])
+        rundir.append_rows(path, [row | {"seconds": 0.0}])
       log(f"heatmap length {length} depth {d:g}: done")
   return head

@@ -365,3 +365,35 @@ def scenario(name: str, **overrides) -> WorldConfig:
   if unknown:
     raise ValueError(f"overrides: unknown world fields {unknown}")
   return validate(dataclasses.replace(WorldConfig(), **dict(SCENARIOS[name], **overrides)))
+
+
+WORLD_SIZE_FIELDS = (
+  "num_layers",
+  "num_heads",
+  "prompt_len",
+  "gen_steps",
+  "head_dim",
+  "window",
+  "seed",
+)
+
+
+def world_config(name: str, world_cfg) -> WorldConfig:
+  """Scenario ``name``'s preset with the size fields of a lab config (``config.world``)."""
+  sizes = {k: world_cfg[k] for k in WORLD_SIZE_FIELDS if k in world_cfg}
+  cfg = scenario(name)
+  # Presets place facts for the default 512-token prompt: rescale them to the requested sizes.
+  fields = dict(sizes)
+  P = sizes.get("prompt_len", cfg.prompt_len)
+  S = sizes.get("gen_steps", cfg.gen_steps)
+  W = sizes.get("window", cfg.window)
+  fields["fact_positions"] = tuple(
+    min(int(p * P / cfg.prompt_len), P - W - cfg.fact_span) for p in cfg.fact_positions
+  )
+  fields["fact_steps"] = tuple(
+    (int(a * S / cfg.gen_steps), max(int(b * S / cfg.gen_steps), int(a * S / cfg.gen_steps) + 1))
+    for a, b in cfg.fact_steps
+  )
+  if cfg.drift_step >= 0:
+    fields["drift_step"] = int(cfg.drift_step * S / cfg.gen_steps)
+  return validate(dataclasses.replace(cfg, **fields))

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pandas as pd
 
-from kvjax import metrics, online, plotting, synthetic
+from kvjax import plotting
+from kvjax.lab import metrics, online, synthetic
 
 SUMMARY_COLUMNS = (
   "scenario",
@@ -28,36 +29,6 @@ SUMMARY_COLUMNS = (
   "budget_use",
   "oracle_mass",
 )
-WORLD_SIZE_FIELDS = (
-  "num_layers",
-  "num_heads",
-  "prompt_len",
-  "gen_steps",
-  "head_dim",
-  "window",
-  "seed",
-)
-
-
-def world_config(scenario: str, world_cfg) -> synthetic.WorldConfig:
-  """Scenario preset + the size fields of the lab config (``config.world``)."""
-  sizes = {k: world_cfg[k] for k in WORLD_SIZE_FIELDS if k in world_cfg}
-  cfg = synthetic.scenario(scenario)
-  # Presets place facts for the default 512-token prompt: rescale them to the requested sizes.
-  fields = dict(sizes)
-  P = sizes.get("prompt_len", cfg.prompt_len)
-  S = sizes.get("gen_steps", cfg.gen_steps)
-  W = sizes.get("window", cfg.window)
-  fields["fact_positions"] = tuple(
-    min(int(p * P / cfg.prompt_len), P - W - cfg.fact_span) for p in cfg.fact_positions
-  )
-  fields["fact_steps"] = tuple(
-    (int(a * S / cfg.gen_steps), max(int(b * S / cfg.gen_steps), int(a * S / cfg.gen_steps) + 1))
-    for a, b in cfg.fact_steps
-  )
-  if cfg.drift_step >= 0:
-    fields["drift_step"] = int(cfg.drift_step * S / cfg.gen_steps)
-  return synthetic.validate(dataclasses.replace(cfg, **fields))
 
 
 def validate_config(config) -> None:
@@ -106,7 +77,7 @@ class ScenarioRun:
 
 def simulate_scenario(scenario: str, config, log=print) -> ScenarioRun:
   """All policies of ``config`` on one scenario (the figure's attention maps recorded)."""
-  world = synthetic.make_world(world_config(scenario, config.world))
+  world = synthetic.make_world(synthetic.world_config(scenario, config.world))
   step = pick_step(world, config.figure_step)
   evidence = online.prompt_evidence(world, jax.random.key(config.world.seed))
   rows, traces = [], {}
@@ -130,7 +101,17 @@ def figure(sim: ScenarioRun, config, step: int | None = None):
   """The essay's four-panel figure of a simulated scenario (at ``step``, default the config's)."""
   focus = config.figure_policy or ("snapkv" if "snapkv" in sim.traces else next(iter(sim.traces)))
   step = sim.step if step is None else pick_step(sim.world, step)
-  return plotting.lab_figure(sim.world, sim.traces, step, focus, title=sim.scenario)
+  world = sim.world
+  return plotting.lab_figure(
+    sim.traces,
+    step,
+    focus,
+    prompt_len=world.dims.prompt_len,
+    facts_T=np.asarray(world.fact_mask_FT).any(0),
+    active_T=np.asarray(synthetic.active_fact_positions(world, step)),
+    row_LHT=np.asarray(synthetic.attention_row(world, world.dims.prompt_len + step)),
+    title=sim.scenario,
+  )
 
 
 def retained_by_head(sim: ScenarioRun) -> pd.DataFrame:

@@ -30,7 +30,8 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from kvjax import sweep, tasks
+from kvjax import rundir
+from kvjax.eval import tasks, vocab
 from kvjax.model import llama
 from kvjax.model.config import ModelConfig
 
@@ -153,7 +154,7 @@ def _copy_sequence(rng: np.random.Generator, T: int, tokenizer):
   supervised. Copying is what every retrieval task needs; this dense signal (half the tokens)
   grows the previous-token and induction heads long before the sparse answers alone would."""
   half = int(rng.integers(8, (T - 1) // 2 + 1))
-  words = rng.choice(tasks.FILLER + tasks.KEYS + tasks.VALUES, half).tolist()
+  words = rng.choice(vocab.FILLER + vocab.KEYS + vocab.VALUES, half).tolist()
   ids = [tokenizer.bos_id] + tokenizer.encode(" ".join(words)) * 2
   seq = np.full(T, tokenizer.pad_id, np.int32)
   seq[: len(ids)] = ids
@@ -196,14 +197,11 @@ def logits_fn(cfg: ModelConfig, params: dict, tokens_BT: jax.Array) -> jax.Array
   B, T = tokens_BT.shape
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   allowed = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-  stacked = {k: v for k, v in params.items() if k not in ("embed", "final_norm", "lm_head")}
 
   def layer(x, p):
-    q, k, v = llama.project_qkv(cfg, p, x, positions)
-    out = llama.attend(llama.attention_probs(q, k, allowed), v)
-    return llama.output_and_mlp(cfg, p, x, out), None
+    return llama.dense_layer(cfg, p, x, positions, allowed)[0], None
 
-  x, _ = jax.lax.scan(layer, params["embed"][tokens_BT], stacked)
+  x, _ = jax.lax.scan(layer, params["embed"][tokens_BT], llama.stacked(params))
   return llama.logits_of(cfg, params, x)
 
 
@@ -301,9 +299,9 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, log=prin
   never duplicated on resume) and checkpoints every ``c.checkpoint_every`` steps."""
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  tok = tasks.tiny_tokenizer()
+  tok = vocab.tiny_tokenizer()
   cfg = model_config(c.model, tok.vocab_size)
-  _check_config(workdir, c)
+  rundir.claim(workdir, "train_config.json", rundir.signature(c))
   state = init_state(c, cfg)
   mngr = checkpoint_manager(workdir)
   restored = restore(mngr, state)
@@ -339,95 +337,9 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, log=prin
   return state
 
 
-def _check_config(workdir: pathlib.Path, c: ml_collections.ConfigDict) -> None:
-  """A workdir resumes only the run it holds: a different config is refused."""
-  path = workdir / "train_config.json"
-  text = json.dumps(sweep.plain(c), sort_keys=True, indent=1)
-  if path.exists() and path.read_text() != text:
-    raise ValueError(
-      f"workdir: {workdir} holds a run of a different config (train_config.json differs); "
-      "expected the same config to resume, or a fresh workdir"
-    )
-  path.write_text(text)
-
-
 def _truncate_metrics(path: pathlib.Path, step: int) -> None:
   """Drops metric lines past the restored step (written after the last checkpoint)."""
   if not path.exists():
     return
-  rows = _read_metrics(path)
+  rows = rundir.read_jsonl(path)  # a line cut by a kill is skipped
   path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
-
-
-def _read_metrics(path: pathlib.Path) -> list[dict]:
-  rows = []
-  for line in path.read_text().splitlines():
-    try:
-      rows.append(json.loads(line))
-    except json.JSONDecodeError:  # a line cut by the kill
-      continue
-  return rows
-
-
-def phase_record(workdir: str | pathlib.Path) -> dict:
-  """What a training run in ``workdir`` was, for a model card: its config, steps, wall seconds
-  and final logged loss."""
-  workdir = pathlib.Path(workdir)
-  config_path, metrics_path = workdir / "train_config.json", workdir / "metrics.jsonl"
-  rows = _read_metrics(metrics_path) if metrics_path.exists() else []
-  if not config_path.exists() or not rows:
-    raise ValueError(
-      f"workdir: {workdir} holds no training run (train_config.json and logged metrics.jsonl)"
-    )
-  last = rows[-1]
-  return {
-    "config": json.loads(config_path.read_text()),
-    "steps": last["step"],
-    "seconds": last["seconds"],
-    "final_loss": last["loss"],
-  }
-
-
-def export(c: ml_collections.ConfigDict, params: dict, path: str | pathlib.Path, **card) -> None:
-  """Writes the model as a Hugging Face style checkpoint (``config.json``,
-  ``model.safetensors``), its ``tokenizer.json`` and a ``card.json``: the training ``phases``
-  (:func:`phase_record` of each run; ``c`` alone when none are given) and any measurements
-  passed in ``card``."""
-  from kvjax.model import loading  # noqa: PLC0415
-
-  tok = tasks.tiny_tokenizer()
-  cfg = model_config(c.model, tok.vocab_size)
-  path = pathlib.Path(path)
-  loading.save(path, cfg, params)
-  tok.save(path / "tokenizer.json")
-  phases = card.pop("phases", None) or [{"config": sweep.plain(c)}]
-  info = {"model": describe(cfg), "phases": phases, **card}
-  (path / "card.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
-
-
-def describe(cfg: ModelConfig) -> str:
-  return (
-    f"Llama config, {cfg.num_layers} layers, width {cfg.hidden_size}, {cfg.num_heads} query / "
-    f"{cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim}, SwiGLU {cfg.intermediate_size}, "
-    f"tied embeddings, vocabulary {cfg.vocab_size}"
-  )
-
-
-def measure(path: str | pathlib.Path, *, count: int = 50, lengths=(1024, 2048)) -> dict:
-  """The card's measurements of an exported model: full-cache accuracy per task at each length
-  (``count`` held-out examples at :data:`kvjax.tasks.EVAL_OPTIONS` sizes) and the layer funnel
-  on a multi-document prompt (attention sinks: first-token mass; funneling: entropy per layer)."""
-  from kvjax import evaluate, funnel  # noqa: PLC0415
-  from kvjax.model import loading  # noqa: PLC0415
-
-  model, _ = loading.load(path)
-  tok = tasks.WordTokenizer.load(pathlib.Path(path) / "tokenizer.json")
-  scores = evaluate.full_cache_scores(model, tok, lengths, count, tasks.EVAL_OPTIONS)
-  ids, doc = funnel.multi_document_prompt(tok, num_docs=4, doc_len=128)
-  layers = funnel.model_funnel(model, ids, doc).round(4)
-  return {
-    "full_cache_accuracy": scores["accuracy"],
-    "full_cache_ruler_recall": scores["recall"],
-    "examples_per_cell": count,
-    "funnel": layers.to_dict(orient="list"),
-  }

@@ -26,20 +26,20 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import os
 import pathlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pandas as pd
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
 
 from kvjax import budgets as budgets_lib
-from kvjax import lab, policies, select, synthetic
+from kvjax import policies, rundir, select
 from kvjax import scores as scores_lib
+from kvjax.lab import synthetic
 
 Array = jax.Array
 
@@ -241,7 +241,7 @@ def _retrieval_scores(world: synthetic.World) -> Array:
 
 
 def world_evidence(scenario: str, world_cfg) -> WorldEvidence:
-  cfg = lab.world_config(scenario, world_cfg)
+  cfg = synthetic.world_config(scenario, world_cfg)
   world = synthetic.make_world(cfg)
   P = cfg.prompt_len
   m, facts = _future_mass(world)
@@ -456,7 +456,7 @@ def _sharding():
   return NamedSharding(mesh, PartitionSpec("c")), len(devices)
 
 
-def _stack(members: list[dict], size: int) -> dict:
+def stack_data(members: list[dict], size: int) -> dict:
   padded = members + [members[-1]] * (size - len(members))  # pad: one shape, one compile
   out = {}
   for f in DATA_FIELDS:
@@ -523,7 +523,7 @@ class Engine:
   def _chunks(self, members: list[dict]):
     for start in range(0, len(members), self.chunk_size):
       chunk = members[start : start + self.chunk_size]
-      data = _stack(chunk, self.chunk_size)
+      data = stack_data(chunk, self.chunk_size)
       if self.sharding is not None:
         data = jax.device_put(data, self.sharding)
       yield chunk, data
@@ -578,82 +578,25 @@ class Engine:
 # --------------------------------------------------------------------------- results on disk
 
 
-def _grid_signature(config) -> str:
-  return json.dumps(
+def grid_signature(config) -> str:
+  """What identifies a sweep's results: its base, grid, world and byte size (not its workdir)."""
+  return rundir.signature(
     {
-      "base": config.base.to_dict(),
-      "grid": config.grid.to_dict(),
-      "world": config.world.to_dict(),
+      "base": config.base,
+      "grid": config.grid,
+      "world": config.world,
       "bytes_per_value": config.bytes_per_value,
-    },
-    sort_keys=True,
-    default=list,
+    }
   )
 
 
-def _prepare_dir(config, out: pathlib.Path) -> None:
-  out.mkdir(parents=True, exist_ok=True)
-  sig_path = out / "sweep.json"
-  signature = _grid_signature(config)
-  if sig_path.exists() and sig_path.read_text() != signature:
-    raise ValueError(
-      f"workdir: {out} holds results of a different grid (sweep.json differs); "
-      "expected the same config to resume, or a fresh workdir"
-    )
-  sig_path.write_text(signature)
-  (out / "config.json").write_text(config.to_json_best_effort(indent=2))
-
-
-def plain(value):
-  """A JSON-able copy of a config value (ConfigDicts, and lists of them, become dicts)."""
-  if isinstance(value, ml_collections.ConfigDict):
-    return {k: plain(v) for k, v in value.items()}
-  if isinstance(value, list | tuple):
-    return [plain(v) for v in value]
-  return value
-
-
-def load_config(path: str | pathlib.Path, arg: str | None = None):
-  """``get_config(arg)`` of an ml-collections config file (what ``--config=path:arg`` loads), for
-  notebooks and scripts that do not parse flags."""
-  import importlib.util  # noqa: PLC0415
-
-  path = pathlib.Path(path)
-  if not path.exists():
-    raise ValueError(f"path: config file {path} does not exist")
-  spec = importlib.util.spec_from_file_location(f"kvjax_config_{path.stem}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
-
-
-def read_results(path: pathlib.Path) -> pd.DataFrame:
-  """Complete rows of a results file; a line cut by an interruption is dropped and rewritten."""
-  if not path.exists():
-    return pd.DataFrame()
-  text = path.read_text()
-  if text and not text.endswith("\n"):
-    text = text[: text.rfind("\n") + 1]
-    path.write_text(text)
-  if not text.strip():
-    return pd.DataFrame()
-  return pd.read_csv(path, dtype={"config_id": str})
-
-
-def _append(path: pathlib.Path, rows: list[dict]) -> None:
-  frame = pd.DataFrame(rows)
-  header = not path.exists() or path.stat().st_size == 0
-  data = frame.to_csv(index=False, header=header)
-  with open(path, "a") as f:  # one write per chunk, flushed to disk before the next
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
+def read_results(path: str | pathlib.Path) -> pd.DataFrame:
+  """The complete rows of a sweep's ``results.csv`` (``config_id`` kept as text)."""
+  return rundir.read_rows(path, dtype={"config_id": str})
 
 
 def run(config, workdir, *, log=print, progress: bool = True) -> pd.DataFrame:
   """Runs (or resumes) the sweep ``config`` into ``workdir``; returns the full results table."""
-  from tqdm.auto import tqdm  # noqa: PLC0415
-
   configs = expand(config.grid, config.base)
   engine = Engine(
     config.world,
@@ -669,8 +612,8 @@ def run(config, workdir, *, log=print, progress: bool = True) -> pd.DataFrame:
   ids = [config_id(c) for c in configs]
   if len(set(ids)) != len(ids):
     raise ValueError("grid: the grid repeats a configuration (duplicate config_id)")
-  out = pathlib.Path(workdir)
-  _prepare_dir(config, out)
+  out = rundir.claim(workdir, "sweep.json", grid_signature(config))
+  (out / "config.json").write_text(config.to_json_best_effort(indent=2))
   path = out / "results.csv"
   done = set(read_results(path).get("config_id", pd.Series(dtype=str)))
   todo = [c for c in configs if config_id(c) not in done]
@@ -680,7 +623,7 @@ def run(config, workdir, *, log=print, progress: bool = True) -> pd.DataFrame:
     groups.setdefault(group_key(cfg), []).append(cfg)
   with tqdm(total=len(todo), unit="cfg", disable=not progress, smoothing=0.1) as bar:
     for rows in engine.evaluate_groups(groups):
-      _append(path, rows)
+      rundir.append_rows(path, rows)
       bar.update(len(rows))
   table = read_results(path)
   return table[table["config_id"].isin(set(ids))]

@@ -33,23 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import metrics as metrics_lib
-from kvjax import policies, select, synthetic
+from kvjax import policies, select
 from kvjax import scores as scores_lib
+from kvjax.lab import metrics as metrics_lib
+from kvjax.lab import synthetic
 
 Array = jax.Array
 
-DECODE_POLICIES = ("sliding_window", "streaming_llm", "h2o", "tova")
-PREFILL_POLICIES = (
-  "snapkv",
-  "snapkv_kvpress",
-  "pyramidkv",
-  "adakv_snapkv",
-  "adakv_pyramidkv",
-  "cake",
-  "random",
-)
-LAB_POLICIES = DECODE_POLICIES + PREFILL_POLICIES + ("oracle",)
+LAB_POLICIES = policies.replayable()
 
 
 @struct.dataclass
@@ -130,7 +121,7 @@ def simulate(
   policy = policies.make(name, **options)
   if evidence is None:
     evidence = prompt_evidence(world, jax.random.key(seed))
-  if name in ("sliding_window", "streaming_llm", "h2o", "tova", "oracle", "random"):
+  if not policies.allocates(name):
     L, H = world.dims.num_layers, world.dims.num_heads
     budget_LH = policies.as_budget_LH(budget, L, H)
   else:
@@ -199,7 +190,7 @@ def _prefill(world, policy, budget_LH, recent_LH, evidence, capacity) -> _Slots:
     aux = gather(evidence.column_sums_LHT)
   elif policy.name == "tova":
     aux = gather(scores_LHT)
-  elif policy.name in PREFILL_POLICIES:
+  elif not policies.acts_at_decode(policy.name):
     window = policy.opts.get("window") or world.dims.window
     aux = (pos < P - window).astype(jnp.float32)  # pinned by the vote; the window rolls
   else:
@@ -220,7 +211,7 @@ def _evict(policy, slots: _Slots, budget_LH, recent_LH, t, capacity) -> _Slots:
     score = jnp.where(pos > t - recent_LH[..., None], jnp.inf, aux)
   elif policy.name == "tova":
     score = aux
-  elif policy.name in PREFILL_POLICIES:
+  elif not policies.acts_at_decode(policy.name):
     score = jnp.where(aux > 0, jnp.inf, recency)
   else:
     score = recency
