@@ -13,7 +13,7 @@ import pathlib
 import ml_collections
 
 from kvjax import rundir
-from kvjax.eval import tasks, train, vocab
+from kvjax.eval import evaluate, funnel, tasks, train, vocab
 from kvjax.model import loading
 from kvjax.model.config import ModelConfig
 from kvjax.model.tokenizer import WordTokenizer
