@@ -8,10 +8,11 @@ or TPU; ``:quick`` is the CI smoke run.
 
 import ml_collections
 
+from configs import common
 from kvjax.eval import tasks
 
 # per (layer, head) budgets include SnapKV's 32-token observation window
-POLICIES = [
+POLICIES = (
   dict(label="sliding_window", policy="sliding_window"),
   dict(label="streaming_llm", policy="streaming_llm"),
   dict(label="h2o", policy="h2o"),
@@ -24,7 +25,7 @@ POLICIES = [
   dict(label="knorm", policy="knorm"),
   dict(label="random", policy="random"),
   dict(label="oracle", policy="oracle"),
-]
+)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -38,9 +39,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # selection, question re-fed), "after" (kvpress, query-agnostic) or "compressed" (SnapKV's loop)
   c.question = "in_window"
   c.tasks = ml_collections.ConfigDict(tasks.EVAL_OPTIONS)
-  c.lengths = [1024]
+  c.lengths = (1024,)
   c.examples = 8
-  c.budgets = [48, 64, 128, 256]
+  c.budgets = (48, 64, 128, 256)
   c.policies = POLICIES
   c.heatmap = ml_collections.ConfigDict(
     dict(
@@ -48,32 +49,31 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # spreads into later tokens' states, so the heatmap uses multi_key (three distractor
       # needles), where keeping the right needle matters
       task="multi_key",
-      policies=["snapkv", "streaming_llm"],
+      policies=("snapkv", "streaming_llm"),
       budget=64,
-      lengths=[256, 512, 1024],
-      depths=[0.0, 0.25, 0.5, 0.75, 1.0],
+      lengths=(256, 512, 1024),
+      depths=(0.0, 0.25, 0.5, 0.75, 1.0),
       examples=4,
     )
   )
-  if arg == "full":
-    c.lengths = [1024, 2048]
+  preset = common.parse_arg(arg, presets=("full", "quick")).preset
+  if preset == "full":
+    c.lengths = (1024, 2048)
     c.examples = 50
-    c.budgets = [40, 48, 64, 96, 128, 256, 512]
+    c.budgets = (40, 48, 64, 96, 128, 256, 512)
     c.heatmap.update(
-      policies=["snapkv", "pyramidkv", "streaming_llm", "h2o"],
-      lengths=[256, 512, 1024, 1536, 2048],
-      depths=[i / 10 for i in range(11)],
+      policies=("snapkv", "pyramidkv", "streaming_llm", "h2o"),
+      lengths=(256, 512, 1024, 1536, 2048),
+      depths=tuple(i / 10 for i in range(11)),
       examples=20,
     )
-  elif arg == "quick":
+  elif preset == "quick":
     c.tasks = ml_collections.ConfigDict(
       dict(single_needle={}, mqar=dict(num_pairs=8, num_queries=4))
     )
-    c.lengths = [256]
+    c.lengths = (256,)
     c.examples = 4
-    c.budgets = [48, 128]
-    c.policies = [p for p in POLICIES if p["label"] in ("streaming_llm", "snapkv", "oracle")]
-    c.heatmap.update(policies=["snapkv"], lengths=[128, 256], depths=[0.0, 1.0], examples=2)
-  elif arg not in (None, ""):
-    raise ValueError(f"config: unknown preset {arg!r}; expected '', 'full' or 'quick'")
+    c.budgets = (48, 128)
+    c.policies = tuple(p for p in POLICIES if p["label"] in ("streaming_llm", "snapkv", "oracle"))
+    c.heatmap.update(policies=("snapkv",), lengths=(128, 256), depths=(0.0, 1.0), examples=2)
   return c

@@ -6,6 +6,8 @@ smoke run. Every field can be overridden, e.g. ``--config.budget=32``.
 
 import ml_collections
 
+from configs import common
+
 SCENARIOS = ("streaming_chat", "needle_qa", "diffuse", "topic_drift", "funnel")
 POLICIES = (
   "sliding_window",
@@ -34,10 +36,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     ""  # whose kept part the attention-row panel draws ("": snapkv if run, else the first)
   )
   c.workdir = ml_collections.config_dict.placeholder(str)  # default: runs/lab-<timestamp>
-  for part in (arg or "").split(","):
-    if part == "quick":
-      c.world.update(num_layers=2, num_heads=4, prompt_len=192, gen_steps=48, window=16)
-      c.budget = 32
-    elif part:
-      c.scenarios = (part,)  # validated by kvjax.lab (unknown names raise ValueError)
+  a = common.parse_arg(arg, presets=SCENARIOS, quick=False)
+  if a.quick:
+    c.world.update(num_layers=2, num_heads=4, prompt_len=192, gen_steps=48, window=16)
+    c.budget = 32
+  if a.preset:
+    c.scenarios = (a.preset,)
   return c

@@ -6,13 +6,13 @@ temperatures), each with uniform or Ada-KV heads, over total budgets.
 
 import ml_collections
 
-from configs import sweep_lab
+from configs import common, sweep_lab
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = sweep_lab.get_config(arg)
   c.base.scenario = "funnel"
-  if arg == "quick":
+  if common.parse_arg(arg, quick=False).quick:
     return c
   c.grid.product = ml_collections.ConfigDict(
     dict(

@@ -6,6 +6,8 @@ together (here each schedule with its own hyper-parameter label is crossed by pr
 
 import ml_collections
 
+from configs import common
+
 
 def base() -> ml_collections.ConfigDict:
   """Every sweepable field with its default (the type of each default is enforced on the grid)."""
@@ -54,12 +56,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.chunk_size = 256  # configurations per compiled call (bounds memory)
   c.bytes_per_value = 2  # bf16 cache
   c.workdir = ml_collections.config_dict.placeholder(str)
-  if arg == "quick":
+  if common.parse_arg(arg, quick=False).quick:
     c.world.update(num_layers=2, num_heads=4, prompt_len=192, gen_steps=48, window=16)
     c.grid.product = ml_collections.ConfigDict(
       dict(policy=("snapkv", "h2o"), schedule=("uniform", "pyramid"), budget=(16, 32, 64))
     )
     c.chunk_size = 4
-  elif arg:
-    raise ValueError(f"config: unknown preset {arg!r}; expected 'quick' or nothing")
   return c

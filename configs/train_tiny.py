@@ -16,11 +16,93 @@ checkpoint (``--config.init_from=<workdir>``; steps and times are in its ``card.
 
 import ml_collections
 
+from configs import common
+
 
 def stage(until: int, shapes: list, **fields) -> ml_collections.ConfigDict:
   """A curriculum stage: steps below ``until`` draw their (length, batch) from ``shapes``;
   ``mixture=`` overrides the task mixture."""
   return ml_collections.ConfigDict(dict(until=until, shapes=shapes, **fields))
+
+
+# (length, batch) shapes of the later phases
+_SHORT = [(128, 32), (256, 16)]
+_LONG = [(512, 8), (1024, 4), (2048, 2)]
+# phases 3-6 are weighted to the tasks that list several items, with set targets for the
+# set-scored ones (phases 1-2 learned which values match but not to give each exactly once)
+_SETS = dict(
+  set_targets=True,
+  warmup_steps=50,
+  learning_rate=2e-3,
+  mixture=dict(
+    passkey=0.25,
+    single_needle=0.25,
+    multi_key=1.0,
+    multi_value=3.0,
+    multi_query=3.0,
+    variable_tracking=2.0,
+    mqar=1.5,
+    copy=0.25,
+  ),
+)
+
+# Each later phase of the shipped model, with why it exists: it starts from the previous phase's
+# final checkpoint (``init_from``) and overrides the fields it names.
+PHASES = {
+  "long": dict(
+    why="phase 1 saw 2048 tokens in only its last 400 steps, and 2k accuracy lagged 1k",
+    init_from="runs/train",
+    steps=700,
+    warmup_steps=50,
+    learning_rate=1e-3,
+    curriculum=[stage(10**9, [(1024, 4), (2048, 2), (2048, 2)])],
+  ),
+  "sets": dict(
+    _SETS,
+    why="set targets on short dense contexts, where multi-value and multi-query are learned",
+    init_from="runs/train_long",
+    steps=800,
+    curriculum=[stage(10**9, _SHORT)],
+  ),
+  "sets_long": dict(
+    _SETS,
+    why=(
+      "continue short, then return to contexts up to 2k (short-only training had cost variable "
+      "tracking its accuracy at 1k); a lower rate: restarting at 2e-3 undid phase 3's last "
+      "gains (its loss rose 0.31 -> 0.45)"
+    ),
+    init_from="runs/train_sets",
+    steps=2600,
+    learning_rate=7e-4,
+    curriculum=[stage(2000, _SHORT), stage(10**9, _LONG)],
+  ),
+  "sets_more": dict(
+    _SETS,
+    why=(
+      "phase 4 was still improving (multi_value 0.09 -> 0.47 and multi_query 0.03 -> 0.22 exact "
+      "at 256 tokens over its short stage), but its switch to long contexts cost a lot (the loss "
+      "rose from 0.14 to 1.55; at 1k, mqar fell from 1.00 to 0.56 and multi_query to 0): short "
+      "and long shapes mixed in every stage, mqar weighted back up"
+    ),
+    init_from="runs/train_sets_long",
+    steps=2400,
+    learning_rate=5e-4,
+    mixture=dict(_SETS["mixture"], multi_query=3.5, mqar=3.0),
+    curriculum=[stage(10**9, [_SHORT[0], *_SHORT, *_LONG])],
+  ),
+  "sets_2k": dict(
+    _SETS,
+    why=(
+      "phase 5 left mqar at 2k at 0.79 (1.00 after phase 2): long contexts only, as phase 2 did "
+      "after phase 1, at a low rate"
+    ),
+    init_from="runs/train_sets_more",
+    steps=900,
+    learning_rate=3e-4,
+    mixture=dict(_SETS["mixture"], multi_query=3.5, mqar=3.0),
+    curriculum=[stage(10**9, [_LONG[0], _LONG[1], _LONG[2], _LONG[2]])],
+  ),
+}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -75,71 +157,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # accept any remaining item of a set-scored answer as the next token (train.make_batch); off in
   # phases 1 and 2, which were trained on the reference order
   c.set_targets = False
-  if arg == "long":
-    # phase 2 of the shipped model: from phase 1's final checkpoint, mostly 2k contexts (phase 1
-    # saw 2048 tokens in only its last 400 steps, and 2k accuracy lagged 1k)
-    c.init_from = "runs/train"
-    c.steps = 700
-    c.warmup_steps = 50
-    c.learning_rate = 1e-3
-    c.curriculum = [stage(10**9, [(1024, 4), (2048, 2), (2048, 2)])]
-  elif arg in ("sets", "sets_long", "sets_more", "sets_2k"):
-    # phases 3-6: weighted to the tasks that list several items, with set targets for the
-    # set-scored ones (phases 1-2 learned which values match but not to give each exactly once).
-    # Phase 3 (``:sets``, from phase 2) is short dense contexts; phase 4 (``:sets_long``, from
-    # phase 3) continues short, then returns to contexts up to 2k (short-only training had cost
-    # variable tracking its accuracy at 1k); phases 5 and 6 below.
-    c.set_targets = True
-    c.warmup_steps = 50
-    c.learning_rate = 2e-3
-    c.mixture.update(
-      passkey=0.25,
-      single_needle=0.25,
-      multi_key=1.0,
-      multi_value=3.0,
-      multi_query=3.0,
-      variable_tracking=2.0,
-      mqar=1.5,
-      copy=0.25,
-    )
-    short = [(128, 32), (256, 16)]
-    long = [(512, 8), (1024, 4), (2048, 2)]
-    if arg == "sets":
-      c.init_from = "runs/train_long"
-      c.steps = 800
-      c.curriculum = [stage(10**9, short)]
-    elif arg == "sets_long":
-      # a lower rate: restarting at 2e-3 undid phase 3's last gains (its loss rose 0.31 -> 0.45)
-      c.init_from = "runs/train_sets"
-      c.steps = 2600
-      c.learning_rate = 7e-4
-      c.curriculum = [stage(2000, short), stage(10**9, long)]
-    elif arg == "sets_2k":
-      # phase 6: phase 5 left mqar at 2k at 0.79 (1.00 after phase 2): long contexts only, as
-      # phase 2 did after phase 1, at a low rate
-      c.init_from = "runs/train_sets_more"
-      c.steps = 900
-      c.learning_rate = 3e-4
-      c.mixture.update(multi_query=3.5, mqar=3.0)
-      c.curriculum = [stage(10**9, [long[0], long[1], long[2], long[2]])]
-    else:
-      # phase 5: phase 4 was still improving (multi_value 0.09 -> 0.47 and multi_query 0.03 ->
-      # 0.22 exact at 256 tokens over its short stage), but its switch to long contexts cost a
-      # lot (the loss rose from 0.14 to 1.55; at 1k, mqar fell from 1.00 to 0.56 and
-      # multi_query to 0): short and long shapes mixed in every stage, mqar weighted back up
-      c.init_from = "runs/train_sets_long"
-      c.steps = 2400
-      c.learning_rate = 5e-4
-      c.mixture.update(multi_query=3.5, mqar=3.0)
-      c.curriculum = [stage(10**9, [short[0], *short, *long])]
-  elif arg == "quick":
+  preset = common.parse_arg(arg, presets=tuple(PHASES) + ("quick",)).preset
+  if preset == "quick":
     c.steps = 8
     c.warmup_steps = 2
     c.log_every = 2
     c.checkpoint_every = 4
     c.model.update(num_layers=2, hidden_size=64, intermediate_size=128)
     c.curriculum = [stage(10**9, [(128, 4)])]
-  elif arg not in (None, ""):
-    presets = ("", "long", "sets", "sets_long", "sets_more", "sets_2k", "quick")
-    raise ValueError(f"config: unknown preset {arg!r}; expected one of {presets}")
+  elif preset:
+    phase = dict(PHASES[preset])
+    del phase["why"]
+    c.mixture.update(phase.pop("mixture", {}))
+    c.update(phase)
   return c

@@ -15,8 +15,8 @@ def close(fig) -> None:
 
 def cache_fraction(trace, step: int, total_len: int) -> np.ndarray:
   """Fraction of (layer, head) rows caching each position at ``step``: ``[T]``."""
-  pos = np.asarray(trace.positions_SLHB[step])
-  valid = np.asarray(trace.valid_SLHB[step])
+  pos = np.asarray(trace.positions_SLHC[step])
+  valid = np.asarray(trace.valid_SLHC[step])
   counts = np.bincount(pos[valid].ravel(), minlength=total_len)
   return counts / (pos.shape[0] * pos.shape[1])
 
@@ -63,7 +63,7 @@ def lab_figure(
   mean_row = row.mean((0, 1))
   trace = traces[focus][0]
   kept = np.zeros(row.shape, bool)
-  pos, valid = np.asarray(trace.positions_SLHB[step]), np.asarray(trace.valid_SLHB[step])
+  pos, valid = np.asarray(trace.positions_SLHC[step]), np.asarray(trace.valid_SLHC[step])
   np.put_along_axis(kept, pos, valid, axis=-1)
   ax_row.bar(np.arange(T), mean_row, width=1.0, color="0.7", label="full attention")
   ax_row.bar(

@@ -443,7 +443,7 @@ class Policy:
     )
 
   def compact(self, evidence: Evidence, budget, capacity: int) -> tuple[Array, Array]:
-    """Kept positions as ``(idx_LHB, valid_LHB)`` for a real cache of capacity ``B``."""
+    """Kept positions as ``(idx_LHC, valid_LHC)`` for a real cache of capacity ``C``."""
     scores_LHT = self.scores(evidence)
     return select.compact(scores_LHT, self.budgets(evidence, scores_LHT, budget), capacity)
 

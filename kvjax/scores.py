@@ -247,7 +247,7 @@ def group(scores_LHT: Array, num_kv_heads: int, how: str = "mean") -> Array:
 
 
 def recency(num_positions: int, batch_shape: tuple[int, ...] = ()) -> Array:
-  """Sliding window: the score is the position itself, so top-``B`` keeps the last ``B`` tokens."""
+  """Sliding window: the score is the position itself, so top-``b`` keeps the last ``b`` tokens."""
   if not isinstance(num_positions, int) or num_positions < 1:
     raise ValueError(f"num_positions: expected a positive int, got {num_positions!r}")
   positions = jnp.arange(num_positions, dtype=jnp.float32)
@@ -258,7 +258,7 @@ def streaming(num_positions: int, batch_shape: tuple[int, ...] = (), *, sinks=4)
   """StreamingLLM: ``sinks`` initial tokens plus the most recent ones.
 
   ``sinks=4`` is ``StartRecentKVCache``'s ``start_size`` and kvpress ``StreamingLLMPress``'s
-  ``n_sink``. With a budget ``B`` the kept set is ``[0, sinks) + [T - (B - sinks), T)``, which is
+  ``n_sink``. With a budget ``b`` the kept set is ``[0, sinks) + [T - (b - sinks), T)``, which is
   also KVCache-Factory's prefill "StreamingLLM" with ``w = B - 4``. Position re-indexing inside the
   cache (the official pos-shift) is a cache option, not a score.
   """
@@ -373,8 +373,8 @@ def random(key: Array, shape: tuple[int, ...]) -> Array:
 def oracle(future_attn_LHST: Array) -> Array:
   """Oracle upper bound: the attention the future queries will actually pay, summed over them.
 
-  For a one-shot selection this is kvpress's "optimal pruning" (top-``B`` of ``sum_t a_{t,i}``);
-  with a single future row it is the per-step oracle ``R*_t(B)`` (top-``B`` of ``a_t``).
+  For a one-shot selection this is kvpress's "optimal pruning" (top-``b`` of ``sum_t a_{t,i}``);
+  with a single future row it is the per-step oracle ``R*_t(b)`` (top-``b`` of ``a_t``).
   """
   _check_array("future_attn", future_attn_LHST, 4, "LHST")
   return future_attn_LHST.astype(jnp.float32).sum(-2)

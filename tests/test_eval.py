@@ -222,6 +222,6 @@ def test_a_group_cut_mid_write_is_dropped_and_rerun(tmp_path):
   path = tmp_path / "results.csv"
   pd.DataFrame(rows).to_csv(path, index=False)
   expected = {("t", 64, "snapkv", "budget"): 3, ("t", 64, "h2o", "budget"): 3}
-  done = evaluate._complete_groups(pd.read_csv(path), path, expected)
+  done = evaluate.complete_groups(pd.read_csv(path), path, expected)
   assert done == {("t", 64, "snapkv", "budget")}
   assert len(pd.read_csv(path)) == 3  # the partial h2o group is gone and will rerun

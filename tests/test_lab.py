@@ -60,8 +60,8 @@ def test_determinism():
 def test_budget_mass_bounds_and_oracle_at_every_step(policy):
   tr = trace("streaming_chat", policy)
   w = world("streaming_chat")
-  valid = np.asarray(tr.valid_SLHB)
-  pos = np.asarray(tr.positions_SLHB)
+  valid = np.asarray(tr.valid_SLHC)
+  pos = np.asarray(tr.positions_SLHC)
   budget = np.asarray(tr.budget_LH)
   counts = valid.sum(-1)
   assert (counts <= budget).all(), "over budget"
@@ -212,6 +212,6 @@ def test_new_token_is_cached_even_when_protected_tokens_fill_the_budget():
   w = world("streaming_chat")
   tr = online.simulate(w, "streaming_llm", 4, sinks=4, record_map=True)
   t = w.dims.prompt_len + np.arange(w.dims.gen_steps)
-  pos, valid = np.asarray(tr.positions_SLHB), np.asarray(tr.valid_SLHB)
+  pos, valid = np.asarray(tr.positions_SLHC), np.asarray(tr.valid_SLHC)
   assert ((pos == t[:, None, None, None]) & valid).any(-1).all()
   assert (valid.sum(-1) == 4).all()

@@ -119,10 +119,10 @@ def test_prefix_sum_metric_equals_the_mask_route():
   key = sweep.group_key(cfg)
   ev = engine.evidence(key)
   dims = engine.world_evidence(key.scenario).world.dims
-  scores = sweep._policy_scores(key, ev, dims, cfg["sinks"])
   d = {k: jnp.asarray(v[0]) for k, v in sweep.stack_data([cfg], 1).items()}
   fns = sweep.make_group(key, dims, 24, 2)
-  budget_LH = fns.allocate(fns.prepare(ev), d)
+  state = fns.prepare(ev)
+  scores, budget_LH = state["scores"], fns.allocate(state, d)
   keep = select.keep_mask(scores, budget_LH)
   expected = float((np.asarray(ev["mass"]) * np.asarray(keep)).sum(-1).mean())
   np.testing.assert_allclose(row["retained_mass"], expected, rtol=1e-5)

@@ -53,10 +53,10 @@ def document_edges(doc_id_T: np.ndarray) -> list[int]:
   return [int(i) for i in np.flatnonzero(doc[1:] != doc[:-1]) + 1]
 
 
-def row_statistics(probs_HQK: np.ndarray, doc_id_K: np.ndarray | None = None, q_index=None) -> dict:
+def row_statistics(probs_HQT: np.ndarray, doc_id_T: np.ndarray | None = None, q_index=None) -> dict:
   """Funnel statistics of one layer's attention rows ``[H, Q, K]`` (rows sum to 1 over the
   visible keys). ``q_index [Q]`` are the rows' positions (default: the last ``Q`` of ``K``)."""
-  p = np.asarray(probs_HQK, np.float64)
+  p = np.asarray(probs_HQT, np.float64)
   H, Q, K = p.shape
   q_index = np.arange(K - Q, K) if q_index is None else np.asarray(q_index)
   ent = -(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)).sum(-1)
@@ -67,12 +67,12 @@ def row_statistics(probs_HQK: np.ndarray, doc_id_K: np.ndarray | None = None, q_
     "first_token_mass": float(p[..., 0].mean()),
     "keys_for_90": float(keys90.mean()),
   }
-  if doc_id_K is not None:
-    doc = np.asarray(doc_id_K)
+  if doc_id_T is not None:
+    doc = np.asarray(doc_id_T)
     own = doc[q_index]
     inside = own >= 0
-    same_QK = doc[None, :] == own[:, None]
-    mass = (p * same_QK[None]).sum(-1)  # [H, Q]
+    same_QT = doc[None, :] == own[:, None]
+    mass = (p * same_QT[None]).sum(-1)  # [H, Q]
     out["own_document_mass"] = float(mass[:, inside].mean()) if inside.any() else np.nan
   return out
 

@@ -3,8 +3,8 @@
 Per query row ``a_t`` (full cache, over positions ``<= t``) and kept set ``S_t``:
 
 * retained mass ``R_t(S_t) = sum_{i in S_t} a_{t,i}`` (the essay's first instrument);
-* the oracle's ``R*_t(B)``: the sum of the top ``B`` entries of ``a_t`` (the best any set of
-  ``B`` positions can do), and the gap ``R* - R``;
+* the oracle's ``R*_t(b)``: the sum of the top ``b`` entries of ``a_t`` (the best any set of
+  ``b`` positions can do), and the gap ``R* - R``;
 * attention-output error ``||o - o_hat||_2`` with ``o = sum_i a_i v_i`` and ``o_hat`` the output
   attention renormalised over ``S_t`` computes (``o - o_hat = (1 - R)(o_bar - o_hat)``, so it is
   bounded by ``2 (1 - R) max ||v||``);
@@ -48,31 +48,31 @@ def oracle_mass(row_LHT: Array, budget_LH: Array, capacity: int) -> Array:
 def step_metrics(
   row_LHT: Array,
   values_LHTD: Array,
-  pos_LHB: Array,
-  valid_LHB: Array,
+  pos_LHC: Array,
+  valid_LHC: Array,
   budget_LH: Array,
   fact_T: Array,
   capacity: int,
 ) -> tuple[StepMetrics, Array]:
-  """Metrics of one step for a cache holding ``pos_LHB`` (where ``valid_LHB``).
+  """Metrics of one step for a cache holding ``pos_LHC`` (where ``valid_LHC``).
 
-  Returns the metrics and the renormalised kept attention ``a_hat_LHB`` (what the compressed
+  Returns the metrics and the renormalised kept attention ``a_hat_LHC`` (what the compressed
   cache's softmax actually computes; decode-time policies accumulate it).
   """
-  kept_a = jnp.where(valid_LHB, jnp.take_along_axis(row_LHT, pos_LHB, -1), 0.0)
+  kept_a = jnp.where(valid_LHC, jnp.take_along_axis(row_LHT, pos_LHC, -1), 0.0)
   retained = kept_a.sum(-1)
   a_hat = kept_a / jnp.where(retained > 0, retained, 1.0)[..., None]
   out_full = jnp.einsum("lht,lhtd->lhd", row_LHT, values_LHTD)
-  kept_v = jnp.take_along_axis(values_LHTD, pos_LHB[..., None], -2)
+  kept_v = jnp.take_along_axis(values_LHTD, pos_LHC[..., None], -2)
   out_hat = jnp.einsum("lhb,lhbd->lhd", a_hat, kept_v)
-  hits = jnp.take_along_axis(jnp.broadcast_to(fact_T, row_LHT.shape), pos_LHB, -1) & valid_LHB
+  hits = jnp.take_along_axis(jnp.broadcast_to(fact_T, row_LHT.shape), pos_LHC, -1) & valid_LHC
   metrics = StepMetrics(
     retained=retained,
     oracle=oracle_mass(row_LHT, budget_LH, capacity),
     error=jnp.linalg.norm(out_full - out_hat, axis=-1),
     fact_hits=hits.sum(-1).astype(jnp.float32),
     fact_total=jnp.broadcast_to(fact_T.sum().astype(jnp.float32), retained.shape),
-    used=valid_LHB.sum(-1) / jnp.maximum(budget_LH, 1),
+    used=valid_LHC.sum(-1) / jnp.maximum(budget_LH, 1),
   )
   return metrics, a_hat
 

@@ -18,10 +18,10 @@ Cache semantics (the same for every policy, so budgets compare):
 * Prefill-time policies (``snapkv``, ``pyramidkv``, ``adakv_*``, ``cake``, ``random``) pin the
   prompt positions their vote selected and keep a rolling recent window (the essay's
   "high-vote prompt positions plus a rolling recent window").
-* ``oracle`` keeps the top ``B`` of the true current row (not realisable; the upper bound).
+* ``oracle`` keeps the top ``b`` of the true current row (not realisable; the upper bound).
 
 Selection always goes through :mod:`kvjax.select`. Rows are generated inside the scan, so no
-``[L, H, S, T]`` array exists; the cache map ``[S, L, H, B]`` is recorded on request.
+``[L, H, S, T]`` array exists; the cache map ``[S, L, H, C]`` is recorded on request.
 """
 
 from __future__ import annotations
@@ -49,15 +49,15 @@ class Trace:
 
   metrics: metrics_lib.StepMetrics
   budget_LH: Array
-  positions_SLHB: Array | None = None
-  valid_SLHB: Array | None = None
+  positions_SLHC: Array | None = None
+  valid_SLHC: Array | None = None
 
 
 @struct.dataclass
 class _Slots:
-  pos: Array  # [L, H, B] int32 original positions
-  valid: Array  # [L, H, B] bool
-  aux: Array  # [L, H, B] float32: accumulated attention (h2o), last row (tova), pinned (prefill)
+  pos: Array  # [L, H, C] int32 original positions
+  valid: Array  # [L, H, C] bool
+  aux: Array  # [L, H, C] float32: accumulated attention (h2o), last row (tova), pinned (prefill)
 
 
 @jax.jit
@@ -225,15 +225,15 @@ def _evict(policy, slots: _Slots, budget_LH, recent_LH, t, capacity) -> _Slots:
   return _Slots(pos.astype(jnp.int32), kept | new_slot, aux)
 
 
-def _observe(policy, slots: _Slots, a_hat_LHB, total_len) -> _Slots:
+def _observe(policy, slots: _Slots, a_hat_LHC, total_len) -> _Slots:
   """Decode-time evidence update after attending: H2O accumulates, TOVA remembers the row."""
   if policy.name == "h2o":
-    return slots.replace(aux=slots.aux + a_hat_LHB)
+    return slots.replace(aux=slots.aux + a_hat_LHC)
   if policy.name == "tova":
-    L, H, B = slots.pos.shape
+    L, H, C = slots.pos.shape
     dense = jnp.zeros((L, H, total_len), jnp.float32)
     dense = dense.at[jnp.arange(L)[:, None, None], jnp.arange(H)[None, :, None], slots.pos].add(
-      jnp.where(slots.valid, a_hat_LHB, 0.0)
+      jnp.where(slots.valid, a_hat_LHC, 0.0)
     )
     mean_LT = dense.mean(1)
     row = jnp.take_along_axis(jnp.broadcast_to(mean_LT[:, None, :], dense.shape), slots.pos, -1)

@@ -8,7 +8,7 @@ is its oracle):
 
 * ``retained_mass``: ``sum_{i in S} m_i`` with ``m_i`` the mean over generation steps of the full
   attention on prompt position ``i`` (mean over layers and heads);
-* ``oracle_mass`` / ``oracle_gap``: the best ``B`` positions of ``m`` at the same ``budget_LH``;
+* ``oracle_mass`` / ``oracle_gap``: the best ``b`` positions of ``m`` at the same ``budget_LH``;
 * ``fact_recall``: share of the fact tokens generation queries that stay cached;
 * ``cache_tokens`` / ``cache_bytes``: the compressed cache (K and V, ``bytes_per_value`` each).
 
@@ -38,7 +38,6 @@ from tqdm.auto import tqdm
 
 from kvjax import budgets as budgets_lib
 from kvjax import policies, rundir, select
-from kvjax import scores as scores_lib
 from kvjax.lab import synthetic
 
 Array = jax.Array
@@ -274,17 +273,14 @@ def group_key(cfg: dict) -> GroupKey:
   return GroupKey(*(cfg[f] for f in STATIC_FIELDS))
 
 
-def _policy_scores(key: GroupKey, ev: dict, dims: synthetic.Dims, sinks) -> Array:
-  """Scores over the ``P`` prompt positions (budget-free, so computed once per group under
-  ``vmap``; only StreamingLLM's sink count is data)."""
-  L, H, P = dims.num_layers, dims.num_heads, dims.prompt_len
-  if key.policy == "streaming_llm":
-    return scores_lib.streaming(P, (L, H), sinks=sinks)
-  options = {}
-  if key.policy in ("snapkv", "snapkv_kvpress"):
-    options = dict(window=key.window, kernel=key.kernel, pool=key.pool)
-  if key.policy == "h2o":
-    options = dict(recent=key.window)
+def _policy_scores(key: GroupKey, ev: dict, data: dict) -> Array:
+  """Scores over the ``P`` prompt positions. Budget-free, so computed once per group under
+  ``vmap``, except for a policy with data-valued options (StreamingLLM's sink count), whose
+  options come from the configuration ``data``."""
+  options = policies.accepted_options(
+    key.policy, window=key.window, kernel=key.kernel, pool=key.pool
+  )
+  options |= {k: data[k] for k in policies.spec(key.policy).data_options}
   evidence = policies.Evidence(
     attn_window_LHWT=ev["attn"],
     column_sums_LHT=ev.get("column_sums"),
@@ -319,9 +315,9 @@ def _allocate(key: GroupKey, d: dict, shared: dict, dims, layer_cap: int) -> Arr
   )
 
 
-def _prefix(values_LHK: Array) -> Array:
-  zeros = jnp.zeros(values_LHK.shape[:-1] + (1,), values_LHK.dtype)
-  return jnp.concatenate([zeros, jnp.cumsum(values_LHK, -1)], -1)
+def _prefix(values_LHC: Array) -> Array:
+  zeros = jnp.zeros(values_LHC.shape[:-1] + (1,), values_LHC.dtype)
+  return jnp.concatenate([zeros, jnp.cumsum(values_LHC, -1)], -1)
 
 
 def layer_capacity(key: GroupKey, max_budget: int, prompt_len: int) -> int:
@@ -357,7 +353,7 @@ def make_group(
   """
   P = dims.prompt_len
   layer_cap = layer_capacity(key, max_budget, P)
-  per_config_scores = key.policy == "streaming_llm"
+  per_config_scores = bool(policies.spec(key.policy).data_options)
 
   def prepare(ev: dict) -> dict:
     state = {
@@ -370,14 +366,14 @@ def make_group(
       "adakv_table": None,
     }
     if not per_config_scores:
-      state["scores"] = _policy_scores(key, ev, dims, 0)
+      state["scores"] = _policy_scores(key, ev, {})
       if key.head_alloc == "adakv":
         state["adakv_table"] = budgets_lib.adakv_table(state["scores"], key.window, layer_cap)
     return state
 
   def scores_of(state, d):
     if per_config_scores:
-      return _policy_scores(key, state["ev"], dims, d["sinks"])
+      return _policy_scores(key, state["ev"], d)
     return state["scores"]
 
   def allocate(state: dict, d: dict) -> Array:
@@ -500,7 +496,7 @@ class Engine:
     """The arrays a group reads (H2O column sums and HeadKV head scores only when needed)."""
     ev = self.world_evidence(key.scenario)
     arrays = {"attn": ev.attn_window_LHWP, "mass": ev.future_mass_LHP, "fact": ev.fact_P}
-    if key.policy.startswith("h2o"):
+    if "column_sums_LHT" in policies.spec(key.policy).needs:
       arrays["column_sums"] = ev.column_sums_LHP
     if key.head_alloc == "headkv":
       arrays["head_scores"] = ev.head_scores_LH

@@ -20,7 +20,7 @@ Array = jax.Array
 
 @dataclasses.dataclass
 class Generation:
-  tokens: np.ndarray  # [B, N] (or [C, B, N] for several configurations)
+  tokens: np.ndarray  # [B, N] (or [K, B, N] for K configurations)
   memory: dict  # cache bytes, and the full cache's for comparison
   budget_LH: np.ndarray  # the allocation actually used, per batch row
 
@@ -220,7 +220,7 @@ def generate(
 
 
 def _check_config_budgets(budgets) -> Array:
-  """A leading configuration axis of integer budgets (``[C]``, ``[C, L]`` or ``[C, L, H]``)."""
+  """A leading configuration axis of integer budgets (``[K]``, ``[K, L]`` or ``[K, L, H]``)."""
   budgets = jnp.asarray(budgets)
   if not jnp.issubdtype(budgets.dtype, jnp.integer) or budgets.ndim < 1 or budgets.shape[0] < 1:
     raise ValueError(
@@ -232,7 +232,7 @@ def _check_config_budgets(budgets) -> Array:
 
 def _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, T, new):
   """Checks the budgets, then the cache spec sized for every configuration and their
-  allocations ``[C, B, L, H]`` (shared by ``generate_configs`` and ``answer_configs``)."""
+  allocations ``[K, B, L, H]`` (shared by ``generate_configs`` and ``answer_configs``)."""
   if pol.name != "full":
     _check_budget(pol, budgets, window)
   _check_head_scores(pol, head_scores)
@@ -256,8 +256,8 @@ def generate_configs(
   head_scores=None,
   **policy_options,
 ) -> Generation:
-  """One prefill shared by ``C`` budget configurations (``budgets``: ``[C]``, ``[C, L]`` or
-  ``[C, L, H]``): compress + decode are vmapped over configurations. Tokens ``[C, B, N]``."""
+  """One prefill shared by ``K`` budget configurations (``budgets``: ``[K]``, ``[K, L]`` or
+  ``[K, L, H]``): compress + decode are vmapped over configurations. Tokens ``[K, B, N]``."""
   cache_lib.check_layout(layout)
   cfg, params, pol, pre, T = _prepare(
     model, prompt_ids, attention_mask, padding_side, policy, policy_options, max_new_tokens
@@ -288,9 +288,9 @@ def generate_configs(
 class Answers:
   """Per-configuration predictions of an answer, every token predicted from the compressed cache.
 
-  ``predicted [C, B, N]``: greedy tokens at the answer positions (given positions fed from the
-  answer); ``logprobs [C, B, N, V]``: teacher-forced log-probabilities there (for KL
-  divergences); ``budget_LH [C, B, L, H]``: the allocations.
+  ``predicted [K, B, N]``: greedy tokens at the answer positions (given positions fed from the
+  answer); ``logprobs [K, B, N, V]``: teacher-forced log-probabilities there (for KL
+  divergences); ``budget_LH [K, B, L, H]``: the allocations.
   """
 
   predicted: np.ndarray
@@ -368,8 +368,8 @@ def answer_configs(
   head_scores=None,
   **policy_options,
 ) -> Answers:
-  """Predicts ``answer_ids [B, N]`` after ``prompt_ids [B, T]`` under ``C`` budget configurations
-  (``budgets``: ``[C]``, ``[C, L]`` or ``[C, L, H]``) with one shared prefill.
+  """Predicts ``answer_ids [B, N]`` after ``prompt_ids [B, T]`` under ``K`` budget configurations
+  (``budgets``: ``[K]``, ``[K, L]`` or ``[K, L, H]``) with one shared prefill.
 
   The prompt's last ``question_len`` tokens are the question. The context (the rest) is
   compressed once per budget (vmapped); the question and then the answer are decoded through

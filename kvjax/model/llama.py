@@ -104,9 +104,9 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled)
 
 
-def rope(x_BNTD: Array, positions_BT: Array, cfg: ModelConfig) -> Array:
+def rope(x_BHTD: Array, positions_BT: Array, cfg: ModelConfig) -> Array:
   """Rotary embedding of ``[B, N, T, D]`` heads at per-row positions ``[B, T]``."""
-  return rope_at(x_BNTD, jnp.broadcast_to(positions_BT[:, None], x_BNTD.shape[:-1]), cfg)
+  return rope_at(x_BHTD, jnp.broadcast_to(positions_BT[:, None], x_BHTD.shape[:-1]), cfg)
 
 
 def rope_at(x: Array, positions: Array, cfg: ModelConfig) -> Array:
@@ -153,30 +153,30 @@ def project_qkv(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array):
   return rope(q, positions_BT, cfg), rope(k, positions_BT, cfg), v
 
 
-def attention_probs(q_BHQD, k_BGKD, allowed) -> Array:
+def attention_probs(q_BHQD, k_BGTD, allowed) -> Array:
   """fp32 softmax of ``q k^T / sqrt(D)`` over allowed keys: ``[B, Hq, Q, K]`` (GQA grouped).
 
   ``allowed`` is ``[B, Q, K]`` (shared by every head: prefill) or ``[B, G, Q, K]`` (per KV head:
   a compressed cache, whose rows hold different slots). Fully masked rows give zeros.
   """
   B, Hq, Q, D = q_BHQD.shape
-  G = k_BGKD.shape[1]
+  G = k_BGTD.shape[1]
   allowed = allowed[:, None] if allowed.ndim == 3 else allowed
   allowed = allowed[:, :, None]  # [B, G or 1, 1, Q, K]
   q = q_BHQD.astype(jnp.float32).reshape(B, G, Hq // G, Q, D)
-  logits = jnp.einsum("bgrqd,bgkd->bgrqk", q, k_BGKD.astype(jnp.float32)) / math.sqrt(D)
+  logits = jnp.einsum("bgrqd,bgkd->bgrqk", q, k_BGTD.astype(jnp.float32)) / math.sqrt(D)
   logits = jnp.where(allowed, logits, -jnp.inf)
   probs = jax.nn.softmax(logits, axis=-1)
   probs = jnp.where(allowed.any(-1, keepdims=True), probs, 0.0)
   return probs.reshape(B, Hq, Q, -1)
 
 
-def attend(probs_BHQK: Array, v_BGKD: Array) -> Array:
+def attend(probs_BHQT: Array, v_BGTD: Array) -> Array:
   """Attention output ``[B, Hq, Q, D]`` from probabilities and grouped values."""
-  B, Hq, Q, K = probs_BHQK.shape
-  G = v_BGKD.shape[1]
-  p = probs_BHQK.reshape(B, G, Hq // G, Q, K)
-  out = jnp.einsum("bgrqk,bgkd->bgrqd", p, v_BGKD.astype(jnp.float32))
+  B, Hq, Q, K = probs_BHQT.shape
+  G = v_BGTD.shape[1]
+  p = probs_BHQT.reshape(B, G, Hq // G, Q, K)
+  out = jnp.einsum("bgrqk,bgkd->bgrqd", p, v_BGTD.astype(jnp.float32))
   return out.reshape(B, Hq, Q, -1)
 
 
@@ -210,11 +210,11 @@ def positions_from_mask(attention_mask_BT: Array) -> Array:
   return jnp.maximum(jnp.cumsum(attention_mask_BT, -1) - 1, 0).astype(jnp.int32)
 
 
-def causal_allowed(q_pos_BQ, k_pos_BK, k_valid_BK, q_index_BQ, k_index_BK, sliding_window=None):
+def causal_allowed(q_pos_BQ, k_pos_BT, k_valid_BT, q_index_BQ, k_index_BT, sliding_window=None):
   """Which keys each query may see: valid, not in the future (by index), within the window."""
-  allowed = k_valid_BK[:, None, :] & (k_index_BK[:, None, :] <= q_index_BQ[:, :, None])
+  allowed = k_valid_BT[:, None, :] & (k_index_BT[:, None, :] <= q_index_BQ[:, :, None])
   if sliding_window is not None:
-    allowed = allowed & (q_pos_BQ[:, :, None] - k_pos_BK[:, None, :] < sliding_window)
+    allowed = allowed & (q_pos_BQ[:, :, None] - k_pos_BT[:, None, :] < sliding_window)
   return allowed
 
 

@@ -1,0 +1,120 @@
+"""kvjax.model.cache: per-head and per-layer budgets that really shrink the cache, bookkeeping,
+kvpress positions, StreamingLLM re-indexing, flagged overflow and sinks on padded rows."""
+
+import dataclasses
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_models import (
+  FAMILIES,
+  make_checkpoint,
+  make_checkpoint_cached,
+  prompt,
+)
+
+from kvjax import model as km
+from kvjax import policies
+from kvjax.model import cache as cache_lib
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+  hf, path = make_checkpoint(tmp_path_factory, request.param)
+  model, cfg = km.load(path)
+  return request.param, hf, model, cfg
+
+
+def test_per_head_and_per_layer_budgets_really_shrink_the_cache(family):
+  _, _, model, cfg = family
+  ids = prompt(T=64)
+  for policy in ("pyramidkv", "adakv_snapkv"):
+    out = km.generate(model, ids, policy=policy, budget=24, window=8, max_new_tokens=8)
+    budget = out.budget_LH[0]
+    assert (
+      out.memory["kv_bytes_held"]
+      < out.memory["kv_bytes_allocated"]
+      < out.memory["full_cache_bytes"]
+    )
+    held_tokens = np.minimum(budget, 64).sum() + 7 * budget.size  # the last token is never fed back
+    assert out.memory["kv_bytes_held"] == held_tokens * 2 * cfg.head_dim * 4
+    if policy == "pyramidkv":
+      assert budget[0, 0] > budget[-1, 0]
+  out = km.generate(model, ids, policy="streaming_llm", budget=16, max_new_tokens=8)
+  assert (
+    out.memory["kv_bytes_held"] == 16 * cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim * 4
+  )
+
+
+def test_memory_bookkeeping_is_small():
+  hf, path = make_checkpoint_cached()
+  model, cfg = km.load(path)
+  out = km.generate(model, prompt(T=64), policy="snapkv", budget=32, window=8, max_new_tokens=8)
+  assert out.memory["bookkeeping_bytes"] <= 0.05 * out.memory["kv_bytes_allocated"] * 2
+
+
+def test_snapkv_on_the_model_keeps_kvpress_positions():
+  """kvpress 0.5.5 SnapKVPress (window 8, avgpool k=5, mean votes, GQA mean) on the committed
+  tiny checkpoint (tests/make_kvpress_fixtures.py) vs kvjax's own prefill + compressed cache."""
+  fixtures = pathlib.Path(__file__).parent / "fixtures"
+  data = np.load(fixtures / "kvpress_0_5_5.npz")
+  model, cfg = km.load(fixtures / "kvpress_tiny_llama")
+  ids = data["input_ids_T"][None].astype(np.int32)
+  T = ids.shape[1]
+  pre = km.prefill(cfg, model.params(), jnp.asarray(ids), window=8)
+  np.testing.assert_allclose(np.asarray(pre.keys[:, 0]), data["keys_LGTD"], atol=1e-5)
+  spec = cache_lib.CacheSpec(policies.make("snapkv_kvpress", num_kv_heads=cfg.num_kv_heads), T // 2)
+  cache = cache_lib.compress(cfg, pre, spec, T // 2)
+  kept = np.zeros((cfg.num_layers, cfg.num_kv_heads, T), bool)
+  pos, valid = np.asarray(cache.positions[:, 0]), np.asarray(cache.valid[:, 0])
+  for l, h in np.ndindex(cfg.num_layers, cfg.num_kv_heads):
+    kept[l, h, pos[l, h][valid[l, h]]] = True
+  np.testing.assert_array_equal(kept, data["snapkv_keep_LGT"])
+
+
+def test_streaming_llm_position_reindexing(tmp_path_factory):
+  _, path = make_checkpoint(tmp_path_factory, "llama_mha_tied")  # theta 1e4: positions matter
+  model, cfg = km.load(path)
+  ids = prompt(T=40)
+  full = km.generate(model, ids, max_new_tokens=16).tokens
+  # nothing evicted: ranks inside the cache are the original positions
+  same = km.generate(
+    model, ids, policy="streaming_llm", budget=60, max_new_tokens=16, reindex_positions=True
+  )
+  np.testing.assert_array_equal(same.tokens, full)
+  # with eviction, keys are renumbered by rank: the sinks sit next to the recent window
+  pre = km.prefill(cfg, model.params(), jnp.asarray(ids))
+  logits = {}
+  for reindex in (False, True):
+    spec = cache_lib.CacheSpec(policies.make("streaming_llm"), 12, reindex=reindex)
+    cache = cache_lib.compress(cfg, pre, spec, 12)
+    if reindex:  # stored pre-RoPE: rotating back by the original positions restores the keys
+      restored = km.llama.rope_at(cache.keys, cache.positions, cfg)
+      plain = cache_lib.compress(cfg, pre, dataclasses.replace(spec, reindex=False), 12)
+      np.testing.assert_allclose(np.asarray(restored), np.asarray(plain.keys), atol=1e-5)
+    tok, pos = jnp.asarray([5]), jnp.asarray([40])
+    logits[reindex] = np.asarray(
+      cache_lib.decode_step(cfg, model.params(), spec, cache, tok, pos, pos)[0]
+    )
+  assert np.abs(logits[True] - logits[False]).max() > 1e-3
+
+
+def test_capacity_overflow_is_flagged_and_sinks_are_the_first_real_tokens():
+  _, path = make_checkpoint_cached()
+  model, cfg = km.load(path)
+  ids = prompt(T=40)
+  # a capacity below the budget is flagged, never silently clamped
+  pre = km.prefill(cfg, model.params(), jnp.asarray(ids), window=8)
+  small = cache_lib.compress(
+    cfg, pre, cache_lib.CacheSpec(policies.make("snapkv", window=8), 4), 33
+  )
+  assert bool(np.asarray(small.overflow).all())
+  # StreamingLLM keeps the first *real* tokens of a left-padded row
+  padded = np.zeros((1, 52), np.int32)
+  padded[0, 12:] = ids[0]
+  mask = (np.arange(52) >= 12).astype(np.int32)[None]
+  pre = km.prefill(cfg, model.params(), jnp.asarray(padded), jnp.asarray(mask))
+  cache = cache_lib.compress(cfg, pre, cache_lib.CacheSpec(policies.make("streaming_llm"), 16), 16)
+  kept = np.asarray(cache.positions)[np.asarray(cache.valid)].reshape(-1, 16)
+  assert (kept[:, :4] == [0, 1, 2, 3]).all() and (kept[:, 4:] == np.arange(28, 40)).all()

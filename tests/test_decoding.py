@@ -1,0 +1,121 @@
+"""kvjax.model.decoding: generation through the compressed cache (full-cache equivalence,
+padding, vmapped configurations, budget validation)."""
+
+import numpy as np
+import pytest
+from hf_models import (
+  FAMILIES,
+  NEW,
+  hf_generate,
+  make_checkpoint,
+  make_checkpoint_cached,
+  prompt,
+)
+
+from kvjax import model as km
+from kvjax.model import cache as cache_lib
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+  hf, path = make_checkpoint(tmp_path_factory, request.param)
+  model, cfg = km.load(path)
+  return request.param, hf, model, cfg
+
+
+@pytest.mark.parametrize(
+  "policy",
+  [
+    "snapkv",
+    "pyramidkv",
+    "adakv_snapkv",
+    "knorm",
+    "h2o",
+    "streaming_llm",
+    "tova",
+    "sliding_window",
+  ],
+)
+def test_budget_covering_the_prompt_reproduces_full_cache(family, policy):
+  _, _, model, _ = family
+  ids = prompt(T=40)
+  full = km.generate(model, ids, max_new_tokens=NEW).tokens
+  # prefill-time policies append without eviction: budget >= prompt suffices; decode-time
+  # policies evict once prompt + generated exceeds the budget, so they need T + NEW.
+  budget = 40 + NEW if policy in cache_lib.DECODE_POLICIES else 40
+  options = {"window": 8} if policy in ("snapkv", "pyramidkv", "adakv_snapkv") else {}
+  out = km.generate(model, ids, policy=policy, budget=budget, max_new_tokens=NEW, **options)
+  np.testing.assert_array_equal(out.tokens, full)
+
+
+def test_left_and_right_padding_match_unpadded_rows(family):
+  _, hf, model, _ = family
+  a, b = prompt(T=40, seed=1)[0], prompt(T=31, seed=2)[0]
+  solo = [km.generate(model, r[None], max_new_tokens=12).tokens[0] for r in (a, b)]
+  left = np.zeros((2, 40), np.int32)
+  left[0], left[1, 9:] = a, b
+  left_mask = (np.arange(40) >= np.array([[0], [9]])).astype(np.int32)
+  right = np.zeros((2, 40), np.int32)
+  right[0], right[1, :31] = a, b
+  right_mask = (np.arange(40) < np.array([[40], [31]])).astype(np.int32)
+  for ids, mask, side in ((left, left_mask, "left"), (right, right_mask, "right")):
+    out = km.generate(model, ids, attention_mask=mask, padding_side=side, max_new_tokens=12).tokens
+    np.testing.assert_array_equal(out, np.stack(solo), err_msg=side)
+    comp = km.generate(
+      model,
+      ids,
+      attention_mask=mask,
+      padding_side=side,
+      policy="snapkv",
+      budget=24,
+      window=8,
+      max_new_tokens=12,
+    )
+    solo_comp = [
+      km.generate(model, r[None], policy="snapkv", budget=24, window=8, max_new_tokens=12).tokens[0]
+      for r in (a, b)
+    ]
+    np.testing.assert_array_equal(comp.tokens, np.stack(solo_comp), err_msg=side)
+  np.testing.assert_array_equal(solo[0], hf_generate(hf, a[None], 12)[0])
+
+
+def test_vmapped_configurations_equal_separate_runs():
+  hf, path = make_checkpoint_cached()
+  model, _ = km.load(path)
+  ids = prompt(T=48, B=2)
+  budgets = np.array([12, 20, 33, 48], np.int32)
+  many = km.generate_configs(model, ids, budgets, policy="snapkv", window=8, max_new_tokens=10)
+  assert many.tokens.shape == (4, 2, 10)
+  for c, b in enumerate(budgets):
+    one = km.generate(model, ids, policy="snapkv", budget=int(b), window=8, max_new_tokens=10)
+    np.testing.assert_array_equal(many.tokens[c], one.tokens)
+
+
+def test_bad_generation_inputs():
+  _, path = make_checkpoint_cached()
+  model, _ = km.load(path)
+  with pytest.raises(ValueError, match="budget: required"):
+    km.generate(model, prompt(), policy="snapkv")
+  with pytest.raises(ValueError, match="prompt_ids: expected"):
+    km.generate(model, np.zeros(5, np.int32))
+  with pytest.raises(ValueError, match="padding_side"):
+    km.generate(model, prompt(), padding_side="middle")
+  with pytest.raises(ValueError, match="name: unknown policy"):
+    km.generate(model, prompt(), policy="snapkvv", budget=8)
+
+
+def test_budgets_below_the_window_or_recent_are_refused():
+  _, path = make_checkpoint_cached()
+  model, cfg = km.load(path)
+  ids = prompt(T=40)
+  for bad, match in (
+    (0, "budget: 0 is below 9"),
+    (-3, "budget: -3"),
+    (20.5, "integer token counts"),
+  ):
+    with pytest.raises(ValueError, match=match):
+      km.generate(model, ids, policy="snapkv", budget=bad, window=8)
+  with pytest.raises(ValueError, match="budget: 10 is below 33"):
+    km.generate_configs(model, ids, [10, 36], policy="pyramidkv")
+  with pytest.raises(ValueError, match="must exceed H2O's recent window"):
+    km.generate(model, ids, policy="h2o", budget=6)

@@ -1,0 +1,80 @@
+"""kvjax.model.config and kvjax.model.loading: configs of every family, named tensor errors,
+sharded checkpoints."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_models import (
+  make_checkpoint_cached,
+  prompt,
+  torch,
+)
+
+from kvjax import model as km
+from kvjax.model import config as config_lib
+
+
+def test_config_reads_transformers_5_and_legacy_rope():
+  base = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=10,
+    hidden_size=8,
+    intermediate_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+  )
+  new = config_lib.from_hf_dict(
+    base | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}
+  )
+  old = config_lib.from_hf_dict(
+    base | {"rope_theta": 5e5, "rope_scaling": {"type": "llama3", "factor": 8.0}}
+  )
+  assert new == old and new.rope_type == "llama3" and new.rope_theta == 5e5
+  with pytest.raises(ValueError, match=r"architectures: \['GPT2LMHeadModel'\] is not supported"):
+    config_lib.from_hf_dict(base | {"architectures": ["GPT2LMHeadModel"]})
+  with pytest.raises(ValueError, match="rope_type: unsupported 'yarn'"):
+    config_lib.from_hf_dict(base | {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+
+
+def test_missing_and_misshaped_tensors_are_named(tmp_path):
+  from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+
+  _, path = make_checkpoint_cached()
+  tensors = load_file(str(path / "model.safetensors"))
+  config = (path / "config.json").read_text()
+  bad = tmp_path / "missing"
+  bad.mkdir()
+  (bad / "config.json").write_text(config)
+  save_file(
+    {k: v for k, v in tensors.items() if "layers.1.mlp.up_proj" not in k},
+    str(bad / "model.safetensors"),
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"tensor 'model.layers.1.mlp.up_proj.weight' is missing \(expected shape \(128, 64\)\)",
+  ):
+    km.load(bad)
+  wrong = tmp_path / "wrong"
+  wrong.mkdir()
+  (wrong / "config.json").write_text(config)
+  tensors["model.norm.weight"] = np.ones(3, np.float32)
+  save_file(tensors, str(wrong / "model.safetensors"))
+  with pytest.raises(
+    ValueError, match=r"tensor 'model.norm.weight' has shape \(3,\), expected \(64,\)"
+  ):
+    km.load(wrong)
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+  hf, _ = make_checkpoint_cached()
+  hf.save_pretrained(tmp_path, max_shard_size="100KB")
+  assert (tmp_path / "model.safetensors.index.json").exists()
+  assert len(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]) > 5
+  model, _ = km.load(tmp_path)
+  ids = prompt(T=12)
+  with torch.no_grad():
+    ref = hf(torch.tensor(ids)).logits.numpy()
+  assert np.abs(np.asarray(model(jnp.asarray(ids))) - ref).max() <= 1e-4
