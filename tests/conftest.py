@@ -19,6 +19,8 @@ import gc  # noqa: E402
 
 import pytest  # noqa: E402
 
+from kvjax import model as km  # noqa: E402
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
@@ -27,3 +29,22 @@ def _release_compiled_programs():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+# the five Llama-family checkpoints of tests/hf_models.py, one module-scoped model each
+FAMILY_NAMES = (
+  "llama3_gqa_untied",
+  "llama_mha_tied",
+  "mistral_gqa",
+  "qwen2_bias_tied",
+  "qwen3_qknorm",
+)
+
+
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
+def family(request, tmp_path_factory):
+  """``(name, transformers model, kvjax model, config)`` of one tiny checkpoint family."""
+  hf_models = pytest.importorskip("hf_models")  # needs torch and transformers
+  hf, path = hf_models.make_checkpoint(tmp_path_factory, request.param)
+  model, cfg = km.load(path)
+  return request.param, hf, model, cfg

@@ -6,9 +6,7 @@ import pathlib
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hf_models import (
-  FAMILIES,
   make_checkpoint,
   make_checkpoint_cached,
   prompt,
@@ -17,13 +15,6 @@ from hf_models import (
 from kvjax import model as km
 from kvjax import policies
 from kvjax.model import cache as cache_lib
-
-
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory):
-  hf, path = make_checkpoint(tmp_path_factory, request.param)
-  model, cfg = km.load(path)
-  return request.param, hf, model, cfg
 
 
 def test_per_head_and_per_layer_budgets_really_shrink_the_cache(family):

@@ -4,23 +4,14 @@ padding, vmapped configurations, budget validation)."""
 import numpy as np
 import pytest
 from hf_models import (
-  FAMILIES,
   NEW,
   hf_generate,
-  make_checkpoint,
   make_checkpoint_cached,
   prompt,
 )
 
 from kvjax import model as km
 from kvjax.model import cache as cache_lib
-
-
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory):
-  hf, path = make_checkpoint(tmp_path_factory, request.param)
-  model, cfg = km.load(path)
-  return request.param, hf, model, cfg
 
 
 @pytest.mark.parametrize(

@@ -3,12 +3,9 @@ bf16, Mistral's sliding window."""
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hf_models import (
-  FAMILIES,
   NEW,
   hf_generate,
-  make_checkpoint,
   make_checkpoint_cached,
   prompt,
   tiny_hf,
@@ -16,13 +13,6 @@ from hf_models import (
 )
 
 from kvjax import model as km
-
-
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory):
-  hf, path = make_checkpoint(tmp_path_factory, request.param)
-  model, cfg = km.load(path)
-  return request.param, hf, model, cfg
 
 
 def test_logits_and_greedy_tokens_match_transformers(family):
