@@ -11,6 +11,7 @@ from hf_models import (
 )
 
 from kvjax import model as km
+from kvjax import policies
 from kvjax.model import cache as cache_lib
 
 
@@ -110,3 +111,27 @@ def test_budgets_below_the_window_or_recent_are_refused():
     km.generate_configs(model, ids, [10, 36], policy="pyramidkv")
   with pytest.raises(ValueError, match="must exceed H2O's recent window"):
     km.generate(model, ids, policy="h2o", budget=6)
+
+
+def test_keep_mask_on_a_real_prompt_matches_the_policy_and_survives_padding():
+  model, cfg, _ = km.load_tiny()
+  ids = np.random.default_rng(0).integers(4, 200, (1, 120)).astype(np.int32)
+  kept = km.keep_mask(model, ids, "snapkv", 40, window=8)
+  assert kept.shape == (cfg.num_layers, 1, cfg.num_heads, 120)
+  assert (kept.sum(-1) == 40).all() and kept[..., -8:].all()  # the window is protected
+  pre = km.prefill(cfg, model.params(), ids, window=8)
+  ev = policies.Evidence(attn_window_LHWT=pre.attn_window[:, 0], keys_LGTD=pre.keys[:, 0])
+  expected = np.asarray(policies.make("snapkv", window=8).keep_mask(ev, 40))
+  np.testing.assert_array_equal(kept[:, 0], expected)
+  grouped = km.keep_mask(model, ids, "snapkv", 40, window=8, num_kv_heads=cfg.num_kv_heads)
+  assert grouped.shape[2] == cfg.num_kv_heads and (grouped.sum(-1) == 40).all()
+  # the same prompt right-padded in a batch keeps the same columns
+  padded = np.concatenate([ids, np.zeros((1, 30), np.int32)], 1)
+  both = np.concatenate([padded, padded], 0)
+  mask = np.ones_like(both)
+  mask[0, 120:] = 0
+  kept2 = km.keep_mask(model, both, "snapkv", 40, window=8, attention_mask=mask)
+  np.testing.assert_array_equal(kept2[:, 0, :, :120], kept[:, 0])
+  assert not kept2[:, 0, :, 120:].any()
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    km.keep_mask(model, ids, "snapkv", 40, num_kv_heads=cfg.num_kv_heads + 1)

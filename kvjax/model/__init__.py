@@ -9,7 +9,7 @@ package re-exports the calls a user needs.
 
 from kvjax.model import cache, config, decoding, llama, loading, tokenizer
 from kvjax.model.config import ModelConfig, from_hf_dict
-from kvjax.model.decoding import answer_configs, generate, generate_configs
+from kvjax.model.decoding import answer_configs, generate, generate_configs, keep_mask
 from kvjax.model.llama import Llama, Prefill, forward, prefill
 from kvjax.model.loading import load, load_tiny, save
 
@@ -25,6 +25,7 @@ __all__ = [
   "from_hf_dict",
   "generate",
   "generate_configs",
+  "keep_mask",
   "llama",
   "load",
   "load_tiny",

@@ -151,7 +151,7 @@ def _prepare(model, prompt_ids, attention_mask, padding_side, policy_name, optio
   policy = _policy(policy_name, options)
   T = ids.shape[1]
   window = _window(policy, T) if policy.name != "full" else 0
-  column_sums = policy.name.startswith("h2o")
+  column_sums = policy.name != "full" and "column_sums_LHT" in policies.spec(policy.name).needs
   params = model.params()
   pre = _prefill(cfg, params, jnp.asarray(ids), jnp.asarray(mask), window, column_sums)
   return cfg, params, policy, pre, T
@@ -276,9 +276,61 @@ def generate_configs(
   tokens, caches = run(budgets)
   _check_overflow(caches)
   itemsize = pre.keys.dtype.itemsize
-  held_C = np.asarray(caches.valid).sum(axis=(1, 2, 3, 4)) * 2 * cfg.head_dim * itemsize
-  mem = {"kv_bytes_held_per_config": held_C.tolist()}
+  held_K = np.asarray(caches.valid).sum(axis=(1, 2, 3, 4)) * 2 * cfg.head_dim * itemsize
+  mem = {"kv_bytes_held_per_config": held_K.tolist()}
   return Generation(np.asarray(tokens), mem, np.asarray(alloc))
+
+
+def keep_mask(
+  model,
+  input_ids,
+  policy: str,
+  budget,
+  *,
+  window: int | None = None,
+  attention_mask=None,
+  head_scores=None,
+  **options,
+) -> np.ndarray:
+  """Which prompt positions ``policy`` keeps under ``budget`` on a real prompt: bool
+  ``[L, B, H, T]``, per layer, batch row and head (for plots, and parity with other libraries).
+
+  ``H`` is the policy's granularity: query heads by default (the published tables' layout), or
+  KV heads with ``num_kv_heads=G`` (scores averaged over each group, as kvpress does). ``window``
+  is the observation window of the window-based policies (default 32). Rows are left-padded
+  internally; the mask is returned in the caller's column order.
+  """
+  if window is not None:
+    options = dict(options, window=window)
+  cfg, params, pol, pre, T = _prepare(model, input_ids, attention_mask, "left", policy, options, 1)
+  kv = options.get("num_kv_heads")
+  if kv is not None and kv != cfg.num_kv_heads:
+    raise ValueError(f"num_kv_heads: {kv} is not the model's {cfg.num_kv_heads} KV heads")
+  layout = "kv" if kv is not None else "query"
+  if pol.name != "full":
+    _check_budget(pol, budget, _window(pol, T))
+  _check_head_scores(pol, head_scores)
+  spec = cache_lib.CacheSpec(pol, T, layout)
+  cache = cache_lib.compress(cfg, pre, spec, budget, head_scores=head_scores)
+  _check_overflow(cache)
+  return _to_caller_columns(
+    np.asarray(cache.positions), np.asarray(cache.valid), input_ids, attention_mask
+  )
+
+
+def _to_caller_columns(positions_LBHC, valid_LBHC, input_ids, attention_mask) -> np.ndarray:
+  """Kept slots as a mask over each row's columns as the caller gave them: a slot's position is
+  the rank of its token among the row's real tokens (whichever side was padded)."""
+  ids = np.asarray(input_ids)
+  mask = np.ones(ids.shape, np.int32) if attention_mask is None else np.asarray(attention_mask)
+  L, B, H, _ = positions_LBHC.shape
+  out = np.zeros((L, B, H, ids.shape[1]), bool)
+  for b in range(B):
+    real = np.flatnonzero(mask[b])
+    pos, valid = positions_LBHC[:, b], valid_LBHC[:, b]
+    lhs = np.nonzero(valid)
+    out[lhs[0], b, lhs[1], real[pos[valid]]] = True
+  return out
 
 
 # --------------------------------------------------------------------------- answers through the cache
