@@ -4,7 +4,8 @@ Semantics shared by every function here (DESIGN.md, step 4):
 
 * Higher score = keep. Each row keeps exactly ``min(budget, length)`` positions, where ``length`` is
   the number of valid (prefix) positions of the row, ``T`` by default.
-* Ties go to the lower position, as ``lax.top_k`` and torch's ``topk`` on CPU both do.
+* Ties go to the lower position, as ``lax.top_k`` and torch's ``topk`` on CPU both do, on every
+  backend. ``-0.0`` and ``+0.0`` are equal scores (and tie).
 * ``+inf`` is the "always keep" sentinel written by :func:`kvjax.scores.protect`; ``-inf`` is
   "keep only if the budget is larger than everything else". NaN is rejected.
 * A budget of at least ``T`` keeps the whole row: the reference "no compression when the prompt is
@@ -12,9 +13,12 @@ Semantics shared by every function here (DESIGN.md, step 4):
 * Budgets are traced data. Only shapes and the capacity (the static upper bound on budgets below
   ``T``) are static, so a sweep over budget values compiles once.
 
-The implementation is ``lax.top_k`` up to the static capacity plus a scatter of
-``arange(capacity) < budget``: exact, tie-consistent, and about 10x faster on CPU than a double
-argsort (DESIGN.md, "On CPU, JAX sorts floats slowly").
+The implementation is ``lax.top_k`` up to the static capacity ``C`` plus a scatter of
+``arange(C) < budget``: exact, tie-consistent, and about 10x faster on CPU than a double
+argsort (DESIGN.md, "On CPU, JAX sorts floats slowly"). Deep orders (``C > T / 8``) sort integer
+keys instead: a packed int64 sort on CPU, a two-key sort elsewhere, with the same order.
+Shape letters follow ``kvjax``'s key (``C`` capacity, ``K`` configurations); ``R`` is the rows
+(every leading axis) flattened.
 """
 
 from __future__ import annotations
@@ -83,30 +87,80 @@ def _iota(shape: tuple[int, ...]) -> Array:
   return lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
 
 
+def uses_packed_sort() -> bool:
+  """Whether deep orders use the packed int64 sort: on XLA:CPU only, decided at trace time.
+
+  That sort is a CPU workaround (float and multi-operand sorts take XLA:CPU's slow path).
+  Elsewhere the portable two-key integer sort gives the same order. Tests patch this function
+  to run the portable path on CPU.
+  """
+  return jax.default_backend() == "cpu"
+
+
+_NEGATIVE_ZERO_BITS = -(2**31)  # the int32 bit pattern of float32 -0.0
+
+
+def _unsigned_zero(x: Array) -> Array:
+  """float32 ``x`` with ``-0.0`` replaced by ``+0.0``, so that the two zeros tie.
+
+  Equal scores must go to the lower position, and ``-0.0`` is common (the key norm of a zero
+  key, masked products), but ``lax.top_k`` orders ``+0.0`` above ``-0.0``. ``x + 0.0`` does not
+  work (XLA folds the addition away), nor does ``where(x == 0, 0, x)``: XLA:CPU flushes
+  subnormals in comparisons, which would zero them here but not in the integer sort paths.
+  """
+  i = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  i = jnp.where(i == _NEGATIVE_ZERO_BITS, jnp.zeros_like(i), i)
+  return lax.bitcast_convert_type(i, jnp.float32)
+
+
 def _sortable_int32(x: Array) -> Array:
-  """An int32 whose signed order is the float32 order of ``x`` (the IEEE-754 bit trick)."""
-  # -0.0 + 0.0 == +0.0: the two zeros must tie, as they do for float comparisons
-  i = lax.bitcast_convert_type(x.astype(jnp.float32) + 0.0, jnp.int32)
-  return jnp.where(i < 0, i ^ 0x7FFFFFFF, i)
+  """An int32 whose signed order is the float32 order of ``x``, with ``-0.0 == +0.0``.
+
+  Sign-magnitude to two's complement: both zeros map to 0, where the usual ``i ^ 0x7FFFFFFF``
+  trick maps ``-0.0`` to -1, below ``+0.0``. Keys stay within ``[-(2**31 - 1), 2**31 - 1]``.
+  """
+  i = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  magnitude = i & 0x7FFFFFFF
+  return jnp.where(i < 0, -magnitude, magnitude)
+
+
+def _packed_sort_order(key: Array, k: int) -> Array:
+  """First ``k`` positions by ``key`` descending, ties to the lower position (XLA:CPU).
+
+  One single-operand int64 sort of ``(~key << 32) | position``: XLA:CPU's fast sort path.
+  """
+  with jax.enable_x64(True):
+    position = lax.broadcasted_iota(jnp.int64, key.shape, key.ndim - 1)
+    packed = (~key.astype(jnp.int64) << 32) | position
+    return (jnp.sort(packed, axis=-1)[..., :k] & 0xFFFFFFFF).astype(jnp.int32)
+
+
+def _two_key_sort_order(key: Array, k: int) -> Array:
+  """First ``k`` positions by ``key`` descending, ties to the lower position (any backend).
+
+  A two-operand sort on ``(~key, position)``, both keys: the pairs are distinct, so the order is
+  total and needs no stability guarantee.
+  """
+  _, order = lax.sort((~key, _iota(key.shape)), dimension=key.ndim - 1, num_keys=2)
+  return order[..., :k]
 
 
 def descending_order(scores: Array, k: int) -> Array:
   """Positions of the ``k`` highest scores per row, best first, ties to the lower position.
 
-  ``lax.top_k`` for shallow ``k``; past ``T / 8`` a single-operand int64 sort of packed
-  ``(score, position)`` keys, exact and about 5x faster than a full-depth ``top_k`` on CPU
-  (DESIGN.md: float and multi-operand sorts take XLA:CPU's slow path).
+  ``-0.0`` and ``+0.0`` are equal scores. ``lax.top_k`` for shallow ``k``; past ``T / 8`` a sort
+  of integer keys: on CPU a single-operand int64 sort of packed ``(score, position)`` keys,
+  exact and about 5x faster than a full-depth ``top_k`` (DESIGN.md: float and multi-operand
+  sorts take XLA:CPU's slow path); elsewhere a two-key ``lax.sort``. Every path gives the same
+  order.
   """
   num_positions = scores.shape[-1]
   if k * 8 <= num_positions or num_positions <= 256:
-    return lax.top_k(scores.astype(jnp.float32), k)[1].astype(jnp.int32)
+    return lax.top_k(_unsigned_zero(scores), k)[1].astype(jnp.int32)
   key = _sortable_int32(scores)
-  with jax.enable_x64(True):
-    packed = ((-key.astype(jnp.int64) - 1) << 32) | lax.broadcasted_iota(
-      jnp.int64, scores.shape, scores.ndim - 1
-    )
-    order = (jnp.sort(packed, axis=-1)[..., :k] & 0xFFFFFFFF).astype(jnp.int32)
-  return order
+  if uses_packed_sort():
+    return _packed_sort_order(key, k)
+  return _two_key_sort_order(key, k)
 
 
 def _top_positions(scores: Array, length: Array, capacity: int) -> Array:
@@ -120,8 +174,8 @@ def _top_positions(scores: Array, length: Array, capacity: int) -> Array:
   scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
   k = min(capacity, num_positions)
   idx = descending_order(scores, k)
-  # -inf scores at valid positions tie with the demoted invalid ones; lower positions win the
-  # tie in top_k, and every valid position is lower than every invalid one, so order is exact.
+  # -inf scores at valid positions tie with the demoted invalid ones; lower positions win ties,
+  # and every valid position is lower than every invalid one, so the order is exact.
   if capacity > num_positions:
     pad = jnp.full(idx.shape[:-1] + (capacity - num_positions,), num_positions, jnp.int32)
     idx = jnp.concatenate([idx.astype(jnp.int32), pad], axis=-1)
@@ -129,7 +183,7 @@ def _top_positions(scores: Array, length: Array, capacity: int) -> Array:
 
 
 def _kept_slots(budget: Array, length: Array, capacity: int) -> Array:
-  """Bool [..., capacity]: slot r of the ranked top list is kept iff r < min(budget, length)."""
+  """Bool [..., C]: slot r of the ranked top list is kept iff r < min(budget, length)."""
   return _iota(budget.shape + (capacity,)) < jnp.minimum(budget, length)[..., None]
 
 
@@ -141,11 +195,11 @@ def _rank_impl(scores: Array, length: Array, capacity: int) -> Array:
   idx = _top_positions(scores, length, cap)
   batch_shape = idx.shape[:-1]
   rows = int(np.prod(batch_shape, dtype=np.int64))
-  idx_RK = idx.reshape(rows, cap)
-  row_RK = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], idx_RK.shape)
-  rank_RK = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[None, :], idx_RK.shape)
+  idx_RC = idx.reshape(rows, cap)
+  row_RC = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], idx_RC.shape)
+  rank_RC = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32)[None, :], idx_RC.shape)
   out_RT = jnp.full((rows, num_positions), cap, jnp.int32)
-  out_RT = out_RT.at[row_RK, idx_RK].set(rank_RK, mode="drop", unique_indices=True)
+  out_RT = out_RT.at[row_RC, idx_RC].set(rank_RC, mode="drop", unique_indices=True)
   return out_RT.reshape(batch_shape + (num_positions,))
 
 
@@ -208,10 +262,11 @@ def ranks(scores: Array, *, length=None, capacity: int | None = None) -> Array:
 
 
 def compact(scores: Array, budget, capacity: int, *, length=None) -> tuple[Array, Array]:
-  """Kept positions in a static buffer: ``(idx [..., capacity] int32, valid [..., capacity] bool)``.
+  """Kept positions in ``C = capacity`` static slots: ``(idx [..., C] int32, valid [..., C] bool)``.
 
-  The valid slots hold the kept positions in ascending order and come first; invalid slots hold
-  0 (a safe gather index) and must be masked by ``valid``. The set equals :func:`keep_mask`'s.
+  For ``scores_LHT`` that is ``(idx_LHC, valid_LHC)``. The valid slots hold the kept positions in
+  ascending order and come first; invalid slots hold 0 (a safe gather index) and must be masked
+  by ``valid``. The set equals :func:`keep_mask`'s.
   ``min(budget, length)`` must fit the ``capacity``: concrete inputs that do not raise
   ``ValueError``; under ``jit`` the caller checks (the model cache flags it as ``overflow``).
   This is the layout of :mod:`kvjax.model.cache`.
@@ -285,10 +340,10 @@ def pooled_budgets(scores_LHT: Array, budget_L, *, capacity: int | None = None) 
 
 
 def pooled_count_table(scores_LHT: Array, max_total: int) -> Array:
-  """Cumulative per-head counts along each layer's pooled order: int32 ``[..., K + 1, H]``.
+  """Cumulative per-head counts along each layer's pooled order: int32 ``[..., n_max + 1, H]``.
 
   Row ``n`` holds how many of the layer's ``n`` best entries (flattened over heads, ties to the
-  lower head then position) fall in each head, for ``n <= K = min(max_total, H*T)``. One
+  lower head then position) fall in each head, for ``n <= n_max = min(max_total, H*T)``. One
   ``top_k`` answers every pooled budget: ``table[..., n, :]`` equals
   ``pooled_budgets(scores, n)``. This is what lets a sweep over thousands of Ada-KV budgets
   share a single selection.
@@ -304,9 +359,9 @@ def pooled_count_table(scores_LHT: Array, max_total: int) -> Array:
 
 
 def pooled_counts_from_table(table: Array, total) -> Array:
-  """Per-head counts ``[..., H]`` for pooled budgets ``total`` ``[...]`` (clipped to ``K``)."""
-  k = table.shape[-2] - 1
-  n = jnp.clip(jnp.asarray(total, jnp.int32), 0, k)
+  """Per-head counts ``[..., H]`` for pooled budgets ``total`` ``[...]`` (clipped to ``n_max``)."""
+  n_max = table.shape[-2] - 1
+  n = jnp.clip(jnp.asarray(total, jnp.int32), 0, n_max)
   return jnp.take_along_axis(table, n[..., None, None], axis=-2)[..., 0, :]
 
 

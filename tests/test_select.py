@@ -9,6 +9,12 @@ import pytest
 from kvjax import select
 
 
+def reference_order(scores):
+  """Numpy reference order: stable argsort of the negated scores, -0.0 normalised to +0.0."""
+  scores = np.asarray(scores, np.float64)
+  return np.argsort(-np.where(scores == 0, 0.0, scores), axis=-1, kind="stable")
+
+
 def reference_mask(scores, budget, length=None):
   """Numpy reference: stable descending order (ties to the lower position), first min(b, len)."""
   scores = np.asarray(scores, np.float64)
@@ -23,7 +29,7 @@ def reference_mask(scores, budget, length=None):
   out = np.zeros(flat.shape, bool)
   for r in range(flat.shape[0]):
     n = int(length[r])
-    order = np.argsort(-flat[r, :n], kind="stable")
+    order = reference_order(flat[r, :n])
     out[r, order[: min(int(budget[r]), n)]] = True
   return out.reshape(scores.shape)
 
@@ -148,12 +154,12 @@ def test_no_retrace_on_new_budget_values():
 def test_vmap_over_budget_configurations():
   rng = np.random.default_rng(11)
   scores = jnp.asarray(rng.normal(size=(2, 3, 30)), jnp.float32)
-  budgets = jnp.asarray(rng.integers(0, 12, size=(5, 2, 3)), jnp.int32)
+  budgets_KLH = jnp.asarray(rng.integers(0, 12, size=(5, 2, 3)), jnp.int32)
   sweep = jax.jit(jax.vmap(lambda b: select.keep_mask(scores, b, capacity=12)))
-  masks = np.asarray(sweep(budgets))
-  for c in range(5):
+  keep_KLHT = np.asarray(sweep(budgets_KLH))
+  for k in range(5):
     np.testing.assert_array_equal(
-      masks[c], reference_mask(np.asarray(scores), np.asarray(budgets[c]))
+      keep_KLHT[k], reference_mask(np.asarray(scores), np.asarray(budgets_KLH[k]))
     )
 
 
@@ -219,14 +225,126 @@ def test_pooled_count_table_answers_every_pooled_budget(seed):
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(expected))
 
 
+def signed_zero_scores(rng, shape):
+  """Scores with many exact ties, -0.0 and +0.0 mixed among them, and the +/-inf sentinels.
+
+  About 10% are positive, so a top list longer than T / 10 reaches into the zeros.
+  """
+  values = np.array([-0.0, 0.0, 1.0, np.inf, -1.0, -2.5, -np.inf], np.float32)
+  return rng.choice(values, size=shape, p=[0.3, 0.3, 0.05, 0.05, 0.1, 0.1, 0.1])
+
+
+@pytest.fixture(params=["packed", "portable"])
+def sort_path(request, monkeypatch):
+  """Runs a test on the CPU packed int64 sort or on the portable two-key sort of other backends.
+
+  The path is chosen in Python at trace time, so callers must trace afresh (eager calls or a new
+  ``jax.jit`` of a lambda), never reuse the module's cached jitted functions under the patch.
+  """
+  calls = []
+  if request.param == "portable":
+    two_key = select._two_key_sort_order
+    monkeypatch.setattr(select, "uses_packed_sort", lambda: False)
+    monkeypatch.setattr(select, "_two_key_sort_order", lambda *a: calls.append(1) or two_key(*a))
+  yield request.param
+  if request.param == "portable":
+    assert calls, "the portable sort path was not taken"
+
+
 @pytest.mark.parametrize("T, k", [(300, 300), (1000, 200), (2048, 2048), (513, 100)])
-def test_descending_order_packed_sort_matches_stable_argsort(T, k):
+def test_descending_order_sort_matches_stable_argsort(T, k, sort_path):
   rng = np.random.default_rng(T)
   scores = rng.integers(-3, 3, size=(3, T)).astype(np.float32)  # many ties
   scores[0, :5] = [np.inf, -np.inf, -0.0, 0.0, np.inf]
+  scores[1] = signed_zero_scores(rng, T)
+  expected = reference_order(scores)[:, :k]
   order = np.asarray(select.descending_order(jnp.asarray(scores), k))
-  expected = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
   np.testing.assert_array_equal(order, expected)
+  order = np.asarray(jax.jit(lambda s: select.descending_order(s, k))(jnp.asarray(scores)))
+  np.testing.assert_array_equal(order, expected)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_signed_zeros_tie_on_the_sort_path_under_jit(seed, sort_path):
+  # T = 512 and budget 300 take the deep sort path; x + 0.0 used to be folded away under jit, so
+  # -0.0 ranked below +0.0 instead of tying with it.
+  rng = np.random.default_rng(600 + seed)
+  scores = signed_zero_scores(rng, (2, 3, 512))
+  scores[..., :100] = np.where(rng.random((2, 3, 100)) < 0.5, -0.0, 0.0)  # zeros win the budget
+  budget = np.full((2, 3), 300, np.int32)
+  budget[1, 2] = 17
+  expected = reference_mask(scores, budget)
+  keep = jax.jit(lambda s, b: select._mask_impl(s, b, jnp.full(b.shape, 512, jnp.int32), 512))
+  np.testing.assert_array_equal(np.asarray(keep(jnp.asarray(scores), budget)), expected)
+  if sort_path == "packed":
+    np.testing.assert_array_equal(np.asarray(select.keep_mask(scores, budget)), expected)
+    np.testing.assert_array_equal(
+      np.asarray(jax.jit(select.keep_mask)(jnp.asarray(scores), budget)), expected
+    )
+  idx, valid = jax.jit(lambda s, b: select._compact_impl(s, b, jnp.full(b.shape, 512), 300))(
+    jnp.asarray(scores), budget
+  )
+  rebuilt = np.zeros_like(expected)
+  for r in np.ndindex(budget.shape):
+    rebuilt[r][np.asarray(idx)[r][np.asarray(valid)[r]]] = True
+  np.testing.assert_array_equal(rebuilt, expected)
+
+
+@pytest.mark.parametrize("T, capacity", [(512, 64), (200, 150), (40, 40)])
+def test_signed_zeros_tie_on_the_top_k_path_under_jit(T, capacity):
+  # lax.top_k orders +0.0 above -0.0 (a total order on the bits): the zeros are normalised first.
+  rng = np.random.default_rng(T)
+  scores = signed_zero_scores(rng, (3, 4, T))
+  budget = rng.integers(0, capacity + 1, size=(3, 4)).astype(np.int32)
+  keep = jax.jit(lambda s, b: select.keep_mask(s, b, capacity=capacity))
+  np.testing.assert_array_equal(
+    np.asarray(keep(jnp.asarray(scores), budget)), reference_mask(scores, budget)
+  )
+  order = jax.jit(lambda s: select.descending_order(s, capacity))(jnp.asarray(scores))
+  np.testing.assert_array_equal(np.asarray(order), reference_order(scores)[..., :capacity])
+
+
+def test_subnormal_scores_order_the_same_on_every_path():
+  # XLA:CPU flushes subnormals in float comparisons; the zero normalisation must not.
+  tiny = np.float32(1e-45)
+  row = np.array([0.0, tiny, -0.0, -tiny, 0.0, 3 * tiny, -0.0, -tiny, 1.0, -1.0], np.float32)
+  scores = np.tile(row, (2, 52))[:, :512]
+  expected = reference_order(scores)
+  for k in (64, 300):  # the top_k path, then the sort path
+    order = jax.jit(lambda s, k=k: select.descending_order(s, k))(jnp.asarray(scores))
+    np.testing.assert_array_equal(np.asarray(order), expected[:, :k])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_portable_sort_path_equals_the_cpu_path(seed, monkeypatch):
+  """The non-CPU path (two-key lax.sort) gives exactly the CPU path's order, ranks and masks."""
+  rng = np.random.default_rng(700 + seed)
+  T = int(rng.integers(257, 1200))
+  shape = (2, int(rng.integers(1, 4)), T)
+  if seed % 2:
+    scores = signed_zero_scores(rng, shape)
+  else:
+    scores = rng.integers(-2, 3, size=shape).astype(np.float32) * np.float32(-1.0)  # -0.0 too
+  scores = jnp.asarray(scores)
+  capacity = int(rng.integers(T // 8 + 1, T))
+  budget = jnp.asarray(rng.integers(0, capacity + 1, size=shape[:-1]), jnp.int32)
+  length = jnp.asarray(rng.integers(0, T + 1, size=shape[:-1]), jnp.int32)
+
+  def run():
+    return (
+      select.descending_order(scores, capacity),
+      jax.jit(lambda s: select._rank_impl(s, length, capacity))(scores),
+      jax.jit(lambda s, b: select._mask_impl(s, b, length, capacity))(scores, budget),
+      jax.jit(lambda s, b: select._compact_impl(s, b, length, capacity))(scores, budget),
+    )
+
+  cpu = run()
+  np.testing.assert_array_equal(np.asarray(cpu[0]), reference_order(scores)[..., :capacity])
+  np.testing.assert_array_equal(np.asarray(cpu[2]), reference_mask(scores, budget, length))
+  monkeypatch.setattr(select, "uses_packed_sort", lambda: False)
+  portable = run()
+  for a, b in zip(jax.tree.leaves(cpu), jax.tree.leaves(portable), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_compact_refuses_a_capacity_below_the_kept_count():
