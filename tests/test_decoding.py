@@ -134,3 +134,21 @@ def test_keep_mask_on_a_real_prompt_matches_the_policy_and_survives_padding():
   assert not kept2[:, 0, :, 120:].any()
   with pytest.raises(ValueError, match="num_kv_heads"):
     km.keep_mask(model, ids, "snapkv", 40, num_kv_heads=cfg.num_kv_heads + 1)
+
+
+@pytest.mark.parametrize("question", ["in_window", "after"])
+def test_one_prefill_serves_every_policy(question):
+  model, _, _ = km.load_tiny()
+  rng = np.random.default_rng(1)
+  prompt = rng.integers(4, 200, (2, 96)).astype(np.int32)
+  answer = rng.integers(4, 200, (2, 3)).astype(np.int32)
+  shared = km.decoding.prefill_answers(model, prompt, answer, question_len=5, question=question)
+  for policy, options in [("snapkv", {"window": 8}), ("h2o", {}), ("oracle", {}), ("tova", {})]:
+    alone = km.answer_configs(
+      model, prompt, answer, [24, 40], policy=policy, question_len=5, question=question, **options
+    )
+    both = km.decoding.answer_prefilled(model, shared, [24, 40], policy=policy, **options)
+    np.testing.assert_array_equal(both.predicted, alone.predicted)
+    np.testing.assert_allclose(both.logprobs, alone.logprobs, atol=1e-5)
+  with pytest.raises(ValueError, match="window rows"):
+    km.decoding.answer_prefilled(model, shared, [60], policy="snapkv", window=40)

@@ -241,14 +241,14 @@ def sort_path(request, monkeypatch):
   The path is chosen in Python at trace time, so callers must trace afresh (eager calls or a new
   ``jax.jit`` of a lambda), never reuse the module's cached jitted functions under the patch.
   """
-  calls = []
   if request.param == "portable":
-    two_key = select._two_key_sort_order
+    jax.clear_caches()  # traces of the packed path must not serve the patched one
     monkeypatch.setattr(select, "uses_packed_sort", lambda: False)
-    monkeypatch.setattr(select, "_two_key_sort_order", lambda *a: calls.append(1) or two_key(*a))
+    jaxpr = str(jax.make_jaxpr(lambda s: select.descending_order(s, 300))(jnp.zeros((1, 512))))
+    assert "num_keys=2" in jaxpr, "the portable sort path was not taken"
   yield request.param
   if request.param == "portable":
-    assert calls, "the portable sort path was not taken"
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("T, k", [(300, 300), (1000, 200), (2048, 2048), (513, 100)])
@@ -274,14 +274,16 @@ def test_signed_zeros_tie_on_the_sort_path_under_jit(seed, sort_path):
   budget = np.full((2, 3), 300, np.int32)
   budget[1, 2] = 17
   expected = reference_mask(scores, budget)
-  keep = jax.jit(lambda s, b: select._mask_impl(s, b, jnp.full(b.shape, 512, jnp.int32), 512))
+  keep = jax.jit(
+    lambda s, b: select.keep_mask(s, b, length=jnp.full(b.shape, 512, jnp.int32), capacity=512)
+  )
   np.testing.assert_array_equal(np.asarray(keep(jnp.asarray(scores), budget)), expected)
   if sort_path == "packed":
     np.testing.assert_array_equal(np.asarray(select.keep_mask(scores, budget)), expected)
     np.testing.assert_array_equal(
       np.asarray(jax.jit(select.keep_mask)(jnp.asarray(scores), budget)), expected
     )
-  idx, valid = jax.jit(lambda s, b: select._compact_impl(s, b, jnp.full(b.shape, 512), 300))(
+  idx, valid = jax.jit(lambda s, b: select.compact(s, b, 300, length=jnp.full(b.shape, 512)))(
     jnp.asarray(scores), budget
   )
   rebuilt = np.zeros_like(expected)
@@ -333,16 +335,20 @@ def test_portable_sort_path_equals_the_cpu_path(seed, monkeypatch):
   def run():
     return (
       select.descending_order(scores, capacity),
-      jax.jit(lambda s: select._rank_impl(s, length, capacity))(scores),
-      jax.jit(lambda s, b: select._mask_impl(s, b, length, capacity))(scores, budget),
-      jax.jit(lambda s, b: select._compact_impl(s, b, length, capacity))(scores, budget),
+      jax.jit(lambda s: select.ranks(s, length=length, capacity=capacity))(scores),
+      jax.jit(lambda s, b: select.keep_mask(s, b, length=length, capacity=capacity))(
+        scores, budget
+      ),
+      jax.jit(lambda s, b: select.compact(s, b, capacity, length=length))(scores, budget),
     )
 
   cpu = run()
   np.testing.assert_array_equal(np.asarray(cpu[0]), reference_order(scores)[..., :capacity])
   np.testing.assert_array_equal(np.asarray(cpu[2]), reference_mask(scores, budget, length))
+  jax.clear_caches()  # the module's jitted functions must trace the patched path afresh
   monkeypatch.setattr(select, "uses_packed_sort", lambda: False)
   portable = run()
+  jax.clear_caches()
   for a, b in zip(jax.tree.leaves(cpu), jax.tree.leaves(portable), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -133,26 +133,53 @@ def _policy_options(entry) -> tuple[str, str, dict]:
   return label, name, entry
 
 
-def evaluate_group(
-  model, exs, budgets, name, options, *, head_scores=None, full=None, question="in_window"
-) -> dict:
-  """One (task, length, policy) group: per-budget accuracy and KL (``question``: see
-  :func:`kvjax.model.answer_configs`)."""
-  if len(budgets) == 0:
-    raise ValueError(f"budgets: no budget to evaluate for policy {name!r}")
+def prefill_examples(model, exs, *, question="in_window", window=32, oracle=True):
+  """The examples' one prefill, shared by every policy and budget that answers them
+  (:func:`kvjax.model.decoding.prefill_answers`)."""
   prompts, answers, scored = tasks.batch(exs)
-  extra = {"head_scores": head_scores} if name == "headkv" else {}
-  out = decoding.answer_configs(
+  return decoding.prefill_answers(
     model,
     prompts,
     answers,
-    np.asarray(budgets, np.int32),
-    policy=name,
     question_len=max(e.question_len for e in exs),
     question=question,
     answer_given=~scored,  # given tokens and padding are fed, never scored
-    **extra,
-    **options,
+    window=window,
+    oracle=oracle,
+  )
+
+
+def _policy_window(entries) -> int:
+  """The most window rows any of the policies reads (32 by default, the reference's)."""
+  return max([32, *(int(opts.get("window") or 32) for _, _, opts in entries)])
+
+
+def evaluate_group(
+  model,
+  exs,
+  budgets,
+  name,
+  options,
+  *,
+  head_scores=None,
+  full=None,
+  question="in_window",
+  prefilled=None,
+) -> dict:
+  """One (task, length, policy) group: per-budget accuracy and KL (``question``: see
+  :func:`kvjax.model.answer_configs`), answered from ``prefilled`` (:func:`prefill_examples`)
+  when given, else from a prefill of its own."""
+  if len(budgets) == 0:
+    raise ValueError(f"budgets: no budget to evaluate for policy {name!r}")
+  _, answers, scored = tasks.batch(exs)
+  if prefilled is None:
+    window = _policy_window([("", name, options)])
+    prefilled = prefill_examples(
+      model, exs, question=question, window=window, oracle=name == "oracle"
+    )
+  extra = {"head_scores": head_scores} if name == "headkv" else {}
+  out = decoding.answer_prefilled(
+    model, prefilled, np.asarray(budgets, np.int32), policy=name, **extra, **options
   )
   rows = []
   for c, b in enumerate(budgets):
@@ -238,23 +265,26 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
   done = complete_groups(table, path, {k: len(v) for k, v in groups.items()})
   model, cfg, tok = load_model(config.model)
   q = config.question
+  window = _policy_window(entries)
+  oracle = any(name == "oracle" for _, name, _ in entries)
   head = None  # HeadKV's retrieval-head scores, measured once per run
   for task, opts in config.tasks.items():
     opts = rundir.plain(opts)
     for length in config.lengths:
       exs = examples(task, tok, length, config.examples, opts, seed=config.seed)
-      full = None
+      full = prefilled = None
       for label, name, options in [("full", "full", {}), *entries]:
         key = (task, length, label, "budget")
         if key in done:
           continue
         t0 = time.time()
-        if full is None:
-          full = evaluate_group(model, exs, [length], "full", {}, question=q)["answers"]
+        if prefilled is None:  # one prefill per example for every policy
+          prefilled = prefill_examples(model, exs, question=q, window=window, oracle=oracle)
+          full = evaluate_group(model, exs, [length], "full", {}, prefilled=prefilled)["answers"]
         if name == "headkv" and head is None:
           head = head_retrieval_scores(model, tok)
         res = evaluate_group(
-          model, exs, groups[key], name, options, head_scores=head, full=full, question=q
+          model, exs, groups[key], name, options, head_scores=head, full=full, prefilled=prefilled
         )
         rows = [
           dict(task=task, length=length, policy=label, kind="budget", depth=np.nan, **r)
@@ -294,13 +324,20 @@ def _heatmap(config, model, tok, path, done, head, log):
         continue
       opts = rundir.plain(config.tasks[h.task]) if h.task in config.tasks else {}
       exs = examples(h.task, tok, length, h.examples, opts, depth=d, seed=config.seed + 1)
-      for label in cells:
-        _, name, options = ("full", "full", {}) if label == "full" else entries[label]
+      chosen = [("full", "full", {}) if label == "full" else entries[label] for label in cells]
+      prefilled = prefill_examples(
+        model,
+        exs,
+        question=config.question,
+        window=_policy_window(chosen),
+        oracle=any(name == "oracle" for _, name, _ in chosen),
+      )
+      for label, (_, name, options) in zip(cells, chosen, strict=True):
         budget = length if name == "full" else h.budget
         if name == "headkv" and head is None:
           head = head_retrieval_scores(model, tok)
         res = evaluate_group(
-          model, exs, [budget], name, options, head_scores=head, question=config.question
+          model, exs, [budget], name, options, head_scores=head, prefilled=prefilled
         )
         (r,) = res["rows"]
         row = dict(task=h.task, length=length, policy=label, kind=f"heatmap@{d:g}", depth=d, **r)

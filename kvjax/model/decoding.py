@@ -406,6 +406,110 @@ def _restrict(pre: llama.Prefill, Tc: int) -> llama.Prefill:
   )
 
 
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+  """Prompts prefilled once, for every policy and budget that will answer them
+  (:func:`prefill_answers`): the prefill's outputs cut to the context keys, what is fed through
+  the cache afterwards, and the oracle's evidence when asked for."""
+
+  pre: llama.Prefill
+  inputs_BM: Array  # the question then the answer but its last token: fed through the cache
+  feed_given_BM: Array  # fed from ``inputs_BM`` (else the model's own prediction)
+  question_len: int
+  window: int  # window rows held in ``pre.attn_window`` (policies may use fewer)
+  seen_len: int  # prompt tokens the prefill saw (the whole prompt, or the context)
+  future_attn: Array | None = None
+
+
+def prefill_answers(
+  model,
+  prompt_ids,
+  answer_ids,
+  *,
+  question_len: int = 1,
+  question: str = "in_window",
+  answer_given=None,
+  window: int = 32,
+  oracle: bool = True,
+) -> Prefilled:
+  """The one prefill that :func:`answer_prefilled` answers from under any policy and budget:
+  window rows of the last ``window`` queries, H2O's column sums, keys and values, and (with
+  ``oracle``) the full-cache attention of the fed queries. See :func:`answer_configs` for
+  ``question`` and ``answer_given``."""
+  prompt = np.asarray(prompt_ids)
+  answer = np.asarray(answer_ids)
+  if prompt.ndim != 2 or prompt.shape[1] < 2:
+    raise ValueError(f"prompt_ids: expected [batch, T >= 2] token ids, got shape {prompt.shape}")
+  if answer.ndim != 2 or answer.shape[0] != prompt.shape[0] or answer.shape[1] < 1:
+    raise ValueError(
+      f"answer_ids: expected [batch={prompt.shape[0]}, N >= 1] token ids, got {answer.shape}"
+    )
+  if question not in QUESTION_MODES:
+    raise ValueError(f"question: expected one of {QUESTION_MODES}, got {question!r}")
+  if question == "compressed":
+    question_len = 1
+  if not 1 <= question_len < prompt.shape[1]:
+    raise ValueError(
+      f"question_len: expected 1 <= question_len < T={prompt.shape[1]}, got {question_len}"
+    )
+  given = np.zeros(answer.shape, bool) if answer_given is None else np.asarray(answer_given, bool)
+  if given.shape != answer.shape:
+    raise ValueError(f"answer_given: shape {given.shape}, expected {answer.shape}")
+  prompt, answer = prompt.astype(np.int32), answer.astype(np.int32)
+  B = answer.shape[0]
+  Tc = prompt.shape[1] - question_len
+  seen = prompt if question == "in_window" else prompt[:, :Tc]
+  cfg, params = model.cfg, model.params()
+  w = min(int(window), seen.shape[1])
+  pre = _restrict(_prefill(cfg, params, jnp.asarray(seen), jnp.ones_like(seen), w, True), Tc)
+  future = _future_attention(cfg, params, jnp.asarray(prompt), answer, Tc) if oracle else None
+  inputs = jnp.asarray(np.concatenate([prompt[:, Tc:], answer[:, :-1]], axis=1))
+  feed = np.concatenate([np.ones((B, question_len), bool), given[:, :-1]], 1)
+  return Prefilled(pre, inputs, jnp.asarray(feed), question_len, w, seen.shape[1], future)
+
+
+def answer_prefilled(
+  model,
+  prefilled: Prefilled,
+  budgets,
+  *,
+  policy: str,
+  layout: str = "kv",
+  head_scores=None,
+  **policy_options,
+) -> Answers:
+  """Answers under ``K`` budget configurations of ``policy`` from one :func:`prefill_answers`
+  (every policy of an evaluation shares it; nothing is prefilled here)."""
+  cache_lib.check_layout(layout)
+  budgets = _check_config_budgets(budgets)
+  cfg, params = model.cfg, model.params()
+  pol = _policy(policy, policy_options)
+  pre = prefilled.pre
+  window = _window(pol, prefilled.seen_len) if pol.name != "full" else 0
+  if window > prefilled.window:
+    raise ValueError(
+      f"window: policy {policy!r} needs {window} window rows, the prefill holds "
+      f"{prefilled.window}; prefill with window >= {window}"
+    )
+  pre = pre.replace(attn_window=pre.attn_window[..., prefilled.window - max(window, 1) :, :])
+  if pol.name == "oracle":
+    if prefilled.future_attn is None:
+      raise ValueError("prefilled: the oracle needs prefill_answers(..., oracle=True)")
+    pre = pre.replace(future_attn=prefilled.future_attn)
+  Tc = pre.valid.shape[1]
+  M = prefilled.inputs_BM.shape[1]
+  spec, alloc = _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, Tc, M)
+  run = jax.vmap(
+    lambda b: _compress_and_answer(
+      cfg, params, pre, spec, b, head_scores, prefilled.inputs_BM, prefilled.feed_given_BM
+    )
+  )
+  pred, logp, caches = run(budgets)
+  _check_overflow(caches)
+  q = prefilled.question_len - 1  # predictions from the last question token on are the answer's
+  return Answers(np.asarray(pred[:, :, q:]), np.asarray(logp[:, :, q:]), np.asarray(alloc))
+
+
 def answer_configs(
   model,
   prompt_ids,
@@ -449,45 +553,24 @@ def answer_configs(
   SnapKV-style policies protect the last ``window`` context positions (the question itself is
   re-fed, so it is always present).
   """
-  cache_lib.check_layout(layout)
-  budgets = _check_config_budgets(budgets)
-  prompt = np.asarray(prompt_ids, np.int32)
-  answer = np.asarray(answer_ids, np.int32)
-  if prompt.ndim != 2 or prompt.shape[1] < 2:
-    raise ValueError(f"prompt_ids: expected [batch, T >= 2] token ids, got shape {prompt.shape}")
-  if answer.ndim != 2 or answer.shape[0] != prompt.shape[0] or answer.shape[1] < 1:
-    raise ValueError(
-      f"answer_ids: expected [batch={prompt.shape[0]}, N >= 1] token ids, got {answer.shape}"
-    )
-  if question not in QUESTION_MODES:
-    raise ValueError(f"question: expected one of {QUESTION_MODES}, got {question!r}")
-  if question == "compressed":
-    question_len = 1
-  if not 1 <= question_len < prompt.shape[1]:
-    raise ValueError(
-      f"question_len: expected 1 <= question_len < T={prompt.shape[1]}, got {question_len}"
-    )
-  given = np.zeros(answer.shape, bool) if answer_given is None else np.asarray(answer_given, bool)
-  if given.shape != answer.shape:
-    raise ValueError(f"answer_given: shape {given.shape}, expected {answer.shape}")
-  B, N = answer.shape
-  Tc = prompt.shape[1] - question_len
-  seen = prompt if question == "in_window" else prompt[:, :Tc]
-  cfg, params, pol, pre, _ = _prepare(model, seen, None, "left", policy, policy_options, N)
-  pre = _restrict(pre, Tc)
-  if pol.name == "oracle":
-    pre = pre.replace(future_attn=_future_attention(cfg, params, jnp.asarray(prompt), answer, Tc))
-  window = _window(pol, seen.shape[1]) if pol.name != "full" else 0
-  M = question_len + N - 1  # tokens fed through the cache
-  spec, alloc = _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, Tc, M)
-  inputs = jnp.asarray(np.concatenate([prompt[:, Tc:], answer[:, :-1]], axis=1))
-  feed_given = np.concatenate([np.ones((B, question_len), bool), given[:, :-1]], 1)
-  run = jax.vmap(
-    lambda b: _compress_and_answer(
-      cfg, params, pre, spec, b, head_scores, inputs, jnp.asarray(feed_given)
-    )
+  pol = _policy(policy, policy_options)
+  window = int(dict(pol.options).get("window") or 32) if pol.name != "full" else 1
+  prefilled = prefill_answers(
+    model,
+    prompt_ids,
+    answer_ids,
+    question_len=question_len,
+    question=question,
+    answer_given=answer_given,
+    window=window,
+    oracle=pol.name == "oracle",
   )
-  pred, logp, caches = run(budgets)
-  _check_overflow(caches)
-  q = question_len - 1  # predictions from the last question token on are the answer's
-  return Answers(np.asarray(pred[:, :, q:]), np.asarray(logp[:, :, q:]), np.asarray(alloc))
+  return answer_prefilled(
+    model,
+    prefilled,
+    budgets,
+    policy=policy,
+    layout=layout,
+    head_scores=head_scores,
+    **policy_options,
+  )
