@@ -25,6 +25,12 @@ from kvjax import select
 
 Array = jax.Array
 
+# Every kvjax matmul (evidence, scores, the model) asks for full fp32 precision: TPUs otherwise
+# compute fp32 matmuls in bf16 passes and Ampere/Hopper GPUs in TF32, which moves attention
+# scores, breaks near-ties and the parity with the PyTorch references. bf16 operands run at
+# native speed whatever this says.
+PRECISION = lax.Precision.HIGHEST
+
 POOLS = ("max", "avg")
 REDUCES = ("sum", "mean")
 GROUPINGS = ("mean", "max", "sum")
@@ -82,7 +88,9 @@ def _grouped_logits(queries_LHWD: Array, keys_LGTD: Array, scale: float) -> Arra
   L, Hq, W, D = queries_LHWD.shape
   G = keys_LGTD.shape[1]
   q_LGRWD = queries_LHWD.astype(jnp.float32).reshape(L, G, Hq // G, W, D)
-  logits = jnp.einsum("lgrwd,lgtd->lgrwt", q_LGRWD, keys_LGTD.astype(jnp.float32))
+  logits = jnp.einsum(
+    "lgrwd,lgtd->lgrwt", q_LGRWD, keys_LGTD.astype(jnp.float32), precision=PRECISION
+  )
   return (logits * scale).reshape(L, Hq, W, -1)
 
 

@@ -1,8 +1,10 @@
 """kvjax.model.llama: logits and greedy tokens against transformers, the prefill's evidence,
 bf16, Mistral's sliding window."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hf_models import (
   NEW,
   hf_generate,
@@ -76,3 +78,25 @@ def test_mistral_sliding_window_applies_during_decoding(tmp_path):
   seq = np.concatenate([ids, out], 1)
   teacher = np.asarray(model(jnp.asarray(seq))).argmax(-1)[0, 23:31]
   np.testing.assert_array_equal(out[0], teacher)
+
+
+def test_every_matmul_asks_for_full_fp32_precision():
+  # TPUs and TF32 GPUs would otherwise compute fp32 matmuls at reduced precision
+  model, cfg, _ = km.load_tiny()
+  prefill = jax.make_jaxpr(
+    lambda ids: km.prefill(cfg, model.params(), ids, window=4, column_sums=True)
+  )(jnp.zeros((1, 8), jnp.int32))
+  text = str(prefill)
+  assert text.count("dot_general") > 5
+  assert text.count("dot_general") == text.count("precision=(Precision.HIGHEST, Precision.HIGHEST)")
+
+
+def test_prefill_computes_the_last_logits_only_unless_asked():
+  model, cfg, _ = km.load_tiny()
+  ids = jnp.asarray(np.random.default_rng(0).integers(4, 100, (2, 20)), jnp.int32)
+  last = km.prefill(cfg, model.params(), ids).logits
+  every = km.prefill(cfg, model.params(), ids, logits="all").logits
+  assert last.shape == (2, 1, cfg.vocab_size) and every.shape == (2, 20, cfg.vocab_size)
+  np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(every[:, -1]), atol=1e-5)
+  with pytest.raises(ValueError, match="logits"):
+    km.prefill(cfg, model.params(), ids, logits="first")

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax.scores import PRECISION
+
 Array = jax.Array
 
 
@@ -62,9 +64,9 @@ def step_metrics(
   kept_a = jnp.where(valid_LHC, jnp.take_along_axis(row_LHT, pos_LHC, -1), 0.0)
   retained = kept_a.sum(-1)
   a_hat = kept_a / jnp.where(retained > 0, retained, 1.0)[..., None]
-  out_full = jnp.einsum("lht,lhtd->lhd", row_LHT, values_LHTD)
+  out_full = jnp.einsum("lht,lhtd->lhd", row_LHT, values_LHTD, precision=PRECISION)
   kept_v = jnp.take_along_axis(values_LHTD, pos_LHC[..., None], -2)
-  out_hat = jnp.einsum("lhb,lhbd->lhd", a_hat, kept_v)
+  out_hat = jnp.einsum("lhb,lhbd->lhd", a_hat, kept_v, precision=PRECISION)
   hits = jnp.take_along_axis(jnp.broadcast_to(fact_T, row_LHT.shape), pos_LHC, -1) & valid_LHC
   metrics = StepMetrics(
     retained=retained,

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax.scores import PRECISION
+
 Array = jax.Array
 
 ROLES = ("mixed", "local", "retrieval", "sink")
@@ -271,7 +273,7 @@ def attention_row(world: World, t: Array) -> Array:
   weights = jnp.stack([sink_w, w[..., 1], fact_w, w[..., 3]], -1)
   weights = weights / weights.sum(-1, keepdims=True)
   comps = jnp.stack([sink, recency, fact, background], -2)
-  return jnp.einsum("lhc,lhct->lht", weights, comps)
+  return jnp.einsum("lhc,lhct->lht", weights, comps, precision=PRECISION)
 
 
 def window_rows(world: World) -> Array:

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx, struct
 
 from kvjax.model.config import ModelConfig
+from kvjax.scores import PRECISION
 
 Array = jax.Array
 
@@ -71,6 +72,11 @@ class Llama(nnx.Module):
 
 
 # --------------------------------------------------------------------------- building blocks
+
+
+def matmul(x: Array, w: Array) -> Array:
+  """``x @ w`` at :data:`kvjax.scores.PRECISION` (full fp32 on every backend)."""
+  return jnp.matmul(x, w, precision=PRECISION)
 
 
 def along_last(w: Array, ndim: int) -> Array:
@@ -139,7 +145,7 @@ def project_qkv(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array):
   """Post-RoPE queries ``[B, Hq, T, D]``, keys ``[B, G, T, D]`` and values ``[B, G, T, D]``."""
   B, T, _ = x_BTd.shape
   h = rms_norm(x_BTd, p["attn_norm"], cfg.rms_norm_eps)
-  q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+  q, k, v = matmul(h, p["wq"]), matmul(h, p["wk"]), matmul(h, p["wv"])
   if cfg.qkv_bias:
     q, k, v = q + along_last(p["bq"], 3), k + along_last(p["bk"], 3), v + along_last(p["bv"], 3)
 
@@ -164,7 +170,9 @@ def attention_probs(q_BHQD, k_BGTD, allowed) -> Array:
   allowed = allowed[:, None] if allowed.ndim == 3 else allowed
   allowed = allowed[:, :, None]  # [B, G or 1, 1, Q, K]
   q = q_BHQD.astype(jnp.float32).reshape(B, G, Hq // G, Q, D)
-  logits = jnp.einsum("bgrqd,bgkd->bgrqk", q, k_BGTD.astype(jnp.float32)) / math.sqrt(D)
+  logits = jnp.einsum(
+    "bgrqd,bgkd->bgrqk", q, k_BGTD.astype(jnp.float32), precision=PRECISION
+  ) / math.sqrt(D)
   logits = jnp.where(allowed, logits, -jnp.inf)
   probs = jax.nn.softmax(logits, axis=-1)
   probs = jnp.where(allowed.any(-1, keepdims=True), probs, 0.0)
@@ -176,25 +184,25 @@ def attend(probs_BHQT: Array, v_BGTD: Array) -> Array:
   B, Hq, Q, K = probs_BHQT.shape
   G = v_BGTD.shape[1]
   p = probs_BHQT.reshape(B, G, Hq // G, Q, K)
-  out = jnp.einsum("bgrqk,bgkd->bgrqd", p, v_BGTD.astype(jnp.float32))
+  out = jnp.einsum("bgrqk,bgkd->bgrqd", p, v_BGTD.astype(jnp.float32), precision=PRECISION)
   return out.reshape(B, Hq, Q, -1)
 
 
 def output_and_mlp(cfg: ModelConfig, p: dict, x_BTd: Array, attn_BHTD: Array) -> Array:
   """Residual stream after ``o_proj`` and the SwiGLU MLP."""
   B, _, T, _ = attn_BHTD.shape
-  o = attn_BHTD.transpose(0, 2, 1, 3).reshape(B, T, -1).astype(x_BTd.dtype) @ p["wo"]
+  o = matmul(attn_BHTD.transpose(0, 2, 1, 3).reshape(B, T, -1).astype(x_BTd.dtype), p["wo"])
   if cfg.o_bias:
     o = o + along_last(p["bo"], 3)
   x = x_BTd + o
   h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-  return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+  return x + matmul(jax.nn.silu(matmul(h, p["w_gate"])) * matmul(h, p["w_up"]), p["w_down"])
 
 
 def logits_of(cfg: ModelConfig, params: dict, x_BTd: Array) -> Array:
   h = rms_norm(x_BTd, params["final_norm"], cfg.rms_norm_eps)
   head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-  return (h @ head).astype(jnp.float32)
+  return matmul(h, head).astype(jnp.float32)
 
 
 def dense_layer(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array, allowed) -> tuple:
@@ -230,7 +238,10 @@ def forward(
   block: int = 256,
 ) -> Array:
   """Full causal forward: logits ``[B, T, V]`` (queries processed in blocks of ``block``)."""
-  return prefill(cfg, params, input_ids, attention_mask, block=block).logits
+  return prefill(cfg, params, input_ids, attention_mask, block=block, logits="all").logits
+
+
+LOGITS = ("last", "all")
 
 
 @struct.dataclass
@@ -238,7 +249,7 @@ class Prefill:
   """What one pass over a prompt returns: logits, the full post-RoPE K/V and the evidence.
 
   Attributes:
-    logits: ``[B, T, V]`` fp32.
+    logits: ``[B, 1, V]`` fp32 at the last position (``[B, T, V]`` with ``logits="all"``).
     keys, values: ``[L, B, G, T, D]`` (keys post-RoPE, at their original positions).
     positions, valid: ``[B, T]`` RoPE positions and the non-padding mask.
     key_norms: ``[L, B, G, T]`` (key norm's evidence).
@@ -271,13 +282,18 @@ def prefill(
   column_sums: bool = False,
   full_attention_layers: tuple[int, ...] = (),
   block: int = 256,
+  logits: str = "last",
 ) -> Prefill:
   """One pass over the prompt: a :class:`Prefill` with logits, K/V and the requested evidence.
 
   ``window`` asks for the last ``window`` query rows, ``column_sums`` for H2O's attention sums
   (accumulated block by block: memory ``O(T * block)``), ``full_attention_layers`` for full
-  maps of those layers.
+  maps of those layers. ``logits="last"`` (the default) computes the last position's logits
+  only (``[B, 1, V]``: all that generation reads; ``[B, T, V]`` fp32 would be 16 GiB at 32k
+  tokens and a 128k vocabulary), ``"all"`` every position's.
   """
+  if logits not in LOGITS:
+    raise ValueError(f"logits: expected one of {LOGITS}, got {logits!r}")
   B, T = input_ids.shape
   if attention_mask is None:
     attention_mask = jnp.ones((B, T), jnp.int32)
@@ -321,7 +337,7 @@ def prefill(
   if full_attention_layers:
     maps = full_attention_maps(cfg, params, input_ids, attention_mask, full_attention_layers)
   return Prefill(
-    logits=logits_of(cfg, params, x),
+    logits=logits_of(cfg, params, x if logits == "all" else x[:, -1:]),
     positions=positions,
     valid=valid,
     key_norms=jnp.linalg.norm(ys["keys"].astype(jnp.float32), axis=-1),
