@@ -1,0 +1,94 @@
+"""XLA's compiled memory plan of ``km.prefill`` for real model shapes, without any weights.
+
+Lowers and compiles ``llama.prefill`` on abstract parameters (``nnx.eval_shape``) of a
+Llama-3.2-1B- and a Llama-3.1-8B-shaped model in bf16, batch 1, and prints the plan XLA makes
+(``compile().memory_analysis()``: arguments, outputs, temporaries) at 8k, 32k and 128k tokens,
+with the evidence the policies read (32 window rows, H2O's column sums). It needs no device
+memory, so it answers on this CPU what a Colab chip would need. Targets (issue 14): 1B at 32k
+<= 8 GiB, 1B at 128k <= 16 GiB (one v5e chip).
+
+Usage: ``python -m experiments.bench_memory [--quick] [--block 256]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvjax import model as km
+
+GiB = 2**30
+SHAPES = {
+  "llama-3.2-1b": km.ModelConfig(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=64,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+  ),
+  "llama-3.1-8b": km.ModelConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+  ),
+}
+TARGETS_GIB = {("llama-3.2-1b", 32768): 8.0, ("llama-3.2-1b", 131072): 16.0}
+
+
+def plan(cfg: km.ModelConfig, T: int, *, window: int, block: int, chunk: int | None) -> dict:
+  """The memory plan (bytes) of one prefill of ``T`` tokens with the policies' evidence."""
+  model = nnx.eval_shape(lambda: km.Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))  # ShapeDtypeStructs: no weights
+  ids = jax.ShapeDtypeStruct((1, T), jnp.int32)
+
+  def prefill(p, i):
+    return km.prefill(cfg, p, i, window=window, column_sums=True, block=block, chunk=chunk)
+
+  stats = jax.jit(prefill).lower(params, ids).compile().memory_analysis()
+  return {
+    "arguments": stats.argument_size_in_bytes,
+    "outputs": stats.output_size_in_bytes,
+    "temporaries": stats.temp_size_in_bytes,
+    "total": stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes,
+  }
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--quick", action="store_true", help="1B at 8k only")
+  parser.add_argument("--block", type=int, default=256, help="queries per attention block")
+  parser.add_argument("--chunk", type=int, default=0, help="prefill chunk (0: the default)")
+  args = parser.parse_args()
+  cases = [("llama-3.2-1b", 8192)]
+  if not args.quick:
+    cases += [(n, t) for n in SHAPES for t in (8192, 32768, 131072)][1:]
+  print(f"{'model':14s} {'tokens':>7s} {'args':>8s} {'outputs':>8s} {'temps':>8s} {'total':>8s}")
+  for name, T in cases:
+    cfg = dataclasses.replace(SHAPES[name])
+    p = plan(cfg, T, window=32, block=args.block, chunk=args.chunk or None)
+    gib = {k: v / GiB for k, v in p.items()}
+    target = TARGETS_GIB.get((name, T))
+    verdict = "" if target is None else f"  target <= {target:.0f} GiB: " + (
+      "met" if gib["total"] <= target else "MISSED"
+    )
+    print(
+      f"{name:14s} {T:7d} {gib['arguments']:7.2f}G {gib['outputs']:7.2f}G "
+      f"{gib['temporaries']:7.2f}G {gib['total']:7.2f}G{verdict}"
+    )
+
+
+if __name__ == "__main__":
+  main()
