@@ -181,22 +181,22 @@ def needle_heatmap(table, policy: str):
   return fig
 
 
-def accuracy_figures(table, out_dir) -> list[str]:
+def accuracy_figures(table, out_dir, suffix: str = "") -> list[str]:
   """Writes ``accuracy_vs_budget.png``, ``recall_vs_budget.png`` (RULER's partial credit, when the
   table has it), ``kl_vs_budget.png`` and one ``needle_heatmap_*.png`` per heatmap policy into
-  ``out_dir``; returns the file names."""
+  ``out_dir`` (each name ending in ``suffix``); returns the file names."""
   out_dir = pathlib.Path(out_dir)
   written = []
   if (table["kind"] == "budget").any():
     for metric in [m for m in ("accuracy", "recall", "kl") if m in table.columns]:
       fig = accuracy_vs_budget(table, metric)
-      fig.savefig(out_dir / f"{metric}_vs_budget.png", dpi=110)
+      fig.savefig(out_dir / f"{metric}_vs_budget{suffix}.png", dpi=110)
       close(fig)
-      written.append(f"{metric}_vs_budget.png")
+      written.append(f"{metric}_vs_budget{suffix}.png")
   heat = table[table["kind"].astype(str).str.startswith("heatmap")]
   for policy in dict.fromkeys(heat["policy"]):
     fig = needle_heatmap(table, policy)
-    name = f"needle_heatmap_{policy}.png"
+    name = f"needle_heatmap_{policy}{suffix}.png"
     fig.savefig(out_dir / name, dpi=110)
     close(fig)
     written.append(name)

@@ -152,3 +152,42 @@ def test_one_prefill_serves_every_policy(question):
     np.testing.assert_allclose(both.logprobs, alone.logprobs, atol=1e-5)
   with pytest.raises(ValueError, match="window rows"):
     km.decoding.answer_prefilled(model, shared, [60], policy="snapkv", window=40)
+
+
+@pytest.mark.parametrize(
+  ("call", "match"),
+  [
+    (dict(prompt=[[1, 2, 10**6]]), "token id 1000000 is outside the vocabulary"),
+    (dict(prompt=[[1, -1, 3]]), "token id -1 is outside"),
+    (dict(prompt=[[1.0, 2.5]]), "integer token ids"),
+    (dict(prompt=np.zeros((1, 0), np.int32)), r"T >= 1"),
+    (dict(prompt=np.zeros((0, 4), np.int32)), r"batch >= 1"),
+    (dict(mask=[[0, 0, 0, 0]]), "row 0 has no real token"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(policy="full", budget=16), "full cache keeps everything"),
+    (dict(budget=np.int64(2**32 + 12)), "does not fit int32"),
+    (dict(budget=2**40), "does not fit int32"),
+  ],
+)
+def test_bad_generation_calls_are_named(call, match):
+  model, _, _ = km.load_tiny()
+  prompt = np.asarray(call.get("prompt", [[5, 6, 7, 8]]))
+  kw = dict(policy=call.get("policy", "streaming_llm"), max_new_tokens=2)
+  if "budget" in call or kw["policy"] != "full":
+    kw["budget"] = call.get("budget", 16)
+  if "mask" in call:
+    kw["attention_mask"] = np.asarray(call["mask"])
+  if "temperature" in call:
+    kw["temperature"] = call["temperature"]
+  with pytest.raises(ValueError, match=match):
+    km.generate(model, prompt, **kw)
+
+
+def test_bad_config_budgets_and_answer_ids_are_named():
+  model, cfg, _ = km.load_tiny()
+  prompt = np.full((1, 40), 5, np.int32)
+  with pytest.raises(ValueError, match="outside"):
+    km.generate_configs(model, prompt, np.asarray([16, 2**32 + 12]), policy="streaming_llm")
+  with pytest.raises(ValueError, match="answer_ids: token id"):
+    km.answer_configs(model, prompt, [[cfg.vocab_size]], [16], policy="streaming_llm")

@@ -4,6 +4,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -201,8 +202,8 @@ def test_eval_quick_writes_results_resumes_and_plots(tmp_path):
   n = len(table)
   again = evaluate.run(c, tmp_path, log=lambda *_: None)  # nothing left to run: no duplicates
   assert len(again) == n
-  c.budgets = [64]
-  with pytest.raises(ValueError, match="different evaluation"):
+  c.budgets = (64,)
+  with pytest.raises(ValueError, match="different configuration"):
     evaluate.run(c, tmp_path, log=lambda *_: None)
   # a results file of another layout is refused, never appended to
   c = eval_config.get_config("quick")
@@ -214,14 +215,43 @@ def test_eval_quick_writes_results_resumes_and_plots(tmp_path):
 def test_a_group_cut_mid_write_is_dropped_and_rerun(tmp_path):
   import pandas as pd
 
-  rows = [
-    dict(task="t", length=64, policy="snapkv", kind="budget", budget=b, accuracy=1.0)
-    for b in (8, 16, 32)
-  ]
-  rows += [dict(task="t", length=64, policy="h2o", kind="budget", budget=8, accuracy=1.0)]
+  base = dict(task="t", length=64, kind="budget", question="after", accuracy=1.0)
+  rows = [dict(base, policy="snapkv", budget=b) for b in (8, 16, 32)]
+  rows += [dict(base, policy="h2o", budget=8)]
   path = tmp_path / "results.csv"
   pd.DataFrame(rows).to_csv(path, index=False)
-  expected = {("t", 64, "snapkv", "budget"): 3, ("t", 64, "h2o", "budget"): 3}
+  expected = {("t", 64, "snapkv", "budget", "after"): 3, ("t", 64, "h2o", "budget", "after"): 3}
   done = evaluate.complete_groups(pd.read_csv(path), path, expected)
-  assert done == {("t", 64, "snapkv", "budget")}
+  assert done == {("t", 64, "snapkv", "budget", "after")}
   assert len(pd.read_csv(path)) == 3  # the partial h2o group is gone and will rerun
+
+
+@pytest.mark.parametrize(
+  ("field", "value", "match"),
+  [
+    ("heatmap.policies", ("snapkv", "snapkvv"), "heatmap.policies"),
+    ("policies", (dict(label="x", policy="snapkvv"),), "unknown policy 'snapkvv'"),
+    ("policies", (dict(label="x", policy="snapkv", windw=8),), "windw"),
+    ("question", "in_window,before", "question"),
+    ("budgets", (0, 64), "budgets"),
+    ("examples", 0, "examples"),
+    ("tasks", {"needle": {}}, "tasks"),
+  ],
+)
+def test_a_bad_eval_config_fails_before_any_work(tmp_path, field, value, match):
+  c = eval_config.get_config("quick")
+  if field == "heatmap.policies":
+    c.heatmap.policies = value
+  elif field == "tasks":
+    c.tasks = ml_collections.ConfigDict(value)
+  else:
+    c[field] = value
+  with pytest.raises(ValueError, match=match):
+    evaluate.run(c, tmp_path / "w", log=lambda *_: None)
+  assert not (tmp_path / "w").exists()  # nothing claimed: the corrected config may use it
+
+
+def test_question_modes_parse():
+  c = eval_config.get_config("quick")
+  c.question = "in_window, after"
+  assert evaluate.question_modes(c) == ("in_window", "after")

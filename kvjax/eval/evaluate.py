@@ -210,11 +210,12 @@ def _model_fingerprint(name: str) -> str:
 
 
 def complete_groups(table: pd.DataFrame, path: pathlib.Path, expected: dict) -> set:
-  """Groups with all their rows; rows of a group cut by an interruption are dropped from the
-  file (and the group reruns), so nothing is lost or doubled."""
+  """Groups ``(task, length, policy, kind, question)`` with all their rows; rows of a group cut
+  by an interruption are dropped from the file (and the group reruns), so nothing is lost or
+  doubled."""
   if table.empty:
     return set()
-  keys = list(zip(table["task"], table["length"], table["policy"], table["kind"], strict=True))
+  keys = list(zip(*(table[c] for c in GROUP_COLUMNS), strict=True))
   counts = pd.Series(keys).value_counts().to_dict()
   done = {k for k, n in counts.items() if n == expected.get(k, 1)}
   if len(done) < len(counts):
@@ -223,11 +224,9 @@ def complete_groups(table: pd.DataFrame, path: pathlib.Path, expected: dict) -> 
   return done
 
 
+GROUP_COLUMNS = ["task", "length", "policy", "kind", "question"]
 COLUMNS = [
-  "task",
-  "length",
-  "policy",
-  "kind",
+  *GROUP_COLUMNS,
   "depth",
   "budget",
   "accuracy",
@@ -239,8 +238,68 @@ COLUMNS = [
 ]
 
 
+def question_modes(config) -> tuple[str, ...]:
+  """The config's question modes: ``question`` is one of
+  :data:`kvjax.model.decoding.QUESTION_MODES` or several joined by commas (the kvpress
+  leaderboard reports query-aware ``in_window`` and query-agnostic ``after`` separately)."""
+  modes = tuple(m.strip() for m in str(config.question).split(",") if m.strip())
+  bad = [m for m in modes if m not in decoding.QUESTION_MODES]
+  if not modes or bad or len(set(modes)) < len(modes):
+    raise ValueError(
+      f"question: {config.question!r} is not a comma-separated list of distinct modes from "
+      f"{decoding.QUESTION_MODES}"
+    )
+  return modes
+
+
+def validate_config(config) -> None:
+  """Every part of an evaluation config, before any work (and before the workdir is claimed):
+  tasks and their options, lengths, budgets, examples, the policies (by building each), labels,
+  question modes and the heatmap."""
+  question_modes(config)
+  for task in config.tasks:
+    if task not in tasks.TASKS:
+      raise ValueError(f"tasks: {task!r} is not one of {tasks.TASKS}")
+  for name in ("lengths", "budgets"):
+    values = tuple(config[name])
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+      raise ValueError(f"{name}: expected a non-empty tuple of positive ints, got {values!r}")
+  if (
+    isinstance(config.examples, bool) or not isinstance(config.examples, int) or config.examples < 1
+  ):
+    raise ValueError(f"examples: expected a positive int, got {config.examples!r}")
+  labels = []
+  for entry in config.policies:
+    label, name, options = _policy_options(entry)
+    decoding.check_policy(name, options)
+    labels.append(label)
+  if len(set(labels)) < len(labels) or "full" in labels:
+    raise ValueError(f"policies: labels must be distinct and not 'full', got {labels}")
+  for length in config.lengths:
+    if not [b for b in config.budgets if b < length]:
+      raise ValueError(
+        f"budgets: none of {list(config.budgets)} is below the context length {length}"
+      )
+  h = config.heatmap
+  unknown = [p for p in h.policies if p not in labels]
+  if unknown:
+    raise ValueError(
+      f"heatmap.policies: {unknown} are not policy labels; expected some of {labels}"
+    )
+  if h.policies:
+    if h.task not in tasks.TASKS:
+      raise ValueError(f"heatmap.task: {h.task!r} is not one of {tasks.TASKS}")
+    if h.budget >= min(h.lengths):
+      raise ValueError(
+        f"heatmap.budget: {h.budget} must be below every heatmap length {list(h.lengths)}"
+      )
+    if any(not 0 <= d <= 1 for d in h.depths):
+      raise ValueError(f"heatmap.depths: expected fractions in [0, 1], got {list(h.depths)}")
+
+
 def run(config, workdir, *, log=print) -> pd.DataFrame:
   """Runs (or resumes) the evaluation ``config`` into ``workdir``; returns ``results.csv``."""
+  validate_config(config)
   path = pathlib.Path(workdir) / "results.csv"
   table = rundir.read_rows(path)
   plain = {k: config[k] for k in config if k != "workdir"}
@@ -252,19 +311,16 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
       "another kvjax version); use a fresh workdir"
     )
   entries = [_policy_options(e) for e in config.policies]
-  groups = {}  # (task, length, label, kind) -> budgets
+  modes = question_modes(config)
+  groups = {}  # (task, length, label, kind, question) -> budgets
   for task in config.tasks:
     for length in config.lengths:
       for label, name, _ in [("full", "full", {}), *entries]:
         budgets = [length] if name == "full" else [b for b in config.budgets if b < length]
-        if not budgets:
-          raise ValueError(
-            f"budgets: none of {list(config.budgets)} is below the context length {length}"
-          )
-        groups[(task, length, label, "budget")] = budgets
+        for q in modes:
+          groups[(task, length, label, "budget", q)] = budgets
   done = complete_groups(table, path, {k: len(v) for k, v in groups.items()})
   model, cfg, tok = load_model(config.model)
-  q = config.question
   window = _policy_window(entries)
   oracle = any(name == "oracle" for _, name, _ in entries)
   head = None  # HeadKV's retrieval-head scores, measured once per run
@@ -272,54 +328,55 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
     opts = rundir.plain(opts)
     for length in config.lengths:
       exs = examples(task, tok, length, config.examples, opts, seed=config.seed)
-      full = prefilled = None
-      for label, name, options in [("full", "full", {}), *entries]:
-        key = (task, length, label, "budget")
-        if key in done:
-          continue
-        t0 = time.time()
-        if prefilled is None:  # one prefill per example for every policy
-          prefilled = prefill_examples(model, exs, question=q, window=window, oracle=oracle)
-          full = evaluate_group(model, exs, [length], "full", {}, prefilled=prefilled)["answers"]
-        if name == "headkv" and head is None:
-          head = head_retrieval_scores(model, tok)
-        res = evaluate_group(
-          model, exs, groups[key], name, options, head_scores=head, full=full, prefilled=prefilled
-        )
-        rows = [
-          dict(task=task, length=length, policy=label, kind="budget", depth=np.nan, **r)
-          | {"seconds": round(time.time() - t0, 2)}
-          for r in res["rows"]
-        ]
-        rundir.append_rows(path, rows)
-        log(
-          f"{task:18s} {length:5d} {label:16s} "
-          + " ".join(f"{r['budget']}:{r['accuracy']:.2f}" for r in res["rows"])
-        )
+      for q in modes:
+        full = prefilled = None
+        for label, name, options in [("full", "full", {}), *entries]:
+          key = (task, length, label, "budget", q)
+          if key in done:
+            continue
+          t0 = time.time()
+          if prefilled is None:  # one prefill per example for every policy
+            prefilled = prefill_examples(model, exs, question=q, window=window, oracle=oracle)
+            full = evaluate_group(model, exs, [length], "full", {}, prefilled=prefilled)
+            full = full["answers"]
+          if name == "headkv" and head is None:
+            head = head_retrieval_scores(model, tok)
+          res = evaluate_group(
+            model, exs, groups[key], name, options, head_scores=head, full=full, prefilled=prefilled
+          )
+          rows = [
+            dict(task=task, length=length, policy=label, kind="budget", question=q, depth=np.nan)
+            | r
+            | {"seconds": round(time.time() - t0, 2)}
+            for r in res["rows"]
+          ]
+          rundir.append_rows(path, rows)
+          log(
+            f"{task:18s} {length:5d} {q:9s} {label:16s} "
+            + " ".join(f"{r['budget']}:{r['accuracy']:.2f}" for r in res["rows"])
+          )
   head = _heatmap(config, model, tok, path, done, head, log)
   table = rundir.read_rows(path)
-  plotting.accuracy_figures(table, out)
+  for q in modes:
+    suffix = "" if len(modes) == 1 else f"_{q}"
+    plotting.accuracy_figures(table[table["question"] == q], out, suffix=suffix)
   return table
 
 
 def _heatmap(config, model, tok, path, done, head, log):
-  """Needle accuracy over depth x length for each heatmap policy at one budget."""
+  """Needle accuracy over depth x length for each heatmap policy at one budget (in the config's
+  first question mode)."""
   h = config.heatmap
   if not h.policies:
     return head
-  if h.budget >= min(h.lengths):
-    raise ValueError(
-      f"heatmap.budget: {h.budget} must be below every heatmap length {list(h.lengths)}"
-    )
+  q = question_modes(config)[0]
   entries = {e["label"]: _policy_options(e) for e in config.policies}
   for length in h.lengths:
     for d in h.depths:
-      cells = []
-      for label in ["full", *h.policies]:
-        kind = f"heatmap@{d:g}"
-        if (h.task, length, label, kind) in done:
-          continue
-        cells.append(label)
+      kind = f"heatmap@{d:g}"
+      cells = [
+        label for label in ["full", *h.policies] if (h.task, length, label, kind, q) not in done
+      ]
       if not cells:
         continue
       opts = rundir.plain(config.tasks[h.task]) if h.task in config.tasks else {}
@@ -328,7 +385,7 @@ def _heatmap(config, model, tok, path, done, head, log):
       prefilled = prefill_examples(
         model,
         exs,
-        question=config.question,
+        question=q,
         window=_policy_window(chosen),
         oracle=any(name == "oracle" for _, name, _ in chosen),
       )
@@ -340,7 +397,7 @@ def _heatmap(config, model, tok, path, done, head, log):
           model, exs, [budget], name, options, head_scores=head, prefilled=prefilled
         )
         (r,) = res["rows"]
-        row = dict(task=h.task, length=length, policy=label, kind=f"heatmap@{d:g}", depth=d, **r)
+        row = dict(task=h.task, length=length, policy=label, kind=kind, question=q, depth=d) | r
         rundir.append_rows(path, [row | {"seconds": 0.0}])
       log(f"heatmap length {length} depth {d:g}: done")
   return head

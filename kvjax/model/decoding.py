@@ -36,6 +36,12 @@ def to_left_padding(input_ids: np.ndarray, attention_mask: np.ndarray, pad_id: i
   return out_ids, out_mask.astype(np.int32)
 
 
+def check_policy(name: str, options: dict) -> None:
+  """Raises the ``ValueError`` that generating with policy ``name`` and ``options`` would, before
+  any model is loaded (``"full"``, or a registered policy with its options)."""
+  _policy(name, dict(options))
+
+
 def _policy(name: str, options: dict) -> policies.Policy:
   if name == "full":
     if options:
@@ -68,6 +74,8 @@ def _check_budget(policy: policies.Policy, budget, window: int) -> None:
   arr = np.asarray(budget)
   if not np.issubdtype(arr.dtype, np.integer):
     raise ValueError(f"budget: expected integer token counts, got {arr.dtype}")
+  if arr.size and arr.max() >= 2**31:
+    raise ValueError(f"budget: {int(arr.max())} does not fit int32; expected < 2**31 tokens")
   windowed = policies.spec(policy.name).windowed
   floor = window + 1 if windowed else 1
   if arr.size and arr.min() < floor:
@@ -135,18 +143,57 @@ def _pick(logits_BV, temperature, rng):
   return jax.random.categorical(rng, logits_BV / temperature).astype(jnp.int32)
 
 
+def check_token_ids(name: str, ids, vocab_size: int, *, min_len: int = 1) -> np.ndarray:
+  """``ids`` as an int32 ``[batch, T]`` array, or a ``ValueError`` naming ``name``: integer ids
+  in ``[0, vocab_size)`` (a gather would silently clamp or wrap anything else), at least one row
+  and ``min_len`` columns."""
+  arr = np.asarray(ids)
+  if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < min_len:
+    raise ValueError(
+      f"{name}: expected [batch >= 1, T >= {min_len}] token ids, got shape {arr.shape}"
+    )
+  if not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool):
+    raise ValueError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
+  if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+    bad = arr.min() if arr.min() < 0 else arr.max()
+    raise ValueError(f"{name}: token id {int(bad)} is outside the vocabulary [0, {vocab_size})")
+  return arr.astype(np.int32)
+
+
+def _check_mask(attention_mask, shape) -> np.ndarray:
+  """A 0/1 mask of ``shape`` with at least one real token per row."""
+  if attention_mask is None:
+    return np.ones(shape, np.int32)
+  mask = np.asarray(attention_mask)
+  if mask.shape != shape:
+    raise ValueError(f"attention_mask: shape {mask.shape}, expected {shape}")
+  if not np.isin(mask, (0, 1)).all():
+    raise ValueError("attention_mask: expected 0/1 (or bool) values")
+  empty = np.flatnonzero(mask.sum(-1) == 0)
+  if empty.size:
+    raise ValueError(
+      f"attention_mask: row {int(empty[0])} has no real token; there is nothing to continue"
+    )
+  return mask.astype(np.int32)
+
+
+def _check_temperature(temperature) -> float:
+  t = float(temperature)
+  if not np.isfinite(t) or t < 0:
+    raise ValueError(f"temperature: expected a finite value >= 0 (0 = greedy), got {temperature!r}")
+  return t
+
+
 def _prepare(model, prompt_ids, attention_mask, padding_side, policy_name, options, max_new_tokens):
   cfg: ModelConfig = model.cfg
-  ids = np.asarray(prompt_ids, np.int32)
-  if ids.ndim != 2:
-    raise ValueError(f"prompt_ids: expected [batch, T] token ids, got shape {ids.shape}")
+  ids = check_token_ids("prompt_ids", prompt_ids, cfg.vocab_size)
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
+    raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
   if padding_side not in ("left", "right"):
     raise ValueError(f"padding_side: expected 'left' or 'right', got {padding_side!r}")
-  mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, np.int32)
-  if mask.shape != ids.shape:
-    raise ValueError(f"attention_mask: shape {mask.shape}, expected {ids.shape}")
+  mask = _check_mask(attention_mask, ids.shape)
   ids, mask = to_left_padding(ids, mask)  # left padding whichever side was given
   policy = _policy(policy_name, options)
   T = ids.shape[1]
@@ -182,6 +229,11 @@ def generate(
   (official StreamingLLM's pos-shift).
   """
   cache_lib.check_layout(layout)
+  temperature = _check_temperature(temperature)
+  if policy == "full" and budget is not None:
+    raise ValueError(
+      f"budget: the full cache keeps everything; got budget={budget!r}, expected None"
+    )
   cfg, params, pol, pre, T = _prepare(
     model, prompt_ids, attention_mask, padding_side, policy, policy_options, max_new_tokens
   )
@@ -221,13 +273,18 @@ def generate(
 
 def _check_config_budgets(budgets) -> Array:
   """A leading configuration axis of integer budgets (``[K]``, ``[K, L]`` or ``[K, L, H]``)."""
-  budgets = jnp.asarray(budgets)
-  if not jnp.issubdtype(budgets.dtype, jnp.integer) or budgets.ndim < 1 or budgets.shape[0] < 1:
+  arr = np.asarray(budgets)
+  if not np.issubdtype(arr.dtype, np.integer) or arr.ndim < 1 or arr.shape[0] < 1:
     raise ValueError(
       "budgets: expected integer budgets with a non-empty leading config axis, "
-      f"got {budgets.dtype}{budgets.shape}"
+      f"got {arr.dtype}{arr.shape}"
     )
-  return budgets
+  if arr.max() >= 2**31 or arr.min() < 0:
+    raise ValueError(
+      f"budgets: {int(arr.max() if arr.max() >= 2**31 else arr.min())} is outside "
+      "[0, 2**31); expected int32 token counts"
+    )
+  return jnp.asarray(arr, jnp.int32)
 
 
 def _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, T, new):
@@ -436,11 +493,9 @@ def prefill_answers(
   window rows of the last ``window`` queries, H2O's column sums, keys and values, and (with
   ``oracle``) the full-cache attention of the fed queries. See :func:`answer_configs` for
   ``question`` and ``answer_given``."""
-  prompt = np.asarray(prompt_ids)
-  answer = np.asarray(answer_ids)
-  if prompt.ndim != 2 or prompt.shape[1] < 2:
-    raise ValueError(f"prompt_ids: expected [batch, T >= 2] token ids, got shape {prompt.shape}")
-  if answer.ndim != 2 or answer.shape[0] != prompt.shape[0] or answer.shape[1] < 1:
+  prompt = check_token_ids("prompt_ids", prompt_ids, model.cfg.vocab_size, min_len=2)
+  answer = check_token_ids("answer_ids", answer_ids, model.cfg.vocab_size)
+  if answer.shape[0] != prompt.shape[0]:
     raise ValueError(
       f"answer_ids: expected [batch={prompt.shape[0]}, N >= 1] token ids, got {answer.shape}"
     )
