@@ -1,6 +1,8 @@
 """kvjax.model.decoding: generation through the compressed cache (full-cache equivalence,
 padding, vmapped configurations, budget validation)."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_models import (
@@ -191,3 +193,21 @@ def test_bad_config_budgets_and_answer_ids_are_named():
     km.generate_configs(model, prompt, np.asarray([16, 2**32 + 12]), policy="streaming_llm")
   with pytest.raises(ValueError, match="answer_ids: token id"):
     km.answer_configs(model, prompt, [[cfg.vocab_size]], [16], policy="streaming_llm")
+
+
+def test_stream_logprobs_through_the_cache_equal_the_full_forward():
+  model, cfg, _ = km.load_tiny()
+  ids = np.random.default_rng(0).integers(4, 200, (2, 60)).astype(np.int32)
+  logp = np.asarray(jax.nn.log_softmax(model(jnp.asarray(ids)), -1))[:, :-1]
+  ref = np.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
+  np.testing.assert_allclose(km.decoding.stream_logprobs(model, ids), ref, atol=1e-4)
+  # a window as long as the text evicts nothing; the prefix is compressed under the budget too
+  wide = km.decoding.stream_logprobs(model, ids, policy="sliding_window", budget=60, prefix=10)
+  np.testing.assert_allclose(wide, ref[:, 9:], atol=1e-4)
+  small = km.decoding.stream_logprobs(model, ids, policy="streaming_llm", budget=12)
+  assert small.shape == (2, 59) and np.isfinite(small).all()
+  assert np.abs(small[:, :10] - ref[:, :10]).max() < 1e-4  # nothing evicted yet
+  with pytest.raises(ValueError, match="decode-time policy"):
+    km.decoding.stream_logprobs(model, ids, policy="snapkv", budget=40)
+  with pytest.raises(ValueError, match="prefix"):
+    km.decoding.stream_logprobs(model, ids, prefix=60)

@@ -390,6 +390,74 @@ def _to_caller_columns(positions_LBHC, valid_LBHC, input_ids, attention_mask) ->
   return out
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"))
+def _stream_logprobs(cfg, params, pre, spec, budget, rest_BS):
+  """Feeds ``rest_BS`` one token at a time through the cache compressed from ``pre``; returns
+  the log-probability of each fed token given everything before it ``[B, S]``."""
+  cache = cache_lib.compress(cfg, pre, spec, budget)
+  B, T = pre.valid.shape
+  first_logp = jax.nn.log_softmax(pre.logits[:, -1], -1)
+  start_pos = pre.valid.sum(-1).astype(jnp.int32)
+
+  def step(carry, i):
+    cache, logp_BV = carry
+    token = rest_BS[:, i]
+    hit = jnp.take_along_axis(logp_BV, token[:, None], -1)[:, 0]
+    logits, cache = cache_lib.decode_step(cfg, params, spec, cache, token, start_pos + i, T + i)
+    return (cache, jax.nn.log_softmax(logits, -1)), hit
+
+  (cache, _), hits = jax.lax.scan(step, (cache, first_logp), jnp.arange(rest_BS.shape[1]))
+  return hits.T, cache.overflow
+
+
+def stream_logprobs(
+  model,
+  input_ids,
+  *,
+  policy: str = "full",
+  budget=None,
+  prefix: int = 1,
+  **policy_options,
+) -> np.ndarray:
+  """Teacher-forced log-probabilities of a long text read token by token through a cache:
+  ``[B, T - prefix]``, the log-probability of token ``t`` given tokens ``< t`` as the cache
+  holds them (StreamingLLM's perplexity experiment, Xiao et al. 2023, Fig. 3).
+
+  The first ``prefix`` tokens are prefilled (and compressed under ``budget``); every later token
+  goes through the jitted decode step, where a decode-time policy (``sliding_window``,
+  ``streaming_llm``, ``h2o``, ``tova``) evicts to stay within ``budget`` per head.
+  ``policy="full"`` keeps every token (``budget`` must then be ``None``).
+  """
+  ids = check_token_ids("input_ids", input_ids, model.cfg.vocab_size, min_len=2)
+  if isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix < ids.shape[1]:
+    raise ValueError(f"prefix: expected an int in [1, T={ids.shape[1]}), got {prefix!r}")
+  if policy == "full" and budget is not None:
+    raise ValueError(f"budget: the full cache keeps everything; got budget={budget!r}")
+  pol = _policy(policy, policy_options)
+  if pol.name != "full" and not policies.acts_at_decode(pol.name):
+    raise ValueError(
+      f"policy: {policy!r} selects once after the prompt; a stream needs a decode-time policy "
+      f"({[n for n in policies.names() if policies.acts_at_decode(n)]}) or 'full'"
+    )
+  cfg, params = model.cfg, model.params()
+  T = ids.shape[1]
+  head, rest = jnp.asarray(ids[:, :prefix]), jnp.asarray(ids[:, prefix:])
+  column_sums = "column_sums_LHT" in policies.spec(pol.name).needs if pol.name != "full" else False
+  window = _window(pol, prefix) if pol.name != "full" else 0
+  pre = _prefill(cfg, params, head, jnp.ones_like(head), window, column_sums)
+  if pol.name == "full":
+    capacity, budget = T, T
+  else:
+    _check_budget(pol, budget, window)
+    capacity = int(np.max(budget))
+  recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
+  spec = cache_lib.CacheSpec(pol, capacity, "kv", recent=recent)
+  logp, overflow = _stream_logprobs(cfg, params, pre, spec, budget, rest)
+  if pol.name == "full" and bool(np.asarray(overflow).any()):
+    raise RuntimeError("cache: the full cache overflowed its capacity")
+  return np.asarray(logp)
+
+
 # --------------------------------------------------------------------------- answers through the cache
 
 
