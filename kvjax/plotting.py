@@ -273,3 +273,20 @@ def layer_budgets(profiles: dict, title: str = ""):
   ax.legend(fontsize=8)
   fig.tight_layout()
   return fig
+
+
+def streaming_ppl(table, segment: int, title: str = ""):
+  """StreamingLLM's Fig. 3: perplexity per ``segment`` tokens along the text, a line per
+  (policy, cache); the cache sizes as dotted verticals."""
+  fig, ax = plt.subplots(figsize=(8, 4.2))
+  for i, row in enumerate(table.itertuples()):
+    seg = np.asarray([float(v) for v in row.segments.split()])
+    x = (np.arange(len(seg)) + 1) * segment
+    label = "full cache" if row.policy == "full" else f"{row.policy} ({row.cache})"
+    ax.plot(x, seg, label=label, color=plt.cm.tab10(i % 10), lw=1.4)
+  for cache in sorted(set(table["cache"]) - {int(table["cache"].max())}):
+    ax.axvline(cache, color="0.6", ls=":", lw=1)
+  ax.set(yscale="log", xlabel="tokens read", ylabel=f"perplexity per {segment} tokens", title=title)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  return fig

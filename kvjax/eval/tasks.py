@@ -134,6 +134,15 @@ def _sentence(rng: np.random.Generator) -> str:
   return " ".join(rng.choice(FILLER, n).tolist()) + " ."
 
 
+def haystack_ids(tokenizer, num_tokens: int, *, seed: int = 0) -> list[int]:
+  """``num_tokens`` ids of the tasks' haystack alone (random filler sentences, no needle)."""
+  rng = np.random.default_rng(seed)
+  ids: list[int] = []
+  while len(ids) < num_tokens:
+    ids += tokenizer.encode(_sentence(rng))
+  return ids[:num_tokens]
+
+
 def _needle(key: str, value: str) -> str:
   return f"the special magic number for {key} is {value} ."
 
