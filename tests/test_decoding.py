@@ -211,3 +211,26 @@ def test_stream_logprobs_through_the_cache_equal_the_full_forward():
     km.decoding.stream_logprobs(model, ids, policy="snapkv", budget=40)
   with pytest.raises(ValueError, match="prefix"):
     km.decoding.stream_logprobs(model, ids, prefix=60)
+
+
+def test_new_budget_maxima_rarely_recompile_the_decoder():
+  model, _, _ = km.load_tiny()
+  ids = np.random.default_rng(3).integers(4, 200, (1, 200)).astype(np.int32)
+  jax.clear_caches()
+  for budget in range(80, 96, 2):  # eight different largest budgets, two capacity buckets
+    km.generate(model, ids, policy="snapkv", budget=budget, max_new_tokens=2, window=8)
+  assert km.decoding.compress_and_decode._cache_size() <= 2
+  assert [km.decoding.capacity_bucket(n) for n in (5, 40, 41, 64, 65, 100)] == [
+    8,
+    40,
+    48,
+    64,
+    80,
+    112,
+  ]
+
+
+@pytest.mark.parametrize("n", [9, 17, 33, 100, 1000, 4097, 100_003])
+def test_capacity_buckets_waste_at_most_a_quarter(n):
+  b = km.decoding.capacity_bucket(n)
+  assert n <= b <= 1.25 * n

@@ -60,12 +60,24 @@ def _prefill(cfg, params, ids, mask, window, column_sums):
   return llama.prefill(cfg, params, ids, mask, window=window, column_sums=column_sums)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "spec0"))
 def _allocation(cfg, pre, spec0, budget, head_scores):
-  """Every row's ``budget_LH`` (to size the cache before compressing)."""
+  """Every row's ``budget_LH`` (to size the cache before compressing), compiled once per shape:
+  budgets are traced data."""
   cache = cache_lib.compress(
     cfg, pre, dataclasses.replace(spec0, capacity=1), budget, head_scores=head_scores
   )
   return cache.budget
+
+
+def capacity_bucket(n: int) -> int:
+  """``n`` slots rounded up to one of four sizes per octave (at least 8): a new largest budget
+  rarely changes the cache's static shape, so it rarely compiles the decoder again, and the
+  buffer is at most 25 % larger than needed."""
+  if n <= 8:
+    return 8
+  quantum = 1 << max(int(n - 1).bit_length() - 3, 0)
+  return -(-n // quantum) * quantum
 
 
 def _check_budget(policy: policies.Policy, budget, window: int) -> None:
@@ -113,15 +125,20 @@ def _check_overflow(cache) -> None:
 
 
 def _capacity(policy, budget_max: int, T: int, new: int) -> int:
+  """Slots per row: the largest budget rounded up to a :func:`capacity_bucket` (never past what
+  the sequence can fill), plus the generated tokens for prefill-time policies."""
   if policy.name == "full":
     return T + new
   if policies.acts_at_decode(policy.name):
-    return max(min(budget_max, T + new), 1)
-  return min(budget_max, T) + new
+    return max(min(capacity_bucket(budget_max), T + new), 1)
+  return min(capacity_bucket(budget_max), T) + new
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "new", "temperature"))
-def _compress_and_decode(cfg, params, pre, spec, budget, head_scores, first, new, temperature, rng):
+def compress_and_decode(cfg, params, pre, spec, budget, head_scores, first, new, temperature, rng):
+  """The compiled core of :func:`generate`: compress the prefill ``pre`` under ``budget`` (traced
+  data) into a cache of ``spec``, then decode ``new`` tokens from ``first``. Tokens ``[B, new]``
+  and the final cache."""
   cache = cache_lib.compress(cfg, pre, spec, budget, head_scores=head_scores, rng=rng)
   B, T = pre.valid.shape
   start_pos = pre.valid.sum(-1).astype(jnp.int32)  # next RoPE position per row
@@ -258,7 +275,7 @@ def generate(
   rng = jax.random.key(0) if rng is None else rng
   rng, first_rng = jax.random.split(rng)
   first = _pick(pre.logits[:, -1], float(temperature), first_rng)
-  tokens, cache = _compress_and_decode(
+  tokens, cache = compress_and_decode(
     cfg, params, pre, spec, budget, head_scores, first, max_new_tokens, float(temperature), rng
   )
   _check_overflow(cache)
@@ -326,7 +343,7 @@ def generate_configs(
   )
   first = jnp.argmax(pre.logits[:, -1], -1).astype(jnp.int32)
   run = jax.vmap(
-    lambda b: _compress_and_decode(
+    lambda b: compress_and_decode(
       cfg, params, pre, spec, b, head_scores, first, max_new_tokens, 0.0, jax.random.key(0)
     )
   )
