@@ -1,6 +1,11 @@
 """kvjax.model.decoding: generation through the compressed cache (full-cache equivalence,
 padding, vmapped configurations, budget validation)."""
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,3 +239,36 @@ def test_new_budget_maxima_rarely_recompile_the_decoder():
 def test_capacity_buckets_waste_at_most_a_quarter(n):
   b = km.decoding.capacity_bucket(n)
   assert n <= b <= 1.25 * n
+
+
+_SHARDED = """
+import json, sys
+import numpy as np, jax
+import kvjax.model as km
+model, _, _ = km.load_tiny()
+ids = np.random.default_rng(0).integers(4, 200, (2, 120)).astype(np.int32)
+g = km.generate_configs(model, ids, [40, 48, 56, 64, 72], policy="snapkv", window=8, max_new_tokens=4)
+a = km.answer_configs(model, ids, ids[:, :3], [40, 64, 80], policy="pyramidkv", window=8, question_len=4)
+print(json.dumps(dict(devices=len(jax.devices()), tokens=g.tokens.tolist(), budget=g.budget_LH.tolist(),
+  pred=a.predicted.tolist(), logp=np.asarray(a.logprobs, np.float64).tolist())))
+"""
+
+
+def test_configurations_sharded_over_eight_devices_equal_one_device():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  runs = []
+  for extra in ({}, env):
+    out = subprocess.run(
+      [sys.executable, "-c", _SHARDED],
+      env=extra or None,
+      capture_output=True,
+      text=True,
+      timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+  one, eight = runs
+  assert (one["devices"], eight["devices"]) == (1, 8)
+  for key in ("tokens", "budget", "pred"):
+    assert one[key] == eight[key], key
+  np.testing.assert_allclose(eight["logp"], one["logp"], atol=1e-4)

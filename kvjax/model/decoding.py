@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvjax import policies
 from kvjax.model import cache as cache_lib
@@ -304,6 +305,23 @@ def _check_config_budgets(budgets) -> Array:
   return jnp.asarray(arr, jnp.int32)
 
 
+def shard_configs(budgets_K: Array) -> tuple[Array, int]:
+  """The configuration axis spread over every device (a TPU slice, several GPUs, or forced host
+  devices): ``budgets_K`` padded to a multiple of the device count by repeating its last row and
+  placed with a ``NamedSharding`` over a one-axis ``Mesh``; the vmapped compress-and-decode then
+  runs each device's share (GSPMD partitions it). Returns the budgets and the real ``K``."""
+  devices = jax.devices()
+  K = budgets_K.shape[0]
+  if len(devices) == 1:
+    return budgets_K, K
+  padded = -(-K // len(devices)) * len(devices)
+  if padded > K:
+    extra = jnp.repeat(budgets_K[-1:], padded - K, axis=0)
+    budgets_K = jnp.concatenate([budgets_K, extra], axis=0)
+  mesh = Mesh(np.asarray(devices), ("k",))
+  return jax.device_put(budgets_K, NamedSharding(mesh, PartitionSpec("k"))), K
+
+
 def _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, T, new):
   """Checks the budgets, then the cache spec sized for every configuration and their
   allocations ``[K, B, L, H]`` (shared by ``generate_configs`` and ``answer_configs``)."""
@@ -347,7 +365,8 @@ def generate_configs(
       cfg, params, pre, spec, b, head_scores, first, max_new_tokens, 0.0, jax.random.key(0)
     )
   )
-  tokens, caches = run(budgets)
+  sharded, K = shard_configs(budgets)
+  tokens, caches = jax.tree.map(lambda x: x[:K], run(sharded))
   _check_overflow(caches)
   itemsize = pre.keys.dtype.itemsize
   held_K = np.asarray(caches.valid).sum(axis=(1, 2, 3, 4)) * 2 * cfg.head_dim * itemsize
@@ -644,7 +663,8 @@ def answer_prefilled(
       cfg, params, pre, spec, b, head_scores, prefilled.inputs_BM, prefilled.feed_given_BM
     )
   )
-  pred, logp, caches = run(budgets)
+  sharded, K = shard_configs(budgets)
+  pred, logp, caches = jax.tree.map(lambda x: x[:K], run(sharded))
   _check_overflow(caches)
   q = prefilled.question_len - 1  # predictions from the last question token on are the answer's
   return Answers(np.asarray(pred[:, :, q:]), np.asarray(logp[:, :, q:]), np.asarray(alloc))
