@@ -142,7 +142,7 @@ def test_load_tiny_returns_model_config_and_tokenizer(tiny):
   model, cfg, tok = tiny
   assert cfg.num_layers >= 4 and cfg.num_kv_heads < cfg.num_heads
   assert tok.vocab == TOK.vocab and cfg.vocab_size == TOK.vocab_size
-  card = json.loads((km.loading.tiny_path() / "card.json").read_text())
+  card = json.loads((km.assets.tiny_path() / "card.json").read_text())
   assert "full_cache_accuracy" in card
 
 
@@ -153,7 +153,7 @@ MASTERED = ("passkey", "single_needle", "multi_key", "variable_tracking", "mqar"
 @pytest.mark.parametrize("task", tasks.TASKS)
 def test_tiny_model_reaches_its_stated_accuracy_on_held_out_examples(tiny, task):
   model, cfg, tok = tiny
-  card = json.loads((km.loading.tiny_path() / "card.json").read_text())
+  card = json.loads((km.assets.tiny_path() / "card.json").read_text())
   stated = card["full_cache_accuracy"]["1024"][task]
   stated_recall = card["full_cache_ruler_recall"]["1024"][task]
   if task in MASTERED:

@@ -24,7 +24,7 @@ import pandas as pd
 from kvjax import model as km
 from kvjax import plotting, rundir
 from kvjax.eval import tasks
-from kvjax.model import decoding, loading
+from kvjax.model import assets, decoding
 from kvjax.model.tokenizer import HFTokenizer
 
 EVAL_SEED = 2**31  # training draws example seeds below 2**31: evaluation seeds never collide
@@ -205,7 +205,7 @@ def _model_fingerprint(name: str) -> str:
   model is retrained), else the name."""
   if name != "tiny":
     return name
-  data = (loading.tiny_path() / "model.safetensors").read_bytes()
+  data = (assets.tiny_path() / "model.safetensors").read_bytes()
   return "tiny:" + hashlib.sha256(data).hexdigest()[:16]
 
 

@@ -2,21 +2,28 @@
 KV cache.
 
 Modules: ``config`` (``ModelConfig`` from a checkpoint's config), ``llama`` (the decoder and its
-prefill), ``tokenizer``, ``loading`` (Hugging Face safetensors), ``cache`` (the compressed
+prefill), ``assets`` (the offline models), ``gguf`` (llama.cpp checkpoints), ``tokenizer``,
+``loading`` (Hugging Face safetensors and GGUF), ``cache`` (the compressed
 per-layer, per-head slot table) and ``decoding`` (generation and answers through the cache). This
 package re-exports the calls a user needs.
 """
 
-from kvjax.model import cache, config, decoding, llama, loading, tokenizer
+from kvjax.model import assets, cache, config, decoding, gguf, llama, loading, tokenizer
+from kvjax.model.assets import smollm2_path
 from kvjax.model.config import ModelConfig, from_hf_dict
 from kvjax.model.decoding import answer_configs, generate, generate_configs, keep_mask
 from kvjax.model.llama import Llama, Prefill, forward, prefill
 from kvjax.model.loading import load, load_tiny, save
+from kvjax.model.tokenizer import load_tokenizer
 
 __all__ = [
   "Llama",
   "ModelConfig",
   "Prefill",
+  "assets",
+  "gguf",
+  "load_tokenizer",
+  "smollm2_path",
   "answer_configs",
   "cache",
   "config",

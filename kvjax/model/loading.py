@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints (``*.safetensors``, single or sharded with an index) -> :class:`Llama`.
+"""Hugging Face checkpoints (``*.safetensors``, single or sharded with an index) and GGUF files
+(:mod:`kvjax.model.gguf`) -> :class:`Llama`.
 
 A missing or mis-shaped tensor raises ``ValueError`` naming the tensor, the expected and the
 found shape. Hub ids are fetched with ``huggingface_hub`` when the machine is online (tests
@@ -7,7 +8,6 @@ never do: they save tiny checkpoints themselves).
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import pathlib
 
@@ -17,6 +17,8 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from kvjax.model import config as config_lib
+from kvjax.model import gguf
+from kvjax.model.assets import SMOLLM2, smollm2_path, tiny_path
 from kvjax.model.llama import Llama
 from kvjax.model.tokenizer import WordTokenizer
 
@@ -115,29 +117,30 @@ def save(path: str | pathlib.Path, cfg: config_lib.ModelConfig, params: dict) ->
 def load(
   path_or_hub_id: str | pathlib.Path, dtype=jnp.float32
 ) -> tuple[Llama, config_lib.ModelConfig]:
-  """``(model, config)`` from a local directory (``config.json`` + safetensors) or a hub id."""
+  """``(model, config)`` from a local directory (``config.json`` + safetensors), a ``.gguf`` file
+  (:func:`kvjax.model.gguf.read`), ``"smollm2"`` (the packaged GGUF, :func:`smollm2_path`) or a
+  hub id. Weights are cast to ``dtype`` (fp32 by default; ``jnp.bfloat16`` on request)."""
+  if str(path_or_hub_id) == SMOLLM2:
+    path_or_hub_id = smollm2_path()
   path = pathlib.Path(path_or_hub_id)
-  if not path.exists():
-    from huggingface_hub import snapshot_download  # noqa: PLC0415
+  if path.suffix == ".gguf":
+    cfg, tensors = gguf.read(path)
+  else:
+    if not path.exists():
+      from huggingface_hub import snapshot_download  # noqa: PLC0415
 
-    path = pathlib.Path(
-      snapshot_download(str(path_or_hub_id), allow_patterns=["*.json", "*.safetensors"])
-    )
-  cfg = config_lib.from_pretrained_dir(path)
-  params = params_from_tensors(cfg, _read_tensors(path), dtype)
+      path = pathlib.Path(
+        snapshot_download(str(path_or_hub_id), allow_patterns=["*.json", "*.safetensors"])
+      )
+    cfg = config_lib.from_pretrained_dir(path)
+    tensors = _read_tensors(path)
+  params = params_from_tensors(cfg, tensors, dtype)
+  del tensors
   model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
   state = nnx.state(model, nnx.Param)
   nnx.replace_by_pure_dict(state, params)
   nnx.update(model, state)
   return model, cfg
-
-
-TINY = "tiny"
-
-
-def tiny_path() -> pathlib.Path:
-  """Where the shipped tiny model lives (``kvjax/assets/tiny``)."""
-  return pathlib.Path(str(importlib.resources.files("kvjax") / "assets" / TINY))
 
 
 def load_tiny(dtype=jnp.float32):

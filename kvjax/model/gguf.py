@@ -1,0 +1,545 @@
+"""GGUF checkpoints (llama.cpp's format) -> ``(ModelConfig, Hugging Face-named float32 tensors)``.
+
+:func:`read` maps a GGUF file onto exactly what :func:`kvjax.model.loading.params_from_tensors`
+takes from a safetensors checkpoint, so both paths build the model identically. It follows the
+references that write and read these files:
+
+* llama.cpp's ``gguf-py``: ``GGUFReader`` maps the tensors, ``gguf.quants.dequantize`` unpacks
+  them (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K);
+* llama.cpp's ``convert_hf_to_gguf.py``: the tensor names, the metadata keys, and
+  ``LlamaModel.permute``, which reorders the rows of every ``llama``-architecture query and key
+  projection (weights and biases) for ggml's interleaved RoPE; :func:`unpermute` is its exact
+  inverse. ``qwen2`` and ``qwen3`` files are written unpermuted. A Llama 3 ``rope_freqs`` tensor
+  is matched back to the ``llama3`` RoPE scaling parameters that produced it;
+* ``transformers``' GGUF loader (``modeling_gguf_pytorch_utils.py``), against which the tests
+  check the logits: tied embeddings when ``output.weight`` is absent, Mistral as a ``llama`` file
+  whose ``general.name`` says so.
+
+The header (metadata and tensor table) is parsed here with bounds checks before ``gguf`` sees the
+file, so a wrong magic number, a truncated file, a corrupt header, an unsupported architecture or
+an unsupported quantisation type raises ``ValueError`` naming the file (and the tensor) instead of
+a numpy or struct error deep inside the reader, and :mod:`kvjax.model.tokenizer` reads a
+tokenizer from the metadata without the ``gguf`` package. Every tensor's shape is checked
+against the configuration, so a file never loads as wrong weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import mmap
+import pathlib
+import struct
+from typing import Any
+
+import numpy as np
+
+from kvjax.model import llama
+from kvjax.model.config import ModelConfig
+
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_ARCHITECTURES = "llama (Llama, Mistral), qwen2, qwen3"
+
+# ggml type id -> (name, elements per block, bytes per block): ggml.h / gguf-py GGML_QUANT_SIZES
+TYPES = {
+  0: ("F32", 1, 4),
+  1: ("F16", 1, 2),
+  30: ("BF16", 1, 2),
+  8: ("Q8_0", 32, 34),
+  2: ("Q4_0", 32, 18),
+  3: ("Q4_1", 32, 20),
+  6: ("Q5_0", 32, 22),
+  7: ("Q5_1", 32, 24),
+  10: ("Q2_K", 256, 84),
+  11: ("Q3_K", 256, 110),
+  12: ("Q4_K", 256, 144),
+  13: ("Q5_K", 256, 176),
+  14: ("Q6_K", 256, 210),
+}
+SUPPORTED_TYPES = ", ".join(name for name, _, _ in TYPES.values())
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+# GGUF metadata value types (gguf-py GGUFValueType)
+_SCALARS = {
+  0: "B",
+  1: "b",
+  2: "H",
+  3: "h",
+  4: "I",
+  5: "i",
+  6: "f",
+  7: "?",
+  10: "Q",
+  11: "q",
+  12: "d",
+}
+_STRING, _ARRAY = 8, 9
+
+# GGUF tensor name -> Hugging Face name ("{i}" is the layer)
+GLOBAL_NAMES = {
+  "token_embd.weight": "model.embed_tokens.weight",
+  "output_norm.weight": "model.norm.weight",
+  "output.weight": "lm_head.weight",
+}
+LAYER_NAMES = {
+  "attn_norm.weight": "input_layernorm.weight",
+  "attn_q.weight": "self_attn.q_proj.weight",
+  "attn_k.weight": "self_attn.k_proj.weight",
+  "attn_v.weight": "self_attn.v_proj.weight",
+  "attn_output.weight": "self_attn.o_proj.weight",
+  "attn_q.bias": "self_attn.q_proj.bias",
+  "attn_k.bias": "self_attn.k_proj.bias",
+  "attn_v.bias": "self_attn.v_proj.bias",
+  "attn_output.bias": "self_attn.o_proj.bias",
+  "attn_q_norm.weight": "self_attn.q_norm.weight",
+  "attn_k_norm.weight": "self_attn.k_norm.weight",
+  "ffn_norm.weight": "post_attention_layernorm.weight",
+  "ffn_gate.weight": "mlp.gate_proj.weight",
+  "ffn_up.weight": "mlp.up_proj.weight",
+  "ffn_down.weight": "mlp.down_proj.weight",
+}
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def hf_name(gguf_name: str) -> str | None:
+  """The Hugging Face tensor name of a GGUF tensor name (``None`` when it has none)."""
+  if gguf_name in GLOBAL_NAMES:
+    return GLOBAL_NAMES[gguf_name]
+  parts = gguf_name.split(".", 2)
+  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+    return f"model.layers.{int(parts[1])}.{LAYER_NAMES[parts[2]]}"
+  return None
+
+
+# --------------------------------------------------------------------------- the header
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+  """One entry of the tensor table: ``dims`` in GGUF (ggml ``ne``) order, innermost first."""
+
+  name: str
+  dims: tuple[int, ...]
+  type_id: int
+  offset: int  # absolute, in bytes from the start of the file
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The numpy (row-major) shape: ``dims`` reversed, e.g. ``[out, in]`` for a weight."""
+    return tuple(reversed(self.dims))
+
+  @property
+  def type_name(self) -> str:
+    return type_name(self.type_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+  """A GGUF file's metadata (``key -> value``; numeric arrays as numpy) and tensor table."""
+
+  path: pathlib.Path
+  metadata: dict[str, Any]
+  tensors: dict[str, TensorInfo]
+
+
+def type_name(type_id: int) -> str:
+  """``Q4_K`` for 12; ggml's name for types kvjax does not dequantise, when ``gguf`` knows it."""
+  if type_id in TYPES:
+    return TYPES[type_id][0]
+  try:
+    from gguf import GGMLQuantizationType  # noqa: PLC0415
+
+    return GGMLQuantizationType(type_id).name
+  except (ImportError, ValueError):
+    return f"{type_id} (not a ggml type)"
+
+
+class _Cursor:
+  """Bounds-checked little/big-endian reads from the mapped file."""
+
+  def __init__(self, buf, path: pathlib.Path, order: str):
+    self.buf, self.path, self.order, self.pos = buf, path, order, 0
+
+  def corrupt(self, what: str) -> ValueError:
+    return ValueError(
+      f"path: GGUF file {self.path} is truncated or has a corrupt header ({what} at byte "
+      f"{self.pos}, file size {len(self.buf)} bytes)"
+    )
+
+  def take(self, n: int, what: str) -> bytes:
+    if n < 0 or self.pos + n > len(self.buf):
+      raise self.corrupt(f"{what}: {n} bytes past the end of the file")
+    out = self.buf[self.pos : self.pos + n]
+    self.pos += n
+    return out
+
+  def unpack(self, fmt: str, what: str):
+    return struct.unpack(self.order + fmt, self.take(struct.calcsize(fmt), what))[0]
+
+  def string(self, what: str) -> str:
+    n = self.unpack("Q", what)
+    raw = self.take(n, what)
+    try:
+      return raw.decode("utf-8")
+    except UnicodeDecodeError:
+      raise self.corrupt(f"{what}: not UTF-8") from None
+
+  def value(self, vtype: int, what: str, depth: int = 0):
+    if vtype in _SCALARS:
+      return self.unpack(_SCALARS[vtype], what)
+    if vtype == _STRING:
+      return self.string(what)
+    if vtype != _ARRAY or depth > 1:
+      raise self.corrupt(f"{what}: unknown value type {vtype}")
+    itype, count = self.unpack("I", what), self.unpack("Q", what)
+    if itype in _SCALARS:
+      size = struct.calcsize(_SCALARS[itype])
+      raw = self.take(count * size, what)
+      dtype = np.dtype(_SCALARS[itype] if itype != 7 else "u1").newbyteorder(self.order)
+      arr = np.frombuffer(raw, dtype).astype(dtype.newbyteorder("="))
+      return arr.astype(bool) if itype == 7 else arr
+    if count * 8 > len(self.buf) - self.pos:  # every element needs at least a length or a type
+      raise self.corrupt(f"{what}: an array of {count} elements cannot fit in the file")
+    return [self.value(itype, what, depth + 1) for _ in range(count)]
+
+
+def _parse_header(buf, path: pathlib.Path) -> Header:
+  if len(buf) < 8 or buf[:4] != MAGIC:
+    raise ValueError(
+      f"path: {path} is not a GGUF file (magic number {bytes(buf[:4])!r}, expected {MAGIC!r})"
+    )
+  order = "<"
+  (version,) = struct.unpack("<I", buf[4:8])
+  if version & 0xFFFF == 0:  # written on a big-endian host (gguf-py's test)
+    order = ">"
+    (version,) = struct.unpack(">I", buf[4:8])
+  if version not in VERSIONS:
+    raise ValueError(f"path: GGUF file {path} has version {version}; supported: {VERSIONS}")
+  cur = _Cursor(buf, path, order)
+  cur.pos = 8
+  n_tensors, n_kv = cur.unpack("Q", "tensor count"), cur.unpack("Q", "metadata count")
+  if n_kv * 13 + n_tensors * 24 > len(buf):  # the smallest entry of each kind
+    raise cur.corrupt(f"{n_kv} metadata entries and {n_tensors} tensors cannot fit in the file")
+  metadata: dict[str, Any] = {}
+  for _ in range(n_kv):
+    key = cur.string("a metadata key")
+    if key in metadata:
+      raise cur.corrupt(f"metadata key {key!r} repeated")
+    metadata[key] = cur.value(cur.unpack("I", f"the type of {key!r}"), f"metadata {key!r}")
+  infos = []
+  for _ in range(n_tensors):
+    name = cur.string("a tensor name")
+    n_dims = cur.unpack("I", f"the rank of tensor {name!r}")
+    if not 1 <= n_dims <= MAX_DIMS:
+      raise cur.corrupt(f"tensor {name!r} has rank {n_dims} (expected 1..{MAX_DIMS})")
+    dims = tuple(cur.unpack("Q", f"the shape of tensor {name!r}") for _ in range(n_dims))
+    infos.append((name, dims, cur.unpack("I", f"the type of {name!r}"), cur.unpack("Q", name)))
+  alignment = metadata.get("general.alignment", 32)
+  if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+    raise cur.corrupt(f"general.alignment {alignment!r} is not a power of two")
+  data_start = -(-cur.pos // alignment) * alignment
+  tensors: dict[str, TensorInfo] = {}
+  for name, dims, type_id, offset in infos:
+    if name in tensors:
+      raise cur.corrupt(f"tensor {name!r} repeated")
+    info = TensorInfo(name, dims, type_id, data_start + offset)
+    if type_id in TYPES:  # others are refused by read(), naming the type
+      _, block, size = TYPES[type_id]
+      if dims[0] % block:
+        raise cur.corrupt(
+          f"tensor {name!r} has rows of {dims[0]}, not whole {info.type_name} blocks"
+        )
+      end = info.offset + math.prod(dims) // block * size
+      if end > len(buf):
+        raise ValueError(
+          f"path: GGUF file {path} is truncated: tensor {name!r} ({info.type_name} "
+          f"{list(info.shape)}) ends at byte {end}, the file has {len(buf)} bytes"
+        )
+    tensors[name] = info
+  return Header(path, metadata, tensors)
+
+
+def read_header(path: str | pathlib.Path) -> Header:
+  """The metadata and tensor table of a GGUF file, bounds-checked (no tensor data is read).
+
+  Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming the file for a wrong
+  magic number, an unsupported version, a truncated file or a corrupt header.
+  """
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"path: no GGUF file at {path}")
+  with open(path, "rb") as f:
+    if path.stat().st_size == 0:
+      raise ValueError(f"path: {path} is empty, not a GGUF file")
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+      return _parse_header(buf, path)
+
+
+# --------------------------------------------------------------------------- the configuration
+
+
+def _key(header: Header, key: str, default: Any = ...) -> Any:
+  if key in header.metadata:
+    return header.metadata[key]
+  if default is ...:
+    raise ValueError(f"path: GGUF file {header.path} lacks the metadata key {key!r}")
+  return default
+
+
+def _uniform(header: Header, key: str, value) -> int:
+  """Per-layer arrays (some converters write one head count per layer) must be uniform here."""
+  if isinstance(value, np.ndarray | list):
+    values = {int(v) for v in np.ravel(value)}
+    if len(values) != 1:
+      raise ValueError(
+        f"path: GGUF file {header.path} has per-layer {key} {sorted(values)}; kvjax supports "
+        "one value for every layer"
+      )
+    return values.pop()
+  return int(value)
+
+
+def architecture(header: Header) -> str:
+  arch = _key(header, "general.architecture")
+  if arch not in ARCHITECTURES:
+    raise ValueError(
+      f"path: GGUF file {header.path} has architecture {arch!r}; supported: "
+      f"{SUPPORTED_ARCHITECTURES}"
+    )
+  return arch
+
+
+def _rope_scaling(header: Header, arch: str) -> None:
+  kind = header.metadata.get(f"{arch}.rope.scaling.type", "none")
+  factor = float(header.metadata.get(f"{arch}.rope.scaling.factor", 1.0))
+  if kind not in ("none", "") and not (kind == "linear" and factor == 1.0):
+    raise ValueError(
+      f"path: GGUF file {header.path} has RoPE scaling {kind!r} (factor {factor}); supported: "
+      "none, or Llama 3 scaling given by a rope_freqs tensor"
+    )
+
+
+def config_from_header(header: Header) -> ModelConfig:
+  """The :class:`ModelConfig` of a ``llama``, ``qwen2`` or ``qwen3`` GGUF file, before any
+  ``rope_freqs`` (Llama 3 RoPE scaling, see :func:`llama3_rope`) is applied."""
+  arch = architecture(header)
+
+  def key(name, default=...):
+    return _key(header, f"{arch}.{name}", default)
+
+  hidden = int(key("embedding_length"))
+  heads = _uniform(header, "attention.head_count", key("attention.head_count"))
+  kv_heads = _uniform(header, "attention.head_count_kv", key("attention.head_count_kv", heads))
+  head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
+  value_dim = int(key("attention.value_length", head_dim))
+  rotary = int(key("rope.dimension_count", head_dim))
+  if value_dim != head_dim or rotary != head_dim:
+    raise ValueError(
+      f"path: GGUF file {header.path} has key length {head_dim}, value length {value_dim} and "
+      f"RoPE dimension {rotary}; kvjax supports equal ones (full rotary heads)"
+    )
+  _rope_scaling(header, arch)
+  if "token_embd.weight" not in header.tensors:
+    raise ValueError(f"path: GGUF file {header.path} lacks the tensor 'token_embd.weight'")
+  vocab = header.tensors["token_embd.weight"].shape[0]
+  stated = key("vocab_size", vocab)
+  if int(stated) != vocab:
+    raise ValueError(
+      f"path: GGUF file {header.path} states {arch}.vocab_size {stated} but token_embd.weight "
+      f"has {vocab} rows"
+    )
+  name = str(header.metadata.get("general.name", "")).lower()
+  family = "mistral" if arch == "llama" and "mistral" in name else ARCHITECTURES[arch]
+  names = header.tensors
+  return ModelConfig(
+    vocab_size=vocab,
+    hidden_size=hidden,
+    intermediate_size=_uniform(header, "feed_forward_length", key("feed_forward_length")),
+    num_layers=int(key("block_count")),
+    num_heads=heads,
+    num_kv_heads=kv_heads,
+    head_dim=head_dim,
+    rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+    rope_theta=float(key("rope.freq_base", 10000.0)),
+    tie_word_embeddings="output.weight" not in names,
+    qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
+    o_bias=arch != "qwen2" and "blk.0.attn_output.bias" in names,
+    qk_norm=arch == "qwen3",
+    sliding_window=None,  # llama.cpp attends to every key for these architectures
+    family=family,
+  )
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """GGUF tensor name -> numpy shape (``[out, in]`` for a weight) for ``cfg``."""
+  d, F, D, V = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size
+  q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+  layer = {
+    "attn_norm.weight": (d,),
+    "attn_q.weight": (q, d),
+    "attn_k.weight": (kv, d),
+    "attn_v.weight": (kv, d),
+    "attn_output.weight": (d, q),
+    "ffn_norm.weight": (d,),
+    "ffn_gate.weight": (F, d),
+    "ffn_up.weight": (F, d),
+    "ffn_down.weight": (d, F),
+  }
+  if cfg.qkv_bias:
+    layer |= {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
+  if cfg.o_bias:
+    layer["attn_output.bias"] = (d,)
+  if cfg.qk_norm:
+    layer |= {"attn_q_norm.weight": (D,), "attn_k_norm.weight": (D,)}
+  out = {"token_embd.weight": (V, d), "output_norm.weight": (d,)}
+  if not cfg.tie_word_embeddings:
+    out["output.weight"] = (V, d)
+  for i in range(cfg.num_layers):
+    out |= {f"blk.{i}.{k}": v for k, v in layer.items()}
+  return out
+
+
+def check_tensors(header: Header, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Every tensor ``cfg`` needs is present, shaped as expected and of a supported type; no tensor
+  is left over (a leftover would be silently ignored weights)."""
+  expected = expected_shapes(cfg)
+  path = header.path
+  for name, shape in expected.items():
+    if name not in header.tensors:
+      raise ValueError(f"path: GGUF file {path} lacks the tensor {name!r} (shape {list(shape)})")
+    info = header.tensors[name]
+    if info.shape != shape:
+      raise ValueError(
+        f"path: GGUF file {path}: tensor {name!r} has shape {list(info.shape)}, expected "
+        f"{list(shape)} from the metadata"
+      )
+  for info in header.tensors.values():
+    if info.type_id not in TYPES:
+      raise ValueError(
+        f"path: GGUF file {path}: tensor {info.name!r} has quantisation type {info.type_name}; "
+        f"supported: {SUPPORTED_TYPES}"
+      )
+  if ROPE_FREQS in header.tensors and header.tensors[ROPE_FREQS].shape != (cfg.head_dim // 2,):
+    raise ValueError(
+      f"path: GGUF file {path}: tensor {ROPE_FREQS!r} has shape "
+      f"{list(header.tensors[ROPE_FREQS].shape)}, expected {[cfg.head_dim // 2]}"
+    )
+  extra = sorted(set(header.tensors) - set(expected) - {ROPE_FREQS})
+  if extra:
+    raise ValueError(
+      f"path: GGUF file {path} has tensors a {cfg.family} model of this configuration does not "
+      f"use: {extra[:8]}{' ...' if len(extra) > 8 else ''}"
+    )
+  return expected
+
+
+# candidate Llama 3 RoPE parameters (low_freq_factor, high_freq_factor, original positions)
+_LLAMA3_GRID = [
+  (low, high, old)
+  for low in (1.0, 2.0, 4.0)
+  for high in (2.0, 4.0, 8.0, 16.0, 32.0)
+  for old in (2048, 4096, 8192, 16384, 32768, 65536, 131072)
+  if high > low
+]
+
+
+def llama3_rope(cfg: ModelConfig, freq_factors: np.ndarray, path) -> ModelConfig:
+  """``cfg`` with the ``llama3`` RoPE scaling whose per-frequency divisors are ``freq_factors``.
+
+  llama.cpp's converter (``LlamaModel.generate_extra_tensors``) writes Llama 3 scaling as the
+  tensor ``rope_freqs`` = default inverse frequency / scaled one; this finds the
+  (factor, low, high, original positions) that reproduce it, or raises.
+  """
+  freq_factors = np.asarray(freq_factors, np.float64)
+  if np.allclose(freq_factors, 1.0, rtol=0, atol=1e-6):
+    return cfg
+  default = llama.inv_frequencies(cfg)
+  factor = float(np.round(freq_factors.max(), 4))
+  for low, high, old in _LLAMA3_GRID:
+    trial = dataclasses.replace(
+      cfg,
+      rope_type="llama3",
+      rope_factor=factor,
+      rope_low_freq_factor=low,
+      rope_high_freq_factor=high,
+      rope_original_max_positions=old,
+    )
+    if np.allclose(default / llama.inv_frequencies(trial), freq_factors, rtol=1e-4, atol=0):
+      return trial
+  raise ValueError(
+    f"path: GGUF file {path}: tensor {ROPE_FREQS!r} is not Llama 3 RoPE scaling (the only "
+    "frequency scaling kvjax supports)"
+  )
+
+
+# --------------------------------------------------------------------------- the tensors
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+  """llama.cpp's ``LlamaModel.permute`` of a query/key projection's rows (weight or bias):
+  within each head, rotate_half's halves ``[x0..x_{D/2-1}, y0..]`` become pairs ``x0 y0 x1 y1``."""
+  return (
+    w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+  )
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+  """The exact inverse of :func:`permute`: ``unpermute(permute(w, n), n) == w``."""
+  return (
+    w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+  )
+
+
+def _reader(path: pathlib.Path):
+  try:
+    from gguf import GGUFReader  # noqa: PLC0415
+  except ImportError:
+    raise ImportError("reading GGUF tensors needs the gguf package: pip install gguf") from None
+  try:
+    return GGUFReader(path)
+  except Exception as e:  # noqa: BLE001  (the header was checked: whatever remains is corruption)
+    raise ValueError(f"path: GGUF file {path} could not be read: {type(e).__name__}: {e}") from None
+
+
+def _dequantize(tensor, shape: tuple[int, ...], path: pathlib.Path) -> np.ndarray:
+  from gguf.quants import dequantize  # noqa: PLC0415
+
+  try:
+    w = np.asarray(dequantize(tensor.data, tensor.tensor_type))
+    return np.array(w.reshape(shape), dtype=np.float32)  # a copy: the file may be closed after
+  except Exception as e:  # noqa: BLE001
+    raise ValueError(
+      f"path: GGUF file {path}: tensor {tensor.name!r} ({tensor.tensor_type.name}) could not "
+      f"be dequantised to {list(shape)}: {type(e).__name__}: {e}"
+    ) from None
+
+
+def read(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+  """``(config, tensors)`` of a GGUF checkpoint: Hugging Face tensor names (``[out, in]`` float32
+  weights), ready for :func:`kvjax.model.loading.params_from_tensors`.
+
+  Raises ``FileNotFoundError`` when there is no file, ``ValueError`` naming the file (and the
+  tensor) for an unsupported architecture or quantisation type, a missing or mis-shaped tensor,
+  a truncated file, a wrong magic number or a corrupt header.
+  """
+  header = read_header(path)
+  cfg = config_from_header(header)
+  expected = check_tensors(header, cfg)
+  reader = _reader(header.path)
+  found = {t.name: t for t in reader.tensors}
+  if ROPE_FREQS in found:
+    freqs = _dequantize(found[ROPE_FREQS], (cfg.head_dim // 2,), header.path)
+    cfg = llama3_rope(cfg, freqs, header.path)
+  tensors: dict[str, np.ndarray] = {}
+  for name, shape in expected.items():
+    w = _dequantize(found[name], shape, header.path)
+    if cfg.family in ("llama", "mistral"):
+      if name.endswith(("attn_q.weight", "attn_q.bias")):
+        w = unpermute(w, cfg.num_heads)
+      elif name.endswith(("attn_k.weight", "attn_k.bias")):
+        w = unpermute(w, cfg.num_kv_heads)
+    tensors[hf_name(name)] = w
+  return cfg, tensors

