@@ -14,6 +14,7 @@ from hf_models import (
 
 from kvjax import model as km
 from kvjax.model import config as config_lib
+from kvjax.model import loading
 
 
 def test_config_reads_transformers_5_and_legacy_rope():
@@ -78,3 +79,13 @@ def test_sharded_checkpoint_with_index(tmp_path):
   with torch.no_grad():
     ref = hf(torch.tensor(ids)).logits.numpy()
   assert np.abs(np.asarray(model(jnp.asarray(ids))) - ref).max() <= 1e-4
+
+
+def test_weights_default_to_fp32_on_cpu_and_bf16_on_accelerators(monkeypatch):
+  assert loading.default_dtype() == jnp.float32
+  model, _, _ = km.load_tiny()
+  assert model.params()["wq"].dtype == jnp.float32
+  monkeypatch.setattr(loading.jax, "default_backend", lambda: "tpu")
+  assert loading.default_dtype() == jnp.bfloat16
+  with pytest.raises(ValueError, match="dtype"):
+    km.load_tiny(dtype=jnp.int8)

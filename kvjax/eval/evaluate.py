@@ -25,23 +25,29 @@ from kvjax import model as km
 from kvjax import plotting, rundir
 from kvjax.eval import tasks
 from kvjax.model import assets, decoding
-from kvjax.model.tokenizer import HFTokenizer
+from kvjax.model.tokenizer import HFTokenizer, PieceTokenizer
 
 EVAL_SEED = 2**31  # training draws example seeds below 2**31: evaluation seeds never collide
 
 
-def load_model(name: str):
-  """``(model, cfg, tokenizer)``: ``"tiny"`` is the shipped model; anything else is a local
-  Hugging Face directory or, online, a hub id (``config.json``, safetensors, ``tokenizer.json``;
-  the ``bos_token`` of ``tokenizer_config.json`` starts every prompt when there is one)."""
+def load_model(name: str, dtype=None):
+  """``(model, cfg, tokenizer)``: ``"tiny"`` is the shipped model, ``"smollm2"`` the packaged
+  SmolLM2-135M-Instruct (and any ``.gguf`` file: weights and tokenizer from the file); anything
+  else is a local Hugging Face directory or, online, a hub id (``config.json``, safetensors,
+  ``tokenizer.json``; the ``bos_token`` of ``tokenizer_config.json`` starts every prompt when
+  there is one). ``dtype`` is the weights' (:func:`kvjax.model.load`'s default when ``None``)."""
+  kw = {} if dtype is None else {"dtype": dtype}
   if name == "tiny":
-    return km.load_tiny()
+    return km.load_tiny(**kw)
+  if name == assets.SMOLLM2 or str(name).endswith(".gguf"):
+    model, cfg = km.load(name, **kw)
+    return model, cfg, PieceTokenizer(km.load_tokenizer(name))
   path = pathlib.Path(name)
   if not path.exists():
     from huggingface_hub import snapshot_download  # noqa: PLC0415
 
     path = pathlib.Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
-  model, cfg = km.load(path)
+  model, cfg = km.load(path, **kw)
   if not (path / "tokenizer.json").exists():
     raise ValueError(f"model: {name} has no tokenizer.json next to its weights")
   bos = None
@@ -203,10 +209,12 @@ def evaluate_group(
 def _model_fingerprint(name: str) -> str:
   """What identifies the evaluated weights: the shipped model's file hash (it changes when the
   model is retrained), else the name."""
-  if name != "tiny":
-    return name
-  data = (assets.tiny_path() / "model.safetensors").read_bytes()
-  return "tiny:" + hashlib.sha256(data).hexdigest()[:16]
+  if name == "tiny":
+    data = (assets.tiny_path() / "model.safetensors").read_bytes()
+    return "tiny:" + hashlib.sha256(data).hexdigest()[:16]
+  if name == assets.SMOLLM2:
+    return f"{name}:{assets.SMOLLM2_FILE}"
+  return name
 
 
 def complete_groups(table: pd.DataFrame, path: pathlib.Path, expected: dict) -> set:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -114,12 +115,25 @@ def save(path: str | pathlib.Path, cfg: config_lib.ModelConfig, params: dict) ->
   save_file(tensors_from_params(cfg, params), str(path / "model.safetensors"))
 
 
-def load(
-  path_or_hub_id: str | pathlib.Path, dtype=jnp.float32
-) -> tuple[Llama, config_lib.ModelConfig]:
+def default_dtype():
+  """The weights' dtype when none is asked for: fp32 on CPU (exact parity with the PyTorch
+  references), bf16 on GPUs and TPUs (half the memory, native matmuls; softmax and scores stay
+  fp32 whatever the weights)."""
+  return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def load(path_or_hub_id: str | pathlib.Path, dtype=None) -> tuple[Llama, config_lib.ModelConfig]:
   """``(model, config)`` from a local directory (``config.json`` + safetensors), a ``.gguf`` file
   (:func:`kvjax.model.gguf.read`), ``"smollm2"`` (the packaged GGUF, :func:`smollm2_path`) or a
-  hub id. Weights are cast to ``dtype`` (fp32 by default; ``jnp.bfloat16`` on request)."""
+  hub id. Weights are cast to ``dtype`` (:func:`default_dtype` when ``None``: fp32 on CPU, bf16
+  on accelerators)."""
+  dtype = default_dtype() if dtype is None else dtype
+  if jnp.dtype(dtype) not in (
+    jnp.dtype(jnp.float32),
+    jnp.dtype(jnp.bfloat16),
+    jnp.dtype(jnp.float16),
+  ):
+    raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype!r}")
   if str(path_or_hub_id) == SMOLLM2:
     path_or_hub_id = smollm2_path()
   path = pathlib.Path(path_or_hub_id)
@@ -143,12 +157,13 @@ def load(
   return model, cfg
 
 
-def load_tiny(dtype=jnp.float32):
+def load_tiny(dtype=None):
   """``(model, config, tokenizer)`` of the tiny retrieval model shipped with kvjax (no network).
 
   A 4-layer GQA Llama trained by ``experiments/train.py --config=configs/train_tiny.py`` on the
   tasks of :mod:`kvjax.eval.tasks`; its tokenizer is :class:`kvjax.model.tokenizer.WordTokenizer`.
   ``kvjax/assets/tiny/card.json`` records how it was trained and its measured accuracy.
+  ``dtype``: as for :func:`load`.
   """
   path = tiny_path()
   if not (path / "model.safetensors").exists():

@@ -131,6 +131,24 @@ class ModelTokenizer:
     return f"ModelTokenizer({self.source!r}, vocab_size={self.vocab_size})"
 
 
+class PieceTokenizer:
+  """A real model's tokenizer for text written in pieces (the task generators'): each piece is
+  encoded with a leading space and no special tokens, so concatenated pieces read like the
+  joined text, as :class:`HFTokenizer` does for a ``tokenizer.json``."""
+
+  def __init__(self, tok: ModelTokenizer):
+    self.tok = tok
+    self.bos_id, self.eos_id, self.vocab_size = tok.bos_id, tok.eos_id, tok.vocab_size
+    # padding only fills unscored answer slots (never attended: prompts are unpadded)
+    self.pad_id = tok.bos_id if tok.bos_id is not None else tok.pad_id
+
+  def encode(self, text: str) -> list[int]:
+    return self.tok.encode(" " + text)
+
+  def decode(self, ids) -> str:
+    return self.tok.decode(ids)
+
+
 def load_tokenizer(path_or_name: str | pathlib.Path) -> ModelTokenizer:
   """The tokenizer of a ``.gguf`` file (:func:`from_gguf`), of a Hugging Face directory or its
   ``tokenizer.json`` (:func:`from_pretrained_dir`) or of ``"smollm2"`` (the packaged GGUF)."""
