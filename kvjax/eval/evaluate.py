@@ -139,20 +139,36 @@ def _policy_options(entry) -> tuple[str, str, dict]:
   return label, name, entry
 
 
-def prefill_examples(model, exs, *, question="in_window", window=32, oracle=True):
+def prefill_examples(
+  model, exs, *, question="in_window", window=32, oracle=True, shape=None
+) -> decoding.Prefilled:
   """The examples' one prefill, shared by every policy and budget that answers them
-  (:func:`kvjax.model.decoding.prefill_answers`)."""
-  prompts, answers, scored = tasks.batch(exs)
+  (:func:`kvjax.model.decoding.prefill_answers`). ``shape = (question_len, answer_len)`` feeds
+  that many trailing prompt tokens through the cache and pads answers to that length (see
+  :func:`shared_shape`); by default the examples' own longest question and answer."""
+  q_len, n_len = shape or (max(e.question_len for e in exs), None)
+  prompts, answers, scored = tasks.batch(exs, answer_len=n_len)
   return decoding.prefill_answers(
     model,
     prompts,
     answers,
-    question_len=max(e.question_len for e in exs),
+    question_len=q_len,
     question=question,
     answer_given=~scored,  # given tokens and padding are fed, never scored
     window=window,
     oracle=oracle,
   )
+
+
+def shared_shape(example_sets) -> tuple[int, int]:
+  """``(question_len, answer_len)`` covering every set of examples: with it, every task at one
+  context length has the same shapes, so each policy compiles once for all of them (instead of
+  once per task). A named variant of the protocol: a task whose question is shorter than the
+  longest feeds that many more trailing context tokens through the cache uncompressed (they are
+  kept, like the question), and its answer is padded (padding is fed, never scored)."""
+  q = max(e.question_len for exs in example_sets for e in exs)
+  n = max(e.answer.size for exs in example_sets for e in exs)
+  return q, n
 
 
 def _policy_window(entries) -> int:
@@ -177,7 +193,10 @@ def evaluate_group(
   when given, else from a prefill of its own."""
   if len(budgets) == 0:
     raise ValueError(f"budgets: no budget to evaluate for policy {name!r}")
-  _, answers, scored = tasks.batch(exs)
+  n_len = None
+  if prefilled is not None:  # answers as wide as the prefill's (see prefill_examples)
+    n_len = prefilled.inputs_BM.shape[1] - prefilled.question_len + 1
+  _, answers, scored = tasks.batch(exs, answer_len=n_len)
   if prefilled is None:
     window = _policy_window([("", name, options)])
     prefilled = prefill_examples(
@@ -332,10 +351,22 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
   window = _policy_window(entries)
   oracle = any(name == "oracle" for _, name, _ in entries)
   head = None  # HeadKV's retrieval-head scores, measured once per run
-  for task, opts in config.tasks.items():
-    opts = rundir.plain(opts)
+  sets = {
+    (task, length): examples(
+      task, tok, length, config.examples, rundir.plain(opts), seed=config.seed
+    )
+    for task, opts in config.tasks.items()
+    for length in config.lengths
+  }
+  shapes = {
+    length: shared_shape([exs for (_, n), exs in sets.items() if n == length])
+    if config.get("shared_shapes", False)
+    else None
+    for length in config.lengths
+  }
+  for task in config.tasks:
     for length in config.lengths:
-      exs = examples(task, tok, length, config.examples, opts, seed=config.seed)
+      exs = sets[(task, length)]
       for q in modes:
         full = prefilled = None
         for label, name, options in [("full", "full", {}), *entries]:
@@ -344,7 +375,9 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
             continue
           t0 = time.time()
           if prefilled is None:  # one prefill per example for every policy
-            prefilled = prefill_examples(model, exs, question=q, window=window, oracle=oracle)
+            prefilled = prefill_examples(
+              model, exs, question=q, window=window, oracle=oracle, shape=shapes[length]
+            )
             full = evaluate_group(model, exs, [length], "full", {}, prefilled=prefilled)
             full = full["answers"]
           if name == "headkv" and head is None:

@@ -342,12 +342,17 @@ def _find(haystack: list[int], needle: list[int]) -> int:
   raise AssertionError("answer word not found in its needle")
 
 
-def batch(examples: Sequence[Example], pad_id: int = 0):
-  """Stacks same-length prompts (``[B, T]``) and right-pads answers (``[B, N]`` plus a mask)."""
+def batch(examples: Sequence[Example], pad_id: int = 0, answer_len: int | None = None):
+  """Stacks same-length prompts (``[B, T]``) and right-pads answers (``[B, N]`` plus a mask of
+  the scored positions) to the longest answer, or to ``answer_len``."""
   lengths = {e.prompt.size for e in examples}
   if len(lengths) != 1:
     raise ValueError(f"examples: prompts of different lengths {sorted(lengths)}")
   N = max(e.answer.size for e in examples)
+  if answer_len is not None:
+    if answer_len < N:
+      raise ValueError(f"answer_len: {answer_len} is shorter than the longest answer ({N})")
+    N = answer_len
   prompts = np.stack([e.prompt for e in examples])
   answers = np.full((len(examples), N), pad_id, np.int32)
   scored = np.zeros((len(examples), N), bool)
