@@ -1,0 +1,145 @@
+"""The accelerator check: one script (at most ~5 minutes) to run whenever a GPU or TPU is at hand.
+
+``python -m experiments.device_check [--quick]`` prints one table:
+
+1. the selection golden tests and the kvpress fixtures (``tests/test_select.py``,
+   ``tests/test_kvpress_golden.py``; every matmul at ``precision=HIGHEST``), run by pytest;
+2. a Llama-3.2-1B-shaped prefill in bf16 (random weights: nothing is downloaded) at 8k, 16k and
+   32k tokens with the evidence the policies read, its wall time and the device's peak memory;
+3. a decode step at a 10 % budget against the full cache at 16k tokens (time ratio);
+4. one notebook (``01_policy_lab``) in QUICK mode through nbclient.
+
+Each line says what ran where; a failing part is reported, not hidden. Record the table in the
+README's benchmark section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.bench_memory import SHAPES
+from kvjax import model as km
+from kvjax import policies
+from kvjax.model import cache as cache_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def peak_gib() -> float:
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use", 0) / 2**30
+
+
+def timed(fn, *args, repeats: int = 3) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def golden_tests() -> str:
+  cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+  cmd += ["tests/test_select.py", "tests/test_kvpress_golden.py"]
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+  last = (out.stdout.strip().splitlines() or ["no output"])[-1]
+  return ("ok: " if out.returncode == 0 else "FAILED: ") + last
+
+
+def prefill_rows(cfg, lengths) -> list[str]:
+  model = km.Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  params = model.params()
+  rows = []
+  for T in lengths:
+    ids = jnp.asarray(np.random.default_rng(T).integers(0, cfg.vocab_size, (1, T)), jnp.int32)
+    fn = jax.jit(lambda p, i: km.prefill(cfg, p, i, window=32, column_sums=True))
+    try:
+      seconds = timed(fn, params, ids, repeats=2)
+      rows.append(f"prefill 1B bf16 {T:6d} tokens: {seconds:7.2f} s, peak {peak_gib():6.2f} GiB")
+    except Exception as e:  # noqa: BLE001  (an out-of-memory is a result here)
+      rows.append(f"prefill 1B bf16 {T:6d} tokens: FAILED {type(e).__name__}: {str(e)[:80]}")
+  return rows
+
+
+def decode_row(cfg, T: int) -> str:
+  model = km.Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+  params = model.params()
+  L, G, D, B = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1
+
+  def cache_of(capacity):
+    shape = (L, B, G, capacity)
+    return cache_lib.KVCache(
+      keys=jnp.zeros(shape + (D,), jnp.bfloat16),
+      values=jnp.zeros(shape + (D,), jnp.bfloat16),
+      positions=jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), shape),
+      valid=jnp.ones(shape, bool),
+      budget=jnp.full((B, L, G), capacity, jnp.int32),
+    )
+
+  times = {}
+  for name, capacity in (("full", T + 8), ("10 %", T // 10 + 8)):
+    spec = cache_lib.CacheSpec(policies.make("snapkv"), capacity)
+    step = jax.jit(
+      lambda c, spec=spec: cache_lib.decode_step(
+        cfg, params, spec, c, jnp.zeros((B,), jnp.int32), jnp.full((B,), T), jnp.full((B,), T)
+      )[0]
+    )
+    times[name] = timed(step, cache_of(capacity))
+  return (
+    f"decode step at {T} tokens: full {times['full'] * 1e3:.1f} ms, 10 % budget "
+    f"{times['10 %'] * 1e3:.1f} ms: {times['full'] / times['10 %']:.1f}x"
+  )
+
+
+def notebook_row() -> str:
+  import nbclient
+  import nbformat
+
+  path = ROOT / "notebooks" / "01_policy_lab.ipynb"
+  nb = nbformat.read(path, as_version=4)
+  cells = [c for c in nb.cells if "skip-execution" not in c.metadata.get("tags", ())]
+  for i, cell in enumerate(cells):
+    if "parameters" in cell.metadata.get("tags", ()):
+      cells.insert(i + 1, nbformat.v4.new_code_cell("QUICK = True"))
+      break
+  nb.cells = cells
+  t0 = time.perf_counter()
+  try:
+    nbclient.NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(ROOT)}}).execute()
+    return f"notebook 01_policy_lab QUICK: ok in {time.perf_counter() - t0:.0f} s"
+  except Exception as e:  # noqa: BLE001
+    return f"notebook 01_policy_lab QUICK: FAILED {type(e).__name__}: {str(e)[:120]}"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--quick", action="store_true", help="smaller shapes (a CPU smoke run)")
+  args = parser.parse_args()
+  cfg = dataclasses.replace(SHAPES["llama-3.2-1b"])
+  lengths = (1024, 2048) if args.quick else (8192, 16384, 32768)
+  if args.quick:
+    cfg = dataclasses.replace(cfg, num_layers=2, vocab_size=4096)
+  rows = [
+    f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
+  ]
+  rows.append(f"golden selection + kvpress fixtures: {golden_tests()}")
+  rows += prefill_rows(cfg, lengths)
+  rows.append(decode_row(cfg, lengths[-1] // 2 if args.quick else 16384))
+  rows.append(notebook_row())
+  print("\n".join(f"| {r} |" for r in rows))
+
+
+if __name__ == "__main__":
+  main()
