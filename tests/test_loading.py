@@ -2,6 +2,7 @@
 sharded checkpoints."""
 
 import json
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,10 +12,11 @@ from hf_models import (
   prompt,
   torch,
 )
+from safetensors.numpy import load_file, save_file
 
 from kvjax import model as km
+from kvjax.model import assets, loading
 from kvjax.model import config as config_lib
-from kvjax.model import loading
 
 
 def test_config_reads_transformers_5_and_legacy_rope():
@@ -89,3 +91,47 @@ def test_weights_default_to_fp32_on_cpu_and_bf16_on_accelerators(monkeypatch):
   assert loading.default_dtype() == jnp.bfloat16
   with pytest.raises(ValueError, match="dtype"):
     km.load_tiny(dtype=jnp.int8)
+
+
+@pytest.mark.parametrize(
+  ("damage", "match"),
+  [
+    ("truncate", "model.safetensors is not a readable safetensors file"),
+    ("garbage", "model.safetensors is not a readable safetensors file"),
+    ("nan", "holds NaN or inf"),
+    ("fewer_layers", "holds 4 layers, its config says num_hidden_layers=2"),
+    ("gelu", "hidden_act: 'gelu' is not supported"),
+    ("no_hidden_size", r"\['hidden_size'\] missing"),
+    ("bad_json", "config.json is not valid JSON"),
+  ],
+)
+def test_a_damaged_checkpoint_is_named(tmp_path, damage, match):
+  path = tmp_path / "ckpt"
+  shutil.copytree(assets.tiny_path(), path)
+  weights, config = path / "model.safetensors", path / "config.json"
+  raw = json.loads(config.read_text())
+  if damage == "truncate":
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+  elif damage == "garbage":
+    weights.write_bytes(b"\x00garbage" * 100)
+  elif damage == "nan":
+    tensors = load_file(str(weights))
+    tensors["model.norm.weight"][0] = np.nan
+    save_file(tensors, str(weights))
+  elif damage == "bad_json":
+    config.write_text("{not json")
+  else:
+    if damage == "fewer_layers":
+      raw["num_hidden_layers"] = 2
+    elif damage == "gelu":
+      raw["hidden_act"] = "gelu"
+    else:
+      del raw["hidden_size"]
+    config.write_text(json.dumps(raw))
+  with pytest.raises(ValueError, match=match):
+    km.load(path)
+
+
+def test_a_missing_local_path_is_named(tmp_path):
+  with pytest.raises(ValueError, match="does not exist"):
+    km.load(tmp_path / "nowhere")

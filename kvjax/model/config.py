@@ -77,6 +77,13 @@ def from_hf_dict(raw: dict) -> ModelConfig:
       f"supported: {sorted(SUPPORTED)}"
     )
   family = SUPPORTED[arch]
+  required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+  missing = [k for k in (*required, "num_attention_heads") if k not in raw]
+  if missing:
+    raise ValueError(f"config: {missing} missing; a {arch} config.json needs {list(required)}")
+  act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+  if act not in ("silu", "swish"):
+    raise ValueError(f"hidden_act: {act!r} is not supported; kvjax's MLP is SwiGLU ('silu')")
   heads = int(raw["num_attention_heads"])
   head_dim = raw.get("head_dim") or int(raw["hidden_size"]) // heads
   use_sliding = family == "mistral" or raw.get("use_sliding_window", False)
@@ -133,4 +140,11 @@ def from_pretrained_dir(path: str | pathlib.Path) -> ModelConfig:
   config_path = path / "config.json"
   if not config_path.exists():
     raise ValueError(f"path: {path} has no config.json")
-  return from_hf_dict(json.loads(config_path.read_text()))
+  try:
+    raw = json.loads(config_path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"config: {config_path} is not valid JSON ({e})") from None
+  try:
+    return from_hf_dict(raw)
+  except ValueError as e:
+    raise ValueError(f"{config_path}: {e}") from None

@@ -34,8 +34,24 @@ def _read_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
     raise ValueError(f"path: no *.safetensors files in {path}")
   tensors: dict[str, np.ndarray] = {}
   for name in files:
-    tensors.update(load_file(str(path / name)))
+    try:
+      tensors.update(load_file(str(path / name)))
+    except Exception as e:  # safetensors raises its own error types for truncated/garbage files
+      raise ValueError(
+        f"checkpoint: {path / name} is not a readable safetensors file ({e})"
+      ) from None
   return tensors
+
+
+def _check_layers(cfg: config_lib.ModelConfig, tensors: dict, source) -> None:
+  """The checkpoint's layer count must be the config's: fewer layers in the config would load a
+  truncated model silently."""
+  found = {int(k.split(".")[2]) for k in tensors if k.startswith("model.layers.")}
+  if found and max(found) + 1 != cfg.num_layers:
+    raise ValueError(
+      f"checkpoint: {source} holds {max(found) + 1} layers, its config says num_hidden_layers="
+      f"{cfg.num_layers}"
+    )
 
 
 def _expected(cfg: config_lib.ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
@@ -75,7 +91,10 @@ def _take(tensors: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
   t = tensors[name]
   if tuple(t.shape) != tuple(shape):
     raise ValueError(f"checkpoint: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
-  return np.asarray(t, np.float32)
+  t = np.asarray(t, np.float32)
+  if not np.isfinite(t).all():
+    raise ValueError(f"checkpoint: tensor {name!r} holds NaN or inf values")
+  return t
 
 
 def params_from_tensors(cfg: config_lib.ModelConfig, tensors: dict, dtype=jnp.float32) -> dict:
@@ -141,6 +160,10 @@ def load(path_or_hub_id: str | pathlib.Path, dtype=None) -> tuple[Llama, config_
     cfg, tensors = gguf.read(path)
   else:
     if not path.exists():
+      if path.is_absolute() or str(path_or_hub_id).startswith(".") or str(path).count("/") != 1:
+        raise ValueError(
+          f"path: {path_or_hub_id} does not exist (and is not a hub id of the form owner/name)"
+        )
       from huggingface_hub import snapshot_download  # noqa: PLC0415
 
       path = pathlib.Path(
@@ -148,6 +171,7 @@ def load(path_or_hub_id: str | pathlib.Path, dtype=None) -> tuple[Llama, config_
       )
     cfg = config_lib.from_pretrained_dir(path)
     tensors = _read_tensors(path)
+    _check_layers(cfg, tensors, path)
   params = params_from_tensors(cfg, tensors, dtype)
   del tensors
   model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
