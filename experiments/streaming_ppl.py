@@ -6,6 +6,7 @@ text under the full cache, a sliding window and sinks + window, and writes ``res
 import os
 import pathlib
 
+import jax.numpy as jnp
 import matplotlib
 from absl import app
 from ml_collections import config_flags
@@ -25,7 +26,7 @@ def main(argv):
   del argv
   matplotlib.use("Agg")  # figures go to files
   config = _CONFIG.value
-  model, _, tokenizer = evaluate.load_model(config.model)
+  model, _, tokenizer = evaluate.load_model(config.model, dtype=jnp.dtype(config.dtype))
   table = streaming.run(config, config.workdir, model=model, tokenizer=tokenizer)
   fig = plotting.streaming_ppl(
     table, config.segment, title=f"{config.model}: {streaming.TEXT_SOURCE}"
