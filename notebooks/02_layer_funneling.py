@@ -6,7 +6,7 @@
 #     provenance: []
 #   jupytext:
 #     formats: ipynb,py:percent
-#     notebook_metadata_filter: accelerator,colab
+#     notebook_metadata_filter: accelerator,colab,kernelspec,language_info
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -14,7 +14,17 @@
 #       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
+#     language: python
 #     name: python3
+#   language_info:
+#     codemirror_mode:
+#       name: ipython
+#       version: 3
+#     file_extension: .py
+#     mimetype: text/x-python
+#     name: python
+#     nbconvert_exporter: python
+#     pygments_lexer: ipython3
 # ---
 
 # %% [markdown]
@@ -31,33 +41,65 @@
 #
 # `MODEL = "tiny"` is the small model shipped with kvjax (runs anywhere, no download); on Colab
 # set it to a Hugging Face id such as `"meta-llama/Llama-3.2-1B"` or `"Qwen/Qwen2.5-0.5B"`.
+#
+# **Gated models** (Llama, Gemma, ...) download only once you have accepted their licence on the
+# model's Hugging Face page and are logged in: on Colab, add your token as a secret named
+# `HF_TOKEN` (the key icon in the left bar, with notebook access on), which `huggingface_hub`
+# reads by itself; elsewhere run `from huggingface_hub import login; login()` once, or set the
+# `HF_TOKEN` environment variable.
 
 # %% tags=["skip-execution"]
-# Colab: install kvjax with its configs (CI skips this cell).
-# !git clone -q https://github.com/kvjax/kvjax && pip install -q -e kvjax
-# %cd kvjax
+# Colab: clone kvjax (the notebooks read its configs/) and install it; CI skips this cell.
+# Locally, run `pip install -e .` in the repository instead.
+# !test -d /content/kvjax || git clone -q https://github.com/kvjax/kvjax /content/kvjax
+# %cd /content/kvjax
+# !pip install -q -e .
 
 # %%
 import os
 import pathlib
+import sys
 
 if pathlib.Path.cwd().name == "notebooks":  # run from the repository root (configs/ lives there)
   os.chdir("..")
 import jax
 
 print("jax", jax.__version__, "| backend:", jax.default_backend(), "|", jax.devices())
+if jax.default_backend() == "cpu" and (
+  "google.colab" in sys.modules or any(k.startswith("COLAB_") for k in os.environ)
+):
+  print(
+    "WARNING: JAX is running on the CPU. Pick an accelerator in Colab's menu,\n"
+    "  Runtime > Change runtime type > TPU/GPU\n"
+    "and run the notebook again. If one is selected already, JAX lacks its plugin:\n"
+    '  pip install -U "jax[tpu]" (or "jax[cuda12]"), then restart the session.'
+  )
 
 # %% tags=["parameters"]
-QUICK = False  # CI injects QUICK = True
+QUICK = False  # True in CI (injected after this cell)
+PRESET = "auto"  # "auto": "full" on a GPU / TPU, "" on a CPU; QUICK mode runs "quick"
 MODEL = "tiny"  # or a Hugging Face id / local directory
-NUM_DOCS = 4
-DOC_LEN = 96  # tokens per document
+NUM_DOCS = None  # None: the preset's (4; 8 with "full", 3 with "quick")
+DOC_LEN = None  # tokens per document; None: the preset's (96; 256 with "full", 40 with "quick")
 NUM_MAPS = 4  # evenly spaced layers drawn
 BUDGET = 64  # mean tokens per (layer, head) for the allocation comparison
 
+# %% [markdown]
+# **The GPU / TPU preset.** With `PRESET = "auto"` a GPU or TPU runs the `"full"` sizes and a
+# CPU the default ones; QUICK mode (CI) always runs the smallest (`"quick"`). Here `"full"` is a
+# prompt of 8 documents of 256 tokens (about 2k tokens) instead of 4 of 96, and the synthetic
+# world's full size.
+
 # %%
+if PRESET == "auto":
+  PRESET = "full" if jax.default_backend() != "cpu" else ""
 if QUICK:
-  NUM_DOCS, DOC_LEN = 3, 40
+  PRESET = "quick"
+if PRESET not in ("", "full", "quick"):
+  raise ValueError(f"PRESET: expected 'auto', '', 'full' or 'quick', got {PRESET!r}")
+print("preset:", PRESET or "(default)", "| backend:", jax.default_backend())
+
+# %%
 import matplotlib.pyplot as plt
 import pandas as pd
 from IPython.display import display
@@ -66,6 +108,8 @@ from kvjax import plotting
 from kvjax.eval import evaluate, funnel
 from kvjax.lab import synthetic
 
+NUM_DOCS = NUM_DOCS or {"quick": 3, "": 4, "full": 8}[PRESET]
+DOC_LEN = DOC_LEN or {"quick": 40, "": 96, "full": 256}[PRESET]
 model, cfg, tokenizer = evaluate.load_model(MODEL)
 ids, doc = funnel.multi_document_prompt(tokenizer, num_docs=NUM_DOCS, doc_len=DOC_LEN)
 print(f"{cfg.num_layers} layers, {cfg.num_heads} query heads, {cfg.num_kv_heads} KV heads;")
@@ -100,9 +144,11 @@ plt.show()
 # %%
 from configs import lab as lab_config
 
-world_cfg = lab_config.get_config("quick" if QUICK else None).world
+world_cfg = lab_config.get_config("quick" if PRESET == "quick" else None).world
+if PRESET == "full":  # the policy lab's full world (01_policy_lab)
+  world_cfg.update(num_layers=16, prompt_len=2048, gen_steps=256, window=64)
 world = synthetic.make_world(synthetic.world_config("funnel", world_cfg))
-syn_maps = funnel.synthetic_attention(world, steps=32 if QUICK else 96)
+syn_maps = funnel.synthetic_attention(world, steps={"quick": 32, "": 96, "full": 256}[PRESET])
 shown = {layer: syn_maps[layer] for layer in funnel.evenly_spaced_layers(len(syn_maps), NUM_MAPS)}
 plotting.attention_maps(shown, vmax=0.01, title="synthetic funnel world (query rows x keys)")
 plt.show()

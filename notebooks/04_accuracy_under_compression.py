@@ -6,7 +6,7 @@
 #     provenance: []
 #   jupytext:
 #     formats: ipynb,py:percent
-#     notebook_metadata_filter: accelerator,colab
+#     notebook_metadata_filter: accelerator,colab,kernelspec,language_info
 #     text_representation:
 #       extension: .py
 #       format_name: percent
@@ -14,7 +14,17 @@
 #       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
+#     language: python
 #     name: python3
+#   language_info:
+#     codemirror_mode:
+#       name: ipython
+#       version: 3
+#     file_extension: .py
+#     mimetype: text/x-python
+#     name: python
+#     nbconvert_exporter: python
+#     pygments_lexer: ipython3
 # ---
 
 # %% [markdown]
@@ -32,38 +42,76 @@
 # `MODEL = "tiny"` is the shipped model (trained by kvjax on these tasks, runs anywhere). On
 # Colab, a Hugging Face id (e.g. `"Qwen/Qwen2.5-0.5B-Instruct"`) runs the same tasks through its
 # own tokenizer.
+#
+# **Gated models** (Llama, Gemma, ...) download only once you have accepted their licence on the
+# model's Hugging Face page and are logged in: on Colab, add your token as a secret named
+# `HF_TOKEN` (the key icon in the left bar, with notebook access on), which `huggingface_hub`
+# reads by itself; elsewhere run `from huggingface_hub import login; login()` once, or set the
+# `HF_TOKEN` environment variable.
 
 # %% tags=["skip-execution"]
-# Colab: install kvjax with its configs (CI skips this cell).
-# !git clone -q https://github.com/kvjax/kvjax && pip install -q -e kvjax
-# %cd kvjax
+# Colab: clone kvjax (the notebooks read its configs/) and install it; CI skips this cell.
+# Locally, run `pip install -e .` in the repository instead.
+# !test -d /content/kvjax || git clone -q https://github.com/kvjax/kvjax /content/kvjax
+# %cd /content/kvjax
+# !pip install -q -e .
 
 # %%
 import os
 import pathlib
+import sys
 
 if pathlib.Path.cwd().name == "notebooks":  # run from the repository root (configs/ lives there)
   os.chdir("..")
 import jax
 
 print("jax", jax.__version__, "| backend:", jax.default_backend(), "|", jax.devices())
+if jax.default_backend() == "cpu" and (
+  "google.colab" in sys.modules or any(k.startswith("COLAB_") for k in os.environ)
+):
+  print(
+    "WARNING: JAX is running on the CPU. Pick an accelerator in Colab's menu,\n"
+    "  Runtime > Change runtime type > TPU/GPU\n"
+    "and run the notebook again. If one is selected already, JAX lacks its plugin:\n"
+    '  pip install -U "jax[tpu]" (or "jax[cuda12]"), then restart the session.'
+  )
 
 # %% tags=["parameters"]
-QUICK = False  # CI injects QUICK = True: the eval config's quick preset
+QUICK = False  # True in CI: the eval config's quick preset, one task, a one-length heatmap
+PRESET = "auto"  # "auto": "full" on a GPU / TPU, "" (a few minutes) on a CPU; QUICK: "quick"
 MODEL = "tiny"
-PRESET = ""  # "" (a few minutes on CPU) or "full" (GPU / TPU)
-WORKDIR = "runs/notebook_eval"
+WORKDIR = "runs/notebook_eval"  # the preset's name is appended ("_quick", "_full")
+
+# %% [markdown]
+# **The GPU / TPU preset.** With `PRESET = "auto"` a GPU or TPU runs `configs/eval.py:full`
+# (1k and 2k contexts, 50 examples per cell, seven budgets, a finer and wider needle heatmap)
+# and a CPU the config's default (1k contexts, 8 examples, a few minutes on two cores); QUICK
+# mode (CI) always runs `:quick`. Each preset (and each model other than `tiny`) has its own
+# run directory, so each resumes only itself.
+
+# %%
+if PRESET == "auto":
+  PRESET = "full" if jax.default_backend() != "cpu" else ""
+if QUICK:
+  PRESET = "quick"
+if PRESET not in ("", "full", "quick"):
+  raise ValueError(f"PRESET: expected 'auto', '', 'full' or 'quick', got {PRESET!r}")
+print("preset:", PRESET or "(default)", "| backend:", jax.default_backend())
 
 # %%
 import matplotlib.pyplot as plt
+import ml_collections
 from IPython.display import display
 
 from kvjax import plotting, rundir
 from kvjax.eval import evaluate
 
-config = rundir.load_config("configs/eval.py", "quick" if QUICK else PRESET)
+config = rundir.load_config("configs/eval.py", PRESET)
 config.model = MODEL
-workdir = WORKDIR + ("_quick" if QUICK else "") + ("" if MODEL == "tiny" else "_hf")
+if QUICK:  # each task and heatmap length compiles anew: the smoke run keeps one of each
+  config.tasks = ml_collections.ConfigDict(dict(single_needle=config.tasks.single_needle))
+  config.heatmap.lengths = config.heatmap.lengths[:1]
+workdir = WORKDIR + (f"_{PRESET}" if PRESET else "") + ("" if MODEL == "tiny" else "_hf")
 print(config.tasks, config.lengths, config.budgets)
 
 # %% [markdown]

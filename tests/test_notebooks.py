@@ -1,7 +1,12 @@
-"""Every notebook runs top to bottom in QUICK mode (papermill-style parameter injection, nbclient)
-and matches its jupytext twin; Colab essentials are present."""
+"""Every notebook runs top to bottom in QUICK mode (papermill-style parameter injection, nbclient;
+papermill itself too when it is installed) and matches its jupytext twin; Colab essentials are
+present."""
 
+import json
+import os
 import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,6 +18,7 @@ nbclient = pytest.importorskip("nbclient")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 LIMIT_S = 120  # the issue's contract: each notebook under two minutes on a 2-core CPU
+COLAB_CPU_WARNING = "Runtime > Change runtime type > TPU/GPU"
 
 
 def _cells(nb):
@@ -48,6 +54,104 @@ def test_colab_badge_install_device_and_parameters_cells(path):
   assert len(params) == 1 and "QUICK" in params[0].source
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_language_info_and_kernelspec_survive_jupytext(path):
+  """papermill reads the language from ``language_info`` (or the kernelspec) and starts the
+  kernelspec's kernel; both must be in the .ipynb and come back from the .py twin, so that a
+  ``jupytext --sync`` keeps them."""
+  for nb in (nbformat.read(path, as_version=4), jupytext.read(path.with_suffix(".py"))):
+    assert nb.metadata["language_info"]["name"] == "python", path.name
+    assert nb.metadata["kernelspec"]["name"] == "python3", path.name
+    assert nb.metadata["kernelspec"]["language"] == "python", path.name
+  nbformat.validate(nbformat.read(path, as_version=4))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_install_clones_the_repository_for_its_configs(path):
+  """``configs/`` is no part of the wheel: on Colab the install cell clones the repository and
+  works from there; the device cell moves from ``notebooks/`` to the repository root."""
+  nb = nbformat.read(path, as_version=4)
+  install = next(c for c in nb.cells if "skip-execution" in c.metadata.get("tags", ()))
+  assert "git clone" in install.source and "%cd " in install.source, path.name
+  assert "pip install -q -e ." in install.source, path.name
+  device = _device_cell(nb)
+  assert 'os.chdir("..")' in device.source, path.name
+
+
+def _device_cell(nb):
+  return next(c for c in nb.cells if c.cell_type == "code" and "jax.devices()" in c.source)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_gpu_tpu_preset_and_hugging_face_login(path):
+  """A ``PRESET`` parameter (``"auto"``: ``"full"`` on a GPU / TPU), forced to ``"quick"`` in
+  QUICK mode; notebooks that load a model say how to log in for gated ones."""
+  nb = nbformat.read(path, as_version=4)
+  params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", ()))
+  assert 'PRESET = "auto"' in params.source, path.name
+  preset = [c for c in nb.cells if c.cell_type == "code" and 'PRESET = "full"' in c.source]
+  assert len(preset) == 1, path.name
+  assert 'jax.default_backend() != "cpu"' in preset[0].source, path.name
+  assert 'if QUICK:\n  PRESET = "quick"' in preset[0].source, path.name
+  if "MODEL" in params.source:
+    notes = " ".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "HF_TOKEN" in notes and "huggingface_hub import login" in notes, path.name
+
+
+_DEVICE_PROBE = """
+import contextlib, io, json, os, sys, types
+out = {}
+for name, source in json.loads(sys.stdin.read()).items():
+  for colab in ("none", "env", "module"):
+    for key in [k for k in os.environ if k.startswith("COLAB_")]:
+      del os.environ[key]
+    sys.modules.pop("google.colab", None)
+    if colab == "env":
+      os.environ["COLAB_RELEASE_TAG"] = "test"
+    elif colab == "module":
+      sys.modules["google.colab"] = types.ModuleType("google.colab")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+      exec(source, {})
+    out[f"{name}/{colab}"] = printed.getvalue()
+print(json.dumps(out))
+"""
+
+
+def test_device_cell_warns_on_cpu_under_colab():
+  """Each device cell, run on the CPU: silent outside Colab; a printed warning (not an error)
+  naming Colab's runtime menu when ``COLAB_*`` variables are set or ``google.colab`` is
+  imported."""
+  cells = {p.stem: _device_cell(nbformat.read(p, as_version=4)).source for p in NOTEBOOKS}
+  for name, source in cells.items():
+    assert COLAB_CPU_WARNING in source, name
+  env = {k: v for k, v in os.environ.items() if not k.startswith("COLAB_")}
+  env["JAX_PLATFORMS"] = "cpu"
+  probe = subprocess.run(
+    [sys.executable, "-c", _DEVICE_PROBE],
+    input=json.dumps(cells),
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=env,
+    timeout=120,
+    check=True,
+  )
+  printed = json.loads(probe.stdout.strip().splitlines()[-1])
+  for name in cells:
+    assert "backend: cpu" in printed[f"{name}/none"], name
+    assert COLAB_CPU_WARNING not in printed[f"{name}/none"], name
+    assert COLAB_CPU_WARNING in printed[f"{name}/env"], name
+    assert COLAB_CPU_WARNING in printed[f"{name}/module"], name
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+  """One persistent compilation cache for the module's kernels: the papermill runs reuse what
+  the nbclient runs compiled (so the contract's timing, the nbclient run's, is the cold one)."""
+  return tmp_path_factory.mktemp("jax_cache")
+
+
 def _quick(nb, workdir):
   """Drops the install cells and injects ``QUICK = True`` (and a fresh ``WORKDIR`` where the
   notebook has one) after the parameters cell."""
@@ -67,8 +171,9 @@ def _quick(nb, workdir):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_in_quick_mode(path, tmp_path, monkeypatch):
+def test_notebook_runs_in_quick_mode(path, tmp_path, monkeypatch, jax_cache):
   monkeypatch.setenv("MPLBACKEND", "Agg")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(jax_cache))
   nb = _quick(nbformat.read(path, as_version=4), tmp_path / "run")
   client = nbclient.NotebookClient(
     nb, timeout=LIMIT_S, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
@@ -77,3 +182,35 @@ def test_notebook_runs_in_quick_mode(path, tmp_path, monkeypatch):
   client.execute()  # raises CellExecutionError naming the failing cell
   elapsed = time.time() - start
   assert elapsed < LIMIT_S, f"{path.name} took {elapsed:.0f}s in QUICK mode"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_papermill_runs_it_from_the_notebooks_folder(path, tmp_path, monkeypatch, jax_cache):
+  """Plain papermill (``papermill X.ipynb out.ipynb -p QUICK True``, as Jupyter would, with the
+  notebook's folder as the working directory; the run above starts from the repository root):
+  the language comes from the metadata, the install cell is skipped, parameters are injected."""
+  papermill = pytest.importorskip("papermill")
+  monkeypatch.setenv("MPLBACKEND", "Agg")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(jax_cache))
+  inferred = papermill.inspect_notebook(str(path))  # what `papermill --help-notebook` lists
+  assert "QUICK" in inferred and "PRESET" in inferred, path.name
+  parameters = {"QUICK": True}
+  if "WORKDIR" in inferred:
+    parameters["WORKDIR"] = str(tmp_path / "run")
+  start = time.time()
+  out = papermill.execute_notebook(
+    str(path),
+    str(tmp_path / path.name),
+    parameters=parameters,
+    cwd=str(path.parent),
+    kernel_name="python3",
+    progress_bar=False,
+    execution_timeout=LIMIT_S,
+  )  # raises PapermillExecutionError naming the failing cell
+  elapsed = time.time() - start
+  assert elapsed < LIMIT_S, f"{path.name} took {elapsed:.0f}s under papermill"
+  tags = [tuple(c.metadata.get("tags", ())) for c in out.cells]
+  injected = tags.index(("injected-parameters",))
+  assert "parameters" in tags[injected - 1], path.name
+  install = next(c for c, t in zip(out.cells, tags, strict=True) if "skip-execution" in t)
+  assert install.execution_count is None and not install.outputs, path.name
