@@ -5,7 +5,11 @@ Every allocator is written in ``jnp`` so budgets, ``beta``, ``alpha`` and ``q_le
 data (a sweep vmaps over them); the shape-defining arguments (``num_layers``, ``num_heads``,
 ``capacity``) are static Python ints. Concrete inputs are validated at the boundary and raise
 ``ValueError``; a budget that would leave a row empty raises instead of silently keeping nothing
-(kvpress issues #227/#264/#277).
+(kvpress issues #227/#264/#277). Token counts (budgets, windows, ``q_len``, capacities) must be
+integers in ``[0, 2**31)`` before any cast to int32 (:func:`kvjax.select.check_counts`), and
+evidence (head scores, attention) must be finite. A concrete budget whose schedule arithmetic
+would leave int32 (PyramidKV's ``2 (budget - w)`` when the prompt is longer still) raises too;
+traced budgets cannot be checked and must stay below ``2**30``.
 
 References (``shared/reference/ALGORITHMS.md`` sections 2.4-2.7, 7): KVCache-Factory
 ``PyramidKVCluster`` (legacy integer arithmetic), kvpress ``PyramidKVPress.get_layer_budget``,
@@ -36,7 +40,47 @@ HEADKV_MODES = ("official", "kvfactory")
 def _check_static_int(name: str, value, minimum: int = 1) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
     raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+  if value >= select.INT32_LIMIT:
+    raise ValueError(f"{name}: {value} does not fit int32; expected 0 <= {name} < 2**31")
   return int(value)
+
+
+def _int32(value) -> Array:
+  """A validated count (numpy or traced) as int32, cast only after :func:`_check_count`."""
+  if select.is_concrete(value):
+    return jnp.asarray(np.asarray(value, np.int32))
+  return jnp.asarray(value).astype(jnp.int32)
+
+
+def _check_count(name: str, value):
+  """An integer token count (int or int array, concrete or traced) in ``[0, 2**31)``."""
+  return select.check_counts(name, value)
+
+
+def check_real(name: str, value, low: float, *, strict: bool = False, high: float | None = None):
+  """A real-valued option, concrete: finite and ``>= low`` (``> low`` when ``strict``), and
+  ``<= high`` when given; traced values pass through (they are data)."""
+  if not select.is_concrete(value):
+    return
+  arr = np.asarray(value)
+  if arr.dtype == object or not (
+    np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
+  ):
+    raise ValueError(f"{name}: expected a real number, got {value!r}")
+  arr = arr.astype(np.float64)
+  ok = np.isfinite(arr) & ((arr > low) if strict else (arr >= low))
+  if high is not None:
+    ok &= arr <= high
+  if not np.all(ok):
+    bound = f"{name} > {low}" if strict else f"{name} >= {low}"
+    if high is not None:
+      bound = f"{low} <= {name} <= {high}"
+    raise ValueError(f"{name}: expected a finite value with {bound}, got {value!r}")
+
+
+def _check_finite(name: str, x) -> None:
+  if select.is_concrete(x) and not np.isfinite(np.asarray(x, np.float64)).all():
+    raise ValueError(f"{name}: contains NaN or inf; expected finite values")
 
 
 def _check_nonneg(name: str, value):
@@ -51,7 +95,7 @@ def _check_choice(name: str, value: str, choices) -> None:
 
 
 def _check_window(budget, window) -> None:
-  _check_nonneg("window", window)
+  _check_count("window", window)
   if select.is_concrete(budget, window) and np.any(np.asarray(budget) < np.asarray(window)):
     raise ValueError(
       f"budget: {np.asarray(budget).tolist()} is smaller than the protected window "
@@ -78,22 +122,24 @@ def uniform(num_layers: int, num_heads: int, budget) -> Array:
   """The same budget for every layer and head: ``budget_LH`` int32."""
   num_layers = _check_static_int("num_layers", num_layers)
   num_heads = _check_static_int("num_heads", num_heads)
-  _check_int_budget("budget", budget)
-  return jnp.full((num_layers, num_heads), budget, jnp.int32)
+  budget = _check_int_budget("budget", budget)
+  return jnp.broadcast_to(_int32(budget), (num_layers, num_heads))
 
 
-def _check_int_budget(name: str, value) -> None:
-  """Budgets are token counts: integer dtype, non-negative (no silent truncation of 5.5)."""
-  arr = jnp.asarray(value)
-  if not jnp.issubdtype(arr.dtype, jnp.integer):
+def _check_int_budget(name: str, value):
+  """Budgets are token counts: integer dtype (no silent truncation of 5.5), and when concrete in
+  ``[0, 2**31)`` (no wrap of ``np.int64(2**32 + 12)`` to 12). Returns the checked value."""
+  arr = np.asarray(value) if select.is_concrete(value) else value
+  if arr.dtype != object and not jnp.issubdtype(arr.dtype, jnp.integer):
     raise ValueError(f"{name}: expected integer token counts, got dtype {arr.dtype}")
-  _check_nonneg(name, value)
+  return _check_count(name, value)
 
 
 def per_head(budget_L, num_heads: int) -> Array:
   """Broadcast a per-layer budget ``[L]`` to every head: ``budget_LH`` int32."""
-  _check_int_budget("budget", budget_L)
-  budget_L = jnp.asarray(budget_L, jnp.int32)
+  budget_L = _int32(_check_int_budget("budget", budget_L))
+  if budget_L.ndim != 1:
+    raise ValueError(f"budget: expected a per-layer budget [L], got shape {budget_L.shape}")
   num_heads = _check_static_int("num_heads", num_heads)
   return jnp.broadcast_to(budget_L[:, None], budget_L.shape + (num_heads,))
 
@@ -121,6 +167,8 @@ def from_table(table, num_layers: int, num_heads: int) -> Array:
       f"(or [L={num_layers}] or a scalar)"
     )
   _check_nonneg("table", arr)
+  if arr.size and arr.max() >= select.INT32_LIMIT:
+    raise ValueError(f"table: {arr.max()} does not fit int32; expected budgets < 2**31")
   return jnp.asarray(arr, jnp.int32)
 
 
@@ -130,8 +178,9 @@ def round_to_total(weights_L: Array, total) -> Array:
   ``weights_L`` must already sum to ``total`` (up to float error). The leftover units go to the
   largest fractional parts, ties to the lower index (via :func:`kvjax.select.keep_mask`).
   """
+  total = _int32(_check_count("total", total))
   floors = jnp.floor(weights_L)
-  deficit = jnp.asarray(total, jnp.int32) - floors.sum().astype(jnp.int32)
+  deficit = total - floors.sum().astype(jnp.int32)
   extra = select.keep_mask(weights_L - floors, jnp.clip(deficit, 0, weights_L.shape[-1]))
   return floors.astype(jnp.int32) + extra.astype(jnp.int32)
 
@@ -162,16 +211,41 @@ def pyramid(
     derives ``budget = w + q_len * (1 - compression_ratio)``: pass that (a float) to reproduce it.
   * ``"exact_total"``: the same line in real numbers, rounded by largest remainder so the layers
     sum to exactly ``L * budget``; ``q_len < budget`` keeps everything.
+
+  One layer: the references divide the layer step by ``L - 1`` (KVCache-Factory raises
+  ``ZeroDivisionError``, kvpress too once the schedule applies), so ``"legacy_floor"`` and
+  ``"kvpress"`` raise ``ValueError`` for ``num_layers < 2``; ``"exact_total"`` gives the single
+  layer the budget itself (its line's mean), or ``q_len`` when the prompt fits.
   """
   num_layers = _check_static_int("num_layers", num_layers)
   _check_choice("mode", mode, PYRAMID_MODES)
-  _check_nonneg("budget", budget)
-  _check_nonneg("q_len", q_len)
-  if mode != "kvpress":  # kvpress derives a float budget from a ratio; the others count tokens
-    _check_int_budget("budget", budget)
+  if num_layers < 2 and mode != "exact_total":
+    raise ValueError(
+      f"num_layers: PyramidKV's {mode!r} schedule divides by num_layers - 1 and is undefined "
+      f"for num_layers={num_layers}; expected num_layers >= 2, or mode='exact_total' (which "
+      "gives one layer the budget itself)"
+    )
+  if mode == "kvpress":  # kvpress derives a float budget from a ratio; the others count tokens
+    check_real("budget", budget, 0.0)
+    if select.is_concrete(budget) and np.any(np.asarray(budget) >= select.INT32_LIMIT):
+      raise ValueError(f"budget: {budget!r} does not fit int32; expected 0 <= budget < 2**31")
+  else:
+    budget = _check_int_budget("budget", budget)
+  _check_count("q_len", q_len)
   _check_window(budget, window)
-  if select.is_concrete(beta) and np.any(np.asarray(beta) < 1):
-    raise ValueError(f"beta: expected beta >= 1, got {beta!r}")
+  check_real("beta", beta, 1.0)
+  if select.is_concrete(budget, window, q_len):
+    # the schedule's integer arithmetic reaches 2 (budget - w) (and L (budget - w) for
+    # exact_total): refuse what int32 cannot hold, when the schedule applies (q_len >= budget)
+    applies = np.asarray(q_len) >= np.asarray(budget)
+    reach = np.asarray(budget, np.float64) - np.asarray(window, np.float64)
+    reach = reach * (num_layers if mode == "exact_total" else 2)
+    if np.any(applies & (reach >= select.INT32_LIMIT)):
+      raise ValueError(
+        f"budget: {np.asarray(budget).tolist()} is too large for PyramidKV's int32 arithmetic "
+        f"at q_len={np.asarray(q_len).tolist()}; expected (budget - window) * "
+        f"{num_layers if mode == 'exact_total' else 2} < 2**31"
+      )
   fn = {"legacy_floor": _pyramid_legacy, "kvpress": _pyramid_kvpress, "exact_total": _pyramid_exact}
   out = fn[mode](num_layers, budget, window, q_len, beta)
   return _check_not_empty("budget", out, q_len)
@@ -211,6 +285,8 @@ def _pyramid_kvpress(num_layers, budget, window, q_len, beta):
 
 def _pyramid_exact(num_layers, budget, window, q_len, beta):
   budget_i, window_i, q_len_i = (jnp.asarray(x, jnp.int32) for x in (budget, window, q_len))
+  full = q_len_i < budget_i  # keeps q_len (below), so any budget stands in: one within int32
+  budget_i = jnp.where(full, window_i, budget_i)
   avg = (budget_i - window_i).astype(jnp.float32)
   min_num = avg / jnp.asarray(beta, jnp.float32)
   max_num = jnp.minimum(avg * 2 - min_num, (q_len_i - window_i).astype(jnp.float32))
@@ -223,7 +299,7 @@ def _pyramid_exact(num_layers, budget, window, q_len, beta):
   line_L = jnp.maximum(line_L, 0.0)
   line_L = line_L * (avg * num_layers) / jnp.maximum(line_L.sum(), 1e-9)
   selected_L = round_to_total(line_L, (budget_i - window_i) * num_layers)
-  return jnp.where(q_len_i < budget_i, q_len_i, selected_L + window_i).astype(jnp.int32)
+  return jnp.where(full, q_len_i, selected_L + window_i).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------- Ada-KV
@@ -279,16 +355,17 @@ def adakv(
   if not hasattr(scores_LHT, "ndim") or scores_LHT.ndim != 3:
     raise ValueError(f"scores: expected [L, H, T], got {getattr(scores_LHT, 'shape', scores_LHT)}")
   L, H, T = scores_LHT.shape
-  if not isinstance(window, int) or not 0 <= window <= T:
+  if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window <= T:
     raise ValueError(f"window: expected an int in [0, T={T}], got {window!r}")
-  if select.is_concrete(floor_alpha) and not 0.0 <= float(floor_alpha) <= 1.0:
-    raise ValueError(f"floor_alpha: expected a value in [0, 1], got {floor_alpha!r}")
-  _check_int_budget("budget", budget)
+  check_real("floor_alpha", floor_alpha, 0.0, high=1.0)
+  if not isinstance(normalize, bool):
+    raise ValueError(f"normalize: expected a bool, got {normalize!r}")
+  budget = _check_int_budget("budget", budget)
   _check_window(budget, window)
   capacity = T if capacity is None else _check_static_int("capacity", capacity)
   if select.is_concrete(budget) and np.any(np.asarray(budget) > capacity) and capacity < T:
     raise ValueError(f"budget: {budget!r} exceeds capacity={capacity}")
-  budget_L = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), (L,))
+  budget_L = jnp.broadcast_to(_int32(budget), (L,))
   if mode == "kvpress":
     out = _adakv_kvpress(scores_LHT, budget_L, floor_alpha, min(capacity, T))
   else:
@@ -309,6 +386,8 @@ def adakv_table(scores_LHT: Array, window: int, capacity: int) -> Array:
 
 def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity, table=None):
   L, H, T = scores_LHT.shape
+  if window == T:  # the whole prompt is the protected window: nothing to select or evict
+    return jnp.full((L, H), T, jnp.int32)
   prefix_LHP = scores_LHT[..., : T - window].astype(jnp.float32)
   cap = max(min(capacity, T - window), 1)
   base_L = budget_L - window
@@ -316,7 +395,7 @@ def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity, ta
     count_LH = jnp.broadcast_to(jnp.minimum(base_L, cap)[:, None], (L, H))
     ratio_LH = _top_sum(prefix_LHP, count_LH, cap) / prefix_LHP.sum(-1)
     prefix_LHP = prefix_LHP * ratio_LH[..., None]
-  pooled_L = jnp.minimum(base_L * H, H * (T - window))
+  pooled_L = jnp.minimum(base_L, T - window) * H  # no int32 overflow for huge budgets
   if normalize:  # the scaling depends on the budget: one pooled selection per budget
     counts_LH = select.pooled_budgets(prefix_LHP, pooled_L, capacity=min(cap * H, H * (T - window)))
   else:  # budget-free scores: one pooled top-k, every budget a lookup (vmaps cheaply)
@@ -329,7 +408,8 @@ def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity, ta
 
 def _adakv_kvpress(scores_LHT, budget_L, alpha, capacity):
   L, H, T = scores_LHT.shape
-  n_kept_L = budget_L
+  # A budget past T keeps every position either way; capping it keeps n_kept * H within int32.
+  n_kept_L = jnp.minimum(budget_L, T)
   n_safe_L = jnp.floor(n_kept_L.astype(jnp.float32) * alpha).astype(jnp.int32)
   # kvpress: ``n_safe = max(1, n_safe) if n_kept > 0 else 0`` whenever alpha > 0.
   n_safe_L = jnp.where(
@@ -373,25 +453,46 @@ def headkv(
   ``base_capacity > q_len - w`` guard.
   """
   _check_choice("mode", mode, HEADKV_MODES)
+  if select.is_concrete(head_scores_LH):
+    host = np.asarray(head_scores_LH)
+    if host.dtype == object or not (
+      np.issubdtype(host.dtype, np.floating) or np.issubdtype(host.dtype, np.integer)
+    ):
+      raise ValueError(f"head_scores: expected real head importances, got dtype {host.dtype}")
+    host = host.astype(np.float64)
+    if host.ndim != 2:
+      raise ValueError(f"head_scores: expected [L, H], got shape {host.shape}")
+    if not np.isfinite(host).all() or np.any(host < 0):
+      raise ValueError("head_scores: expected finite non-negative head importances")
+    if not host.sum() > 0:
+      raise ValueError(
+        "head_scores: all head importances are zero; expected at least one positive score "
+        "(HeadKV normalises them to sum 1)"
+      )
   scores = jnp.asarray(head_scores_LH, jnp.float32)
   if scores.ndim != 2:
     raise ValueError(f"head_scores: expected [L, H], got shape {scores.shape}")
-  if select.is_concrete(scores) and (
-    not np.isfinite(np.asarray(scores)).all() or np.any(np.asarray(scores) < 0)
-  ):
-    raise ValueError("head_scores: expected finite non-negative head importances")
-  if select.is_concrete(beta) and float(beta) <= 1.0:
-    raise ValueError(f"beta: expected beta > 1, got {beta!r}")
-  _check_int_budget("budget", budget)
+  check_real("beta", beta, 1.0, strict=True)
+  check_real("temp", temp, 0.0, strict=True)
+  budget = _check_int_budget("budget", budget)
   _check_window(budget, window)
+  for name, value in (("budget", budget), ("window", window)):
+    if np.ndim(value) != 0:
+      raise ValueError(
+        f"{name}: expected a scalar (HeadKV's per-head base), got shape {np.shape(value)}"
+      )
+  if q_len is not None:
+    q_len = _check_count("q_len", q_len)
   L, H = scores.shape
   if select.is_concrete(head_scores_LH, budget, window, beta, temp):
+    if q_len is not None and select.is_concrete(q_len) and int(budget) > int(q_len):
+      return jnp.full((L, H), int(q_len), jnp.int32)  # the no-compression guard
     caps = _headkv_host(np.asarray(head_scores_LH, np.float64), budget, window, beta, temp, mode)
   else:
     caps = _headkv_traced(scores, budget, window, beta, temp, mode)
   if q_len is None:
     return caps
-  return jnp.where(jnp.asarray(budget) > jnp.asarray(q_len), q_len, caps).astype(jnp.int32)
+  return jnp.where(_int32(budget) > _int32(q_len), _int32(q_len), caps).astype(jnp.int32)
 
 
 def _headkv_host(scores, budget, window, beta, temp, mode) -> Array:
@@ -404,8 +505,13 @@ def _headkv_host(scores, budget, window, beta, temp, mode) -> Array:
     share = share / share.sum()
     base = float(budget) - float(window)
   pooled = base // float(beta)
-  caps = np.round(share * pooled * L * H + (base - pooled)).astype(np.int64)
-  return jnp.asarray(caps + int(window), jnp.int32)
+  caps = np.round(share * pooled * L * H + (base - pooled)) + int(window)
+  if caps.max() >= select.INT32_LIMIT:
+    raise ValueError(
+      f"budget: HeadKV gives a head {int(caps.max())} tokens for budget {int(budget)}, which does "
+      "not fit int32; expected a smaller budget (or pass q_len, the prompt length)"
+    )
+  return jnp.asarray(caps.astype(np.int64), jnp.int32)
 
 
 def _headkv_traced(scores, budget, window, beta, temp, mode) -> Array:
@@ -443,7 +549,11 @@ def cake_statistics(attn_LHWT: Array, window: int) -> tuple[Array, Array]:
   """CAKE's per-layer entropy ``H_l`` and variance ``V_l`` ``([L], [L])`` on the window rows over
   the prefix keys ``A = attn[..., -w:, :-w]`` (not renormalised): ``H_l = -sum A log(A + 1e-10)``
   over every head, row and key; ``V_l`` = the unbiased variance over the window queries, summed
-  over heads and keys. Budget-free, so a sweep computes them once."""
+  over heads and keys. Budget-free, so a sweep computes them once. Concrete attention must be
+  finite (NaN would silently turn the allocation uniform)."""
+  if not hasattr(attn_LHWT, "ndim") or attn_LHWT.ndim != 4:
+    raise ValueError(f"attn: expected [L, H, W, T], got {getattr(attn_LHWT, 'shape', attn_LHWT)}")
+  _check_finite("attn", attn_LHWT)
   T = attn_LHWT.shape[-1]
   A = attn_LHWT[..., -window:, : T - window].astype(jnp.float32)
   entropy_L = -(A * jnp.log(A + 1e-10)).sum((1, 2, 3))
@@ -453,6 +563,7 @@ def cake_statistics(attn_LHWT: Array, window: int) -> tuple[Array, Array]:
 
 def cake_preference(attn_LHWT: Array, window: int, tau1=1.0, tau2=1.0) -> Array:
   """CAKE layer preference ``P_l = H_l^(1/tau1) * V_l^(1/tau2)`` ``[L]`` (:func:`cake_statistics`)."""
+  _check_taus(tau1, tau2)
   entropy_L, var_L = cake_statistics(attn_LHWT, window)
   return entropy_L ** (1.0 / tau1) * var_L ** (1.0 / tau2)
 
@@ -462,12 +573,14 @@ def adjust_budgets(budgets_L: Array, total, seq_len) -> Array:
   uncapped layers (remainder to the lowest indices), then force the exact ``total`` by adding to
   layers below ``seq_len`` (or removing from layers above 1), remainder to the lowest indices.
   """
+  total = _int32(_check_count("total", total))
+  seq_len = _int32(_check_count("seq_len", seq_len))
+  _check_finite("budgets", budgets_L)
   b = jnp.trunc(budgets_L).astype(jnp.int32)
-  seq_len = jnp.asarray(seq_len, jnp.int32)
   excess = jnp.maximum(b - seq_len, 0).sum()
   b = jnp.minimum(b, seq_len)
   b = _spread(b, excess, b < seq_len)
-  diff = jnp.asarray(total, jnp.int32) - b.sum()
+  diff = total - b.sum()
   valid = jnp.where(diff > 0, b < seq_len, b > 1)
   return _spread(b, jnp.abs(diff), valid, sign=jnp.sign(diff))
 
@@ -497,22 +610,42 @@ def cake(attn_LHWT: Array, budget, window: int, tau1=1.0, tau2=1.0) -> Array:
     raise ValueError(
       f"window: expected an int in [2, W={W}] (CAKE's variance over window queries), got {window!r}"
     )
-  _check_int_budget("budget", budget)
+  budget = _check_int_budget("budget", budget)
   _check_window(budget, window)
-  for name, tau in (("tau1", tau1), ("tau2", tau2)):
-    if select.is_concrete(tau) and float(tau) <= 0:
-      raise ValueError(f"{name}: expected a positive temperature, got {tau!r}")
+  _check_taus(tau1, tau2)
   return cake_from_statistics(cake_statistics(attn_LHWT, window), budget, window, T, tau1, tau2)
+
+
+def _check_taus(tau1, tau2) -> None:
+  check_real("tau1", tau1, 0.0, strict=True)
+  check_real("tau2", tau2, 0.0, strict=True)
 
 
 def cake_from_statistics(statistics, budget, window: int, q_len: int, tau1=1.0, tau2=1.0) -> Array:
   """:func:`cake` from precomputed :func:`cake_statistics` (what a sweep over budgets and
-  temperatures shares)."""
+  temperatures shares). Concrete statistics must be finite."""
   entropy_L, var_L = statistics
+  _check_finite("statistics", entropy_L)
+  _check_finite("statistics", var_L)
+  budget = _check_int_budget("budget", budget)
+  _check_count("window", window)
+  _check_count("q_len", q_len)
+  _check_taus(tau1, tau2)
   L, T = entropy_L.shape[0], q_len
   pref_L = entropy_L ** (1.0 / tau1) * var_L ** (1.0 / tau2)
-  total = (jnp.asarray(budget, jnp.int32) - window) * L
+  if select.is_concrete(budget, q_len) and np.all(np.asarray(budget) >= T - window):
+    return _check_not_empty("budget", jnp.full((L,), T, jnp.int32), T)  # no compression
+  if select.is_concrete(pref_L):
+    pref = np.asarray(pref_L, np.float64)
+    if not (np.isfinite(pref).all() and pref.sum() > 0):
+      raise ValueError(
+        f"statistics: CAKE's layer preferences are {pref.tolist()}; expected finite preferences "
+        "with a positive sum (window queries whose attention varies), to split the budget by"
+      )
+  # A budget of at least T - w keeps everything (below); capping it first keeps the arithmetic
+  # within int32 for any budget.
+  total = (jnp.minimum(_int32(budget), T) - window) * L
   raw_L = pref_L / pref_L.sum() * total
   layer_L = jnp.minimum(adjust_budgets(raw_L, total, T - window), T - window) + window
-  out = jnp.where(jnp.asarray(budget) + window >= T, T, layer_L).astype(jnp.int32)
+  out = jnp.where(_int32(budget) >= T - window, T, layer_L).astype(jnp.int32)
   return _check_not_empty("budget", out, T)

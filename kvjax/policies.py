@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from kvjax import budgets as budgets_lib
@@ -63,8 +64,26 @@ def evidence_from_qk(
   """Evidence of one prompt from its post-RoPE queries ``[L, Hq, T, D]`` and keys ``[L, G, T, D]``.
 
   Builds the window rows (no ``T x T`` matrix) and, if ``column_sums``, the causal and legacy
-  H2O column sums blockwise.
+  H2O column sums blockwise. ``window`` (an int ``>= 1``) is the number of observation queries,
+  the whole prompt when it is shorter; ``legacy_window`` (an int ``>= 0``) is the window of
+  KVCache-Factory's legacy mask.
   """
+  for name, x, letters in (("queries", queries_LHTD, "LHTD"), ("keys", keys_LGTD, "LGTD")):
+    if not hasattr(x, "ndim") or x.ndim != 4:
+      shape = getattr(x, "shape", type(x).__name__)
+      raise ValueError(f"{name}: expected a rank-4 array [{', '.join(letters)}], got {shape}")
+  if (
+    isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < select.INT32_LIMIT
+  ):
+    raise ValueError(f"window: expected an int >= 1 (observation queries), got {window!r}")
+  if (
+    isinstance(legacy_window, bool)
+    or not isinstance(legacy_window, int)
+    or not 0 <= legacy_window < select.INT32_LIMIT
+  ):
+    raise ValueError(f"legacy_window: expected an int >= 0, got {legacy_window!r}")
+  if not isinstance(column_sums, bool):
+    raise ValueError(f"column_sums: expected a bool, got {column_sums!r}")
   T = queries_LHTD.shape[2]
   attn = scores_lib.window_attention(queries_LHTD[:, :, T - min(window, T) :], keys_LGTD)
   sums = legacy = None
@@ -154,14 +173,24 @@ def _score_cake(evidence, opts):
 # --------------------------------------------------------------------------- allocators
 
 
+def check_budget_counts(budget):
+  """A budget's token counts: integer dtype and, when concrete, in ``[0, 2**31)`` (checked before
+  any cast, so ``np.int64(2**32 + 12)`` never wraps to 12). Returns numpy (concrete) or the
+  tracer."""
+  arr = np.asarray(budget) if select.is_concrete(budget) else budget
+  if arr.dtype != object and not jnp.issubdtype(arr.dtype, jnp.integer):
+    raise ValueError(f"budget: expected integer token counts, got dtype {arr.dtype}")
+  if select.is_concrete(arr) and arr.dtype != object and arr.size and int(arr.min()) < 0:
+    raise ValueError(f"budget: expected non-negative token counts, got {int(arr.min())}")
+  return select.check_counts("budget", budget)
+
+
 def as_budget_LH(budget, L: int, H: int) -> Array:
   """A scalar, ``[L]`` or ``[L, H]`` budget as ``budget_LH`` int32 (``ValueError`` otherwise)."""
-  budget = jnp.asarray(budget)
-  if not jnp.issubdtype(budget.dtype, jnp.integer):
-    raise ValueError(f"budget: expected integer token counts, got dtype {budget.dtype}")
-  if not isinstance(budget, jax.core.Tracer) and budget.size and int(budget.min()) < 0:
-    raise ValueError(f"budget: expected non-negative token counts, got {int(budget.min())}")
-  budget = budget.astype(jnp.int32)
+  budget = check_budget_counts(budget)
+  if select.is_concrete(budget):
+    budget = np.asarray(budget, np.int32)
+  budget = jnp.asarray(budget).astype(jnp.int32)
   if budget.ndim == 1:
     budget = budget[:, None]
   try:
@@ -432,8 +461,42 @@ class Policy:
     return scores_LHT
 
   def budgets(self, evidence: Evidence, scores_LHT: Array, budget) -> Array:
-    """Total budget (scalar, ``[L]`` or ``[L, H]``) -> ``budget_LH`` int32 under this allocator."""
+    """Total budget (scalar, ``[L]`` or ``[L, H]``) -> ``budget_LH`` int32 under this allocator.
+
+    A concrete budget must keep something: ``>= 1``, and for a windowed policy
+    (:attr:`Spec.windowed`) ``>= window + 1``, since the protected window counts inside the budget
+    (``ValueError`` otherwise, instead of keeping fewer than the protected tokens or nothing).
+    """
+    self._check_budget(evidence, scores_LHT, budget)
     return REGISTRY[self.name].allocator(evidence, scores_LHT, budget, self.opts)
+
+  def _check_budget(self, evidence: Evidence, scores_LHT: Array, budget) -> None:
+    as_budget_LH(budget, *scores_LHT.shape[:2])  # dtype, int32 range and shape
+    allocator = REGISTRY[self.name].allocator
+    if allocator is not _alloc_given:
+      # an allocator turns one per-head budget into its own table; Ada-KV alone also takes a
+      # per-layer budget (its pyram_mode input)
+      ndim = 1 if allocator is _alloc_adakv and not self.opts.get("pyramid_mode") else 0
+      if np.ndim(budget) > ndim:
+        expected = "a scalar or [L]" if ndim else "a scalar"
+        raise ValueError(
+          f"budget: policy {self.name!r} allocates its own budget_LH from one per-head budget; "
+          f"expected {expected}, got shape {np.shape(budget)}"
+        )
+    if not select.is_concrete(budget) or not np.size(budget):
+      return
+    low = int(np.min(budget))
+    if low < 1:
+      raise ValueError(
+        f"budget: {low} keeps nothing; expected a budget >= 1 for policy {self.name!r}"
+      )
+    if REGISTRY[self.name].windowed:
+      window = _window_of(evidence, self.opts)
+      if low < window + 1:
+        raise ValueError(
+          f"budget: {low} does not exceed the protected window {window} of policy "
+          f"{self.name!r}; expected budget >= window + 1 = {window + 1}"
+        )
 
   def keep_mask(self, evidence: Evidence, budget, *, capacity: int | None = None) -> Array:
     """Kept positions ``[L, H, T]`` bool."""
@@ -488,5 +551,27 @@ def _validate(name: str, opts: dict) -> None:
       f"{budgets_lib.PYRAMID_MODES}"
     )
   kv = opts.get("num_kv_heads")
-  if kv is not None and (not isinstance(kv, int) or kv < 1):
+  if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
     raise ValueError(f"num_kv_heads: expected a positive int or None, got {kv!r}")
+  window = opts.get("window")
+  if window is not None and (
+    isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < select.INT32_LIMIT
+  ):
+    raise ValueError(f"window: expected None or an int >= 1 for {name!r}, got {window!r}")
+  for key in ("sinks", "recent"):  # ints, or traced int data (a sweep's sink count)
+    if opts.get(key) is not None:
+      scores_lib.check_count(key, opts[key])
+  if "normalize" in opts and not isinstance(opts["normalize"], bool):
+    raise ValueError(f"normalize: expected a bool, got {opts['normalize']!r}")
+  reals = {
+    "floor_alpha": dict(low=0.0, high=1.0),
+    "temp": dict(low=0.0, strict=True),
+    "gamma": dict(low=0.0),
+    "tau1": dict(low=0.0, strict=True),
+    "tau2": dict(low=0.0, strict=True),
+    # PyramidKV's schedule needs beta >= 1; HeadKV's pool (b // beta) needs beta > 1
+    "beta": dict(low=1.0, strict=spec(name).allocator is _alloc_headkv),
+  }
+  for key, bounds in reals.items():
+    if key in opts:
+      budgets_lib.check_real(key, opts[key], **bounds)

@@ -1,21 +1,42 @@
-"""Run directories: one configuration per directory, rows appended so that nothing is lost.
+"""Run directories: one configuration per directory, one run at a time, rows that survive a kill.
 
 Sweeps, evaluations and training runs all write into a run directory and resume from it. This
-module is the one place that knows how: :func:`claim` records what a directory holds and refuses
-a different configuration, :func:`append_rows` adds CSV rows durably (one ``fsync``'d write per
-call, the header once), :func:`read_rows` reads them back dropping a line cut by an interruption,
-and :func:`read_jsonl` does the same for JSON-lines logs. It imports nothing else from kvjax.
+module is the one place that knows how:
+
+* :func:`lock` holds an exclusive ``fcntl.flock`` on ``workdir/.rundir.lock`` for a whole run,
+  so that a second run into the same directory refuses (or waits) instead of duplicating rows;
+* :func:`claim` records what a directory holds and refuses a different configuration;
+* :func:`append_rows` adds CSV rows durably: one ``write`` per call, ``fsync``'d, the header
+  written once, into a file whose first line must be that header;
+* :func:`read_rows` reads the valid rows back: a line cut by a kill, a line with the wrong number
+  of fields, a repeated header, a row whose required values are missing or not finite numbers,
+  and (given a ``key``) a repeated row are all dropped; :func:`repair_rows` also rewrites the
+  file without them, so that their configurations run again;
+* :func:`read_jsonl` does the same for JSON-lines logs.
+
+A run holds the lock while it writes; readers (notebooks, plots) need no lock: :func:`read_rows`
+never modifies the file. Fields must not contain line breaks (one row is one line). It imports
+nothing else from kvjax.
 """
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import importlib.util
+import io
 import json
+import math
 import os
 import pathlib
+import socket
+import time
+from collections.abc import Iterator, Sequence
 
 import ml_collections
 import pandas as pd
+
+LOCK_NAME = ".rundir.lock"
 
 
 def plain(value):
@@ -34,6 +55,98 @@ def signature(value) -> str:
   return json.dumps(plain(value), sort_keys=True, indent=1, default=str)
 
 
+# --------------------------------------------------------------------------- one run at a time
+
+
+class WorkdirLockedError(RuntimeError):
+  """Another run holds the run directory's lock."""
+
+
+_held: dict[str, int] = {}  # resolved workdir -> nesting depth of this process's lock
+
+
+def _holder(path: pathlib.Path) -> str:
+  try:
+    text = path.read_text().split()
+  except OSError:
+    text = []
+  if not text:
+    return "pid unknown"
+  return f"pid {text[0]}" + (f" on {text[1]}" if len(text) > 1 else "")
+
+
+@contextlib.contextmanager
+def lock(workdir: str | pathlib.Path, *, timeout: float = 0.0) -> Iterator[pathlib.Path]:
+  """Holds the exclusive lock of ``workdir`` (created if needed) for the ``with`` block.
+
+  ``with rundir.lock(workdir):`` around a whole run makes it the only writer of that directory:
+  a second run refuses with :class:`WorkdirLockedError` (a ``RuntimeError`` naming the directory and
+  the holder's pid) after waiting up to ``timeout`` seconds (default: refuse at once). The lock
+  is an ``fcntl.flock`` on ``workdir/.rundir.lock``, released by the kernel when its holder
+  exits, even by ``SIGKILL``, so a killed run never leaves a stale lock. Nested ``lock`` calls of
+  one process on one directory are re-entrant. Yields the directory as a ``pathlib.Path``.
+  """
+  import fcntl  # POSIX only; imported here so that reading run directories works everywhere
+
+  if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+    raise ValueError(f"timeout: expected a number of seconds >= 0, got {timeout!r}")
+  out = pathlib.Path(workdir)
+  out.mkdir(parents=True, exist_ok=True)
+  key = str(out.resolve())
+  if key in _held:
+    _held[key] += 1
+    try:
+      yield out
+    finally:
+      _held[key] -= 1
+    return
+  path = out / LOCK_NAME
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    deadline = time.monotonic() + timeout
+    while True:
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        break
+      except BlockingIOError:
+        if time.monotonic() >= deadline:
+          raise WorkdirLockedError(
+            f"workdir: {out} is in use by another run ({_holder(path)}, lock file {path}); "
+            "expected one run per workdir: wait for it to finish, or use another workdir"
+          ) from None
+        time.sleep(0.05)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    _held[key] = 1
+    try:
+      yield out
+    finally:
+      del _held[key]
+      os.ftruncate(fd, 0)
+      fcntl.flock(fd, fcntl.LOCK_UN)
+  finally:
+    os.close(fd)
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _write_atomic(path: pathlib.Path, data: bytes) -> None:
+  """Writes ``data`` beside ``path``, ``fsync``'s it and renames it over ``path``."""
+  tmp = path.with_name(path.name + ".tmp")
+  with open(tmp, "wb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  _fsync_dir(path.parent)
+
+
 def claim(
   workdir: str | pathlib.Path, name: str, text: str, *, has_results: bool = True
 ) -> pathlib.Path:
@@ -41,56 +154,209 @@ def claim(
 
   Raises ``ValueError`` when the directory already holds a run of a different configuration:
   a run directory resumes only the run it holds. Pass ``has_results=False`` when the directory
-  holds no results yet, so that a corrected configuration may take it over.
+  holds no results yet, so that a corrected configuration may take it over. The record is
+  written atomically (a kill never leaves half of it).
   """
   out = pathlib.Path(workdir)
   out.mkdir(parents=True, exist_ok=True)
   path = out / name
-  if has_results and path.exists() and path.read_text() != text:
+  old = path.read_text() if path.exists() else None
+  if has_results and old is not None and old != text:
     raise ValueError(
       f"workdir: {out} holds a run of a different configuration ({name} differs); "
       "expected the same config to resume, or a fresh workdir"
     )
-  path.write_text(text)
+  if old != text:
+    _write_atomic(path, text.encode())
   return out
 
 
-def _complete_text(path: pathlib.Path) -> str:
-  """The file's text up to its last newline; a torn last line is cut from the file too."""
-  text = path.read_text()
-  if text and not text.endswith("\n"):
-    text = text[: text.rfind("\n") + 1]
-    path.write_text(text)
-  return text
+# --------------------------------------------------------------------------- CSV rows
 
 
-def read_rows(path: str | pathlib.Path, dtype: dict | None = None) -> pd.DataFrame:
-  """The complete rows of a CSV results file (empty when there is none); a line cut by an
-  interruption is dropped, so that its configuration runs again."""
+def _fields(line: str) -> list[str] | None:
+  """The CSV fields of one line, or ``None`` when it is not well-formed CSV (an unterminated
+  quote would make pandas swallow the following lines)."""
+  try:
+    return next(csv.reader([line], strict=True))
+  except (csv.Error, StopIteration):
+    return None
+
+
+def _is_number(text: str) -> bool:
+  try:
+    return math.isfinite(float(text))
+  except ValueError:
+    return False
+
+
+def _complete_lines(path: pathlib.Path) -> tuple[list[str], bool]:
+  """The file's complete lines (without their newlines) and whether a torn last line followed."""
+  data = path.read_bytes()
+  end = data.rfind(b"\n") + 1
+  text = data[:end].decode("utf-8", errors="replace")
+  return text.split("\n")[:-1], end != len(data)
+
+
+def _scan(
+  path: pathlib.Path, dtype, required: Sequence[str], numeric: Sequence[str], key: str | None
+) -> tuple[pd.DataFrame, list[str], int]:
+  """``(table, kept lines with the header first, number of dropped lines)``."""
+  if not path.exists():
+    return pd.DataFrame(), [], 0
+  lines, torn = _complete_lines(path)
+  if not lines or not lines[0].strip():
+    return pd.DataFrame(), [], len(lines) + torn
+  header, columns = lines[0], _fields(lines[0]) or []
+  missing = [c for c in (*required, *numeric, *([key] if key else [])) if c not in columns]
+  if missing:
+    raise ValueError(
+      f"path: {path} has the columns {columns}, expected {missing} too (its first line must be "
+      "the header of these results); use a fresh workdir"
+    )
+  texts = [columns.index(c) for c in required]
+  numbers = [columns.index(c) for c in numeric]
+  key_at = columns.index(key) if key else None
+  kept, seen = [header], set()
+  for line in lines[1:]:
+    fields = _fields(line)
+    if line == header or fields is None or len(fields) != len(columns):
+      continue
+    if any(not fields[i].strip() for i in texts) or not all(_is_number(fields[i]) for i in numbers):
+      continue
+    if key_at is not None:
+      if fields[key_at] in seen:
+        continue
+      seen.add(fields[key_at])
+    kept.append(line)
+  dropped = len(lines) - len(kept) + torn
+  table = pd.read_csv(io.StringIO("\n".join(kept) + "\n"), dtype=dtype)
+  return table, kept, dropped
+
+
+def read_rows(
+  path: str | pathlib.Path,
+  dtype: dict | None = None,
+  *,
+  required: Sequence[str] = (),
+  numeric: Sequence[str] = (),
+  key: str | None = None,
+) -> pd.DataFrame:
+  """The valid rows of a CSV results file (empty when there is none); never modifies the file.
+
+  Dropped, so that their configurations run again: a last line cut by a kill, a line with the
+  wrong number of fields (a row cut in the middle of the file), a repeated header line, a row
+  with an empty ``required`` column, or with a ``numeric`` column that is not a finite number
+  (missing, unparsable, NaN or inf). With ``key`` (a column), only the first row of each key is
+  kept. ``ValueError`` when the first line is not a header holding those columns.
+  """
+  return _scan(pathlib.Path(path), dtype, required, numeric, key)[0]
+
+
+def repair_rows(
+  path: str | pathlib.Path,
+  dtype: dict | None = None,
+  *,
+  required: Sequence[str] = (),
+  numeric: Sequence[str] = (),
+  key: str | None = None,
+) -> tuple[pd.DataFrame, int]:
+  """:func:`read_rows`, then rewrites the file atomically without the dropped lines (when there
+  are any): ``(table, number of dropped lines)``. Hold the directory's :func:`lock`."""
   path = pathlib.Path(path)
-  if not path.exists() or not _complete_text(path).strip():
-    return pd.DataFrame()
-  return pd.read_csv(path, dtype=dtype)
+  table, kept, dropped = _scan(path, dtype, required, numeric, key)
+  if dropped:
+    _write_atomic(path, "".join(line + "\n" for line in kept).encode())
+  return table, dropped
+
+
+def _first_line(fd: int) -> bytes | None:
+  """The file's first line with its newline, or ``None`` when it has no complete line."""
+  chunks, offset = [], 0
+  while True:
+    chunk = os.pread(fd, 65536, offset)
+    if not chunk:
+      return None
+    cut = chunk.find(b"\n")
+    if cut >= 0:
+      chunks.append(chunk[: cut + 1])
+      return b"".join(chunks)
+    chunks.append(chunk)
+    offset += len(chunk)
+
+
+def _cut_torn_tail(fd: int, size: int) -> int:
+  """Truncates a last line that lacks its newline (a write cut by a kill); the new size."""
+  end = size
+  while end > 0:
+    start = max(0, end - 65536)
+    chunk = os.pread(fd, end - start, start)
+    cut = chunk.rfind(b"\n")
+    if cut >= 0:
+      new_size = start + cut + 1
+      break
+    end = start
+  else:
+    new_size = 0
+  if new_size != size:
+    os.ftruncate(fd, new_size)
+  return new_size
+
+
+def _check_no_line_breaks(table: pd.DataFrame) -> None:
+  for column in table.columns:
+    for value in table[column]:
+      if isinstance(value, str) and ("\n" in value or "\r" in value):
+        raise ValueError(
+          f"rows: column {column!r} holds a line break in {value!r}; expected one line per row"
+        )
 
 
 def append_rows(path: str | pathlib.Path, rows: list[dict]) -> None:
-  """Appends ``rows`` to a CSV file in one write, flushed to disk before returning; the header
-  is written only into an empty file."""
+  """Appends ``rows`` to a CSV file in one ``fsync``'d write (hold the directory's :func:`lock`).
+
+  An empty file (or one holding only a torn first line) gets the header first. A non-empty file
+  must start with the header of these columns (in any order; the rows follow the file's order):
+  anything else raises ``ValueError`` rather than writing a second header or mixing tables. A
+  torn last line left by a killed writer is cut before appending, so it never merges with a row.
+  """
+  if not rows:
+    return
   path = pathlib.Path(path)
-  header = not path.exists() or path.stat().st_size == 0
-  data = pd.DataFrame(rows).to_csv(index=False, header=header)
-  with open(path, "a") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
+  table = pd.DataFrame(rows)
+  _check_no_line_breaks(table)
+  columns = [str(c) for c in table.columns]
+  fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+  try:
+    size = os.fstat(fd).st_size
+    created = size == 0
+    first = _first_line(fd) if size else None
+    if first is None:
+      size = _cut_torn_tail(fd, size) if size else 0
+    else:
+      existing = _fields(first.decode("utf-8", errors="replace").rstrip("\n")) or []
+      if sorted(existing) != sorted(columns):
+        raise ValueError(
+          f"path: {path} starts with {first.decode(errors='replace').rstrip()!r}, not the "
+          f"header of these rows {columns}; expected a results file of the same columns"
+        )
+      columns = existing
+      size = _cut_torn_tail(fd, size)
+    data = table.to_csv(index=False, header=size == 0, columns=columns).encode()
+    view = memoryview(data)
+    while view:
+      view = view[os.write(fd, view) :]
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+  if created:
+    _fsync_dir(path.parent)
 
 
 def write_rows(path: str | pathlib.Path, table: pd.DataFrame) -> None:
-  """Replaces a results file with ``table`` (written beside it, then renamed over it)."""
-  path = pathlib.Path(path)
-  tmp = path.with_name(path.name + ".tmp")
-  table.to_csv(tmp, index=False)
-  os.replace(tmp, path)
+  """Replaces a results file with ``table`` (written beside it, ``fsync``'d, renamed over it)."""
+  _check_no_line_breaks(table)
+  _write_atomic(pathlib.Path(path), table.to_csv(index=False).encode())
 
 
 def read_jsonl(path: str | pathlib.Path) -> list[dict]:
@@ -99,7 +365,7 @@ def read_jsonl(path: str | pathlib.Path) -> list[dict]:
   if not path.exists():
     return []
   rows = []
-  for line in path.read_text().splitlines():
+  for line in path.read_text(errors="replace").splitlines():
     try:
       rows.append(json.loads(line))
     except json.JSONDecodeError:

@@ -58,9 +58,26 @@ def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
 
 def check_kernel(kernel) -> int:
   """Validates a pooling kernel: a positive odd int (the references pad with ``kernel // 2``)."""
-  if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
-    raise ValueError(f"kernel: expected a positive odd integer, got {kernel!r}")
+  if (
+    isinstance(kernel, bool)
+    or not isinstance(kernel, int)
+    or not 1 <= kernel < select.INT32_LIMIT
+    or kernel % 2 == 0
+  ):
+    raise ValueError(f"kernel: expected a positive odd integer below 2**31, got {kernel!r}")
   return kernel
+
+
+def check_count(name: str, value):
+  """A protection count (``sinks``, ``recent``, ``length``): an int or an int array, traced or
+  concrete; when concrete, in ``[0, 2**31)``. Floats are refused (``sinks=2.5`` is not 2 sinks)."""
+  if select.is_concrete(value):
+    arr = np.asarray(value)
+    if arr.dtype != object and np.issubdtype(arr.dtype, np.number) and np.any(arr < 0):
+      raise ValueError(f"{name}: expected a non-negative count, got {value!r}")
+    if arr.dtype != object and not np.issubdtype(arr.dtype, np.integer):
+      raise ValueError(f"{name}: expected an integer count (or an int array), got {value!r}")
+  return select.check_counts(name, value)
 
 
 def _check_window(window, num_positions: int) -> int:
@@ -159,7 +176,7 @@ def attention_column_sums(
   if keys_LGTD.shape[2] != T:
     raise ValueError(f"keys: expected T={T} keys (one per prompt query), got {keys_LGTD.shape[2]}")
   _check_window(window, T)
-  if not isinstance(block, int) or block < 1:
+  if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block < select.INT32_LIMIT:
     raise ValueError(f"block: expected a positive int, got {block!r}")
   scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
   return _column_sums(queries_LHTD, keys_LGTD, mask, window, min(block, T), scale)
@@ -201,14 +218,19 @@ def protect(scores: Array, *, sinks=0, recent=0, length=None) -> Array:
   ``T``) may be ints or int arrays broadcastable to the rows, so they can be swept as data.
   Among protected positions that exceed a budget, the lower positions win (the select tie rule).
   """
+  if not hasattr(scores, "ndim") or scores.ndim < 1:
+    raise ValueError(f"scores: expected an array [..., T], got {scores!r}")
   T = scores.shape[-1]
-  for name, value in (("sinks", sinks), ("recent", recent)):
-    if select.is_concrete(value) and np.any(np.asarray(value) < 0):
-      raise ValueError(f"{name}: expected a non-negative count, got {value!r}")
+  sinks, recent = check_count("sinks", sinks), check_count("recent", recent)
+  if length is not None:
+    length = check_count("length", length)
+    if select.is_concrete(length) and np.any(np.asarray(length) > T):
+      raise ValueError(f"length: {np.asarray(length).max()} exceeds T={T}")
   rows = scores.shape[:-1]
 
   def per_row(value):
-    return jnp.broadcast_to(jnp.asarray(value, jnp.int32), rows)[..., None]
+    value = np.asarray(value, np.int32) if select.is_concrete(value) else value
+    return jnp.broadcast_to(jnp.asarray(value).astype(jnp.int32), rows)[..., None]
 
   length = per_row(T if length is None else length)
   positions = lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
@@ -256,8 +278,12 @@ def group(scores_LHT: Array, num_kv_heads: int, how: str = "mean") -> Array:
 
 def recency(num_positions: int, batch_shape: tuple[int, ...] = ()) -> Array:
   """Sliding window: the score is the position itself, so top-``b`` keeps the last ``b`` tokens."""
-  if not isinstance(num_positions, int) or num_positions < 1:
-    raise ValueError(f"num_positions: expected a positive int, got {num_positions!r}")
+  if (
+    isinstance(num_positions, bool)
+    or not isinstance(num_positions, int)
+    or not 1 <= num_positions < select.INT32_LIMIT
+  ):
+    raise ValueError(f"num_positions: expected a positive int below 2**31, got {num_positions!r}")
   positions = jnp.arange(num_positions, dtype=jnp.float32)
   return jnp.broadcast_to(positions, tuple(batch_shape) + (num_positions,))
 
@@ -268,8 +294,11 @@ def streaming(num_positions: int, batch_shape: tuple[int, ...] = (), *, sinks=4)
   ``sinks=4`` is ``StartRecentKVCache``'s ``start_size`` and kvpress ``StreamingLLMPress``'s
   ``n_sink``. With a budget ``b`` the kept set is ``[0, sinks) + [T - (b - sinks), T)``, which is
   also KVCache-Factory's prefill "StreamingLLM" with ``w = B - 4``. Position re-indexing inside the
-  cache (the official pos-shift) is a cache option, not a score.
+  cache (the official pos-shift) is a cache option, not a score. ``sinks`` is an integer count
+  ``>= 0`` (or a traced int array, as sweeps pass it): a float such as ``2.5`` raises
+  ``ValueError`` instead of being truncated to 2.
   """
+  sinks = check_count("sinks", sinks)
   return protect(recency(num_positions, batch_shape), sinks=sinks)
 
 
@@ -397,9 +426,13 @@ def cake(
   """
   _check_array("attn", attn_LHWT, 4, "LHWT")
   check_kernel(kernel)
+  if select.is_concrete(gamma) and not np.all(np.isfinite(gamma) & (np.asarray(gamma) >= 0)):
+    raise ValueError(f"gamma: expected a finite weight >= 0, got {gamma!r}")
   W, T = attn_LHWT.shape[2:]
   window = W if window is None else window
   _check_window(window, T)
+  if not 1 <= window <= W:
+    raise ValueError(f"window: expected 1 <= window <= W={W} observation rows, got {window}")
   prefix = attn_LHWT[..., -window:, : T - window].astype(jnp.float32)
   var = prefix.var(-2, ddof=1) if window > 1 else jnp.zeros_like(prefix[..., 0, :])
   pooled = pool1d(prefix.mean(-2) + gamma * var, kernel, "avg")

@@ -12,6 +12,10 @@ Semantics shared by every function here (DESIGN.md, step 4):
   shorter than the budget" guard (SnapKV, PyramidKV, Ada-KV all return the cache untouched).
 * Budgets are traced data. Only shapes and the capacity (the static upper bound on budgets below
   ``T``) are static, so a sweep over budget values compiles once.
+* Counts (budgets, lengths, the capacity) are int32 token counts: concrete values are checked to
+  lie in ``[0, 2**31)`` before any cast (``ValueError``, never a wrapped value). Traced values
+  cannot be checked in Python: :func:`checked_keep_mask` and :func:`checked_compact` check NaN
+  scores, negative budgets and budgets above the capacity under ``jit`` with ``checkify``.
 
 The implementation is ``lax.top_k`` up to the static capacity ``C`` plus a scatter of
 ``arange(C) < budget``: exact, tie-consistent, and about 10x faster on CPU than a double
@@ -27,8 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import checkify
 
 Array = jax.Array
+
+INT32_LIMIT = 2**31  # counts must satisfy 0 <= x < INT32_LIMIT before they are cast to int32
 
 
 def is_concrete(*xs) -> bool:
@@ -47,27 +54,74 @@ def _check_scores(scores) -> None:
     raise ValueError("scores: contains NaN; expected finite scores (or +/-inf sentinels)")
 
 
+def _object_ints(name: str, arr: np.ndarray) -> None:
+  """Python ints beyond int64 (numpy's ``object`` arrays) are out of range; anything else is not
+  an integer at all."""
+  values = list(arr.flat)
+  if values and all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    worst = max(values, key=abs)
+    raise ValueError(f"{name}: {worst} does not fit int32; expected 0 <= {name} < 2**31")
+  raise ValueError(f"{name}: expected integer counts, got {arr.tolist()!r}")
+
+
+def check_counts(name: str, value, *, minimum: int = 0):
+  """Validates integer counts (budgets, lengths, positions) before any cast to int32.
+
+  The dtype must be an integer one (also for traced values: dtypes are static). Concrete values
+  must lie in ``[minimum, 2**31)``: ``ValueError`` naming ``name`` otherwise, so that
+  ``np.int64(2**32 + 12)`` never wraps to 12 and ``2**40`` never reaches JAX's converters.
+  Returns a numpy array (concrete) or the tracer unchanged.
+  """
+  if not is_concrete(value):
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+      raise ValueError(f"{name}: expected an integer array, got dtype {value.dtype}")
+    return value
+  arr = np.asarray(value)
+  if arr.dtype == object:
+    _object_ints(name, arr)
+  if not np.issubdtype(arr.dtype, np.integer):
+    raise ValueError(f"{name}: expected an integer array, got dtype {arr.dtype}")
+  if arr.size:
+    low, high = int(arr.min()), int(arr.max())
+    if low < minimum:
+      expected = "non-negative counts" if minimum == 0 else f"counts >= {minimum}"
+      raise ValueError(f"{name}: expected {expected}, got minimum {low}")
+    if high >= INT32_LIMIT:
+      raise ValueError(f"{name}: {high} does not fit int32; expected 0 <= {name} < 2**31")
+  return arr
+
+
+def check_static_count(name: str, value, *, minimum: int = 1) -> int:
+  """A static (Python or numpy) int in ``[minimum, 2**31)``, returned as ``int``."""
+  if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    raise ValueError(f"{name}: expected a static int >= {minimum}, got {value!r}")
+  if not minimum <= value < INT32_LIMIT:
+    raise ValueError(f"{name}: expected a static int in [{minimum}, 2**31), got {value!r}")
+  return int(value)
+
+
 def _check_counts(name: str, value, batch_shape: tuple[int, ...]):
   """Validates an integer per-row count (budget or length) and returns it as int32."""
-  value = jnp.asarray(value)
-  if not jnp.issubdtype(value.dtype, jnp.integer):
-    raise ValueError(f"{name}: expected an integer array, got dtype {value.dtype}")
+  value = check_counts(name, value)
+  shape = np.shape(value)
   try:
-    np.broadcast_shapes(value.shape, batch_shape)
+    np.broadcast_shapes(shape, batch_shape)
   except ValueError:
     raise ValueError(
-      f"{name}: shape {value.shape} does not broadcast to the row shape {batch_shape}"
+      f"{name}: shape {shape} does not broadcast to the row shape {batch_shape}"
     ) from None
-  if len(np.broadcast_shapes(value.shape, batch_shape)) != len(batch_shape):
-    raise ValueError(f"{name}: shape {value.shape} has more axes than the rows {batch_shape}")
-  if is_concrete(value) and value.size and int(np.min(np.asarray(value))) < 0:
-    raise ValueError(f"{name}: expected non-negative counts, got minimum {int(np.min(value))}")
-  return jnp.broadcast_to(value.astype(jnp.int32), batch_shape)
+  if len(np.broadcast_shapes(shape, batch_shape)) != len(batch_shape):
+    raise ValueError(f"{name}: shape {shape} has more axes than the rows {batch_shape}")
+  if is_concrete(value):
+    value = np.asarray(value, np.int32)
+  return jnp.broadcast_to(jnp.asarray(value).astype(jnp.int32), batch_shape)
 
 
 def _check_capacity(capacity: int, budget, length, num_positions: int) -> None:
-  if not isinstance(capacity, (int, np.integer)) or capacity < 1:
+  if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) or capacity < 1:
     raise ValueError(f"capacity: expected a positive static int, got {capacity!r}")
+  if capacity >= INT32_LIMIT:
+    raise ValueError(f"capacity: {capacity} does not fit int32; expected capacity < 2**31")
   if capacity >= num_positions or not is_concrete(budget):
     return
   # A budget in (capacity, length) cannot be honoured exactly: refuse instead of clamping.
@@ -273,13 +327,17 @@ def compact(scores: Array, budget, capacity: int, *, length=None) -> tuple[Array
   """
   budget, length, capacity = _prepare(scores, budget, length, capacity)
   if is_concrete(budget) and is_concrete(length):
-    need = np.minimum(np.asarray(budget), np.asarray(length))
-    if need.size and int(need.max()) > capacity:
-      raise ValueError(
-        f"capacity: {capacity} slots cannot hold {int(need.max())} kept positions "
-        "(min(budget, length)); expected capacity >= the largest budget"
-      )
+    _check_slots(budget, length, capacity)
   return _compact_jit(scores, budget, length, capacity)
+
+
+def _check_slots(budget, length, capacity: int) -> None:
+  need = np.minimum(np.asarray(budget), np.asarray(length))
+  if need.size and int(need.max()) > capacity:
+    raise ValueError(
+      f"capacity: {capacity} slots cannot hold {int(need.max())} kept positions "
+      "(min(budget, length)); expected capacity >= the largest budget"
+    )
 
 
 def _compact_impl(scores, budget, length, capacity):
@@ -314,6 +372,7 @@ def keep_mask_pooled(
   Ties go to the lower head, then the lower position. ``length`` (per layer and head, optional)
   excludes positions past each head's prefix. Returns bool ``[..., H, T]``.
   """
+  _flatten_heads(scores_LHT)  # validates [..., H, T]
   num_heads, num_positions = scores_LHT.shape[-2:]
   if length is not None:
     length = _check_counts("length", length, scores_LHT.shape[:-1])
@@ -349,8 +408,10 @@ def pooled_count_table(scores_LHT: Array, max_total: int) -> Array:
   share a single selection.
   """
   _check_scores(scores_LHT)
+  if scores_LHT.ndim < 2:
+    raise ValueError(f"scores: expected [..., H, T] for a pooled table, got {scores_LHT.shape}")
   num_heads, num_positions = scores_LHT.shape[-2:]
-  k = min(int(max_total), num_heads * num_positions)
+  k = min(check_static_count("max_total", max_total), num_heads * num_positions)
   idx = descending_order(_flatten_heads(scores_LHT), k)
   onehot = jax.nn.one_hot(idx // num_positions, num_heads, dtype=jnp.int32)
   counts = jnp.cumsum(onehot, axis=-2, dtype=jnp.int32)
@@ -361,8 +422,98 @@ def pooled_count_table(scores_LHT: Array, max_total: int) -> Array:
 def pooled_counts_from_table(table: Array, total) -> Array:
   """Per-head counts ``[..., H]`` for pooled budgets ``total`` ``[...]`` (clipped to ``n_max``)."""
   n_max = table.shape[-2] - 1
-  n = jnp.clip(jnp.asarray(total, jnp.int32), 0, n_max)
+  total = check_counts("total", total)  # in int32 range (concrete); the clip is documented
+  n = jnp.clip(jnp.asarray(total).astype(jnp.int32), 0, n_max)
   return jnp.take_along_axis(table, n[..., None, None], axis=-2)[..., 0, :]
+
+
+# --------------------------------------------------------------------------- checked selection
+
+
+def check_selection(scores: Array, budget: Array, length: Array, capacity: int, *, slots: bool):
+  """``checkify`` checks of a selection's data under ``jit`` (inside a ``checkify.checkify``).
+
+  Reports NaN scores, negative budgets, lengths outside ``[0, T]``, and budgets the capacity
+  cannot honour: for a mask (``slots=False``) a budget in ``(capacity, length)``, for the compact
+  form (``slots=True``) ``min(budget, length) > capacity``. ``budget`` and ``length`` are the
+  int32 per-row arrays (:func:`keep_mask`'s validated arguments).
+  """
+  num_positions = scores.shape[-1]
+  nan = jnp.isnan(scores.astype(jnp.float32))
+  checkify.check(
+    ~jnp.any(nan),
+    "scores: contains {n} NaN; expected finite scores (or +/-inf sentinels)",
+    n=nan.sum(dtype=jnp.int32),
+  )
+  checkify.check(
+    jnp.all(budget >= 0),
+    "budget: expected non-negative counts, got minimum {low}",
+    low=jnp.min(budget, initial=0),
+  )
+  checkify.check(
+    jnp.all((length >= 0) & (length <= num_positions)),
+    f"length: expected counts in [0, T={num_positions}], got {{low}}..{{high}}",
+    low=jnp.min(length, initial=0),
+    high=jnp.max(length, initial=0),
+  )
+  if slots:
+    need = jnp.minimum(budget, length)
+    checkify.check(
+      jnp.all(need <= capacity),
+      f"capacity: {capacity} slots cannot hold {{need}} kept positions (min(budget, length)); "
+      "expected capacity >= the largest budget",
+      need=jnp.max(need, initial=0),
+    )
+  elif capacity < num_positions:
+    over = (budget > capacity) & (budget < length)
+    checkify.check(
+      ~jnp.any(over),
+      f"budget: {{budget}} exceeds capacity={capacity} for a row of length {{length}}; "
+      "expected budget <= capacity or budget >= length",
+      budget=jnp.max(jnp.where(over, budget, 0), initial=0),
+      length=jnp.max(jnp.where(over, length, 0), initial=0),
+    )
+
+
+def _checked_mask_impl(scores, budget, length, capacity):
+  check_selection(scores, budget, length, capacity, slots=False)
+  return _mask_impl(scores, budget, length, capacity)
+
+
+def _checked_compact_impl(scores, budget, length, capacity):
+  check_selection(scores, budget, length, capacity, slots=True)
+  return _compact_impl(scores, budget, length, capacity)
+
+
+_checked_mask_jit = jax.jit(checkify.checkify(_checked_mask_impl), static_argnames="capacity")
+_checked_compact_jit = jax.jit(checkify.checkify(_checked_compact_impl), static_argnames="capacity")
+
+
+def checked_keep_mask(
+  scores: Array, budget, *, length=None, capacity: int | None = None
+) -> tuple[checkify.Error, Array]:
+  """:func:`keep_mask` that also checks its traced data: ``(error, keep)``.
+
+  Under ``jit`` a NaN score, a negative budget or a budget above the capacity cannot be seen in
+  Python, and :func:`keep_mask` then answers with no signal (a NaN ranks above every number, a
+  negative budget keeps nothing). This opt-in form runs the :func:`check_selection` checks with
+  ``jax.experimental.checkify``: call ``error.throw()`` (or read ``error.get()``) outside
+  ``jit``. Concrete bad input still raises ``ValueError`` at once. It can be called inside
+  ``jit``; the error is a pytree to return from it.
+  """
+  budget, length, capacity = _prepare(scores, budget, length, capacity)
+  return _checked_mask_jit(scores, budget, length, capacity=capacity)
+
+
+def checked_compact(
+  scores: Array, budget, capacity: int, *, length=None
+) -> tuple[checkify.Error, tuple[Array, Array]]:
+  """:func:`compact` that also checks its traced data: ``(error, (idx, valid))``; see
+  :func:`checked_keep_mask`. Reports ``min(budget, length) > capacity`` (slots overflow)."""
+  budget, length, capacity = _prepare(scores, budget, length, capacity)
+  if is_concrete(budget) and is_concrete(length):
+    _check_slots(budget, length, capacity)
+  return _checked_compact_jit(scores, budget, length, capacity=capacity)
 
 
 def kept_count(keep: Array) -> Array:

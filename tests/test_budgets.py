@@ -651,3 +651,81 @@ def test_adakv_empty_head_raises():
   scores = jnp.asarray([[[5.0, 4.0, 3.0, 2.0], [0.1, 0.2, 0.3, 0.4]]])
   with pytest.raises(ValueError, match="budget: the allocation .* leaves a row with no cache"):
     budgets.adakv(scores, 2, 0, floor_alpha=0.0)
+
+
+def test_counts_outside_int32_raise_instead_of_wrapping():
+  for call in (
+    lambda: budgets.uniform(2, 2, np.int64(2**32 + 12)),
+    lambda: budgets.per_head(np.asarray([4, 2**40]), 2),
+    lambda: budgets.pyramid(4, 2**40, 8, 1000),
+    lambda: budgets.pyramid(4, np.int64(2**32 + 12), 8, 1000),
+    lambda: budgets.adakv(jnp.ones((1, 2, 16)), np.int64(2**32 + 12), 2),
+    lambda: budgets.headkv(np.ones((2, 2)), 2**40, 2),
+    lambda: budgets.cake(jnp.full((2, 1, 4, 16), 1 / 16), np.int64(2**32 + 12), 4),
+    lambda: budgets.from_table([[2**31, 1]], 1, 2),
+  ):
+    with pytest.raises(ValueError, match=r"(budget|table): \d+ does not fit int32"):
+      call()
+  with pytest.raises(ValueError, match="q_len: 1099511627776 does not fit int32"):
+    budgets.pyramid(4, 64, 8, 2**40)
+  with pytest.raises(ValueError, match="window: .* does not fit int32"):
+    budgets.pyramid(4, 64, 2**40, 1000)
+  with pytest.raises(ValueError, match="num_layers: 2147483648 does not fit int32"):
+    budgets.uniform(2**31, 1, 4)
+  # an int32-sized budget past the prompt is "no compression", not an overflow
+  assert as_list(budgets.pyramid(4, 2**31 - 1, 8, 1000)) == [1000] * 4
+  assert as_list(budgets.pyramid(4, 2**31 - 1, 8, 1000, mode="exact_total")) == [1000] * 4
+  assert (np.asarray(budgets.adakv(jnp.ones((1, 2, 16)), 2**31 - 1, 2, mode="kvpress")) == 16).all()
+  assert (np.asarray(budgets.adakv(jnp.ones((1, 2, 16)), 2**31 - 1, 2, normalize=True)) == 16).all()
+  attn = jnp.full((2, 1, 4, 16), 1 / 16)
+  assert as_list(budgets.cake(attn, 2**31 - 1, 4)) == [16, 16]
+  assert as_list(budgets.headkv(np.ones((2, 2)), 2**31 - 1, 2, q_len=100)) == [[100] * 2] * 2
+  with pytest.raises(ValueError, match="budget: .* too large for PyramidKV's int32 arithmetic"):
+    budgets.pyramid(4, 2**30 + 8, 0, 2**31 - 1)
+
+
+@pytest.mark.parametrize("mode", ["legacy_floor", "kvpress"])
+def test_pyramid_with_one_layer_is_undefined_upstream(mode):
+  # KVCache-Factory divides the layer step by num_layers - 1 (ZeroDivisionError at L = 1); the
+  # legacy arithmetic gave 28 here, 1.75x the budget
+  with pytest.raises(ValueError, match="num_layers: PyramidKV's .* undefined for num_layers=1"):
+    budgets.pyramid(1, 16, 4, 512, mode=mode)
+  assert as_list(budgets.pyramid(1, 16, 4, 512, mode="exact_total")) == [16]
+  assert as_list(budgets.pyramid(1, 16, 4, 10, mode="exact_total")) == [10]
+
+
+def test_degenerate_evidence_raises():
+  with pytest.raises(ValueError, match="head_scores: all head importances are zero"):
+    budgets.headkv(np.zeros((2, 3)), 16, 4)
+  with pytest.raises(ValueError, match="head_scores: expected finite"):
+    budgets.headkv(np.full((2, 3), np.nan), 16, 4)
+  attn = np.full((2, 1, 4, 16), 1 / 16, np.float32)
+  attn[1, 0, 2, 5] = np.nan
+  with pytest.raises(ValueError, match="attn: contains NaN or inf"):
+    budgets.cake(jnp.asarray(attn), 8, 4)
+  with pytest.raises(ValueError, match="attn: contains NaN or inf"):
+    budgets.cake_statistics(jnp.asarray(attn), 4)
+  with pytest.raises(ValueError, match="statistics: CAKE's layer preferences are"):
+    budgets.cake(jnp.full((2, 1, 4, 16), 1 / 16), 8, 4)  # no variance: preferences sum to 0
+  stats = (jnp.asarray([1.0, jnp.nan]), jnp.asarray([1.0, 2.0]))
+  with pytest.raises(ValueError, match="statistics: contains NaN"):
+    budgets.cake_from_statistics(stats, 8, 4, 16)
+  for name, kwargs in (
+    ("beta", dict(beta=float("nan"))),
+    ("temp", dict(temp=0.0)),
+    ("beta", dict(beta=1.0)),
+  ):
+    with pytest.raises(ValueError, match=name):
+      budgets.headkv(np.ones((2, 3)), 16, 4, **kwargs)
+  with pytest.raises(ValueError, match="beta: expected a finite value"):
+    budgets.pyramid(4, 64, 8, 1000, beta=float("inf"))
+  with pytest.raises(ValueError, match="tau1: expected a finite value"):
+    budgets.cake(jnp.full((2, 1, 4, 16), 1 / 16), 8, 4, tau1=float("nan"))
+  with pytest.raises(ValueError, match="floor_alpha"):
+    budgets.adakv(jnp.ones((1, 2, 16)), 8, 2, floor_alpha=float("nan"))
+  with pytest.raises(ValueError, match="budget: expected a scalar"):
+    budgets.headkv(np.ones((2, 3)), np.asarray([16, 16]), 4)
+
+
+def test_adakv_window_covering_the_prompt_keeps_it():
+  assert as_list(budgets.adakv(jnp.ones((1, 2, 8)), 8, 8)) == [[8, 8]]

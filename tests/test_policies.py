@@ -125,3 +125,75 @@ def test_oracle_beats_every_policy_on_future_mass(evidence):
     masses[name] = float((fut * keep).sum())
   assert masses["oracle"] >= max(masses.values()) - 1e-6
   assert select.kept_count(jnp.ones((2, 3), bool)).tolist() == [3, 3]
+
+
+@pytest.mark.parametrize(
+  "name, options, match",
+  [
+    ("adakv_snapkv", dict(floor_alpha=1.5), "floor_alpha: expected a finite value"),
+    ("adakv_snapkv", dict(normalize=1), "normalize: expected a bool"),
+    ("snapkv", dict(window=-1), "window: expected None or an int >= 1"),
+    ("snapkv", dict(window=0), "window: expected None or an int >= 1"),
+    ("snapkv", dict(window=8.0), "window: expected None or an int >= 1"),
+    ("streaming_llm", dict(sinks=-2), "sinks: expected a non-negative count"),
+    ("streaming_llm", dict(sinks=2.5), "sinks: expected an integer count"),
+    ("h2o", dict(recent=-1), "recent: expected a non-negative count"),
+    ("pyramidkv", dict(beta=0), "beta: expected a finite value with beta >= 1"),
+    ("adakv_pyramidkv", dict(beta=0.5), "beta: expected a finite value with beta >= 1"),
+    ("headkv", dict(beta=1.0), "beta: expected a finite value with beta > 1"),
+    ("headkv", dict(temp=0.0), "temp: expected a finite value with temp > 0"),
+    ("cake", dict(gamma=-1.0), "gamma: expected a finite value with gamma >= 0"),
+    ("cake", dict(tau1=0.0), "tau1: expected a finite value with tau1 > 0"),
+    ("cake", dict(tau2=float("nan")), "tau2: expected a finite value"),
+    ("snapkv", dict(kernel=2**31 + 1), "kernel: expected a positive odd"),
+  ],
+)
+def test_every_option_is_validated_at_make(name, options, match):
+  with pytest.raises(ValueError, match=match):
+    policies.make(name, **options)
+
+
+def test_sinks_may_be_traced_data(evidence):
+  @jax.jit
+  def keep(sinks):
+    return policies.make("streaming_llm", sinks=sinks).keep_mask(evidence, 10)
+
+  np.testing.assert_array_equal(
+    np.asarray(keep(jnp.int32(3))),
+    np.asarray(policies.make("streaming_llm", sinks=3).keep_mask(evidence, 10)),
+  )
+
+
+@pytest.mark.parametrize(
+  "name, budget, match",
+  [
+    ("snapkv", W, f"budget: {W} does not exceed the protected window {W}"),
+    ("snapkv", 4, f"budget: 4 does not exceed the protected window {W} .* = {W + 1}"),
+    ("pyramidkv", W, "does not exceed the protected window"),
+    ("cake", 3, "does not exceed the protected window"),
+    ("sliding_window", 0, "budget: 0 keeps nothing"),
+    ("h2o", 0, "budget: 0 keeps nothing"),
+    ("sliding_window", np.int64(2**32 + 12), "budget: 4294967308 does not fit int32"),
+    ("pyramidkv", 2**40, "budget: 1099511627776 does not fit int32"),
+    ("pyramidkv", np.asarray([20, 24, 28]), "budget: policy 'pyramidkv' allocates its own"),
+    ("cake", np.full((L, HQ), 20), "expected a scalar, got shape"),
+  ],
+)
+def test_policy_budgets_that_cannot_be_honoured_raise(evidence, name, budget, match):
+  with pytest.raises(ValueError, match=match):
+    policies.make(name).keep_mask(evidence, budget)
+
+
+def test_policy_keeps_exactly_above_the_window(evidence):
+  keep = np.asarray(policies.make("snapkv").keep_mask(evidence, W + 1))
+  assert (keep.sum(-1) == W + 1).all() and keep[..., T - W :].all()
+
+
+def test_evidence_window_is_validated():
+  q, k = jnp.zeros((1, 2, 8, 4)), jnp.zeros((1, 1, 8, 4))
+  with pytest.raises(ValueError, match="window: expected an int >= 1"):
+    policies.evidence_from_qk(q, k, window=0)
+  with pytest.raises(ValueError, match="legacy_window: expected an int >= 0"):
+    policies.evidence_from_qk(q, k, legacy_window=-1)
+  with pytest.raises(ValueError, match="queries: expected a rank-4 array"):
+    policies.evidence_from_qk(q[0], k)

@@ -182,3 +182,23 @@ def test_random_scores_are_seeded():
 def test_bad_input_raises(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+def test_counts_are_integers_in_int32():
+  with pytest.raises(ValueError, match="sinks: expected an integer count"):
+    scores.streaming(8, sinks=2.5)
+  with pytest.raises(ValueError, match="sinks: expected a non-negative count"):
+    scores.streaming(8, sinks=-2)
+  with pytest.raises(ValueError, match="sinks: .* does not fit int32"):
+    scores.streaming(8, sinks=np.int64(2**32 + 2))
+  with pytest.raises(ValueError, match="recent: expected an integer count"):
+    scores.protect(jnp.zeros((2, 8)), recent=np.float32(1.0))
+  with pytest.raises(ValueError, match="length: 1099511627776 does not fit int32"):
+    scores.protect(jnp.zeros((2, 8)), sinks=1, length=2**40)
+  with pytest.raises(ValueError, match="kernel: expected a positive odd integer"):
+    scores.pool1d(jnp.zeros((2, 8)), 2**31 + 1)
+  with pytest.raises(ValueError, match="gamma: expected a finite weight"):
+    scores.cake(jnp.full((1, 1, 4, 8), 1 / 8), gamma=float("nan"))
+  # sinks stay data: traced ints are fine, and give the same scores
+  traced = jax.jit(lambda s: scores.streaming(8, (2,), sinks=s))(jnp.int32(2))
+  np.testing.assert_array_equal(np.asarray(traced), np.asarray(scores.streaming(8, (2,), sinks=2)))

@@ -359,3 +359,53 @@ def test_compact_refuses_a_capacity_below_the_kept_count():
     select.compact(scores, jnp.int32(100), 8)
   idx, valid = select.compact(scores, jnp.int32(100), 8, length=jnp.asarray([8, 3]))
   assert np.asarray(valid).sum(-1).tolist() == [8, 3]
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    (dict(budget=np.int64(2**32 + 12)), "budget: 4294967308 does not fit int32"),
+    (dict(budget=2**40), "budget: 1099511627776 does not fit int32"),
+    (dict(budget=2**70), "budget: .* does not fit int32"),
+    (dict(budget=np.uint64(2**63)), "budget: .* does not fit int32"),
+    (dict(budget=np.asarray([3, 2**31])), "budget: 2147483648 does not fit int32"),
+    (dict(budget=2, length=np.int64(2**32 + 3)), "length: .* does not fit int32"),
+    (dict(budget=2, capacity=2**31), "capacity: 2147483648 does not fit int32"),
+    (dict(budget=2, capacity=True), "capacity: expected a positive static int"),
+    (dict(budget=True), "budget: expected an integer"),
+  ],
+)
+def test_counts_outside_int32_raise_before_any_cast(kwargs, match):
+  scores = jnp.zeros((2, 16), jnp.float32)
+  with pytest.raises(ValueError, match=match):
+    select.keep_mask(scores, **kwargs)
+  # the largest int32 budget is the no-compression guard, not an error
+  assert np.asarray(select.keep_mask(scores, np.int64(2**31 - 1))).all()
+
+
+def test_checked_selection_reports_nan_negative_and_over_capacity_under_jit():
+  mask = jax.jit(lambda s, b, n: select.checked_keep_mask(s, b, length=n, capacity=4))
+  slots = jax.jit(lambda s, b: select.checked_compact(s, b, 4))
+  scores = jnp.asarray(np.random.default_rng(0).normal(size=(2, 16)), jnp.float32)
+  full = jnp.asarray([16, 16])
+  cases = [
+    (scores.at[1, 3].set(jnp.nan), [2, 2], full, "scores: contains 1 NaN"),
+    (scores, [2, -1], full, "budget: expected non-negative counts, got minimum -1"),
+    (scores, [2, 9], full, "budget: 9 exceeds capacity=4 for a row of length 16"),
+    (scores, [2, 2], jnp.asarray([16, 17]), r"length: expected counts in \[0, T=16\]"),
+  ]
+  for s, b, n, match in cases:
+    err, keep = mask(s, jnp.asarray(b, jnp.int32), n)
+    with pytest.raises(ValueError, match=match):  # checkify's error is a ValueError
+      err.throw()
+  err, keep = mask(scores, jnp.asarray([3, 16], jnp.int32), full)  # 16 = the whole row
+  assert err.get() is None
+  np.testing.assert_array_equal(np.asarray(keep).sum(-1), [3, 16])
+  err, (idx, valid) = slots(scores, jnp.asarray([4, 6], jnp.int32))
+  with pytest.raises(ValueError, match="capacity: 4 slots cannot hold 6 kept positions"):
+    err.throw()
+  err, (idx, valid) = slots(scores, jnp.asarray([4, 1], jnp.int32))
+  assert err.get() is None and np.asarray(valid).sum(-1).tolist() == [4, 1]
+  # concrete bad input still raises at the boundary, before any jit
+  with pytest.raises(ValueError, match="scores: contains NaN"):
+    select.checked_keep_mask(scores.at[0, 0].set(jnp.nan), 2)

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from configs import sweep_lab  # noqa: E402
-from kvjax import select  # noqa: E402
+from kvjax import rundir, select  # noqa: E402
 from kvjax.lab import sweep  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def test_bad_configurations(tmp_path):
   with pytest.raises(ValueError, match="kernel: expected a positive odd"):
     sweep.run(quick(kernel=(4,)), tmp_path / "d", progress=False)
   sweep.run(quick(budget=(16,)), tmp_path / "e", progress=False, log=lambda *_: None)
-  with pytest.raises(ValueError, match="workdir: .* holds results of a different grid"):
+  with pytest.raises(ValueError, match="workdir: .* holds a run of a different configuration"):
     sweep.run(quick(budget=(32,)), tmp_path / "e", progress=False)
 
 
@@ -224,3 +224,52 @@ def test_data_fields_are_validated(tmp_path, field, value, match):
   c.grid.product = ml_collections.ConfigDict({field: (value,), "budget": (32,)})
   with pytest.raises(ValueError, match=match):
     sweep.run(c, tmp_path, progress=False)
+
+
+@pytest.mark.parametrize(
+  "field, value, match",
+  [
+    ("chunk_size", 0, "chunk_size: expected an int in"),
+    ("chunk_size", -4, "chunk_size: expected an int in"),
+    ("bytes_per_value", 3, r"bytes_per_value: expected an int in \(1, 2, 4\)"),
+  ],
+)
+def test_sweep_options_are_validated_before_anything_is_written(tmp_path, field, value, match):
+  c = quick()
+  c[field] = value
+  with pytest.raises(ValueError, match=match):
+    sweep.run(c, tmp_path / "run", progress=False)
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_second_run_into_a_locked_workdir_refuses_and_writes_nothing(tmp_path):
+  with rundir.lock(tmp_path):
+    out = run_cli(tmp_path, "--noplots")
+  assert out.returncode != 0
+  assert f"workdir: {tmp_path} is in use by another run (pid {os.getpid()}" in out.stderr
+  assert not (tmp_path / "results.csv").exists() and not (tmp_path / "sweep.json").exists()
+
+
+def test_resume_reruns_cut_and_invalid_rows_and_drops_repeats(tmp_path):
+  c = quick()
+  quiet = dict(progress=False, log=lambda *_: None)
+  fresh = sweep.run(c, tmp_path, **quiet).set_index("config_id").sort_index()
+  path = tmp_path / "results.csv"
+  lines = path.read_text().splitlines()
+  header = lines[0]
+  cut = lines[3][: len(lines[3]) * 2 // 3]  # a row cut in the middle of the file (kept there)
+  nan = lines[5].split(",")
+  nan[header.split(",").index("retained_mass")] = "nan"
+  damaged = [header, lines[1], lines[2], cut, lines[4], ",".join(nan), header, lines[6]]
+  damaged += [lines[2], *lines[7:]]  # lines[2] twice
+  path.write_text("\n".join(damaged) + "\n")
+  logs = []
+  resumed = sweep.run(c, tmp_path, progress=False, log=logs.append)
+  assert any("dropped 4 invalid or repeated lines" in line for line in logs), logs
+  assert any("10 already in" in line for line in logs), logs
+  text = path.read_text().splitlines()
+  assert text.count(header) == 1 and len(text) == 13
+  assert resumed["config_id"].is_unique and len(resumed) == 12
+  resumed = resumed.set_index("config_id").sort_index()
+  for m in sweep.METRICS:
+    np.testing.assert_allclose(resumed[m], fresh[m], rtol=1e-6, err_msg=m)

@@ -444,6 +444,25 @@ def single_config_fn(
 # --------------------------------------------------------------------------- the engine
 
 
+BYTES_PER_VALUE = (1, 2, 4)  # int8/fp8, bf16/fp16, fp32 caches
+
+
+def check_engine_options(*, capacity, chunk_size, bytes_per_value) -> None:
+  """Validates the engine's static options (before anything runs or is written)."""
+  for name, value in (("capacity", capacity), ("chunk_size", chunk_size)):
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 1 <= value < 2**31:
+      raise ValueError(f"{name}: expected an int in [1, 2**31), got {value!r}")
+  if (
+    isinstance(bytes_per_value, bool)
+    or not isinstance(bytes_per_value, int | np.integer)
+    or bytes_per_value not in BYTES_PER_VALUE
+  ):
+    raise ValueError(
+      f"bytes_per_value: expected an int in {BYTES_PER_VALUE} (bytes per cached value), got "
+      f"{bytes_per_value!r}"
+    )
+
+
 def _sharding():
   devices = jax.devices()
   if len(devices) == 1:
@@ -476,6 +495,7 @@ class Engine:
   """
 
   def __init__(self, world_cfg, *, capacity: int, chunk_size: int = 256, bytes_per_value: int = 2):
+    check_engine_options(capacity=capacity, chunk_size=chunk_size, bytes_per_value=bytes_per_value)
     self.world_cfg = world_cfg
     self.capacity = capacity
     self.sharding, self.num_devices = _sharding()
@@ -586,42 +606,94 @@ def grid_signature(config) -> str:
   )
 
 
+RESULT_TEXT = ("config_id", *STATIC_FIELDS, "budget_profile")
+RESULT_NUMBERS = (*DATA_FIELDS, "window", "kernel", *METRICS)
+RESULT_DTYPE = {"config_id": str}
+
+
 def read_results(path: str | pathlib.Path) -> pd.DataFrame:
-  """The complete rows of a sweep's ``results.csv`` (``config_id`` kept as text)."""
-  return rundir.read_rows(path, dtype={"config_id": str})
-
-
-def run(config, workdir, *, log=print, progress: bool = True) -> pd.DataFrame:
-  """Runs (or resumes) the sweep ``config`` into ``workdir``; returns the full results table."""
-  configs = expand(config.grid, config.base)
-  engine = Engine(
-    config.world,
-    capacity=max(c["budget"] for c in configs),
-    chunk_size=config.chunk_size,
-    bytes_per_value=config.bytes_per_value,
+  """The complete rows of a sweep's ``results.csv`` (``config_id`` kept as text): rows cut by an
+  interruption, with a missing or non-finite metric, repeated headers and repeated
+  configurations are left out (:func:`kvjax.rundir.read_rows`)."""
+  return rundir.read_rows(
+    path, dtype=RESULT_DTYPE, required=RESULT_TEXT, numeric=RESULT_NUMBERS, key="config_id"
   )
-  if configs[0]["scenario"] not in synthetic.SCENARIOS:
-    validate(configs[0], None)
-  dims = engine.world_evidence(configs[0]["scenario"]).world.dims
+
+
+def prepare(config) -> tuple[list[dict], Engine]:
+  """Validates the whole sweep ``config`` (its options, grid and every configuration against the
+  world) and returns ``(configs, engine)``; nothing is written anywhere."""
+  check_engine_options(
+    capacity=1, chunk_size=config.chunk_size, bytes_per_value=config.bytes_per_value
+  )
+  configs = expand(config.grid, config.base)
   for cfg in configs:
-    validate(cfg, dims)
+    validate(cfg, None)
   ids = [config_id(c) for c in configs]
   if len(set(ids)) != len(ids):
     raise ValueError("grid: the grid repeats a configuration (duplicate config_id)")
-  out = rundir.claim(workdir, "sweep.json", grid_signature(config))
-  (out / "config.json").write_text(config.to_json_best_effort(indent=2))
-  path = out / "results.csv"
-  done = set(read_results(path).get("config_id", pd.Series(dtype=str)))
-  todo = [c for c in configs if config_id(c) not in done]
-  log(f"sweep: {len(configs)} configurations, {len(done)} already in {path}, {len(todo)} to run")
-  groups: dict[GroupKey, list[dict]] = {}
-  for cfg in todo:
-    groups.setdefault(group_key(cfg), []).append(cfg)
-  with tqdm(total=len(todo), unit="cfg", disable=not progress, smoothing=0.1) as bar:
-    for rows in engine.evaluate_groups(groups):
-      rundir.append_rows(path, rows)
-      bar.update(len(rows))
-  table = read_results(path)
+  budgets = [c["budget"] for c in configs]
+  if not all(0 < b < 2**31 for b in budgets):
+    raise ValueError(f"budget: {budgets} outside [1, 2**31); expected int32 token counts")
+  engine = Engine(
+    config.world,
+    capacity=max(budgets),
+    chunk_size=config.chunk_size,
+    bytes_per_value=config.bytes_per_value,
+  )
+  dims = engine.world_evidence(configs[0]["scenario"]).world.dims
+  for cfg in configs:
+    validate(cfg, dims)
+  return configs, engine
+
+
+def _check_finite(rows: list[dict]) -> None:
+  for row in rows:
+    bad = [k for k in METRICS if not np.isfinite(row[k])]
+    if bad:
+      raise RuntimeError(
+        f"sweep: configuration {row['config_id']} gave non-finite {bad}: "
+        f"{ {k: row[k] for k in bad} }; nothing of it was written"
+      )
+
+
+def run(
+  config, workdir, *, log=print, progress: bool = True, lock_timeout: float = 0.0
+) -> pd.DataFrame:
+  """Runs (or resumes) the sweep ``config`` into ``workdir``; returns the full results table.
+
+  The whole configuration is validated before anything is written. The run holds the
+  directory's lock (:func:`kvjax.rundir.lock`): a second run into the same ``workdir`` raises
+  :class:`kvjax.rundir.WorkdirLockedError` after waiting up to ``lock_timeout`` seconds. On
+  resume the invalid lines of ``results.csv`` (cut short, non-finite metrics, repeated headers
+  or configurations) are removed and their configurations run again.
+  """
+  configs, engine = prepare(config)
+  ids = [config_id(c) for c in configs]
+  with rundir.lock(workdir, timeout=lock_timeout) as out:
+    rundir.claim(out, "sweep.json", grid_signature(config))
+    (out / "config.json").write_text(config.to_json_best_effort(indent=2))
+    path = out / "results.csv"
+    table, dropped = rundir.repair_rows(
+      path, dtype=RESULT_DTYPE, required=RESULT_TEXT, numeric=RESULT_NUMBERS, key="config_id"
+    )
+    if dropped:
+      log(f"sweep: dropped {dropped} invalid or repeated lines of {path}")
+    done = set(table.get("config_id", pd.Series(dtype=str)))
+    todo = [c for c in configs if config_id(c) not in done]
+    log(
+      f"sweep: {len(configs)} configurations, {len(configs) - len(todo)} already in {path}, "
+      f"{len(todo)} to run"
+    )
+    groups: dict[GroupKey, list[dict]] = {}
+    for cfg in todo:
+      groups.setdefault(group_key(cfg), []).append(cfg)
+    with tqdm(total=len(todo), unit="cfg", disable=not progress, smoothing=0.1) as bar:
+      for rows in engine.evaluate_groups(groups):
+        _check_finite(rows)
+        rundir.append_rows(path, rows)
+        bar.update(len(rows))
+    table = read_results(path)
   return table[table["config_id"].isin(set(ids))]
 
 
