@@ -325,8 +325,16 @@ def validate_config(config) -> None:
 
 
 def run(config, workdir, *, log=print) -> pd.DataFrame:
-  """Runs (or resumes) the evaluation ``config`` into ``workdir``; returns ``results.csv``."""
+  """Runs (or resumes) the evaluation ``config`` into ``workdir``; returns ``results.csv``.
+
+  The config is validated before anything is written; the run then holds the workdir's lock
+  (:func:`kvjax.rundir.lock`), so a second run into the same directory refuses."""
   validate_config(config)
+  with rundir.lock(workdir):
+    return _run(config, workdir, log)
+
+
+def _run(config, workdir, log) -> pd.DataFrame:
   path = pathlib.Path(workdir) / "results.csv"
   table = rundir.read_rows(path)
   plain = {k: config[k] for k in config if k != "workdir"}

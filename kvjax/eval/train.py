@@ -296,9 +296,13 @@ def restore(mngr: ocp.CheckpointManager, like: TrainState) -> TrainState | None:
 
 def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, log=print) -> TrainState:
   """Trains (or resumes) to ``c.steps``; writes ``metrics.jsonl`` (one line per logged step,
-  never duplicated on resume) and checkpoints every ``c.checkpoint_every`` steps."""
-  workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  never duplicated on resume) and checkpoints every ``c.checkpoint_every`` steps. The run holds
+  the workdir's lock (:func:`kvjax.rundir.lock`): a second run into it refuses."""
+  with rundir.lock(workdir):
+    return _train(c, pathlib.Path(workdir), log)
+
+
+def _train(c: ml_collections.ConfigDict, workdir: pathlib.Path, log) -> TrainState:
   tok = vocab.tiny_tokenizer()
   cfg = model_config(c.model, tok.vocab_size)
   rundir.claim(workdir, "train_config.json", rundir.signature(c))
