@@ -100,3 +100,142 @@ def test_prefill_computes_the_last_logits_only_unless_asked():
   np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(every[:, -1]), atol=1e-5)
   with pytest.raises(ValueError, match="logits"):
     km.prefill(cfg, model.params(), ids, logits="first")
+
+
+# --------------------------------------------------------------------------- blocked prefill
+
+
+def _dense_prefill(cfg, params, ids, mask, window):
+  """The unblocked reference: every layer's full ``[B, Hq, T, T]`` softmax at once."""
+  from kvjax.model import llama
+
+  B, T = ids.shape
+  valid = mask.astype(bool)
+  positions = llama.positions_from_mask(mask)
+  index = jnp.broadcast_to(jnp.arange(T), (B, T))
+  allowed = llama.causal_allowed(positions, positions, valid, index, index, cfg.sliding_window)
+  x = params["embed"][ids]
+  out = {"keys": [], "values": [], "attn_window": [], "column_sums": []}
+  for layer in range(cfg.num_layers):
+    p = llama.layer_params(params, layer)
+    q, k, v = llama.project_qkv(cfg, p, x, positions)
+    probs = llama.attention_probs(q, k, allowed) * valid[:, None, :, None]
+    x = llama.output_and_mlp(cfg, p, x, llama.attend(probs, v))
+    for name, value in (("keys", k), ("values", v), ("attn_window", probs[:, :, -window:])):
+      out[name].append(value)
+    out["column_sums"].append(probs.sum(-2))
+  out = {k: np.stack([np.asarray(a) for a in v]) for k, v in out.items()}
+  out["logits"] = np.asarray(llama.logits_of(cfg, params, x))
+  return out
+
+
+@pytest.mark.parametrize(
+  "T, block, chunk, pad, sliding_window, attention",
+  [
+    (37, 8, None, 0, None, "blocked"),  # T not a multiple of the block
+    (37, 8, 16, 5, None, "blocked"),  # two chunks and a tail of 5, a left-padded row
+    (37, 5, 7, 5, None, "blocked"),  # chunk not a multiple of the block, neither divides T
+    (40, 4, 12, 3, 9, "blocked"),  # Mistral's sliding window skips tiles behind it
+    (37, 256, 2048, 4, 6, "blocked"),  # the defaults, clamped to the prompt
+    (37, 8, 16, 5, 6, "xla"),  # jax.nn.dot_product_attention for the output
+  ],
+)
+def test_blocked_prefill_equals_the_unblocked_reference(
+  T, block, chunk, pad, sliding_window, attention
+):
+  import dataclasses
+
+  model, cfg, _ = km.load_tiny()
+  cfg = dataclasses.replace(cfg, sliding_window=sliding_window)
+  params = model.params()
+  rng = np.random.default_rng(T + block)
+  ids = jnp.asarray(rng.integers(4, cfg.vocab_size, (2, T)), jnp.int32)
+  mask = np.ones((2, T), np.int32)
+  mask[1, :pad] = 0
+  mask = jnp.asarray(mask)
+  ref = _dense_prefill(cfg, params, ids, mask, window=6)
+  for column_sums in (True, False):
+    pre = km.prefill(
+      cfg,
+      params,
+      ids,
+      mask,
+      window=6,
+      column_sums=column_sums,
+      block=block,
+      chunk=chunk,
+      logits="all",
+      attention=attention,
+    )
+    assert pre.attn_window.dtype == jnp.float32 and pre.attn_window.shape == (4, 2, 4, 6, T)
+    np.testing.assert_allclose(np.asarray(pre.attn_window), ref["attn_window"], atol=1e-5)
+    # logits carry every layer's rounding: 1e-5 of their scale
+    scale = np.abs(ref["logits"]).max()
+    np.testing.assert_allclose(np.asarray(pre.logits), ref["logits"], atol=1e-5 * scale)
+    for name in ("keys", "values"):
+      np.testing.assert_allclose(np.asarray(getattr(pre, name)), ref[name], atol=1e-5)
+    if column_sums:
+      np.testing.assert_allclose(np.asarray(pre.column_sums), ref["column_sums"], atol=1e-5)
+    else:
+      assert pre.column_sums is None
+
+
+def test_prefill_window_rows_in_bfloat16_on_request():
+  model, cfg, _ = km.load_tiny()
+  ids = jnp.asarray(np.random.default_rng(1).integers(4, 100, (1, 30)), jnp.int32)
+  kw = dict(window=5, column_sums=True, block=8, chunk=16)
+  f32 = km.prefill(cfg, model.params(), ids, **kw)
+  bf16 = km.prefill(cfg, model.params(), ids, window_dtype=jnp.bfloat16, **kw)
+  assert bf16.attn_window.dtype == jnp.bfloat16
+  np.testing.assert_allclose(
+    np.asarray(bf16.attn_window, np.float32), np.asarray(f32.attn_window), atol=4e-3
+  )
+  np.testing.assert_array_equal(np.asarray(bf16.column_sums), np.asarray(f32.column_sums))
+
+
+def test_prefill_validates_its_blocking_arguments():
+  model, cfg, _ = km.load_tiny()
+  ids = jnp.zeros((1, 8), jnp.int32)
+  for kw, name in [
+    (dict(block=0), "block"),
+    (dict(block=2.5), "block"),
+    (dict(chunk=0), "chunk"),
+    (dict(chunk=True), "chunk"),
+    (dict(window=9), "window"),
+    (dict(window=-1), "window"),
+    (dict(window_dtype=jnp.int32), "window_dtype"),
+    (dict(attention="flash"), "attention"),
+  ]:
+    with pytest.raises(ValueError, match=name):
+      km.prefill(cfg, model.params(), ids, **kw)
+
+
+def test_attention_tiles_above_the_diagonal_or_behind_the_window_are_never_read():
+  # NaN keys and values poison any output row whose tiles read them (0 * NaN = NaN in p @ v):
+  # the rows that must not read a poisoned tile keep their clean values only if it is skipped
+  from kvjax.model import llama
+
+  B, Hq, G, T, D, block = 1, 2, 1, 24, 8, 4
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(B, Hq, 8, D)), jnp.float32)  # the chunk [8, 16)
+  kv = rng.normal(size=(1, B, G, T, D)).astype(np.float32)
+  positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+  valid = jnp.ones((B, T), bool)
+
+  def outputs(poisoned, sliding_window, sums):
+    bad = kv.copy()
+    bad[..., poisoned, :] = np.nan
+    keys = llama._Keys(jnp.asarray(bad), jnp.asarray(bad), positions, valid, 0, block)
+    sums = jnp.zeros((B, Hq, T), jnp.float32) if sums else None
+    return np.asarray(llama._attend_chunk(q, 8, 8, keys, sums, block, sliding_window)[0])
+
+  for sums in (False, True):
+    for poisoned, sliding_window, clean_rows in [
+      # keys [12, 16) sit above the diagonal of the query block [8, 12)
+      (slice(12, 16), None, np.arange(8, 16) < 12),
+      # a window of 4: the query block [12, 16) needs keys from 9 on, [8, 12) from 5 on
+      (slice(0, 8), 4, np.arange(8, 16) >= 12),
+    ]:
+      clean = outputs(slice(0, 0), sliding_window, sums)
+      same = (outputs(poisoned, sliding_window, sums) == clean).all(axis=(0, 1, 3))
+      np.testing.assert_array_equal(same, clean_rows)

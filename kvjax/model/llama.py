@@ -13,6 +13,7 @@ before RoPE, tied or untied embeddings. Softmax is always fp32.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -200,9 +201,37 @@ def output_and_mlp(cfg: ModelConfig, p: dict, x_BTd: Array, attn_BHTD: Array) ->
 
 
 def logits_of(cfg: ModelConfig, params: dict, x_BTd: Array) -> Array:
+  """fp32 logits ``[B, T, V]`` (rounded through the model dtype, as the matmul gives them)."""
   h = rms_norm(x_BTd, params["final_norm"], cfg.rms_norm_eps)
-  head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-  return matmul(h, head).astype(jnp.float32)
+  tied = cfg.tie_word_embeddings
+  head = params["embed"] if tied else params["lm_head"]
+  if jax.default_backend() == "cpu" and _is_16bit_float(head):
+    return _logits_by_vocab_chunk(h, head, tied).astype(jnp.float32)
+  return _head_matmul(h, head, tied).astype(jnp.float32)
+
+
+def _head_matmul(h_BTd: Array, head: Array, tied: bool) -> Array:
+  """``h`` times the output head (``[V, d]`` tied embeddings, else ``[d, V]``), no transpose."""
+  if tied:
+    return jnp.einsum("btd,vd->btv", h_BTd, head, precision=PRECISION)
+  return matmul(h_BTd, head)
+
+
+def _logits_by_vocab_chunk(h_BTd: Array, head: Array, tied: bool, size: int = 8192) -> Array:
+  """:func:`_head_matmul` a vocabulary chunk at a time (CPU: no fp32 copy of a 16-bit head;
+  the last chunk is read from ``V - size`` and rewrites identical values)."""
+  axis = 0 if tied else 1
+  V = head.shape[axis]
+  size = min(size, V)
+  B, T, _ = h_BTd.shape
+
+  def chunk(i, out):
+    head_b, start = _sliced_in_loop(head, jnp.minimum(i * size, V - size))
+    part = _head_matmul(h_BTd, jax.lax.dynamic_slice_in_dim(head_b, start, size, axis), tied)
+    return jax.lax.dynamic_update_slice_in_dim(out, part, start, 2)
+
+  out = jnp.zeros((B, T, V), jnp.result_type(h_BTd, head))
+  return jax.lax.fori_loop(0, -(-V // size), chunk, out)
 
 
 def dense_layer(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array, allowed) -> tuple:
@@ -242,6 +271,8 @@ def forward(
 
 
 LOGITS = ("last", "all")
+CHUNK = 2048  # prefill tokens per chunk: bounds the [B, chunk, F] MLP activations
+ATTENTION = ("blocked", "xla", "cudnn")  # prefill's kernels for the attention output
 
 
 @struct.dataclass
@@ -253,7 +284,8 @@ class Prefill:
     keys, values: ``[L, B, G, T, D]`` (keys post-RoPE, at their original positions).
     positions, valid: ``[B, T]`` RoPE positions and the non-padding mask.
     key_norms: ``[L, B, G, T]`` (key norm's evidence).
-    attn_window: ``[L, B, Hq, W, T]`` fp32, the last ``W`` query rows (no ``T x T`` matrix).
+    attn_window: ``[L, B, Hq, W, T]`` fp32 (or prefill's ``window_dtype``), the last ``W``
+      query rows (no ``T x T`` matrix).
     column_sums: ``[L, B, Hq, T]`` attention received from all valid queries (H2O).
     full_attention: ``{layer: [B, Hq, T, T]}`` for plots, on request.
     future_attn: ``[L, B, Hq, S, T]`` attention of later queries (the oracle's evidence; set by
@@ -282,57 +314,81 @@ def prefill(
   column_sums: bool = False,
   full_attention_layers: tuple[int, ...] = (),
   block: int = 256,
+  chunk: int | None = CHUNK,
   logits: str = "last",
+  window_dtype=jnp.float32,
+  attention: str = "blocked",
 ) -> Prefill:
   """One pass over the prompt: a :class:`Prefill` with logits, K/V and the requested evidence.
 
-  ``window`` asks for the last ``window`` query rows, ``column_sums`` for H2O's attention sums
-  (accumulated block by block: memory ``O(T * block)``), ``full_attention_layers`` for full
-  maps of those layers. ``logits="last"`` (the default) computes the last position's logits
-  only (``[B, 1, V]``: all that generation reads; ``[B, T, V]`` fp32 would be 16 GiB at 32k
-  tokens and a 128k vocabulary), ``"all"`` every position's.
+  ``window`` asks for the last ``window`` query rows, ``column_sums`` for H2O's attention sums,
+  ``full_attention_layers`` for full maps of those layers. ``logits="last"`` (the default)
+  computes the last position's logits only (``[B, 1, V]``: all that generation reads;
+  ``[B, T, V]`` fp32 would be 16 GiB at 32k tokens and a 128k vocabulary), ``"all"`` every
+  position's.
+
+  Memory is bounded by two blockings, neither of which changes a value (fp32 softmax, exact to
+  rounding). Each layer runs over the prompt ``chunk`` tokens at a time (``None``: all at once):
+  projections, attention output and MLP of a chunk, its keys and values written in place, so
+  the ``[B, chunk, F]`` MLP intermediates are the largest activations. Attention is tiled
+  flash-style into ``block`` queries x ``block`` keys, skipping the tiles above the causal
+  diagonal and, with ``cfg.sliding_window``, those behind the window. Without column sums one
+  pass with an online softmax gives the output; with them a first pass finds each query's
+  normaliser and a second forms the normalised rows tile by tile, adding them into the column
+  sums and the output. The window rows (the last ``window`` queries over all ``T`` keys) are
+  written tile by tile into their ``[L, B, Hq, W, T]`` output, in ``window_dtype`` (fp32 by
+  default; ``jnp.bfloat16`` halves the largest output, 8 GiB at 128k tokens for a 1B model,
+  after an fp32 softmax).
+
+  ``attention`` picks the kernel of the attention *output* when no column sums are asked for
+  (with them, the exact second pass forms the output anyway): ``"blocked"`` (the tiles above),
+  ``"xla"`` or ``"cudnn"`` (:func:`jax.nn.dot_product_attention` per chunk over all ``T`` keys
+  with an explicit ``[B, 1, chunk, T]`` mask, in the model dtype; ``"cudnn"`` falls back to
+  ``"blocked"`` off GPU or outside fp16/bf16). The evidence is computed exactly beside it. On
+  CPU ``"xla"`` measured worse (1B shapes at 8k tokens: 6.3 GiB of temporaries against 0.4;
+  2.3x slower at 2k tokens), hence the default.
   """
   if logits not in LOGITS:
     raise ValueError(f"logits: expected one of {LOGITS}, got {logits!r}")
   B, T = input_ids.shape
+  _check_count("block", block)
+  if chunk is not None:
+    _check_count("chunk", chunk, "None or a positive int")
+  if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or not 0 <= window <= T:
+    raise ValueError(f"window: expected an int in [0, T={T}], got {window!r}")
+  if not jnp.issubdtype(jnp.dtype(window_dtype), jnp.floating):
+    raise ValueError(f"window_dtype: expected a floating dtype, got {window_dtype!r}")
+  if attention not in ATTENTION:
+    raise ValueError(f"attention: expected one of {ATTENTION}, got {attention!r}")
   if attention_mask is None:
     attention_mask = jnp.ones((B, T), jnp.int32)
   valid = attention_mask.astype(bool)
   positions = positions_from_mask(attention_mask)
-  index = jnp.broadcast_to(jnp.arange(T), (B, T))
   x = params["embed"][input_ids]
-  block = min(block, T)
-  num_blocks = -(-T // block)
+  sizes = dict(block=min(block, T), chunk=T if chunk is None else min(chunk, T), window=window)
+  q_dtype, kv_dtype = _qkv_dtypes(cfg, params, x, positions)
+  if attention == "cudnn" and (
+    jax.default_backend() != "gpu" or q_dtype not in (jnp.bfloat16, jnp.float16)
+  ):
+    attention = "blocked"  # cuDNN's flash attention runs on NVIDIA GPUs in fp16/bf16 only
+  sizes["attention"] = attention
+  L, G, Hq, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+  out = {
+    "keys": jnp.zeros((L, B, G, T, D), kv_dtype),
+    "values": jnp.zeros((L, B, G, T, D), kv_dtype),
+    "key_norms": jnp.zeros((L, B, G, T), jnp.float32),
+  }
+  if column_sums:
+    out["column_sums"] = jnp.zeros((L, B, Hq, T), jnp.float32)
+  if window:
+    out["attn_window"] = jnp.zeros((L, B, Hq, window, T), window_dtype)
 
-  def layer(x, p):
-    q, k, v = project_qkv(cfg, p, x, positions)
-    q_pad = jnp.pad(q, ((0, 0), (0, 0), (0, num_blocks * block - T), (0, 0)))
+  def layer(carry, l):
+    layers, l = _sliced_in_loop(stacked(params), l)
+    p = {k: v[l] for k, v in layers.items()}
+    return _layer(cfg, p, l, *carry, positions, valid, q_dtype, **sizes), None
 
-    def one_block(carry, start):
-      q_b = jax.lax.dynamic_slice_in_dim(q_pad, start, block, axis=2)
-      q_index = start + jnp.broadcast_to(jnp.arange(block), (B, block))
-      q_pos = jnp.take_along_axis(positions, jnp.minimum(q_index, T - 1), -1)
-      allowed = causal_allowed(q_pos, positions, valid, q_index, index, cfg.sliding_window)
-      probs = attention_probs(q_b, k, allowed)
-      real = jnp.take_along_axis(valid, jnp.minimum(q_index, T - 1), -1) & (q_index < T)
-      probs = jnp.where(real[:, None, :, None], probs, 0.0)
-      return carry + probs.sum(-2) if column_sums else carry, attend(probs, v)
-
-    sums0 = jnp.zeros((B, cfg.num_heads, T), jnp.float32)
-    sums, outs = jax.lax.scan(one_block, sums0, jnp.arange(num_blocks) * block)
-    out = outs.transpose(1, 2, 0, 3, 4).reshape(B, cfg.num_heads, num_blocks * block, -1)[:, :, :T]
-    ys = {"keys": k, "values": v}
-    if column_sums:
-      ys["column_sums"] = sums
-    if window:
-      q_index = jnp.broadcast_to(jnp.arange(T - window, T), (B, window))
-      allowed = causal_allowed(
-        positions[:, -window:], positions, valid, q_index, index, cfg.sliding_window
-      )
-      ys["attn_window"] = attention_probs(q[:, :, -window:], k, allowed)
-    return output_and_mlp(cfg, p, x, out), ys
-
-  x, ys = jax.lax.scan(layer, x, stacked(params))
+  (x, out), _ = jax.lax.scan(layer, (x, out), jnp.arange(L))
   maps = None
   if full_attention_layers:
     maps = full_attention_maps(cfg, params, input_ids, attention_mask, full_attention_layers)
@@ -340,10 +396,296 @@ def prefill(
     logits=logits_of(cfg, params, x if logits == "all" else x[:, -1:]),
     positions=positions,
     valid=valid,
-    key_norms=jnp.linalg.norm(ys["keys"].astype(jnp.float32), axis=-1),
     full_attention=maps,
-    **ys,
+    **out,
   )
+
+
+def _check_count(name: str, value, expected: str = "a positive int") -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def _qkv_dtypes(cfg: ModelConfig, params: dict, x_BTd: Array, positions_BT: Array):
+  """The dtypes :func:`project_qkv` gives queries and keys/values (the model's)."""
+  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+  p = {k: spec(v[0]) for k, v in stacked(params).items()}
+  q, k, _ = jax.eval_shape(
+    lambda p, x, pos: project_qkv(cfg, p, x, pos), p, spec(x_BTd[:, :1]), spec(positions_BT[:, :1])
+  )
+  return q.dtype, k.dtype
+
+
+def _sliced_in_loop(tree, index):
+  """``tree`` and ``index`` through an optimisation barrier on CPU, before a loop body slices
+  the tree at the index. XLA's CPU backend computes 16-bit math in fp32 and converts a
+  loop-invariant operand *before* the loop would slice it (an fp32 copy of every layer's weights
+  at once: 4.6 GiB for a 1B model in bf16); behind the barrier the conversion fuses into the
+  slice, one layer (or vocabulary chunk) at a time. Elsewhere it is the identity."""
+  if jax.default_backend() != "cpu":
+    return tree, index
+  return jax.lax.optimization_barrier((tree, index))
+
+
+def _is_16bit_float(a: Array) -> bool:
+  return jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize == 2
+
+
+@struct.dataclass
+class _Rows:
+  """A tile's queries: indices and RoPE positions ``[B, Q]``; ``real`` (``[B, Q]`` or None)
+  marks the rows that count (valid queries of the chunk), the others get zero attention."""
+
+  index: Array
+  pos: Array
+  real: Array | None
+
+
+def _layer(cfg, p, l, x, out, positions, valid, q_dtype, *, block, chunk, window, attention):
+  """One decoder layer over the whole prompt, ``chunk`` tokens at a time (residual stream and
+  K/V updated in place), then its window rows."""
+  B, T, _ = x.shape
+  sums = jnp.zeros((B, cfg.num_heads, T), jnp.float32) if "column_sums" in out else None
+  q_win = jnp.zeros((B, cfg.num_heads, window, cfg.head_dim), q_dtype) if window else None
+  step = _chunk_step(cfg, p, l, positions, valid, block, attention)
+  full, tail = divmod(T, chunk)
+  state = jax.lax.fori_loop(0, full, lambda i, s: step(i * chunk, chunk, s), (x, out, sums, q_win))
+  if tail:
+    state = step(full * chunk, tail, state)
+  x, out, sums, q_win = state
+  if sums is not None:
+    out = dict(out, column_sums=jax.lax.dynamic_update_index_in_dim(out["column_sums"], sums, l, 0))
+  if window:
+    out = dict(out, attn_window=_window_rows(cfg, q_win, out, l, positions, valid, block))
+  return x, out
+
+
+def _chunk_step(cfg, p, l, positions, valid, block, attention):
+  """``step(c0, n, state)``: tokens ``[c0, c0 + n)`` of one layer (``n`` static)."""
+  T = positions.shape[1]
+
+  def step(c0, n, state):
+    x, out, sums, q_win = state
+    x_c = jax.lax.dynamic_slice_in_dim(x, c0, n, 1)
+    q, k, v = project_qkv(cfg, p, x_c, jax.lax.dynamic_slice_in_dim(positions, c0, n, 1))
+    k, v = k.astype(out["keys"].dtype), v.astype(out["values"].dtype)
+    at = (l, 0, 0, c0, 0)
+    out = dict(
+      out,
+      keys=jax.lax.dynamic_update_slice(out["keys"], k[None], at),
+      values=jax.lax.dynamic_update_slice(out["values"], v[None], at),
+      key_norms=jax.lax.dynamic_update_slice(
+        out["key_norms"], jnp.linalg.norm(k.astype(jnp.float32), axis=-1)[None], at[:4]
+      ),
+    )
+    keys = _Keys(out["keys"], out["values"], positions, valid, l, min(block, T))
+    if attention == "blocked" or sums is not None:
+      o, sums = _attend_chunk(q, c0, n, keys, sums, block, cfg.sliding_window)
+    else:
+      o = _fused_chunk(q, c0, n, keys, cfg.sliding_window, attention)
+    x = jax.lax.dynamic_update_slice_in_dim(x, output_and_mlp(cfg, p, x_c, o), c0, 1)
+    if q_win is not None:  # the window's queries, wherever they fall in this chunk
+      rows = T - q_win.shape[2] + jnp.arange(q_win.shape[2]) - c0
+      inside = ((rows >= 0) & (rows < n)).reshape(1, 1, -1, 1)
+      q_win = jnp.where(inside, jnp.take(q, jnp.clip(rows, 0, n - 1), axis=2), q_win)
+    return x, out, sums, q_win
+
+  return step
+
+
+def _fused_chunk(q_BHQD, c0, n, keys, sliding_window, implementation) -> Array:
+  """The attention output ``[B, Hq, n, D]`` of queries ``[c0, c0 + n)`` from
+  :func:`jax.nn.dot_product_attention` over the layer's keys (rows with no allowed key: zero)."""
+  B, Hq, _, D = q_BHQD.shape
+  k, v = (
+    t[keys.layer].transpose(0, 2, 1, 3).astype(q_BHQD.dtype) for t in (keys.keys, keys.values)
+  )
+  allowed = (
+    causal_allowed(
+      jax.lax.dynamic_slice_in_dim(keys.positions, c0, n, 1),
+      keys.positions,
+      keys.valid,
+      jnp.broadcast_to(c0 + jnp.arange(n), (B, n)),
+      jnp.broadcast_to(jnp.arange(keys.T), (B, keys.T)),
+      sliding_window,
+    )
+    & jax.lax.dynamic_slice_in_dim(keys.valid, c0, n, 1)[:, :, None]
+  )
+  o = jax.nn.dot_product_attention(
+    q_BHQD.transpose(0, 2, 1, 3), k, v, mask=allowed[:, None], implementation=implementation
+  )
+  o = jnp.where(allowed.any(-1)[:, :, None, None], o.astype(jnp.float32), 0.0)
+  return o.transpose(0, 2, 1, 3)
+
+
+class _Keys:
+  """Layer ``l``'s keys and values in the ``[L, B, G, T, D]`` outputs, read ``size`` at a time."""
+
+  def __init__(self, keys_LBGTD, values_LBGTD, positions_BT, valid_BT, layer, size: int):
+    self.keys, self.values, self.layer, self.size = keys_LBGTD, values_LBGTD, layer, size
+    self.positions, self.valid = positions_BT, valid_BT
+    self.T = positions_BT.shape[1]
+
+  def tile(self, start):
+    """Keys, values ``[B, G, size, D]``, positions and validity ``[B, size]`` from ``start``."""
+    _, B, G, _, D = self.keys.shape
+    kv, start = _sliced_in_loop((self.keys, self.values), start)
+    k, v = (
+      jax.lax.dynamic_slice(t, (self.layer, 0, 0, start, 0), (1, B, G, self.size, D))[0] for t in kv
+    )
+    pos = jax.lax.dynamic_slice_in_dim(self.positions, start, self.size, 1)
+    return k, v, pos, jax.lax.dynamic_slice_in_dim(self.valid, start, self.size, 1)
+
+
+def _first_key(positions_BT: Array, q_pos_B: Array, sliding_window: int | None):
+  """The first key index a query at or after position ``q_pos_B`` may see (0 without a sliding
+  window; positions never decrease along a row, so the keys inside the window are a suffix)."""
+  if sliding_window is None:
+    return 0
+  first = jax.vmap(jnp.searchsorted)(positions_BT, q_pos_B - sliding_window + 1)
+  return first.min().astype(jnp.int32)
+
+
+def _tile_logits(q_BGRQD, rows: _Rows, keys: _Keys, s, sliding_window, fresh_only=True):
+  """fp32 ``q k^T / sqrt(D)`` of the key tile from ``s`` (``-inf`` where not allowed).
+
+  The tile is read from ``min(s, T - size)`` so that it stays inside the prompt; with
+  ``fresh_only`` its keys before ``s`` (the previous tile's) are masked, so that sums over tiles
+  count every key once. Returns the start read, the allowed mask ``[B, Q, K]``, the logits
+  ``[B, G, R, Q, K]`` and the values.
+  """
+  start = jnp.minimum(s, keys.T - keys.size)
+  k, v, k_pos, k_valid = keys.tile(start)
+  B = k.shape[0]
+  k_index = jnp.broadcast_to(start + jnp.arange(keys.size), (B, keys.size))
+  if fresh_only:
+    k_valid = k_valid & (k_index >= s)
+  allowed = causal_allowed(rows.pos, k_pos, k_valid, rows.index, k_index, sliding_window)
+  if rows.real is not None:
+    allowed = allowed & rows.real[:, :, None]
+  logits = jnp.einsum(
+    "bgrqd,bgkd->bgrqk", q_BGRQD, k.astype(jnp.float32), precision=PRECISION
+  ) / math.sqrt(q_BGRQD.shape[-1])
+  return start, allowed, jnp.where(allowed[:, None, None], logits, -jnp.inf), v
+
+
+def _finite(m: Array) -> Array:
+  """A running maximum usable as a shift: 0 where no key was allowed yet."""
+  return jnp.where(jnp.isneginf(m), 0.0, m)
+
+
+def _pv(probs_BGRQK: Array, v_BGKD: Array) -> Array:
+  return jnp.einsum(
+    "bgrqk,bgkd->bgrqd", probs_BGRQK, v_BGKD.astype(jnp.float32), precision=PRECISION
+  )
+
+
+def _softmax_stats(tile, lo, count, size, shape_BGRQ):
+  """Each query's softmax maximum and normaliser ``[B, G, R, Q]`` over ``count`` key tiles
+  from ``lo`` (``tile(s)`` as :func:`_tile_logits`)."""
+
+  def body(j, carry):
+    m, norm = carry
+    _, _, logits, _ = tile(lo + j * size)
+    new = jnp.maximum(m, logits.max(-1))
+    shift = _finite(new)
+    return new, norm * jnp.exp(m - shift) + jnp.exp(logits - shift[..., None]).sum(-1)
+
+  init = (jnp.full(shape_BGRQ, -jnp.inf), jnp.zeros(shape_BGRQ, jnp.float32))
+  return jax.lax.fori_loop(0, count, body, init)
+
+
+def _normalised(allowed, logits, m, norm) -> Array:
+  """One tile's softmax probabilities from the rows' statistics (zero where not allowed)."""
+  probs = jnp.exp(logits - m[..., None]) / norm[..., None]
+  return jnp.where(allowed[:, None, None], probs, 0.0)
+
+
+def _attend_block(q_BGRQD, tile, lo, count, size, sums_BHT):
+  """One query block's attention output ``[B, G, R, Q, D]`` over ``count`` key tiles from
+  ``lo``, and ``sums_BHT`` with the block's probabilities added (unless None)."""
+  B, G, R, Q, D = q_BGRQD.shape
+  o0 = jnp.zeros((B, G, R, Q, D), jnp.float32)
+  if sums_BHT is None:  # one pass with an online softmax (flash attention)
+
+    def online(j, carry):
+      m, norm, o = carry
+      _, _, logits, v = tile(lo + j * size)
+      new = jnp.maximum(m, logits.max(-1))
+      shift = _finite(new)
+      scale, e = jnp.exp(m - shift), jnp.exp(logits - shift[..., None])
+      return new, norm * scale + e.sum(-1), o * scale[..., None] + _pv(e, v)
+
+    init = (jnp.full((B, G, R, Q), -jnp.inf), jnp.zeros((B, G, R, Q), jnp.float32), o0)
+    _, norm, o = jax.lax.fori_loop(0, count, online, init)
+    return jnp.where(norm[..., None] > 0, o / jnp.where(norm > 0, norm, 1.0)[..., None], 0.0), None
+
+  m, norm = _softmax_stats(tile, lo, count, size, (B, G, R, Q))
+
+  def second(j, carry):
+    o, sums = carry
+    start, allowed, logits, v = tile(lo + j * size)
+    probs = _normalised(allowed, logits, m, norm)
+    got = jax.lax.dynamic_slice_in_dim(sums, start, size, 2) + probs.sum(3).reshape(B, G * R, -1)
+    return o + _pv(probs, v), jax.lax.dynamic_update_slice_in_dim(sums, got, start, 2)
+
+  return jax.lax.fori_loop(0, count, second, (o0, sums_BHT))
+
+
+def _attend_chunk(q_BHQD, c0, n, keys: _Keys, sums_BHT, block, sliding_window):
+  """Attention output ``[B, Hq, n, D]`` of the queries ``[c0, c0 + n)``, ``block`` at a time,
+  over the keys before them (tiles above the diagonal or behind the window are never read),
+  and the column sums with their rows added (unless None)."""
+  B, Hq, _, D = q_BHQD.shape
+  G = keys.keys.shape[2]
+  R, size = Hq // G, min(block, n)
+  num = -(-n // size)
+  q = jnp.pad(q_BHQD, ((0, 0), (0, 0), (0, num * size - n), (0, 0))).astype(jnp.float32)
+  q_blocks = jnp.moveaxis(q.reshape(B, G, R, num, size, D), 3, 0)
+  end = c0 + n
+
+  def one(sums, inputs):
+    j, q_b = inputs
+    q0 = c0 + j * size
+    index = jnp.broadcast_to(q0 + jnp.arange(size), (B, size))
+    inside = jnp.minimum(index, keys.T - 1)
+    rows = _Rows(
+      index=index,
+      pos=jnp.take_along_axis(keys.positions, inside, -1),
+      real=jnp.take_along_axis(keys.valid, inside, -1) & (index < end),
+    )
+    lo = _first_key(keys.positions, rows.pos[:, 0], sliding_window)
+    count = (jnp.minimum(q0 + size, end) - lo + keys.size - 1) // keys.size
+    tile = functools.partial(_tile_logits, q_b, rows, keys, sliding_window=sliding_window)
+    o, sums = _attend_block(q_b, tile, lo, count, keys.size, sums)
+    return sums, o
+
+  sums, o = jax.lax.scan(one, sums_BHT, (jnp.arange(num), q_blocks))
+  o = jnp.moveaxis(o, 0, 3).reshape(B, Hq, num * size, D)[:, :, :n]
+  return o, sums
+
+
+def _window_rows(cfg, q_BHWD, out, l, positions, valid, block) -> Array:
+  """The ``[L, B, Hq, W, T]`` window output with layer ``l``'s rows (the last ``W`` queries over
+  every key) written in, tile by tile, from an fp32 softmax."""
+  B, Hq, W, D = q_BHWD.shape
+  T = positions.shape[1]
+  G = cfg.num_kv_heads
+  keys = _Keys(out["keys"], out["values"], positions, valid, l, min(block, T))
+  rows = _Rows(jnp.broadcast_to(jnp.arange(T - W, T), (B, W)), positions[:, T - W :], None)
+  q = q_BHWD.astype(jnp.float32).reshape(B, G, Hq // G, W, D)
+  lo = _first_key(positions, rows.pos[:, 0], cfg.sliding_window)
+  count = (T - lo + keys.size - 1) // keys.size
+  tile = functools.partial(_tile_logits, q, rows, keys, sliding_window=cfg.sliding_window)
+  m, norm = _softmax_stats(tile, lo, count, keys.size, (B, G, Hq // G, W))
+  win = out["attn_window"]
+
+  def body(j, win):  # a clamped last tile rewrites its overlap with the same probabilities
+    start, allowed, logits, _ = tile(lo + j * keys.size, fresh_only=False)
+    probs = _normalised(allowed, logits, m, norm).reshape(B, Hq, W, -1).astype(win.dtype)
+    return jax.lax.dynamic_update_slice(win, probs[None], (l, 0, 0, 0, start))
+
+  return jax.lax.fori_loop(0, count, body, win)
 
 
 def full_attention_maps(cfg, params, input_ids, attention_mask, layers) -> dict:
