@@ -239,3 +239,10 @@ def test_attention_tiles_above_the_diagonal_or_behind_the_window_are_never_read(
       clean = outputs(slice(0, 0), sliding_window, sums)
       same = (outputs(poisoned, sliding_window, sums) == clean).all(axis=(0, 1, 3))
       np.testing.assert_array_equal(same, clean_rows)
+
+
+def test_model_call_refuses_ids_outside_the_vocabulary():
+  model, cfg, _ = km.load_tiny()
+  for bad in ([[1, cfg.vocab_size]], [[-1, 2]], [[1.5, 2.0]]):
+    with pytest.raises(ValueError, match="input_ids"):
+      model(np.asarray(bad))

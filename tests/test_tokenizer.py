@@ -252,3 +252,12 @@ def test_smollm2_tokenizer_matches_transformers():
   assert (mine.bos_id, mine.eos_id, mine.pad_id, mine.vocab_size) == (1, 2, 2, 49152)
   code = "import numpy as np\n\nclass A:\n    def __init__(self):\n        self.x = [1, 22, 333]\n"
   assert_same_ids(mine, ref, [*TEXTS, code, "    " * 5 + "\n" * 7 + "\t" * 3, *random_texts(200)])
+
+
+def test_word_tokenizer_decode_refuses_ids_outside_the_vocabulary():
+  from kvjax.eval import vocab
+
+  tok = vocab.tiny_tokenizer()
+  for bad in (tok.vocab_size + 5, -1):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+      tok.decode([3, bad])

@@ -68,8 +68,21 @@ class Llama(nnx.Module):
     return {k: v[...] for k, v in nnx.to_pure_dict(nnx.state(self, nnx.Param)).items()}
 
   def __call__(self, input_ids: Array, attention_mask: Array | None = None) -> Array:
-    """Logits ``[batch, T, vocab]`` of a full causal forward pass."""
+    """Logits ``[batch, T, vocab]`` of a full causal forward pass (concrete ``input_ids`` are
+    checked: integers in ``[0, vocab)``, since a gather would clamp anything else)."""
+    if not isinstance(input_ids, jax.core.Tracer):
+      check_ids("input_ids", input_ids, self.cfg.vocab_size)
     return forward(self.cfg, self.params(), input_ids, attention_mask)
+
+
+def check_ids(name: str, ids, vocab_size: int) -> None:
+  """``ValueError`` unless ``ids`` are integer token ids in ``[0, vocab_size)``."""
+  arr = np.asarray(ids)
+  if not np.issubdtype(arr.dtype, np.integer):
+    raise ValueError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
+  if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+    bad = int(arr.min() if arr.min() < 0 else arr.max())
+    raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 # --------------------------------------------------------------------------- building blocks

@@ -41,7 +41,11 @@ class WordTokenizer:
       raise ValueError(f"text: word {e.args[0]!r} is not in the vocabulary") from None
 
   def decode(self, ids) -> str:
-    return " ".join(self.vocab[int(i)] for i in ids)
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < len(self.vocab)]
+    if bad:
+      raise ValueError(f"ids: token id {bad[0]} is outside the vocabulary [0, {len(self.vocab)})")
+    return " ".join(self.vocab[i] for i in ids)
 
   def to_json(self) -> dict:
     """A Hugging Face ``tokenizers`` WordLevel file (loadable by ``HFTokenizer`` as well)."""
