@@ -260,12 +260,20 @@ def kvpress_answer(torch, hf, press, context_1T, question_1Q, n_new: int) -> lis
     cache = DynamicCache()
     with torch.inference_mode():
       hf.model(input_ids=context_1T, past_key_values=cache)
-  Tc, Q = context_1T.shape[1], question_1Q.shape[1]
+  Tc = context_1T.shape[1]
   eos = hf.generation_config.eos_token_id
   eos = set(eos if isinstance(eos, list) else [eos])
+  # A cache ragged across layers (PyramidKV's per-layer budgets) breaks a multi-token forward:
+  # transformers sizes the attention mask from layer 0 (kvpress's known per-layer-budget failure).
+  # The question then goes one token at a time (a one-token query needs no mask): same result.
+  ragged = len({cache.get_seq_length(i) for i in range(len(cache))}) > 1
+  chunks = question_1Q.split(1, dim=1) if ragged else (question_1Q,)
   with torch.inference_mode():
-    pos = torch.arange(Tc, Tc + Q).unsqueeze(0)
-    out = hf(input_ids=question_1Q, past_key_values=cache, position_ids=pos, logits_to_keep=1)
+    start = Tc
+    for chunk in chunks:
+      pos = torch.arange(start, start + chunk.shape[1]).unsqueeze(0)
+      out = hf(input_ids=chunk, past_key_values=cache, position_ids=pos, logits_to_keep=1)
+      start += chunk.shape[1]
     ids = [int(out.logits[0, -1].argmax())]
     pos = pos[:, -1:] + 1
     for i in range(n_new - 1):
