@@ -41,6 +41,23 @@ class Evidence:
     future_attn_LHST: attention of future queries over the ``T`` positions (oracle only).
     head_scores_LH: static head importance (HeadKV).
     rng: a PRNG key (random policy).
+    values_LGTD: values as cached ``[L, G, T, D]`` (LagKV, ExpectedAttention's value norm).
+    value_out_norms_LHT: CriticalKV's ``||W_O^h v_j||_1`` per query head ``h`` (``v`` repeated
+      over the GQA group), fp32 ``[L, Hq, T]``, before kvpress's group mean.
+    query_mean_LHD: ExpectedAttention's mean of the pre-RoPE prompt queries after the first
+      ``n_sink`` (4) tokens, rotated by the average RoPE matrix over the next ``n_future`` (512)
+      positions ``T .. T + n_future - 1``; fp32 ``[L, Hq, D]`` (kvpress
+      ``ExpectedAttentionPress.get_query_statistics``).
+    query_cov_LHDD: the matching covariance (divided by the count, not count - 1), rotated on
+      both sides; fp32 ``[L, Hq, D, D]``.
+    window_queries_LHWD: the last ``W`` post-RoPE prompt queries ``[L, Hq, W, D]`` (ThinK's
+      channel evidence).
+    qfilters_LGD: Q-Filters' filter direction per KV head ``[L, G, D]`` (score ``-<k, f>``).
+    retrieval_heads_LG: DuoAttention's per-KV-head gate ``alpha`` in ``[0, 1]`` ``[L, G]``
+      (1 = retrieval head, keeps everything).
+    reconstruction_attn_LGT: KVzip's importance ``[L, G, T]`` fp32: max over the reconstruction
+      queries (and the GQA group) of the attention they pay to each context key in the "repeat
+      the context" pass (kvpress ``KVzipPress``).
   """
 
   attn_window_LHWT: Array | None = None
@@ -50,6 +67,14 @@ class Evidence:
   future_attn_LHST: Array | None = None
   head_scores_LH: Array | None = None
   rng: Array | None = None
+  values_LGTD: Array | None = None
+  value_out_norms_LHT: Array | None = None
+  query_mean_LHD: Array | None = None
+  query_cov_LHDD: Array | None = None
+  window_queries_LHWD: Array | None = None
+  qfilters_LGD: Array | None = None
+  retrieval_heads_LG: Array | None = None
+  reconstruction_attn_LGT: Array | None = None
 
 
 def evidence_from_qk(
