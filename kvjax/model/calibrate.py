@@ -1,0 +1,657 @@
+"""Evidence that needs the model itself: Q-Filters' directions, DuoAttention's head gates and
+KVzip's reconstruction attention, as data the policies read (``kvjax.policies.Evidence``).
+
+* :func:`qfilters` -> ``qfilters_LGD``: Q-Filters (Godey et al., 2025, arXiv 2503.02812), the
+  official ``make_filters.py`` of ``NathanGodey/qfilters``.
+* :func:`duo_attention_pattern` -> ``retrieval_heads_LG``: DuoAttention (Xiao et al., 2024, arXiv
+  2410.10819), the official optimisation of ``mit-han-lab/duo-attention`` (``duo_attn/train.py``,
+  ``duo_attn/patch/llama.py``, ``duo_attn/data.py``) in a small form, and two cheap proxies:
+  kvpress 0.5.5's ``duo_attention_on_the_fly`` and each head's distant attention mass.
+* :func:`kvzip_evidence` -> ``reconstruction_attn_LGT``: KVzip (Kim et al., 2025, arXiv
+  2505.23416) as kvpress 0.5.5's ``KVzipPress`` computes it.
+
+Every pass here is a plain layer loop (``lax.scan`` over the stacked layers) built on the
+public functions of :mod:`kvjax.model.llama`, with dense attention: calibration prompts are
+short. Softmax and scores are fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kvjax.model import llama
+from kvjax.model.config import ModelConfig
+from kvjax.scores import PRECISION
+
+Array = jax.Array
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_int(name: str, value, minimum: int = 1) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
+  return int(value)
+
+
+def _check_positive(name: str, value) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    raise ValueError(f"{name}: expected a positive number, got {value!r}")
+  return float(value)
+
+
+def _ids_2d(name: str, ids, cfg: ModelConfig) -> np.ndarray:
+  """``ids`` as ``[B, T]`` int32 token ids (a 1-D row becomes one row), checked."""
+  arr = np.asarray(ids)
+  if arr.ndim == 1:
+    arr = arr[None]
+  if arr.ndim != 2 or arr.shape[1] == 0:
+    raise ValueError(f"{name}: expected token ids [B, T] or [T], got shape {arr.shape}")
+  llama.check_ids(name, arr, cfg.vocab_size)
+  return arr.astype(np.int32)
+
+
+def _rows(name: str, ids, cfg: ModelConfig) -> list[np.ndarray]:
+  """A sequence of 1-D id rows (different lengths allowed) or a ``[B, T]`` array, checked."""
+  if isinstance(ids, (list, tuple)) and ids and np.ndim(ids[0]) == 1:
+    return [_ids_2d(f"{name}[{i}]", r, cfg)[0] for i, r in enumerate(ids)]
+  return list(_ids_2d(name, ids, cfg))
+
+
+# --------------------------------------------------------------------------- shared layer loop
+
+
+def _positions(B: int, T: int, start: int = 0) -> Array:
+  return jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
+def _causal_allowed(cfg: ModelConfig, B: int, T: int) -> Array:
+  """``[B, T, T]`` causal mask of an unpadded prompt (with the model's sliding window)."""
+  pos = _positions(B, T)
+  return llama.causal_allowed(pos, pos, jnp.ones((B, T), bool), pos, pos, cfg.sliding_window)
+
+
+def _pre_rope(cfg: ModelConfig, p: dict, h_BTd: Array):
+  """Pre-RoPE queries ``[B, Hq, T, D]`` and keys ``[B, G, T, D]`` of normed hidden states
+  (q/k bias and Qwen3's q/k norm included): kvpress's ``get_prerope_query_states``."""
+  B, T, _ = h_BTd.shape
+  q, k = llama.matmul(h_BTd, p["wq"]), llama.matmul(h_BTd, p["wk"])
+  if cfg.qkv_bias:
+    q, k = q + llama.along_last(p["bq"], 3), k + llama.along_last(p["bk"], 3)
+  q = q.reshape(B, T, cfg.num_heads, cfg.head_dim).transpose(0, 2, 1, 3)
+  k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(0, 2, 1, 3)
+  if cfg.qk_norm:
+    q = llama.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = llama.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+  return q, k
+
+
+# --------------------------------------------------------------------------- Q-Filters
+
+
+def _sample_queries(cfg, params, ids_BT, idx_LN):
+  """Post-RoPE queries ``[L, Hq, N, D]`` fp32 at the flattened ``(row, position)`` indices
+  ``idx_LN`` (a different draw per layer), from a dense causal forward."""
+  B, T = ids_BT.shape
+  pos = _positions(B, T)
+  allowed = _causal_allowed(cfg, B, T)
+
+  def layer(x, inputs):
+    p, idx = inputs
+    q, k, v = llama.project_qkv(cfg, p, x, pos)
+    probs = llama.attention_probs(q, k, allowed)
+    x = llama.output_and_mlp(cfg, p, x, llama.attend(probs, v))
+    flat = q.astype(jnp.float32).transpose(1, 0, 2, 3).reshape(cfg.num_heads, B * T, -1)
+    return x, jnp.take(flat, idx, axis=1)
+
+  _, q_LHND = jax.lax.scan(layer, params["embed"][ids_BT], (llama.stacked(params), idx_LN))
+  return q_LHND
+
+
+_sample_queries_jit = jax.jit(_sample_queries, static_argnums=0)
+
+
+def qfilter_directions(
+  cfg: ModelConfig, params: dict, calibration_ids, *, num_svd_samples: int = 3000, seed: int = 0
+) -> Array:
+  """Q-Filters' direction per query head ``[L, Hq, D]`` fp32 (unit vectors).
+
+  As the official ``make_filters.py``: the post-RoPE queries of the calibration rows (every
+  position, the first included), ``num_svd_samples`` of them drawn at random per layer
+  (``argsort(rand)[:n]``, the same draw for every head of a layer; all when fewer), an SVD
+  ``Q = U S V^T`` per head, and the filter ``-sign * V[:, 0]`` where ``sign`` is +1 when more than
+  half of ``U[:, 0]`` is positive: most queries then project *negatively* on the filter, so that
+  ``-<k, f>`` is large for the keys the queries favour. Differs: the model's own dtype (fp32 on
+  CPU) instead of bf16 autocast, and numpy's generator for the draw.
+  """
+  ids = _ids_2d("calibration_ids", calibration_ids, cfg)
+  n = _check_int("num_svd_samples", num_svd_samples)
+  total = ids.size
+  rng = np.random.default_rng(seed)
+  idx_LN = np.stack([np.argsort(rng.random(total))[: min(n, total)] for _ in range(cfg.num_layers)])
+  q_LHND = _sample_queries_jit(cfg, params, jnp.asarray(ids), jnp.asarray(idx_LN, jnp.int32))
+  return _svd_filters(q_LHND)
+
+
+@jax.jit
+def _svd_filters(q_LHND: Array) -> Array:
+  u, _, vh = jnp.linalg.svd(q_LHND, full_matrices=False)
+  sign = jnp.where((u[..., 0] > 0).astype(jnp.float32).mean(-1) > 0.5, 1.0, -1.0)
+  return -sign[..., None] * vh[..., 0, :]
+
+
+def qfilters(
+  cfg: ModelConfig, params: dict, calibration_ids, *, num_svd_samples: int = 3000, seed: int = 0
+) -> Array:
+  """``qfilters_LGD`` fp32: :func:`qfilter_directions` averaged over each KV head's GQA group
+  (query heads ``g * R .. g * R + R - 1``), not renormalised, exactly as ``make_filters.py``
+  (``reshape(num_k_heads, -1, D).mean(-2)``); with one query head per KV head they stay unit
+  vectors. The score is ``-<k, f>`` (kvpress's ``QFilterPress``)."""
+  dirs_LHD = qfilter_directions(
+    cfg, params, calibration_ids, num_svd_samples=num_svd_samples, seed=seed
+  )
+  L, _, D = dirs_LHD.shape
+  return dirs_LHD.reshape(L, cfg.num_kv_heads, cfg.num_groups, D).mean(2)
+
+
+def calibration_rows(tokenizer, text: str, num_rows: int, length: int) -> np.ndarray:
+  """``[num_rows, length]`` ids of consecutive stretches of ``text`` (``bos`` first in each row
+  when the tokenizer has one): calibration text that ships offline, e.g.
+  ``kvjax.eval.streaming.reference_text(6 * num_rows * length)`` (Python's pydoc topics; the
+  official Q-Filters script reads 2048-token rows of fineweb)."""
+  rows, length = _check_int("num_rows", num_rows), _check_int("length", length)
+  bos = getattr(tokenizer, "bos_id", None)
+  body = length - (bos is not None)
+  ids = tokenizer.encode(text)
+  if len(ids) < rows * body:
+    raise ValueError(f"text: gives {len(ids)} tokens, fewer than {rows * body} ({rows} rows)")
+  out = np.asarray(ids[: rows * body], np.int32).reshape(rows, body)
+  if bos is not None:
+    out = np.concatenate([np.full((rows, 1), bos, np.int32), out], 1)
+  return out
+
+
+# --------------------------------------------------------------------------- DuoAttention
+
+DUO_METHODS = ("official", "kvpress_on_the_fly", "distant_mass")
+DUO_SINK, DUO_RECENT = 128, 256  # the official training script's sizes (scripts/train.sh)
+
+
+def streaming_mask(T: int, sink_size: int, recent_size: int) -> np.ndarray:
+  """``[T, T]`` bool: a streaming head's keys, as the official ``generate_streaming_mask``
+  (causal, and key ``j < sink_size`` or ``i - j < recent_size``)."""
+  i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+  return (j <= i) & ((j < sink_size) | (i - j < recent_size))
+
+
+def duo_sizes(T: int, sink_size: int = DUO_SINK, recent_size: int = DUO_RECENT) -> tuple[int, int]:
+  """Sink and recent sizes for prompts of ``T`` tokens: the official 128 + 256 when they fill at
+  most a quarter of the prompt (the official training prompts are 1k-32k tokens), else scaled by
+  the same factor down to a quarter (at least 1 each), so that streaming heads still lose most
+  of a short prompt. A named deviation for short CPU prompts."""
+  factor = min(1.0, T / (4 * (sink_size + recent_size)))
+  return max(1, round(sink_size * factor)), max(1, round(recent_size * factor))
+
+
+def _clamp01(x: Array) -> Array:
+  """``clamp(x, 0, 1)`` with torch's gradient (1 on the closed interval, 0 outside); jnp.clip
+  would halve it at the bounds, where the gates start."""
+  return jnp.where((x >= 0) & (x <= 1), x, jax.lax.stop_gradient(jnp.clip(x, 0.0, 1.0)))
+
+
+def duo_two_way(cfg: ModelConfig, params: dict, alpha_LG: Array, ids_BT: Array, stream_TT):
+  """The official two-way forward (``llama_duo_attention_forward_two_way``): the unchanged model
+  (full attention, no gradient) beside the gated one, whose every head outputs
+  ``(1 - a) * streaming + a * full`` with ``a`` its KV head's clamped gate and ``full`` the
+  *unchanged* branch's full-attention output at that layer (as the official code mixes).
+  Returns both final hidden states ``[B, T, d]`` fp32 (after the final norm: ``model.model``'s
+  output)."""
+  B, T = ids_BT.shape
+  pos = _positions(B, T)
+  causal = _causal_allowed(cfg, B, T)
+  stream = causal & jnp.asarray(stream_TT)[None]
+  R = cfg.num_groups
+
+  def layer(carry, inputs):
+    x_f, x_s = carry
+    p, alpha_G = inputs
+    q, k, v = llama.project_qkv(cfg, p, x_f, pos)
+    o_f = jax.lax.stop_gradient(llama.attend(llama.attention_probs(q, k, causal), v))
+    q, k, v = llama.project_qkv(cfg, p, x_s, pos)
+    o_s = llama.attend(llama.attention_probs(q, k, stream), v)
+    a = jnp.repeat(_clamp01(alpha_G), R).reshape(1, -1, 1, 1)
+    mixed = (1 - a) * o_s + a * o_f
+    x_f = jax.lax.stop_gradient(llama.output_and_mlp(cfg, p, x_f, o_f))
+    return (x_f, llama.output_and_mlp(cfg, p, x_s, mixed)), None
+
+  x = params["embed"][ids_BT]
+  (x_f, x_s), _ = jax.lax.scan(layer, (x, x), (llama.stacked(params), alpha_LG))
+  norm = lambda h: llama.rms_norm(h, params["final_norm"], cfg.rms_norm_eps).astype(jnp.float32)  # noqa: E731
+  return norm(x_f), norm(x_s)
+
+
+def duo_loss(alpha_LG, cfg, params, ids_BT, labels_BT, stream_TT, reg_weight):
+  """The official loss: hidden-state MSE (mean over the hidden size, summed over the label
+  positions, divided by their count) + ``reg_weight`` times the mean absolute gate
+  (``l1_loss``). Returns ``(loss, (distill, reg))``."""
+  h_f, h_s = duo_two_way(cfg, params, alpha_LG, ids_BT, stream_TT)
+  mask = labels_BT.astype(jnp.float32)
+  distill = (jnp.mean((h_f - h_s) ** 2, -1) * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+  reg = jnp.abs(alpha_LG).mean()
+  return distill + reg_weight * reg, (distill, reg)
+
+
+def duo_schedule(lr: float, num_steps: int):
+  """The official ``LambdaLR``: ``lr * min(1, max((s+1)/w, 0.1), max((N-s)/w, 0.1))`` with
+  ``w = N // 5`` (at least 1 here: the official divides by zero below 5 steps)."""
+  w = max(num_steps // 5, 1)
+
+  def schedule(step):
+    s = jnp.asarray(step, jnp.float32)
+    up, down = jnp.maximum((s + 1) / w, 0.1), jnp.maximum((num_steps - s) / w, 0.1)
+    return lr * jnp.minimum(1.0, jnp.minimum(up, down))
+
+  return schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class DuoTraining:
+  """What :func:`train_duo_attention` returns: the gates ``alpha_LG`` (clipped to [0, 1], as the
+  official ``load_attn_pattern``), the loss per step and the sizes it trained with."""
+
+  alpha_LG: np.ndarray
+  loss: np.ndarray
+  distill: np.ndarray
+  reg: np.ndarray
+  sink_size: int
+  recent_size: int
+
+
+def _examples(examples, cfg) -> list[tuple[np.ndarray, np.ndarray]]:
+  if not isinstance(examples, (list, tuple)) or not examples:
+    raise ValueError("examples: expected a non-empty sequence of (ids_T, label_mask_T) pairs")
+  out = []
+  for i, ex in enumerate(examples):
+    if not isinstance(ex, (list, tuple)) or len(ex) != 2:
+      raise ValueError(f"examples[{i}]: expected an (ids_T, label_mask_T) pair")
+    ids = _ids_2d(f"examples[{i}] ids", ex[0], cfg)
+    labels = np.asarray(ex[1]).astype(bool).reshape(1, -1)
+    if ids.shape[0] != 1 or labels.shape != ids.shape or not labels.any():
+      raise ValueError(
+        f"examples[{i}]: expected 1-D ids and a label mask of the same length with at least one "
+        f"label, got shapes {np.shape(ex[0])} and {np.shape(ex[1])}"
+      )
+    out.append((ids, labels))
+  return out
+
+
+def train_duo_attention(
+  cfg: ModelConfig,
+  params: dict,
+  examples,
+  *,
+  num_steps: int = 8,
+  lr: float = 0.02,
+  reg_weight: float = 0.05,
+  initial_value: float = 1.0,
+  sink_size: int | None = None,
+  recent_size: int | None = None,
+) -> DuoTraining:
+  """DuoAttention's optimisation of one gate per KV head, as ``duo_attn/train.py``.
+
+  Gates start at ``initial_value`` (1.0), are clamped to [0, 1] before every step and inside the
+  forward, and are trained by AdamW (betas 0.9/0.999, eps 1e-8, no weight decay: optax's
+  ``adamw``) at ``lr`` (0.02 in the released patterns) with the official warm-up/decay schedule
+  (:func:`duo_schedule`) on :func:`duo_loss` with ``reg_weight`` 0.05; batch size 1, the
+  ``examples`` cycled in order (the official shuffles a dataset of multi-passkey prompts).
+  ``examples``: ``(ids_T, label_mask_T)`` pairs (:func:`duo_examples`); the label mask marks
+  the question-and-answer tokens, where the hidden states are distilled. Sink and recent
+  default to :func:`duo_sizes` of the shortest example. Differs: a few steps on short prompts
+  (the official runs 2000 steps on 1k-32k tokens), fp32 instead of bf16 FSDP, no sequence
+  parallelism.
+  """
+  data = _examples(examples, cfg)
+  steps = _check_int("num_steps", num_steps)
+  lr, reg_weight = _check_positive("lr", lr), float(reg_weight)
+  if reg_weight < 0:
+    raise ValueError(f"reg_weight: expected a number >= 0, got {reg_weight}")
+  T_min = min(ids.shape[1] for ids, _ in data)
+  sink, recent = duo_sizes(T_min)
+  sink = sink if sink_size is None else _check_int("sink_size", sink_size)
+  recent = recent if recent_size is None else _check_int("recent_size", recent_size)
+  opt = optax.adamw(duo_schedule(lr, steps), b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+  alpha = jnp.full((cfg.num_layers, cfg.num_kv_heads), float(initial_value), jnp.float32)
+  state = opt.init(alpha)
+  masks = {}
+  hist = []
+  for s in range(steps):
+    ids, labels = data[s % len(data)]
+    T = ids.shape[1]
+    if T not in masks:
+      masks[T] = jnp.asarray(streaming_mask(T, sink, recent))
+    alpha, state, aux = _duo_step(cfg, opt, params, alpha, state, ids, labels, masks[T], reg_weight)
+    hist.append([float(a) for a in aux])
+  h = np.asarray(hist, np.float32)
+  return DuoTraining(
+    alpha_LG=np.clip(np.asarray(alpha), 0.0, 1.0),
+    loss=h[:, 0],
+    distill=h[:, 1],
+    reg=h[:, 2],
+    sink_size=sink,
+    recent_size=recent,
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _duo_step(cfg, opt, params, alpha, state, ids, labels, stream, reg_weight):
+  alpha = jnp.clip(alpha, 0.0, 1.0)  # the official clamp_ before each step
+  grad_fn = jax.value_and_grad(duo_loss, has_aux=True)
+  (loss, (distill, reg)), g = grad_fn(alpha, cfg, params, ids, labels, stream, reg_weight)
+  updates, state = opt.update(g, state, alpha)
+  return optax.apply_updates(alpha, updates), state, (loss, distill, reg)
+
+
+def duo_examples(examples) -> list[tuple[np.ndarray, np.ndarray]]:
+  """``(ids_T, label_mask_T)`` pairs from retrieval examples (``kvjax.eval.tasks.Example``, e.g.
+  ``tasks.generate("multi_query", tok, length=..., seed=i)``: several keys hidden in a
+  haystack, several asked at once): the prompt then its answer, labels on the question and
+  answer tokens, as the official ``MultiplePasskeyRetrievalDataset`` labels its
+  question-and-answer part. Differs from the official data: kvjax's task haystack instead of
+  BookSum, its values instead of 32-word passkeys."""
+  out = []
+  for i, ex in enumerate(examples):
+    for name in ("prompt", "answer", "question_len"):
+      if not hasattr(ex, name):
+        raise ValueError(f"examples[{i}]: expected a tasks.Example (no {name!r})")
+    ids = np.concatenate([np.asarray(ex.prompt), np.asarray(ex.answer)]).astype(np.int32)
+    labels = np.zeros(ids.size, bool)
+    labels[len(ex.prompt) - ex.question_len :] = True
+    out.append((ids, labels))
+  return out
+
+
+def _on_the_fly_scores(cfg, params, ids_BT, q_len: int):
+  """kvpress's ``duo_attention_on_the_fly`` for one text: per layer, the mean pre-RoPE query and
+  key over the text's positions, repeated ``q_len`` times and rotated at positions
+  ``0 .. q_len-1``; the last query's softmax over the ``q_len`` keys; the score is the mean of
+  its cumulative sum (the area under the cumulated attention curve), averaged over each KV
+  head's query heads. ``[L, G]``."""
+  B, T = ids_BT.shape
+  pos = _positions(B, T)
+  allowed = _causal_allowed(cfg, B, T)
+  R = cfg.num_groups
+  rot = jnp.arange(q_len, dtype=jnp.int32)
+
+  def layer(x, p):
+    h = llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q_mean, k_mean = (t.mean(2, keepdims=True) for t in _pre_rope(cfg, p, h))
+    q_last = llama.rope_at(q_mean, jnp.full((1, 1, 1), q_len - 1, jnp.int32), cfg)
+    k_all = llama.rope_at(
+      jnp.broadcast_to(k_mean, k_mean.shape[:2] + (q_len, cfg.head_dim)),
+      jnp.broadcast_to(rot, (1, 1, q_len)),
+      cfg,
+    )
+    probs = llama.attention_probs(q_last, k_all, jnp.ones((1, 1, q_len), bool))[0, :, 0]
+    s = jnp.cumsum(probs, -1).mean(-1).reshape(cfg.num_kv_heads, R).mean(-1)
+    q, k, v = llama.project_qkv(cfg, p, x, pos)
+    x = llama.output_and_mlp(cfg, p, x, llama.attend(llama.attention_probs(q, k, allowed), v))
+    return x, s
+
+  _, s_LG = jax.lax.scan(layer, params["embed"][ids_BT], llama.stacked(params))
+  return s_LG
+
+
+_on_the_fly_jit = jax.jit(_on_the_fly_scores, static_argnums=(0, 3))
+
+
+def _distant_mass(cfg, params, ids_BT, labels_BT, stream_TT):
+  """Each KV head's attention mass outside sink + recent, paid by the label queries: mean over
+  them and over the group. ``[L, G]``."""
+  B, T = ids_BT.shape
+  pos = _positions(B, T)
+  allowed = _causal_allowed(cfg, B, T)
+  far = (~jnp.asarray(stream_TT)).astype(jnp.float32)
+  w = labels_BT.astype(jnp.float32)
+
+  def layer(x, p):
+    q, k, v = llama.project_qkv(cfg, p, x, pos)
+    probs = llama.attention_probs(q, k, allowed)
+    mass = jnp.einsum("bhqk,qk->bhq", probs, far, precision=PRECISION)
+    per_head = (mass * w[:, None]).sum((0, 2)) / w.sum()
+    x = llama.output_and_mlp(cfg, p, x, llama.attend(probs, v))
+    return x, per_head.reshape(cfg.num_kv_heads, -1).mean(-1)
+
+  _, m_LG = jax.lax.scan(layer, params["embed"][ids_BT], llama.stacked(params))
+  return m_LG
+
+
+_distant_mass_jit = jax.jit(_distant_mass, static_argnums=0)
+
+
+def duo_attention_pattern(
+  cfg: ModelConfig,
+  params: dict,
+  examples=None,
+  *,
+  method: str = "official",
+  calibration_ids=None,
+  q_len: int = 500,
+  sink_size: int | None = None,
+  recent_size: int | None = None,
+  **train_options,
+) -> np.ndarray:
+  """``retrieval_heads_LG`` in [0, 1] (higher: more of a retrieval head), by ``method``:
+
+  * ``"official"``: the trained gates of :func:`train_duo_attention` on ``examples``
+    (``train_options``: ``num_steps``, ``lr``, ``reg_weight``, ``initial_value``).
+  * ``"kvpress_on_the_fly"``: kvpress 0.5.5's ``duo_attention_on_the_fly`` (its "experimental"
+    proxy), averaged over the rows of ``calibration_ids`` (kvpress: 50 BookSum chapters; here
+    any text, e.g. :func:`calibration_ids`), ``q_len`` 500. kvpress makes streaming heads of the
+    lowest scores, as the policy does.
+  * ``"distant_mass"``: kvjax's cheap proxy, each KV head's attention mass outside sink +
+    recent (:func:`duo_sizes`) paid by the question-and-answer queries of ``examples``,
+    averaged over them and over the group, then over the examples.
+  """
+  if method not in DUO_METHODS:
+    raise ValueError(f"method: expected one of {DUO_METHODS}, got {method!r}")
+  if method == "official":
+    return train_duo_attention(
+      cfg, params, examples, sink_size=sink_size, recent_size=recent_size, **train_options
+    ).alpha_LG
+  if train_options:
+    raise ValueError(f"{sorted(train_options)[0]}: only method='official' trains")
+  if method == "kvpress_on_the_fly":
+    if calibration_ids is None:
+      raise ValueError("calibration_ids: method='kvpress_on_the_fly' needs calibration text ids")
+    rows = _rows("calibration_ids", calibration_ids, cfg)
+    q_len = _check_int("q_len", q_len)
+    total = sum(np.asarray(_on_the_fly_jit(cfg, params, jnp.asarray(r[None]), q_len)) for r in rows)
+    return (total / len(rows)).astype(np.float32)
+  data = _examples(examples, cfg)
+  total = 0.0
+  for ids, labels in data:
+    sink, recent = duo_sizes(ids.shape[1])
+    sink = sink if sink_size is None else _check_int("sink_size", sink_size)
+    recent = recent if recent_size is None else _check_int("recent_size", recent_size)
+    stream = jnp.asarray(streaming_mask(ids.shape[1], sink, recent))
+    total = total + np.asarray(_distant_mass_jit(cfg, params, ids, labels, stream))
+  return (total / len(data)).astype(np.float32)
+
+
+# --------------------------------------------------------------------------- KVzip
+
+KVZIP_FIRST = "\n\nRepeat the previous context exactly."
+KVZIP_LATER = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+@dataclasses.dataclass(frozen=True)
+class KVzipTemplate:
+  """KVzip's reconstruction prompt in token ids (kvpress's ``KVzipPress.prepare``).
+
+  ``first_ids``: "\\n\\nRepeat the previous context exactly." (the first chunk);
+  ``later_ids``: "\\n\\nRepeat the part of the previous context exactly, starting with" (later
+  chunks, followed by the previous chunk's last 8 tokens); ``suffix_ids``: the chat template's
+  text after the user turn (its assistant header), or "\\n" without a chat template;
+  ``prefix_length``: how many context tokens come before the user content (the chat template's
+  header, 0 without one): they are not reconstructed and keep score 0.
+  """
+
+  first_ids: tuple[int, ...]
+  later_ids: tuple[int, ...]
+  suffix_ids: tuple[int, ...]
+  prefix_length: int = 0
+
+
+def kvzip_template(tokenizer, *, prefix_text: str = "", suffix_text: str = "\n") -> KVzipTemplate:
+  """:class:`KVzipTemplate` from a tokenizer (``encode`` without special tokens, as kvpress's
+  ``add_special_tokens=False``). kvpress splits the model's chat template around a dummy user
+  turn into ``prefix_text`` and ``suffix_text``; kvjax's tokenizers carry no chat template, so
+  pass them (defaults: kvpress's choice for models without one)."""
+  enc = tokenizer.encode
+  return KVzipTemplate(
+    first_ids=tuple(enc(KVZIP_FIRST)),
+    later_ids=tuple(enc(KVZIP_LATER)),
+    suffix_ids=tuple(enc(suffix_text)),
+    prefix_length=len(enc(prefix_text)) if prefix_text else 0,
+  )
+
+
+def kvzip_chunks(
+  context_BT: np.ndarray, template: KVzipTemplate, chunk_size: int, prev_postfix_size: int = 8
+) -> list[tuple[int, int, np.ndarray]]:
+  """``(start, end, repeat_ids_BQ)`` per chunk: the context after the template's prefix cut into
+  ``chunk_size`` pieces, each asked back as ``prompt + suffix + chunk`` (``KVzipPress.prepare``
+  and ``_chunk_fn``)."""
+  B, T = context_BT.shape
+  out, start, prev = [], template.prefix_length, None
+  while start < T:
+    end = min(start + chunk_size, T)
+    chunk = context_BT[:, start:end]
+    if prev is None:
+      q = np.broadcast_to(np.asarray(template.first_ids, np.int32), (B, len(template.first_ids)))
+    else:
+      later = np.broadcast_to(
+        np.asarray(template.later_ids, np.int32), (B, len(template.later_ids))
+      )
+      q = np.concatenate([later, prev[:, -prev_postfix_size:]], 1)
+    suffix = np.broadcast_to(
+      np.asarray(template.suffix_ids, np.int32), (B, len(template.suffix_ids))
+    )
+    out.append((start, end, np.concatenate([q, suffix, chunk], 1).astype(np.int32)))
+    prev, start = chunk, end
+  return out
+
+
+def _wov_norms(cfg: ModelConfig, p: dict, v_BGSD: Array) -> Array:
+  """``||W_O^h v||_2`` per query head ``[B, Hq, S]`` (KVzip+'s ``_compute_value_output_norm``)."""
+  G, R, D = cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
+  wo = p["wo"].astype(jnp.float32).reshape(G, R, D, -1)
+  out = jnp.einsum("grdj,bgsd->bgrsj", wo, v_BGSD.astype(jnp.float32), precision=PRECISION)
+  B, S = v_BGSD.shape[0], v_BGSD.shape[2]
+  return jnp.linalg.norm(out, axis=-1).reshape(B, G * R, S)
+
+
+def _reconstruct(cfg, params, keys_LBGTD, values_LBGTD, repeat_BQ, start, n, sink, plus):
+  """One reconstruction pass over the cached context: the repeat tokens at positions
+  ``T .. T+Q-1`` attend to the whole context and causally to themselves (the model's forward);
+  beside it, KVzip's score of the chunk ``[start, start + n)`` per layer ``[L, B, G, n]``
+  (``start`` traced, so that equal chunks share one compile; ``sink = min(n_sink, start)``)."""
+  B, Q = repeat_BQ.shape
+  T = keys_LBGTD.shape[3]
+  pos_q = _positions(B, Q, T)
+  pos_k = _positions(B, T + Q)
+  allowed = llama.causal_allowed(
+    pos_q, pos_k, jnp.ones((B, T + Q), bool), pos_q, pos_k, cfg.sliding_window
+  )
+  tri = jnp.tril(jnp.ones((Q, Q), bool))
+  sub_allowed = jnp.broadcast_to(
+    jnp.concatenate([jnp.ones((Q, sink + n), bool), tri], 1), (B, Q, sink + n + Q)
+  )
+
+  def layer(x, inputs):
+    p, k_ctx, v_ctx = inputs
+    q, k, v = llama.project_qkv(cfg, p, x, pos_q)
+    k_all = jnp.concatenate([k_ctx, k.astype(k_ctx.dtype)], 2)
+    v_all = jnp.concatenate([v_ctx, v.astype(v_ctx.dtype)], 2)
+    probs = llama.attention_probs(q, k_all, allowed)
+
+    def pick(t, new):  # the scored keys (or values): sinks, the chunk, the repeat tokens
+      chunk = jax.lax.dynamic_slice_in_dim(t, start, n, 2)
+      return jnp.concatenate([t[:, :, :sink], chunk, new.astype(t.dtype)], 2)
+
+    attn = llama.attention_probs(q, pick(k_ctx, k), sub_allowed)  # [B, Hq, Q, S]
+    if plus:
+      h = llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps).astype(jnp.float32)
+      attn = attn / jnp.linalg.norm(h, axis=-1)[:, None, :, None]
+      attn = attn * _wov_norms(cfg, p, pick(v_ctx, v))[:, :, None, :]
+    score = attn[..., sink : sink + n].max(2)  # max over the repeat queries
+    score = score.reshape(B, cfg.num_kv_heads, cfg.num_groups, n).max(2)  # and the group
+    x = llama.output_and_mlp(cfg, p, x, llama.attend(probs, v_all))
+    return x, score
+
+  stacks = (llama.stacked(params), keys_LBGTD, values_LBGTD)
+  _, scores = jax.lax.scan(layer, params["embed"][repeat_BQ], stacks)
+  return scores
+
+
+_reconstruct_jit = jax.jit(_reconstruct, static_argnums=(0, 6, 7, 8))
+
+
+def kvzip_evidence(
+  cfg: ModelConfig,
+  params: dict,
+  context_ids,
+  template: KVzipTemplate,
+  *,
+  chunk_size: int = 2048,
+  n_sink: int = 4,
+  plus: bool = False,
+) -> Array:
+  """KVzip's ``reconstruction_attn_LGT`` fp32 of a context ``[T]`` (``[L, B, G, T]`` for a
+  ``[B, T]`` batch of unpadded rows), as kvpress 0.5.5's ``KVzipPress``.
+
+  The context is prefilled once (:func:`kvjax.model.llama.prefill`); then, chunk by chunk
+  (:func:`kvzip_chunks`, ``chunk_size`` 2048), the model reads ``prompt + suffix + chunk`` after
+  the cached context (positions ``T ..``, the cache put back to the context after each chunk).
+  At every layer the repeat queries (post-RoPE) take a softmax over a *subsample* of keys: the
+  first ``min(n_sink, start)`` context tokens, the chunk being reconstructed and the repeat
+  tokens themselves (causal among them); the score of each chunk key is the maximum of that
+  attention over the repeat queries and the GQA group. ``plus`` is KVzip+'s normalisation (rows
+  divided by the norm of the attention input, columns times ``||W_O^h v||``). Tokens before
+  ``template.prefix_length`` are never reconstructed and stay 0; the policy's sink protection
+  (kvpress: the first ``n_sink`` scores set to the maximum + 1) belongs to the scorer. The
+  prefill costs about twice a plain one (the context plus its repetition).
+  Differs: batches of several unpadded rows (kvpress: batch 1); the model's sliding window is
+  applied to the forward pass (the score ignores it, as kvpress).
+  """
+  ids = _ids_2d("context_ids", context_ids, cfg)
+  single = np.ndim(context_ids) == 1
+  chunk_size = _check_int("chunk_size", chunk_size)
+  n_sink = _check_int("n_sink", n_sink, 0)
+  if not isinstance(template, KVzipTemplate):
+    raise ValueError(f"template: expected a KVzipTemplate, got {type(template).__name__}")
+  for name in ("first_ids", "later_ids", "suffix_ids"):
+    llama.check_ids(
+      f"template.{name}", np.asarray(getattr(template, name), np.int64), cfg.vocab_size
+    )
+  B, T = ids.shape
+  prefix = _check_int("template.prefix_length", template.prefix_length, 0)
+  if prefix >= T:
+    raise ValueError(
+      f"template.prefix_length: {prefix} leaves nothing of the {T}-token context to reconstruct"
+    )
+  pre = llama.prefill(cfg, params, jnp.asarray(ids), jnp.ones((B, T), jnp.int32))
+  out = jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, T), jnp.float32)
+  for start, end, repeat in kvzip_chunks(ids, template, chunk_size):
+    sink = min(n_sink, start)
+    s = _reconstruct_jit(
+      cfg, params, pre.keys, pre.values, jnp.asarray(repeat), start, end - start, sink, bool(plus)
+    )
+    out = out.at[..., start:end].set(s)
+  return out[:, 0] if single else out
