@@ -195,6 +195,65 @@ def _score_cake(evidence, opts):
   return scores_lib.cake(attn, gamma=opts["gamma"], kernel=opts["kernel"], window=opts["window"])
 
 
+def _score_keydiff(evidence, opts):
+  return scores_lib.keydiff(_need(evidence, "keys_LGTD", opts["_name"]))
+
+
+def _score_lagkv(evidence, opts):
+  keys = _need(evidence, "keys_LGTD", opts["_name"])
+  values = _need(evidence, "values_LGTD", opts["_name"])
+  return scores_lib.lagkv(keys, values, lag=opts["lag"], sinks=opts["sinks"])
+
+
+def _score_expected_attention(evidence, opts):
+  name = opts["_name"]
+  cov = _need(evidence, "query_cov_LHDD", name) if opts["use_covariance"] else None
+  values = _need(evidence, "values_LGTD", name) if opts["use_vnorm"] else None
+  return scores_lib.expected_attention(
+    _need(evidence, "query_mean_LHD", name),
+    cov,
+    _need(evidence, "keys_LGTD", name),
+    values,
+    sinks=opts["sinks"],
+    use_covariance=opts["use_covariance"],
+    use_vnorm=opts["use_vnorm"],
+    epsilon=opts["epsilon"],
+  )
+
+
+def _score_qfilter(evidence, opts):
+  keys = _need(evidence, "keys_LGTD", opts["_name"])
+  return scores_lib.qfilter(keys, _need(evidence, "qfilters_LGD", opts["_name"]))
+
+
+def _score_duo(evidence, opts):
+  gates = _need(evidence, "retrieval_heads_LG", opts["_name"])
+  T = _positions_shape(evidence, opts["_name"])[2]
+  return scores_lib.streaming(T, gates.shape, sinks=opts["sinks"])
+
+
+def _score_kvzip(evidence, opts):
+  attn = _need(evidence, "reconstruction_attn_LGT", opts["_name"])
+  return scores_lib.kvzip(attn, sinks=opts["sinks"])
+
+
+def _score_rkv(evidence, opts):
+  queries = _need(evidence, "window_queries_LHWD", opts["_name"])
+  return scores_lib.rkv(
+    queries,
+    _need(evidence, "keys_LGTD", opts["_name"]),
+    window=opts["window"],
+    kernel=opts["kernel"],
+    mix_lambda=opts["mix_lambda"],
+    threshold=opts["threshold"],
+  )
+
+
+def _score_think(evidence, opts):
+  L, H, T = _positions_shape(evidence, opts["_name"])
+  return scores_lib.recency(T, (L, H))
+
+
 # --------------------------------------------------------------------------- allocators
 
 
@@ -279,6 +338,91 @@ def _alloc_cake(evidence, scores_LHT, budget, opts):
   return budgets_lib.per_head(layer_L, scores_LHT.shape[1])
 
 
+def _heads_like(x_LG: Array, num_heads: int) -> Array:
+  """A per-KV-head ``[L, G]`` table at the scores' granularity (repeated over GQA groups)."""
+  G = x_LG.shape[1]
+  if num_heads == G:
+    return x_LG
+  if num_heads % G:
+    raise ValueError(f"retrieval_heads: G={G} KV heads do not divide the scores' {num_heads} heads")
+  return jnp.repeat(x_LG, num_heads // G, axis=1)
+
+
+def _alloc_duo(evidence, scores_LHT, budget, opts):
+  """DuoAttention: retrieval heads keep all ``T``; streaming heads keep ``budget`` (its
+  ``sinks`` sinks + ``budget - sinks`` recent tokens, kvpress's ``sink_size + recent_size``)."""
+  L, H, T = scores_LHT.shape
+  gates = _need(evidence, "retrieval_heads_LG", opts["_name"])
+  streaming = scores_lib.duo_streaming_heads(gates, opts["head_compression_ratio"])
+  budget_LH = as_budget_LH(budget, L, H)
+  return jnp.where(_heads_like(streaming, H), budget_LH, T).astype(jnp.int32)
+
+
+def _alloc_kvzip(evidence, scores_LHT, budget, opts):
+  """KVzip: one pooled selection of ``L * H * budget`` over every layer and head (kvpress's
+  default, ``layerwise=False``), or per layer over its heads (``layerwise=True``)."""
+  L, H, T = scores_LHT.shape
+  b = jnp.minimum(as_budget_LH(budget, L, H)[:, 0], T)  # a scalar budget: every row the same
+  if opts["layerwise"]:
+    return select.pooled_budgets(scores_LHT, b * H)
+  flat = scores_LHT.reshape(1, L * H, T)
+  return select.pooled_budgets(flat, b[:1] * (L * H)).reshape(L, H)
+
+
+def _alloc_all(evidence, scores_LHT, budget, opts):
+  """Every position of every head (``think``: ThinK prunes key channels, not tokens)."""
+  L, H, T = scores_LHT.shape
+  return jnp.full((L, H), T, jnp.int32)
+
+
+# --------------------------------------------------------------------------- budget-dependent
+# scores: CriticalKV's first stage is the top of the base scores under the budget, so the scores
+# the selection ranks depend on ``budget_LH`` (traced data: one trace for every budget).
+
+
+def _first_stage(scores_LHT, count_LH, capacity):
+  T = scores_LHT.shape[-1]
+  capacity = T if capacity is None else capacity
+  count_LH = jnp.minimum(count_LH, capacity)  # a budget >= T keeps everything anyway
+  return select.keep_mask(scores_LHT, count_LH, capacity=capacity)
+
+
+def _stage_one_count(budget_LH, ratio, floor_one):
+  count = jnp.floor(budget_LH.astype(jnp.float32) * ratio).astype(jnp.int32)
+  if floor_one:  # kvpress: ``max(1, count)`` whenever the first stage is on
+    count = jnp.where(jnp.asarray(ratio) > 0, jnp.maximum(count, 1), count)
+  return count
+
+
+def _rescore_critical(evidence, scores_LHT, budget_LH, opts, capacity):
+  """CriticalKVPress: stage 1 keeps the base scores' top ``max(1, floor(r * b))`` (kvpress:
+  ``max(1, int((1 - ratio) * T * r))``, the same count for ``b = (1 - ratio) T``); stage 2
+  ranks the rest by ``(s + epsilon) * ||W_O v||_1``."""
+  norms = _need(evidence, "value_out_norms_LHT", opts["_name"])
+  count = _stage_one_count(budget_LH, opts["first_stage_ratio"], floor_one=True)
+  first = _first_stage(scores_LHT, count, capacity)
+  return scores_lib.critical(scores_LHT, norms, first, epsilon=opts["epsilon"])
+
+
+def _rescore_critical_adakv(evidence, scores_LHT, budget_LH, opts, capacity):
+  """CriticalAdaKVPress after kvpress's Ada-KV split (``budget_LH``, which sums to ``H * b``):
+  each head's safeguard top ``max(1, int(b * alpha))`` and stage-1 top ``int(r * b_h)`` are
+  forced, the rest ranked by ``(s + epsilon) * ||W_O v||_1``; each head keeps its ``b_h``."""
+  norms = _need(evidence, "value_out_norms_LHT", opts["_name"])
+  L, H, T = scores_LHT.shape
+  n_kept_L = budget_LH.sum(-1) // H  # kvpress's counts sum exactly to H * min(b, T)
+  alpha = opts["floor_alpha"]
+  n_safe_L = jnp.floor(n_kept_L.astype(jnp.float32) * alpha).astype(jnp.int32)
+  n_safe_L = jnp.where(
+    jnp.asarray(alpha) > 0, jnp.where(n_kept_L > 0, jnp.maximum(n_safe_L, 1), 0), n_safe_L
+  )
+  safe = _first_stage(scores_LHT, jnp.broadcast_to(n_safe_L[:, None], (L, H)), capacity)
+  boosted = jnp.where(safe, jnp.inf, scores_LHT)
+  count = _stage_one_count(budget_LH, opts["first_stage_ratio"], floor_one=False)
+  first = _first_stage(boosted, count, capacity)
+  return scores_lib.critical(boosted, norms, first, epsilon=opts["epsilon"])
+
+
 # --------------------------------------------------------------------------- the registry
 
 
@@ -299,6 +443,9 @@ class Spec:
     window_option: the option that holds the protected recent window (``"window"`` or H2O's
       ``"recent"``), which a sweep's ``window`` axis sets; ``None`` when there is none.
     data_options: options that stay traced data in a sweep (StreamingLLM's sink count).
+    rescorer: a budget-dependent last score stage ``(evidence, scores_LHT, budget_LH, opts,
+      capacity) -> scores_LHT`` applied by :meth:`Policy.selection_scores` after the
+      allocation (CriticalKV's first stage); ``None`` for every budget-free scorer.
   """
 
   scorer: Callable[[Evidence, dict], Array]
@@ -311,6 +458,7 @@ class Spec:
   needs: tuple[str, ...] = ("attn_window_LHWT",)
   window_option: str | None = None
   data_options: tuple[str, ...] = ()
+  rescorer: Callable[..., Array] | None = None
 
 
 _SNAP = dict(kernel=7, pool="max", reduce="sum", window=None)
@@ -424,19 +572,228 @@ REGISTRY: dict[str, Spec] = {
     "future attention (upper bound)",
     needs=("future_attn_LHST",),
   ),
+  # ---- issue 15 (kvpress 0.5.5 presses; R-KV from its official code)
+  "keydiff": Spec(
+    _score_keydiff,
+    _alloc_given,
+    {},
+    "kvpress KeyDiffPress: keys least like the mean normalised key",
+    replay=False,
+    needs=("keys_LGTD",),
+  ),
+  "lagkv": Spec(
+    _score_lagkv,
+    _alloc_given,
+    dict(lag=128, sinks=4),
+    "kvpress LagKVPress: K/V spread against the next lag chunk, ranked inside each chunk; "
+    "4 sinks and the tail chunk kept",
+    replay=False,
+    needs=("keys_LGTD", "values_LGTD"),
+  ),
+  "expected_attention": Spec(
+    _score_expected_attention,
+    _alloc_given,
+    dict(sinks=4, use_covariance=True, use_vnorm=True, epsilon=0.0),
+    "kvpress ExpectedAttentionPress: softmax of the expected logits of future queries "
+    "(mean + covariance of the pre-RoPE prompt queries, averaged RoPE over the next 512 "
+    "positions, computed by the model), times ||v||; 4 sinks kept",
+    replay=False,
+    needs=("query_mean_LHD", "query_cov_LHDD", "keys_LGTD", "values_LGTD"),
+  ),
+  "qfilter": Spec(
+    _score_qfilter,
+    _alloc_given,
+    {},
+    "kvpress QFilterPress: -<k, f> with the calibrated Q-Filter direction f per KV head",
+    replay=False,
+    needs=("keys_LGTD", "qfilters_LGD"),
+  ),
+  "duo_attention": Spec(
+    _score_duo,
+    _alloc_duo,
+    dict(sinks=128, head_compression_ratio=0.5),
+    "kvpress DuoAttentionPress: the lowest round(L*G*head_compression_ratio) gates are streaming "
+    "heads keeping `sinks` sinks + (budget - sinks) recent tokens (kvpress sink_size + "
+    "recent_size = the budget); retrieval heads keep everything",
+    replay=False,
+    needs=("retrieval_heads_LG", "keys_LGTD"),
+    data_options=("sinks",),
+  ),
+  "kvzip": Spec(
+    _score_kvzip,
+    _alloc_kvzip,
+    dict(sinks=4, layerwise=False),
+    "kvpress KVzipPress: max attention of the context-reconstruction queries, 4 sinks kept, one "
+    "pooled selection of L*H*budget across all layers and heads (layerwise=True: per layer)",
+    replay=False,
+    needs=("reconstruction_attn_LGT",),
+  ),
+  "think": Spec(
+    _score_think,
+    _alloc_all,
+    dict(channel_ratio=0.5),
+    "kvpress ThinKPress alone: every token kept, the int(D*channel_ratio) least important key "
+    "channels pruned (give any policy channel_ratio to compose it with a token policy)",
+    replay=False,
+    needs=("window_queries_LHWD", "keys_LGTD"),
+  ),
+  "rkv": Spec(
+    _score_rkv,
+    _alloc_given,
+    dict(window=8, kernel=7, mix_lambda=0.07, threshold=0.5, decode_every=128),
+    "R-KV (official code): 0.07 * pooled window attention - 0.93 * key-cosine redundancy, "
+    "window 8 kept; re-compresses every 128 generated tokens",
+    acts=DECODE,
+    replay=False,
+    needs=("window_queries_LHWD", "keys_LGTD"),
+    **_WINDOWED,
+  ),
 }
 
 
+# --------------------------------------------------------------------------- wrappers of any base
+# ``critical_<base>``, ``critical_adakv_<base>``, ``chunkkv_<base>`` and ``think_<base>`` wrap any
+# registered prefill scorer (kvpress's CriticalKVPress / CriticalAdaKVPress / ChunkKVPress take any
+# ScorerPress); the issue's named instances are registered below, the rest resolve on demand.
+
+_CRITICAL = dict(epsilon=1e-4, first_stage_ratio=0.5)
+
+
+def _adakv_kvpress_allocator(windowed: bool):
+  """kvpress's Ada-KV split (:func:`kvjax.budgets.adakv`, ``mode="kvpress"``); a windowed base's
+  window only bounds the budget from below (its protection is in the scores)."""
+
+  def allocate(evidence, scores_LHT, budget, opts):
+    window = _window_of(evidence, opts) if windowed else 0
+    return budgets_lib.adakv(
+      scores_LHT, budget, window, floor_alpha=opts["floor_alpha"], mode="kvpress"
+    )
+
+  return allocate
+
+
+def _grouped(scores_LHT, opts):
+  kv = opts["num_kv_heads"]
+  if kv is not None and scores_LHT.shape[1] != kv:
+    return scores_lib.group(scores_LHT, kv, opts["gqa"])
+  return scores_LHT
+
+
+def _base_of(name: str, prefix: str) -> Spec:
+  base_name = name[len(prefix) :]
+  base = REGISTRY.get(base_name) or _WRAPPED.get(base_name)
+  if base is None:
+    raise ValueError(
+      f"name: {name!r} wraps an unknown policy {base_name!r}; expected {prefix}<one of {names()}>"
+    )
+  if base.acts != PREFILL or base.rescorer is not None:
+    raise ValueError(
+      f"name: {name!r} wraps {base_name!r}, which is not a budget-free prefill scorer; "
+      f"expected {prefix}<a prefill scorer such as snapkv>"
+    )
+  return base
+
+
+def _critical_spec(name: str) -> Spec:
+  base = _base_of(name, "critical_")
+  return dataclasses.replace(
+    base,
+    defaults=dict(base.defaults, **_CRITICAL),
+    doc=f"kvpress CriticalKVPress over {base.doc}",
+    replay=False,
+    needs=base.needs + ("value_out_norms_LHT",),
+    rescorer=_rescore_critical,
+  )
+
+
+def _critical_adakv_spec(name: str) -> Spec:
+  base = _base_of(name, "critical_adakv_")
+  if base.allocator is not _alloc_given:
+    raise ValueError(f"name: {name!r}: Ada-KV's split needs a base that takes its budget as given")
+  return dataclasses.replace(
+    base,
+    allocator=_adakv_kvpress_allocator(base.windowed),
+    defaults=dict(base.defaults, floor_alpha=0.2, **_CRITICAL),
+    doc=f"kvpress CriticalAdaKVPress (Ada-KV kvpress split, alpha 0.2) over {base.doc}",
+    replay=False,
+    needs=base.needs + ("value_out_norms_LHT",),
+    rescorer=_rescore_critical_adakv,
+  )
+
+
+def _chunkkv_spec(name: str) -> Spec:
+  base = _base_of(name, "chunkkv_")
+  if base.allocator is not _alloc_given:
+    raise ValueError(
+      f"name: {name!r}: ChunkKV shares one kept set across heads; expected a base "
+      "that takes its budget as given"
+    )
+  base_scorer = base.scorer
+
+  def scorer(evidence, opts):
+    return scores_lib.chunkkv(_grouped(base_scorer(evidence, opts), opts), chunk=opts["chunk"])
+
+  return dataclasses.replace(
+    base,
+    scorer=scorer,
+    defaults=dict(base.defaults, chunk=20),
+    doc=f"kvpress ChunkKVPress (chunks of 20) over {base.doc}",
+    windowed=False,  # the window's chunk competes like any other (kvpress pads it max + 1)
+  )
+
+
+def _think_spec(name: str) -> Spec:
+  base = _base_of(name, "think_")
+  return dataclasses.replace(
+    base,
+    defaults=dict(base.defaults, channel_ratio=0.5),
+    doc=f"{base.doc}, with ThinK key-channel pruning (channel_ratio 0.5)",
+    replay=False,
+    needs=base.needs + ("window_queries_LHWD",),
+  )
+
+
+_WRAPPERS = (
+  ("critical_adakv_", _critical_adakv_spec),
+  ("critical_", _critical_spec),
+  ("chunkkv_", _chunkkv_spec),
+  ("think_", _think_spec),
+)
+_WRAPPED: dict[str, Spec] = {}
+
+
+def _resolve(name: str) -> Spec | None:
+  for prefix, build in _WRAPPERS:
+    if name.startswith(prefix) and len(name) > len(prefix):
+      return build(name)
+  return None
+
+
+for _name in ("critical_snapkv", "critical_adakv_snapkv", "chunkkv_snapkv"):
+  REGISTRY[_name] = _resolve(_name)
+
+
 def names() -> tuple[str, ...]:
-  """All registered policy names."""
+  """All registered policy names (wrappers of other bases, such as ``critical_knorm``, resolve on
+  demand and are not listed)."""
   return tuple(REGISTRY)
 
 
 def spec(name: str) -> Spec:
-  """The registry entry of policy ``name`` (``ValueError`` for an unknown name)."""
-  if name not in REGISTRY:
+  """The registry entry of policy ``name`` (``ValueError`` for an unknown name).
+
+  Besides the registered names, ``critical_<base>``, ``critical_adakv_<base>``,
+  ``chunkkv_<base>`` and ``think_<base>`` wrap any registered prefill scorer ``<base>``.
+  """
+  if name in REGISTRY:
+    return REGISTRY[name]
+  if name not in _WRAPPED and isinstance(name, str):
+    wrapped = _resolve(name)
+    if wrapped is not None:
+      _WRAPPED[name] = wrapped
+  if name not in _WRAPPED:
     raise ValueError(f"name: unknown policy {name!r}; expected one of {names()}")
-  return REGISTRY[name]
+  return _WRAPPED[name]
 
 
 def acts_at_decode(name: str) -> bool:
@@ -446,8 +803,14 @@ def acts_at_decode(name: str) -> bool:
 
 def allocates(name: str) -> bool:
   """Whether policy ``name`` turns a total budget into its own ``budget_LH`` (PyramidKV, Ada-KV,
-  HeadKV, CAKE), rather than taking the budget as given."""
+  HeadKV, CAKE, DuoAttention, KVzip), rather than taking the budget as given."""
   return spec(name).allocator is not _alloc_given
+
+
+def rescores(name: str) -> bool:
+  """Whether policy ``name``'s selection scores depend on the budget (CriticalKV): callers that
+  select themselves must pass the scores through :meth:`Policy.selection_scores`."""
+  return spec(name).rescorer is not None
 
 
 def replayable() -> tuple[str, ...]:
@@ -480,10 +843,19 @@ class Policy:
   def scores(self, evidence: Evidence) -> Array:
     """Evidence -> ``scores_LHT`` (grouped to KV heads when ``num_kv_heads`` is set)."""
     opts = self.opts
-    scores_LHT = REGISTRY[self.name].scorer(evidence, opts)
-    if opts["num_kv_heads"] is not None and scores_LHT.shape[1] != opts["num_kv_heads"]:
-      scores_LHT = scores_lib.group(scores_LHT, opts["num_kv_heads"], opts["gqa"])
-    return scores_LHT
+    return _grouped(spec(self.name).scorer(evidence, opts), opts)
+
+  def selection_scores(
+    self, evidence: Evidence, scores_LHT: Array, budget_LH: Array, *, capacity: int | None = None
+  ) -> Array:
+    """The scores the selection ranks under ``budget_LH`` (this policy's :meth:`budgets`): the
+    budget-dependent last stage of CriticalKV / CriticalAdaKV, ``scores_LHT`` itself for every
+    other policy. ``budget_LH`` stays traced data (one trace for every budget); ``capacity`` is
+    the selection's static capacity (default ``T``)."""
+    rescorer = spec(self.name).rescorer
+    if rescorer is None:
+      return scores_LHT
+    return rescorer(evidence, scores_LHT, budget_LH, self.opts, capacity)
 
   def budgets(self, evidence: Evidence, scores_LHT: Array, budget) -> Array:
     """Total budget (scalar, ``[L]`` or ``[L, H]``) -> ``budget_LH`` int32 under this allocator.
@@ -493,11 +865,11 @@ class Policy:
     (``ValueError`` otherwise, instead of keeping fewer than the protected tokens or nothing).
     """
     self._check_budget(evidence, scores_LHT, budget)
-    return REGISTRY[self.name].allocator(evidence, scores_LHT, budget, self.opts)
+    return spec(self.name).allocator(evidence, scores_LHT, budget, self.opts)
 
   def _check_budget(self, evidence: Evidence, scores_LHT: Array, budget) -> None:
     as_budget_LH(budget, *scores_LHT.shape[:2])  # dtype, int32 range and shape
-    allocator = REGISTRY[self.name].allocator
+    allocator = spec(self.name).allocator
     if allocator is not _alloc_given:
       # an allocator turns one per-head budget into its own table; Ada-KV alone also takes a
       # per-layer budget (its pyram_mode input)
@@ -515,7 +887,14 @@ class Policy:
       raise ValueError(
         f"budget: {low} keeps nothing; expected a budget >= 1 for policy {self.name!r}"
       )
-    if REGISTRY[self.name].windowed:
+    T = scores_LHT.shape[-1]
+    if allocator is _alloc_all and low < T:
+      raise ValueError(
+        f"budget: {low} < T={T}, but policy {self.name!r} keeps every token (ThinK prunes key "
+        "channels, not tokens); expected budget >= T, or channel_ratio on a token policy, "
+        "e.g. make('snapkv', channel_ratio=0.5)"
+      )
+    if spec(self.name).windowed:
       window = _window_of(evidence, self.opts)
       if low < window + 1:
         raise ValueError(
@@ -526,24 +905,31 @@ class Policy:
   def keep_mask(self, evidence: Evidence, budget, *, capacity: int | None = None) -> Array:
     """Kept positions ``[L, H, T]`` bool."""
     scores_LHT = self.scores(evidence)
-    return select.keep_mask(
-      scores_LHT, self.budgets(evidence, scores_LHT, budget), capacity=capacity
-    )
+    budget_LH = self.budgets(evidence, scores_LHT, budget)
+    scores_LHT = self.selection_scores(evidence, scores_LHT, budget_LH, capacity=capacity)
+    return select.keep_mask(scores_LHT, budget_LH, capacity=capacity)
 
   def compact(self, evidence: Evidence, budget, capacity: int) -> tuple[Array, Array]:
     """Kept positions as ``(idx_LHC, valid_LHC)`` for a real cache of capacity ``C``."""
     scores_LHT = self.scores(evidence)
-    return select.compact(scores_LHT, self.budgets(evidence, scores_LHT, budget), capacity)
+    budget_LH = self.budgets(evidence, scores_LHT, budget)
+    scores_LHT = self.selection_scores(evidence, scores_LHT, budget_LH, capacity=capacity)
+    return select.compact(scores_LHT, budget_LH, capacity)
 
 
 def make(name: str, **options) -> Policy:
   """The policy ``name`` with ``options`` overriding its reference defaults.
 
   Every policy also accepts ``num_kv_heads`` (group query-head scores to KV heads; default
-  ``None`` keeps the query-head granularity of the published tables) and ``gqa``
-  (``"mean"``/``"max"``/``"sum"``).
+  ``None`` keeps the query-head granularity of the published tables), ``gqa``
+  (``"mean"``/``"max"``/``"sum"``) and ``channel_ratio`` (ThinK: prune the
+  ``int(D * channel_ratio)`` least important key channels of the kept keys, a float in
+  ``[0, 1)``; ``None`` = off; applied by the model cache). Every prefill policy also accepts
+  ``decode_every`` (kvpress ``DecodingPress``: re-compress the cache to the budget every ``N``
+  generated tokens, an int ``>= 1``; ``None`` = select once after the prompt; applied by the
+  model's decoding loop).
   """
-  allowed = dict(spec(name).defaults, **_GROUPING)
+  allowed = dict(_common_options(spec(name)), **spec(name).defaults)
   unknown = sorted(set(options) - set(allowed))
   if unknown:
     raise ValueError(
@@ -552,6 +938,23 @@ def make(name: str, **options) -> Policy:
   merged = dict(allowed, **options)
   _validate(name, merged)
   return Policy(name, tuple(sorted(merged.items())))
+
+
+def _common_options(entry: Spec) -> dict:
+  out = dict(_GROUPING, channel_ratio=None)
+  if entry.acts == PREFILL or "decode_every" in entry.defaults:
+    out["decode_every"] = None
+  return out
+
+
+def _check_bool(key: str, value) -> None:
+  if not isinstance(value, bool):
+    raise ValueError(f"{key}: expected a bool, got {value!r}")
+
+
+def _check_int_option(key: str, value, low: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or not low <= value < select.INT32_LIMIT:
+    raise ValueError(f"{key}: expected an int >= {low}, got {value!r}")
 
 
 def _validate(name: str, opts: dict) -> None:
@@ -588,6 +991,20 @@ def _validate(name: str, opts: dict) -> None:
       scores_lib.check_count(key, opts[key])
   if "normalize" in opts and not isinstance(opts["normalize"], bool):
     raise ValueError(f"normalize: expected a bool, got {opts['normalize']!r}")
+  for key in ("use_covariance", "use_vnorm", "layerwise"):
+    if key in opts:
+      _check_bool(key, opts[key])
+  for key, low in (("lag", 1), ("chunk", 1)):
+    if key in opts:
+      _check_int_option(key, opts[key], low)
+  if opts.get("decode_every") is not None:
+    _check_int_option("decode_every", opts["decode_every"], 1)
+  if opts.get("channel_ratio") is not None:
+    budgets_lib.check_real("channel_ratio", opts["channel_ratio"], low=0.0, high=1.0)
+    if opts["channel_ratio"] >= 1:
+      raise ValueError(
+        f"channel_ratio: expected a fraction of key channels in [0, 1), got {opts['channel_ratio']!r}"
+      )
   reals = {
     "floor_alpha": dict(low=0.0, high=1.0),
     "temp": dict(low=0.0, strict=True),
@@ -596,6 +1013,11 @@ def _validate(name: str, opts: dict) -> None:
     "tau2": dict(low=0.0, strict=True),
     # PyramidKV's schedule needs beta >= 1; HeadKV's pool (b // beta) needs beta > 1
     "beta": dict(low=1.0, strict=spec(name).allocator is _alloc_headkv),
+    "epsilon": dict(low=0.0),
+    "first_stage_ratio": dict(low=0.0, high=1.0),
+    "head_compression_ratio": dict(low=0.0, high=1.0),
+    "mix_lambda": dict(low=0.0, high=1.0),
+    "threshold": dict(low=-1.0, high=1.0),
   }
   for key, bounds in reals.items():
     if key in opts:

@@ -437,3 +437,411 @@ def cake(
   var = prefix.var(-2, ddof=1) if window > 1 else jnp.zeros_like(prefix[..., 0, :])
   pooled = pool1d(prefix.mean(-2) + gamma * var, kernel, "avg")
   return jnp.concatenate([pooled, jnp.full(pooled.shape[:-1] + (window,), jnp.inf)], axis=-1)
+
+
+# --------------------------------------------------------------------------- issue 15's methods
+
+
+def _check_static_int(name: str, value, low: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, int | np.integer) or not value >= low:
+    raise ValueError(f"{name}: expected a static int >= {low}, got {value!r}")
+  if value >= select.INT32_LIMIT:
+    raise ValueError(f"{name}: {value} does not fit int32; expected {name} < 2**31")
+  return int(value)
+
+
+def _check_ratio(name: str, value, *, high_open: bool = True) -> float:
+  ok = isinstance(value, int | float | np.floating) and not isinstance(value, bool)
+  if not ok or not math.isfinite(value) or not (0.0 <= value < 1.0 if high_open else value <= 1):
+    bound = "[0, 1)" if high_open else "[0, 1]"
+    raise ValueError(f"{name}: expected a static float in {bound}, got {value!r}")
+  return float(value)
+
+
+def _check_same(name: str, x, ref_name: str, ref, axes: Sequence[int]) -> None:
+  if tuple(x.shape[a] for a in axes) != tuple(ref.shape[a] for a in axes):
+    raise ValueError(f"{name}: shape {x.shape} does not match {ref_name} {ref.shape}")
+
+
+def keydiff(keys_LGTD: Array) -> Array:
+  """KeyDiff (kvpress ``KeyDiffPress.score``): ``-cos(k_t, anchor)`` per KV head ``[L, G, T]``.
+
+  ``anchor = mean_t(k_t / max(||k_t||, 1e-12))`` (``F.normalize`` then the mean over the
+  prompt); the cosine is ``k . a / sqrt(max(||k||^2 ||a||^2, 1e-16))`` (torch
+  ``cosine_similarity``, eps 1e-8). Keys least like the average key are kept. Attention-free, no
+  protection. (The paper's block-wise iteration is kvpress ``BlockPress``, not this scorer.)
+  """
+  _check_array("keys", keys_LGTD, 4, "LGTD")
+  k = keys_LGTD.astype(jnp.float32)
+  norm = jnp.linalg.norm(k, axis=-1, keepdims=True)
+  anchor = (k / jnp.maximum(norm, 1e-12)).mean(axis=2, keepdims=True)
+  w12 = (k * anchor).sum(-1)
+  w1, w2 = (k * k).sum(-1), (anchor * anchor).sum(-1)
+  return -w12 / jnp.sqrt(jnp.maximum(w1 * w2, 1e-16))
+
+
+def _lag_state_scores(x_LGPRD: Array) -> Array:
+  """LagKV's ``_get_states_score``: each lag chunk min/max-normalised by the next chunk, std
+  over channels (unbiased, as torch), softmax over the chunk's tokens: ``[L, G, P - 1, R]``."""
+  ref, v = x_LGPRD[:, :, 1:], x_LGPRD[:, :, :-1]
+  low, high = ref.min(-2, keepdims=True), ref.max(-2, keepdims=True)
+  span = high - low
+  # kvpress divides by zero (NaN) for a channel constant over the reference chunk; that channel
+  # contributes 0 here instead, so one degenerate channel cannot poison the selection.
+  normed = jnp.where(span > 0, (v - low) / jnp.where(span > 0, span, 1.0), 0.0)
+  return jax.nn.softmax(normed.std(-1, ddof=1), axis=-1)
+
+
+def lagkv(keys_LGTD: Array, values_LGTD: Array, *, lag: int = 128, sinks: int = 4) -> Array:
+  """LagKV (kvpress ``LagKVPress.score``, ``cross_scoring=False``): ``[L, G, T]`` per KV head.
+
+  The prompt after the ``sinks`` is cut into ``P = (T - sinks) // lag`` chunks of ``lag``
+  tokens; each chunk but the last is scored against the next one (its lag reference) by
+  :func:`_lag_state_scores` on keys and on values, averaged; the score is the token's rank
+  inside its chunk divided by ``lag`` (``argsort().argsort() / lag``), so every chunk keeps its
+  share. The sinks and the tail (the last full chunk plus the ``(T - sinks) % lag`` remainder)
+  are protected (``+inf``; kvpress writes 1, above every rank). A prompt shorter than
+  ``sinks + 2 * lag`` is not compressed by LagKV: kvpress then scores the sinks 1 and the rest
+  by recency, i.e. StreamingLLM's order, which this returns. Ranks repeat across chunks, so ties
+  go to the lower position (the select rule, as torch's CPU ``topk``).
+  """
+  _check_array("keys", keys_LGTD, 4, "LGTD")
+  _check_array("values", values_LGTD, 4, "LGTD")
+  _check_same("values", values_LGTD, "keys", keys_LGTD, (0, 1, 2))
+  lag = _check_static_int("lag", lag, 1)
+  sinks = _check_static_int("sinks", sinks, 0)
+  L, G, T, _ = keys_LGTD.shape
+  if sinks + 2 * lag > T:
+    return streaming(T, (L, G), sinks=min(sinks, T))
+  end = sinks + ((T - sinks) // lag) * lag
+  P = (end - sinks) // lag
+
+  def chunks(x):
+    x = x[:, :, sinks:end].astype(jnp.float32)
+    return x.reshape(L, G, P, lag, x.shape[-1])
+
+  score = (_lag_state_scores(chunks(keys_LGTD)) + _lag_state_scores(chunks(values_LGTD))) / 2
+  rank = jnp.argsort(jnp.argsort(score, axis=-1), axis=-1).astype(jnp.float32) / lag
+  body = rank.reshape(L, G, (P - 1) * lag)
+  return jnp.concatenate(
+    [jnp.full((L, G, sinks), jnp.inf), body, jnp.full((L, G, T - sinks - (P - 1) * lag), jnp.inf)],
+    axis=-1,
+  )
+
+
+def average_rope(
+  inv_freq, start: int, n_future: int = 512, *, attention_scaling: float = 1.0
+) -> Array:
+  """kvpress ``ExpectedAttentionPress.apply_avg_rope``'s matrix ``R [D, D]`` (fp32): the mean
+  over positions ``start .. start + n_future - 1`` of the RoPE rotation (HF ``rotate_half``
+  layout: ``R = cos I + sin P`` with ``P = [[0, -I], [I, 0]]``), so ``R @ q`` is the average
+  rotated query. ``inv_freq`` is the model's ``[D / 2]`` RoPE inverse frequencies (after any
+  rope scaling); ``attention_scaling`` multiplies cos and sin as HF's rotary embedding does.
+  ``start`` is the prompt length ``T`` (the first future position).
+  """
+  inv = np.asarray(inv_freq, np.float32)
+  if inv.ndim != 1 or not inv.size or not np.isfinite(inv).all():
+    raise ValueError(f"inv_freq: expected finite [D / 2] frequencies, got shape {inv.shape}")
+  start = _check_static_int("start", start, 0)
+  n_future = _check_static_int("n_future", n_future, 1)
+  half = inv.shape[0]
+  positions = jnp.arange(start, start + n_future, dtype=jnp.float32)
+  freqs = positions[:, None] * jnp.asarray(inv)[None, :]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)  # [n, D]
+  cos, sin = jnp.cos(emb) * attention_scaling, jnp.sin(emb) * attention_scaling
+  eye = jnp.eye(half, dtype=jnp.float32)
+  zero = jnp.zeros((half, half), jnp.float32)
+  perm = jnp.block([[zero, -eye], [eye, zero]])
+  rot = cos[:, None, :] * jnp.eye(2 * half, dtype=jnp.float32)[None] + sin[:, None, :] * perm[None]
+  return rot.mean(0)
+
+
+def expected_query_stats(
+  prerope_queries_LHTD: Array, avg_rope_DD: Array, *, n_sink: int = 4
+) -> tuple[Array, Array]:
+  """ExpectedAttention's query statistics (kvpress ``get_query_statistics``):
+  ``(query_mean_LHD, query_cov_LHDD)`` fp32.
+
+  The pre-RoPE prompt queries after the first ``n_sink`` tokens (outliers) give the mean ``mu``
+  and the covariance ``sum (q - mu)(q - mu)^T / N`` (divided by the count ``N = T - n_sink``, not
+  ``N - 1``), then both are rotated by the average RoPE ``R`` (:func:`average_rope` with
+  ``start = T``): ``mu R^T`` and ``R cov R^T``.
+  """
+  _check_array("prerope_queries", prerope_queries_LHTD, 4, "LHTD")
+  _check_array("avg_rope", avg_rope_DD, 2, "DD")
+  D, T = prerope_queries_LHTD.shape[-1], prerope_queries_LHTD.shape[2]
+  if avg_rope_DD.shape != (D, D):
+    raise ValueError(f"avg_rope: expected shape ({D}, {D}), got {avg_rope_DD.shape}")
+  n_sink = _check_static_int("n_sink", n_sink, 0)
+  if n_sink >= T:
+    raise ValueError(f"prerope_queries: T={T} tokens, expected more than n_sink={n_sink}")
+  q = prerope_queries_LHTD[:, :, n_sink:].astype(jnp.float32)
+  mu = q.mean(2)
+  c = q - mu[:, :, None, :]
+  cov = jnp.einsum("lhsi,lhsj->lhij", c, c, precision=PRECISION) / q.shape[2]
+  rope = avg_rope_DD.astype(jnp.float32)
+  mu = jnp.einsum("lhd,ed->lhe", mu, rope, precision=PRECISION)
+  cov = jnp.einsum("ij,lhjk,mk->lhim", rope, cov, rope, precision=PRECISION)
+  return mu, cov
+
+
+def expected_attention(
+  query_mean_LHD: Array,
+  query_cov_LHDD: Array | None,
+  keys_LGTD: Array,
+  values_LGTD: Array | None,
+  *,
+  sinks: int = 4,
+  use_covariance: bool = True,
+  use_vnorm: bool = True,
+  epsilon: float = 0.0,
+) -> Array:
+  """Expected attention (kvpress ``ExpectedAttentionPress.score``): ``[L, G, T]`` per KV head.
+
+  For the keys after the ``sinks``: ``z = mu . k / sqrt(D) + k^T cov k / (2 D)`` (the second term
+  when ``use_covariance``), softmax over those positions per query head, mean over each GQA
+  group, then ``(p + epsilon) * ||v||_2`` when ``use_vnorm``. The first ``sinks`` positions are
+  protected (``+inf``; kvpress pads them with the max + 1). ``query_mean_LHD`` and
+  ``query_cov_LHDD`` are :func:`expected_query_stats`' (the model's future-query statistics).
+  """
+  _check_array("query_mean", query_mean_LHD, 3, "LHD")
+  _check_array("keys", keys_LGTD, 4, "LGTD")
+  L, Hq, D = query_mean_LHD.shape
+  G, T = keys_LGTD.shape[1:3]
+  if keys_LGTD.shape[0] != L or keys_LGTD.shape[-1] != D:
+    raise ValueError(f"keys: shape {keys_LGTD.shape} does not match query_mean {(L, Hq, D)}")
+  rep = _check_gqa(Hq, G)
+  sinks = _check_static_int("sinks", sinks, 0)
+  if sinks >= T:
+    raise ValueError(f"keys: T={T} tokens, expected more than sinks={sinks}")
+  if use_covariance:
+    if query_cov_LHDD is None:
+      raise ValueError("query_cov: expected [L, Hq, D, D] when use_covariance=True, got None")
+    _check_array("query_cov", query_cov_LHDD, 4, "LHDD")
+    if query_cov_LHDD.shape != (L, Hq, D, D):
+      raise ValueError(f"query_cov: expected shape {(L, Hq, D, D)}, got {query_cov_LHDD.shape}")
+  if use_vnorm:
+    if values_LGTD is None:
+      raise ValueError("values: expected [L, G, T, D] when use_vnorm=True, got None")
+    _check_array("values", values_LGTD, 4, "LGTD")
+    _check_same("values", values_LGTD, "keys", keys_LGTD, (0, 1, 2))
+  k = jnp.repeat(keys_LGTD[:, :, sinks:].astype(jnp.float32), rep, axis=1)  # HF repeat_kv
+  z = jnp.einsum("lhd,lhtd->lht", query_mean_LHD.astype(jnp.float32), k, precision=PRECISION)
+  z = z / math.sqrt(D)
+  if use_covariance:
+    cov = query_cov_LHDD.astype(jnp.float32)
+    z = z + jnp.einsum("lhti,lhij,lhtj->lht", k, cov, k, precision=PRECISION) / D / 2
+  p = jax.nn.softmax(z, axis=-1).reshape(L, G, rep, T - sinks).mean(2)
+  if use_vnorm:
+    vnorm = jnp.linalg.norm(values_LGTD[:, :, sinks:].astype(jnp.float32), axis=-1)
+    p = (p + epsilon) * vnorm
+  return jnp.concatenate([jnp.full((L, G, sinks), jnp.inf), p], axis=-1)
+
+
+def group_norms(value_out_norms_LHT: Array, num_heads: int) -> Array:
+  """CriticalKV's ``||W_O v||_1`` at the scores' head granularity: query heads as given, or the
+  mean over each GQA group for KV-head scores (kvpress ``vwl1norm``)."""
+  _check_array("value_out_norms", value_out_norms_LHT, 3, "LHT")
+  if value_out_norms_LHT.shape[1] == num_heads:
+    return value_out_norms_LHT.astype(jnp.float32)
+  return group(value_out_norms_LHT.astype(jnp.float32), num_heads, "mean")
+
+
+def critical(
+  scores_LHT: Array, value_out_norms_LHT: Array, first_stage_LHT: Array, *, epsilon: float = 1e-4
+) -> Array:
+  """CriticalKV's second stage (kvpress ``CriticalKVPress.score``): ``(s + epsilon) * ||W_O v||_1``
+  with the first-stage positions forced in (``+inf``; kvpress writes ``finfo.max``).
+
+  ``first_stage_LHT`` (bool) is the base scores' top ``max(1, floor(first_stage_ratio * b))`` per
+  row, chosen by the caller from the budget (:mod:`kvjax.policies`); ``value_out_norms_LHT`` is
+  per query head and is averaged over each GQA group for KV-head scores (:func:`group_norms`).
+  Positions the base scorer protected (``+inf``) stay protected.
+  """
+  _check_scores_3d(scores_LHT)
+  norms = group_norms(value_out_norms_LHT, scores_LHT.shape[1])
+  if norms.shape != scores_LHT.shape:
+    raise ValueError(
+      f"value_out_norms: shape {norms.shape} does not match scores {scores_LHT.shape}"
+    )
+  s = scores_LHT.astype(jnp.float32)
+  rescaled = jnp.where(jnp.isposinf(s), jnp.inf, (s + epsilon) * norms)
+  return jnp.where(first_stage_LHT, jnp.inf, rescaled)
+
+
+def chunkkv(scores_LHT: Array, *, chunk: int = 20) -> Array:
+  """ChunkKV (kvpress ``ChunkKVPress.compress``): whole chunks ranked by their summed score, one
+  kept set shared by every head. Returns order scores ``[L, H, T]`` (higher = keep).
+
+  Per layer the scores are summed over heads (``+inf`` protected positions enter as the layer's
+  largest finite score + 1, as kvpress's scorers pad them), each chunk of ``chunk`` tokens is
+  scored by its mean (the partial last chunk by the mean of its ``T % chunk`` tokens) and the
+  chunks are ranked (ties to the lower chunk). The returned order takes the best chunk, then the
+  next, and inside a chunk the tokens by their summed score, so a budget that is a sum of chunk
+  lengths keeps exactly kvpress's chunks, and any other budget keeps whole best chunks plus the
+  best tokens of the next one (kvpress rounds the kept count to whole chunks instead:
+  ``max(1, int(n_chunks * (1 - ratio)))`` chunks). ``T < chunk`` returns ``scores_LHT`` as is
+  (kvpress delegates to the base press).
+  """
+  _check_scores_3d(scores_LHT)
+  chunk = _check_static_int("chunk", chunk, 1)
+  L, H, T = scores_LHT.shape
+  if chunk > T:
+    return scores_LHT.astype(jnp.float32)
+  s = scores_LHT.astype(jnp.float32)
+  finite = jnp.where(jnp.isfinite(s), s, -jnp.inf).max(axis=(1, 2), keepdims=True)
+  s = jnp.where(jnp.isposinf(s), finite + 1.0, s).sum(1)  # [L, T]
+  n_full, rem = divmod(T, chunk)
+  n_chunks = n_full + (rem > 0)
+  chunk_T = jnp.minimum(jnp.arange(T) // chunk, n_chunks - 1)
+  sizes = jnp.asarray([chunk] * n_full + ([rem] if rem else []), jnp.float32)
+  chunk_scores = jax.ops.segment_sum(s.T, chunk_T, n_chunks).T / sizes[None, :]  # [L, n_chunks]
+  chunk_rank = _ranks_desc(chunk_scores)  # 0 = best
+  # rank inside each chunk: a stable sort on (chunk, -score)
+  order = jnp.lexsort((-s, jnp.broadcast_to(chunk_T, s.shape)), axis=-1)
+  start_T = chunk_T * chunk
+  inner = (
+    jnp.zeros_like(order)
+    .at[jnp.arange(L)[:, None], order]
+    .set(jnp.arange(T)[None, :] - start_T[None, :])
+  )
+  # ``order`` lists positions chunk by chunk, so position order[j] has inner rank j - start(chunk)
+  key = (n_chunks - jnp.take_along_axis(chunk_rank, jnp.broadcast_to(chunk_T, s.shape), -1)) * chunk
+  key = key + (chunk - inner)
+  return jnp.broadcast_to(key.astype(jnp.float32)[:, None, :], (L, H, T))
+
+
+def _check_scores_3d(scores_LHT) -> None:
+  if not hasattr(scores_LHT, "ndim") or scores_LHT.ndim != 3:
+    raise ValueError(f"scores: expected [L, H, T], got {getattr(scores_LHT, 'shape', scores_LHT)}")
+  if not jnp.issubdtype(scores_LHT.dtype, jnp.floating):
+    raise ValueError(f"scores: expected a floating dtype, got {scores_LHT.dtype}")
+
+
+def _ranks_desc(x_LN: Array) -> Array:
+  """Rank of each entry of a row, best first, ties to the lower index (stable)."""
+  order = jnp.argsort(-x_LN, axis=-1, stable=True)
+  N = x_LN.shape[-1]
+  return jnp.zeros_like(order).at[jnp.arange(x_LN.shape[0])[:, None], order].set(jnp.arange(N))
+
+
+def qfilter(keys_LGTD: Array, qfilters_LGD: Array) -> Array:
+  """Q-Filters (kvpress ``QFilterPress.score``): ``-<k_t, f>`` per KV head ``[L, G, T]``, with
+  ``f`` the layer's filter direction for that KV head. No protection."""
+  _check_array("keys", keys_LGTD, 4, "LGTD")
+  _check_array("qfilters", qfilters_LGD, 3, "LGD")
+  L, G, _, D = keys_LGTD.shape
+  if qfilters_LGD.shape != (L, G, D):
+    raise ValueError(f"qfilters: expected shape {(L, G, D)}, got {qfilters_LGD.shape}")
+  f = qfilters_LGD.astype(jnp.float32)
+  return -jnp.einsum("lgtd,lgd->lgt", keys_LGTD.astype(jnp.float32), f, precision=PRECISION)
+
+
+def duo_streaming_heads(retrieval_heads_LG: Array, head_compression_ratio: float = 0.5) -> Array:
+  """DuoAttention's streaming heads ``[L, G]`` bool (kvpress ``DuoAttentionPress``
+  ``post_init_from_model``): the ``round(L * G * head_compression_ratio)`` (Python's half-to-even
+  round) lowest gates over all layers and heads, ties to the lower flat index (numpy's
+  ``argsort``). Retrieval heads (False) keep the whole cache."""
+  _check_array("retrieval_heads", retrieval_heads_LG, 2, "LG")
+  ratio = _check_ratio("head_compression_ratio", head_compression_ratio, high_open=False)
+  L, G = retrieval_heads_LG.shape
+  n_pruned = round(L * G * ratio)
+  flat = retrieval_heads_LG.astype(jnp.float32).reshape(-1)
+  rank = jnp.zeros(L * G, jnp.int32).at[jnp.argsort(flat, stable=True)].set(jnp.arange(L * G))
+  return (rank < n_pruned).reshape(L, G)
+
+
+def kvzip(reconstruction_attn_LGT: Array, *, sinks: int = 4) -> Array:
+  """KVzip (kvpress ``KVzipPress.compress_post``): the reconstruction attention (max over the
+  "repeat the context" queries and the GQA group, :mod:`kvjax.model.calibrate`), with the first
+  ``sinks`` positions protected (``+inf``; kvpress writes the global max + 1). The budget split
+  across layers and heads is the policy's (:mod:`kvjax.policies`, ``kvzip``)."""
+  _check_array("reconstruction_attn", reconstruction_attn_LGT, 3, "LGT")
+  sinks = check_count("sinks", sinks)
+  return protect(reconstruction_attn_LGT.astype(jnp.float32), sinks=sinks)
+
+
+def think_channel_scores(window_queries_LHWD: Array, keys_LGTD: Array) -> Array:
+  """ThinK's key-channel importance (kvpress ``ThinKPress.compress``): ``[L, G, D]`` fp32.
+
+  ``mean_w(q^2)`` of the last ``W`` post-RoPE prompt queries (kvpress ``window_size=32``),
+  averaged over each GQA group, times ``mean_t(k^2)`` of the keys (the cached keys the channels
+  are pruned from; in ``ComposedPress([press, ThinKPress])`` those the sequence press kept).
+  """
+  _check_qk(window_queries_LHWD, keys_LGTD, "window_queries")
+  L, Hq, _, D = window_queries_LHWD.shape
+  G = keys_LGTD.shape[1]
+  q2 = jnp.square(window_queries_LHWD.astype(jnp.float32)).mean(2)
+  q2 = q2.reshape(L, G, Hq // G, D).mean(2)
+  return q2 * jnp.square(keys_LGTD.astype(jnp.float32)).mean(2)
+
+
+def think_channel_mask(channel_scores_LGD: Array, channel_ratio: float) -> Array:
+  """ThinK's channel choice: kept channels ``[L, G, D]`` bool; the ``int(D * channel_ratio)``
+  lowest-scoring channels of each KV head are pruned (kvpress ``key_scores.topk(n_pruned,
+  largest=False)``), ties pruning the lower channel. Keys keep ``D - int(D * channel_ratio)``
+  channels (kvpress zeroes the others; the cache may drop them)."""
+  _check_array("channel_scores", channel_scores_LGD, 3, "LGD")
+  ratio = _check_ratio("channel_ratio", channel_ratio)
+  n_pruned = int(channel_scores_LGD.shape[-1] * ratio)
+  pruned = select.keep_mask(-channel_scores_LGD.astype(jnp.float32), jnp.int32(n_pruned))
+  return ~pruned
+
+
+def key_similarity_redundancy(keys_LGTD: Array, *, threshold: float = 0.5) -> Array:
+  """R-KV's redundancy ``[L, G, T]`` (official ``cal_similarity``, ``retain_direction="last"``).
+
+  Cosine similarity between the keys (``k / (||k|| + 1e-8)``), diagonal zeroed; in each row
+  ``i`` the last key ``j`` with similarity above ``threshold`` is exempted (its entry zeroed;
+  with no such key, entry ``j = 0`` is zeroed, as upstream); then the mean over rows, softmax
+  over the keys.
+  """
+  _check_array("keys", keys_LGTD, 4, "LGTD")
+  k = keys_LGTD.astype(jnp.float32)
+  k = k / (jnp.linalg.norm(k, axis=-1, keepdims=True) + 1e-8)
+  cos = jnp.einsum("lgid,lgjd->lgij", k, k, precision=PRECISION)
+  T = cos.shape[-1]
+  cos = jnp.where(jnp.broadcast_to(jnp.eye(T, dtype=bool), cos.shape), 0.0, cos)
+  column = lax.broadcasted_iota(jnp.int32, cos.shape, 3)
+  last = jnp.max(jnp.where(cos > threshold, column, 0), axis=-1)  # [L, G, T]
+  cos = jnp.where(column == last[..., None], 0.0, cos)
+  return jax.nn.softmax(cos.mean(-2), axis=-1)
+
+
+def rkv(
+  window_queries_LHWD: Array,
+  keys_LGTD: Array,
+  *,
+  window: int = 8,
+  kernel: int = 7,
+  mix_lambda: float = 0.07,
+  threshold: float = 0.5,
+) -> Array:
+  """R-KV (arXiv 2505.24133; official ``rkv/compression/r1_kv.py``, ported verbatim in
+  ``FlashInfer/rkv/algo.py``): ``lambda * importance - (1 - lambda) * redundancy``, ``[L, G, T]``.
+
+  Importance: the logits of the last ``window`` queries (max over each GQA group, before the
+  softmax), softmax over the prefix keys ``[0, T - window)`` only, mean over the window queries,
+  ``max_pool1d(kernel, padding kernel // 2)``. Redundancy: :func:`key_similarity_redundancy` over
+  all ``T`` keys, restricted to the prefix. The last ``window`` positions are protected (upstream
+  keeps them on top of the ``budget - window`` best). Defaults ``mix_lambda=0.07``, ``window=8``,
+  ``kernel=7``, ``threshold=0.5``; upstream re-compresses every 128 generated tokens
+  (``divide_length``), which the registry's ``decode_every`` carries.
+  """
+  _check_qk(window_queries_LHWD, keys_LGTD, "window_queries")
+  check_kernel(kernel)
+  L, Hq, W, D = window_queries_LHWD.shape
+  G, T = keys_LGTD.shape[1:3]
+  window = _check_static_int("window", window, 1)
+  if window > W or window >= T:
+    raise ValueError(
+      f"window: {window} needs window <= W={W} observation queries and window < T={T} keys"
+    )
+  q = window_queries_LHWD[:, :, W - window :].astype(jnp.float32).reshape(L, G, Hq // G, window, D)
+  k = keys_LGTD[:, :, : T - window].astype(jnp.float32)
+  logits = jnp.einsum("lgrwd,lgtd->lgrwt", q, k, precision=PRECISION) / math.sqrt(D)
+  attn = jax.nn.softmax(logits.max(2), axis=-1).mean(-2)  # [L, G, T - window]
+  importance = pool1d(attn, kernel, "max")
+  redundancy = key_similarity_redundancy(keys_LGTD, threshold=threshold)[..., : T - window]
+  body = importance * mix_lambda - redundancy * (1 - mix_lambda)
+  return jnp.concatenate([body, jnp.full((L, G, window), jnp.inf)], axis=-1)

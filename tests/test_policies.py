@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import policies, select
+from kvjax import policies, scores, select
 
 L, HQ, G, T, D, W = 3, 4, 2, 64, 8, 8
 
@@ -19,13 +19,37 @@ def evidence():
   ev = policies.evidence_from_qk(q, k, window=W, rng=jax.random.key(1))
   future = jax.nn.softmax(jnp.asarray(rng.normal(size=(L, HQ, 5, T)), jnp.float32), -1)
   head_scores = jnp.asarray(rng.random((L, HQ)) + 0.1, jnp.float32)
-  return ev.replace(future_attn_LHST=future, head_scores_LH=head_scores)
+  return ev.replace(
+    future_attn_LHST=future, head_scores_LH=head_scores, **new_method_evidence(rng, q, k)
+  )
+
+
+def new_method_evidence(rng, q, k) -> dict:
+  """Issue 15's evidence fields for queries ``q [L, Hq, T, D]`` and keys ``k [L, G, T, D]``."""
+  L, G, T, D = k.shape
+  mean, cov = scores.expected_query_stats(
+    q, scores.average_rope(1e4 ** -(np.arange(D // 2) / (D // 2)), T)
+  )
+  return dict(
+    values_LGTD=jnp.asarray(rng.normal(size=k.shape), jnp.float32),
+    value_out_norms_LHT=jnp.asarray(rng.random((L, q.shape[1], T)) + 0.5, jnp.float32),
+    query_mean_LHD=mean,
+    query_cov_LHDD=cov,
+    window_queries_LHWD=q[:, :, -W:],
+    qfilters_LGD=jnp.asarray(rng.normal(size=(L, G, D)), jnp.float32),
+    retrieval_heads_LG=jnp.asarray(rng.random((L, G)), jnp.float32),
+    reconstruction_attn_LGT=jnp.asarray(rng.random((L, G, T)), jnp.float32),
+  )
 
 
 @pytest.mark.parametrize("name", policies.names())
 @pytest.mark.parametrize("budget", [W + 4, 24, T, T + 10])
 def test_every_policy_keeps_its_allocation(evidence, name, budget):
   policy = policies.make(name)
+  if name == "think" and budget < T:  # ThinK keeps every token
+    with pytest.raises(ValueError, match="keeps every token"):
+      policy.keep_mask(evidence, budget)
+    return
   scores_LHT = policy.scores(evidence)
   budget_LH = np.asarray(policy.budgets(evidence, scores_LHT, budget))
   keep = np.asarray(policy.keep_mask(evidence, budget))
