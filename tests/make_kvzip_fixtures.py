@@ -39,6 +39,8 @@ OUT = HERE / "fixtures" / "kvzip_0_5_5.npz"
 T = 40
 SEED = 7
 RATIO = 0.5
+QF_ROWS, QF_T, QF_SAMPLES, QF_SEED = 3, 40, 64, 0
+OTF_LENGTHS, OTF_Q_LEN = (30, 40, 25), 500
 
 FIRST = "\n\nRepeat the previous context exactly."
 LATER = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -74,6 +76,98 @@ class FakeTokenizer:
   def encode(self, text, return_tensors=None, add_special_tokens=False):
     assert not add_special_tokens and return_tensors == "pt", (text, return_tensors)
     return torch.tensor([IDS[text]], dtype=torch.long).reshape(1, -1)
+
+
+def qfilters_golden(model, arrays, meta) -> None:
+  """The official ``make_filters.py`` SVD step in torch on the same model: post-RoPE queries of
+  ``QF_ROWS`` rows (captured from each attention module's inputs, as the patched modeling files
+  hand them to the cache), kvjax's per-layer sample draw, ``torch.linalg.svd``, the sign rule,
+  the group mean."""
+  from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+  rows = np.random.default_rng(SEED + 1).integers(0, model.config.vocab_size, (QF_ROWS, QF_T))
+  L, Hq = model.config.num_hidden_layers, model.config.num_attention_heads
+  G = model.config.num_key_value_heads
+  seen = {i: [] for i in range(L)}
+
+  def hook(module, args, kwargs, output):
+    h = kwargs["hidden_states"]
+    B, T, _ = h.shape
+    q = module.q_proj(h).view(B, T, -1, module.head_dim).transpose(1, 2)
+    cos, sin = kwargs["position_embeddings"]
+    q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    seen[module.layer_idx].append(q.flatten(0, 1).detach())
+
+  hooks = [
+    layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers
+  ]
+  with torch.no_grad():
+    for r in rows:
+      model(input_ids=torch.from_numpy(r)[None])
+  for h in hooks:
+    h.remove()
+  rng = np.random.default_rng(QF_SEED)  # kvjax's draw (the official: torch.rand argsort)
+  filters, directions = [], []
+  for layer in range(L):
+    stacked_el = torch.stack(seen[layer], 1).flatten(1, 2)
+    total = stacked_el.shape[1]
+    idx = torch.from_numpy(np.argsort(rng.random(total))[: min(QF_SAMPLES, total)])
+    u, s, vh = torch.linalg.svd(stacked_el[:, idx].float())
+    svd_sign = ((u[..., 0] > 0).float().mean(-1) > 0.5).float() * 2 - 1
+    svd_filter_q = -svd_sign[:, None] * vh[..., 0, :]
+    directions.append(svd_filter_q.numpy())
+    filters.append(svd_filter_q.reshape(G, -1, svd_filter_q.shape[-1]).mean(-2).numpy())
+  assert len(directions[0]) == Hq
+  arrays["qfilters_rows_BT"] = rows.astype(np.int32)
+  arrays["qfilters_directions_LHD"] = np.stack(directions).astype(np.float32)
+  arrays["qfilters_LGD"] = np.stack(filters).astype(np.float32)
+  meta["qfilters"] = {
+    "reference": "NathanGodey/qfilters make_filters.py (SVD step verbatim, in torch)",
+    "num_svd_samples": QF_SAMPLES,
+    "seed": QF_SEED,
+    "draw": "numpy default_rng(seed): argsort(rng.random(B*T))[:n] per layer, as kvjax",
+  }
+
+
+def duo_on_the_fly_golden(model, arrays, meta) -> None:
+  """kvpress's ``duo_attention_on_the_fly`` on ``OTF_LENGTHS`` random texts: ``load_dataset``
+  and the tokenizer are replaced so that its BookSum "chapters" are these id rows."""
+  from kvpress.presses import duo_attention_press as duo
+
+  rng = np.random.default_rng(SEED + 2)
+  texts = {f"text{i}": rng.integers(0, model.config.vocab_size, n) for i, n in enumerate(OTF_LENGTHS)}
+
+  class Data:
+    def to_pandas(self):
+      import pandas as pd
+
+      return pd.DataFrame({"chapter": list(texts)})
+
+  class Encoding(dict):
+    def to(self, device):
+      return self
+
+  class Tok:
+    def __call__(self, text, return_tensors=None):
+      ids = torch.from_numpy(texts[text])[None]
+      return Encoding(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+  orig = duo.load_dataset, duo.AutoTokenizer
+  duo.load_dataset = lambda *a, **k: Data()
+  duo.AutoTokenizer = type("Auto", (), {"from_pretrained": staticmethod(lambda _: Tok())})
+  try:
+    scores = duo.duo_attention_on_the_fly.__wrapped__(model, len(texts), OTF_Q_LEN)
+  finally:
+    duo.load_dataset, duo.AutoTokenizer = orig
+  for i, ids in enumerate(texts.values()):
+    arrays[f"duo_otf_text{i}"] = ids.astype(np.int32)
+  arrays["duo_otf_scores_LG"] = np.asarray(scores, np.float32)
+  meta["duo_on_the_fly"] = {
+    "reference": "kvpress 0.5.5 duo_attention_on_the_fly (datasets and tokenizer replaced)",
+    "num_samples": len(texts),
+    "q_len": OTF_Q_LEN,
+    "texts": [f"duo_otf_text{i}" for i in range(len(texts))],
+  }
 
 
 def main() -> int:
@@ -148,6 +242,8 @@ def main() -> int:
     meta["runs"][name] = {"chat_template": chat, "args": {"compression_ratio": RATIO, **kw}}
     print(name, "prefix", seen["prefix_length"], "kept", keep.sum(), "of", keep.size)
 
+  qfilters_golden(model, arrays, meta)
+  duo_on_the_fly_golden(model, arrays, meta)
   arrays["meta_json"] = np.asarray(json.dumps(meta, indent=1))
   np.savez_compressed(OUT, **arrays)
   print("wrote", OUT, OUT.stat().st_size, "bytes")

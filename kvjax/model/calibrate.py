@@ -95,7 +95,7 @@ def _pre_rope(cfg: ModelConfig, p: dict, h_BTd: Array):
 # --------------------------------------------------------------------------- Q-Filters
 
 
-def _sample_queries(cfg, params, ids_BT, idx_LN):
+def sampled_queries(cfg: ModelConfig, params: dict, ids_BT: Array, idx_LN: Array) -> Array:
   """Post-RoPE queries ``[L, Hq, N, D]`` fp32 at the flattened ``(row, position)`` indices
   ``idx_LN`` (a different draw per layer), from a dense causal forward."""
   B, T = ids_BT.shape
@@ -114,7 +114,7 @@ def _sample_queries(cfg, params, ids_BT, idx_LN):
   return q_LHND
 
 
-_sample_queries_jit = jax.jit(_sample_queries, static_argnums=0)
+sampled_queries_jit = jax.jit(sampled_queries, static_argnums=0)
 
 
 def qfilter_directions(
@@ -135,7 +135,7 @@ def qfilter_directions(
   total = ids.size
   rng = np.random.default_rng(seed)
   idx_LN = np.stack([np.argsort(rng.random(total))[: min(n, total)] for _ in range(cfg.num_layers)])
-  q_LHND = _sample_queries_jit(cfg, params, jnp.asarray(ids), jnp.asarray(idx_LN, jnp.int32))
+  q_LHND = sampled_queries_jit(cfg, params, jnp.asarray(ids), jnp.asarray(idx_LN, jnp.int32))
   return _svd_filters(q_LHND)
 
 
