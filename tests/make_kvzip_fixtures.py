@@ -40,7 +40,7 @@ T = 40
 SEED = 7
 RATIO = 0.5
 QF_ROWS, QF_T, QF_SAMPLES, QF_SEED = 3, 40, 64, 0
-OTF_LENGTHS, OTF_Q_LEN = (30, 40, 25), 500
+OTF_LENGTHS, OTF_Q_LEN = (32, 32, 32), 500  # one length: one compile in the test
 
 FIRST = "\n\nRepeat the previous context exactly."
 LATER = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -135,7 +135,9 @@ def duo_on_the_fly_golden(model, arrays, meta) -> None:
   from kvpress.presses import duo_attention_press as duo
 
   rng = np.random.default_rng(SEED + 2)
-  texts = {f"text{i}": rng.integers(0, model.config.vocab_size, n) for i, n in enumerate(OTF_LENGTHS)}
+  texts = {
+    f"text{i}": rng.integers(0, model.config.vocab_size, n) for i, n in enumerate(OTF_LENGTHS)
+  }
 
   class Data:
     def to_pandas(self):

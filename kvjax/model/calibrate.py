@@ -307,7 +307,7 @@ def train_duo_attention(
 
   Gates start at ``initial_value`` (1.0), are clamped to [0, 1] before every step and inside the
   forward, and are trained by AdamW (betas 0.9/0.999, eps 1e-8, no weight decay: optax's
-  ``adamw``) at ``lr`` (0.02 in the released patterns) with the official warm-up/decay schedule
+  ``scale_by_adam`` times the step's learning rate) at ``lr`` (0.02 in the released patterns) with the official warm-up/decay schedule
   (:func:`duo_schedule`) on :func:`duo_loss` with ``reg_weight`` 0.05; batch size 1, the
   ``examples`` cycled in order (the official shuffles a dataset of multi-passkey prompts).
   ``examples``: ``(ids_T, label_mask_T)`` pairs (:func:`duo_examples`); the label mask marks
@@ -325,9 +325,9 @@ def train_duo_attention(
   sink, recent = duo_sizes(T_min)
   sink = sink if sink_size is None else _check_int("sink_size", sink_size)
   recent = recent if recent_size is None else _check_int("recent_size", recent_size)
-  opt = optax.adamw(duo_schedule(lr, steps), b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+  schedule = duo_schedule(lr, steps)
   alpha = jnp.full((cfg.num_layers, cfg.num_kv_heads), float(initial_value), jnp.float32)
-  state = opt.init(alpha)
+  state = _ADAM.init(alpha)
   masks = {}
   hist = []
   for s in range(steps):
@@ -335,7 +335,9 @@ def train_duo_attention(
     T = ids.shape[1]
     if T not in masks:
       masks[T] = jnp.asarray(streaming_mask(T, sink, recent))
-    alpha, state, aux = _duo_step(cfg, opt, params, alpha, state, ids, labels, masks[T], reg_weight)
+    alpha, state, aux = _duo_step(
+      cfg, params, alpha, state, ids, labels, masks[T], reg_weight, schedule(s)
+    )
     hist.append([float(a) for a in aux])
   h = np.asarray(hist, np.float32)
   return DuoTraining(
@@ -348,13 +350,18 @@ def train_duo_attention(
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _duo_step(cfg, opt, params, alpha, state, ids, labels, stream, reg_weight):
+# torch's AdamW with weight_decay=0 is Adam; the learning rate is applied per step (the schedule's
+# value is data, so one compile serves every step and every call)
+_ADAM = optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _duo_step(cfg, params, alpha, state, ids, labels, stream, reg_weight, lr):
   alpha = jnp.clip(alpha, 0.0, 1.0)  # the official clamp_ before each step
   grad_fn = jax.value_and_grad(duo_loss, has_aux=True)
   (loss, (distill, reg)), g = grad_fn(alpha, cfg, params, ids, labels, stream, reg_weight)
-  updates, state = opt.update(g, state, alpha)
-  return optax.apply_updates(alpha, updates), state, (loss, distill, reg)
+  updates, state = _ADAM.update(g, state, alpha)
+  return alpha - lr * updates, state, (loss, distill, reg)
 
 
 def duo_examples(examples) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -486,6 +493,7 @@ def duo_attention_pattern(
 
 # --------------------------------------------------------------------------- KVzip
 
+DENSE_CONTEXT = 4096  # longer contexts are prefilled by llama.prefill (no [T, T] matrix)
 KVZIP_FIRST = "\n\nRepeat the previous context exactly."
 KVZIP_LATER = "\n\nRepeat the part of the previous context exactly, starting with"
 
@@ -600,6 +608,23 @@ def _reconstruct(cfg, params, keys_LBGTD, values_LBGTD, repeat_BQ, start, n, sin
   return scores
 
 
+def _context_kv(cfg: ModelConfig, params: dict, ids_BT: Array):
+  """The context pass: post-RoPE keys and values ``[L, B, G, T, D]`` of a dense causal forward
+  (what ``KVzipPress`` finds in the cache after the model's own prefill)."""
+  B, T = ids_BT.shape
+  pos = _positions(B, T)
+  allowed = _causal_allowed(cfg, B, T)
+
+  def layer(x, p):
+    q, k, v = llama.project_qkv(cfg, p, x, pos)
+    x = llama.output_and_mlp(cfg, p, x, llama.attend(llama.attention_probs(q, k, allowed), v))
+    return x, (k, v)
+
+  _, (k, v) = jax.lax.scan(layer, params["embed"][ids_BT], llama.stacked(params))
+  return k, v
+
+
+_context_kv_jit = jax.jit(_context_kv, static_argnums=0)
 _reconstruct_jit = jax.jit(_reconstruct, static_argnums=(0, 6, 7, 8))
 
 
@@ -616,7 +641,7 @@ def kvzip_evidence(
   """KVzip's ``reconstruction_attn_LGT`` fp32 of a context ``[T]`` (``[L, B, G, T]`` for a
   ``[B, T]`` batch of unpadded rows), as kvpress 0.5.5's ``KVzipPress``.
 
-  The context is prefilled once (:func:`kvjax.model.llama.prefill`); then, chunk by chunk
+  The context is prefilled once (a dense causal pass); then, chunk by chunk
   (:func:`kvzip_chunks`, ``chunk_size`` 2048), the model reads ``prompt + suffix + chunk`` after
   the cached context (positions ``T ..``, the cache put back to the context after each chunk).
   At every layer the repeat queries (post-RoPE) take a softmax over a *subsample* of keys: the
@@ -646,12 +671,16 @@ def kvzip_evidence(
     raise ValueError(
       f"template.prefix_length: {prefix} leaves nothing of the {T}-token context to reconstruct"
     )
-  pre = llama.prefill(cfg, params, jnp.asarray(ids), jnp.ones((B, T), jnp.int32))
+  if T <= DENSE_CONTEXT:
+    keys, values = _context_kv_jit(cfg, params, jnp.asarray(ids))
+  else:  # the memory-bounded prefill (tiled attention) for long contexts
+    pre = llama.prefill(cfg, params, jnp.asarray(ids), jnp.ones((B, T), jnp.int32))
+    keys, values = pre.keys, pre.values
   out = jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, T), jnp.float32)
   for start, end, repeat in kvzip_chunks(ids, template, chunk_size):
     sink = min(n_sink, start)
     s = _reconstruct_jit(
-      cfg, params, pre.keys, pre.values, jnp.asarray(repeat), start, end - start, sink, bool(plus)
+      cfg, params, keys, values, jnp.asarray(repeat), start, end - start, sink, bool(plus)
     )
     out = out.at[..., start:end].set(s)
   return out[:, 0] if single else out
