@@ -472,6 +472,11 @@ def keydiff(keys_LGTD: Array) -> Array:
   protection. (The paper's block-wise iteration is kvpress ``BlockPress``, not this scorer.)
   """
   _check_array("keys", keys_LGTD, 4, "LGTD")
+  return _keydiff(keys_LGTD)
+
+
+@jax.jit
+def _keydiff(keys_LGTD):
   k = keys_LGTD.astype(jnp.float32)
   norm = jnp.linalg.norm(k, axis=-1, keepdims=True)
   anchor = (k / jnp.maximum(norm, 1e-12)).mean(axis=2, keepdims=True)
@@ -513,6 +518,12 @@ def lagkv(keys_LGTD: Array, values_LGTD: Array, *, lag: int = 128, sinks: int = 
   L, G, T, _ = keys_LGTD.shape
   if sinks + 2 * lag > T:
     return streaming(T, (L, G), sinks=min(sinks, T))
+  return _lagkv(keys_LGTD, values_LGTD, lag, sinks)
+
+
+@functools.partial(jax.jit, static_argnames=("lag", "sinks"))
+def _lagkv(keys_LGTD, values_LGTD, lag, sinks):
+  L, G, T, _ = keys_LGTD.shape
   end = sinks + ((T - sinks) // lag) * lag
   P = (end - sinks) // lag
 
@@ -544,9 +555,14 @@ def average_rope(
     raise ValueError(f"inv_freq: expected finite [D / 2] frequencies, got shape {inv.shape}")
   start = _check_static_int("start", start, 0)
   n_future = _check_static_int("n_future", n_future, 1)
+  return _average_rope(jnp.asarray(inv), start, n_future, float(attention_scaling))
+
+
+@functools.partial(jax.jit, static_argnames=("start", "n_future", "attention_scaling"))
+def _average_rope(inv, start, n_future, attention_scaling):
   half = inv.shape[0]
   positions = jnp.arange(start, start + n_future, dtype=jnp.float32)
-  freqs = positions[:, None] * jnp.asarray(inv)[None, :]
+  freqs = positions[:, None] * inv[None, :]
   emb = jnp.concatenate([freqs, freqs], axis=-1)  # [n, D]
   cos, sin = jnp.cos(emb) * attention_scaling, jnp.sin(emb) * attention_scaling
   eye = jnp.eye(half, dtype=jnp.float32)
@@ -610,7 +626,7 @@ def expected_attention(
   G, T = keys_LGTD.shape[1:3]
   if keys_LGTD.shape[0] != L or keys_LGTD.shape[-1] != D:
     raise ValueError(f"keys: shape {keys_LGTD.shape} does not match query_mean {(L, Hq, D)}")
-  rep = _check_gqa(Hq, G)
+  _check_gqa(Hq, G)
   sinks = _check_static_int("sinks", sinks, 0)
   if sinks >= T:
     raise ValueError(f"keys: T={T} tokens, expected more than sinks={sinks}")
@@ -625,6 +641,22 @@ def expected_attention(
       raise ValueError("values: expected [L, G, T, D] when use_vnorm=True, got None")
     _check_array("values", values_LGTD, 4, "LGTD")
     _check_same("values", values_LGTD, "keys", keys_LGTD, (0, 1, 2))
+  return _expected_attention(
+    query_mean_LHD,
+    query_cov_LHDD if use_covariance else None,
+    keys_LGTD,
+    values_LGTD if use_vnorm else None,
+    epsilon,
+    sinks,
+  )
+
+
+@functools.partial(jax.jit, static_argnames="sinks")
+def _expected_attention(query_mean_LHD, query_cov_LHDD, keys_LGTD, values_LGTD, epsilon, sinks):
+  L, Hq, D = query_mean_LHD.shape
+  G, T = keys_LGTD.shape[1:3]
+  rep = Hq // G
+  use_covariance, use_vnorm = query_cov_LHDD is not None, values_LGTD is not None
   k = jnp.repeat(keys_LGTD[:, :, sinks:].astype(jnp.float32), rep, axis=1)  # HF repeat_kv
   z = jnp.einsum("lhd,lhtd->lht", query_mean_LHD.astype(jnp.float32), k, precision=PRECISION)
   z = z / math.sqrt(D)
@@ -688,6 +720,12 @@ def chunkkv(scores_LHT: Array, *, chunk: int = 20) -> Array:
   L, H, T = scores_LHT.shape
   if chunk > T:
     return scores_LHT.astype(jnp.float32)
+  return _chunkkv(scores_LHT, chunk)
+
+
+@functools.partial(jax.jit, static_argnames="chunk")
+def _chunkkv(scores_LHT, chunk):
+  L, H, T = scores_LHT.shape
   s = scores_LHT.astype(jnp.float32)
   finite = jnp.where(jnp.isfinite(s), s, -jnp.inf).max(axis=(1, 2), keepdims=True)
   s = jnp.where(jnp.isposinf(s), finite + 1.0, s).sum(1)  # [L, T]
@@ -745,7 +783,12 @@ def duo_streaming_heads(retrieval_heads_LG: Array, head_compression_ratio: float
   _check_array("retrieval_heads", retrieval_heads_LG, 2, "LG")
   ratio = _check_ratio("head_compression_ratio", head_compression_ratio, high_open=False)
   L, G = retrieval_heads_LG.shape
-  n_pruned = round(L * G * ratio)
+  return _duo_streaming_heads(retrieval_heads_LG, round(L * G * ratio))
+
+
+@functools.partial(jax.jit, static_argnames="n_pruned")
+def _duo_streaming_heads(retrieval_heads_LG, n_pruned):
+  L, G = retrieval_heads_LG.shape
   flat = retrieval_heads_LG.astype(jnp.float32).reshape(-1)
   rank = jnp.zeros(L * G, jnp.int32).at[jnp.argsort(flat, stable=True)].set(jnp.arange(L * G))
   return (rank < n_pruned).reshape(L, G)
@@ -797,6 +840,11 @@ def key_similarity_redundancy(keys_LGTD: Array, *, threshold: float = 0.5) -> Ar
   over the keys.
   """
   _check_array("keys", keys_LGTD, 4, "LGTD")
+  return _key_similarity_redundancy(keys_LGTD, threshold)
+
+
+@jax.jit
+def _key_similarity_redundancy(keys_LGTD, threshold):
   k = keys_LGTD.astype(jnp.float32)
   k = k / (jnp.linalg.norm(k, axis=-1, keepdims=True) + 1e-8)
   cos = jnp.einsum("lgid,lgjd->lgij", k, k, precision=PRECISION)
@@ -837,11 +885,18 @@ def rkv(
     raise ValueError(
       f"window: {window} needs window <= W={W} observation queries and window < T={T} keys"
     )
+  return _rkv(window_queries_LHWD, keys_LGTD, mix_lambda, threshold, window, kernel)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "kernel"))
+def _rkv(window_queries_LHWD, keys_LGTD, mix_lambda, threshold, window, kernel):
+  L, Hq, W, D = window_queries_LHWD.shape
+  G, T = keys_LGTD.shape[1:3]
   q = window_queries_LHWD[:, :, W - window :].astype(jnp.float32).reshape(L, G, Hq // G, window, D)
   k = keys_LGTD[:, :, : T - window].astype(jnp.float32)
   logits = jnp.einsum("lgrwd,lgtd->lgrwt", q, k, precision=PRECISION) / math.sqrt(D)
   attn = jax.nn.softmax(logits.max(2), axis=-1).mean(-2)  # [L, G, T - window]
   importance = pool1d(attn, kernel, "max")
-  redundancy = key_similarity_redundancy(keys_LGTD, threshold=threshold)[..., : T - window]
+  redundancy = _key_similarity_redundancy(keys_LGTD, threshold)[..., : T - window]
   body = importance * mix_lambda - redundancy * (1 - mix_lambda)
   return jnp.concatenate([body, jnp.full((L, G, window), jnp.inf)], axis=-1)
