@@ -5,6 +5,20 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("MPLBACKEND", "Agg")  # headless figures in tests and the notebooks they run
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# One persistent compilation cache for the run, which the subprocesses that tests start (entry
+# points, resumed sweeps, notebooks) inherit: they compile the programs the in-process tests
+# already compiled, and the module-scoped jax.clear_caches() below would otherwise recompile
+# them too. From an empty cache it cut tests/test_sweep.py from 3m39s to 2m22s of CPU time.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache_dir = tempfile.mkdtemp(prefix="kvjax-tests-jax-cache-")
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
