@@ -614,7 +614,8 @@ REGISTRY: dict[str, Spec] = {
     dict(sinks=128, head_compression_ratio=0.5),
     "kvpress DuoAttentionPress: the lowest round(L*G*head_compression_ratio) gates are streaming "
     "heads keeping `sinks` sinks + (budget - sinks) recent tokens (kvpress sink_size + "
-    "recent_size = the budget); retrieval heads keep everything",
+    "recent_size = the budget: 128 + 256 = 384 in the official patterns); retrieval heads keep "
+    "everything; head_compression_ratio 0.5 (kvpress's default 0.0 streams no head)",
     replay=False,
     needs=("retrieval_heads_LG", "keys_LGTD"),
     data_options=("sinks",),

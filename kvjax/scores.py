@@ -573,7 +573,7 @@ def _average_rope(inv, start, n_future, attention_scaling):
 
 
 def expected_query_stats(
-  prerope_queries_LHTD: Array, avg_rope_DD: Array, *, n_sink: int = 4
+  prerope_queries_LHTD: Array, avg_rope_DD: Array, n_sink: int = 4
 ) -> tuple[Array, Array]:
   """ExpectedAttention's query statistics (kvpress ``get_query_statistics``):
   ``(query_mean_LHD, query_cov_LHDD)`` fp32.
@@ -697,7 +697,8 @@ def critical(
       f"value_out_norms: shape {norms.shape} does not match scores {scores_LHT.shape}"
     )
   s = scores_LHT.astype(jnp.float32)
-  rescaled = jnp.where(jnp.isposinf(s), jnp.inf, (s + epsilon) * norms)
+  # +inf stays protected and -inf (padding) stays out whatever the norm (0 * inf would be NaN)
+  rescaled = jnp.where(jnp.isinf(s), s, (s + epsilon) * norms)
   return jnp.where(first_stage_LHT, jnp.inf, rescaled)
 
 

@@ -266,6 +266,13 @@ def test_critical_first_stage_is_the_base_top(evidence):
   np.testing.assert_array_equal(np.asarray(off.keep_mask(evidence, 10)), np.asarray(plain))
 
 
+def test_critical_keeps_sentinels_whatever_the_norm():
+  s = jnp.asarray([[[jnp.inf, -jnp.inf, 0.5, 0.2]]], jnp.float32)
+  norms = jnp.asarray([[[0.0, 0.0, 2.0, 0.0]]], jnp.float32)
+  out = np.asarray(scores.critical(s, norms, jnp.zeros(s.shape, bool)))
+  np.testing.assert_allclose(out, [[[np.inf, -np.inf, (0.5 + 1e-4) * 2.0, 0.0]]])
+
+
 def test_wrappers_resolve_and_refuse(evidence):
   assert "critical_knorm" not in policies.names()
   assert policies.spec("chunkkv_knorm").needs == ("keys_LGTD",)
