@@ -397,7 +397,9 @@ def _stage_one_count(budget_LH, ratio, floor_one):
 def _rescore_critical(evidence, scores_LHT, budget_LH, opts, capacity):
   """CriticalKVPress: stage 1 keeps the base scores' top ``max(1, floor(r * b))`` (kvpress:
   ``max(1, int((1 - ratio) * T * r))``, the same count for ``b = (1 - ratio) T``); stage 2
-  ranks the rest by ``(s + epsilon) * ||W_O v||_1``."""
+  ranks the rest by ``(s + epsilon) * ||W_O v||_1``. Protected positions (``+inf``) stay in:
+  kvpress pads SnapKV's window with the max + 1, which stage 2 rescales, so with a first stage
+  smaller than the window kvpress can drop window tokens; kvjax never does."""
   norms = _need(evidence, "value_out_norms_LHT", opts["_name"])
   count = _stage_one_count(budget_LH, opts["first_stage_ratio"], floor_one=True)
   first = _first_stage(scores_LHT, count, capacity)

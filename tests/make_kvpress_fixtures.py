@@ -343,6 +343,7 @@ def record_new_presses(model, input_ids, arrays, meta, ref_rec, n_kept) -> None:
   DuoAttention and ThinK, with the evidence kvjax needs to rerun them."""
   from kvpress import (
     ChunkKVPress,
+    ComposedPress,
     CriticalAdaKVPress,
     CriticalKVPress,
     DuoAttentionPress,
@@ -457,6 +458,24 @@ def record_new_presses(model, input_ids, arrays, meta, ref_rec, n_kept) -> None:
   zeroed = np.stack([(cache.layers[i].keys[0] == 0).all(dim=1).numpy() for i in range(LAYERS)])
   assert (zeroed.sum(-1) == D // 2).all()
   arrays["think_pruned_LGD"] = zeroed
+  composed = ComposedPress([SnapKVPress(**snap_kw), ThinKPress(0.5, THINK_WINDOW)])
+  cache = run_press(model, input_ids, composed)
+  zeroed = np.stack([(cache.layers[i].keys[0] == 0).all(dim=1).numpy() for i in range(LAYERS)])
+  assert (zeroed.sum(-1) == D // 2).all() and cache.layers[0].keys.shape[2] == n_kept
+  arrays["think_snapkv_pruned_LGD"] = zeroed
+  presses["think_snapkv"] = {
+    "class": "ComposedPress",
+    "args": {
+      "presses": [
+        {"class": "SnapKVPress", "args": snap_kw},
+        {
+          "class": "ThinKPress",
+          "args": {"key_channel_compression_ratio": 0.5, "window_size": THINK_WINDOW},
+        },
+      ]
+    },
+    "recorded": "think_snapkv_pruned_LGD: channels zeroed; ThinK scores the keys SnapKV kept",
+  }
   presses["think"] = {
     "class": "ThinKPress",
     "args": {"key_channel_compression_ratio": 0.5, "window_size": THINK_WINDOW},

@@ -222,3 +222,16 @@ def test_think_channels(fx):
   channel_scores = scores.think_channel_scores(ev.window_queries_LHWD, ev.keys_LGTD)
   keep = np.asarray(scores.think_channel_mask(channel_scores, 0.5))
   np.testing.assert_array_equal(~keep, fx["think_pruned_LGD"])
+
+
+def test_think_after_snapkv_scores_the_kept_keys(fx):
+  ev = issue15_evidence(fx)
+  keep = np.asarray(policies.make("snapkv_kvpress", num_kv_heads=2).keep_mask(ev, 24))
+  keys = np.asarray(ev.keys_LGTD)
+  kept_keys = np.stack(
+    [np.stack([keys[i, g][keep[i, g]] for g in range(keys.shape[1])]) for i in range(keys.shape[0])]
+  )
+  channel_scores = scores.think_channel_scores(ev.window_queries_LHWD, jnp.asarray(kept_keys))
+  pruned = ~np.asarray(scores.think_channel_mask(channel_scores, 0.5))
+  np.testing.assert_array_equal(pruned, fx["think_snapkv_pruned_LGD"])
+  assert (pruned != fx["think_pruned_LGD"]).any()  # the kept keys change the choice
