@@ -846,15 +846,18 @@ def key_similarity_redundancy(keys_LGTD: Array, *, threshold: float = 0.5) -> Ar
 
 @jax.jit
 def _key_similarity_redundancy(keys_LGTD, threshold):
-  k = keys_LGTD.astype(jnp.float32)
-  k = k / (jnp.linalg.norm(k, axis=-1, keepdims=True) + 1e-8)
-  cos = jnp.einsum("lgid,lgjd->lgij", k, k, precision=PRECISION)
-  T = cos.shape[-1]
-  cos = jnp.where(jnp.broadcast_to(jnp.eye(T, dtype=bool), cos.shape), 0.0, cos)
-  column = lax.broadcasted_iota(jnp.int32, cos.shape, 3)
-  last = jnp.max(jnp.where(cos > threshold, column, 0), axis=-1)  # [L, G, T]
-  cos = jnp.where(column == last[..., None], 0.0, cos)
-  return jax.nn.softmax(cos.mean(-2), axis=-1)
+  def one_layer(keys_GTD):  # one [G, T, T] similarity at a time, as upstream (per layer)
+    k = keys_GTD.astype(jnp.float32)
+    k = k / (jnp.linalg.norm(k, axis=-1, keepdims=True) + 1e-8)
+    cos = jnp.einsum("gid,gjd->gij", k, k, precision=PRECISION)
+    T = cos.shape[-1]
+    cos = jnp.where(jnp.broadcast_to(jnp.eye(T, dtype=bool), cos.shape), 0.0, cos)
+    column = lax.broadcasted_iota(jnp.int32, cos.shape, 2)
+    last = jnp.max(jnp.where(cos > threshold, column, 0), axis=-1)  # [G, T]
+    cos = jnp.where(column == last[..., None], 0.0, cos)
+    return jax.nn.softmax(cos.mean(-2), axis=-1)
+
+  return lax.map(one_layer, keys_LGTD)
 
 
 def rkv(
