@@ -97,7 +97,8 @@ def _pre_rope(cfg: ModelConfig, p: dict, h_BTd: Array):
 
 def sampled_queries(cfg: ModelConfig, params: dict, ids_BT: Array, idx_LN: Array) -> Array:
   """Post-RoPE queries ``[L, Hq, N, D]`` fp32 at the flattened ``(row, position)`` indices
-  ``idx_LN`` (a different draw per layer), from a dense causal forward."""
+  ``idx_LN`` (a different draw per layer), from a dense causal forward of all rows at once
+  (``[B, Hq, T, T]`` probabilities per layer: calibration rows are short)."""
   B, T = ids_BT.shape
   pos = _positions(B, T)
   allowed = _causal_allowed(cfg, B, T)
