@@ -65,6 +65,7 @@ def smollm2(c: ml_collections.ConfigDict, preset: str) -> None:
   elif preset == "smollm2_full":
     c.lengths = (1024, 2048, 4096, 8192)
     c.examples = 50
+    c.batch = 10
     c.budgets = (64, 128, 256, 512, 1024)
     c.tasks = ml_collections.ConfigDict(tasks.EVAL_OPTIONS)
     c.heatmap.update(
@@ -92,6 +93,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.tasks = ml_collections.ConfigDict(tasks.EVAL_OPTIONS)
   c.lengths = (1024,)
   c.examples = 8
+  # examples per prefill and decode batch (None: all of them): bounds an accelerator's memory;
+  # a divisor of ``examples``, so every batch has one shape and compiles once
+  c.batch = ml_collections.config_dict.placeholder(int)
   c.budgets = (48, 64, 128, 256)
   c.policies = POLICIES
   c.heatmap = ml_collections.ConfigDict(

@@ -212,6 +212,27 @@ def test_eval_quick_writes_results_resumes_and_plots(tmp_path):
     evaluate.run(c, tmp_path, log=lambda *_: None)
 
 
+def test_example_batches_merge_to_the_rows_of_one_batch(random_model):
+  exs, *_ = _batch(num_pairs=4, num_queries=2, n=4)
+  shape = evaluate.shared_shape([exs])
+
+  def group(part):
+    pre = evaluate.prefill_examples(random_model, part, oracle=False, shape=shape)
+    full = evaluate.evaluate_group(random_model, part, [200], "full", {}, prefilled=pre)
+    return evaluate.evaluate_group(
+      random_model, part, [40, 64], "snapkv", {}, full=full["answers"], prefilled=pre
+    )
+
+  whole = group(exs)["rows"]
+  parts = [group(b) for b in evaluate.example_batches(exs, 2)]
+  assert [len(b) for b in evaluate.example_batches(exs, 3)] == [3, 1]
+  merged = evaluate.merge_batches(parts)
+  for a, b in zip(merged, whole, strict=True):
+    assert a["n"] == b["n"] == 4 and a["budget"] == b["budget"]
+    for key in ("accuracy", "recall", "token_accuracy", "kl"):
+      np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
 def test_a_group_cut_mid_write_is_dropped_and_rerun(tmp_path):
   import pandas as pd
 
@@ -235,6 +256,7 @@ def test_a_group_cut_mid_write_is_dropped_and_rerun(tmp_path):
     ("question", "in_window,before", "question"),
     ("budgets", (0, 64), "budgets"),
     ("examples", 0, "examples"),
+    ("batch", 3, "divisor of examples=4"),
     ("tasks", {"needle": {}}, "tasks"),
   ],
 )

@@ -1,9 +1,10 @@
 """Accuracy against budget on the task suite, for every policy, with a real model and cache.
 
-For each (task, context length) a fixed set of held-out examples is prefilled once per policy and
-answered under every budget of the grid at once (:func:`kvjax.model.answer_configs`: compress and
-decode vmapped over budgets). Each (task, length, policy) group appends its rows to
-``results.csv`` as soon as it is done; a rerun skips the groups already there (like sweeps).
+For each (task, context length) a fixed set of held-out examples is prefilled once for every
+policy, ``batch`` examples at a time (all at once by default), and answered under every budget of
+the grid at once (:func:`kvjax.model.answer_prefilled`: compress and decode vmapped over budgets).
+Each (task, length, policy) group appends its rows to ``results.csv`` as soon as its last batch
+is done; a rerun skips the groups already there (like sweeps).
 Besides accuracy, each row carries the teacher-forced next-token KL divergence between the full and
 the compressed cache, ``KL(p_full || p_compressed)`` averaged over the scored answer tokens.
 
@@ -222,7 +223,28 @@ def evaluate_group(
         n=len(exs),
       )
     )
-  return {"rows": rows, "answers": out}
+  return {"rows": rows, "answers": out, "scored": int(scored.sum())}
+
+
+def merge_batches(parts: list[dict]) -> list[dict]:
+  """One group's rows from its example batches (:func:`evaluate_group` results): accuracy and
+  recall weighted by examples, token accuracy and KL by scored answer tokens, so the rows equal
+  those of one batch of all the examples."""
+  tokens = np.asarray([p["scored"] for p in parts], float)
+  rows = []
+  for per_batch in zip(*(p["rows"] for p in parts), strict=True):
+    n = np.asarray([r["n"] for r in per_batch], float)
+    row = dict(per_batch[0], n=int(n.sum()))
+    for key, weight in (("accuracy", n), ("recall", n), ("token_accuracy", tokens), ("kl", tokens)):
+      row[key] = float(np.dot([r[key] for r in per_batch], weight) / weight.sum())
+    rows.append(row)
+  return rows
+
+
+def example_batches(exs: list, size: int | None) -> list[list]:
+  """``exs`` in consecutive batches of ``size`` examples (``None``: one batch)."""
+  size = size or len(exs)
+  return [exs[i : i + size] for i in range(0, len(exs), size)]
 
 
 def _model_fingerprint(name: str) -> str:
@@ -295,6 +317,17 @@ def validate_config(config) -> None:
     isinstance(config.examples, bool) or not isinstance(config.examples, int) or config.examples < 1
   ):
     raise ValueError(f"examples: expected a positive int, got {config.examples!r}")
+  batch = config.get("batch")
+  if batch is not None and (
+    isinstance(batch, bool)
+    or not isinstance(batch, int)
+    or batch < 1
+    or config.examples % batch
+  ):
+    raise ValueError(
+      f"batch: expected None or a positive divisor of examples={config.examples} (equal batches "
+      f"compile once), got {batch!r}"
+    )
   labels = []
   for entry in config.policies:
     label, name, options = _policy_options(entry)
@@ -374,42 +407,63 @@ def _run(config, workdir, log) -> pd.DataFrame:
   }
   for task in config.tasks:
     for length in config.lengths:
-      exs = sets[(task, length)]
       for q in modes:
-        full = prefilled = None
-        for label, name, options in [("full", "full", {}), *entries]:
-          key = (task, length, label, "budget", q)
-          if key in done:
-            continue
-          t0 = time.time()
-          if prefilled is None:  # one prefill per example for every policy
-            prefilled = prefill_examples(
-              model, exs, question=q, window=window, oracle=oracle, shape=shapes[length]
-            )
-            full = evaluate_group(model, exs, [length], "full", {}, prefilled=prefilled)
-            full = full["answers"]
-          if name == "headkv" and head is None:
-            head = head_retrieval_scores(model, tok)
-          res = evaluate_group(
-            model, exs, groups[key], name, options, head_scores=head, full=full, prefilled=prefilled
+        todo = [
+          e
+          for e in [("full", "full", {}), *entries]
+          if (task, length, e[0], "budget", q) not in done
+        ]
+        if not todo:
+          continue
+        batches = example_batches(sets[(task, length)], config.get("batch"))
+        parts = {label: [] for label, _, _ in todo}
+        seconds = dict.fromkeys(parts, 0.0)
+        for i, exs in enumerate(batches):
+          t0 = time.time()  # one prefill per example for every policy, timed with the first
+          prefilled = prefill_examples(
+            model, exs, question=q, window=window, oracle=oracle, shape=shapes[length]
           )
-          rows = [
-            dict(task=task, length=length, policy=label, kind="budget", question=q, depth=np.nan)
-            | r
-            | {"seconds": round(time.time() - t0, 2)}
-            for r in res["rows"]
-          ]
-          rundir.append_rows(path, rows)
-          log(
-            f"{task:18s} {length:5d} {q:9s} {label:16s} "
-            + " ".join(f"{r['budget']}:{r['accuracy']:.2f}" for r in res["rows"])
-          )
+          full = evaluate_group(model, exs, [length], "full", {}, prefilled=prefilled)
+          for label, name, options in todo:
+            if name == "headkv" and head is None:
+              head = head_retrieval_scores(model, tok)
+            if name == "full":  # its own reference: KL exactly 0
+              res = full | {"rows": [r | {"kl": 0.0} for r in full["rows"]]}
+            else:
+              budgets = groups[(task, length, label, "budget", q)]
+              res = evaluate_group(
+                model,
+                exs,
+                budgets,
+                name,
+                options,
+                head_scores=head,
+                full=full["answers"],
+                prefilled=prefilled,
+              )
+            parts[label].append(res)
+            seconds[label] += time.time() - t0
+            t0 = time.time()
+            if i == len(batches) - 1:  # the group is complete: append it at once
+              _append_group(path, (task, length, label, q), parts[label], seconds[label], log)
   head = _heatmap(config, model, tok, path, done, head, log)
   table = rundir.read_rows(path)
   for q in modes:
     suffix = "" if len(modes) == 1 else f"_{q}"
     plotting.accuracy_figures(table[table["question"] == q], out, suffix=suffix)
   return table
+
+
+def _append_group(path, key, parts: list[dict], seconds: float, log) -> None:
+  """Appends one complete (task, length, policy, question) group's rows and logs them."""
+  task, length, label, q = key
+  rows = merge_batches(parts)
+  meta = dict(task=task, length=length, policy=label, kind="budget", question=q, depth=np.nan)
+  rundir.append_rows(path, [meta | r | {"seconds": round(seconds, 2)} for r in rows])
+  log(
+    f"{task:18s} {length:5d} {q:9s} {label:16s} "
+    + " ".join(f"{r['budget']}:{r['accuracy']:.2f}" for r in rows)
+  )
 
 
 def _heatmap(config, model, tok, path, done, head, log):
