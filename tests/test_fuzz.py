@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvjax import budgets, policies, select
+from kvjax import budgets, policies, scores, select
 
 SCALE = int(os.environ.get("KVJAX_FUZZ", "0"))
 LIMIT = 2**31
@@ -466,8 +466,20 @@ def evidence():
   k = jnp.asarray(rng.normal(size=(PL, PG, PT, PD)), jnp.float32)
   ev = policies.evidence_from_qk(q, k, window=PW, rng=jax.random.key(1))
   future = jax.nn.softmax(jnp.asarray(rng.normal(size=(PL, PHQ, 3, PT)), jnp.float32), -1)
+  mean, cov = scores.expected_query_stats(
+    q, scores.average_rope(1e4 ** -(np.arange(PD // 2) / (PD // 2)), PT)
+  )
   return ev.replace(
-    future_attn_LHST=future, head_scores_LH=jnp.asarray(rng.random((PL, PHQ)) + 0.1, jnp.float32)
+    future_attn_LHST=future,
+    head_scores_LH=jnp.asarray(rng.random((PL, PHQ)) + 0.1, jnp.float32),
+    values_LGTD=jnp.asarray(rng.normal(size=k.shape), jnp.float32),
+    value_out_norms_LHT=jnp.asarray(rng.random((PL, PHQ, PT)) + 0.5, jnp.float32),
+    query_mean_LHD=mean,
+    query_cov_LHDD=cov,
+    window_queries_LHWD=q[:, :, -8:],
+    qfilters_LGD=jnp.asarray(rng.normal(size=(PL, PG, PD)), jnp.float32),
+    retrieval_heads_LG=jnp.asarray(rng.random((PL, PG)), jnp.float32),
+    reconstruction_attn_LGT=jnp.asarray(rng.random((PL, PG, PT)), jnp.float32),
   )
 
 
@@ -481,10 +493,12 @@ def test_policy_keeps_its_count_and_protection_or_a_value_error(evidence, name, 
   call = functools.partial(policy.keep_mask, evidence, budget)
   # allocators take one per-head budget (Ada-KV also one per layer); the rest take any table
   per_layer_ok = not policies.allocates(name) or name == "adakv_snapkv"
+  window = policy.opts.get("window") or PW  # R-KV protects its own window of 8
   if (
     any(not 1 <= int(v) < LIMIT for v in b)
-    or (entry.windowed and min(b) < PW + 1)
+    or (entry.windowed and min(b) < window + 1)
     or (np.ndim(budget) > 0 and not per_layer_ok)
+    or (name == "think" and min(b) < PT)  # ThinK keeps every token
   ):
     expect_value_error(call, "budget")
     return
@@ -496,7 +510,7 @@ def test_policy_keeps_its_count_and_protection_or_a_value_error(evidence, name, 
   if not policies.allocates(name):
     np.testing.assert_array_equal(budget_LH, np.broadcast_to(b_L1, budget_LH.shape))
   if entry.windowed:
-    assert keep[..., PT - PW :].all()  # the observation window
+    assert keep[..., PT - window :].all()  # the observation window
   if name == "streaming_llm":
     for layer in range(PL):
       assert keep[layer, :, : min(4, int(b[layer]))].all()  # the sinks
