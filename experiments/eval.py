@@ -19,14 +19,9 @@ def main(argv):
   del argv
   matplotlib.use("Agg")  # figures go to files
   config = _CONFIG.value
-  table = evaluate.run(config, config.workdir)
-  summary = (
-    table[table["kind"] == "budget"]
-    .pivot_table(index=["task", "policy"], columns="budget", values="accuracy", aggfunc="mean")
-    .round(2)
-  )
-  print(summary.to_string())
-  print(f"results: {config.workdir}/results.csv")
+  evaluate.run(config, config.workdir)
+  print((pathlib.Path(config.workdir) / "tables.md").read_text())
+  print(f"results: {config.workdir}/results.csv (tables: tables.md, figures beside them)")
 
 
 if __name__ == "__main__":

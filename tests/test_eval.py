@@ -11,7 +11,7 @@ from flax import nnx
 
 import kvjax.model as km
 from configs import eval as eval_config
-from kvjax.eval import evaluate, funnel, tasks, vocab
+from kvjax.eval import evaluate, funnel, report, tasks, vocab
 
 TOK = vocab.tiny_tokenizer()
 
@@ -199,6 +199,8 @@ def test_eval_quick_writes_results_resumes_and_plots(tmp_path):
   assert len(full) == 2 and (full["kl"] == 0).all()
   assert (tmp_path / "accuracy_vs_budget.png").exists()
   assert (tmp_path / "needle_heatmap_snapkv.png").exists()
+  md = (tmp_path / "tables.md").read_text()
+  assert "**Full-cache accuracy**" in md and "| snapkv |" in md and "Needle heatmap, snapkv" in md
   n = len(table)
   again = evaluate.run(c, tmp_path, log=lambda *_: None)  # nothing left to run: no duplicates
   assert len(again) == n
@@ -271,6 +273,24 @@ def test_a_bad_eval_config_fails_before_any_work(tmp_path, field, value, match):
   with pytest.raises(ValueError, match=match):
     evaluate.run(c, tmp_path / "w", log=lambda *_: None)
   assert not (tmp_path / "w").exists()  # nothing claimed: the corrected config may use it
+
+
+def test_report_tables_by_hand():
+  import pandas as pd
+
+  base = dict(kind="budget", depth=np.nan, recall=1.0, token_accuracy=1.0, n=2, seconds=0.0)
+  rows = [dict(base, task="a", length=64, policy="full", question="after", budget=64)]
+  rows += [dict(base, task="b", length=64, policy="full", question="after", budget=64)]
+  rows += [dict(base, task=t, length=64, policy="snapkv", question="after", budget=8) for t in "ab"]
+  acc = [1.0, 0.5, 0.5, 0.0]
+  table = pd.DataFrame(
+    [r | {"accuracy": a, "kl": 0.1 * i} for i, (r, a) in enumerate(zip(rows, acc, strict=True))]
+  )
+  assert report.full_cache(table).to_dict() == {64: {"a": 1.0, "b": 0.5}}
+  frame = report.by_budget(table, "after")
+  assert frame.loc["snapkv"].tolist() == [0.75, 0.25]  # full's mean, then budget 8's
+  md = report.markdown(table)
+  assert "| snapkv | 0.75 | 0.25 |" in md and "| snapkv | 0.050 | 0.250 |" in md
 
 
 def test_question_modes_parse():

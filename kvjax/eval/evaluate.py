@@ -9,7 +9,8 @@ Besides accuracy, each row carries the teacher-forced next-token KL divergence b
 the compressed cache, ``KL(p_full || p_compressed)`` averaged over the scored answer tokens.
 
 The needle heatmap (accuracy over depth x context length, the PyramidKV and SnapKV papers'
-figure) comes from the same machinery with ``depth`` fixed per cell.
+figure) comes from the same machinery with ``depth`` fixed per cell. ``tables.md`` beside the
+results holds their markdown tables (:mod:`kvjax.eval.report`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pandas as pd
 
 from kvjax import model as km
 from kvjax import plotting, rundir
-from kvjax.eval import tasks
+from kvjax.eval import report, tasks
 from kvjax.model import assets, decoding
 from kvjax.model.tokenizer import HFTokenizer, PieceTokenizer
 
@@ -319,10 +320,7 @@ def validate_config(config) -> None:
     raise ValueError(f"examples: expected a positive int, got {config.examples!r}")
   batch = config.get("batch")
   if batch is not None and (
-    isinstance(batch, bool)
-    or not isinstance(batch, int)
-    or batch < 1
-    or config.examples % batch
+    isinstance(batch, bool) or not isinstance(batch, int) or batch < 1 or config.examples % batch
   ):
     raise ValueError(
       f"batch: expected None or a positive divisor of examples={config.examples} (equal batches "
@@ -451,6 +449,7 @@ def _run(config, workdir, log) -> pd.DataFrame:
   for q in modes:
     suffix = "" if len(modes) == 1 else f"_{q}"
     plotting.accuracy_figures(table[table["question"] == q], out, suffix=suffix)
+  (out / "tables.md").write_text(report.markdown(table))
   return table
 
 
