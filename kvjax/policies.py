@@ -564,7 +564,7 @@ REGISTRY: dict[str, Spec] = {
     **_WINDOWED,
   ),
   "knorm": Spec(
-    _score_knorm, _alloc_given, {}, "lowest key norm", replay=False, needs=("keys_LGTD",)
+    _score_knorm, _alloc_given, {}, "lowest key norm", replay=True, needs=("keys_LGTD",)
   ),
   "random": Spec(_score_random, _alloc_given, {}, "uniform random scores", needs=("rng",)),
   "oracle": Spec(
@@ -580,7 +580,7 @@ REGISTRY: dict[str, Spec] = {
     _alloc_given,
     {},
     "kvpress KeyDiffPress: keys least like the mean normalised key",
-    replay=False,
+    replay=True,
     needs=("keys_LGTD",),
   ),
   "lagkv": Spec(
@@ -589,7 +589,7 @@ REGISTRY: dict[str, Spec] = {
     dict(lag=128, sinks=4),
     "kvpress LagKVPress: K/V spread against the next lag chunk, ranked inside each chunk; "
     "4 sinks and the tail chunk kept",
-    replay=False,
+    replay=True,
     needs=("keys_LGTD", "values_LGTD"),
   ),
   "expected_attention": Spec(

@@ -19,6 +19,11 @@ Cache semantics (the same for every policy, so budgets compare):
   prompt positions their vote selected and keep a rolling recent window (the essay's
   "high-vote prompt positions plus a rolling recent window").
 * ``oracle`` keeps the top ``b`` of the true current row (not realisable; the upper bound).
+* Attention-free prefill scorers (``knorm``, ``keydiff``, ``lagkv``) read the world's *modelled*
+  keys (:mod:`kvjax.lab.keys`, a stated hypothesis, not measured keys) and its values over the
+  prompt (:func:`key_evidence`); like every prefill policy they pin what they selected and roll
+  the rest. They protect no observation window, so unlike SnapKV their recent tokens are only
+  those they happened to select.
 
 Selection always goes through :mod:`kvjax.select`. Rows are generated inside the scan, so no
 ``[L, H, S, T]`` array exists; the cache map ``[S, L, H, C]`` is recorded on request.
@@ -35,6 +40,7 @@ from flax import struct
 
 from kvjax import policies, select
 from kvjax import scores as scores_lib
+from kvjax.lab import keys as keys_lib
 from kvjax.lab import metrics as metrics_lib
 from kvjax.lab import synthetic
 
@@ -72,6 +78,29 @@ def prompt_evidence(world: synthetic.World, rng: Array) -> policies.Evidence:
   )
 
 
+def needs_keys(name: str) -> bool:
+  """Whether policy ``name`` reads keys or values (the lab then models them, :mod:`.keys`)."""
+  return bool({"keys_LGTD", "values_LGTD"} & set(policies.spec(name).needs))
+
+
+def key_evidence(
+  world: synthetic.World,
+  evidence: policies.Evidence,
+  geometry: keys_lib.KeyGeometry | None = None,
+  *,
+  seed: int = 0,
+) -> policies.Evidence:
+  """``evidence`` with the prompt's modelled keys and the world's values, ``keys_LGTD`` and
+  ``values_LGTD`` ``[L, H, P, D]`` (lab heads are KV heads), for the attention-free scorers.
+  ``geometry`` is the key model's knobs (default :class:`~kvjax.lab.keys.KeyGeometry`);
+  ``seed`` should be the world's seed."""
+  P = world.dims.prompt_len
+  keys_LHTD = keys_lib.world_keys(world, geometry, seed=seed)
+  return evidence.replace(
+    keys_LGTD=keys_LHTD[..., :P, :], values_LGTD=world.values_LHTD[..., :P, :]
+  )
+
+
 def check_budget(world: synthetic.World, budget_LH) -> np.ndarray:
   """A concrete ``[L, H]`` budget that fits the world, or ``ValueError`` naming ``budget``."""
   cfg = world.dims
@@ -104,6 +133,7 @@ def simulate(
   record_map: bool = False,
   seed: int = 0,
   evidence: policies.Evidence | None = None,
+  geometry: keys_lib.KeyGeometry | None = None,
   **options,
 ) -> Trace:
   """Runs policy ``name`` (a :data:`LAB_POLICIES` registry name) over the world's generation.
@@ -111,7 +141,10 @@ def simulate(
   ``budget`` is a scalar, ``[L]`` or ``[L, H]`` per-head budget (window and sinks included);
   allocating policies turn it into their own ``budget_LH``. ``capacity`` (static slot count)
   defaults to the largest budget. Pass ``evidence`` (:func:`prompt_evidence`) to share the
-  prefill evidence across policies; ``seed`` seeds the random policy.
+  prefill evidence across policies; ``seed`` seeds the random policy and the modelled keys.
+  A policy that reads keys (:func:`needs_keys`) gets them from :func:`key_evidence` under
+  ``geometry`` when ``evidence`` has none or ``geometry`` is given; otherwise it reads the keys
+  already in ``evidence``.
   """
   if name not in LAB_POLICIES:
     raise ValueError(
@@ -121,6 +154,8 @@ def simulate(
   policy = policies.make(name, **options)
   if evidence is None:
     evidence = prompt_evidence(world, jax.random.key(seed))
+  if needs_keys(name) and (evidence.keys_LGTD is None or geometry is not None):
+    evidence = key_evidence(world, evidence, geometry, seed=seed)
   if not policies.allocates(name):
     L, H = world.dims.num_layers, world.dims.num_heads
     budget_LH = policies.as_budget_LH(budget, L, H)
