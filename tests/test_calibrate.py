@@ -3,11 +3,15 @@ kvpress 0.5.5 and the official code's math (``tests/fixtures/kvzip_0_5_5.npz``, 
 ``tests/make_kvzip_fixtures.py`` on ``tests/fixtures/kvpress_tiny_llama``)."""
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import full_mode
 
 from kvjax import model as km
 from kvjax import policies
@@ -39,13 +43,13 @@ def _template(gold, run):
   )
 
 
-def _kvzip(gold, tiny, run):
+def _kvzip(gold, tiny, run, context=None):
   cfg, params = tiny
   args = json.loads(str(gold["meta_json"]))["runs"][run]["args"]
   return cal.kvzip_evidence(
     cfg,
     params,
-    gold["context_ids_T"],
+    gold["context_ids_T"] if context is None else context,
     _template(gold, run),
     chunk_size=args["chunk_size"],
     n_sink=args.get("n_sink", 4),
@@ -67,34 +71,37 @@ def _kvpress_keep(scores_LGT, ratio=0.5, n_sink=4):
   return keep.reshape(s.shape)
 
 
-@pytest.mark.parametrize("run", ["template_chunked", "plus_chunked"])
+# the fixture's other runs (one chunk, no template, n_sink=2) run with KVJAX_FULL=1
+RUNS = ("template_chunked", "plus_chunked") + (
+  ("plain", "chunked", "sink2_template") if full_mode() else ()
+)
+
+
+@pytest.mark.parametrize("run", RUNS)
 def test_kvzip_matches_kvpress(gold, tiny, run):
-  got = _kvzip(gold, tiny, run)
   cfg, _ = tiny
-  T = gold["context_ids_T"].size
-  assert got.shape == (cfg.num_layers, cfg.num_kv_heads, T) and got.dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(got), gold[f"{run}_scores_LGT"], atol=2e-5, rtol=1e-5)
+  ctx = gold["context_ids_T"]
+  T = ctx.size
+  if run == "template_chunked":  # a batch of two rows: row 0 is kvpress's, rows are independent
+    both = np.asarray(_kvzip(gold, tiny, run, np.stack([ctx, ctx[::-1]])))
+    assert both.shape == (cfg.num_layers, 2, cfg.num_kv_heads, T)
+    assert not np.allclose(both[:, 1], both[:, 0])
+    got = both[:, 0]
+  else:
+    got = _kvzip(gold, tiny, run)
+    assert got.shape == (cfg.num_layers, cfg.num_kv_heads, T) and got.dtype == jnp.float32
+    got = np.asarray(got)
+  np.testing.assert_allclose(got, gold[f"{run}_scores_LGT"], atol=2e-5, rtol=1e-5)
   prefix = int(gold[f"{run}_prefix_len"])
-  assert (np.asarray(got)[..., :prefix] == 0).all()  # the template's header is never repeated
+  assert (got[..., :prefix] == 0).all()  # the template's header is never repeated
   # the kept set: kvpress's rule on kvjax's scores, and the kvzip policy once it has landed
   keep = gold[f"{run}_keep_LGT"]
-  np.testing.assert_array_equal(_kvpress_keep(np.asarray(got)), keep)
+  n_sink = json.loads(str(gold["meta_json"]))["runs"][run]["args"].get("n_sink", 4)
+  np.testing.assert_array_equal(_kvpress_keep(got, n_sink=n_sink), keep)
   if run == "template_chunked" and "kvzip" in getattr(policies, "REGISTRY", {}):
-    evidence = policies.Evidence(reconstruction_attn_LGT=got)
+    evidence = policies.Evidence(reconstruction_attn_LGT=jnp.asarray(got))
     mask = policies.make("kvzip").keep_mask(evidence, T // 2)
     np.testing.assert_array_equal(np.asarray(mask), keep)
-
-
-def test_kvzip_batch_rows_are_independent(gold, tiny):
-  cfg, params = tiny
-  ctx = gold["context_ids_T"]
-  batch = np.stack([ctx, ctx[::-1]])
-  got = np.asarray(
-    cal.kvzip_evidence(cfg, params, batch, _template(gold, "chunked"), chunk_size=16)
-  )
-  assert got.shape == (cfg.num_layers, 2, cfg.num_kv_heads, ctx.size)
-  np.testing.assert_allclose(got[:, 0], gold["chunked_scores_LGT"], atol=2e-5, rtol=1e-5)
-  assert not np.allclose(got[:, 1], got[:, 0])
 
 
 def test_kvzip_chunks_follow_kvpress_prepare():
@@ -289,3 +296,28 @@ def test_bad_input_names_the_argument(tiny, gold):
   for name, call in cases:
     with pytest.raises(ValueError, match=f"^{name}"):
       call()
+
+
+# --------------------------------------------------------------------------- the entry point
+
+
+def test_experiment_entry_point(tmp_path):
+  root = pathlib.Path(__file__).resolve().parents[1]
+  cmd = [
+    sys.executable,
+    "-m",
+    "experiments.calibrate",
+    "--config=configs/calibrate.py:quick",
+    "--config.duo_methods=('distant_mass',)",  # the official training has its own test above
+    f"--config.workdir={tmp_path}",
+  ]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert f"run directory: {tmp_path}" in out.stdout
+  saved = np.load(tmp_path / "calibration.npz")
+  cfg = km.load_tiny()[1]
+  assert saved["qfilters_LGD"].shape == (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+  assert saved["retrieval_heads_LG_distant_mass"].shape == (cfg.num_layers, cfg.num_kv_heads)
+  assert saved["reconstruction_attn_LGT"].shape[:2] == (cfg.num_layers, cfg.num_kv_heads)
+  assert "kvzip" in json.loads((tmp_path / "timings.json").read_text())["timings_s"]
