@@ -1,6 +1,8 @@
 """The main job: every policy on every lab scenario; prints the table and the run directory.
 
 python -m experiments.lab --config=configs/lab.py[:scenario] [--config.budget=64]
+python -m experiments.lab --config=configs/lab_keys.py[:quick]  (attention-free scorers on
+  modelled keys: retained mass and fact recall per budget, and the difference to SnapKV)
 """
 
 import datetime
@@ -29,9 +31,23 @@ def main(argv):
   workdir = config.workdir or os.path.join(
     "runs", "lab-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   )
-  table = lab.run(config, workdir)
-  with pd.option_context("display.width", 200, "display.max_columns", 40):
-    print(lab.pivot(table).to_string())
+  if "fact_distinctness" in config:  # configs/lab_keys.py
+    table = lab.run_keys(config, workdir)
+    with pd.option_context("display.width", 250, "display.max_columns", 40):
+      for metric in ("retained_mass", "fact_recall"):
+        print(f"\n{metric}\n" + lab.key_pivot(table, metric).to_string())
+      delta = lab.versus(table, "snapkv")
+      delta = delta[delta.policy.isin(("keydiff", "lagkv", "knorm"))]
+      print("\nminus snapkv (positive: the attention-free scorer wins)")
+      print(
+        delta.pivot_table(index=["budget", "policy"], columns=["scenario", "fact_distinctness"])
+        .round(3)
+        .to_string()
+      )
+  else:
+    table = lab.run(config, workdir)
+    with pd.option_context("display.width", 200, "display.max_columns", 40):
+      print(lab.pivot(table).to_string())
   print(f"run directory: {os.path.abspath(workdir)}")
 
 

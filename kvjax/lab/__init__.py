@@ -3,9 +3,11 @@ metrics, the policy x scenario suite and budget sweeps.
 
 ``synthetic`` (the world), ``online`` (decode-time replay in a ``lax.scan``), ``metrics``,
 ``suite`` (what ``python -m experiments.lab`` runs) and ``sweep`` (grids of budget
-configurations, vmapped and sharded). ``run`` and ``pivot`` are the suite's.
+configurations, vmapped and sharded), ``keys`` (modelled keys for the attention-free scorers).
+``run`` and ``pivot`` are the suite's; ``run_keys``, ``key_pivot`` and ``versus`` its
+attention-free comparison (``configs/lab_keys.py``).
 """
 
-from kvjax.lab.suite import pivot, run
+from kvjax.lab.suite import key_pivot, pivot, run, run_keys, versus
 
-__all__ = ["pivot", "run"]
+__all__ = ["key_pivot", "pivot", "run", "run_keys", "versus"]

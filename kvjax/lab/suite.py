@@ -2,7 +2,9 @@
 
 :func:`run` is what ``experiments/lab.py`` calls; notebooks call it too. It returns the summary
 as a ``pandas.DataFrame`` and writes ``summary.csv``, ``layers.csv`` and one PNG per scenario
-(:func:`kvjax.plotting.lab_figure`) into the run directory.
+(:func:`kvjax.plotting.lab_figure`) into the run directory. :func:`run_keys` is the
+attention-free comparison (``configs/lab_keys.py``): knorm, KeyDiff and LagKV on the world's
+modelled keys (:mod:`kvjax.lab.keys`) against attention-based policies.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from kvjax import plotting
-from kvjax.lab import metrics, online, synthetic
+from kvjax.lab import keys, metrics, online, synthetic
 
 SUMMARY_COLUMNS = (
   "scenario",
@@ -166,3 +168,116 @@ def pivot(table: pd.DataFrame) -> pd.DataFrame:
   """Policy x scenario view of the four headline metrics, for printing."""
   metrics_cols = ["retained_mass", "oracle_gap", "output_error", "fact_recall"]
   return table.pivot(index="policy", columns="scenario", values=metrics_cols).round(3)
+
+
+# --------------------------------------------------------------------------- attention-free scorers
+
+KEY_COLUMNS = (
+  "scenario",
+  "fact_distinctness",
+  "policy",
+  "budget",
+  "reads_keys",
+  "retained_mass",
+  "oracle_gap",
+  "output_error",
+  "fact_recall",
+  "budget_use",
+  "oracle_mass",
+)
+
+
+def validate_keys_config(config) -> None:
+  """:func:`validate_config`'s checks for ``configs/lab_keys.py``: budgets, the key model's knobs
+  (:class:`~kvjax.lab.keys.KeyGeometry` names a bad one) and per-policy options."""
+  for s in config.scenarios:
+    if s not in synthetic.SCENARIOS:
+      raise ValueError(
+        f"scenarios: unknown scenario {s!r}; expected some of {tuple(synthetic.SCENARIOS)}"
+      )
+  for p in config.policies:
+    if p not in online.LAB_POLICIES:
+      raise ValueError(
+        f"policies: unknown lab policy {p!r}; expected some of {online.LAB_POLICIES}"
+      )
+  if not config.scenarios or not config.policies or not config.budgets:
+    raise ValueError("scenarios/policies/budgets: expected at least one of each")
+  T = config.world.prompt_len + config.world.gen_steps
+  for b in config.budgets:
+    if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= T:
+      raise ValueError(f"budgets: {b!r} does not fit the world (an int in 1..T={T})")
+  if not config.fact_distinctness:
+    raise ValueError("fact_distinctness: expected at least one value in [0, 1]")
+  for fd in config.fact_distinctness:
+    keys.KeyGeometry(**dict(config.key_model.to_dict(), fact_distinctness=fd))
+  for name in config.policy_options:
+    if name not in config.policies:
+      raise ValueError(f"policy_options: {name!r} is not among the policies run")
+
+
+def _key_rows(scenario: str, config, log=print) -> list[dict]:
+  """Every policy x budget on one scenario; the attention-free scorers once per
+  ``fact_distinctness`` (their keys change), the others once (their rows are repeated)."""
+  world = synthetic.make_world(synthetic.world_config(scenario, config.world))
+  seed = config.world.seed
+  evidence = online.prompt_evidence(world, jax.random.key(seed))
+  capacity = max(config.budgets)  # one compiled simulation per policy for every budget
+  rows = []
+  for name in config.policies:
+    reads = online.needs_keys(name)
+    options = config.policy_options[name].to_dict() if name in config.policy_options else {}
+    for fd in config.fact_distinctness if reads else (None,):
+      ev = evidence
+      if reads:
+        geometry = keys.KeyGeometry(**dict(config.key_model.to_dict(), fact_distinctness=fd))
+        ev = online.key_evidence(world, evidence, geometry, seed=seed)
+      for budget in config.budgets:
+        start = time.perf_counter()
+        trace = online.simulate(
+          world, name, budget, capacity=capacity, evidence=ev, seed=seed, **options
+        )
+        s = metrics.summarize(trace.metrics)
+        row = dict(scenario=scenario, policy=name, budget=budget, reads_keys=reads)
+        row |= {k: s[k] for k in KEY_COLUMNS[5:]}
+        for f in (fd,) if reads else config.fact_distinctness:
+          rows.append(dict(row, fact_distinctness=float(f)))
+        log(
+          f"  {scenario:15s} {name:14s} fd={'-' if fd is None else fd} b={budget:4d} "
+          f"R={s['retained_mass']:.3f} recall={s['fact_recall']:.3f} "
+          f"({time.perf_counter() - start:.1f}s)"
+        )
+  return rows
+
+
+def run_keys(config, workdir: str | pathlib.Path | None, log=print) -> pd.DataFrame:
+  """The attention-free lab (``configs/lab_keys.py``): scenarios x ``fact_distinctness`` x
+  policies x budgets under the modelled keys of :mod:`kvjax.lab.keys`; returns the table
+  [:data:`KEY_COLUMNS`] and writes ``summary.csv`` into ``workdir``."""
+  validate_keys_config(config)
+  rows = []
+  for scenario in config.scenarios:
+    rows += _key_rows(scenario, config, log)
+  table = pd.DataFrame(rows)[list(KEY_COLUMNS)]
+  if workdir is not None:
+    out = pathlib.Path(workdir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(config.to_json_best_effort(indent=2))
+    table.to_csv(out / "summary.csv", index=False)
+  return table
+
+
+def key_pivot(table: pd.DataFrame, metric: str = "retained_mass") -> pd.DataFrame:
+  """(budget, policy) x (scenario, fact_distinctness) view of one metric, for printing."""
+  return table.pivot_table(
+    index=["budget", "policy"], columns=["scenario", "fact_distinctness"], values=metric
+  ).round(3)
+
+
+def versus(table: pd.DataFrame, baseline: str = "snapkv") -> pd.DataFrame:
+  """Each policy's retained mass and fact recall minus ``baseline``'s on the same scenario,
+  ``fact_distinctness`` and budget (positive: the policy wins)."""
+  keys_ = ["scenario", "fact_distinctness", "budget"]
+  base = table[table.policy == baseline].set_index(keys_)[["retained_mass", "fact_recall"]]
+  other = table[table.policy != baseline].set_index(keys_)
+  delta = other[["retained_mass", "fact_recall"]] - base.reindex(other.index).to_numpy()
+  return delta.assign(policy=other.policy).reset_index().round(3)
