@@ -113,9 +113,10 @@ def distinctiveness(world: synthetic.World, geometry: KeyGeometry | dict) -> Arr
   log_norm_LH1 = jax.nn.logsumexp(logits_LHT[..., :P], axis=-1, keepdims=True)
   log_ratio_LHT = logits_LHT - log_norm_LH1 + jnp.log(float(P))
   heavy_LHT = jnp.clip(log_ratio_LHT / geometry["heavy_log_ratio"], 0.0, 1.0)
-  fact_T = world.fact_mask_FT.any(0)
-  d_LHT = jnp.where(fact_T, geometry["fact_distinctness"], heavy_LHT)
-  return jnp.where(pos_T < world.num_sinks, geometry["sink_distinctness"], d_LHT)
+  fact_11T = world.fact_mask_FT.any(0)[None, None]
+  d_LHT = jnp.where(fact_11T, geometry["fact_distinctness"], heavy_LHT)
+  sink_11T = (pos_T < world.num_sinks)[None, None]
+  return jnp.where(sink_11T, geometry["sink_distinctness"], d_LHT)
 
 
 def world_keys(
