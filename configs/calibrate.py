@@ -27,6 +27,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.duo_num_pairs, c.duo_num_queries = 8, 4  # keys hidden, keys asked (the task's defaults)
   c.duo_examples = 4
   c.duo_length = 384
+  # measured on SmolLM2 (CPU): 12 steps rank the heads as 60 do (Spearman 0.92, 33 of the top 35
+  # shared); the gates only separate below 0.5 after ~60 (35 of 90 heads above 0.5)
   c.duo_steps = 12
   c.duo_lr = 0.02
   c.duo_reg_weight = 0.05
