@@ -376,12 +376,17 @@ def adakv(
   return _check_not_empty("budget", out, jnp.where(budget_L[:, None] > 0, T, 0))
 
 
-def adakv_table(scores_LHT: Array, window: int, capacity: int) -> Array:
-  """The pooled count table of the official Ada-KV allocation (prefix scores, no window), for
-  per-head budgets up to ``capacity``: see :func:`kvjax.select.pooled_count_table`."""
+def adakv_table(scores_LHT: Array, window: int, capacity: int) -> Array | None:
+  """The pooled order of the official Ada-KV allocation (prefix scores, no window), for
+  per-head budgets up to ``capacity``: :func:`kvjax.select.pooled_rank_table`, ``O(L H T)``
+  (``[L, min(capacity, T - w) * H]`` int32). ``None`` when its codes would not fit int32
+  (``H * (n_max + 1) >= 2**31``): :func:`adakv` then selects per budget instead."""
   L, H, T = scores_LHT.shape
   cap = max(min(capacity, T - window), 1)
-  return select.pooled_count_table(scores_LHT[..., : T - window].astype(jnp.float32), cap * H)
+  n_max = min(cap * H, H * max(T - window, 1))
+  if H * (n_max + 1) >= select.INT32_LIMIT:
+    return None
+  return select.pooled_rank_table(scores_LHT[..., : T - window].astype(jnp.float32), cap * H)
 
 
 def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity, table=None):
@@ -396,11 +401,12 @@ def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity, ta
     ratio_LH = _top_sum(prefix_LHP, count_LH, cap) / prefix_LHP.sum(-1)
     prefix_LHP = prefix_LHP * ratio_LH[..., None]
   pooled_L = jnp.minimum(base_L, T - window) * H  # no int32 overflow for huge budgets
-  if normalize:  # the scaling depends on the budget: one pooled selection per budget
+  if table is None and not normalize:
+    table = adakv_table(scores_LHT, window, capacity)
+  if normalize or table is None:  # the scaling depends on the budget: one selection per budget
     counts_LH = select.pooled_budgets(prefix_LHP, pooled_L, capacity=min(cap * H, H * (T - window)))
   else:  # budget-free scores: one pooled top-k, every budget a lookup (vmaps cheaply)
-    table = adakv_table(scores_LHT, window, capacity) if table is None else table
-    counts_LH = select.pooled_counts_from_table(table, pooled_L)
+    counts_LH = select.pooled_counts_from_ranks(table, pooled_L, H)
   floor_L = _int_product(base_L, alpha)
   caps_LH = jnp.round(counts_LH * (1.0 - alpha) + floor_L[:, None]).astype(jnp.int32) + window
   return jnp.where((base_L > T - window)[:, None], T, caps_LH).astype(jnp.int32)

@@ -17,10 +17,12 @@ Semantics shared by every function here (DESIGN.md, step 4):
   cannot be checked in Python: :func:`checked_keep_mask` and :func:`checked_compact` check NaN
   scores, negative budgets and budgets above the capacity under ``jit`` with ``checkify``.
 
-The implementation is ``lax.top_k`` up to the static capacity ``C`` plus a scatter of
-``arange(C) < budget``: exact, tie-consistent, and about 10x faster on CPU than a double
-argsort (DESIGN.md, "On CPU, JAX sorts floats slowly"). Deep orders (``C > T / 8``) sort integer
-keys instead: a packed int64 sort on CPU, a two-key sort elsewhere, with the same order.
+The implementation is ``lax.top_k`` up to the static capacity ``C``, then a threshold: each
+row keeps the entries above its ``min(budget, length)``-th best one, plus the tied entries up to
+that one's position (exact, tie-consistent, no scatter; about 10x faster on CPU than a double
+argsort: DESIGN.md, "On CPU, JAX sorts floats slowly"). :func:`ranks` still scatters the order
+(one table answers every budget). Deep orders (``C > T / 8``) sort integer keys instead: a
+packed int64 sort on CPU, a two-key sort elsewhere, with the same order.
 Shape letters follow ``kvjax``'s key (``C`` capacity, ``K`` configurations); ``R`` is the rows
 (every leading axis) flattened.
 """
@@ -178,6 +180,12 @@ def _sortable_int32(x: Array) -> Array:
   return jnp.where(i < 0, -magnitude, magnitude)
 
 
+def sortable_int32(x: Array) -> Array:
+  """int32 keys whose signed order is the float32 order of ``x`` (``-0.0 == +0.0``, subnormals
+  exact): the keys every selection path orders by. Invertible except for the zero's sign."""
+  return _sortable_int32(x)
+
+
 def _packed_sort_order(key: Array, k: int) -> Array:
   """First ``k`` positions by ``key`` descending, ties to the lower position (XLA:CPU).
 
@@ -257,16 +265,37 @@ def _rank_impl(scores: Array, length: Array, capacity: int) -> Array:
   return out_RT.reshape(batch_shape + (num_positions,))
 
 
-def _mask_from_rank(rank: Array, budget: Array, length: Array) -> Array:
-  keep = rank < jnp.minimum(budget, length)[..., None]
+def _threshold_mask(scores: Array, budget: Array, length: Array, capacity: int) -> Array:
+  """The mask as a comparison with each row's last kept entry: no scatter of ranks.
+
+  With ``n = min(budget, length)`` and ``(key*, pos*)`` the sortable key and position of the
+  row's ``n``-th best entry, the kept set is ``key > key*`` plus the tied ``key == key*`` at
+  positions ``<= pos*``: ties enter the order by ascending position, so the kept ties are exactly
+  those up to the last kept one. Keys are :func:`_sortable_int32` (exact integer comparisons,
+  ``-0.0 == +0.0``, no subnormal flushing), the order every selection path produces.
+  """
+  num_positions = scores.shape[-1]
+  if length is None:  # every position is a candidate: no masking pass
+    valid, masked = True, scores.astype(jnp.float32)
+    length = jnp.full(budget.shape, num_positions, jnp.int32)
+  else:
+    valid = _iota(scores.shape) < length[..., None]
+    masked = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
+  k = min(capacity, num_positions)
+  idx = descending_order(masked, k)
+  n = jnp.minimum(budget, length)
+  last = jnp.take_along_axis(idx, jnp.clip(n - 1, 0, k - 1)[..., None], -1)
+  key = _sortable_int32(masked)
+  threshold = jnp.take_along_axis(key, last, -1)
+  keep = (key > threshold) | ((key == threshold) & (_iota(scores.shape) <= last))
+  keep = keep & (n > 0)[..., None]
   # Rows whose budget covers the whole valid prefix keep all of it (the no-compression guard),
   # even when the prefix is longer than the static capacity.
-  everything = _iota(rank.shape) < length[..., None]
-  return jnp.where((budget >= length)[..., None], everything, keep)
+  return keep | ((budget >= length)[..., None] & valid)
 
 
 def _mask_impl(scores: Array, budget: Array, length: Array, capacity: int) -> Array:
-  return _mask_from_rank(_rank_impl(scores, length, capacity), budget, length)
+  return _threshold_mask(scores, budget, length, capacity)
 
 
 def _prepare(scores, budget, length, capacity):
@@ -299,8 +328,9 @@ def keep_mask(scores: Array, budget, *, length=None, capacity: int | None = None
 
   Exactly ``min(budget, length)`` entries are True per row; ties go to the lower position.
   """
+  full_rows = length is None
   budget, length, capacity = _prepare(scores, budget, length, capacity)
-  return _mask_jit(scores, budget, length, capacity)
+  return _mask_jit(scores, budget, None if full_rows else length, capacity)
 
 
 def ranks(scores: Array, *, length=None, capacity: int | None = None) -> Array:
@@ -425,6 +455,51 @@ def pooled_counts_from_table(table: Array, total) -> Array:
   total = check_counts("total", total)  # in int32 range (concrete); the clip is documented
   n = jnp.clip(jnp.asarray(total).astype(jnp.int32), 0, n_max)
   return jnp.take_along_axis(table, n[..., None, None], axis=-2)[..., 0, :]
+
+
+def pooled_rank_table(scores_LHT: Array, max_total: int) -> Array:
+  """Each head's places in its layer's pooled order, grouped by head: int32 ``[..., n_max]``.
+
+  The layer's ``n_max = min(max_total, H*T)`` best entries (flattened over heads, ties to the
+  lower head then position), entry ``r`` of head ``h`` coded ``h * (n_max + 1) + r`` and sorted
+  ascending: ``O(H*T)`` per layer, where :func:`pooled_count_table` holds ``O(H^2 T)``. Answer a
+  pooled budget with :func:`pooled_counts_from_ranks` (two ``searchsorted`` per head); the counts
+  equal ``pooled_budgets(scores, n)`` for every ``n <= n_max``. The codes must fit int32:
+  ``H * (n_max + 1) < 2**31`` (``ValueError`` otherwise).
+  """
+  _check_scores(scores_LHT)
+  if scores_LHT.ndim < 2:
+    raise ValueError(f"scores: expected [..., H, T] for a pooled table, got {scores_LHT.shape}")
+  num_heads, num_positions = scores_LHT.shape[-2:]
+  k = min(check_static_count("max_total", max_total), num_heads * num_positions)
+  if num_heads * (k + 1) >= INT32_LIMIT:
+    raise ValueError(
+      f"max_total: {max_total} gives codes up to H * (n_max + 1) = {num_heads * (k + 1)}; "
+      "expected H * (min(max_total, H*T) + 1) < 2**31"
+    )
+  idx = descending_order(_flatten_heads(scores_LHT), k)
+  codes = (idx // num_positions) * (k + 1) + _iota(idx.shape)
+  return jnp.sort(codes, axis=-1)
+
+
+def pooled_counts_from_ranks(table: Array, total, num_heads: int) -> Array:
+  """Per-head counts ``[..., H]`` of pooled budgets ``total`` ``[...]`` (clipped to ``n_max``)
+  from a :func:`pooled_rank_table`: head ``h`` holds the codes in ``[h (n_max + 1), h (n_max +
+  1) + n)`` among the layer's ``n`` best."""
+  n_max = table.shape[-1]
+  num_heads = check_static_count("num_heads", num_heads)
+  total = check_counts("total", total)  # in int32 range (concrete); the clip is documented
+  n = jnp.clip(jnp.asarray(total).astype(jnp.int32), 0, n_max)
+  lead = table.shape[:-1]
+  n = jnp.broadcast_to(n, lead)
+  start_H = jnp.arange(num_heads, dtype=jnp.int32) * (n_max + 1)
+  rows = int(np.prod(lead, dtype=np.int64))
+  table_RN, n_R = table.reshape(rows, n_max), n.reshape(rows)
+
+  def count(row_N, n):
+    return jnp.searchsorted(row_N, start_H + n) - jnp.searchsorted(row_N, start_H)
+
+  return jax.vmap(count)(table_RN, n_R).astype(jnp.int32).reshape(lead + (num_heads,))
 
 
 # --------------------------------------------------------------------------- checked selection

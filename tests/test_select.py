@@ -225,6 +225,32 @@ def test_pooled_count_table_answers_every_pooled_budget(seed):
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(expected))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_pooled_rank_table_answers_every_pooled_budget(seed):
+  rng = np.random.default_rng(520 + seed)
+  L, H, T = 2, 3, 11
+  scores = jnp.asarray(rng.integers(0, 5, size=(L, H, T)).astype(np.float32))  # with ties
+  scores = scores.at[0, 1, :3].set(jnp.inf)
+  table = select.pooled_rank_table(scores, 20)
+  assert table.shape == (L, 20) and table.dtype == jnp.int32
+  dense = select.pooled_count_table(scores, 20)
+  for n in range(0, 25):
+    counts = select.pooled_counts_from_ranks(table, jnp.full((L,), n), H)
+    np.testing.assert_array_equal(
+      np.asarray(counts), np.asarray(select.pooled_counts_from_table(dense, jnp.full((L,), n)))
+    )
+    expected = select.pooled_budgets(scores, jnp.full((L,), min(n, 20)))
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(expected))
+  many = jax.jit(jax.vmap(lambda n: select.pooled_counts_from_ranks(table, n, H)))
+  ns = jnp.asarray(rng.integers(0, 21, size=(5, L)).astype(np.int32))
+  np.testing.assert_array_equal(
+    np.asarray(many(ns)), np.stack([np.asarray(select.pooled_budgets(scores, n)) for n in ns])
+  )
+  with pytest.raises(ValueError, match="max_total"):
+    big = jax.ShapeDtypeStruct((1, 2**16, 2**15), jnp.float32)
+    jax.eval_shape(lambda x: select.pooled_rank_table(x, 2**31 - 1), big)
+
+
 def signed_zero_scores(rng, shape):
   """Scores with many exact ties, -0.0 and +0.0 mixed among them, and the +/-inf sentinels.
 
