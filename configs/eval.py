@@ -3,7 +3,9 @@
 
 The default (the shipped tiny model, 1k-token contexts, 8 examples per cell) finishes in a few
 minutes on 2 CPU cores; ``:full`` (1k and 2k contexts, 50 examples, a wider heatmap) is for a GPU
-or TPU; ``:quick`` is the CI smoke run.
+or TPU; ``:quick`` is the CI smoke run. ``:smollm2``, ``:smollm2_quick`` and ``:smollm2_full``
+run SmolLM2-135M-Instruct; ``:smollm2_methods`` (and the tiny ``:methods_quick``) the methods of
+2025-26 (:data:`METHODS`) beside SnapKV.
 """
 
 import ml_collections
@@ -27,8 +29,37 @@ POLICIES = (
   dict(label="oracle", policy="oracle"),
 )
 
+# the methods the field runs as baselines since 2025 (issue 15), beside SnapKV; qfilter and
+# duo_attention read a calibration (`python -m experiments.calibrate`, then
+# --config.calibration=DIR/calibration.npz)
+METHODS = (
+  dict(label="snapkv", policy="snapkv"),
+  dict(label="expected_attention", policy="expected_attention"),
+  dict(label="keydiff", policy="keydiff"),
+  dict(label="lagkv", policy="lagkv"),
+  dict(label="critical_snapkv", policy="critical_snapkv"),
+  dict(label="critical_adakv", policy="critical_adakv_snapkv"),
+  dict(label="chunkkv", policy="chunkkv_snapkv"),
+  dict(label="think_snapkv", policy="think_snapkv"),
+  dict(label="kvzip", policy="kvzip"),
+  # 4 sinks (the official pattern's 128 sinks fill a 1k context's smallest budgets)
+  dict(label="duo_attention", policy="duo_attention", sinks=4),
+  dict(label="qfilter", policy="qfilter"),
+  dict(label="rkv", policy="rkv"),
+  dict(label="oracle", policy="oracle"),
+)
+CALIBRATED = ("duo_attention", "qfilter")
 
-PRESETS = ("full", "quick", "smollm2", "smollm2_quick", "smollm2_full")
+
+PRESETS = (
+  "full",
+  "quick",
+  "methods_quick",
+  "smollm2",
+  "smollm2_quick",
+  "smollm2_full",
+  "smollm2_methods",
+)
 
 
 def smollm2(c: ml_collections.ConfigDict, preset: str) -> None:
@@ -54,7 +85,12 @@ def smollm2(c: ml_collections.ConfigDict, preset: str) -> None:
     depths=(0.0, 0.25, 0.5, 0.75, 1.0),
     examples=2,
   )
-  if preset == "smollm2_quick":
+  if preset == "smollm2_methods":  # issue 15's methods beside SnapKV, both question modes
+    c.tasks = ml_collections.ConfigDict({"single_needle": {}, "multi_key": {"num_distractors": 3}})
+    c.policies = METHODS
+    c.calibration = "/tmp/kvjax_calibrate/calibration.npz"  # experiments.calibrate's default
+    c.heatmap.update(policies=())
+  elif preset == "smollm2_quick":
     c.question = "in_window"
     c.lengths = (1024,)
     c.budgets = (64, 256)
@@ -98,6 +134,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.batch = ml_collections.config_dict.placeholder(int)
   c.budgets = (48, 64, 128, 256)
   c.policies = POLICIES
+  # Q-Filters' and DuoAttention's measured evidence (qfilter, duo_attention): the calibration.npz
+  # of `python -m experiments.calibrate`, and which of its DuoAttention gates to use
+  c.calibration = ml_collections.config_dict.placeholder(str)
+  c.duo_method = "official"  # kvjax.model.calibrate.DUO_METHODS
   c.heatmap = ml_collections.ConfigDict(
     dict(
       # the papers draw single-needle retrieval; with the tiny model a lone needle's value also
@@ -124,6 +164,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
   elif preset.startswith("smollm2"):
     smollm2(c, preset)
+  elif preset == "methods_quick":  # the tiny model through every uncalibrated new method
+    c.tasks = ml_collections.ConfigDict(dict(single_needle={}))
+    c.lengths = (256,)
+    c.examples = 2
+    c.budgets = (64, 128)
+    c.question = "in_window,after"
+    c.policies = tuple(p for p in METHODS if p["label"] not in CALIBRATED)
+    c.heatmap.update(policies=())
   elif preset == "quick":
     c.tasks = ml_collections.ConfigDict(
       dict(single_needle={}, mqar=dict(num_pairs=8, num_queries=4))

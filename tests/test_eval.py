@@ -275,6 +275,33 @@ def test_a_bad_eval_config_fails_before_any_work(tmp_path, field, value, match):
   assert not (tmp_path / "w").exists()  # nothing claimed: the corrected config may use it
 
 
+def test_new_methods_run_through_the_evaluation(tmp_path):
+  c = eval_config.get_config("methods_quick")
+  keep = ("expected_attention", "critical_snapkv", "think_snapkv", "kvzip")
+  c.policies = tuple(p for p in c.policies if p["label"] in keep)
+  c.question, c.budgets = "after", (64,)
+  table = evaluate.run(c, tmp_path, log=lambda *_: None)
+  rows = table[table["policy"].isin(keep)]
+  assert sorted(rows["policy"]) == sorted(keep) and rows["accuracy"].between(0, 1).all()
+  assert (rows["kl"] >= 0).all()
+
+
+def test_calibrated_methods_need_a_calibration_file(tmp_path):
+  c = eval_config.get_config("methods_quick")
+  c.policies = (dict(label="qfilter", policy="qfilter"),)
+  with pytest.raises(ValueError, match="experiments.calibrate"):
+    evaluate.run(c, tmp_path / "w", log=lambda *_: None)
+  assert not (tmp_path / "w").exists()
+  path = tmp_path / "calibration.npz"
+  np.savez(path, qfilters_LGD=np.ones((2, 2, 4), np.float32))
+  c.calibration = str(path)
+  got = evaluate.load_calibration(c, {"qfilters_LGD", "keys_LGTD"})
+  assert list(got) == ["qfilters_LGD"] and got["qfilters_LGD"].shape == (2, 2, 4)
+  c.policies = (dict(label="duo", policy="duo_attention"),)
+  with pytest.raises(ValueError, match="retrieval_heads_LG_official"):
+    evaluate.validate_config(c)
+
+
 def test_report_tables_by_hand():
   import pandas as pd
 

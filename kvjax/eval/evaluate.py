@@ -24,9 +24,9 @@ import numpy as np
 import pandas as pd
 
 from kvjax import model as km
-from kvjax import plotting, rundir
+from kvjax import plotting, policies, rundir
 from kvjax.eval import report, tasks
-from kvjax.model import assets, decoding
+from kvjax.model import assets, calibrate, decoding
 from kvjax.model.tokenizer import HFTokenizer, PieceTokenizer
 
 EVAL_SEED = 2**31  # training draws example seeds below 2**31: evaluation seeds never collide
@@ -142,12 +142,13 @@ def _policy_options(entry) -> tuple[str, str, dict]:
 
 
 def prefill_examples(
-  model, exs, *, question="in_window", window=32, oracle=True, shape=None
+  model, exs, *, question="in_window", window=32, oracle=True, shape=None, needs=()
 ) -> decoding.Prefilled:
   """The examples' one prefill, shared by every policy and budget that answers them
   (:func:`kvjax.model.decoding.prefill_answers`). ``shape = (question_len, answer_len)`` feeds
   that many trailing prompt tokens through the cache and pads answers to that length (see
-  :func:`shared_shape`); by default the examples' own longest question and answer."""
+  :func:`shared_shape`); by default the examples' own longest question and answer. ``needs``:
+  the further prefill evidence the policies read (:func:`policy_needs`)."""
   q_len, n_len = shape or (max(e.question_len for e in exs), None)
   prompts, answers, scored = tasks.batch(exs, answer_len=n_len)
   return decoding.prefill_answers(
@@ -159,7 +160,80 @@ def prefill_examples(
     answer_given=~scored,  # given tokens and padding are fed, never scored
     window=window,
     oracle=oracle,
+    needs=tuple(sorted(set(needs) & set(PREFILL_EVIDENCE))),
   )
+
+
+# evidence beyond the prompt's attention and keys: computed by the prefill on request, measured
+# once per run from the model (kvjax.model.calibrate, saved by experiments.calibrate), or per
+# example by KVzip's second pass over the context
+PREFILL_EVIDENCE = (
+  "value_out_norms_LHT",
+  "query_mean_LHD",
+  "query_cov_LHDD",
+  "window_queries_LHWD",
+)
+CALIBRATION_EVIDENCE = ("qfilters_LGD", "retrieval_heads_LG")
+CONTEXT_EVIDENCE = ("reconstruction_attn_LGT",)
+
+
+def policy_needs(entries) -> set[str]:
+  """The :class:`kvjax.policies.Evidence` fields the ``(label, name, options)`` entries read
+  (ThinK's ``channel_ratio`` on any policy adds the window queries)."""
+  needs = set()
+  for _, name, options in entries:
+    if name != "full":
+      needs |= set(policies.spec(name).needs)
+    if options.get("channel_ratio"):
+      needs.add("window_queries_LHWD")
+  return needs
+
+
+def load_calibration(config, needs) -> dict:
+  """``qfilters_LGD`` / ``retrieval_heads_LG`` from ``config.calibration`` (the
+  ``calibration.npz`` that ``python -m experiments.calibrate`` writes; DuoAttention's gates of
+  ``config.duo_method``), for the policies that read them; ``{}`` when none does."""
+  wanted = sorted(set(needs) & set(CALIBRATION_EVIDENCE))
+  if not wanted:
+    return {}
+  path = config.get("calibration")
+  if not path or not pathlib.Path(path).is_file():
+    raise ValueError(
+      f"calibration: policies read {wanted}, measured from the model; run `python -m "
+      f"experiments.calibrate --config=configs/calibrate.py` and pass "
+      f"--config.calibration=DIR/calibration.npz (got {path!r})"
+    )
+  names = {
+    "qfilters_LGD": "qfilters_LGD",
+    "retrieval_heads_LG": f"retrieval_heads_LG_{config.get('duo_method', 'official')}",
+  }
+  with np.load(path) as data:
+    absent = [names[w] for w in wanted if names[w] not in data.files]
+    if absent:
+      raise ValueError(f"calibration: {path} has no {absent}; it has {sorted(data.files)}")
+    return {w: np.asarray(data[names[w]]) for w in wanted}
+
+
+def kvzip_template(tok, model_name: str) -> calibrate.KVzipTemplate:
+  """KVzip's "repeat the context" prompt in the model's ids (the tiny model's word vocabulary
+  cannot spell it: filler words stand in, as in ``experiments.calibrate``)."""
+  raw = getattr(tok, "tok", tok)
+  if model_name == "tiny":
+    first, later = (tuple(tasks.haystack_ids(raw, n, seed=99 + n)) for n in (6, 10))
+    return calibrate.KVzipTemplate(first, later, suffix_ids=())
+  return calibrate.kvzip_template(raw)
+
+
+def context_evidence(model, exs, shape, template, needs) -> dict:
+  """KVzip's ``reconstruction_attn_LGT`` ``[L, B, G, Tc]`` over the batch's context columns
+  (all but the fed question tail), when a policy reads it."""
+  if "reconstruction_attn_LGT" not in needs:
+    return {}
+  q_len = (shape or (max(e.question_len for e in exs), None))[0]
+  prompts, _, _ = tasks.batch(exs)
+  context = prompts[:, : prompts.shape[1] - q_len]
+  attn = calibrate.kvzip_evidence(model.cfg, model.params(), context, template)
+  return {"reconstruction_attn_LGT": np.asarray(attn)}
 
 
 def shared_shape(example_sets) -> tuple[int, int]:
@@ -189,6 +263,7 @@ def evaluate_group(
   full=None,
   question="in_window",
   prefilled=None,
+  evidence=None,
 ) -> dict:
   """One (task, length, policy) group: per-budget accuracy and KL (``question``: see
   :func:`kvjax.model.answer_configs`), answered from ``prefilled`` (:func:`prefill_examples`)
@@ -205,6 +280,10 @@ def evaluate_group(
       model, exs, question=question, window=window, oracle=name == "oracle"
     )
   extra = {"head_scores": head_scores} if name == "headkv" else {}
+  wanted = policy_needs([("", name, options)])
+  given = {k: v for k, v in (evidence or {}).items() if k in wanted}
+  if given:
+    extra["evidence"] = given
   out = decoding.answer_prefilled(
     model, prefilled, np.asarray(budgets, np.int32), policy=name, **extra, **options
   )
@@ -331,6 +410,7 @@ def validate_config(config) -> None:
     label, name, options = _policy_options(entry)
     decoding.check_policy(name, options)
     labels.append(label)
+  load_calibration(config, policy_needs([_policy_options(e) for e in config.policies]))
   if len(set(labels)) < len(labels) or "full" in labels:
     raise ValueError(f"policies: labels must be distinct and not 'full', got {labels}")
   for length in config.lengths:
@@ -389,6 +469,9 @@ def _run(config, workdir, log) -> pd.DataFrame:
   model, cfg, tok = load_model(config.model)
   window = _policy_window(entries)
   oracle = any(name == "oracle" for _, name, _ in entries)
+  needs = policy_needs(entries)
+  calibration = load_calibration(config, needs)
+  template = kvzip_template(tok, config.model) if set(needs) & set(CONTEXT_EVIDENCE) else None
   head = None  # HeadKV's retrieval-head scores, measured once per run
   sets = {
     (task, length): examples(
@@ -419,8 +502,15 @@ def _run(config, workdir, log) -> pd.DataFrame:
         for i, exs in enumerate(batches):
           t0 = time.time()  # one prefill per example for every policy, timed with the first
           prefilled = prefill_examples(
-            model, exs, question=q, window=window, oracle=oracle, shape=shapes[length]
+            model,
+            exs,
+            question=q,
+            window=window,
+            oracle=oracle,
+            shape=shapes[length],
+            needs=needs,
           )
+          evidence = calibration | context_evidence(model, exs, shapes[length], template, needs)
           full = evaluate_group(model, exs, [length], "full", {}, prefilled=prefilled)
           for label, name, options in todo:
             if name == "headkv" and head is None:
@@ -438,13 +528,15 @@ def _run(config, workdir, log) -> pd.DataFrame:
                 head_scores=head,
                 full=full["answers"],
                 prefilled=prefilled,
+                evidence=evidence,
               )
             parts[label].append(res)
             seconds[label] += time.time() - t0
             t0 = time.time()
             if i == len(batches) - 1:  # the group is complete: append it at once
               _append_group(path, (task, length, label, q), parts[label], seconds[label], log)
-  head = _heatmap(config, model, tok, path, done, head, log)
+  evidence = dict(calibration=calibration, template=template)
+  head = _heatmap(config, model, tok, path, done, head, log, evidence)
   table = rundir.read_rows(path)
   for q in modes:
     suffix = "" if len(modes) == 1 else f"_{q}"
@@ -465,7 +557,7 @@ def _append_group(path, key, parts: list[dict], seconds: float, log) -> None:
   )
 
 
-def _heatmap(config, model, tok, path, done, head, log):
+def _heatmap(config, model, tok, path, done, head, log, data):
   """Needle accuracy over depth x length for each heatmap policy at one budget (in the config's
   first question mode)."""
   h = config.heatmap
@@ -484,19 +576,29 @@ def _heatmap(config, model, tok, path, done, head, log):
       opts = rundir.plain(config.tasks[h.task]) if h.task in config.tasks else {}
       exs = examples(h.task, tok, length, h.examples, opts, depth=d, seed=config.seed + 1)
       chosen = [("full", "full", {}) if label == "full" else entries[label] for label in cells]
+      needs = policy_needs(chosen)
       prefilled = prefill_examples(
         model,
         exs,
         question=q,
         window=_policy_window(chosen),
         oracle=any(name == "oracle" for _, name, _ in chosen),
+        needs=needs,
       )
+      evidence = data["calibration"] | context_evidence(model, exs, None, data["template"], needs)
       for label, (_, name, options) in zip(cells, chosen, strict=True):
         budget = length if name == "full" else h.budget
         if name == "headkv" and head is None:
           head = head_retrieval_scores(model, tok)
         res = evaluate_group(
-          model, exs, [budget], name, options, head_scores=head, prefilled=prefilled
+          model,
+          exs,
+          [budget],
+          name,
+          options,
+          head_scores=head,
+          prefilled=prefilled,
+          evidence=evidence,
         )
         (r,) = res["rows"]
         row = dict(task=h.task, length=length, policy=label, kind=kind, question=q, depth=d) | r
