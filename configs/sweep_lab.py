@@ -55,6 +55,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.grid.zip = ml_collections.ConfigDict()
   c.chunk_size = 256  # configurations per compiled call (bounds memory)
   c.bytes_per_value = 2  # bf16 cache
+  # persistent compilation cache: "" (off), "default" (~/.cache/kvjax/jax) or a directory; None
+  # reads $KVJAX_COMPILATION_CACHE
+  c.compilation_cache = ml_collections.config_dict.placeholder(str)
   c.workdir = ml_collections.config_dict.placeholder(str)
   if common.parse_arg(arg, quick=False).quick:
     c.world.update(num_layers=2, num_heads=4, prompt_len=192, gen_steps=48, window=16)

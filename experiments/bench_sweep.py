@@ -12,12 +12,17 @@ synthetic world with ``L=32, H=32, P=8192``. Prints:
 * peak resident memory of a fresh process sweeping 1,000 and 10,000 configurations (bounded:
   shared work is per group, configurations stream through fixed-size chunks).
 
-Usage: ``python -m experiments.bench_sweep [--quick]``.
+JAX's persistent compilation cache is on (``--compilation-cache``, default the user cache
+directory; ``--compilation-cache=`` turns it off): the fresh processes then load the executables
+this process compiled (a first run ever compiles them all, later runs load them).
+
+Usage: ``python -m experiments.bench_sweep [--quick] [--compilation-cache=DIR]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import threading
@@ -101,7 +106,13 @@ def main() -> None:
   parser.add_argument("--quick", action="store_true", help="a small world for a smoke run")
   parser.add_argument("--loop-sample", type=int, default=3, help="loop calls timed per group")
   parser.add_argument("--memory", type=int, default=0, help="internal: one sweep of N configs")
+  parser.add_argument(
+    "--compilation-cache",
+    default="default",
+    help="persistent compilation cache: a directory, 'default' (the user cache dir) or '' (off)",
+  )
   args = parser.parse_args()
+  os.environ[sweep.COMPILATION_CACHE_ENV] = args.compilation_cache  # fresh processes too
   sizes = (4, 4, 1024, 8) if args.quick else (32, 32, 8192, 16)
   L, H, P, S = sizes
   world = ml_collections.ConfigDict(
@@ -116,6 +127,7 @@ def main() -> None:
   configs = make_configs(1000, P)
   groups = by_group(configs)
   engine = sweep.Engine(world, capacity=max(c["budget"] for c in configs), chunk_size=1000)
+  print(f"persistent compilation cache: {engine.compilation_cache or 'off'}")
 
   start = time.perf_counter()
   engine.world_evidence("needle_qa")
@@ -136,7 +148,8 @@ def main() -> None:
   for key, members in groups.items():
     fns = engine.group_fns(key)
     ev = engine.evidence(key)
-    state = jax.block_until_ready(fns["prepare"](ev))
+    scores = engine.scores(key)
+    state = jax.block_until_ready(fns["prepare"](ev, scores))
     cap = sweep.round_capacity(512 * 3, P)
     ordered = None
     if state["scores"] is not None:

@@ -146,9 +146,25 @@ def run_cli(workdir, *extra, env=None, wait=True):
   return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+def test_compilation_cache_setting(monkeypatch, tmp_path):
+  monkeypatch.delenv(sweep.COMPILATION_CACHE_ENV, raising=False)
+  assert sweep.compilation_cache_dir(None) is None  # off by default
+  assert sweep.compilation_cache_dir("") is None and sweep.compilation_cache_dir("off") is None
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert sweep.compilation_cache_dir("default") == tmp_path / "kvjax" / "jax"
+  monkeypatch.setenv(sweep.COMPILATION_CACHE_ENV, "1")
+  assert sweep.compilation_cache_dir(None) == tmp_path / "kvjax" / "jax"
+  assert sweep.compilation_cache_dir("") is None  # the config field wins over the environment
+  assert sweep.compilation_cache_dir(str(tmp_path / "cc")) == tmp_path / "cc"
+  with pytest.raises(ValueError, match="compilation_cache: expected a str"):
+    sweep.compilation_cache_dir(3)
+
+
 def test_entry_point_writes_results_and_plots(tmp_path):
-  out = run_cli(tmp_path)
+  cache = tmp_path / "compiled"
+  out = run_cli(tmp_path, f"--config.compilation_cache={cache}")
   assert out.returncode == 0, out.stderr[-3000:]
+  assert any(cache.iterdir()), "the persistent compilation cache stayed empty"
   assert f"run directory: {tmp_path}" in out.stdout
   table = pd.read_csv(tmp_path / "results.csv")
   assert len(table) == 12 and table["config_id"].is_unique

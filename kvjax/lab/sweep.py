@@ -13,8 +13,9 @@ is its oracle):
 * ``cache_tokens`` / ``cache_bytes``: the compressed cache (K and V, ``bytes_per_value`` each).
 
 All three are sums over kept positions, so each configuration is a gather into prefix sums of
-one ``top_k`` per group (DESIGN.md, "compute shared work once"): scores and sort are computed
-once per group, budgets are data, and a group of thousands of configurations is one
+one sort (DESIGN.md, "compute shared work once"): scores, Ada-KV's pooled table and the sort
+are computed once per score set (the groups of one scenario, scorer and scorer options share
+them), budgets are data, and a group of thousands of configurations is one
 ``jit(vmap(...))`` compile evaluated chunk by chunk (bounded memory). With several devices the
 configuration axis is sharded over a ``Mesh`` with ``NamedSharding``. Results are appended to
 ``results.csv`` chunk by chunk; rerunning computes only the missing ``config_id``\\ s.
@@ -26,6 +27,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import os
 import pathlib
 from collections.abc import Callable
 
@@ -33,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pandas as pd
+from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
@@ -187,7 +190,7 @@ class WorldEvidence:
   attn_window_LHWP: Array
   future_mass_LHP: Array
   fact_P: Array
-  calibration: synthetic.World | None = None
+  calibration_cfg: synthetic.WorldConfig | None = None  # HeadKV's calibration world (next seed)
   _column_sums: Array | None = None
   _head_scores: Array | None = None
 
@@ -203,7 +206,8 @@ class WorldEvidence:
     """HeadKV's retrieval-head scores, measured offline on a calibration world (next seed):
     the attention each head pays to the queried facts, averaged over the steps that query one."""
     if self._head_scores is None:
-      self._head_scores = _retrieval_scores(self.calibration)
+      # built only when a HeadKV group asks: the other groups never pay for a second world
+      self._head_scores = _retrieval_scores(synthetic.make_world(self.calibration_cfg))
     return self._head_scores
 
 
@@ -244,13 +248,12 @@ def world_evidence(scenario: str, world_cfg) -> WorldEvidence:
   world = synthetic.make_world(cfg)
   P = cfg.prompt_len
   m, facts = _future_mass(world)
-  calibration = synthetic.make_world(dataclasses.replace(cfg, seed=cfg.seed + 1))
   return WorldEvidence(
     world=world,
     attn_window_LHWP=synthetic.window_rows(world)[..., :P],
     future_mass_LHP=m,
     fact_P=facts,
-    calibration=calibration,
+    calibration_cfg=dataclasses.replace(cfg, seed=cfg.seed + 1),
   )
 
 
@@ -315,6 +318,19 @@ def _allocate(key: GroupKey, d: dict, shared: dict, dims, layer_cap: int) -> Arr
   )
 
 
+def _descending_values(x: Array, k: int) -> Array:
+  """The ``k`` largest values of each row, largest first: what the oracle's prefix sums need
+  (no positions, so deep orders sort int32 keys, a single-operand sort, instead of packed
+  (key, position) pairs). Equal values are interchangeable in a sum, so the prefix sums equal
+  those of :func:`kvjax.select.descending_order`'s gather bit for bit."""
+  if k * 8 <= x.shape[-1] or x.shape[-1] <= 256:
+    return lax.top_k(x, k)[0]
+  key = select.sortable_int32(x)
+  key = -jnp.sort(-key, axis=-1)[..., :k]  # keys lie in [-(2**31 - 1), 2**31 - 1]: no overflow
+  bits = jnp.where(key < 0, (-key) | jnp.int32(-(2**31)), key)
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def _prefix(values_LHC: Array) -> Array:
   zeros = jnp.zeros(values_LHC.shape[:-1] + (1,), values_LHC.dtype)
   return jnp.concatenate([zeros, jnp.cumsum(values_LHC, -1)], -1)
@@ -355,7 +371,11 @@ def make_group(
   layer_cap = layer_capacity(key, max_budget, P)
   per_config_scores = bool(policies.spec(key.policy).data_options)
 
-  def prepare(ev: dict) -> dict:
+  def prepare(ev: dict, scores_LHP: Array | None = None, adakv_table: Array | None = None) -> dict:
+    """The group's budget-free state. ``scores_LHP`` (:func:`group_scores`) and Ada-KV's
+    ``adakv_table`` of them (for a layer capacity of at least this group's: a deeper table
+    answers every pooled budget the same) may be shared by the groups that score alike; they
+    are computed here when not given."""
     state = {
       "ev": ev,
       "head_scores": ev.get("head_scores"),
@@ -366,9 +386,10 @@ def make_group(
       "adakv_table": None,
     }
     if not per_config_scores:
-      state["scores"] = _policy_scores(key, ev, {})
-      if key.head_alloc == "adakv":
-        state["adakv_table"] = budgets_lib.adakv_table(state["scores"], key.window, layer_cap)
+      state["scores"] = _policy_scores(key, ev, {}) if scores_LHP is None else scores_LHP
+      if key.head_alloc == "adakv" and adakv_table is None:
+        adakv_table = budgets_lib.adakv_table(state["scores"], key.window, layer_cap)
+      state["adakv_table"] = adakv_table if key.head_alloc == "adakv" else None
     return state
 
   def scores_of(state, d):
@@ -391,7 +412,7 @@ def make_group(
     return {
       "mass_prefix": _prefix(jnp.take_along_axis(m, idx, -1)),
       "fact_prefix": _prefix(jnp.take_along_axis(fact, idx, -1)),
-      "oracle_prefix": _prefix(jnp.take_along_axis(m, select.descending_order(m, order_cap), -1)),
+      "oracle_prefix": _prefix(_descending_values(m, order_cap)),
       "mass_total": m.sum(-1),
       "fact_total": jnp.broadcast_to(ev["fact"].astype(jnp.float32).sum(), m.shape[:-1]),
     }
@@ -445,6 +466,50 @@ def single_config_fn(
 
 
 BYTES_PER_VALUE = (1, 2, 4)  # int8/fp8, bf16/fp16, fp32 caches
+COMPILATION_CACHE_ENV = "KVJAX_COMPILATION_CACHE"
+_CACHE_OFF = ("", "0", "off", "false", "no", "none")
+_CACHE_DEFAULT = ("1", "on", "true", "yes", "default")
+
+
+def default_compilation_cache_dir() -> pathlib.Path:
+  """The user cache directory for compiled sweeps: ``$XDG_CACHE_HOME/kvjax/jax`` (or
+  ``~/.cache/kvjax/jax``)."""
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return pathlib.Path(root) / "kvjax" / "jax"
+
+
+def compilation_cache_dir(setting: str | None = None) -> pathlib.Path | None:
+  """Where to keep compiled executables across processes, or ``None`` (off, the default).
+
+  ``setting`` (a sweep config's ``compilation_cache``; when ``None``, the environment variable
+  ``KVJAX_COMPILATION_CACHE``) is off when empty or ``0``/``off``/``false``/``no``/``none``,
+  the user cache directory (:func:`default_compilation_cache_dir`) when ``1``/``on``/``true``/
+  ``yes``/``default``, and otherwise a directory path.
+  """
+  value = os.environ.get(COMPILATION_CACHE_ENV, "") if setting is None else setting
+  if not isinstance(value, str):
+    raise ValueError(f"compilation_cache: expected a str (a path, 'default' or ''), got {value!r}")
+  if value.strip().lower() in _CACHE_OFF:
+    return None
+  if value.strip().lower() in _CACHE_DEFAULT:
+    return default_compilation_cache_dir()
+  return pathlib.Path(value).expanduser()
+
+
+def enable_compilation_cache(setting: str | None = None) -> pathlib.Path | None:
+  """Turns on JAX's persistent compilation cache at :func:`compilation_cache_dir` (``setting``),
+  caching every compile however short: a cold process then loads a sweep's executables
+  instead of compiling them (seconds on CPU). Process-wide; returns the directory or ``None``.
+  The cache is trusted code: keep it in a directory only you can write.
+  """
+  path = compilation_cache_dir(setting)
+  if path is None:
+    return None
+  path.mkdir(parents=True, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path
 
 
 def check_engine_options(*, capacity, chunk_size, bytes_per_value) -> None:
@@ -485,17 +550,37 @@ def _scores_key(key: GroupKey) -> tuple:
   return (key.scenario, key.policy, key.window, key.kernel, key.pool)
 
 
+def group_scores(key: GroupKey, ev: dict) -> Array | None:
+  """The budget-free scores ``[L, H, P]`` of a group's policy (``None`` when they depend on the
+  configuration's data: StreamingLLM's sink count). Equal for every group of one
+  :func:`_scores_key`, so an engine computes them once per score set."""
+  if policies.spec(key.policy).data_options:
+    return None
+  return _policy_scores(key, ev, {})
+
+
 class Engine:
   """Evaluates configurations in two passes over their groups (one group = one static
   structure; scenarios share compiled code, their evidence being data):
 
-  1. allocate every configuration (cheap, vmapped) to learn the largest per-head budget;
+  1. score each score set once (and build its Ada-KV table once, as deep as its deepest
+     group needs), then allocate every configuration (cheap, vmapped) to learn the largest
+     per-head budget;
   2. sort each shared score set once, only as deep as that budget, then evaluate every
      configuration chunk by chunk with one compiled ``jit(vmap)`` per group.
   """
 
-  def __init__(self, world_cfg, *, capacity: int, chunk_size: int = 256, bytes_per_value: int = 2):
+  def __init__(
+    self,
+    world_cfg,
+    *,
+    capacity: int,
+    chunk_size: int = 256,
+    bytes_per_value: int = 2,
+    compilation_cache: str | None = None,
+  ):
     check_engine_options(capacity=capacity, chunk_size=chunk_size, bytes_per_value=bytes_per_value)
+    self.compilation_cache = enable_compilation_cache(compilation_cache)
     self.world_cfg = world_cfg
     self.capacity = capacity
     self.sharding, self.num_devices = _sharding()
@@ -506,6 +591,8 @@ class Engine:
     self._order = jax.jit(
       lambda order, ev, scores, cap: order(ev, scores, cap), static_argnums=(0, 3)
     )
+    self._scores = jax.jit(group_scores, static_argnums=0)
+    self._adakv_table = jax.jit(budgets_lib.adakv_table, static_argnums=(1, 2))
 
   def world_evidence(self, scenario: str) -> WorldEvidence:
     if scenario not in self._evidence:
@@ -521,6 +608,10 @@ class Engine:
     if key.head_alloc == "headkv":
       arrays["head_scores"] = ev.head_scores_LH
     return arrays
+
+  def scores(self, key: GroupKey) -> Array | None:
+    """The group's budget-free scores (:func:`group_scores`), compiled once per structure."""
+    return self._scores(dataclasses.replace(key, scenario=""), self.evidence(key))
 
   def group_fns(self, key: GroupKey) -> dict[str, Callable]:
     """Compiled functions of the group's static structure (each compiles once)."""
@@ -546,15 +637,28 @@ class Engine:
 
   def evaluate_groups(self, groups: dict[GroupKey, list[dict]]):
     """Yields ``(rows, n)`` per evaluated chunk for all ``groups`` (two passes, see above)."""
-    states, deepest = {}, {}
+    states, deepest, scores, tables, table_cap = {}, {}, {}, {}, {}
+    for key in groups:  # the deepest Ada-KV table each score set needs
+      if key.head_alloc == "adakv" and not policies.spec(key.policy).data_options:
+        P = self.world_evidence(key.scenario).world.dims.prompt_len
+        cap = layer_capacity(key, self.capacity, P)
+        table_cap[_scores_key(key)] = max(table_cap.get(_scores_key(key), 0), cap)
     for key, members in groups.items():  # pass 1: allocations only
       fns = self.group_fns(key)
-      states[key] = fns["prepare"](self.evidence(key))
+      ev = self.evidence(key)
+      skey = _scores_key(key)
+      if skey not in scores:  # one scoring (and Ada-KV table) per score set, shared
+        scores[skey] = self.scores(key)
+        if skey in table_cap:
+          tables[skey] = self._adakv_table(scores[skey], key.window, table_cap[skey])
+      table = tables.get(skey) if key.head_alloc == "adakv" else None
+      states[key] = fns["prepare"](ev, scores[skey], table)
       top = max(
         int(np.asarray(fns["max_budget"](states[key], data)).max())
         for _, data in self._chunks(members)
       )
       deepest[_scores_key(key)] = max(deepest.get(_scores_key(key), 0), top)
+    del scores, tables
     ordered_cache = {}
     for key, members in groups.items():  # pass 2: one sort per score set, then gathers
       fns = self.group_fns(key)
@@ -626,6 +730,7 @@ def prepare(config) -> tuple[list[dict], Engine]:
   check_engine_options(
     capacity=1, chunk_size=config.chunk_size, bytes_per_value=config.bytes_per_value
   )
+  compilation_cache_dir(config.get("compilation_cache", None))  # validates the setting
   configs = expand(config.grid, config.base)
   for cfg in configs:
     validate(cfg, None)
@@ -640,6 +745,7 @@ def prepare(config) -> tuple[list[dict], Engine]:
     capacity=max(budgets),
     chunk_size=config.chunk_size,
     bytes_per_value=config.bytes_per_value,
+    compilation_cache=config.get("compilation_cache", None),
   )
   dims = engine.world_evidence(configs[0]["scenario"]).world.dims
   for cfg in configs:
