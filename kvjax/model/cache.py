@@ -11,6 +11,13 @@ gone. Per-layer and per-head budgets decode correctly because every row is its o
   (SnapKV, PyramidKV, Ada-KV, HeadKV, CAKE, ...) and the full cache append without eviction, as
   the official code does; decode-time policies (``sliding_window``, ``streaming_llm``, ``h2o``,
   ``tova``) admit the new token and evict to stay within budget before attending.
+* ``decode_every=N`` (a policy option) re-compresses a prefill scorer's cache to its budget
+  every ``N`` generated tokens (kvpress ``DecodingPress``; R-KV's buffer of 128), inside the
+  jitted decode with a fixed capacity ``budget + N``: :func:`recompress`.
+* ``channel_ratio`` (a policy option) prunes key channels as ThinK does, with a real saving:
+  the prompt's kept keys are stored ``[L, B, H, C, D_keep]`` with their channel indices
+  ``[L, B, H, D_keep]``; generated tokens keep full keys (``new_keys [L, B, H, N, D]``), as
+  kvpress (which zeroes channels of the compressed keys only) and the official ThinK do.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from kvjax import policies, select
@@ -47,6 +55,12 @@ class KVCache:
   # set when a row needed more slots than the capacity (a budget above it, or appends past it):
   # callers raise on it instead of silently dropping tokens
   overflow: Array | None = None  # [B] bool
+  channels: Array | None = None  # [L, B, H, D_keep] int32: ThinK's kept key channels
+  # ThinK: the generated tokens' full keys; generated token i sits in slot C_prompt + i
+  new_keys: Array | None = None  # [L, B, H, N, D]
+  queries: Array | None = None  # [L, B, Hq, W, D] the last W generated queries (decode_every)
+  query_pos: Array | None = None  # [B, W] int32 their RoPE positions (-1: none yet)
+  evidence: dict | None = None  # caller-given model-level evidence a re-compression reuses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,23 +72,67 @@ class CacheSpec:
   layout: str = "kv"  # "kv": per KV head; "query": per query head (K/V repeated, 4x for Llama 3)
   recent: int = 8  # H2O's probation window during decoding
   reindex: bool = False  # StreamingLLM's positions: keys stored pre-RoPE, rotated by cache rank
+  # ThinK: the slots (of the capacity) for generated tokens, whose keys keep every channel
+  new_tokens: int = 0
+
+  @property
+  def decode_every(self) -> int | None:
+    """Re-compress to the budget every this many generated tokens (``None``: never)."""
+    return None if self.policy.name == "full" else self.policy.opts.get("decode_every")
+
+  @property
+  def decode_window(self) -> int:
+    """Generated queries kept for re-compression: the policy's window (32 by default), at most
+    ``decode_every`` (kvpress clears its buffer of hidden states at every compression)."""
+    if not self.decode_every:
+      return 0
+    return min(int(self.policy.opts.get("window") or 32), self.decode_every)
+
+  @property
+  def channel_ratio(self) -> float | None:
+    ratio = None if self.policy.name == "full" else self.policy.opts.get("channel_ratio")
+    return ratio or None
 
   @property
   def decode_time(self) -> bool:
-    return self.policy.name != "full" and policies.acts_at_decode(self.policy.name)
+    return (
+      self.policy.name != "full"
+      and policies.acts_at_decode(self.policy.name)
+      and not self.decode_every
+    )
+
+
+# caller-given evidence (kvjax.model.calibrate): per model, or per batch row (B at axis 1)
+SHARED_EVIDENCE = {"qfilters_LGD": 3, "retrieval_heads_LG": 2}
+ROW_EVIDENCE = {"reconstruction_attn_LGT": 4}
+# what a re-compression during decoding can provide (over the cache's own slots)
+DECODE_EVIDENCE = (
+  "attn_window_LHWT",
+  "keys_LGTD",
+  "values_LGTD",
+  "value_out_norms_LHT",
+  "window_queries_LHWD",
+  "head_scores_LH",
+  "rng",
+  *SHARED_EVIDENCE,
+)
 
 
 def memory(cache: KVCache) -> dict:
-  """Bytes of the cache: allocated buffers, K/V actually held, bookkeeping."""
+  """Bytes of the cache: allocated buffers, K/V actually held (ThinK's pruned keys hold
+  ``D_keep`` channels), bookkeeping (positions, validity, decode-time scores, channel indices,
+  the re-compression's query window)."""
   kv_itemsize = cache.keys.dtype.itemsize
-  D = cache.keys.shape[-1]
-  held = int(cache.valid.sum()) * 2 * D * kv_itemsize
-  allocated = 2 * cache.keys.size * kv_itemsize
-  book = (
-    cache.positions.size * 4
-    + cache.valid.size
-    + (0 if cache.scores is None else cache.scores.size * 4)
-  )
+  Dk, Dv = cache.keys.shape[-1], cache.values.shape[-1]
+  Cp = cache.keys.shape[3]  # the prompt's slots (all of them unless ThinK)
+  held = int(cache.valid[..., :Cp].sum()) * (Dk + Dv) * kv_itemsize
+  held += int(cache.valid[..., Cp:].sum()) * (cache.values.shape[-1] * 2) * kv_itemsize
+  allocated = (cache.keys.size + cache.values.size) * kv_itemsize
+  if cache.new_keys is not None:
+    allocated += cache.new_keys.size * kv_itemsize
+  book = cache.positions.size * 4 + cache.valid.size
+  for extra in (cache.scores, cache.channels, cache.queries, cache.query_pos):
+    book += 0 if extra is None else extra.size * extra.dtype.itemsize
   return {"kv_bytes_held": held, "kv_bytes_allocated": allocated, "bookkeeping_bytes": book}
 
 
@@ -87,37 +145,122 @@ def _batch_first(x):
   return None if x is None else jnp.moveaxis(x, 1, 0)
 
 
-def _evidence_per_row(pre: llama.Prefill) -> policies.Evidence:
-  """The prefill's evidence with the batch axis first (to ``vmap`` over rows)."""
+def check_spec(spec: CacheSpec) -> None:
+  """``ValueError`` for static choices that cannot work together."""
+  check_layout(spec.layout)
+  if spec.channel_ratio and spec.reindex:
+    raise ValueError(
+      "channel_ratio: pruned key channels cannot be re-rotated (RoPE mixes channel i with "
+      "i + D/2); expected reindex_positions off"
+    )
+  if spec.channel_ratio and (spec.decode_time or spec.decode_every):
+    raise ValueError(
+      f"channel_ratio: ThinK prunes the prompt's keys once; policy {spec.policy.name!r} evicts "
+      "or re-compresses while decoding, expected a prefill policy without decode_every"
+    )
+  check_decode_every(spec)
+
+
+def _evidence_per_row(pre: llama.Prefill, evidence: dict | None = None) -> policies.Evidence:
+  """The prefill's evidence (and the caller's per-row ``evidence``, ``B`` at axis 1) with the
+  batch axis first (to ``vmap`` over rows)."""
+  rows = {k: _batch_first(v) for k, v in (evidence or {}).items() if k in ROW_EVIDENCE}
   return policies.Evidence(
     attn_window_LHWT=_batch_first(pre.attn_window),
     column_sums_LHT=_batch_first(pre.column_sums),
     keys_LGTD=_batch_first(pre.keys),
     future_attn_LHST=_batch_first(pre.future_attn),
+    values_LGTD=_batch_first(pre.values),
+    value_out_norms_LHT=_batch_first(pre.value_out_norms),
+    query_mean_LHD=_batch_first(pre.query_mean),
+    query_cov_LHDD=_batch_first(pre.query_cov),
+    window_queries_LHWD=_batch_first(pre.window_queries),
+    **rows,
   )
 
 
+def check_evidence(evidence, *, L: int, B: int, G: int, T: int, D: int) -> dict:
+  """The caller's evidence mapping (``{field: array}``), checked: only the data fields
+  (``qfilters_LGD [L, G, D]``, ``retrieval_heads_LG [L, G]`` in ``[0, 1]``,
+  ``reconstruction_attn_LGT [L, B, G, T]``), finite, with their shapes. ``ValueError`` names the
+  field, its shape and the expected one."""
+  if evidence is None:
+    return {}
+  if not isinstance(evidence, dict):
+    raise ValueError(f"evidence: expected a dict of evidence fields, got {type(evidence).__name__}")
+  expected = {
+    "qfilters_LGD": (L, G, D),
+    "retrieval_heads_LG": (L, G),
+    "reconstruction_attn_LGT": (L, B, G, T),
+  }
+  out = {}
+  for name, value in evidence.items():
+    if name not in expected:
+      raise ValueError(
+        f"evidence: {name!r} is not caller-given evidence; expected some of {sorted(expected)} "
+        "(the model computes the rest)"
+      )
+    if value is None:
+      continue
+    shape = tuple(np.shape(value))
+    if shape != expected[name]:
+      raise ValueError(f"evidence: {name} has shape {shape}, expected {expected[name]}")
+    if select.is_concrete(value):
+      arr = np.asarray(value, np.float64)
+      if not np.isfinite(arr).all():
+        raise ValueError(f"evidence: {name} has non-finite values")
+      if name == "retrieval_heads_LG" and ((arr < 0) | (arr > 1)).any():
+        raise ValueError(
+          f"evidence: retrieval_heads_LG expected gates in [0, 1], got [{arr.min()}, {arr.max()}]"
+        )
+    out[name] = jnp.asarray(value, jnp.float32)
+  return out
+
+
 def compress(
-  cfg: ModelConfig, pre: llama.Prefill, spec: CacheSpec, budget, *, head_scores=None, rng=None
+  cfg: ModelConfig,
+  pre: llama.Prefill,
+  spec: CacheSpec,
+  budget,
+  *,
+  head_scores=None,
+  rng=None,
+  evidence: dict | None = None,
 ) -> KVCache:
   """A cache of capacity ``spec.capacity`` from prefill outputs ``pre`` under ``budget``
-  (scalar, ``[L]`` or ``[L, H]``), per batch row (allocations may differ between rows)."""
+  (scalar, ``[L]`` or ``[L, H]``), per batch row (allocations may differ between rows).
+
+  ``evidence`` holds caller-given data fields (:func:`check_evidence`). With the policy's
+  ``channel_ratio`` the keys keep ``D - int(D * ratio)`` channels per (layer, row, KV head)
+  (:func:`think_channels`); with ``decode_every`` the cache carries the window of generated
+  queries that :func:`recompress` scores with.
+  """
   L, B, G, T, D = pre.keys.shape
+  check_spec(spec)
   rng = jax.random.key(0) if rng is None else rng
+  evidence = check_evidence(evidence, L=L, B=B, G=G, T=T, D=D)
+  shared = {k: v for k, v in evidence.items() if k in SHARED_EVIDENCE}
   keys, values = pre.keys, pre.values
   if spec.layout == "query":
     keys, values = (jnp.repeat(t, cfg.num_groups, axis=2) for t in (keys, values))
   H = keys.shape[2]
+  new = spec.new_tokens if spec.channel_ratio else 0
+  prompt_slots = spec.capacity - new
 
   def one(ev, valid_T, rng_b):
-    ev = ev.replace(rng=rng_b)
+    ev = ev.replace(rng=rng_b, **shared)
     if head_scores is not None:
       ev = ev.replace(head_scores_LH=head_scores)
     if spec.policy.name == "full":
       scores = jnp.broadcast_to(jnp.where(valid_T, 0.0, -jnp.inf), (L, H, T))
       budget_LH = jnp.full((L, H), T, jnp.int32)
+    elif "sinks" in spec.policy.opts and spec.policy.name != "streaming_llm":
+      # sinks are the row's first *real* tokens: score the row with its padding moved to the end
+      pad = T - valid_T.sum()
+      scores = jnp.roll(spec.policy.scores(_rolled(ev, -pad)), pad, axis=-1)
     else:
       scores = spec.policy.scores(ev)
+    if spec.policy.name != "full":
       if spec.policy.name == "streaming_llm":  # sinks are the first *real* tokens of the row
         pad = T - valid_T.sum()
         scores = scores_lib.streaming(T, scores.shape[:2], sinks=pad + spec.policy.opts["sinks"])
@@ -126,16 +269,15 @@ def compress(
       # allocators see padding as zero evidence (Ada-KV's normalisation sums rows); only the
       # selection sees it as never-keep
       budget_LH = spec.policy.budgets(ev, jnp.where(valid_T, scores, 0.0), budget)
-      scores = jnp.where(valid_T, scores, -jnp.inf)
+      scores = _selection_scores(spec, ev, scores, valid_T, budget_LH)
     count = jnp.minimum(budget_LH, valid_T.sum())
-    idx, kept = select.compact(scores, count, spec.capacity)
+    idx, kept = select.compact(scores, count, prompt_slots)
     state = _decode_state(spec, ev, scores, idx, kept, H)
-    overflow = (count > spec.capacity).any() | (budget_LH < 0).any()
+    overflow = (count > prompt_slots).any() | (budget_LH < 0).any()
     return idx, kept, budget_LH, state, overflow
 
-  idx, kept, budget_LH, state, overflow = jax.vmap(one)(
-    _evidence_per_row(pre), pre.valid, jax.random.split(rng, B)
-  )
+  rows = _evidence_per_row(pre, evidence)
+  idx, kept, budget_LH, state, overflow = jax.vmap(one)(rows, pre.valid, jax.random.split(rng, B))
   idx_L, kept_L = jnp.moveaxis(idx, 0, 1), jnp.moveaxis(kept, 0, 1)  # [L, B, H, C]
   gather = lambda t: jnp.take_along_axis(t, idx_L[..., None], axis=3)  # noqa: E731
   positions = jnp.take_along_axis(
@@ -144,15 +286,113 @@ def compress(
   kept_keys = gather(keys)
   if spec.reindex:  # store pre-RoPE keys: undo each key's rotation at its original position
     kept_keys = llama.rope_at(kept_keys, -positions, cfg)
+  kept_keys = jnp.where(kept_L[..., None], kept_keys, 0).astype(keys.dtype)
+  kept_values = jnp.where(kept_L[..., None], gather(values), 0).astype(values.dtype)
+  positions = jnp.where(kept_L, positions, 0)
+  channels_L = new_keys = None
+  if spec.channel_ratio:  # ThinK on the kept keys (kvpress ComposedPress([press, ThinKPress]))
+    if pre.window_queries is None:
+      raise ValueError("channel_ratio: ThinK needs the prefill's window_queries (prefill with it)")
+    channels_L = think_channels(pre.window_queries, kept_keys, spec.channel_ratio)
+    kept_keys = prune_channels(kept_keys, channels_L)
+    new_keys = jnp.zeros((L, B, H, new, D), keys.dtype)
+    pad = ((0, 0), (0, 0), (0, 0), (0, new))
+    kept_L, positions = jnp.pad(kept_L, pad), jnp.pad(positions, pad)
+    kept_values = jnp.pad(kept_values, pad + ((0, 0),))
+  window = spec.decode_window
   return KVCache(
-    keys=jnp.where(kept_L[..., None], kept_keys, 0).astype(keys.dtype),
-    values=jnp.where(kept_L[..., None], gather(values), 0).astype(values.dtype),
-    positions=jnp.where(kept_L, positions, 0),
+    keys=kept_keys,
+    values=kept_values,
+    positions=positions,
     valid=kept_L,
     budget=budget_LH,
     scores=None if state is None else jnp.moveaxis(state, 0, 1),
     overflow=overflow,
+    channels=channels_L,
+    new_keys=new_keys,
+    queries=jnp.zeros((L, B, cfg.num_heads, window, D), keys.dtype) if window else None,
+    query_pos=jnp.full((B, window), -1, jnp.int32) if window else None,
+    evidence=(shared or None) if window else None,
   )
+
+
+# --------------------------------------------------------------------------- ThinK's key channels
+
+
+def think_channels(window_queries_LBHWD: Array, keys_LBHCD: Array, ratio: float) -> Array:
+  """ThinK's kept key channels ``[L, B, H, D_keep]`` (ascending), ``D_keep = D - int(D * ratio)``,
+  per (layer, row, cache head): :func:`kvjax.scores.think_channel_scores` (kvpress
+  ``ThinKPress``: ``mean_w(q^2)`` over the window queries, group-mean, times ``mean_t(k^2)``) over
+  the kept keys, as ``ComposedPress([press, ThinKPress])`` scores the keys the sequence press
+  kept (empty slots hold zero keys: a per-head constant factor, so the choice is unchanged), and
+  :func:`kvjax.scores.think_channel_mask`'s choice."""
+  D = keys_LBHCD.shape[-1]
+  keep = D - int(D * ratio)
+
+  def row(q_LHWD, k_LHCD):
+    mask = scores_lib.think_channel_mask(scores_lib.think_channel_scores(q_LHWD, k_LHCD), ratio)
+    return jnp.argsort(~mask, axis=-1, stable=True)[..., :keep].astype(jnp.int32)
+
+  out = jax.vmap(row, in_axes=(1, 1), out_axes=1)(window_queries_LBHWD, keys_LBHCD)
+  return jnp.sort(out, axis=-1)
+
+
+# the key axis of each per-position evidence field
+_KEY_AXIS = {
+  "attn_window_LHWT": -1,
+  "column_sums_LHT": -1,
+  "legacy_column_sums_LHT": -1,
+  "keys_LGTD": -2,
+  "future_attn_LHST": -1,
+  "values_LGTD": -2,
+  "value_out_norms_LHT": -1,
+  "reconstruction_attn_LGT": -1,
+}
+
+
+def _rolled(ev: policies.Evidence, shift) -> policies.Evidence:
+  """Every per-position field rolled by ``shift`` along its key axis (traced shift)."""
+  fields = {
+    k: jnp.roll(getattr(ev, k), shift, axis=a)
+    for k, a in _KEY_AXIS.items()
+    if getattr(ev, k) is not None
+  }
+  return ev.replace(**fields)
+
+
+def _selection_scores(spec: CacheSpec, ev, scores_LHT, valid_T, budget_LH) -> Array:
+  """The scores the selection ranks: the policy's budget-dependent last stage (CriticalKV;
+  padding enters it as the lowest finite score, so ``(s + eps) * 0`` stays finite), then
+  padding never kept."""
+  if policies.rescores(spec.policy.name):
+    low = jnp.finfo(jnp.float32).min
+    floor = jnp.where(valid_T, scores_LHT, low)
+    scores_LHT = spec.policy.selection_scores(ev, floor, budget_LH, capacity=spec.capacity)
+  return jnp.where(valid_T, scores_LHT, -jnp.inf)
+
+
+def prune_channels(keys_LBHCD: Array, channels_LBHK: Array) -> Array:
+  """Keys at their kept channels only, ``[..., C, D_keep]``: what kvpress's
+  ``keys.scatter_(-1, pruned, 0)`` leaves non-zero, without storing the zeros."""
+  return jnp.take_along_axis(keys_LBHCD, channels_LBHK[..., None, :], axis=-1)
+
+
+def _think_probs(cfg, q_BHq1D, keys_BHCK, new_keys_BHND, channels_BHK, visible_BHC) -> Array:
+  """Attention ``[B, Hq, 1, C]`` over ThinK's pruned prompt slots and the generated tokens' full
+  keys: the query at its cache head's kept channels against the first (the pruned channels
+  would meet kvpress's zeros), the whole query against the second; one fp32 softmax."""
+  B, Hq, _, D = q_BHq1D.shape
+  H = keys_BHCK.shape[1]
+  q = q_BHq1D.reshape(B, H, Hq // H, 1, D)
+  q_kept = jnp.take_along_axis(q, channels_BHK[:, :, None, None, :], axis=-1)
+  logits = jnp.concatenate(
+    [
+      llama.attention_logits(q_kept.reshape(B, Hq, 1, -1), keys_BHCK, head_dim=D),
+      llama.attention_logits(q_BHq1D, new_keys_BHND),
+    ],
+    axis=-1,
+  )
+  return llama.masked_softmax(logits, visible_BHC[:, :, None, :])
 
 
 def _to_layout(scores_LHT, H, cfg):
@@ -215,13 +455,23 @@ def _admit(spec: CacheSpec, slots: dict, budget_BH, pos_B):
 
 
 def decode_step(
-  cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache, token_B, pos_B, t_B
+  cfg: ModelConfig,
+  params: dict,
+  spec: CacheSpec,
+  cache: KVCache,
+  token_B,
+  pos_B,
+  t_B,
+  step=None,
 ):
   """One generated token through every layer: ``(logits [B, V], updated cache)``.
 
   ``pos_B`` is the token's RoPE position (original positions), ``t_B`` its index in the
   sequence. The K/V buffers ride in the layer loop's carry and only the new token's slot is
   written (an in-place scatter), so a step reads the cache once and writes ``O(B H D)``.
+  ``step`` (a scalar: generated tokens before this one, the same for every row) drives
+  ``decode_every``: after the step that makes ``step + 1`` a multiple of ``N`` the cache is
+  re-compressed (:func:`recompress`, under a ``lax.cond``, so nothing retraces).
   """
   B = token_B.shape[0]
   x = params["embed"][token_B][:, None, :]
@@ -234,40 +484,197 @@ def decode_step(
   H = cache.keys.shape[2]
   b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, H))
   h_idx = jnp.broadcast_to(jnp.arange(H)[None, :], (B, H))
+  think = cache.new_keys is not None
+  if (spec.decode_every or think) and step is None:
+    raise ValueError("step: decode_every and ThinK place tokens by step count; pass the step")
 
   def layer(carry, inputs):
-    x, keys_all, values_all = carry
-    p, lslots, budget_BH, l = inputs
+    x, keys_all, values_all, new_all = carry
+    p, lslots, budget_BH, l, ch = inputs
     q, k, v = llama.project_qkv(cfg, p, x, pos_B[:, None])
     if spec.layout == "query":
       k, v = jnp.repeat(k, cfg.num_groups, 1), jnp.repeat(v, cfg.num_groups, 1)
     if spec.reindex:
       k = llama.rope_at(k, -jnp.broadcast_to(pos_B[:, None, None], k.shape[:-1]), cfg)
-    slot, lslots = _admit(spec, dict(lslots, overflow=jnp.zeros((B,), bool)), budget_BH, pos_B)
+    lslots = dict(lslots, overflow=jnp.zeros((B,), bool))
+    if think:  # generated token `step` in slot C_prompt + step, its full key in new_keys
+      slot, lslots = _admit_generated(cache, lslots, pos_B, step)
+      at = jnp.minimum(step, new_all.shape[3] - 1)
+      new_all = new_all.at[l, :, :, at].set(k[:, :, 0].astype(new_all.dtype))
+    else:
+      slot, lslots = _admit(spec, lslots, budget_BH, pos_B)
+      keys_all = keys_all.at[l, b_idx, h_idx, slot].set(k[:, :, 0].astype(keys_all.dtype))
     layer_overflow = lslots.pop("overflow")
-    keys_all = keys_all.at[l, b_idx, h_idx, slot].set(k[:, :, 0].astype(keys_all.dtype))
     values_all = values_all.at[l, b_idx, h_idx, slot].set(v[:, :, 0].astype(values_all.dtype))
     keys, values = keys_all[l], values_all[l]
+    q_att = q
     if spec.reindex:
-      q, keys = _reindexed(cfg, q, keys, lslots["positions"], lslots["valid"], pos_B)
+      q_att, keys = _reindexed(cfg, q, keys, lslots["positions"], lslots["valid"], pos_B)
     visible = lslots["valid"]
     if cfg.sliding_window is not None:  # Mistral: keys older than the window are not attended
       visible = visible & (pos_B[:, None, None] - lslots["positions"] < cfg.sliding_window)
-    probs = llama.attention_probs(q, keys, visible[:, :, None, :])  # [B, Hq, 1, C]
+    if think:
+      probs = _think_probs(cfg, q_att, keys, new_all[l], ch, visible)
+    else:
+      probs = llama.attention_probs(q_att, keys, visible[:, :, None, :])  # [B, Hq, 1, C]
     out = llama.attend(probs, values)  # the query layout is the case G = Hq
     if spec.decode_time and "scores" in lslots:
       lc = dict(lslots, keys=keys)
       lslots = dict(lslots, scores=_observe(spec, lc, probs, cfg))
-    carry = (llama.output_and_mlp(cfg, p, x, out), keys_all, values_all)
-    return carry, (lslots, layer_overflow)
+    carry = (llama.output_and_mlp(cfg, p, x, out), keys_all, values_all, new_all)
+    return carry, (lslots, layer_overflow, q[:, :, 0] if spec.decode_every else None)
 
   L = cfg.num_layers
-  (x, keys_all, values_all), (new_slots, layer_overflow) = jax.lax.scan(
-    layer, (x, cache.keys, cache.values), (stacked, slots, budget_LBH, jnp.arange(L))
+  carry = (x, cache.keys, cache.values, cache.new_keys)
+  xs = (stacked, slots, budget_LBH, jnp.arange(L), cache.channels)
+  (x, keys_all, values_all, new_all), (new_slots, layer_overflow, q_LBHD) = jax.lax.scan(
+    layer, carry, xs
   )
   logits = llama.logits_of(cfg, params, x)[:, 0]
   overflow = overflow | layer_overflow.any(0)
-  return logits, cache.replace(keys=keys_all, values=values_all, overflow=overflow, **new_slots)
+  cache = cache.replace(
+    keys=keys_all, values=values_all, new_keys=new_all, overflow=overflow, **new_slots
+  )
+  if spec.decode_every:
+    cache = _remember_query(cache, q_LBHD, pos_B, step)
+    cache = jax.lax.cond(
+      (step + 1) % spec.decode_every == 0,
+      lambda c: recompress(cfg, params, spec, c),
+      lambda c: c,
+      cache,
+    )
+  return logits, cache
+
+
+def _admit_generated(cache: KVCache, slots: dict, pos_B, step):
+  """ThinK's admission: generated token ``step`` takes slot ``C_prompt + step`` in every row
+  (flagged as overflow past the reserved slots)."""
+  B, H = slots["valid"].shape[:2]
+  Cp, N = cache.keys.shape[3], cache.new_keys.shape[3]
+  slot = jnp.full((B, H), Cp + jnp.minimum(step, N - 1), jnp.int32)
+  onehot = jax.nn.one_hot(slot, slots["valid"].shape[-1], dtype=bool)
+  return slot, dict(
+    slots,
+    positions=jnp.where(onehot, pos_B[:, None, None], slots["positions"]),
+    valid=slots["valid"] | onehot,
+    overflow=slots["overflow"] | jnp.broadcast_to(step >= N, (B,)),
+  )
+
+
+def _remember_query(cache: KVCache, q_LBHD: Array, pos_B: Array, step) -> KVCache:
+  """The step's post-RoPE queries into the ring of the last ``W`` generated ones."""
+  W = cache.queries.shape[3]
+  at = jnp.asarray(step, jnp.int32) % W
+  queries = jax.lax.dynamic_update_index_in_dim(
+    cache.queries, q_LBHD[:, :, :, None].astype(cache.queries.dtype), at, 3
+  )
+  query_pos = jax.lax.dynamic_update_index_in_dim(
+    cache.query_pos, pos_B[:, None].astype(jnp.int32), at, 1
+  )
+  return cache.replace(queries=queries, query_pos=query_pos)
+
+
+# --------------------------------------------------------------------------- re-compression
+
+
+def check_decode_every(spec: CacheSpec) -> None:
+  """``ValueError`` unless ``spec``'s ``decode_every`` can run: a prefill scorer whose evidence
+  a re-compression can rebuild over the cache's own slots, original positions."""
+  if not spec.decode_every:
+    return
+  needs = set(policies.spec(spec.policy.name).needs) - set(DECODE_EVIDENCE)
+  if needs:
+    raise ValueError(
+      f"decode_every: policy {spec.policy.name!r} needs {sorted(needs)}, which a re-compression "
+      f"during decoding cannot rebuild; expected a scorer reading only {DECODE_EVIDENCE}"
+    )
+  if spec.reindex:
+    raise ValueError("decode_every: re-compression keeps original positions; expected reindex off")
+  window = int(spec.policy.opts.get("window") or 32)
+  if policies.spec(spec.policy.name).windowed and spec.decode_every < window:
+    raise ValueError(
+      f"decode_every: {spec.decode_every} generated tokens cannot fill the observation window "
+      f"of {window} of policy {spec.policy.name!r}; expected decode_every >= {window}"
+    )
+
+
+def _right_aligned(t: Array, order_LBHC: Array) -> Array:
+  index = order_LBHC if t.ndim == 4 else order_LBHC[..., None]
+  return jnp.take_along_axis(t, index, axis=3)
+
+
+def _slot_attention(cfg, cache: KVCache, keys_LBHCD, positions_LBHC, valid_LBHC) -> Array:
+  """The window of generated queries over the slots: causal by original position, fp32,
+  ``[L, B, Hq, W, C]``."""
+  L, B, H, C, _ = keys_LBHCD.shape
+  q = cache.queries  # [L, B, Hq, W, D]
+  q_pos = cache.query_pos  # [B, W]
+  allowed = (
+    valid_LBHC[:, :, :, None, :]
+    & (positions_LBHC[:, :, :, None, :] <= q_pos[None, :, None, :, None])
+    & (q_pos >= 0)[None, :, None, :, None]
+  )  # [L, B, H, W, C]
+  flat = lambda t: t.reshape((L * B,) + t.shape[2:])  # noqa: E731
+  probs = llama.attention_probs(flat(q), flat(keys_LBHCD), flat(allowed))
+  return probs.reshape((L, B) + probs.shape[1:])
+
+
+def recompress(cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache) -> KVCache:
+  """kvpress ``DecodingPress``'s compression step on the slot table: every (layer, row, head)
+  keeps its ``budget`` best slots under the policy's scorer, over everything it holds (prompt
+  and generated tokens), as ``DecodingPress.compress`` hands the whole cache to its base press
+  with the target size as budget.
+
+  The evidence is rebuilt over the slots in position order (right-aligned per head, so a
+  scorer's protected recent window is the most recent tokens and empty slots play the part of
+  left padding): keys and values as cached, CriticalKV's value norms from ``W_O``, and the
+  attention of the last ``W`` generated queries (``W = min(window, decode_every)``: kvpress's
+  buffer of hidden states is cleared at each compression), causal by original position. Unlike
+  kvpress (which rotates every buffered query by the current token's position embedding), each
+  query keeps its own RoPE position. The allocation ``budget`` is the prefill's.
+  """
+  L, B, H, C, _ = cache.keys.shape
+  fill = cache.valid.sum(-1)
+  # empty slots first, then the valid prefix in position order
+  order = (jnp.arange(C)[None, None, None] + fill[..., None]) % C
+  keys, values = _right_aligned(cache.keys, order), _right_aligned(cache.values, order)
+  positions, valid = _right_aligned(cache.positions, order), _right_aligned(cache.valid, order)
+  needs = set(policies.spec(spec.policy.name).needs)
+  # the window of generated queries oldest first (a ring: slot = step % W)
+  chrono = jnp.argsort(cache.query_pos[0])
+  win = cache.replace(
+    queries=jnp.take(cache.queries, chrono, axis=3), query_pos=jnp.take(cache.query_pos, chrono, 1)
+  )
+  fields = {"keys_LGTD": keys, "values_LGTD": values}
+  if "attn_window_LHWT" in needs:
+    fields["attn_window_LHWT"] = _slot_attention(cfg, win, keys, positions, valid)
+  if "value_out_norms_LHT" in needs:
+    wo = llama.stacked(params)["wo"]
+    fields["value_out_norms_LHT"] = jax.vmap(lambda w, v: llama.value_out_norms(cfg, {"wo": w}, v))(
+      wo, values
+    )
+  if "window_queries_LHWD" in needs:
+    fields["window_queries_LHWD"] = win.queries
+  rows = {k: jnp.moveaxis(v, 1, 0) for k, v in fields.items()}
+  shared = {} if cache.evidence is None else cache.evidence
+  rngs = jax.random.split(jax.random.fold_in(jax.random.key(1), cache.query_pos.max()), B)
+
+  def one(row, valid_HC, budget_LH, rng):
+    ev = policies.Evidence(rng=rng, **row, **shared)
+    scores = spec.policy.scores(ev)
+    if scores.shape[1] != H:
+      scores = _to_layout(scores, H, cfg)
+    scores = _selection_scores(spec, ev, scores, valid_HC, budget_LH)
+    return select.compact(scores, jnp.minimum(budget_LH, valid_HC.sum(-1)), C)
+
+  idx, kept = jax.vmap(one)(rows, jnp.moveaxis(valid, 1, 0), cache.budget, rngs)
+  idx, kept = jnp.moveaxis(idx, 0, 1), jnp.moveaxis(kept, 0, 1)
+  return cache.replace(
+    keys=jnp.where(kept[..., None], _right_aligned(keys, idx), 0).astype(keys.dtype),
+    values=jnp.where(kept[..., None], _right_aligned(values, idx), 0).astype(values.dtype),
+    positions=jnp.where(kept, _right_aligned(positions, idx), 0),
+    valid=kept,
+  )
 
 
 def _reindexed(cfg, q_BHq1D, keys_BHCD, positions_BHC, valid_BHC, pos_B):

@@ -56,17 +56,102 @@ def _window(policy: policies.Policy, T: int) -> int:
   return min(int(opts.get("window") or 32), T)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window", "column_sums"))
-def _prefill(cfg, params, ids, mask, window, column_sums):
-  return llama.prefill(cfg, params, ids, mask, window=window, column_sums=column_sums)
+@functools.partial(jax.jit, static_argnames=("cfg", "window", "column_sums", "extra"))
+def _prefill(cfg, params, ids, mask, window, column_sums, extra=()):
+  """The jitted prefill; ``extra`` is :func:`evidence_request`'s (static, hashable) pairs."""
+  return llama.prefill(
+    cfg, params, ids, mask, window=window, column_sums=column_sums, **dict(extra)
+  )
+
+
+def _needs(policy: policies.Policy) -> set:
+  """The evidence fields ``policy`` reads (its scorer's, plus ThinK's for ``channel_ratio``)."""
+  if policy.name == "full":
+    return set()
+  needs = set(policies.spec(policy.name).needs)
+  if policy.opts.get("channel_ratio"):
+    needs |= {"window_queries_LHWD", "keys_LGTD"}
+  return needs
+
+
+def evidence_request(policy: policies.Policy, T: int) -> tuple:
+  """The prefill's extra evidence that ``policy``'s :attr:`policies.Spec.needs` list, as sorted
+  ``(argument, value)`` pairs of :func:`kvjax.model.llama.prefill` (nothing for the others, so
+  their memory plan is unchanged)."""
+  needs, opts = _needs(policy), policy.opts
+  extra = {}
+  if "value_out_norms_LHT" in needs:
+    extra["value_out_norms"] = True
+  if needs & {"query_mean_LHD", "query_cov_LHDD"}:
+    extra["query_stats"] = True
+    extra["n_sink"] = int(opts.get("n_sink", opts.get("sinks", llama.N_SINK)))
+    extra["n_future"] = int(opts.get("n_future_positions", opts.get("n_future", llama.N_FUTURE)))
+  if "window_queries_LHWD" in needs:
+    extra["window_queries"] = _window(policy, T)
+  return tuple(sorted(extra.items()))
+
+
+def _column_sums(policy: policies.Policy) -> bool:
+  return "column_sums_LHT" in _needs(policy)
+
+
+def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_ids, attention_mask):
+  """The caller's data evidence for ``policy`` on a batch (``qfilters_LGD``,
+  ``retrieval_heads_LG``, ``reconstruction_attn_LGT`` as ``[L, B, G, T]`` over the caller's
+  columns, or ``[L, G, T]`` for every row), moved to the left padding the model runs with;
+  ``ValueError`` when a field the policy needs is missing or has the wrong shape."""
+  ids = np.asarray(input_ids)
+  B, T = ids.shape
+  given = {} if evidence is None else evidence
+  if not isinstance(given, dict):
+    raise ValueError(f"evidence: expected a dict of evidence fields, got {type(given).__name__}")
+  data = set(cache_lib.SHARED_EVIDENCE) | set(cache_lib.ROW_EVIDENCE)
+  unknown = sorted(set(given) - data)
+  if unknown:
+    raise ValueError(
+      f"evidence: {unknown} are not caller-given evidence; expected some of {sorted(data)} "
+      "(the model computes the rest)"
+    )
+  missing = sorted((_needs(policy) & data) - {k for k, v in given.items() if v is not None})
+  if missing:
+    raise ValueError(
+      f"evidence: policy {policy.name!r} needs {missing}; pass evidence={{...}} "
+      "(kvjax.model.calibrate computes them from the model)"
+    )
+  out = dict(given)
+  recon = out.get("reconstruction_attn_LGT")
+  if recon is not None:
+    arr = np.asarray(recon, np.float32)
+    L, G = cfg.num_layers, cfg.num_kv_heads
+    if arr.shape == (L, G, T):
+      arr = np.broadcast_to(arr[:, None], (L, B, G, T))
+    if arr.shape != (L, B, G, T):
+      raise ValueError(
+        f"evidence: reconstruction_attn_LGT has shape {arr.shape}, expected [L, B, G, T] = "
+        f"{(L, B, G, T)} or [L, G, T] = {(L, G, T)}"
+      )
+    mask = np.ones((B, T), bool) if attention_mask is None else np.asarray(attention_mask, bool)
+    moved = np.zeros_like(arr)
+    for r in range(B):  # the columns to_left_padding moves
+      real = np.flatnonzero(mask[r])
+      if real.size:
+        moved[:, r, :, T - real.size :] = arr[:, r][..., real]
+    out["reconstruction_attn_LGT"] = moved
+  cache_lib.check_evidence(out, L=cfg.num_layers, B=B, G=cfg.num_kv_heads, T=T, D=cfg.head_dim)
+  return out or None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec0"))
-def _allocation(cfg, pre, spec0, budget, head_scores):
+def _allocation(cfg, pre, spec0, budget, head_scores, evidence=None):
   """Every row's ``budget_LH`` (to size the cache before compressing), compiled once per shape:
   budgets are traced data."""
   cache = cache_lib.compress(
-    cfg, pre, dataclasses.replace(spec0, capacity=1), budget, head_scores=head_scores
+    cfg,
+    pre,
+    dataclasses.replace(spec0, capacity=1),
+    budget,
+    head_scores=head_scores,
+    evidence=evidence,
   )
   return cache.budget
 
@@ -130,24 +215,33 @@ def _capacity(policy, budget_max: int, T: int, new: int) -> int:
   the sequence can fill), plus the generated tokens for prefill-time policies."""
   if policy.name == "full":
     return T + new
+  every = policy.opts.get("decode_every")
+  if every:  # re-compressed to the budget every `every` tokens: at most budget + every
+    return min(min(capacity_bucket(budget_max), T + new) + min(every, new), T + new)
   if policies.acts_at_decode(policy.name):
     return max(min(capacity_bucket(budget_max), T + new), 1)
   return min(capacity_bucket(budget_max), T) + new
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "new", "temperature"))
-def compress_and_decode(cfg, params, pre, spec, budget, head_scores, first, new, temperature, rng):
+def compress_and_decode(
+  cfg, params, pre, spec, budget, head_scores, first, new, temperature, rng, evidence=None
+):
   """The compiled core of :func:`generate`: compress the prefill ``pre`` under ``budget`` (traced
   data) into a cache of ``spec``, then decode ``new`` tokens from ``first``. Tokens ``[B, new]``
-  and the final cache."""
-  cache = cache_lib.compress(cfg, pre, spec, budget, head_scores=head_scores, rng=rng)
+  and the final cache. ``evidence``: caller-given data fields (:func:`check_evidence`)."""
+  cache = cache_lib.compress(
+    cfg, pre, spec, budget, head_scores=head_scores, rng=rng, evidence=evidence
+  )
   B, T = pre.valid.shape
   start_pos = pre.valid.sum(-1).astype(jnp.int32)  # next RoPE position per row
 
   def step(carry, i):
     cache, token, rng = carry
     rng, sub = jax.random.split(rng)
-    logits, cache = cache_lib.decode_step(cfg, params, spec, cache, token, start_pos + i, T + i)
+    logits, cache = cache_lib.decode_step(
+      cfg, params, spec, cache, token, start_pos + i, T + i, step=i
+    )
     return (cache, _pick(logits, temperature, sub), rng), token
 
   (cache, last, _), tokens = jax.lax.scan(step, (cache, first, rng), jnp.arange(new - 1))
@@ -216,9 +310,11 @@ def _prepare(model, prompt_ids, attention_mask, padding_side, policy_name, optio
   policy = _policy(policy_name, options)
   T = ids.shape[1]
   window = _window(policy, T) if policy.name != "full" else 0
-  column_sums = policy.name != "full" and "column_sums_LHT" in policies.spec(policy.name).needs
   params = model.params()
-  pre = _prefill(cfg, params, jnp.asarray(ids), jnp.asarray(mask), window, column_sums)
+  extra = evidence_request(policy, T) if policy.name != "full" else ()
+  pre = _prefill(
+    cfg, params, jnp.asarray(ids), jnp.asarray(mask), window, _column_sums(policy), extra
+  )
   return cfg, params, policy, pre, T
 
 
@@ -236,6 +332,7 @@ def generate(
   layout: str = "kv",
   head_scores=None,
   reindex_positions: bool = False,
+  evidence=None,
   **policy_options,
 ) -> Generation:
   """Generates ``max_new_tokens`` per row with policy ``policy`` under ``budget`` (per head,
@@ -245,6 +342,13 @@ def generate(
   decode-time policies evict as they go within ``budget``. Greedy by default. Keys keep their
   original positions; ``reindex_positions=True`` numbers them by rank inside the cache instead
   (official StreamingLLM's pos-shift).
+
+  ``evidence`` holds the data a policy needs from outside the prompt: ``qfilters_LGD``
+  ``[L, G, D]`` (Q-Filters), ``retrieval_heads_LG`` ``[L, G]`` (DuoAttention),
+  ``reconstruction_attn_LGT`` ``[L, B, G, T]`` or ``[L, G, T]`` over the caller's columns
+  (KVzip), as :mod:`kvjax.model.calibrate` computes them. Policy options ``channel_ratio``
+  (ThinK's key channels, stored pruned) and ``decode_every=N`` (re-compress to the budget every
+  ``N`` generated tokens) apply to any prefill scorer.
   """
   cache_lib.check_layout(layout)
   temperature = _check_temperature(temperature)
@@ -262,22 +366,34 @@ def generate(
   if pol.name != "full":
     _check_budget(pol, budget, window)
   _check_head_scores(pol, head_scores)
+  ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
   recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
   spec = cache_lib.CacheSpec(pol, 1, layout, recent=recent, reindex=bool(reindex_positions))
+  cache_lib.check_spec(spec)
   budget_LH = (
-    np.asarray(_allocation(cfg, pre, spec, budget, head_scores)) if pol.name != "full" else None
+    np.asarray(_allocation(cfg, pre, spec, budget, head_scores, ev)) if pol.name != "full" else None
   )
   if pol.name == "tova" and budget_LH is not None and (budget_LH != budget_LH[..., :1]).any():
     raise ValueError(
       "budget: TOVA is layer-wise; expected the same budget for every head of a layer"
     )
   cap = _capacity(pol, int(budget_LH.max()) if budget_LH is not None else T, T, max_new_tokens)
-  spec = dataclasses.replace(spec, capacity=cap)
+  spec = dataclasses.replace(spec, capacity=cap, new_tokens=max_new_tokens)
   rng = jax.random.key(0) if rng is None else rng
   rng, first_rng = jax.random.split(rng)
   first = _pick(pre.logits[:, -1], float(temperature), first_rng)
   tokens, cache = compress_and_decode(
-    cfg, params, pre, spec, budget, head_scores, first, max_new_tokens, float(temperature), rng
+    cfg,
+    params,
+    pre,
+    spec,
+    budget,
+    head_scores,
+    first,
+    max_new_tokens,
+    float(temperature),
+    rng,
+    ev,
   )
   _check_overflow(cache)
   itemsize = cache.keys.dtype.itemsize
@@ -322,7 +438,7 @@ def shard_configs(budgets_K: Array) -> tuple[Array, int]:
   return jax.device_put(budgets_K, NamedSharding(mesh, PartitionSpec("k"))), K
 
 
-def _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, T, new):
+def _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, T, new, evidence=None):
   """Checks the budgets, then the cache spec sized for every configuration and their
   allocations ``[K, B, L, H]`` (shared by ``generate_configs`` and ``answer_configs``)."""
   if pol.name != "full":
@@ -330,9 +446,10 @@ def _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, T, new):
   _check_head_scores(pol, head_scores)
   recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
   spec = cache_lib.CacheSpec(pol, 1, layout, recent=recent)
-  alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, head_scores))(budgets)
+  cache_lib.check_spec(spec)
+  alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, head_scores, evidence))(budgets)
   cap = _capacity(pol, int(np.asarray(alloc).max()), T, new)
-  return dataclasses.replace(spec, capacity=cap), alloc
+  return dataclasses.replace(spec, capacity=cap, new_tokens=new), alloc
 
 
 def generate_configs(
@@ -346,23 +463,26 @@ def generate_configs(
   padding_side: str = "left",
   layout: str = "kv",
   head_scores=None,
+  evidence=None,
   **policy_options,
 ) -> Generation:
   """One prefill shared by ``K`` budget configurations (``budgets``: ``[K]``, ``[K, L]`` or
-  ``[K, L, H]``): compress + decode are vmapped over configurations. Tokens ``[K, B, N]``."""
+  ``[K, L, H]``): compress + decode are vmapped over configurations. Tokens ``[K, B, N]``.
+  ``evidence`` as :func:`generate`'s."""
   cache_lib.check_layout(layout)
   cfg, params, pol, pre, T = _prepare(
     model, prompt_ids, attention_mask, padding_side, policy, policy_options, max_new_tokens
   )
   budgets = _check_config_budgets(budgets)
   window = _window(pol, T) if pol.name != "full" else 0
+  ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
   spec, alloc = _configs_spec(
-    cfg, pol, pre, budgets, window, head_scores, layout, T, max_new_tokens
+    cfg, pol, pre, budgets, window, head_scores, layout, T, max_new_tokens, ev
   )
   first = jnp.argmax(pre.logits[:, -1], -1).astype(jnp.int32)
   run = jax.vmap(
     lambda b: compress_and_decode(
-      cfg, params, pre, spec, b, head_scores, first, max_new_tokens, 0.0, jax.random.key(0)
+      cfg, params, pre, spec, b, head_scores, first, max_new_tokens, 0.0, jax.random.key(0), ev
     )
   )
   sharded, K = shard_configs(budgets)
@@ -383,6 +503,7 @@ def keep_mask(
   window: int | None = None,
   attention_mask=None,
   head_scores=None,
+  evidence=None,
   **options,
 ) -> np.ndarray:
   """Which prompt positions ``policy`` keeps under ``budget`` on a real prompt: bool
@@ -391,7 +512,8 @@ def keep_mask(
   ``H`` is the policy's granularity: query heads by default (the published tables' layout), or
   KV heads with ``num_kv_heads=G`` (scores averaged over each group, as kvpress does). ``window``
   is the observation window of the window-based policies (default 32). Rows are left-padded
-  internally; the mask is returned in the caller's column order.
+  internally; the mask is returned in the caller's column order. ``evidence`` as
+  :func:`generate`'s.
   """
   if window is not None:
     options = dict(options, window=window)
@@ -403,8 +525,9 @@ def keep_mask(
   if pol.name != "full":
     _check_budget(pol, budget, _window(pol, T))
   _check_head_scores(pol, head_scores)
+  ev = check_evidence(pol, evidence, cfg, input_ids, attention_mask)
   spec = cache_lib.CacheSpec(pol, T, layout)
-  cache = cache_lib.compress(cfg, pre, spec, budget, head_scores=head_scores)
+  cache = cache_lib.compress(cfg, pre, spec, budget, head_scores=head_scores, evidence=ev)
   _check_overflow(cache)
   return _to_caller_columns(
     np.asarray(cache.positions), np.asarray(cache.valid), input_ids, attention_mask
@@ -439,7 +562,9 @@ def _stream_logprobs(cfg, params, pre, spec, budget, rest_BS):
     cache, logp_BV = carry
     token = rest_BS[:, i]
     hit = jnp.take_along_axis(logp_BV, token[:, None], -1)[:, 0]
-    logits, cache = cache_lib.decode_step(cfg, params, spec, cache, token, start_pos + i, T + i)
+    logits, cache = cache_lib.decode_step(
+      cfg, params, spec, cache, token, start_pos + i, T + i, step=i
+    )
     return (cache, jax.nn.log_softmax(logits, -1)), hit
 
   (cache, _), hits = jax.lax.scan(step, (cache, first_logp), jnp.arange(rest_BS.shape[1]))
@@ -480,12 +605,14 @@ def stream_logprobs(
   head, rest = jnp.asarray(ids[:, :prefix]), jnp.asarray(ids[:, prefix:])
   column_sums = "column_sums_LHT" in policies.spec(pol.name).needs if pol.name != "full" else False
   window = _window(pol, prefix) if pol.name != "full" else 0
-  pre = _prefill(cfg, params, head, jnp.ones_like(head), window, column_sums)
+  extra = evidence_request(pol, prefix) if pol.name != "full" else ()
+  pre = _prefill(cfg, params, head, jnp.ones_like(head), window, column_sums, extra)
   if pol.name == "full":
     capacity, budget = T, T
   else:
     _check_budget(pol, budget, window)
-    capacity = int(np.max(budget))
+    # decode_every (R-KV): the budget, plus the tokens read between two re-compressions
+    capacity = int(np.max(budget)) + (pol.opts.get("decode_every") or 0)
   recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
   spec = cache_lib.CacheSpec(pol, capacity, "kv", recent=recent)
   logp, overflow = _stream_logprobs(cfg, params, pre, spec, budget, rest)
@@ -512,10 +639,12 @@ class Answers:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"))
-def _compress_and_answer(cfg, params, pre, spec, budget, head_scores, inputs_BN, given_BN):
+def _compress_and_answer(
+  cfg, params, pre, spec, budget, head_scores, inputs_BN, given_BN, evidence=None
+):
   """Compresses once, then decodes the answer twice from that cache: greedy (given positions
   fed from the answer) and teacher-forced (every position fed from the answer)."""
-  cache0 = cache_lib.compress(cfg, pre, spec, budget, head_scores=head_scores)
+  cache0 = cache_lib.compress(cfg, pre, spec, budget, head_scores=head_scores, evidence=evidence)
   B, T = pre.valid.shape
   start_pos = pre.valid.sum(-1).astype(jnp.int32)
   N = inputs_BN.shape[1]
@@ -524,7 +653,9 @@ def _compress_and_answer(cfg, params, pre, spec, budget, head_scores, inputs_BN,
     def step(carry, i):
       cache, prev = carry
       token = inputs_BN[:, i] if teacher else jnp.where(given_BN[:, i], inputs_BN[:, i], prev)
-      logits, cache = cache_lib.decode_step(cfg, params, spec, cache, token, start_pos + i, T + i)
+      logits, cache = cache_lib.decode_step(
+        cfg, params, spec, cache, token, start_pos + i, T + i, step=i
+      )
       pred = jnp.argmax(logits, -1).astype(jnp.int32)
       return (cache, pred), (jax.nn.log_softmax(logits, -1) if teacher else None, pred)
 
@@ -538,6 +669,29 @@ def _compress_and_answer(cfg, params, pre, spec, budget, head_scores, inputs_BN,
 
 
 QUESTION_MODES = ("in_window", "after", "compressed")
+
+
+def _check_prefilled_evidence(pol: policies.Policy, prefilled: Prefilled, wanted: dict) -> None:
+  """``ValueError`` naming ``prefill_answers(needs=...)`` when the shared prefill lacks what the
+  policy reads (ExpectedAttention's statistics must also match its ``n_sink``/``n_future``)."""
+  held = dict(prefilled.extra)
+  fields = {
+    "value_out_norms": "value_out_norms_LHT",
+    "query_stats": "query_mean_LHD",
+    "window_queries": "window_queries_LHWD",
+  }
+  for arg, field in fields.items():
+    if arg in wanted and arg not in held:
+      raise ValueError(
+        f"prefilled: policy {pol.name!r} needs {field}; prefill with "
+        f"prefill_answers(..., needs=({field!r},))"
+      )
+  for arg in ("n_sink", "n_future"):
+    if arg in wanted and wanted[arg] != held.get(arg, getattr(llama, arg.upper())):
+      raise ValueError(
+        f"prefilled: policy {pol.name!r} wants {arg}={wanted[arg]}, the prefill used "
+        f"{held.get(arg, getattr(llama, arg.upper()))}"
+      )
 
 
 def _future_attention(cfg, params, prompt, answer, Tc: int) -> Array:
@@ -564,6 +718,7 @@ def _restrict(pre: llama.Prefill, Tc: int) -> llama.Prefill:
     attn_window=keys_axis(pre.attn_window),
     column_sums=keys_axis(pre.column_sums),
     key_norms=keys_axis(pre.key_norms),
+    value_out_norms=keys_axis(pre.value_out_norms),
   )
 
 
@@ -580,6 +735,7 @@ class Prefilled:
   window: int  # window rows held in ``pre.attn_window`` (policies may use fewer)
   seen_len: int  # prompt tokens the prefill saw (the whole prompt, or the context)
   future_attn: Array | None = None
+  extra: tuple = ()  # the extra prefill evidence held (evidence_request's pairs)
 
 
 def prefill_answers(
@@ -592,11 +748,19 @@ def prefill_answers(
   answer_given=None,
   window: int = 32,
   oracle: bool = True,
+  needs: tuple[str, ...] = (),
 ) -> Prefilled:
   """The one prefill that :func:`answer_prefilled` answers from under any policy and budget:
   window rows of the last ``window`` queries, H2O's column sums, keys and values, and (with
   ``oracle``) the full-cache attention of the fed queries. See :func:`answer_configs` for
-  ``question`` and ``answer_given``."""
+  ``question`` and ``answer_given``. ``needs`` names further :class:`kvjax.policies.Evidence`
+  fields to compute (``value_out_norms_LHT``, ``query_mean_LHD``/``query_cov_LHDD`` with
+  kvpress's defaults, ``window_queries_LHWD`` for ``window`` queries): the policies that will
+  answer list them in their ``Spec.needs``."""
+  known = ("value_out_norms_LHT", "query_mean_LHD", "query_cov_LHDD", "window_queries_LHWD")
+  unknown = sorted(set(needs) - set(policies.Evidence.__dataclass_fields__))
+  if unknown:
+    raise ValueError(f"needs: {unknown} are not Evidence fields; expected some of {known}")
   prompt = check_token_ids("prompt_ids", prompt_ids, model.cfg.vocab_size, min_len=2)
   answer = check_token_ids("answer_ids", answer_ids, model.cfg.vocab_size)
   if answer.shape[0] != prompt.shape[0]:
@@ -620,11 +784,20 @@ def prefill_answers(
   seen = prompt if question == "in_window" else prompt[:, :Tc]
   cfg, params = model.cfg, model.params()
   w = min(int(window), seen.shape[1])
-  pre = _restrict(_prefill(cfg, params, jnp.asarray(seen), jnp.ones_like(seen), w, True), Tc)
+  extra = {}
+  if "value_out_norms_LHT" in needs:
+    extra["value_out_norms"] = True
+  if {"query_mean_LHD", "query_cov_LHDD"} & set(needs):
+    extra["query_stats"] = True
+  if "window_queries_LHWD" in needs:
+    extra["window_queries"] = w
+  extra = tuple(sorted(extra.items()))
+  seen_j = jnp.asarray(seen)
+  pre = _restrict(_prefill(cfg, params, seen_j, jnp.ones_like(seen_j), w, True, extra), Tc)
   future = _future_attention(cfg, params, jnp.asarray(prompt), answer, Tc) if oracle else None
   inputs = jnp.asarray(np.concatenate([prompt[:, Tc:], answer[:, :-1]], axis=1))
   feed = np.concatenate([np.ones((B, question_len), bool), given[:, :-1]], 1)
-  return Prefilled(pre, inputs, jnp.asarray(feed), question_len, w, seen.shape[1], future)
+  return Prefilled(pre, inputs, jnp.asarray(feed), question_len, w, seen.shape[1], future, extra)
 
 
 def answer_prefilled(
@@ -635,32 +808,42 @@ def answer_prefilled(
   policy: str,
   layout: str = "kv",
   head_scores=None,
+  evidence=None,
   **policy_options,
 ) -> Answers:
   """Answers under ``K`` budget configurations of ``policy`` from one :func:`prefill_answers`
-  (every policy of an evaluation shares it; nothing is prefilled here)."""
+  (every policy of an evaluation shares it; nothing is prefilled here). ``evidence`` as
+  :func:`generate`'s, over the context's columns."""
   cache_lib.check_layout(layout)
   budgets = _check_config_budgets(budgets)
   cfg, params = model.cfg, model.params()
   pol = _policy(policy, policy_options)
   pre = prefilled.pre
   window = _window(pol, prefilled.seen_len) if pol.name != "full" else 0
+  if not _needs(pol) & {"attn_window_LHWT", "window_queries_LHWD"} or pol.name == "full":
+    window = min(window, prefilled.window)  # reads no window rows (ExpectedAttention, ...)
   if window > prefilled.window:
     raise ValueError(
       f"window: policy {policy!r} needs {window} window rows, the prefill holds "
       f"{prefilled.window}; prefill with window >= {window}"
     )
   pre = pre.replace(attn_window=pre.attn_window[..., prefilled.window - max(window, 1) :, :])
+  _check_prefilled_evidence(pol, prefilled, dict(evidence_request(pol, prefilled.seen_len)))
+  if pre.window_queries is not None:
+    pre = pre.replace(
+      window_queries=pre.window_queries[:, :, :, prefilled.window - max(window, 1) :]
+    )
   if pol.name == "oracle":
     if prefilled.future_attn is None:
       raise ValueError("prefilled: the oracle needs prefill_answers(..., oracle=True)")
     pre = pre.replace(future_attn=prefilled.future_attn)
   Tc = pre.valid.shape[1]
   M = prefilled.inputs_BM.shape[1]
-  spec, alloc = _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, Tc, M)
+  ev = check_evidence(pol, evidence, cfg, np.zeros(pre.valid.shape, np.int32), None)
+  spec, alloc = _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, Tc, M, ev)
   run = jax.vmap(
     lambda b: _compress_and_answer(
-      cfg, params, pre, spec, b, head_scores, prefilled.inputs_BM, prefilled.feed_given_BM
+      cfg, params, pre, spec, b, head_scores, prefilled.inputs_BM, prefilled.feed_given_BM, ev
     )
   )
   sharded, K = shard_configs(budgets)
@@ -682,6 +865,7 @@ def answer_configs(
   answer_given=None,
   layout: str = "kv",
   head_scores=None,
+  evidence=None,
   **policy_options,
 ) -> Answers:
   """Predicts ``answer_ids [B, N]`` after ``prompt_ids [B, T]`` under ``K`` budget configurations
@@ -724,6 +908,7 @@ def answer_configs(
     answer_given=answer_given,
     window=window,
     oracle=pol.name == "oracle",
+    needs=tuple(sorted(_needs(pol))),
   )
   return answer_prefilled(
     model,
@@ -732,5 +917,6 @@ def answer_configs(
     policy=policy,
     layout=layout,
     head_scores=head_scores,
+    evidence=evidence,
     **policy_options,
   )

@@ -157,6 +157,13 @@ def layer_params(params: dict, layer) -> dict:
 
 def project_qkv(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array):
   """Post-RoPE queries ``[B, Hq, T, D]``, keys ``[B, G, T, D]`` and values ``[B, G, T, D]``."""
+  q, k, v = project_heads(cfg, p, x_BTd)
+  return rope(q, positions_BT, cfg), rope(k, positions_BT, cfg), v
+
+
+def project_heads(cfg: ModelConfig, p: dict, x_BTd: Array):
+  """Pre-RoPE queries ``[B, Hq, T, D]``, keys and values ``[B, G, T, D]`` (after Qwen3's q/k
+  RMSNorm: kvpress's ``get_prerope_query_states``)."""
   B, T, _ = x_BTd.shape
   h = rms_norm(x_BTd, p["attn_norm"], cfg.rms_norm_eps)
   q, k, v = matmul(h, p["wq"]), matmul(h, p["wk"]), matmul(h, p["wv"])
@@ -170,27 +177,38 @@ def project_qkv(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array):
   if cfg.qk_norm:
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-  return rope(q, positions_BT, cfg), rope(k, positions_BT, cfg), v
+  return q, k, v
 
 
-def attention_probs(q_BHQD, k_BGTD, allowed) -> Array:
+def attention_probs(q_BHQD, k_BGTD, allowed, *, head_dim: int | None = None) -> Array:
   """fp32 softmax of ``q k^T / sqrt(D)`` over allowed keys: ``[B, Hq, Q, K]`` (GQA grouped).
 
   ``allowed`` is ``[B, Q, K]`` (shared by every head: prefill) or ``[B, G, Q, K]`` (per KV head:
   a compressed cache, whose rows hold different slots). Fully masked rows give zeros.
+  ``head_dim`` is the ``D`` of the scale when the channels given are fewer (ThinK's pruned
+  keys: the dropped channels add 0 to ``q k^T``, the scale stays the model's).
   """
+  return masked_softmax(attention_logits(q_BHQD, k_BGTD, head_dim=head_dim), allowed)
+
+
+def attention_logits(q_BHQD, k_BGTD, *, head_dim: int | None = None) -> Array:
+  """fp32 ``q k^T / sqrt(head_dim or D)`` grouped by KV head: ``[B, G, Hq / G, Q, K]``."""
   B, Hq, Q, D = q_BHQD.shape
   G = k_BGTD.shape[1]
+  q = q_BHQD.astype(jnp.float32).reshape(B, G, Hq // G, Q, D)
+  logits = jnp.einsum("bgrqd,bgkd->bgrqk", q, k_BGTD.astype(jnp.float32), precision=PRECISION)
+  return logits / math.sqrt(D if head_dim is None else head_dim)
+
+
+def masked_softmax(logits_BGRQK: Array, allowed) -> Array:
+  """:func:`attention_probs`'s softmax of grouped logits over allowed keys, ``[B, Hq, Q, K]``."""
+  B, G, R, Q, K = logits_BGRQK.shape
   allowed = allowed[:, None] if allowed.ndim == 3 else allowed
   allowed = allowed[:, :, None]  # [B, G or 1, 1, Q, K]
-  q = q_BHQD.astype(jnp.float32).reshape(B, G, Hq // G, Q, D)
-  logits = jnp.einsum(
-    "bgrqd,bgkd->bgrqk", q, k_BGTD.astype(jnp.float32), precision=PRECISION
-  ) / math.sqrt(D)
-  logits = jnp.where(allowed, logits, -jnp.inf)
+  logits = jnp.where(allowed, logits_BGRQK, -jnp.inf)
   probs = jax.nn.softmax(logits, axis=-1)
   probs = jnp.where(allowed.any(-1, keepdims=True), probs, 0.0)
-  return probs.reshape(B, Hq, Q, -1)
+  return probs.reshape(B, G * R, Q, K)
 
 
 def attend(probs_BHQT: Array, v_BGTD: Array) -> Array:
@@ -303,6 +321,11 @@ class Prefill:
     full_attention: ``{layer: [B, Hq, T, T]}`` for plots, on request.
     future_attn: ``[L, B, Hq, S, T]`` attention of later queries (the oracle's evidence; set by
       the caller that has them).
+    value_out_norms: ``[L, B, Hq, T]`` fp32 CriticalKV's ``||W_O^h v_j||_1`` per query head, on
+      request (0 on padding).
+    query_mean, query_cov: ``[L, B, Hq, D]``, ``[L, B, Hq, D, D]`` fp32 ExpectedAttention's
+      statistics of the pre-RoPE prompt queries, on request (:func:`query_statistics`).
+    window_queries: ``[L, B, Hq, W, D]`` the last ``W`` post-RoPE queries (ThinK), on request.
   """
 
   logits: Array
@@ -315,6 +338,13 @@ class Prefill:
   column_sums: Array | None = None
   full_attention: dict | None = None
   future_attn: Array | None = None
+  value_out_norms: Array | None = None
+  query_mean: Array | None = None
+  query_cov: Array | None = None
+  window_queries: Array | None = None
+
+
+N_SINK, N_FUTURE = 4, 512  # kvpress ExpectedAttentionPress's n_sink and n_future_positions
 
 
 def prefill(
@@ -331,6 +361,11 @@ def prefill(
   logits: str = "last",
   window_dtype=jnp.float32,
   attention: str = "blocked",
+  value_out_norms: bool = False,
+  query_stats: bool = False,
+  n_sink: int = N_SINK,
+  n_future: int = N_FUTURE,
+  window_queries: int = 0,
 ) -> Prefill:
   """One pass over the prompt: a :class:`Prefill` with logits, K/V and the requested evidence.
 
@@ -360,6 +395,13 @@ def prefill(
   ``"blocked"`` off GPU or outside fp16/bf16). The evidence is computed exactly beside it. On
   CPU ``"xla"`` measured worse (1B shapes at 8k tokens: 6.3 GiB of temporaries against 0.4;
   2.3x slower at 2k tokens), hence the default.
+
+  Evidence of issue 15's methods, each off by default (the memory plan above is unchanged):
+  ``value_out_norms`` (CriticalKV's ``||W_O^h v_j||_1``, a head at a time, ``[L, B, Hq, T]``),
+  ``query_stats`` (ExpectedAttention's query mean and covariance, accumulated chunk by chunk:
+  :func:`query_statistics`; ``n_sink`` and ``n_future`` as kvpress's ``n_sink`` and
+  ``n_future_positions``) and ``window_queries`` (the last ``window_queries`` post-RoPE queries,
+  ThinK's channel evidence).
   """
   if logits not in LOGITS:
     raise ValueError(f"logits: expected one of {LOGITS}, got {logits!r}")
@@ -373,12 +415,31 @@ def prefill(
     raise ValueError(f"window_dtype: expected a floating dtype, got {window_dtype!r}")
   if attention not in ATTENTION:
     raise ValueError(f"attention: expected one of {ATTENTION}, got {attention!r}")
+  if (
+    isinstance(window_queries, bool)
+    or not isinstance(window_queries, (int, np.integer))
+    or not 0 <= window_queries <= T
+  ):
+    raise ValueError(f"window_queries: expected an int in [0, T={T}], got {window_queries!r}")
+  for name, flag in (("value_out_norms", value_out_norms), ("query_stats", query_stats)):
+    if not isinstance(flag, bool):
+      raise ValueError(f"{name}: expected a bool, got {flag!r}")
+  if query_stats:
+    _check_count("n_future", n_future)
+    if isinstance(n_sink, bool) or not isinstance(n_sink, (int, np.integer)) or n_sink < 0:
+      raise ValueError(f"n_sink: expected an int >= 0, got {n_sink!r}")
   if attention_mask is None:
     attention_mask = jnp.ones((B, T), jnp.int32)
   valid = attention_mask.astype(bool)
   positions = positions_from_mask(attention_mask)
   x = params["embed"][input_ids]
-  sizes = dict(block=min(block, T), chunk=T if chunk is None else min(chunk, T), window=window)
+  sizes = dict(
+    block=min(block, T),
+    chunk=T if chunk is None else min(chunk, T),
+    window=window,
+    window_queries=window_queries,
+    n_sink=n_sink if query_stats else None,
+  )
   q_dtype, kv_dtype = _qkv_dtypes(cfg, params, x, positions)
   if attention == "cudnn" and (
     jax.default_backend() != "gpu" or q_dtype not in (jnp.bfloat16, jnp.float16)
@@ -395,6 +456,14 @@ def prefill(
     out["column_sums"] = jnp.zeros((L, B, Hq, T), jnp.float32)
   if window:
     out["attn_window"] = jnp.zeros((L, B, Hq, window, T), window_dtype)
+  if window_queries:
+    out["window_queries"] = jnp.zeros((L, B, Hq, window_queries, D), q_dtype)
+  if value_out_norms:
+    out["value_out_norms"] = jnp.zeros((L, B, Hq, T), jnp.float32)
+  if query_stats:
+    out["query_mean"] = jnp.zeros((L, B, Hq, D), jnp.float32)
+    out["query_cov"] = jnp.zeros((L, B, Hq, D, D), jnp.float32)
+    out["rope_mean"] = average_rope(cfg, valid.sum(-1), n_future)
 
   def layer(carry, l):
     layers, l = _sliced_in_loop(stacked(params), l)
@@ -402,6 +471,7 @@ def prefill(
     return _layer(cfg, p, l, *carry, positions, valid, q_dtype, **sizes), None
 
   (x, out), _ = jax.lax.scan(layer, (x, out), jnp.arange(L))
+  out.pop("rope_mean", None)
   maps = None
   if full_attention_layers:
     maps = full_attention_maps(cfg, params, input_ids, attention_mask, full_attention_layers)
@@ -454,33 +524,62 @@ class _Rows:
   real: Array | None
 
 
-def _layer(cfg, p, l, x, out, positions, valid, q_dtype, *, block, chunk, window, attention):
-  """One decoder layer over the whole prompt, ``chunk`` tokens at a time (residual stream and
-  K/V updated in place), then its window rows."""
+def _layer(
+  cfg,
+  p,
+  l,
+  x,
+  out,
+  positions,
+  valid,
+  q_dtype,
+  *,
+  block,
+  chunk,
+  window,
+  window_queries,
+  n_sink,
+  attention,
+):
+  """One decoder layer over the whole prompt, ``chunk`` tokens at a time (residual stream, K/V
+  and the per-token evidence updated in place), then its window rows and query statistics."""
   B, T, _ = x.shape
-  sums = jnp.zeros((B, cfg.num_heads, T), jnp.float32) if "column_sums" in out else None
-  q_win = jnp.zeros((B, cfg.num_heads, window, cfg.head_dim), q_dtype) if window else None
-  step = _chunk_step(cfg, p, l, positions, valid, block, attention)
+  Hq, D = cfg.num_heads, cfg.head_dim
+  sums = jnp.zeros((B, Hq, T), jnp.float32) if "column_sums" in out else None
+  wq = max(window, window_queries)
+  q_win = jnp.zeros((B, Hq, wq, D), q_dtype) if wq else None
+  moments = empty_moments(B, Hq, D) if n_sink is not None else None
+  step = _chunk_step(cfg, p, l, positions, valid, block, attention, n_sink)
   full, tail = divmod(T, chunk)
-  state = jax.lax.fori_loop(0, full, lambda i, s: step(i * chunk, chunk, s), (x, out, sums, q_win))
+  state = (x, out, sums, q_win, moments)
+  state = jax.lax.fori_loop(0, full, lambda i, s: step(i * chunk, chunk, s), state)
   if tail:
     state = step(full * chunk, tail, state)
-  x, out, sums, q_win = state
+  x, out, sums, q_win, moments = state
+  put = lambda name, value: jax.lax.dynamic_update_index_in_dim(out[name], value, l, 0)  # noqa: E731
   if sums is not None:
-    out = dict(out, column_sums=jax.lax.dynamic_update_index_in_dim(out["column_sums"], sums, l, 0))
+    out = dict(out, column_sums=put("column_sums", sums))
+  if window_queries:
+    out = dict(out, window_queries=put("window_queries", q_win[:, :, wq - window_queries :]))
+  if moments is not None:
+    mean, cov = rotate_moments(out["rope_mean"], *moments_mean_cov(moments))
+    out = dict(out, query_mean=put("query_mean", mean), query_cov=put("query_cov", cov))
   if window:
-    out = dict(out, attn_window=_window_rows(cfg, q_win, out, l, positions, valid, block))
+    rows = _window_rows(cfg, q_win[:, :, wq - window :], out, l, positions, valid, block)
+    out = dict(out, attn_window=rows)
   return x, out
 
 
-def _chunk_step(cfg, p, l, positions, valid, block, attention):
+def _chunk_step(cfg, p, l, positions, valid, block, attention, n_sink=None):
   """``step(c0, n, state)``: tokens ``[c0, c0 + n)`` of one layer (``n`` static)."""
   T = positions.shape[1]
 
   def step(c0, n, state):
-    x, out, sums, q_win = state
+    x, out, sums, q_win, moments = state
     x_c = jax.lax.dynamic_slice_in_dim(x, c0, n, 1)
-    q, k, v = project_qkv(cfg, p, x_c, jax.lax.dynamic_slice_in_dim(positions, c0, n, 1))
+    pos_c = jax.lax.dynamic_slice_in_dim(positions, c0, n, 1)
+    q_pre, k, v = project_heads(cfg, p, x_c)
+    q, k = rope(q_pre, pos_c, cfg), rope(k, pos_c, cfg)
     k, v = k.astype(out["keys"].dtype), v.astype(out["values"].dtype)
     at = (l, 0, 0, c0, 0)
     out = dict(
@@ -491,6 +590,15 @@ def _chunk_step(cfg, p, l, positions, valid, block, attention):
         out["key_norms"], jnp.linalg.norm(k.astype(jnp.float32), axis=-1)[None], at[:4]
       ),
     )
+    real_c = jax.lax.dynamic_slice_in_dim(valid, c0, n, 1)
+    if "value_out_norms" in out:
+      norms = jnp.where(real_c[:, None], value_out_norms(cfg, p, v), 0.0)
+      out = dict(
+        out,
+        value_out_norms=jax.lax.dynamic_update_slice(out["value_out_norms"], norms[None], at[:4]),
+      )
+    if moments is not None:  # the row's real tokens after its first n_sink (left padding)
+      moments = update_moments(moments, q_pre, real_c & (pos_c >= n_sink))
     keys = _Keys(out["keys"], out["values"], positions, valid, l, min(block, T))
     if attention == "blocked" or sums is not None:
       o, sums = _attend_chunk(q, c0, n, keys, sums, block, cfg.sliding_window)
@@ -501,9 +609,90 @@ def _chunk_step(cfg, p, l, positions, valid, block, attention):
       rows = T - q_win.shape[2] + jnp.arange(q_win.shape[2]) - c0
       inside = ((rows >= 0) & (rows < n)).reshape(1, 1, -1, 1)
       q_win = jnp.where(inside, jnp.take(q, jnp.clip(rows, 0, n - 1), axis=2), q_win)
-    return x, out, sums, q_win
+    return x, out, sums, q_win, moments
 
   return step
+
+
+# --------------------------------------------------------------------------- issue 15's evidence
+
+
+def value_out_norms(cfg: ModelConfig, p: dict, v_BGTD: Array) -> Array:
+  """CriticalKV's ``||W_O^h v_j||_1`` ``[B, Hq, T]`` fp32: each query head's slice of ``o_proj``
+  applied to the values of its KV head (kvpress ``CriticalKVPress.vwl1norm`` before its group
+  mean; no ``o_proj`` bias), one head at a time so no ``[B, Hq, T, d]`` is formed."""
+  Hq, D = cfg.num_heads, cfg.head_dim
+  wo = p["wo"].reshape(Hq, D, -1)
+  groups = Hq // v_BGTD.shape[1]
+
+  def head(h):
+    v = jnp.take(v_BGTD, h // groups, axis=1).astype(jnp.float32)  # [B, T, D]
+    w = jax.lax.dynamic_index_in_dim(wo, h, 0, keepdims=False).astype(jnp.float32)
+    return jnp.abs(matmul(v, w)).sum(-1)
+
+  return jnp.moveaxis(jax.lax.map(head, jnp.arange(Hq)), 0, 1)
+
+
+def empty_moments(B: int, H: int, D: int) -> tuple:
+  """No queries seen yet: ``(count [B], mean [B, H, D], m2 [B, H, D, D])`` fp32."""
+  f32 = jnp.float32
+  return jnp.zeros((B,), f32), jnp.zeros((B, H, D), f32), jnp.zeros((B, H, D, D), f32)
+
+
+def update_moments(moments: tuple, q_BHND: Array, weight_BN: Array) -> tuple:
+  """The running count, mean and centred second moment with the queries ``q_BHND`` where
+  ``weight_BN`` is set added (Chan et al.'s parallel update: each chunk's own mean and centred
+  moment, then the correction ``delta delta^T n_a n_b / n``; stable where ``E[qq^T] - mu mu^T``
+  cancels, and never a per-token ``[D, D]``)."""
+  count, mean, m2 = moments
+  w = weight_BN.astype(jnp.float32)
+  q = q_BHND.astype(jnp.float32)
+  n_b = w.sum(-1)
+  c_mean = jnp.einsum("bhnd,bn->bhd", q, w, precision=PRECISION) / jnp.maximum(n_b, 1.0).reshape(
+    -1, 1, 1
+  )
+  centred = (q - c_mean[:, :, None]) * w[:, None, :, None]
+  c_m2 = jnp.einsum("bhnd,bhne->bhde", centred, centred, precision=PRECISION)
+  total = count + n_b
+  frac = jnp.where(total > 0, n_b / jnp.maximum(total, 1.0), 0.0)
+  delta = c_mean - mean
+  outer = jnp.einsum("bhd,bhe->bhde", delta, delta, precision=PRECISION)
+  return (
+    total,
+    mean + delta * frac.reshape(-1, 1, 1),
+    m2 + c_m2 + outer * (count * frac).reshape(-1, 1, 1, 1),
+  )
+
+
+def moments_mean_cov(moments: tuple) -> tuple[Array, Array]:
+  """Mean ``[B, H, D]`` and covariance ``[B, H, D, D]`` dividing by the count (kvpress's
+  ``einsum(...) / h.shape[1]``, not ``count - 1``); zeros for a row with no query counted."""
+  count, mean, m2 = moments
+  return mean, m2 / jnp.maximum(count, 1.0).reshape(-1, 1, 1, 1)
+
+
+def average_rope(cfg: ModelConfig, start_B: Array, n_future: int) -> Array:
+  """The mean RoPE matrix ``R [B, D, D]`` over positions ``start .. start + n_future - 1`` of each
+  row: kvpress ``ExpectedAttentionPress.apply_avg_rope`` (``R = mean(cos I + sin P)`` with ``P``
+  the ``rotate_half`` matrix, ``cos``/``sin`` indexed by the column, as its broadcast does)."""
+  D = cfg.head_dim
+  inv = jnp.asarray(inv_frequencies(cfg), jnp.float32)
+  pos = (start_B[:, None] + jnp.arange(n_future)[None]).astype(jnp.float32)  # [B, F]
+  angles = pos[..., None] * inv.reshape(1, 1, -1)
+  angles = jnp.concatenate([angles, angles], -1)
+  cos, sin = jnp.cos(angles).mean(1), jnp.sin(angles).mean(1)  # [B, D]
+  half = D // 2
+  eye = np.eye(half, dtype=np.float32)
+  P = np.zeros((D, D), np.float32)
+  P[half:, :half], P[:half, half:] = eye, -eye
+  return cos[:, None, :] * jnp.eye(D)[None] + sin[:, None, :] * jnp.asarray(P)[None]
+
+
+def rotate_moments(R_BDD: Array, mean_BHD: Array, cov_BHDD: Array) -> tuple[Array, Array]:
+  """``mu R^T`` and ``R cov R^T`` (kvpress's ``matmul(mu, R.T)``, ``R @ cov @ R.T``)."""
+  mean = jnp.einsum("bhj,bij->bhi", mean_BHD, R_BDD, precision=PRECISION)
+  cov = jnp.einsum("bij,bhjk,blk->bhil", R_BDD, cov_BHDD, R_BDD, precision=PRECISION)
+  return mean, cov
 
 
 def _fused_chunk(q_BHQD, c0, n, keys, sliding_window, implementation) -> Array:
