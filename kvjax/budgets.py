@@ -377,16 +377,24 @@ def adakv(
 
 
 def adakv_table(scores_LHT: Array, window: int, capacity: int) -> Array | None:
-  """The pooled order of the official Ada-KV allocation (prefix scores, no window), for
-  per-head budgets up to ``capacity``: :func:`kvjax.select.pooled_rank_table`, ``O(L H T)``
-  (``[L, min(capacity, T - w) * H]`` int32). ``None`` when its codes would not fit int32
-  (``H * (n_max + 1) >= 2**31``): :func:`adakv` then selects per budget instead."""
+  """The official Ada-KV allocation's pooled counts for every per-head budget up to
+  ``capacity``: int32 ``[L, cap + 1, H]``, row ``m`` the per-head counts among the layer's
+  ``m * H`` best prefix scores (the window excluded), ``cap = min(capacity, T - w)``.
+
+  Ada-KV pools ``H * b`` entries, a multiple of ``H``, so ``cap + 1`` rows answer every budget:
+  ``O(L H T)``, read from :func:`kvjax.select.pooled_rank_table` (one pooled sort) rather than
+  the ``O(L H^2 T)`` cumulative one-hot of every pooled rank. ``None`` when the rank codes would
+  not fit int32 (``H * (cap H + 1) >= 2**31``): :func:`adakv` then selects per budget."""
   L, H, T = scores_LHT.shape
   cap = max(min(capacity, T - window), 1)
-  n_max = min(cap * H, H * max(T - window, 1))
-  if H * (n_max + 1) >= select.INT32_LIMIT:
+  if H * (cap * H + 1) >= select.INT32_LIMIT:
     return None
-  return select.pooled_rank_table(scores_LHT[..., : T - window].astype(jnp.float32), cap * H)
+  ranks_LN = select.pooled_rank_table(scores_LHT[..., : T - window].astype(jnp.float32), cap * H)
+  totals_M = jnp.arange(cap + 1, dtype=jnp.int32) * H
+  counts_MLH = jax.vmap(
+    lambda n: select.pooled_counts_from_ranks(ranks_LN, jnp.broadcast_to(n, (L,)), H)
+  )(totals_M)
+  return jnp.moveaxis(counts_MLH, 0, 1)
 
 
 def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity, table=None):
@@ -405,8 +413,9 @@ def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity, ta
     table = adakv_table(scores_LHT, window, capacity)
   if normalize or table is None:  # the scaling depends on the budget: one selection per budget
     counts_LH = select.pooled_budgets(prefix_LHP, pooled_L, capacity=min(cap * H, H * (T - window)))
-  else:  # budget-free scores: one pooled top-k, every budget a lookup (vmaps cheaply)
-    counts_LH = select.pooled_counts_from_ranks(table, pooled_L, H)
+  else:  # budget-free scores: one pooled sort, every budget a lookup (vmaps cheaply)
+    rows_L = jnp.clip(jnp.minimum(base_L, T - window), 0, table.shape[1] - 1)
+    counts_LH = jnp.take_along_axis(table, rows_L[:, None, None], axis=1)[:, 0, :]
   floor_L = _int_product(base_L, alpha)
   caps_LH = jnp.round(counts_LH * (1.0 - alpha) + floor_L[:, None]).astype(jnp.int32) + window
   return jnp.where((base_L > T - window)[:, None], T, caps_LH).astype(jnp.int32)
