@@ -4,8 +4,9 @@ KV cache.
 Modules: ``config`` (``ModelConfig`` from a checkpoint's config), ``llama`` (the decoder and its
 prefill), ``assets`` (the offline models), ``gguf`` (llama.cpp checkpoints), ``tokenizer``,
 ``loading`` (Hugging Face safetensors and GGUF), ``cache`` (the compressed
-per-layer, per-head slot table) and ``decoding`` (generation and answers through the cache). This
-package re-exports the calls a user needs.
+per-layer, per-head slot table, with ThinK's pruned key channels and ``decode_every``
+re-compression) and ``decoding`` (generation and answers through the cache; caller-given evidence
+as ``evidence={...}``). This package re-exports the calls a user needs.
 """
 
 from kvjax.model import assets, cache, config, decoding, gguf, llama, loading, tokenizer
