@@ -55,6 +55,18 @@ FAMILY_NAMES = (
 )
 
 
+# the families that the per-policy decoding matrices run on in CI's quick mode (GQA with llama3
+# RoPE scaling and untied embeddings; QK-norm); KVJAX_FULL=1 runs every family. The logits parity
+# and cache tests run on all five either way.
+QUICK_FAMILIES = ("llama3_gqa_untied", "qwen3_qknorm")
+
+
+def quick_families_only(name: str) -> None:
+  """Skips a family-by-policy decoding check outside :data:`QUICK_FAMILIES` in quick mode."""
+  if not full_mode() and name not in QUICK_FAMILIES:
+    pytest.skip(f"{name}: decoding matrix runs on {QUICK_FAMILIES} unless KVJAX_FULL=1")
+
+
 @pytest.fixture(scope="module", params=FAMILY_NAMES)
 def family(request, tmp_path_factory):
   """``(name, transformers model, kvjax model, config)`` of one tiny checkpoint family."""

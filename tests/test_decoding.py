@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import quick_families_only
 from hf_models import (
   NEW,
   hf_generate,
@@ -35,7 +36,8 @@ from kvjax import policies
   ],
 )
 def test_budget_covering_the_prompt_reproduces_full_cache(family, policy):
-  _, _, model, _ = family
+  name, _, model, _ = family
+  quick_families_only(name)
   ids = prompt(T=40)
   full = km.generate(model, ids, max_new_tokens=NEW).tokens
   # prefill-time policies append without eviction: budget >= prompt suffices; decode-time
@@ -47,7 +49,8 @@ def test_budget_covering_the_prompt_reproduces_full_cache(family, policy):
 
 
 def test_left_and_right_padding_match_unpadded_rows(family):
-  _, hf, model, _ = family
+  name, hf, model, _ = family
+  quick_families_only(name)
   a, b = prompt(T=40, seed=1)[0], prompt(T=31, seed=2)[0]
   solo = [km.generate(model, r[None], max_new_tokens=12).tokens[0] for r in (a, b)]
   left = np.zeros((2, 40), np.int32)
