@@ -33,8 +33,8 @@ SUMMARY_COLUMNS = (
 )
 
 
-def validate_config(config) -> None:
-  """Names the offending field for an unknown scenario or policy, or a bad budget."""
+def _check_names(config) -> None:
+  """Names the offending field for an unknown scenario or lab policy."""
   for s in config.scenarios:
     if s not in synthetic.SCENARIOS:
       raise ValueError(
@@ -45,6 +45,11 @@ def validate_config(config) -> None:
       raise ValueError(
         f"policies: unknown lab policy {p!r}; expected some of {online.LAB_POLICIES}"
       )
+
+
+def validate_config(config) -> None:
+  """Names the offending field for an unknown scenario or policy, or a bad budget."""
+  _check_names(config)
   if not config.scenarios or not config.policies:
     raise ValueError("scenarios/policies: expected at least one of each")
   T = config.world.prompt_len + config.world.gen_steps
@@ -190,16 +195,7 @@ KEY_COLUMNS = (
 def validate_keys_config(config) -> None:
   """:func:`validate_config`'s checks for ``configs/lab_keys.py``: budgets, the key model's knobs
   (:class:`~kvjax.lab.keys.KeyGeometry` names a bad one) and per-policy options."""
-  for s in config.scenarios:
-    if s not in synthetic.SCENARIOS:
-      raise ValueError(
-        f"scenarios: unknown scenario {s!r}; expected some of {tuple(synthetic.SCENARIOS)}"
-      )
-  for p in config.policies:
-    if p not in online.LAB_POLICIES:
-      raise ValueError(
-        f"policies: unknown lab policy {p!r}; expected some of {online.LAB_POLICIES}"
-      )
+  _check_names(config)
   if not config.scenarios or not config.policies or not config.budgets:
     raise ValueError("scenarios/policies/budgets: expected at least one of each")
   T = config.world.prompt_len + config.world.gen_steps
