@@ -546,6 +546,65 @@ def decode_step(
   return logits, cache
 
 
+def appends_only(spec: CacheSpec) -> bool:
+  """Whether decoding with ``spec`` only appends to the compressed cache (a prefill-time policy
+  or the full cache: no decode-time eviction, no re-compression, no ThinK, no re-indexing), so
+  that tokens fed one by one see exactly what :func:`extend_logits` feeds them at once."""
+  return not (spec.decode_time or spec.decode_every or spec.channel_ratio or spec.reindex)
+
+
+def extend_logits(
+  cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache, tokens_BM, pos_BM
+):
+  """Logits ``[B, M, V]`` of ``M`` tokens fed after the cache *at once*: each token attends to
+  the cache's valid slots and causally to the fed tokens before it, which is what feeding them
+  one by one through :func:`decode_step` gives when decoding only appends
+  (:func:`appends_only`). One pass over the weights for all ``M`` tokens instead of ``M``
+  passes: a decode step reads every weight to produce one row (memory-bound), this reads them
+  once for ``B * M`` rows. ``pos_BM``: the tokens' RoPE positions. The cache is not updated."""
+  if not appends_only(spec) or cache.new_keys is not None:
+    raise ValueError(f"spec: extend_logits needs a cache that decoding only appends to, got {spec}")
+  kv = (cache.keys, cache.values, cache.valid, cache.positions)
+  logits, _ = extend(cfg, params, kv, tokens_BM, pos_BM, repeat_kv=spec.layout == "query")
+  return logits
+
+
+def extend(cfg: ModelConfig, params: dict, kv, tokens_BM, pos_BM, *, repeat_kv=False, probs=False):
+  """``M`` tokens fed at once after keys and values held per layer and head: ``(logits [B, M,
+  V], attention [L, B, Hq, M, C] over the held keys or None)``. ``kv = (keys [L, B, H, C, D],
+  values, valid [L, B, H, C], positions [L, B, H, C])``, keys post-RoPE at their original
+  positions; each fed token attends to the valid held keys and causally to the fed tokens up to
+  itself (Mistral's sliding window applies to both). ``repeat_kv``: the held keys are per query
+  head (the query layout). With ``probs`` the softmax over held and fed keys is returned cut to
+  the held ones (the oracle's full-cache attention of future queries)."""
+  B, M = tokens_BM.shape
+  x = params["embed"][tokens_BM]
+  causal_MM = jnp.tril(jnp.ones((M, M), bool))
+
+  def layer(x, inputs):
+    p, keys, values, valid, positions = inputs  # [B, H, C, D], [B, H, C]
+    q, k, v = llama.project_qkv(cfg, p, x, pos_BM)
+    if repeat_kv:
+      k, v = jnp.repeat(k, cfg.num_groups, 1), jnp.repeat(v, cfg.num_groups, 1)
+    H, C = keys.shape[1], keys.shape[2]
+    held_BHMC = jnp.broadcast_to(valid[:, :, None, :], (B, H, M, C))
+    fed_BHMM = jnp.broadcast_to(causal_MM, (B, H, M, M))
+    if cfg.sliding_window is not None:  # Mistral: keys older than the window are not attended
+      age_BHMC = pos_BM[:, None, :, None] - positions[:, :, None, :]
+      held_BHMC = held_BHMC & (age_BHMC < cfg.sliding_window)
+      near_BMM = pos_BM[:, :, None] - pos_BM[:, None, :] < cfg.sliding_window
+      fed_BHMM = fed_BHMM & near_BMM[:, None]
+    all_keys = jnp.concatenate([keys, k.astype(keys.dtype)], axis=2)
+    all_values = jnp.concatenate([values, v.astype(values.dtype)], axis=2)
+    allowed = jnp.concatenate([held_BHMC, fed_BHMM], axis=-1)
+    attn = llama.attention_probs(q, all_keys, allowed)  # [B, Hq, M, C + M]
+    x = llama.output_and_mlp(cfg, p, x, llama.attend(attn, all_values))
+    return x, attn[..., :C] if probs else None
+
+  x, attn_LBHMC = jax.lax.scan(layer, x, (llama.stacked(params), *kv))
+  return llama.logits_of(cfg, params, x), attn_LBHMC
+
+
 def _admit_generated(cache: KVCache, slots: dict, pos_B, step):
   """ThinK's admission: generated token ``step`` takes slot ``C_prompt + step`` in every row
   (flagged as overflow past the reserved slots)."""

@@ -638,34 +638,101 @@ class Answers:
   budget_LH: np.ndarray
 
 
+def decoding_spec(spec: cache_lib.CacheSpec) -> cache_lib.CacheSpec:
+  """The spec that decoding from a compressed cache actually depends on: a prefill-time policy
+  (no decode-time eviction, no ``decode_every``, no ThinK) only appends during decoding, so every
+  such policy decodes with one canonical spec and shares one compiled decoder per shape and
+  capacity; decode-time policies keep their own."""
+  if spec.decode_time or spec.decode_every or spec.channel_ratio:
+    return spec
+  return dataclasses.replace(spec, policy=_policy("full", {}), recent=8)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"))
-def _compress_and_answer(
-  cfg, params, pre, spec, budget, head_scores, inputs_BN, given_BN, evidence=None
-):
-  """Compresses once, then decodes the answer twice from that cache: greedy (given positions
-  fed from the answer) and teacher-forced (every position fed from the answer)."""
-  cache0 = cache_lib.compress(cfg, pre, spec, budget, head_scores=head_scores, evidence=evidence)
-  B, T = pre.valid.shape
-  start_pos = pre.valid.sum(-1).astype(jnp.int32)
+def _compress_configs(cfg, pre, spec, budgets_K, head_scores, evidence=None):
+  """The ``K`` compressed caches, one per budget configuration (vmapped)."""
+  return jax.vmap(
+    lambda b: cache_lib.compress(cfg, pre, spec, b, head_scores=head_scores, evidence=evidence)
+  )(budgets_K)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"))
+def _answer_configs(cfg, params, spec, caches_K, valid_BT, inputs_BN, given_BN):
+  """Decodes the answer twice from each of the ``K`` compressed caches (vmapped): greedy (given
+  positions fed from the answer) and teacher-forced (every position fed from the answer). Jitted
+  apart from the compression, with :func:`decoding_spec`, so that prefill-time policies share
+  the compiled decoder; a cache that decoding only appends to is answered without a token loop
+  (:func:`_answer_at_once`), a decode-time policy's token by token, both passes in one scan."""
+  B, T = valid_BT.shape
+  start_pos = valid_BT.sum(-1).astype(jnp.int32)
   N = inputs_BN.shape[1]
 
-  def run(teacher: bool):
-    def step(carry, i):
-      cache, prev = carry
-      token = inputs_BN[:, i] if teacher else jnp.where(given_BN[:, i], inputs_BN[:, i], prev)
-      logits, cache = cache_lib.decode_step(
-        cfg, params, spec, cache, token, start_pos + i, T + i, step=i
-      )
-      pred = jnp.argmax(logits, -1).astype(jnp.int32)
-      return (cache, pred), (jax.nn.log_softmax(logits, -1) if teacher else None, pred)
+  if cache_lib.appends_only(spec):
+    return jax.vmap(
+      lambda c: _answer_at_once(cfg, params, spec, c, start_pos, inputs_BN, given_BN)
+    )(caches_K)
 
-    (cache, _), (logp, pred) = jax.lax.scan(step, (cache0, inputs_BN[:, 0]), jnp.arange(N))
-    return cache, logp, pred.T
+  def one(cache0):
+    # both passes in one scan (vmapped over `teacher`): each step reads the weights once for both
+    def run(teacher):
+      def step(carry, i):
+        cache, prev = carry
+        token = jnp.where(teacher | given_BN[:, i], inputs_BN[:, i], prev)
+        logits, cache = cache_lib.decode_step(
+          cfg, params, spec, cache, token, start_pos + i, T + i, step=i
+        )
+        pred = jnp.argmax(logits, -1).astype(jnp.int32)
+        return (cache, pred), (jax.nn.log_softmax(logits, -1), pred)
 
-  cache, _, greedy = run(False)
-  cache_tf, logp, _ = run(True)
-  overflow = cache.overflow | cache_tf.overflow
-  return greedy, logp.transpose(1, 0, 2), dataclasses.replace(cache, overflow=overflow)
+      (cache, _), (logp, pred) = jax.lax.scan(step, (cache0, inputs_BN[:, 0]), jnp.arange(N))
+      return cache, logp, pred.T
+
+    caches, logp, pred = jax.vmap(run)(jnp.asarray([False, True]))
+    cache = jax.tree.map(lambda x: x[0], caches)
+    overflow = caches.overflow.any(0)
+    return pred[0], logp[1].transpose(1, 0, 2), dataclasses.replace(cache, overflow=overflow)
+
+  return jax.vmap(one)(caches_K)
+
+
+def _answer_at_once(cfg, params, spec, cache0, start_pos_B, inputs_BN, given_BN):
+  """:func:`_answer_configs` for a cache that decoding only appends to, without feeding tokens
+  one by one. The teacher-forced pass is one :func:`kvjax.model.cache.extend_logits` call. The
+  greedy pass is its fixed point (Jacobi decoding): feed ``where(given, answer, previous
+  prediction)``, predict every position at once, repeat until the fed tokens stop changing.
+  Position ``i``'s prediction depends only on the tokens fed before it, so after ``k`` rounds the
+  first ``k`` fed tokens are the sequential loop's, and the fixed point (at most ``N`` rounds) is
+  exactly its greedy decode; an answer the model gets right takes no round beyond the
+  teacher-forced pass. Returns the cache with appends past its capacity flagged."""
+  N = inputs_BN.shape[1]
+  pos_BN = start_pos_B[:, None] + jnp.arange(N, dtype=jnp.int32)[None, :]
+
+  def predict(fed_BN):
+    return cache_lib.extend_logits(cfg, params, spec, cache0, fed_BN, pos_BN)
+
+  def feed(pred_BN):  # the sequential loop's token i: the answer's if given, else prediction i-1
+    prev_BN = jnp.concatenate([inputs_BN[:, :1], pred_BN[:, :-1]], axis=1)
+    return jnp.where(given_BN, inputs_BN, prev_BN)
+
+  logits = predict(inputs_BN)
+  logp_BNV = jax.nn.log_softmax(logits, -1)
+  pred0 = jnp.argmax(logits, -1).astype(jnp.int32)
+
+  def unsettled(state):
+    fed, pred, rounds = state
+    return (rounds < N) & jnp.any(feed(pred) != fed)
+
+  def round_(state):
+    _, pred, rounds = state
+    fed = feed(pred)
+    return fed, jnp.argmax(predict(fed), -1).astype(jnp.int32), rounds + 1
+
+  _, greedy_BN, _ = jax.lax.while_loop(unsettled, round_, (inputs_BN, pred0, jnp.int32(0)))
+  fill_LBH = cache0.valid.sum(-1)
+  overflow_B = (fill_LBH + N > cache0.valid.shape[-1]).any((0, 2))
+  if cache0.overflow is not None:
+    overflow_B = overflow_B | cache0.overflow
+  return greedy_BN, logp_BNV, dataclasses.replace(cache0, overflow=overflow_B)
 
 
 QUESTION_MODES = ("in_window", "after", "compressed")
@@ -694,13 +761,24 @@ def _check_prefilled_evidence(pol: policies.Policy, prefilled: Prefilled, wanted
       )
 
 
-def _future_attention(cfg, params, prompt, answer, Tc: int) -> Array:
+def _future_attention(cfg, params, pre: llama.Prefill, inputs_BM, Tc: int) -> Array:
   """The oracle's evidence: full-cache attention of every query fed through the cache (the
-  question and the answer) over the ``Tc`` compressed positions, ``[L, B, Hq, M, Tc]``."""
-  seq = jnp.concatenate([prompt, answer[:, :-1]], axis=1)
-  M = seq.shape[1] - Tc
-  pre = _prefill(cfg, params, seq, jnp.ones_like(seq), M, False)
-  return pre.attn_window[..., :Tc]
+  question and the answer) over the ``Tc`` context positions, ``[L, B, Hq, M, Tc]``, from the
+  prefill's own keys and values (:func:`kvjax.model.cache.extend`: the fed tokens only, not a
+  second prefill of the whole sequence)."""
+  L, B, G = pre.keys.shape[:3]
+  valid = jnp.broadcast_to(pre.valid[None, :, None, :Tc], (L, B, G, Tc))
+  positions = jnp.broadcast_to(pre.positions[None, :, None, :Tc], (L, B, G, Tc))
+  kv = (pre.keys[..., :Tc, :], pre.values[..., :Tc, :], valid, positions)
+  pos_BM = (
+    pre.positions[:, Tc - 1 : Tc] + 1 + jnp.arange(inputs_BM.shape[1], dtype=jnp.int32)[None, :]
+  )
+  return _future_attention_jit(cfg, params, kv, inputs_BM, pos_BM)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _future_attention_jit(cfg, params, kv, inputs_BM, pos_BM):
+  return cache_lib.extend(cfg, params, kv, inputs_BM, pos_BM, probs=True)[1]
 
 
 def _restrict(pre: llama.Prefill, Tc: int) -> llama.Prefill:
@@ -793,9 +871,10 @@ def prefill_answers(
     extra["window_queries"] = w
   extra = tuple(sorted(extra.items()))
   seen_j = jnp.asarray(seen)
-  pre = _restrict(_prefill(cfg, params, seen_j, jnp.ones_like(seen_j), w, True, extra), Tc)
-  future = _future_attention(cfg, params, jnp.asarray(prompt), answer, Tc) if oracle else None
+  full = _prefill(cfg, params, seen_j, jnp.ones_like(seen_j), w, True, extra)
   inputs = jnp.asarray(np.concatenate([prompt[:, Tc:], answer[:, :-1]], axis=1))
+  future = _future_attention(cfg, params, full, inputs, Tc) if oracle else None
+  pre = _restrict(full, Tc)
   feed = np.concatenate([np.ones((B, question_len), bool), given[:, :-1]], 1)
   return Prefilled(pre, inputs, jnp.asarray(feed), question_len, w, seen.shape[1], future, extra)
 
@@ -841,13 +920,18 @@ def answer_prefilled(
   M = prefilled.inputs_BM.shape[1]
   ev = check_evidence(pol, evidence, cfg, np.zeros(pre.valid.shape, np.int32), None)
   spec, alloc = _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, Tc, M, ev)
-  run = jax.vmap(
-    lambda b: _compress_and_answer(
-      cfg, params, pre, spec, b, head_scores, prefilled.inputs_BM, prefilled.feed_given_BM, ev
-    )
-  )
   sharded, K = shard_configs(budgets)
-  pred, logp, caches = jax.tree.map(lambda x: x[:K], run(sharded))
+  caches = _compress_configs(cfg, pre, spec, sharded, head_scores, ev)
+  pred, logp, caches = _answer_configs(
+    cfg,
+    params,
+    decoding_spec(spec),
+    caches,
+    pre.valid,
+    prefilled.inputs_BM,
+    prefilled.feed_given_BM,
+  )
+  pred, logp, caches = jax.tree.map(lambda x: x[:K], (pred, logp, caches))
   _check_overflow(caches)
   q = prefilled.question_len - 1  # predictions from the last question token on are the answer's
   return Answers(np.asarray(pred[:, :, q:]), np.asarray(logp[:, :, q:]), np.asarray(alloc))
