@@ -16,6 +16,7 @@ from hf_models import (
   hf_generate,
   make_checkpoint_cached,
   prompt,
+  tiny_hf,
 )
 
 from kvjax import model as km
@@ -162,6 +163,56 @@ def test_one_prefill_serves_every_policy(question):
     np.testing.assert_allclose(both.logprobs, alone.logprobs, atol=1e-5)
   with pytest.raises(ValueError, match="window rows"):
     km.decoding.answer_prefilled(model, shared, [60], policy="snapkv", window=40)
+
+
+def _token_loop_answers(monkeypatch, model, shared, budgets, policy, options):
+  """``answer_prefilled`` with the answers fed token by token (the cache's decode step), as
+  decode-time policies always are."""
+  with monkeypatch.context() as m:
+    m.setattr(km.cache, "appends_only", lambda spec: False)
+    jax.clear_caches()
+    out = km.decoding.answer_prefilled(model, shared, budgets, policy=policy, **options)
+  jax.clear_caches()
+  return out
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "mistral_window_8"])
+def test_answers_without_a_token_loop_equal_the_token_loop(model_name, monkeypatch, tmp_path):
+  # prefill-time policies answer in one pass (teacher-forced) and greedy rounds to a fixed point;
+  # random answers are wrong, so the greedy pass needs rounds; some positions are given (mqar's
+  # keys); a Mistral sliding window of 8 tokens also cuts the fed tokens' own attention
+  if model_name == "tiny":
+    model, _, _ = km.load_tiny()
+    vocab, T = 200, 96
+  else:
+    tiny_hf("Mistral", sliding_window=8).save_pretrained(tmp_path)
+    model, _ = km.load(tmp_path)
+    vocab, T = 128, 40
+  rng = np.random.default_rng(3)
+  prompt_ids = rng.integers(4, vocab, (2, T)).astype(np.int32)
+  answer = rng.integers(4, vocab, (2, 6)).astype(np.int32)
+  given = np.zeros(answer.shape, bool)
+  given[:, 2] = True
+  cases = [
+    ("full", [T], {}),
+    ("snapkv", [6, 24], {"window": 4}),
+    ("adakv_snapkv", [24], {"window": 4}),
+    ("oracle", [8], {}),
+  ]
+  modes = ("in_window", "after")
+  if model_name != "tiny":  # the window's own masks: one mode, two policies
+    cases, modes = cases[:2], ("after",)
+  for question in modes:
+    shared = km.decoding.prefill_answers(
+      model, prompt_ids, answer, question_len=5, question=question, answer_given=given
+    )
+    for policy, budgets, options in cases:
+      at_once = km.decoding.answer_prefilled(model, shared, budgets, policy=policy, **options)
+      loop = _token_loop_answers(monkeypatch, model, shared, budgets, policy, options)
+      np.testing.assert_array_equal(at_once.predicted, loop.predicted, err_msg=policy)
+      np.testing.assert_allclose(at_once.logprobs, loop.logprobs, atol=2e-5, err_msg=policy)
+      teacher = at_once.logprobs.argmax(-1)
+      assert (teacher != at_once.predicted).any(), policy  # the greedy pass needed rounds
 
 
 @pytest.mark.parametrize(
