@@ -71,7 +71,7 @@ def smollm2(c: ml_collections.ConfigDict, preset: str) -> None:
   c.workdir = f"/tmp/kvjax_eval_{preset}"
   c.question = "in_window,after"
   c.shared_shapes = True
-  c.lengths = (1024,)  # 2048 too with --config.lengths='(1024,2048)' (twice the time)
+  c.lengths = (1024, 2048)
   c.examples = 4
   c.budgets = (64, 128, 256)
   c.tasks = ml_collections.ConfigDict(

@@ -6,6 +6,7 @@ import pytest
 from configs import streaming_ppl
 from kvjax import model as km
 from kvjax.eval import streaming
+from kvjax.model import decoding
 
 
 def test_the_text_ships_with_python_and_is_long_enough():
@@ -20,10 +21,24 @@ def test_quick_run_writes_every_policy_and_cache(tmp_path):
   c.num_tokens, c.caches, c.segment = 128, (16, 32), 16
   model, _, tok = km.load_tiny()
   table = streaming.run(c, tmp_path, model=model, tokenizer=tok, log=lambda *_: None)
-  assert list(table["policy"]) == ["full"] + ["sliding_window", "streaming_llm"] * 2
+  assert list(table["policy"]) == ["full"] + ["sliding_window"] * 2 + ["streaming_llm"] * 2
+  assert list(table["cache"]) == [128, 16, 32, 16, 32]
   assert (tmp_path / "results.csv").exists() and np.isfinite(table["ppl"]).all()
   full = table.iloc[0]
   assert len(full["segments"].split()) == 127 // 16
   c.num_tokens = 40
   with pytest.raises(ValueError, match="num_tokens"):
     streaming.run(c, tmp_path / "other", model=model, tokenizer=tok)
+
+
+def test_budgets_read_in_one_scan_equal_separate_streams():
+  model, _, tok = km.load_tiny()
+  ids = streaming.text_ids(tok, 96, "filler")
+  together = decoding.stream_logprobs(model, ids, policy="streaming_llm", budgets=[16, 40], sinks=2)
+  for k, b in enumerate([16, 40]):
+    alone = decoding.stream_logprobs(model, ids, policy="streaming_llm", budget=b, sinks=2)
+    np.testing.assert_allclose(together[k], alone, atol=1e-5)
+  with pytest.raises(ValueError, match="budget or budgets"):
+    decoding.stream_logprobs(model, ids, policy="sliding_window", budget=16, budgets=[16])
+  with pytest.raises(ValueError, match="budgets: the full cache"):
+    decoding.stream_logprobs(model, ids, budgets=[16])

@@ -571,6 +571,13 @@ def _stream_logprobs(cfg, params, pre, spec, budget, rest_BS):
   return hits.T, cache.overflow
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"))
+def _stream_logprobs_configs(cfg, params, pre, spec, budgets_K, rest_BS):
+  """:func:`_stream_logprobs` for ``K`` budgets in one scan (vmapped): each token's step reads
+  the weights once for every configuration."""
+  return jax.vmap(lambda b: _stream_logprobs(cfg, params, pre, spec, b, rest_BS))(budgets_K)
+
+
 def stream_logprobs(
   model,
   input_ids,
@@ -578,6 +585,7 @@ def stream_logprobs(
   policy: str = "full",
   budget=None,
   prefix: int = 1,
+  budgets=None,
   **policy_options,
 ) -> np.ndarray:
   """Teacher-forced log-probabilities of a long text read token by token through a cache:
@@ -587,8 +595,12 @@ def stream_logprobs(
   The first ``prefix`` tokens are prefilled (and compressed under ``budget``); every later token
   goes through the jitted decode step, where a decode-time policy (``sliding_window``,
   ``streaming_llm``, ``h2o``, ``tova``) evicts to stay within ``budget`` per head.
-  ``policy="full"`` keeps every token (``budget`` must then be ``None``).
+  ``policy="full"`` keeps every token (``budget`` must then be ``None``). ``budgets`` (``[K]``,
+  ``[K, L]`` or ``[K, L, H]``, instead of ``budget``) reads the text under ``K`` budgets in one
+  scan (vmapped, one compile) and returns ``[K, B, T - prefix]``.
   """
+  if budgets is not None and budget is not None:
+    raise ValueError(f"budget: give budget or budgets, not both; got budget={budget!r}")
   ids = check_token_ids("input_ids", input_ids, model.cfg.vocab_size, min_len=2)
   if isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix < ids.shape[1]:
     raise ValueError(f"prefix: expected an int in [1, T={ids.shape[1]}), got {prefix!r}")
@@ -607,6 +619,10 @@ def stream_logprobs(
   window = _window(pol, prefix) if pol.name != "full" else 0
   extra = evidence_request(pol, prefix) if pol.name != "full" else ()
   pre = _prefill(cfg, params, head, jnp.ones_like(head), window, column_sums, extra)
+  if budgets is not None:
+    if pol.name == "full":
+      raise ValueError(f"budgets: the full cache keeps everything; got budgets={budgets!r}")
+    budget = _check_config_budgets(budgets)
   if pol.name == "full":
     capacity, budget = T, T
   else:
@@ -615,6 +631,9 @@ def stream_logprobs(
     capacity = int(np.max(budget)) + (pol.opts.get("decode_every") or 0)
   recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
   spec = cache_lib.CacheSpec(pol, capacity, "kv", recent=recent)
+  if budgets is not None:
+    logp, overflow = _stream_logprobs_configs(cfg, params, pre, spec, budget, rest)
+    return np.asarray(logp)
   logp, overflow = _stream_logprobs(cfg, params, pre, spec, budget, rest)
   if pol.name == "full" and bool(np.asarray(overflow).any()):
     raise RuntimeError("cache: the full cache overflowed its capacity")
