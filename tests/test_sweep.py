@@ -241,6 +241,35 @@ def test_sharded_over_8_host_devices_matches_one_device(tmp_path):
     np.testing.assert_allclose(a[m], b[m], rtol=1e-5, atol=1e-7)
 
 
+REPLICATED_PROBE = """
+import sys
+sys.path.insert(0, {root!r})
+import jax
+from configs import sweep_lab
+from kvjax.lab import sweep
+c = sweep_lab.get_config("quick")
+engine = sweep.Engine(c.world, capacity=32)
+key = sweep.group_key(sweep.expand(c.grid, c.base)[0])
+a, b = engine.evidence(key), engine.evidence(key)
+assert len(jax.devices()) == 8
+assert all(x.sharding.is_fully_replicated and len(x.sharding.device_set) == 8 for x in a.values())
+assert all(a[k] is b[k] for k in a)  # placed once, reused
+print("ok")
+"""
+
+
+def test_shared_state_is_placed_once_replicated_over_8_devices():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  out = subprocess.run(
+    [sys.executable, "-c", REPLICATED_PROBE.format(root=str(ROOT))],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
+  assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 @pytest.mark.parametrize(
   "field, value, match",
   [

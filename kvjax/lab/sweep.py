@@ -529,11 +529,13 @@ def check_engine_options(*, capacity, chunk_size, bytes_per_value) -> None:
 
 
 def _sharding():
+  """``(configuration axis sharding, replicated sharding, devices)`` over every device (``None``
+  shardings on one device)."""
   devices = jax.devices()
   if len(devices) == 1:
-    return None, 1
+    return None, None, 1
   mesh = Mesh(np.asarray(devices), ("c",))
-  return NamedSharding(mesh, PartitionSpec("c")), len(devices)
+  return NamedSharding(mesh, PartitionSpec("c")), NamedSharding(mesh, PartitionSpec()), len(devices)
 
 
 def stack_data(members: list[dict], size: int) -> dict:
@@ -583,10 +585,11 @@ class Engine:
     self.compilation_cache = enable_compilation_cache(compilation_cache)
     self.world_cfg = world_cfg
     self.capacity = capacity
-    self.sharding, self.num_devices = _sharding()
+    self.sharding, self.replicated, self.num_devices = _sharding()
     self.chunk_size = -(-chunk_size // self.num_devices) * self.num_devices
     self.bytes_per_value = bytes_per_value
     self._evidence: dict[str, WorldEvidence] = {}
+    self._placed: dict[tuple[str, str], Array] = {}  # replicated shared state (several devices)
     self.compiled: dict[GroupKey, dict[str, Callable]] = {}
     self._order = jax.jit(
       lambda order, ev, scores, cap: order(ev, scores, cap), static_argnums=(0, 3)
@@ -600,14 +603,21 @@ class Engine:
     return self._evidence[scenario]
 
   def evidence(self, key: GroupKey) -> dict:
-    """The arrays a group reads (H2O column sums and HeadKV head scores only when needed)."""
+    """The arrays a group reads (H2O column sums and HeadKV head scores only when needed). On
+    several devices they are placed once on every device (replicated) and reused by every group
+    and chunk, so no call copies the shared state again."""
     ev = self.world_evidence(key.scenario)
     arrays = {"attn": ev.attn_window_LHWP, "mass": ev.future_mass_LHP, "fact": ev.fact_P}
     if "column_sums_LHT" in policies.spec(key.policy).needs:
       arrays["column_sums"] = ev.column_sums_LHP
     if key.head_alloc == "headkv":
       arrays["head_scores"] = ev.head_scores_LH
-    return arrays
+    if self.replicated is None:
+      return arrays
+    for name, a in arrays.items():
+      if (key.scenario, name) not in self._placed:
+        self._placed[(key.scenario, name)] = jax.device_put(a, self.replicated)
+    return {name: self._placed[(key.scenario, name)] for name in arrays}
 
   def scores(self, key: GroupKey) -> Array | None:
     """The group's budget-free scores (:func:`group_scores`), compiled once per structure."""
