@@ -109,3 +109,25 @@ def test_capacity_overflow_is_flagged_and_sinks_are_the_first_real_tokens():
   cache = cache_lib.compress(cfg, pre, cache_lib.CacheSpec(policies.make("streaming_llm"), 16), 16)
   kept = np.asarray(cache.positions)[np.asarray(cache.valid)].reshape(-1, 16)
   assert (kept[:, :4] == [0, 1, 2, 3]).all() and (kept[:, 4:] == np.arange(28, 40)).all()
+
+
+def test_query_layout_gathers_each_query_heads_kv_head():
+  """Per query head (the query layout), query head ``h`` stores the keys and values of KV head
+  ``h // group`` at the positions it kept, gathered without repeating K/V across the group."""
+  model, cfg = km.load(make_checkpoint_cached()[1])
+  assert cfg.num_heads > cfg.num_kv_heads  # GQA: a group of query heads per KV head
+  pre = km.prefill(cfg, model.params(), jnp.asarray(prompt(T=48)), window=8)
+  spec = cache_lib.CacheSpec(policies.make("snapkv", window=8), 24, "query")
+  cache = cache_lib.compress(cfg, pre, spec, 20)
+  keys, values = np.asarray(pre.keys), np.asarray(pre.values)
+  group = cfg.num_heads // cfg.num_kv_heads
+  pos, valid = np.asarray(cache.positions), np.asarray(cache.valid)
+  assert cache.keys.shape[2] == cfg.num_heads and valid.sum(-1).min() == 20
+  for l, b, h in np.ndindex(*valid.shape[:3]):
+    p = pos[l, b, h][valid[l, b, h]]
+    kept = np.asarray(cache.keys[l, b, h])[valid[l, b, h]]
+    np.testing.assert_array_equal(kept, keys[l, b, h // group, p])
+    kept_v = np.asarray(cache.values[l, b, h])[valid[l, b, h]]
+    np.testing.assert_array_equal(kept_v, values[l, b, h // group, p])
+  per_head = {tuple(pos[0, 0, h][valid[0, 0, h]]) for h in range(cfg.num_heads)}
+  assert len(per_head) > 1  # query heads of a group keep different positions

@@ -23,6 +23,7 @@ gone. Per-layer and per-head budgets decode correctly because every row is its o
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -241,9 +242,7 @@ def compress(
   evidence = check_evidence(evidence, L=L, B=B, G=G, T=T, D=D)
   shared = {k: v for k, v in evidence.items() if k in SHARED_EVIDENCE}
   keys, values = pre.keys, pre.values
-  if spec.layout == "query":
-    keys, values = (jnp.repeat(t, cfg.num_groups, axis=2) for t in (keys, values))
-  H = keys.shape[2]
+  H = cfg.num_heads if spec.layout == "query" else G
   new = spec.new_tokens if spec.channel_ratio else 0
   prompt_slots = spec.capacity - new
 
@@ -279,7 +278,7 @@ def compress(
   rows = _evidence_per_row(pre, evidence)
   idx, kept, budget_LH, state, overflow = jax.vmap(one)(rows, pre.valid, jax.random.split(rng, B))
   idx_L, kept_L = jnp.moveaxis(idx, 0, 1), jnp.moveaxis(kept, 0, 1)  # [L, B, H, C]
-  gather = lambda t: jnp.take_along_axis(t, idx_L[..., None], axis=3)  # noqa: E731
+  gather = functools.partial(_gather_slots, idx_L)
   positions = jnp.take_along_axis(
     jnp.broadcast_to(pre.positions[None, :, None, :], (L, B, H, T)), idx_L, axis=3
   )
@@ -314,6 +313,17 @@ def compress(
     query_pos=jnp.full((B, window), -1, jnp.int32) if window else None,
     evidence=(shared or None) if window else None,
   )
+
+
+def _gather_slots(idx_LBHC: Array, t_LBGTD: Array) -> Array:
+  """``t[l, b, h // (H / G), idx[l, b, h, c]]``: the kept slots of each cache head ``[L, B, H, C,
+  D]``, gathered from the KV-head tensor (``H = G``, or the query layout's ``H = Hq``: query head
+  ``h`` reads KV head ``h // group``, as ``jnp.repeat`` orders them) without first repeating it
+  across each group at full length."""
+  L, B, H, C = idx_LBHC.shape
+  G, D = t_LBGTD.shape[2], t_LBGTD.shape[-1]
+  idx = idx_LBHC.reshape(L, B, G, (H // G) * C)  # each KV head's query heads, slots in a row
+  return jnp.take_along_axis(t_LBGTD, idx[..., None], axis=3).reshape(L, B, H, C, D)
 
 
 # --------------------------------------------------------------------------- ThinK's key channels
