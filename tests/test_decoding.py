@@ -165,19 +165,8 @@ def test_one_prefill_serves_every_policy(question):
     km.decoding.answer_prefilled(model, shared, [60], policy="snapkv", window=40)
 
 
-def _token_loop_answers(monkeypatch, model, shared, budgets, policy, options):
-  """``answer_prefilled`` with the answers fed token by token (the cache's decode step), as
-  decode-time policies always are."""
-  with monkeypatch.context() as m:
-    m.setattr(km.cache, "appends_only", lambda spec: False)
-    jax.clear_caches()
-    out = km.decoding.answer_prefilled(model, shared, budgets, policy=policy, **options)
-  jax.clear_caches()
-  return out
-
-
 @pytest.mark.parametrize("model_name", ["tiny", "mistral_window_8"])
-def test_answers_without_a_token_loop_equal_the_token_loop(model_name, monkeypatch, tmp_path):
+def test_answers_without_a_token_loop_equal_the_token_loop(model_name, tmp_path):
   # prefill-time policies answer in one pass (teacher-forced) and greedy rounds to a fixed point;
   # random answers are wrong, so the greedy pass needs rounds; some positions are given (mqar's
   # keys); a Mistral sliding window of 8 tokens also cuts the fed tokens' own attention
@@ -208,7 +197,9 @@ def test_answers_without_a_token_loop_equal_the_token_loop(model_name, monkeypat
     )
     for policy, budgets, options in cases:
       at_once = km.decoding.answer_prefilled(model, shared, budgets, policy=policy, **options)
-      loop = _token_loop_answers(monkeypatch, model, shared, budgets, policy, options)
+      loop = km.decoding.answer_prefilled(
+        model, shared, budgets, policy=policy, token_loop=True, **options
+      )
       np.testing.assert_array_equal(at_once.predicted, loop.predicted, err_msg=policy)
       np.testing.assert_allclose(at_once.logprobs, loop.logprobs, atol=2e-5, err_msg=policy)
       teacher = at_once.logprobs.argmax(-1)

@@ -675,8 +675,8 @@ def _compress_configs(cfg, pre, spec, budgets_K, head_scores, evidence=None):
   )(budgets_K)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec"))
-def _answer_configs(cfg, params, spec, caches_K, valid_BT, inputs_BN, given_BN):
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "token_loop"))
+def _answer_configs(cfg, params, spec, caches_K, valid_BT, inputs_BN, given_BN, token_loop=False):
   """Decodes the answer twice from each of the ``K`` compressed caches (vmapped): greedy (given
   positions fed from the answer) and teacher-forced (every position fed from the answer). Jitted
   apart from the compression, with :func:`decoding_spec`, so that prefill-time policies share
@@ -686,7 +686,7 @@ def _answer_configs(cfg, params, spec, caches_K, valid_BT, inputs_BN, given_BN):
   start_pos = valid_BT.sum(-1).astype(jnp.int32)
   N = inputs_BN.shape[1]
 
-  if cache_lib.appends_only(spec):
+  if cache_lib.appends_only(spec) and not token_loop:
     return jax.vmap(
       lambda c: _answer_at_once(cfg, params, spec, c, start_pos, inputs_BN, given_BN)
     )(caches_K)
@@ -907,11 +907,14 @@ def answer_prefilled(
   layout: str = "kv",
   head_scores=None,
   evidence=None,
+  token_loop: bool = False,
   **policy_options,
 ) -> Answers:
   """Answers under ``K`` budget configurations of ``policy`` from one :func:`prefill_answers`
   (every policy of an evaluation shares it; nothing is prefilled here). ``evidence`` as
-  :func:`generate`'s, over the context's columns."""
+  :func:`generate`'s, over the context's columns. ``token_loop``: feed the answers token by
+  token even where decoding only appends and they could go at once (the reference, and the
+  baseline of ``experiments/bench_answers.py``; the results are the same)."""
   cache_lib.check_layout(layout)
   budgets = _check_config_budgets(budgets)
   cfg, params = model.cfg, model.params()
@@ -949,6 +952,7 @@ def answer_prefilled(
     pre.valid,
     prefilled.inputs_BM,
     prefilled.feed_given_BM,
+    token_loop=bool(token_loop),
   )
   pred, logp, caches = jax.tree.map(lambda x: x[:K], (pred, logp, caches))
   _check_overflow(caches)
