@@ -6,6 +6,7 @@ import pathlib
 
 import jax.numpy as jnp
 import numpy as np
+from conftest import quick_families_only
 from hf_models import (
   make_checkpoint,
   make_checkpoint_cached,
@@ -18,7 +19,8 @@ from kvjax.model import cache as cache_lib
 
 
 def test_per_head_and_per_layer_budgets_really_shrink_the_cache(family):
-  _, _, model, cfg = family
+  name, _, model, cfg = family
+  quick_families_only(name)
   ids = prompt(T=64)
   for policy in ("pyramidkv", "adakv_snapkv"):
     out = km.generate(model, ids, policy=policy, budget=24, window=8, max_new_tokens=8)
