@@ -181,5 +181,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.shared_shapes = True  # each policy compiles once for both tasks
     c.budgets = (48, 128)
     c.policies = tuple(p for p in POLICIES if p["label"] in ("streaming_llm", "snapkv", "oracle"))
-    c.heatmap.update(policies=("snapkv",), lengths=(128, 256), depths=(0.0, 1.0), examples=2)
+    c.heatmap.update(policies=("snapkv",), lengths=(256,), depths=(0.0, 1.0), examples=2)
   return c
