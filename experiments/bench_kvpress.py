@@ -36,7 +36,8 @@ Not part of CI. Run it in a venv that has torch 2.13.0 (CPU), kvpress 0.5.5, ggu
 
   /tmp/kvp/bin/python -m experiments.bench_kvpress [--quick] [--agreement-only]
 
-``--agreement-only`` runs sections 0 and 1 only (a few minutes).
+``--agreement-only`` runs sections 0 and 1 only (a few minutes); ``--grid-only`` sections 2
+and 3.
 
 It prints a line and exits 0 when torch, transformers, kvpress or the model file is missing.
 """
@@ -653,6 +654,9 @@ def main() -> int:
   parser.add_argument(
     "--agreement-only", action="store_true", help="sections 0 and 1 only (skip the grid)"
   )
+  parser.add_argument(
+    "--grid-only", action="store_true", help="sections 2 and 3 only (skip parity and agreement)"
+  )
   args = parser.parse_args()
   why = missing_requirement()
   if why:
@@ -686,6 +690,8 @@ def main() -> int:
     else run_grid(torch, kvpress, hf, model, cfg, ptok, n_examples, budgets)
   )
 
+  if args.grid_only:
+    return _print_grid_ratio(grid)
   ex = tasks.generate(TASK, PieceTokenizer(km.load_tokenizer("smollm2")), length=LENGTH, seed=0)
   ids_1T = ex.prompt[None].astype(np.int32)
   print(f"\n[0] model parity on one {LENGTH}-token prompt (fp32 both sides)", flush=True)
@@ -707,8 +713,11 @@ def main() -> int:
   low = [r["press"] for r in rows if r["agreement"] < 0.99]
   print(f"  all presses >= 0.99: {not low}" + (f" (below: {low})" if low else ""))
 
-  if grid is None:
-    return 0
+  return 0 if grid is None else _print_grid_ratio(grid)
+
+
+def _print_grid_ratio(grid) -> int:
+  """The grid's times, and the speed ratio last (cold kvjax against kvpress)."""
   t_cold, t_warm, t_kp = grid
   print(
     f"\nkvjax grid: cold {t_cold:.1f} s, warm {t_warm:.1f} s; kvpress grid {t_kp:.1f} s; "
