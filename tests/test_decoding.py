@@ -151,6 +151,8 @@ def test_keep_mask_on_a_real_prompt_matches_the_policy_and_survives_padding():
 
 @pytest.mark.parametrize("question", ["in_window", "after"])
 def test_one_prefill_serves_every_policy(question):
+  if question == "in_window" and not full_mode():
+    pytest.skip("CI's quick mode checks the shared prefill in one question mode (KVJAX_FULL=1)")
   model, _, _ = km.load_tiny()
   rng = np.random.default_rng(1)
   prompt = rng.integers(4, 200, (2, 96)).astype(np.int32)
