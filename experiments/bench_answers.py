@@ -46,15 +46,16 @@ def main() -> int:
   parser.add_argument("--length", type=int, default=1024)
   parser.add_argument("--repeats", type=int, default=2)
   args = parser.parse_args()
+  length = args.length
+  if length <= max(CASES[1][1]):
+    parser.error(f"--length: {length} must exceed the largest budget {max(CASES[1][1])}")
   model, _, tok = evaluate.load_model(args.model)
-  length = args.length if args.model != "tiny" else min(args.length, 256)
   print(f"{args.model}: single_needle, {args.examples} examples x {length} tokens, {jax.devices()}")
   for question in ("after", "in_window"):
     exs = evaluate.examples("single_needle", tok, length, args.examples, {})
     pre = evaluate.prefill_examples(model, exs, question=question, oracle=False)
     for policy, budgets in CASES:
-      budgets = budgets or (length,)
-      budgets = [b for b in budgets if b < length] or [length // 2]
+      budgets = budgets or (length,)  # the full cache: the whole context
       budgets_K = np.asarray(budgets, np.int32)
       runs = {
         loop: timed(

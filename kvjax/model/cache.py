@@ -589,7 +589,6 @@ def extend(cfg: ModelConfig, params: dict, kv, tokens_BM, pos_BM, *, repeat_kv=F
   the held ones (the oracle's full-cache attention of future queries)."""
   B, M = tokens_BM.shape
   x = params["embed"][tokens_BM]
-  causal_MM = jnp.tril(jnp.ones((M, M), bool))
 
   def layer(x, inputs):
     p, keys, values, valid, positions = inputs  # [B, H, C, D], [B, H, C]
@@ -597,16 +596,21 @@ def extend(cfg: ModelConfig, params: dict, kv, tokens_BM, pos_BM, *, repeat_kv=F
     if repeat_kv:
       k, v = jnp.repeat(k, cfg.num_groups, 1), jnp.repeat(v, cfg.num_groups, 1)
     H, C = keys.shape[1], keys.shape[2]
-    held_BHMC = jnp.broadcast_to(valid[:, :, None, :], (B, H, M, C))
-    fed_BHMM = jnp.broadcast_to(causal_MM, (B, H, M, M))
-    if cfg.sliding_window is not None:  # Mistral: keys older than the window are not attended
-      age_BHMC = pos_BM[:, None, :, None] - positions[:, :, None, :]
-      held_BHMC = held_BHMC & (age_BHMC < cfg.sliding_window)
-      near_BMM = pos_BM[:, :, None] - pos_BM[:, None, :] < cfg.sliding_window
-      fed_BHMM = fed_BHMM & near_BMM[:, None]
     all_keys = jnp.concatenate([keys, k.astype(keys.dtype)], axis=2)
     all_values = jnp.concatenate([values, v.astype(values.dtype)], axis=2)
-    allowed = jnp.concatenate([held_BHMC, fed_BHMM], axis=-1)
+    # the model's own causal mask over held then fed keys, per (row, head): held slots all come
+    # before the fed tokens (index -1); Mistral's window applies by position to both
+    k_pos = jnp.concatenate([positions, jnp.broadcast_to(pos_BM[:, None], (B, H, M))], -1)
+    k_valid = jnp.concatenate([valid, jnp.ones((B, H, M), bool)], -1)
+    k_index = jnp.concatenate([jnp.full((C,), -1, jnp.int32), jnp.arange(M, dtype=jnp.int32)])
+    allowed = llama.causal_allowed(
+      jnp.broadcast_to(pos_BM[:, None], (B, H, M)).reshape(B * H, M),
+      k_pos.reshape(B * H, C + M),
+      k_valid.reshape(B * H, C + M),
+      jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (B * H, M)),
+      jnp.broadcast_to(k_index, (B * H, C + M)),
+      cfg.sliding_window,
+    ).reshape(B, H, M, C + M)
     attn = llama.attention_probs(q, all_keys, allowed)  # [B, Hq, M, C + M]
     x = llama.output_and_mlp(cfg, p, x, llama.attend(attn, all_values))
     return x, attn[..., :C] if probs else None
