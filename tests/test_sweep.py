@@ -18,7 +18,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from conftest import full_mode  # noqa: E402
+from conftest import forced_devices_env, full_mode  # noqa: E402
 
 from configs import sweep_lab  # noqa: E402
 from kvjax import rundir, select  # noqa: E402
@@ -154,7 +154,7 @@ def run_cli(workdir, *extra, env=None, wait=True):
     f"--config.workdir={workdir}",
     *extra,
   ]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
   if not wait:
     return subprocess.Popen(
       cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -176,9 +176,17 @@ def test_compilation_cache_setting(monkeypatch, tmp_path):
     sweep.compilation_cache_dir(3)
 
 
-def test_entry_point_writes_results_and_plots(tmp_path):
+@pytest.fixture(scope="module")
+def quick_cli_run(tmp_path_factory):
+  """``(workdir, completed process)`` of one run of the quick sweep's entry point on one device
+  (with plots and its own persistent compilation cache), read by the tests below."""
+  workdir = tmp_path_factory.mktemp("quick_cli")
+  return workdir, run_cli(workdir, f"--config.compilation_cache={workdir / 'compiled'}")
+
+
+def test_entry_point_writes_results_and_plots(quick_cli_run):
+  tmp_path, out = quick_cli_run
   cache = tmp_path / "compiled"
-  out = run_cli(tmp_path, f"--config.compilation_cache={cache}")
   assert out.returncode == 0, out.stderr[-3000:]
   assert any(cache.iterdir()), "the persistent compilation cache stayed empty"
   assert f"run directory: {tmp_path}" in out.stdout
@@ -229,13 +237,11 @@ def test_interrupted_run_resumes_without_loss_or_duplicates(tmp_path):
   pd.testing.assert_series_equal(resumed["retained_mass"], fresh["retained_mass"], rtol=1e-6)
 
 
-def test_sharded_over_8_host_devices_matches_one_device(tmp_path):
-  one = run_cli(tmp_path / "one", "--noplots")
-  eight = run_cli(
-    tmp_path / "eight", "--noplots", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  )
+def test_sharded_over_8_host_devices_matches_one_device(tmp_path, quick_cli_run):
+  one_dir, one = quick_cli_run  # the same quick sweep on one device
+  eight = run_cli(tmp_path / "eight", "--noplots", env=forced_devices_env(8))
   assert one.returncode == 0 and eight.returncode == 0, eight.stderr[-3000:]
-  a = pd.read_csv(tmp_path / "one" / "results.csv").set_index("config_id").sort_index()
+  a = pd.read_csv(one_dir / "results.csv").set_index("config_id").sort_index()
   b = pd.read_csv(tmp_path / "eight" / "results.csv").set_index("config_id").sort_index()
   for m in ("retained_mass", "oracle_gap", "fact_recall", "cache_tokens"):
     np.testing.assert_allclose(a[m], b[m], rtol=1e-5, atol=1e-7)
@@ -259,12 +265,11 @@ print("ok")
 
 
 def test_shared_state_is_placed_once_replicated_over_8_devices():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   out = subprocess.run(
     [sys.executable, "-c", REPLICATED_PROBE.format(root=str(ROOT))],
     capture_output=True,
     text=True,
-    env=env,
+    env=forced_devices_env(8),
     timeout=300,
   )
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

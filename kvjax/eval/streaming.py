@@ -1,8 +1,9 @@
 """StreamingLLM's perplexity experiment (Xiao et al. 2023, Fig. 3) on a real model.
 
 One long natural text is read token by token through kvjax's decode-time cache
-(:func:`kvjax.model.decoding.stream_logprobs`) under the full cache, a sliding window and
-``sinks`` attention sinks + window, at several cache sizes. The paper's finding: once the text
+(:func:`kvjax.model.decoding.stream_logprobs`) under a sliding window and ``sinks`` attention
+sinks + window, at several cache sizes, beside the full cache (one causal forward,
+:func:`kvjax.model.decoding.teacher_forced_logprobs`, which equals reading it token by token). The paper's finding: once the text
 outgrows the cache, the window's perplexity explodes (the first tokens, which soak up attention,
 are gone), and keeping 4 sink tokens recovers it.
 
@@ -91,8 +92,8 @@ def run(config, workdir, *, model=None, tokenizer=None, log=print) -> pd.DataFra
   rows = []
   for policy, caches, options in runs:
     t0 = time.time()
-    if caches is None:
-      logps = {None: decoding.stream_logprobs(model, ids, policy=policy, **options)[0]}
+    if caches is None:  # one causal forward: the full cache read token by token, at once
+      logps = {None: decoding.teacher_forced_logprobs(model, ids)[0]}
     else:
       logp_K = decoding.stream_logprobs(model, ids, policy=policy, budgets=caches, **options)
       logps = {cache: logp_K[k, 0] for k, cache in enumerate(caches)}

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvjax import policies
 from kvjax.model import cache as cache_lib
-from kvjax.model import llama
+from kvjax.model import llama, sharding
 from kvjax.model.config import ModelConfig
 
 Array = jax.Array
@@ -312,9 +312,8 @@ def _prepare(model, prompt_ids, attention_mask, padding_side, policy_name, optio
   window = _window(policy, T) if policy.name != "full" else 0
   params = model.params()
   extra = evidence_request(policy, T) if policy.name != "full" else ()
-  pre = _prefill(
-    cfg, params, jnp.asarray(ids), jnp.asarray(mask), window, _column_sums(policy), extra
-  )
+  ids, mask = sharding.place_batch(params, ids, mask)  # over the model's mesh, if it has one
+  pre = _prefill(cfg, params, ids, mask, window, _column_sums(policy), extra)
   return cfg, params, policy, pre, T
 
 
@@ -421,13 +420,20 @@ def _check_config_budgets(budgets) -> Array:
   return jnp.asarray(arr, jnp.int32)
 
 
-def shard_configs(budgets_K: Array) -> tuple[Array, int]:
+def shard_configs(budgets_K: Array, params: dict | None = None) -> tuple[Array, int]:
   """The configuration axis spread over every device (a TPU slice, several GPUs, or forced host
   devices): ``budgets_K`` padded to a multiple of the device count by repeating its last row and
   placed with a ``NamedSharding`` over a one-axis ``Mesh``; the vmapped compress-and-decode then
-  runs each device's share (GSPMD partitions it). Returns the budgets and the real ``K``."""
+  runs each device's share (GSPMD partitions it). Returns the budgets and the real ``K``.
+
+  A model placed by :func:`kvjax.model.sharding.shard_model` already spreads its batch and
+  weights over the devices: its configurations are replicated on that mesh (one mesh per
+  program; GSPMD cannot mix two layouts of the same devices)."""
   devices = jax.devices()
   K = budgets_K.shape[0]
+  model_mesh = sharding.model_mesh(params) if params is not None else None
+  if model_mesh is not None:
+    return jax.device_put(budgets_K, NamedSharding(model_mesh, PartitionSpec())), K
   if len(devices) == 1:
     return budgets_K, K
   padded = -(-K // len(devices)) * len(devices)
@@ -485,7 +491,7 @@ def generate_configs(
       cfg, params, pre, spec, b, head_scores, first, max_new_tokens, 0.0, jax.random.key(0), ev
     )
   )
-  sharded, K = shard_configs(budgets)
+  sharded, K = shard_configs(budgets, params)
   tokens, caches = jax.tree.map(lambda x: x[:K], run(sharded))
   _check_overflow(caches)
   itemsize = pre.keys.dtype.itemsize
@@ -576,6 +582,24 @@ def _stream_logprobs_configs(cfg, params, pre, spec, budgets_K, rest_BS):
   """:func:`_stream_logprobs` for ``K`` budgets in one scan (vmapped): each token's step reads
   the weights once for every configuration."""
   return jax.vmap(lambda b: _stream_logprobs(cfg, params, pre, spec, b, rest_BS))(budgets_K)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _teacher_forced_logprobs(cfg, params, ids_BT):
+  logits = llama.prefill(cfg, params, ids_BT, jnp.ones_like(ids_BT), logits="all").logits
+  logp_BTV = jax.nn.log_softmax(logits[:, :-1], -1)
+  return jnp.take_along_axis(logp_BTV, ids_BT[:, 1:, None], -1)[..., 0]
+
+
+def teacher_forced_logprobs(model, input_ids) -> np.ndarray:
+  """``[B, T - 1]`` log-probabilities of tokens ``1..T-1`` given the tokens before them, from one
+  causal forward: what :func:`stream_logprobs` with ``policy="full"`` reads token by token (an
+  uncompressed cache evicts nothing, so the two agree; ``tests/test_decoding.py`` checks it),
+  in one pass instead of ``T - 1`` decode steps."""
+  ids = check_token_ids("input_ids", input_ids, model.cfg.vocab_size, min_len=2)
+  params = model.params()
+  (ids,) = sharding.place_batch(params, ids)
+  return np.asarray(_teacher_forced_logprobs(model.cfg, params, ids))
 
 
 def stream_logprobs(
@@ -889,13 +913,14 @@ def prefill_answers(
   if "window_queries_LHWD" in needs:
     extra["window_queries"] = w
   extra = tuple(sorted(extra.items()))
-  seen_j = jnp.asarray(seen)
+  fed = np.concatenate([prompt[:, Tc:], answer[:, :-1]], axis=1)
+  feed = np.concatenate([np.ones((B, question_len), bool), given[:, :-1]], 1)
+  # over the model's mesh, if it has one
+  seen_j, inputs, feed = sharding.place_batch(params, seen, fed, feed)
   full = _prefill(cfg, params, seen_j, jnp.ones_like(seen_j), w, True, extra)
-  inputs = jnp.asarray(np.concatenate([prompt[:, Tc:], answer[:, :-1]], axis=1))
   future = _future_attention(cfg, params, full, inputs, Tc) if oracle else None
   pre = _restrict(full, Tc)
-  feed = np.concatenate([np.ones((B, question_len), bool), given[:, :-1]], 1)
-  return Prefilled(pre, inputs, jnp.asarray(feed), question_len, w, seen.shape[1], future, extra)
+  return Prefilled(pre, inputs, feed, question_len, w, seen.shape[1], future, extra)
 
 
 def answer_prefilled(
@@ -942,7 +967,7 @@ def answer_prefilled(
   M = prefilled.inputs_BM.shape[1]
   ev = check_evidence(pol, evidence, cfg, np.zeros(pre.valid.shape, np.int32), None)
   spec, alloc = _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, Tc, M, ev)
-  sharded, K = shard_configs(budgets)
+  sharded, K = shard_configs(budgets, params)
   caches = _compress_configs(cfg, pre, spec, sharded, head_scores, ev)
   pred, logp, caches = _answer_configs(
     cfg,
