@@ -228,6 +228,10 @@ def _future_mass(world: synthetic.World) -> tuple[Array, Array]:
   return total / dims.gen_steps, facts
 
 
+# jitted: eager, its lax.map runs op by op (3.5 s against 1.3 s at L=H=32, P=8192)
+_window_rows = jax.jit(synthetic.window_rows)
+
+
 @jax.jit
 def _retrieval_scores(world: synthetic.World) -> Array:
   dims = world.dims
@@ -250,7 +254,7 @@ def world_evidence(scenario: str, world_cfg) -> WorldEvidence:
   m, facts = _future_mass(world)
   return WorldEvidence(
     world=world,
-    attn_window_LHWP=synthetic.window_rows(world)[..., :P],
+    attn_window_LHWP=_window_rows(world)[..., :P],
     future_mass_LHP=m,
     fact_P=facts,
     calibration_cfg=dataclasses.replace(cfg, seed=cfg.seed + 1),
@@ -371,17 +375,26 @@ def make_group(
   layer_cap = layer_capacity(key, max_budget, P)
   per_config_scores = bool(policies.spec(key.policy).data_options)
 
-  def prepare(ev: dict, scores_LHP: Array | None = None, adakv_table: Array | None = None) -> dict:
+  def prepare(
+    ev: dict,
+    scores_LHP: Array | None = None,
+    adakv_table: Array | None = None,
+    cake_stats: tuple | None = None,
+  ) -> dict:
     """The group's budget-free state. ``scores_LHP`` (:func:`group_scores`) and Ada-KV's
     ``adakv_table`` of them (for a layer capacity of at least this group's: a deeper table
-    answers every pooled budget the same) may be shared by the groups that score alike; they
-    are computed here when not given."""
+    answers every pooled budget the same) may be shared by the groups that score alike, and
+    CAKE's ``cake_stats`` (:func:`kvjax.budgets.cake_statistics` of the window rows) by every
+    CAKE group of a scenario; each is computed here when not given. With all of them given
+    this only assembles a dict (no array work): the engine calls it unjitted, since a jitted
+    call would copy the evidence it passes through (512 MiB of window rows at L=H=32,
+    P=8192)."""
+    if key.schedule == "cake" and cake_stats is None:
+      cake_stats = budgets_lib.cake_statistics(ev["attn"], key.window)
     state = {
       "ev": ev,
       "head_scores": ev.get("head_scores"),
-      "cake_stats": budgets_lib.cake_statistics(ev["attn"], key.window)
-      if key.schedule == "cake"
-      else None,
+      "cake_stats": cake_stats if key.schedule == "cake" else None,
       "scores": None,
       "adakv_table": None,
     }
@@ -596,6 +609,7 @@ class Engine:
     )
     self._scores = jax.jit(group_scores, static_argnums=0)
     self._adakv_table = jax.jit(budgets_lib.adakv_table, static_argnums=(1, 2))
+    self._cake_statistics = jax.jit(budgets_lib.cake_statistics, static_argnums=1)
 
   def world_evidence(self, scenario: str) -> WorldEvidence:
     if scenario not in self._evidence:
@@ -631,7 +645,7 @@ class Engine:
       fns = make_group(structure, dims, self.capacity, self.bytes_per_value)
       self.compiled[structure] = {
         "fns": fns,
-        "prepare": jax.jit(fns.prepare),
+        "prepare": fns.prepare,  # assembles precomputed state: unjitted (see make_group)
         "max_budget": jax.jit(jax.vmap(fns.allocate, in_axes=(None, 0))),
         "metrics": jax.jit(jax.vmap(fns.metrics, in_axes=(None, None, 0, None)), static_argnums=3),
       }
@@ -647,7 +661,7 @@ class Engine:
 
   def evaluate_groups(self, groups: dict[GroupKey, list[dict]]):
     """Yields ``(rows, n)`` per evaluated chunk for all ``groups`` (two passes, see above)."""
-    states, deepest, scores, tables, table_cap = {}, {}, {}, {}, {}
+    states, deepest, scores, tables, table_cap, cake_stats = {}, {}, {}, {}, {}, {}
     for key in groups:  # the deepest Ada-KV table each score set needs
       if key.head_alloc == "adakv" and not policies.spec(key.policy).data_options:
         P = self.world_evidence(key.scenario).world.dims.prompt_len
@@ -662,13 +676,18 @@ class Engine:
         if skey in table_cap:
           tables[skey] = self._adakv_table(scores[skey], key.window, table_cap[skey])
       table = tables.get(skey) if key.head_alloc == "adakv" else None
-      states[key] = fns["prepare"](ev, scores[skey], table)
+      stats = None
+      if key.schedule == "cake":
+        if (key.scenario, key.window) not in cake_stats:
+          cake_stats[(key.scenario, key.window)] = self._cake_statistics(ev["attn"], key.window)
+        stats = cake_stats[(key.scenario, key.window)]
+      states[key] = fns["prepare"](ev, scores[skey], table, stats)
       top = max(
         int(np.asarray(fns["max_budget"](states[key], data)).max())
         for _, data in self._chunks(members)
       )
       deepest[_scores_key(key)] = max(deepest.get(_scores_key(key), 0), top)
-    del scores, tables
+    del scores, tables, cake_stats
     ordered_cache = {}
     for key, members in groups.items():  # pass 2: one sort per score set, then gathers
       fns = self.group_fns(key)
