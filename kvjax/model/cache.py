@@ -563,6 +563,14 @@ def appends_only(spec: CacheSpec) -> bool:
   return not (spec.decode_time or spec.decode_every or spec.channel_ratio or spec.reindex)
 
 
+def held_kv(spec: CacheSpec, cache: KVCache) -> tuple:
+  """``(keys, values, valid, positions)`` of a cache that decoding only appends to
+  (:func:`appends_only`), the held keys :func:`extend` feeds tokens after."""
+  if not appends_only(spec) or cache.new_keys is not None:
+    raise ValueError(f"spec: feeding tokens at once needs a cache that only appends, got {spec}")
+  return cache.keys, cache.values, cache.valid, cache.positions
+
+
 def extend_logits(
   cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache, tokens_BM, pos_BM
 ):
@@ -572,21 +580,34 @@ def extend_logits(
   (:func:`appends_only`). One pass over the weights for all ``M`` tokens instead of ``M``
   passes: a decode step reads every weight to produce one row (memory-bound), this reads them
   once for ``B * M`` rows. ``pos_BM``: the tokens' RoPE positions. The cache is not updated."""
-  if not appends_only(spec) or cache.new_keys is not None:
-    raise ValueError(f"spec: extend_logits needs a cache that decoding only appends to, got {spec}")
-  kv = (cache.keys, cache.values, cache.valid, cache.positions)
+  kv = held_kv(spec, cache)
   logits, _ = extend(cfg, params, kv, tokens_BM, pos_BM, repeat_kv=spec.layout == "query")
   return logits
 
 
-def extend(cfg: ModelConfig, params: dict, kv, tokens_BM, pos_BM, *, repeat_kv=False, probs=False):
+def extend(
+  cfg: ModelConfig,
+  params: dict,
+  kv,
+  tokens_BM,
+  pos_BM,
+  *,
+  repeat_kv=False,
+  probs=False,
+  appended=False,
+  logits_from: int = 0,
+):
   """``M`` tokens fed at once after keys and values held per layer and head: ``(logits [B, M,
   V], attention [L, B, Hq, M, C] over the held keys or None)``. ``kv = (keys [L, B, H, C, D],
   values, valid [L, B, H, C], positions [L, B, H, C])``, keys post-RoPE at their original
   positions; each fed token attends to the valid held keys and causally to the fed tokens up to
   itself (Mistral's sliding window applies to both). ``repeat_kv``: the held keys are per query
   head (the query layout). With ``probs`` the softmax over held and fed keys is returned cut to
-  the held ones (the oracle's full-cache attention of future queries)."""
+  the held ones (the oracle's full-cache attention of future queries). With ``appended`` a
+  third output is ``kv`` with the fed tokens' keys and values appended after the held ones
+  (``C + M`` slots, the held ones first), which later tokens are fed after. ``logits_from``:
+  the logits of the fed tokens from this one on only (the LM head is a fifth of a small
+  model's work per token; a prefix fed for its keys needs its last token's logits only)."""
   B, M = tokens_BM.shape
   x = params["embed"][tokens_BM]
 
@@ -613,10 +634,23 @@ def extend(cfg: ModelConfig, params: dict, kv, tokens_BM, pos_BM, *, repeat_kv=F
     ).reshape(B, H, M, C + M)
     attn = llama.attention_probs(q, all_keys, allowed)  # [B, Hq, M, C + M]
     x = llama.output_and_mlp(cfg, p, x, llama.attend(attn, all_values))
-    return x, attn[..., :C] if probs else None
+    fed = (all_keys[:, :, C:], all_values[:, :, C:]) if appended else None
+    return x, (attn[..., :C] if probs else None, fed)
 
-  x, attn_LBHMC = jax.lax.scan(layer, x, (llama.stacked(params), *kv))
-  return llama.logits_of(cfg, params, x), attn_LBHMC
+  x, (attn_LBHMC, fed) = jax.lax.scan(layer, x, (llama.stacked(params), *kv))
+  logits = llama.logits_of(cfg, params, x[:, logits_from:])
+  if not appended:
+    return logits, attn_LBHMC
+  keys, values, valid, positions = kv
+  L, _, H = valid.shape[:3]
+  pos_LBHM = jnp.broadcast_to(pos_BM[None, :, None], (L, B, H, M)).astype(positions.dtype)
+  grown = (
+    jnp.concatenate([keys, fed[0]], axis=3),
+    jnp.concatenate([values, fed[1]], axis=3),
+    jnp.concatenate([valid, jnp.ones((L, B, H, M), bool)], axis=3),
+    jnp.concatenate([positions, pos_LBHM], axis=3),
+  )
+  return logits, attn_LBHMC, grown
 
 
 def _admit_generated(cache: KVCache, slots: dict, pos_B, step):

@@ -699,78 +699,122 @@ def _compress_configs(cfg, pre, spec, budgets_K, head_scores, evidence=None):
   )(budgets_K)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "token_loop"))
-def _answer_configs(cfg, params, spec, caches_K, valid_BT, inputs_BN, given_BN, token_loop=False):
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "token_loop", "prefix"))
+def _answer_configs(
+  cfg, params, spec, caches_K, valid_BT, inputs_BN, given_BN, token_loop=False, prefix=0
+):
   """Decodes the answer twice from each of the ``K`` compressed caches (vmapped): greedy (given
   positions fed from the answer) and teacher-forced (every position fed from the answer). Jitted
   apart from the compression, with :func:`decoding_spec`, so that prefill-time policies share
   the compiled decoder; a cache that decoding only appends to is answered without a token loop
-  (:func:`_answer_at_once`), a decode-time policy's token by token, both passes in one scan."""
+  (:func:`_answer_at_once`), a decode-time policy's token by token, both passes in one scan.
+
+  The first ``prefix`` fed tokens (the question) are given in every row, so the two passes feed
+  them alike: they go through the cache once, and the passes part after them (the same tokens,
+  logits and cache as two full passes; it saves the question's share of the work, about half of
+  an evaluation's decoding). With a prefix, the outputs start at its last token, whose
+  prediction is the first answer token's: ``N - prefix + 1`` positions."""
   B, T = valid_BT.shape
   start_pos = valid_BT.sum(-1).astype(jnp.int32)
   N = inputs_BN.shape[1]
+  P = min(int(prefix), N)
 
   if cache_lib.appends_only(spec) and not token_loop:
     return jax.vmap(
-      lambda c: _answer_at_once(cfg, params, spec, c, start_pos, inputs_BN, given_BN)
+      lambda c: _answer_at_once(cfg, params, spec, c, start_pos, inputs_BN, given_BN, P)
     )(caches_K)
 
-  def one(cache0):
-    # both passes in one scan (vmapped over `teacher`): each step reads the weights once for both
-    def run(teacher):
-      def step(carry, i):
-        cache, prev = carry
-        token = jnp.where(teacher | given_BN[:, i], inputs_BN[:, i], prev)
-        logits, cache = cache_lib.decode_step(
-          cfg, params, spec, cache, token, start_pos + i, T + i, step=i
-        )
-        pred = jnp.argmax(logits, -1).astype(jnp.int32)
-        return (cache, pred), (jax.nn.log_softmax(logits, -1), pred)
+  def step_of(teacher):
+    def step(carry, i):
+      cache, prev = carry
+      token = jnp.where(teacher | given_BN[:, i], inputs_BN[:, i], prev)
+      logits, cache = cache_lib.decode_step(
+        cfg, params, spec, cache, token, start_pos + i, T + i, step=i
+      )
+      pred = jnp.argmax(logits, -1).astype(jnp.int32)
+      return (cache, pred), (jax.nn.log_softmax(logits, -1), pred)
 
-      (cache, _), (logp, pred) = jax.lax.scan(step, (cache0, inputs_BN[:, 0]), jnp.arange(N))
-      return cache, logp, pred.T
+    return step
+
+  def one(cache0):
+    # the given prefix once, then both passes in one scan (vmapped over `teacher`): each step
+    # reads the weights once for both
+    (cache1, prev), (logp0, pred0) = jax.lax.scan(
+      step_of(True), (cache0, inputs_BN[:, 0]), jnp.arange(P)
+    )
+
+    def run(teacher):
+      (cache, _), (logp, pred) = jax.lax.scan(step_of(teacher), (cache1, prev), jnp.arange(P, N))
+      return cache, logp, pred
 
     caches, logp, pred = jax.vmap(run)(jnp.asarray([False, True]))
     cache = jax.tree.map(lambda x: x[0], caches)
     overflow = caches.overflow.any(0)
-    return pred[0], logp[1].transpose(1, 0, 2), dataclasses.replace(cache, overflow=overflow)
+    # from the prefix's last token on (all of them without a prefix)
+    greedy = jnp.concatenate([pred0[P - 1 :], pred[0]], axis=0).T
+    teacher = jnp.concatenate([logp0[P - 1 :], logp[1]], axis=0).transpose(1, 0, 2)
+    return greedy, teacher, dataclasses.replace(cache, overflow=overflow)
 
   return jax.vmap(one)(caches_K)
 
 
-def _answer_at_once(cfg, params, spec, cache0, start_pos_B, inputs_BN, given_BN):
+def _answer_at_once(cfg, params, spec, cache0, start_pos_B, inputs_BN, given_BN, prefix=0):
   """:func:`_answer_configs` for a cache that decoding only appends to, without feeding tokens
-  one by one. The teacher-forced pass is one :func:`kvjax.model.cache.extend_logits` call. The
-  greedy pass is its fixed point (Jacobi decoding): feed ``where(given, answer, previous
-  prediction)``, predict every position at once, repeat until the fed tokens stop changing.
-  Position ``i``'s prediction depends only on the tokens fed before it, so after ``k`` rounds the
-  first ``k`` fed tokens are the sequential loop's, and the fixed point (at most ``N`` rounds) is
-  exactly its greedy decode; an answer the model gets right takes no round beyond the
-  teacher-forced pass. Returns the cache with appends past its capacity flagged."""
+  one by one. The ``prefix`` given tokens go in first, in one :func:`kvjax.model.cache.extend`
+  call that appends their keys and values. The teacher-forced pass over the rest is one more
+  call. The greedy pass is its fixed point (Jacobi decoding): feed ``where(given, answer,
+  previous prediction)``, predict every position at once, repeat until the fed tokens stop
+  changing. Position ``i``'s prediction depends only on the tokens fed before it, so after ``k``
+  rounds the first ``k`` fed tokens are the sequential loop's, and the fixed point (at most
+  ``N - prefix`` rounds) is exactly its greedy decode; an answer the model gets right takes no
+  round beyond the teacher-forced pass. Returns the cache with appends past its capacity
+  flagged. The outputs start at the prefix's last token (see :func:`_answer_configs`)."""
   N = inputs_BN.shape[1]
+  P = prefix
   pos_BN = start_pos_B[:, None] + jnp.arange(N, dtype=jnp.int32)[None, :]
+  repeat = spec.layout == "query"
+  kv = cache_lib.held_kv(spec, cache0)
+  logits, greedy = [], []  # the prefix's last position (if any), then the rest's
+  first_B = inputs_BN[:, 0]  # fed first after the prefix unless given: its last prediction
+  if P:
+    logits_B1V, _, kv = cache_lib.extend(
+      cfg,
+      params,
+      kv,
+      inputs_BN[:, :P],
+      pos_BN[:, :P],
+      repeat_kv=repeat,
+      appended=True,
+      logits_from=P - 1,  # the prefix's own predictions are not outputs
+    )
+    first_B = jnp.argmax(logits_B1V[:, 0], -1).astype(jnp.int32)
+    logits.append(logits_B1V)
+    greedy.append(first_B[:, None])
+  R = N - P
+  fed_BR, given_BR, pos_BR = inputs_BN[:, P:], given_BN[:, P:], pos_BN[:, P:]
 
-  def predict(fed_BN):
-    return cache_lib.extend_logits(cfg, params, spec, cache0, fed_BN, pos_BN)
+  def predict(fed):
+    return cache_lib.extend(cfg, params, kv, fed, pos_BR, repeat_kv=repeat)[0]
 
-  def feed(pred_BN):  # the sequential loop's token i: the answer's if given, else prediction i-1
-    prev_BN = jnp.concatenate([inputs_BN[:, :1], pred_BN[:, :-1]], axis=1)
-    return jnp.where(given_BN, inputs_BN, prev_BN)
-
-  logits = predict(inputs_BN)
-  logp_BNV = jax.nn.log_softmax(logits, -1)
-  pred0 = jnp.argmax(logits, -1).astype(jnp.int32)
+  def feed(pred_BR):  # the sequential loop's token i: the answer's if given, else prediction i-1
+    prev_BR = jnp.concatenate([first_B[:, None], pred_BR[:, :-1]], axis=1)
+    return jnp.where(given_BR, fed_BR, prev_BR)
 
   def unsettled(state):
     fed, pred, rounds = state
-    return (rounds < N) & jnp.any(feed(pred) != fed)
+    return (rounds < R) & jnp.any(feed(pred) != fed)
 
   def round_(state):
     _, pred, rounds = state
     fed = feed(pred)
     return fed, jnp.argmax(predict(fed), -1).astype(jnp.int32), rounds + 1
 
-  _, greedy_BN, _ = jax.lax.while_loop(unsettled, round_, (inputs_BN, pred0, jnp.int32(0)))
+  if R:  # the teacher-forced pass, then greedy rounds from its predictions
+    logits.append(predict(fed_BR))
+    pred0 = jnp.argmax(logits[-1], -1).astype(jnp.int32)
+    greedy.append(jax.lax.while_loop(unsettled, round_, (fed_BR, pred0, jnp.int32(0)))[1])
+  greedy_BN = jnp.concatenate(greedy, axis=1)
+  logp_BNV = jax.nn.log_softmax(jnp.concatenate(logits, axis=1), -1)
   fill_LBH = cache0.valid.sum(-1)
   overflow_B = (fill_LBH + N > cache0.valid.shape[-1]).any((0, 2))
   if cache0.overflow is not None:
@@ -978,11 +1022,12 @@ def answer_prefilled(
     prefilled.inputs_BM,
     prefilled.feed_given_BM,
     token_loop=bool(token_loop),
+    prefix=prefilled.question_len,  # the question: given in every row
   )
+  # predictions from the last question token on (the answer's; _answer_configs returns those)
   pred, logp, caches = jax.tree.map(lambda x: x[:K], (pred, logp, caches))
   _check_overflow(caches)
-  q = prefilled.question_len - 1  # predictions from the last question token on are the answer's
-  return Answers(np.asarray(pred[:, :, q:]), np.asarray(logp[:, :, q:]), np.asarray(alloc))
+  return Answers(np.asarray(pred), np.asarray(logp), np.asarray(alloc))
 
 
 def answer_configs(
