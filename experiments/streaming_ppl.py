@@ -26,7 +26,8 @@ def main(argv):
   del argv
   matplotlib.use("Agg")  # figures go to files
   config = _CONFIG.value
-  model, _, tokenizer = evaluate.load_model(config.model, dtype=jnp.dtype(config.dtype))
+  dtype = None if config.dtype == "auto" else jnp.dtype(config.dtype)
+  model, _, tokenizer = evaluate.load_model(config.model, dtype=dtype)
   table = streaming.run(config, config.workdir, model=model, tokenizer=tokenizer)
   fig = plotting.streaming_ppl(
     table, config.segment, title=f"{config.model}: {streaming.TEXT_SOURCE}"
