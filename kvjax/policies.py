@@ -58,6 +58,7 @@ class Evidence:
     reconstruction_attn_LGT: KVzip's importance ``[L, G, T]`` fp32: max over the reconstruction
       queries (and the GQA group) of the attention they pay to each context key in the "repeat
       the context" pass (kvpress ``KVzipPress``).
+    valid_T: the row's real positions, bool ``[T]`` (``None``: all of them).
   """
 
   attn_window_LHWT: Array | None = None
@@ -75,6 +76,9 @@ class Evidence:
   qfilters_LGD: Array | None = None
   retrieval_heads_LG: Array | None = None
   reconstruction_attn_LGT: Array | None = None
+  # the row's real positions, bool [T] (a padded batch row; None: every position): the scorers
+  # that aggregate over keys (KeyDiff's anchor, R-KV's redundancy, ChunkKV's chunks) skip padding
+  valid_T: Array | None = None
 
 
 def evidence_from_qk(
@@ -196,7 +200,7 @@ def _score_cake(evidence, opts):
 
 
 def _score_keydiff(evidence, opts):
-  return scores_lib.keydiff(_need(evidence, "keys_LGTD", opts["_name"]))
+  return scores_lib.keydiff(_need(evidence, "keys_LGTD", opts["_name"]), evidence.valid_T)
 
 
 def _score_lagkv(evidence, opts):
@@ -218,6 +222,7 @@ def _score_expected_attention(evidence, opts):
     use_covariance=opts["use_covariance"],
     use_vnorm=opts["use_vnorm"],
     epsilon=opts["epsilon"],
+    valid_T=evidence.valid_T,
   )
 
 
@@ -246,6 +251,7 @@ def _score_rkv(evidence, opts):
     kernel=opts["kernel"],
     mix_lambda=opts["mix_lambda"],
     threshold=opts["threshold"],
+    valid_T=evidence.valid_T,
   )
 
 
@@ -734,7 +740,8 @@ def _chunkkv_spec(name: str) -> Spec:
   base_scorer = base.scorer
 
   def scorer(evidence, opts):
-    return scores_lib.chunkkv(_grouped(base_scorer(evidence, opts), opts), chunk=opts["chunk"])
+    scores = _grouped(base_scorer(evidence, opts), opts)
+    return scores_lib.chunkkv(scores, chunk=opts["chunk"], valid_T=evidence.valid_T)
 
   return dataclasses.replace(
     base,

@@ -463,23 +463,35 @@ def _check_same(name: str, x, ref_name: str, ref, axes: Sequence[int]) -> None:
     raise ValueError(f"{name}: shape {x.shape} does not match {ref_name} {ref.shape}")
 
 
-def keydiff(keys_LGTD: Array) -> Array:
+def _check_valid(valid_T, T: int) -> Array:
+  """``valid_T`` (bool ``[T]``: the row's real positions; ``None``: all of them) as an array."""
+  if valid_T is None:
+    return jnp.ones((T,), bool)
+  if getattr(valid_T, "shape", None) != (T,):
+    raise ValueError(f"valid: expected bool [T={T}], got {getattr(valid_T, 'shape', valid_T)}")
+  return jnp.asarray(valid_T, bool)
+
+
+def keydiff(keys_LGTD: Array, valid_T: Array | None = None) -> Array:
   """KeyDiff (kvpress ``KeyDiffPress.score``): ``-cos(k_t, anchor)`` per KV head ``[L, G, T]``.
 
   ``anchor = mean_t(k_t / max(||k_t||, 1e-12))`` (``F.normalize`` then the mean over the
   prompt); the cosine is ``k . a / sqrt(max(||k||^2 ||a||^2, 1e-16))`` (torch
   ``cosine_similarity``, eps 1e-8). Keys least like the average key are kept. Attention-free, no
   protection. (The paper's block-wise iteration is kvpress ``BlockPress``, not this scorer.)
+  ``valid_T``: the row's real positions (a padded batch row); the anchor is their mean, as the
+  unpadded prompt's.
   """
   _check_array("keys", keys_LGTD, 4, "LGTD")
-  return _keydiff(keys_LGTD)
+  return _keydiff(keys_LGTD, _check_valid(valid_T, keys_LGTD.shape[2]))
 
 
 @jax.jit
-def _keydiff(keys_LGTD):
+def _keydiff(keys_LGTD, valid_T):
   k = keys_LGTD.astype(jnp.float32)
   norm = jnp.linalg.norm(k, axis=-1, keepdims=True)
-  anchor = (k / jnp.maximum(norm, 1e-12)).mean(axis=2, keepdims=True)
+  unit = jnp.where(valid_T[None, None, :, None], k / jnp.maximum(norm, 1e-12), 0.0)
+  anchor = unit.sum(axis=2, keepdims=True) / jnp.maximum(valid_T.sum(), 1)
   w12 = (k * anchor).sum(-1)
   w1, w2 = (k * k).sum(-1), (anchor * anchor).sum(-1)
   return -w12 / jnp.sqrt(jnp.maximum(w1 * w2, 1e-16))
@@ -611,6 +623,7 @@ def expected_attention(
   use_covariance: bool = True,
   use_vnorm: bool = True,
   epsilon: float = 0.0,
+  valid_T: Array | None = None,
 ) -> Array:
   """Expected attention (kvpress ``ExpectedAttentionPress.score``): ``[L, G, T]`` per KV head.
 
@@ -619,6 +632,8 @@ def expected_attention(
   group, then ``(p + epsilon) * ||v||_2`` when ``use_vnorm``. The first ``sinks`` positions are
   protected (``+inf``; kvpress pads them with the max + 1). ``query_mean_LHD`` and
   ``query_cov_LHDD`` are :func:`expected_query_stats`' (the model's future-query statistics).
+  ``valid_T``: the row's real positions (a padded batch row): the softmax runs over them only,
+  as over the unpadded prompt, and padding scores 0.
   """
   _check_array("query_mean", query_mean_LHD, 3, "LHD")
   _check_array("keys", keys_LGTD, 4, "LGTD")
@@ -647,12 +662,15 @@ def expected_attention(
     keys_LGTD,
     values_LGTD if use_vnorm else None,
     epsilon,
+    _check_valid(valid_T, T),
     sinks,
   )
 
 
 @functools.partial(jax.jit, static_argnames="sinks")
-def _expected_attention(query_mean_LHD, query_cov_LHDD, keys_LGTD, values_LGTD, epsilon, sinks):
+def _expected_attention(
+  query_mean_LHD, query_cov_LHDD, keys_LGTD, values_LGTD, epsilon, valid_T, sinks
+):
   L, Hq, D = query_mean_LHD.shape
   G, T = keys_LGTD.shape[1:3]
   rep = Hq // G
@@ -663,7 +681,9 @@ def _expected_attention(query_mean_LHD, query_cov_LHDD, keys_LGTD, values_LGTD, 
   if use_covariance:
     cov = query_cov_LHDD.astype(jnp.float32)
     z = z + jnp.einsum("lhti,lhij,lhtj->lht", k, cov, k, precision=PRECISION) / D / 2
-  p = jax.nn.softmax(z, axis=-1).reshape(L, G, rep, T - sinks).mean(2)
+  real = valid_T[None, None, sinks:]
+  p = jnp.where(real, jax.nn.softmax(jnp.where(real, z, -jnp.inf), axis=-1), 0.0)
+  p = p.reshape(L, G, rep, T - sinks).mean(2)
   if use_vnorm:
     vnorm = jnp.linalg.norm(values_LGTD[:, :, sinks:].astype(jnp.float32), axis=-1)
     p = (p + epsilon) * vnorm
@@ -702,7 +722,7 @@ def critical(
   return jnp.where(first_stage_LHT, jnp.inf, rescaled)
 
 
-def chunkkv(scores_LHT: Array, *, chunk: int = 20) -> Array:
+def chunkkv(scores_LHT: Array, *, chunk: int = 20, valid_T: Array | None = None) -> Array:
   """ChunkKV (kvpress ``ChunkKVPress.compress``): whole chunks ranked by their summed score, one
   kept set shared by every head. Returns order scores ``[L, H, T]`` (higher = keep).
 
@@ -714,39 +734,46 @@ def chunkkv(scores_LHT: Array, *, chunk: int = 20) -> Array:
   lengths keeps exactly kvpress's chunks, and any other budget keeps whole best chunks plus the
   best tokens of the next one (kvpress rounds the kept count to whole chunks instead:
   ``max(1, int(n_chunks * (1 - ratio)))`` chunks). ``T < chunk`` returns ``scores_LHT`` as is
-  (kvpress delegates to the base press).
+  (kvpress delegates to the base press). ``valid_T``: the row's real positions (a left-padded
+  batch row): chunks start at its first real token, as in the unpadded prompt, and the padding
+  forms a last chunk of its own.
   """
   _check_scores_3d(scores_LHT)
   chunk = _check_static_int("chunk", chunk, 1)
   L, H, T = scores_LHT.shape
   if chunk > T:
     return scores_LHT.astype(jnp.float32)
-  return _chunkkv(scores_LHT, chunk)
+  return _chunkkv(scores_LHT, _check_valid(valid_T, T), chunk)
 
 
 @functools.partial(jax.jit, static_argnames="chunk")
-def _chunkkv(scores_LHT, chunk):
+def _chunkkv(scores_LHT, valid_T, chunk):
   L, H, T = scores_LHT.shape
   s = scores_LHT.astype(jnp.float32)
-  finite = jnp.where(jnp.isfinite(s), s, -jnp.inf).max(axis=(1, 2), keepdims=True)
+  real = valid_T[None, None, :]
+  finite = jnp.where(jnp.isfinite(s) & real, s, -jnp.inf).max(axis=(1, 2), keepdims=True)
   s = jnp.where(jnp.isposinf(s), finite + 1.0, s).sum(1)  # [L, T]
-  n_full, rem = divmod(T, chunk)
-  n_chunks = n_full + (rem > 0)
-  chunk_T = jnp.minimum(jnp.arange(T) // chunk, n_chunks - 1)
-  sizes = jnp.asarray([chunk] * n_full + ([rem] if rem else []), jnp.float32)
-  chunk_scores = jax.ops.segment_sum(s.T, chunk_T, n_chunks).T / sizes[None, :]  # [L, n_chunks]
-  chunk_rank = _ranks_desc(chunk_scores)  # 0 = best
+  n_chunks = -(-T // chunk)  # chunk n_chunks holds the padding
+  start = jnp.argmax(valid_T)  # the first real token (left padding)
+  chunk_T = jnp.where(valid_T, (jnp.arange(T) - start) // chunk, n_chunks)
+  sizes = jax.ops.segment_sum(valid_T.astype(jnp.float32), chunk_T, n_chunks + 1)
+  sums = jax.ops.segment_sum(jnp.where(valid_T[None, :], s, 0.0).T, chunk_T, n_chunks + 1).T
+  # the mean of each chunk's real tokens (a partial last chunk's own); empty chunks rank last
+  sizes = sizes[None, :]
+  chunk_scores = jnp.where(sizes > 0, sums / jnp.maximum(sizes, 1.0), -jnp.inf)[:, :n_chunks]
+  chunk_scores = jnp.concatenate([chunk_scores, jnp.full((L, 1), -jnp.inf)], axis=1)
+  chunk_rank = _ranks_desc(chunk_scores)  # 0 = best; the padding's chunk last
   # rank inside each chunk: a stable sort on (chunk, -score)
   order = jnp.lexsort((-s, jnp.broadcast_to(chunk_T, s.shape)), axis=-1)
-  start_T = chunk_T * chunk
+  # ``order`` lists the real positions chunk by chunk from index 0 (every chunk but the last is
+  # whole; the padding comes last), so position order[j] has inner rank j % chunk
   inner = (
     jnp.zeros_like(order)
     .at[jnp.arange(L)[:, None], order]
-    .set(jnp.arange(T)[None, :] - start_T[None, :])
+    .set(jnp.broadcast_to(jnp.arange(T) % chunk, order.shape))
   )
-  # ``order`` lists positions chunk by chunk, so position order[j] has inner rank j - start(chunk)
   key = (n_chunks - jnp.take_along_axis(chunk_rank, jnp.broadcast_to(chunk_T, s.shape), -1)) * chunk
-  key = key + (chunk - inner)
+  key = jnp.where(valid_T[None, :], key + (chunk - inner), -jnp.inf)  # padding is never kept
   return jnp.broadcast_to(key.astype(jnp.float32)[:, None, :], (L, H, T))
 
 
@@ -832,30 +859,38 @@ def think_channel_mask(channel_scores_LGD: Array, channel_ratio: float) -> Array
   return ~pruned
 
 
-def key_similarity_redundancy(keys_LGTD: Array, *, threshold: float = 0.5) -> Array:
+def key_similarity_redundancy(
+  keys_LGTD: Array, *, threshold: float = 0.5, valid_T: Array | None = None
+) -> Array:
   """R-KV's redundancy ``[L, G, T]`` (official ``cal_similarity``, ``retain_direction="last"``).
 
   Cosine similarity between the keys (``k / (||k|| + 1e-8)``), diagonal zeroed; in each row
   ``i`` the last key ``j`` with similarity above ``threshold`` is exempted (its entry zeroed;
   with no such key, entry ``j = 0`` is zeroed, as upstream); then the mean over rows, softmax
-  over the keys.
+  over the keys. ``valid_T``: the row's real positions (a left-padded batch row): padding takes
+  no part (its rows and columns are dropped, upstream's ``j = 0`` is the first real key), so a
+  padded row scores its keys as the unpadded prompt does; padding scores 0.
   """
   _check_array("keys", keys_LGTD, 4, "LGTD")
-  return _key_similarity_redundancy(keys_LGTD, threshold)
+  return _key_similarity_redundancy(keys_LGTD, threshold, _check_valid(valid_T, keys_LGTD.shape[2]))
 
 
 @jax.jit
-def _key_similarity_redundancy(keys_LGTD, threshold):
+def _key_similarity_redundancy(keys_LGTD, threshold, valid_T):
+  start = jnp.argmax(valid_T)  # the first real key
+
   def one_layer(keys_GTD):  # one [G, T, T] similarity at a time, as upstream (per layer)
     k = keys_GTD.astype(jnp.float32)
     k = k / (jnp.linalg.norm(k, axis=-1, keepdims=True) + 1e-8)
     cos = jnp.einsum("gid,gjd->gij", k, k, precision=PRECISION)
     T = cos.shape[-1]
-    cos = jnp.where(jnp.broadcast_to(jnp.eye(T, dtype=bool), cos.shape), 0.0, cos)
+    pair = valid_T[:, None] & valid_T[None, :]
+    cos = jnp.where((jnp.eye(T, dtype=bool) | ~pair)[None], 0.0, cos)
     column = lax.broadcasted_iota(jnp.int32, cos.shape, 2)
-    last = jnp.max(jnp.where(cos > threshold, column, 0), axis=-1)  # [G, T]
+    last = jnp.max(jnp.where(cos > threshold, column, start), axis=-1)  # [G, T]
     cos = jnp.where(column == last[..., None], 0.0, cos)
-    return jax.nn.softmax(cos.mean(-2), axis=-1)
+    mean = cos.sum(-2) / jnp.maximum(valid_T.sum(), 1)
+    return jax.nn.softmax(jnp.where(valid_T[None, :], mean, -jnp.inf), axis=-1)
 
   return lax.map(one_layer, keys_LGTD)
 
@@ -868,6 +903,7 @@ def rkv(
   kernel: int = 7,
   mix_lambda: float = 0.07,
   threshold: float = 0.5,
+  valid_T: Array | None = None,
 ) -> Array:
   """R-KV (arXiv 2505.24133; official ``rkv/compression/r1_kv.py``, ported verbatim in
   ``FlashInfer/rkv/algo.py``): ``lambda * importance - (1 - lambda) * redundancy``, ``[L, G, T]``.
@@ -878,7 +914,8 @@ def rkv(
   all ``T`` keys, restricted to the prefix. The last ``window`` positions are protected (upstream
   keeps them on top of the ``budget - window`` best). Defaults ``mix_lambda=0.07``, ``window=8``,
   ``kernel=7``, ``threshold=0.5``; upstream re-compresses every 128 generated tokens
-  (``divide_length``), which the registry's ``decode_every`` carries.
+  (``divide_length``), which the registry's ``decode_every`` carries. ``valid_T``: the row's real
+  positions (a left-padded batch row): padding takes no part in either term and scores 0.
   """
   _check_qk(window_queries_LHWD, keys_LGTD, "window_queries")
   check_kernel(kernel)
@@ -889,18 +926,22 @@ def rkv(
     raise ValueError(
       f"window: {window} needs window <= W={W} observation queries and window < T={T} keys"
     )
-  return _rkv(window_queries_LHWD, keys_LGTD, mix_lambda, threshold, window, kernel)
+  valid = _check_valid(valid_T, T)
+  return _rkv(window_queries_LHWD, keys_LGTD, valid, mix_lambda, threshold, window, kernel)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "kernel"))
-def _rkv(window_queries_LHWD, keys_LGTD, mix_lambda, threshold, window, kernel):
+def _rkv(window_queries_LHWD, keys_LGTD, valid_T, mix_lambda, threshold, window, kernel):
   L, Hq, W, D = window_queries_LHWD.shape
   G, T = keys_LGTD.shape[1:3]
   q = window_queries_LHWD[:, :, W - window :].astype(jnp.float32).reshape(L, G, Hq // G, window, D)
   k = keys_LGTD[:, :, : T - window].astype(jnp.float32)
   logits = jnp.einsum("lgrwd,lgtd->lgrwt", q, k, precision=PRECISION) / math.sqrt(D)
-  attn = jax.nn.softmax(logits.max(2), axis=-1).mean(-2)  # [L, G, T - window]
-  importance = pool1d(attn, kernel, "max")
-  redundancy = _key_similarity_redundancy(keys_LGTD, threshold)[..., : T - window]
+  # left padding: the window is the row's last real tokens
+  prefix = valid_T[None, None, None, : T - window]
+  logits = jnp.where(prefix, logits.max(2), -jnp.inf)
+  attn = jnp.where(prefix, jax.nn.softmax(logits, axis=-1), 0.0).mean(-2)  # [L, G, T - window]
+  importance = pool1d(attn, kernel, "max")  # attention >= 0: padding's 0 never wins a max
+  redundancy = _key_similarity_redundancy(keys_LGTD, threshold, valid_T)[..., : T - window]
   body = importance * mix_lambda - redundancy * (1 - mix_lambda)
   return jnp.concatenate([body, jnp.full((L, G, window), jnp.inf)], axis=-1)

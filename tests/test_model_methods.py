@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import full_mode
 from hf_models import make_checkpoint_cached, prompt
 
 from kvjax import model as km
@@ -81,6 +82,47 @@ def test_new_prefill_evidence_equals_the_dense_reference(tiny):
   plain = llama.prefill(cfg, params, jnp.asarray(ids))
   for name in ("value_out_norms", "query_mean", "query_cov", "window_queries"):
     assert getattr(plain, name) is None
+
+
+# prefill policies whose kept set a model prompt alone decides (no calibration, no oracle, no rng)
+PADDED_POLICIES = [
+  n
+  for n in policies.names()
+  if n
+  not in (
+    "full",
+    "random",  # one key per batch row: another row draws other positions
+    "oracle",
+    "h2o_kvfactory_legacy",
+    "headkv",
+    "qfilter",
+    "duo_attention",
+    "kvzip",
+    "think",
+  )
+]
+# CI's quick mode: the scorers that aggregate over a row's keys, and one windowed and one sink
+# policy (the rolled rows)
+QUICK_PADDED = ("keydiff", "rkv", "expected_attention", "chunkkv_snapkv", "snapkv", "lagkv")
+
+
+@pytest.mark.parametrize("name", PADDED_POLICIES)
+def test_a_padded_batch_row_keeps_what_the_prompt_alone_keeps(name):
+  """Right padding (moved to the left inside) must not change a row's kept set: KeyDiff's
+  anchor, R-KV's redundancy, ExpectedAttention's softmax and ChunkKV's chunks skip padding."""
+  if not full_mode() and name not in QUICK_PADDED:
+    pytest.skip(f"{name}: quick mode pads {QUICK_PADDED} unless KVJAX_FULL=1")
+  model, cfg, _ = km.load_tiny()
+  rng = np.random.default_rng(0)
+  T, pad = 150, 37
+  ids = rng.integers(4, 200, (1, T)).astype(np.int32)
+  both = np.concatenate([np.concatenate([ids, np.zeros((1, pad), np.int32)], 1)] * 2, 0)
+  mask = np.ones_like(both)
+  mask[0, T:] = 0
+  alone = km.keep_mask(model, ids, name, 60)
+  padded = km.keep_mask(model, both, name, 60, attention_mask=mask)
+  np.testing.assert_array_equal(padded[:, 0, :, :T], alone[:, 0], err_msg=name)
+  assert not padded[:, 0, :, T:].any()
 
 
 def test_left_padding_gives_the_same_evidence_as_no_padding(tiny):

@@ -247,7 +247,7 @@ def compress(
   prompt_slots = spec.capacity - new
 
   def one(ev, valid_T, rng_b):
-    ev = ev.replace(rng=rng_b, **shared)
+    ev = ev.replace(rng=rng_b, valid_T=valid_T, **shared)
     if head_scores is not None:
       ev = ev.replace(head_scores_LH=head_scores)
     if spec.policy.name == "full":
@@ -357,6 +357,7 @@ _KEY_AXIS = {
   "values_LGTD": -2,
   "value_out_norms_LHT": -1,
   "reconstruction_attn_LGT": -1,
+  "valid_T": -1,
 }
 
 
