@@ -172,8 +172,8 @@ def test_blocked_prefill_equals_the_unblocked_reference(
     # logits carry every layer's rounding: 1e-5 of their scale
     scale = np.abs(ref["logits"]).max()
     np.testing.assert_allclose(np.asarray(pre.logits), ref["logits"], atol=1e-5 * scale)
-    for name in ("keys", "values"):
-      np.testing.assert_allclose(np.asarray(getattr(pre, name)), ref[name], atol=1e-5)
+    for name in ("keys", "values"):  # deeper layers' keys reach |5|: 1e-5 of their own size too
+      np.testing.assert_allclose(np.asarray(getattr(pre, name)), ref[name], rtol=1e-5, atol=1e-5)
     if column_sums:
       np.testing.assert_allclose(np.asarray(pre.column_sums), ref["column_sums"], atol=1e-5)
     else:
