@@ -77,7 +77,8 @@ class Evidence:
   retrieval_heads_LG: Array | None = None
   reconstruction_attn_LGT: Array | None = None
   # the row's real positions, bool [T] (a padded batch row; None: every position): the scorers
-  # that aggregate over keys (KeyDiff's anchor, R-KV's redundancy, ChunkKV's chunks) skip padding
+  # that aggregate over keys (KeyDiff's anchor, R-KV, ExpectedAttention's softmax, ChunkKV's
+  # chunks) skip padding
   valid_T: Array | None = None
 
 

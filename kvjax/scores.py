@@ -468,7 +468,8 @@ def _check_valid(valid_T, T: int) -> Array:
   if valid_T is None:
     return jnp.ones((T,), bool)
   if getattr(valid_T, "shape", None) != (T,):
-    raise ValueError(f"valid: expected bool [T={T}], got {getattr(valid_T, 'shape', valid_T)}")
+    shape = getattr(valid_T, "shape", valid_T)
+    raise ValueError(f"valid_T: expected bool [T={T}] (the row's real positions), got {shape}")
   return jnp.asarray(valid_T, bool)
 
 

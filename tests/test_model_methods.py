@@ -125,6 +125,17 @@ def test_a_padded_batch_row_keeps_what_the_prompt_alone_keeps(name):
   assert not padded[:, 0, :, T:].any()
 
 
+def test_a_validity_mask_of_the_wrong_length_is_refused():
+  keys = jnp.ones((1, 2, 10, 4))
+  for call in (
+    lambda v: scores_lib.keydiff(keys, v),
+    lambda v: scores_lib.key_similarity_redundancy(keys, valid_T=v),
+    lambda v: scores_lib.chunkkv(jnp.ones((1, 2, 10)), chunk=3, valid_T=v),
+  ):
+    with pytest.raises(ValueError, match=r"valid_T: expected bool \[T=10\]"):
+      call(np.ones(11, bool))
+
+
 def test_left_padding_gives_the_same_evidence_as_no_padding(tiny):
   """Row 1 is left-padded by 7: its statistics skip its first 4 *real* tokens and average the
   RoPE over its own length; its norms and window queries match the unpadded row's."""
