@@ -139,6 +139,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # of `python -m experiments.calibrate`, and which of its DuoAttention gates to use
   c.calibration = ml_collections.config_dict.placeholder(str)
   c.duo_method = "official"  # kvjax.model.calibrate.DUO_METHODS
+  # JAX's persistent compilation cache (kvjax.rundir.compilation_cache_dir): a directory, "default"
+  # (~/.cache/kvjax/jax) or "" (off); unset: the KVJAX_COMPILATION_CACHE environment variable.
+  # A rerun then loads each policy's compiled programs instead of compiling them again
+  c.compilation_cache = ml_collections.config_dict.placeholder(str)
   c.heatmap = ml_collections.ConfigDict(
     dict(
       # the papers draw single-needle retrieval; with the tiny model a lone needle's value also

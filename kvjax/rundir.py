@@ -12,7 +12,9 @@ module is the one place that knows how:
   of fields, a repeated header, a row whose required values are missing or not finite numbers,
   and (given a ``key``) a repeated row are all dropped; :func:`repair_rows` also rewrites the
   file without them, so that their configurations run again;
-* :func:`read_jsonl` does the same for JSON-lines logs.
+* :func:`read_jsonl` does the same for JSON-lines logs;
+* :func:`enable_compilation_cache` keeps a run's compiled programs across processes (JAX's
+  persistent compilation cache), for sweeps and evaluations alike.
 
 A run holds the lock while it writes; readers (notebooks, plots) need no lock: :func:`read_rows`
 never modifies the file. Fields must not contain line breaks (one row is one line). It imports
@@ -33,6 +35,7 @@ import socket
 import time
 from collections.abc import Iterator, Sequence
 
+import jax
 import ml_collections
 import pandas as pd
 
@@ -383,3 +386,52 @@ def load_config(path: str | pathlib.Path, arg: str | None = None):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config(arg)
+
+
+# --------------------------------------------------------------------------- compiled programs
+
+COMPILATION_CACHE_ENV = "KVJAX_COMPILATION_CACHE"
+_CACHE_OFF = ("", "0", "off", "false", "no", "none")
+_CACHE_DEFAULT = ("1", "on", "true", "yes", "default")
+
+
+def default_compilation_cache_dir() -> pathlib.Path:
+  """The user cache directory for compiled programs: ``$XDG_CACHE_HOME/kvjax/jax`` (or
+  ``~/.cache/kvjax/jax``)."""
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return pathlib.Path(root) / "kvjax" / "jax"
+
+
+def compilation_cache_dir(setting: str | None = None) -> pathlib.Path | None:
+  """Where to keep compiled executables across processes, or ``None`` (off, the default).
+
+  ``setting`` (a sweep or evaluation config's ``compilation_cache``; when ``None``, the
+  environment variable ``KVJAX_COMPILATION_CACHE``) is off when empty or
+  ``0``/``off``/``false``/``no``/``none``,
+  the user cache directory (:func:`default_compilation_cache_dir`) when ``1``/``on``/``true``/
+  ``yes``/``default``, and otherwise a directory path.
+  """
+  value = os.environ.get(COMPILATION_CACHE_ENV, "") if setting is None else setting
+  if not isinstance(value, str):
+    raise ValueError(f"compilation_cache: expected a str (a path, 'default' or ''), got {value!r}")
+  if value.strip().lower() in _CACHE_OFF:
+    return None
+  if value.strip().lower() in _CACHE_DEFAULT:
+    return default_compilation_cache_dir()
+  return pathlib.Path(value).expanduser()
+
+
+def enable_compilation_cache(setting: str | None = None) -> pathlib.Path | None:
+  """Turns on JAX's persistent compilation cache at :func:`compilation_cache_dir` (``setting``),
+  caching every compile however short: a cold process then loads a run's executables
+  instead of compiling them (seconds on CPU). Process-wide; returns the directory or ``None``.
+  The cache is trusted code: keep it in a directory only you can write.
+  """
+  path = compilation_cache_dir(setting)
+  if path is None:
+    return None
+  path.mkdir(parents=True, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path

@@ -384,8 +384,9 @@ def question_modes(config) -> tuple[str, ...]:
 def validate_config(config) -> None:
   """Every part of an evaluation config, before any work (and before the workdir is claimed):
   tasks and their options, lengths, budgets, examples, the policies (by building each), labels,
-  question modes and the heatmap."""
+  question modes, the heatmap and the compilation cache setting."""
   question_modes(config)
+  rundir.compilation_cache_dir(config.get("compilation_cache", None))
   for task in config.tasks:
     if task not in tasks.TASKS:
       raise ValueError(f"tasks: {task!r} is not one of {tasks.TASKS}")
@@ -448,7 +449,8 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
 def _run(config, workdir, log) -> pd.DataFrame:
   path = pathlib.Path(workdir) / "results.csv"
   table = rundir.read_rows(path)
-  plain = {k: config[k] for k in config if k != "workdir"}
+  # where compiled programs are kept changes no result: not part of the run's signature
+  plain = {k: config[k] for k in config if k not in ("workdir", "compilation_cache")}
   sig = rundir.signature(plain | {"weights": _model_fingerprint(config.model)})
   out = rundir.claim(workdir, "eval.json", sig, has_results=not table.empty)
   if not table.empty and list(table.columns) != COLUMNS:

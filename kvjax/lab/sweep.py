@@ -27,7 +27,6 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import os
 import pathlib
 from collections.abc import Callable
 
@@ -479,50 +478,12 @@ def single_config_fn(
 
 
 BYTES_PER_VALUE = (1, 2, 4)  # int8/fp8, bf16/fp16, fp32 caches
-COMPILATION_CACHE_ENV = "KVJAX_COMPILATION_CACHE"
-_CACHE_OFF = ("", "0", "off", "false", "no", "none")
-_CACHE_DEFAULT = ("1", "on", "true", "yes", "default")
-
-
-def default_compilation_cache_dir() -> pathlib.Path:
-  """The user cache directory for compiled sweeps: ``$XDG_CACHE_HOME/kvjax/jax`` (or
-  ``~/.cache/kvjax/jax``)."""
-  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return pathlib.Path(root) / "kvjax" / "jax"
-
-
-def compilation_cache_dir(setting: str | None = None) -> pathlib.Path | None:
-  """Where to keep compiled executables across processes, or ``None`` (off, the default).
-
-  ``setting`` (a sweep config's ``compilation_cache``; when ``None``, the environment variable
-  ``KVJAX_COMPILATION_CACHE``) is off when empty or ``0``/``off``/``false``/``no``/``none``,
-  the user cache directory (:func:`default_compilation_cache_dir`) when ``1``/``on``/``true``/
-  ``yes``/``default``, and otherwise a directory path.
-  """
-  value = os.environ.get(COMPILATION_CACHE_ENV, "") if setting is None else setting
-  if not isinstance(value, str):
-    raise ValueError(f"compilation_cache: expected a str (a path, 'default' or ''), got {value!r}")
-  if value.strip().lower() in _CACHE_OFF:
-    return None
-  if value.strip().lower() in _CACHE_DEFAULT:
-    return default_compilation_cache_dir()
-  return pathlib.Path(value).expanduser()
-
-
-def enable_compilation_cache(setting: str | None = None) -> pathlib.Path | None:
-  """Turns on JAX's persistent compilation cache at :func:`compilation_cache_dir` (``setting``),
-  caching every compile however short: a cold process then loads a sweep's executables
-  instead of compiling them (seconds on CPU). Process-wide; returns the directory or ``None``.
-  The cache is trusted code: keep it in a directory only you can write.
-  """
-  path = compilation_cache_dir(setting)
-  if path is None:
-    return None
-  path.mkdir(parents=True, exist_ok=True)
-  jax.config.update("jax_compilation_cache_dir", str(path))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  return path
+# the persistent compilation cache lives in kvjax.rundir (shared with the evaluation); these
+# names stay importable from here
+COMPILATION_CACHE_ENV = rundir.COMPILATION_CACHE_ENV
+compilation_cache_dir = rundir.compilation_cache_dir
+default_compilation_cache_dir = rundir.default_compilation_cache_dir
+enable_compilation_cache = rundir.enable_compilation_cache
 
 
 def check_engine_options(*, capacity, chunk_size, bytes_per_value) -> None:
