@@ -26,6 +26,9 @@ def main(argv):
   del argv
   matplotlib.use("Agg")  # figures go to files
   config = _CONFIG.value
+  dtypes = ("auto", "float32", "bfloat16", "float16")
+  if config.dtype not in dtypes:
+    raise ValueError(f"dtype: expected one of {dtypes}, got {config.dtype!r}")
   dtype = None if config.dtype == "auto" else jnp.dtype(config.dtype)
   model, _, tokenizer = evaluate.load_model(config.model, dtype=dtype)
   table = streaming.run(config, config.workdir, model=model, tokenizer=tokenizer)

@@ -112,7 +112,7 @@ def test_a_padded_batch_row_keeps_what_the_prompt_alone_keeps(name):
   anchor, R-KV's redundancy, ExpectedAttention's softmax and ChunkKV's chunks skip padding."""
   if not full_mode() and name not in QUICK_PADDED:
     pytest.skip(f"{name}: quick mode pads {QUICK_PADDED} unless KVJAX_FULL=1")
-  model, cfg, _ = km.load_tiny()
+  model, _, _ = km.load_tiny()
   rng = np.random.default_rng(0)
   T, pad = 150, 37
   ids = rng.integers(4, 200, (1, T)).astype(np.int32)

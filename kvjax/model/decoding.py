@@ -717,7 +717,9 @@ def _answer_configs(
   B, T = valid_BT.shape
   start_pos = valid_BT.sum(-1).astype(jnp.int32)
   N = inputs_BN.shape[1]
-  P = min(int(prefix), N)
+  P = int(prefix)
+  if not 0 <= P <= N:  # the question is fed first: it cannot be longer than what is fed
+    raise ValueError(f"prefix: expected 0 <= prefix <= {N} fed tokens, got {prefix}")
 
   if cache_lib.appends_only(spec) and not token_loop:
     return jax.vmap(
