@@ -59,6 +59,12 @@ class Evidence:
       queries (and the GQA group) of the attention they pay to each context key in the "repeat
       the context" pass (kvpress ``KVzipPress``).
     valid_T: the row's real positions, bool ``[T]`` (``None``: all of them).
+    window_scores_LHT: the window rows already reduced by the policy's own
+      :attr:`Spec.window_scorer` (fp32 ``[L, H, T]``, before GQA grouping), where a prefill
+      formed them layer by layer and kept only the scores
+      (:meth:`Policy.window_scorer`); the scorer then reads these instead of the rows.
+    observation_window: ``W``, the observation queries behind ``attn_window_LHWT`` or
+      ``window_scores_LHT`` (static; ``None``: the rows' own ``W``).
   """
 
   attn_window_LHWT: Array | None = None
@@ -80,6 +86,8 @@ class Evidence:
   # that aggregate over keys (KeyDiff's anchor, R-KV, ExpectedAttention's softmax, ChunkKV's
   # chunks) skip padding
   valid_T: Array | None = None
+  window_scores_LHT: Array | None = None
+  observation_window: int | None = struct.field(pytree_node=False, default=None)
 
 
 def evidence_from_qk(
@@ -143,7 +151,7 @@ def _need(evidence: Evidence, field: str, policy: str) -> Array:
 
 def _positions_shape(evidence: Evidence, policy: str) -> tuple[int, int, int]:
   """``(L, H, T)`` from whichever evidence is present (keys are ``[L, G, T, D]``)."""
-  for field in ("attn_window_LHWT", "column_sums_LHT", "future_attn_LHST"):
+  for field in ("attn_window_LHWT", "window_scores_LHT", "column_sums_LHT", "future_attn_LHST"):
     value = getattr(evidence, field)
     if value is not None:
       return value.shape[0], value.shape[1], value.shape[-1]
@@ -164,22 +172,41 @@ def _score_streaming(evidence, opts):
   return scores_lib.streaming(T, (L, H), sinks=opts["sinks"])
 
 
-def _score_snapkv(evidence, opts):
-  attn = _need(evidence, "attn_window_LHWT", opts["_name"])
+def _from_window(rows_scorer: Callable[[Array, dict], Array]) -> Callable[[Evidence, dict], Array]:
+  """A scorer that reads the window rows through ``rows_scorer`` (rows ``[., H, W, T]`` ->
+  scores ``[., H, T]``, independent per leading index), or the scores a prefill already reduced
+  them to (``evidence.window_scores_LHT``)."""
+
+  def scorer(evidence, opts):
+    if evidence.window_scores_LHT is not None:
+      return evidence.window_scores_LHT
+    return rows_scorer(_need(evidence, "attn_window_LHWT", opts["_name"]), opts)
+
+  return scorer
+
+
+def _snapkv_rows(attn_LHWT, opts):
   return scores_lib.snapkv(
-    attn, kernel=opts["kernel"], pool=opts["pool"], reduce=opts["reduce"], window=opts["window"]
+    attn_LHWT,
+    kernel=opts["kernel"],
+    pool=opts["pool"],
+    reduce=opts["reduce"],
+    window=opts["window"],
   )
+
+
+def _tova_rows(attn_LHWT, opts):
+  return scores_lib.tova(attn_LHWT[:, :, -1, :])
+
+
+_score_snapkv = _from_window(_snapkv_rows)
+_score_tova = _from_window(_tova_rows)
 
 
 def _score_h2o(evidence, opts):
   field = "legacy_column_sums_LHT" if opts["form"] == "kvfactory_legacy" else "column_sums_LHT"
   sums = _need(evidence, field, opts["_name"])
   return scores_lib.h2o_from_column_sums(sums, form=opts["form"], recent=opts["recent"])
-
-
-def _score_tova(evidence, opts):
-  attn = _need(evidence, "attn_window_LHWT", opts["_name"])
-  return scores_lib.tova(attn[:, :, -1, :])
 
 
 def _score_knorm(evidence, opts):
@@ -295,6 +322,8 @@ def as_budget_LH(budget, L: int, H: int) -> Array:
 def _window_of(evidence: Evidence, opts) -> int:
   if opts.get("window") is not None:
     return opts["window"]
+  if evidence.attn_window_LHWT is None and evidence.observation_window is not None:
+    return evidence.observation_window
   return _need(evidence, "attn_window_LHWT", opts["_name"]).shape[2]
 
 
@@ -455,6 +484,11 @@ class Spec:
     rescorer: a budget-dependent last score stage ``(evidence, scores_LHT, budget_LH, opts,
       capacity) -> scores_LHT`` applied by :meth:`Policy.selection_scores` after the
       allocation (CriticalKV's first stage); ``None`` for every budget-free scorer.
+    window_scorer: ``(attn_LHWT, opts) -> scores_LHT``, the only part of the policy that reads
+      the window rows, independent per layer (SnapKV's votes and pooling, TOVA's last row), so
+      a prefill may reduce each layer's rows as it forms them
+      (:meth:`Policy.window_scorer`); ``None`` where the rows are read otherwise (CAKE's
+      allocator) or not at all.
   """
 
   scorer: Callable[[Evidence, dict], Array]
@@ -468,6 +502,7 @@ class Spec:
   window_option: str | None = None
   data_options: tuple[str, ...] = ()
   rescorer: Callable[..., Array] | None = None
+  window_scorer: Callable[[Array, dict], Array] | None = None
 
 
 _SNAP = dict(kernel=7, pool="max", reduce="sum", window=None)
@@ -475,6 +510,7 @@ _SNAP_MEAN = dict(_SNAP, reduce="mean")
 _GROUPING = dict(num_kv_heads=None, gqa="mean")
 _NONE: tuple[str, ...] = ()
 _WINDOWED = dict(windowed=True, window_option="window")
+_SNAP_ROWS = dict(_WINDOWED, window_scorer=_snapkv_rows)
 
 REGISTRY: dict[str, Spec] = {
   "sliding_window": Spec(
@@ -515,30 +551,37 @@ REGISTRY: dict[str, Spec] = {
     replay=False,
     needs=("column_sums_LHT",),
   ),
-  "tova": Spec(_score_tova, _alloc_given, {}, "last query's row averaged over heads", acts=DECODE),
+  "tova": Spec(
+    _score_tova,
+    _alloc_given,
+    {},
+    "last query's row averaged over heads",
+    acts=DECODE,
+    window_scorer=_tova_rows,
+  ),
   "snapkv": Spec(
-    _score_snapkv, _alloc_given, dict(_SNAP), "window votes, maxpool k=7", **_WINDOWED
+    _score_snapkv, _alloc_given, dict(_SNAP), "window votes, maxpool k=7", **_SNAP_ROWS
   ),
   "snapkv_kvpress": Spec(
     _score_snapkv,
     _alloc_given,
     dict(kernel=5, pool="avg", reduce="mean", window=None),
     "kvpress SnapKVPress (mean votes, avgpool k=5; add num_kv_heads for its GQA mean)",
-    **_WINDOWED,
+    **_SNAP_ROWS,
   ),
   "pyramidkv": Spec(
     _score_snapkv,
     _alloc_pyramid,
     dict(_SNAP, beta=20, pyramid_mode="legacy_floor"),
     "SnapKV scores under PyramidKV's layer schedule",
-    **_WINDOWED,
+    **_SNAP_ROWS,
   ),
   "adakv_snapkv": Spec(
     _score_snapkv,
     _alloc_adakv,
     dict(_SNAP_MEAN, floor_alpha=0.2, normalize=False, adakv_mode="official", pyramid_mode=None),
     "Ada-KV head-adaptive budgets over SnapKV scores",
-    **_WINDOWED,
+    **_SNAP_ROWS,
   ),
   "adakv_pyramidkv": Spec(
     _score_snapkv,
@@ -552,7 +595,7 @@ REGISTRY: dict[str, Spec] = {
       pyramid_mode="legacy_floor",
     ),
     "Ada-KV within PyramidKV's layer schedule (Ada-KV pyram_mode)",
-    **_WINDOWED,
+    **_SNAP_ROWS,
   ),
   "headkv": Spec(
     _score_snapkv,
@@ -561,7 +604,7 @@ REGISTRY: dict[str, Spec] = {
     "HeadKV static head budgets over SnapKV mean votes",
     replay=False,
     needs=("attn_window_LHWT", "head_scores_LH"),
-    **_WINDOWED,
+    **_SNAP_ROWS,
   ),
   "cake": Spec(
     _score_cake,
@@ -856,6 +899,13 @@ class Policy:
     opts = self.opts
     return _grouped(spec(self.name).scorer(evidence, opts), opts)
 
+  def window_scorer(self) -> WindowScorer | None:
+    """This policy's scores from one layer's window rows (``[B, H, W, T]`` -> ``[B, H, T]``), a
+    hashable callable to give a prefill (``kvjax.model.llama.prefill(window_scores=...)``) so
+    that it keeps the scores instead of the rows; ``None`` when the policy reads the rows
+    otherwise (:attr:`Spec.window_scorer`)."""
+    return WindowScorer(self) if spec(self.name).window_scorer is not None else None
+
   def selection_scores(
     self, evidence: Evidence, scores_LHT: Array, budget_LH: Array, *, capacity: int | None = None
   ) -> Array:
@@ -926,6 +976,17 @@ class Policy:
     budget_LH = self.budgets(evidence, scores_LHT, budget)
     scores_LHT = self.selection_scores(evidence, scores_LHT, budget_LH, capacity=capacity)
     return select.compact(scores_LHT, budget_LH, capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowScorer:
+  """:attr:`Spec.window_scorer` bound to a policy's options; equal (and hashing equal) for equal
+  policies, so a jitted prefill that takes it as a static argument compiles once per policy."""
+
+  policy: Policy
+
+  def __call__(self, attn_LHWT: Array) -> Array:
+    return spec(self.policy.name).window_scorer(attn_LHWT, self.policy.opts)
 
 
 def make(name: str, **options) -> Policy:

@@ -143,6 +143,67 @@ def test_keep_mask_on_a_real_prompt_matches_the_policy_and_survives_padding():
     km.keep_mask(model, ids, "snapkv", 40, num_kv_heads=cfg.num_kv_heads + 1)
 
 
+# every policy that reads its window rows only through Spec.window_scorer; quick mode runs one
+# per way the scores are read (as given, by an allocator, by a budget-dependent stage, chunked,
+# by a decode-time policy)
+WINDOW_SCORED = [
+  "snapkv",
+  "adakv_snapkv",
+  "critical_snapkv",
+  "chunkkv_snapkv",
+  "tova",
+  "snapkv_kvpress",
+  "pyramidkv",
+  "adakv_pyramidkv",
+  "critical_adakv_snapkv",
+  "think_snapkv",
+]
+
+
+@pytest.mark.parametrize("policy", WINDOW_SCORED)
+def test_window_rows_reduced_in_the_layer_scan_keep_what_the_rows_keep(policy):
+  if policy in WINDOW_SCORED[5:] and not full_mode():
+    pytest.skip("CI's quick mode checks one policy per way of reading the scores (KVJAX_FULL=1)")
+  model, cfg, _ = km.load_tiny()
+  rng = np.random.default_rng(3)
+  ids = jnp.asarray(rng.integers(4, 200, (2, 90)), jnp.int32)
+  mask = np.ones((2, 90), np.int32)
+  mask[1, :17] = 0  # a left-padded row
+  mask = jnp.asarray(mask)
+  pol = policies.make(policy) if policy == "tova" else policies.make(policy, window=8)
+  scorer = pol.window_scorer()
+  assert scorer == policies.make(pol.name, **dict(pol.options)).window_scorer()  # one compile
+  # the entry points' observation window: the policy's, or 32 rows
+  kw = dict(km.decoding.evidence_request(pol, 90), window=32 if policy == "tova" else 8)
+  rows = km.prefill(cfg, model.params(), ids, mask, **kw)
+  reduced = km.prefill(cfg, model.params(), ids, mask, window_scores=scorer, **kw)
+  assert reduced.attn_window is None and reduced.window == rows.window == kw["window"]
+  assert reduced.window_scores.shape == (cfg.num_layers, 2, cfg.num_heads, 90)
+  expected = np.stack([np.asarray(scorer(rows.attn_window[l])) for l in range(cfg.num_layers)])
+  np.testing.assert_allclose(np.asarray(reduced.window_scores), expected, rtol=1e-6, atol=1e-7)
+  for layout in ("query", "kv"):
+    spec = km.cache.CacheSpec(pol, 40, layout)
+    want, got = (km.cache.compress(cfg, pre, spec, 32) for pre in (rows, reduced))
+    np.testing.assert_array_equal(np.asarray(got.valid), np.asarray(want.valid))
+    np.testing.assert_array_equal(np.asarray(got.positions), np.asarray(want.positions))
+    np.testing.assert_array_equal(np.asarray(got.budget), np.asarray(want.budget))
+  # the entry points ask for the reduction themselves, and keep the same positions
+  options = {} if policy == "tova" else {"window": 8}
+  kept = km.keep_mask(model, ids, policy, 32, attention_mask=mask, **options)
+  want = km.cache.compress(cfg, rows, km.cache.CacheSpec(pol, 90, "query"), 32)
+  valid = np.asarray(want.valid)
+  columns = np.asarray(want.positions) + np.array([0, 17])[None, :, None, None]  # + padding
+  expected = np.zeros(kept.shape, bool)
+  l, b, h, c = np.nonzero(valid)
+  expected[l, b, h, columns[l, b, h, c]] = True
+  np.testing.assert_array_equal(kept, expected)
+
+
+def test_policies_that_read_rows_otherwise_keep_them():
+  for name in ("cake", "h2o", "knorm", "rkv", "expected_attention"):
+    assert policies.make(name).window_scorer() is None, name
+
+
 @pytest.mark.parametrize("question", ["in_window", "after"])
 def test_one_prefill_serves_every_policy(question):
   if question == "in_window" and not full_mode():

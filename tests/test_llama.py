@@ -205,6 +205,8 @@ def test_prefill_validates_its_blocking_arguments():
     (dict(window=-1), "window"),
     (dict(window_dtype=jnp.int32), "window_dtype"),
     (dict(attention="flash"), "attention"),
+    (dict(window_scores=jnp.sum), "window_scores"),  # no window rows to reduce
+    (dict(window=2, window_scores="snapkv"), "window_scores"),
   ]:
     with pytest.raises(ValueError, match=name):
       km.prefill(cfg, model.params(), ids, **kw)

@@ -176,6 +176,8 @@ def _evidence_per_row(pre: llama.Prefill, evidence: dict | None = None) -> polic
     query_mean_LHD=_batch_first(pre.query_mean),
     query_cov_LHDD=_batch_first(pre.query_cov),
     window_queries_LHWD=_batch_first(pre.window_queries),
+    window_scores_LHT=_batch_first(pre.window_scores),
+    observation_window=pre.window if pre.window_scores is not None else None,
     **rows,
   )
 
@@ -350,6 +352,7 @@ def think_channels(window_queries_LBHWD: Array, keys_LBHCD: Array, ratio: float)
 # the key axis of each per-position evidence field
 _KEY_AXIS = {
   "attn_window_LHWT": -1,
+  "window_scores_LHT": -1,
   "column_sums_LHT": -1,
   "legacy_column_sums_LHT": -1,
   "keys_LGTD": -2,

@@ -91,6 +91,19 @@ def evidence_request(policy: policies.Policy, T: int) -> tuple:
   return tuple(sorted(extra.items()))
 
 
+def _own_prefill_request(policy: policies.Policy, T: int) -> tuple:
+  """:func:`evidence_request`'s pairs for a prefill that serves ``policy`` alone, with the
+  policy's window scorer when it reads the window rows only through it (SnapKV's family, TOVA):
+  the prefill then reduces each layer's rows to scores in the layer scan and holds
+  ``[L, B, Hq, T]`` instead of ``[L, B, Hq, W, T]`` (the same scores). A prefill shared by
+  several policies (:func:`prefill_answers`) keeps the rows."""
+  if policy.name == "full":
+    return ()
+  scorer = policy.window_scorer()
+  extra = evidence_request(policy, T)
+  return extra if scorer is None else tuple(sorted((*extra, ("window_scores", scorer))))
+
+
 def _column_sums(policy: policies.Policy) -> bool:
   return "column_sums_LHT" in _needs(policy)
 
@@ -311,7 +324,7 @@ def _prepare(model, prompt_ids, attention_mask, padding_side, policy_name, optio
   T = ids.shape[1]
   window = _window(policy, T) if policy.name != "full" else 0
   params = model.params()
-  extra = evidence_request(policy, T) if policy.name != "full" else ()
+  extra = _own_prefill_request(policy, T)
   ids, mask = sharding.place_batch(params, ids, mask)  # over the model's mesh, if it has one
   pre = _prefill(cfg, params, ids, mask, window, _column_sums(policy), extra)
   return cfg, params, policy, pre, T
@@ -641,7 +654,7 @@ def stream_logprobs(
   head, rest = jnp.asarray(ids[:, :prefix]), jnp.asarray(ids[:, prefix:])
   column_sums = "column_sums_LHT" in policies.spec(pol.name).needs if pol.name != "full" else False
   window = _window(pol, prefix) if pol.name != "full" else 0
-  extra = evidence_request(pol, prefix) if pol.name != "full" else ()
+  extra = _own_prefill_request(pol, prefix)
   pre = _prefill(cfg, params, head, jnp.ones_like(head), window, column_sums, extra)
   if budgets is not None:
     if pol.name == "full":

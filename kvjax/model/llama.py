@@ -317,6 +317,10 @@ class Prefill:
     key_norms: ``[L, B, G, T]`` (key norm's evidence).
     attn_window: ``[L, B, Hq, W, T]`` fp32 (or prefill's ``window_dtype``), the last ``W``
       query rows (no ``T x T`` matrix).
+    window_scores: ``[L, B, Hq, T]`` fp32, the window rows already reduced to a policy's scores
+      inside the layer scan (prefill's ``window_scores``; then ``attn_window`` is ``None``).
+    window: ``W``, the observation queries behind ``attn_window`` or ``window_scores``
+      (static; 0 when none were asked for).
     column_sums: ``[L, B, Hq, T]`` attention received from all valid queries (H2O).
     full_attention: ``{layer: [B, Hq, T, T]}`` for plots, on request.
     future_attn: ``[L, B, Hq, S, T]`` attention of later queries (the oracle's evidence; set by
@@ -335,6 +339,8 @@ class Prefill:
   valid: Array
   key_norms: Array
   attn_window: Array | None = None
+  window_scores: Array | None = None
+  window: int = struct.field(pytree_node=False, default=0)
   column_sums: Array | None = None
   full_attention: dict | None = None
   future_attn: Array | None = None
@@ -366,6 +372,7 @@ def prefill(
   n_sink: int = N_SINK,
   n_future: int = N_FUTURE,
   window_queries: int = 0,
+  window_scores=None,
 ) -> Prefill:
   """One pass over the prompt: a :class:`Prefill` with logits, K/V and the requested evidence.
 
@@ -387,6 +394,12 @@ def prefill(
   written tile by tile into their ``[L, B, Hq, W, T]`` output, in ``window_dtype`` (fp32 by
   default; ``jnp.bfloat16`` halves the largest output, 8 GiB at 128k tokens for a 1B model,
   after an fp32 softmax).
+
+  ``window_scores`` (a hashable callable, static under ``jit``, e.g.
+  :meth:`kvjax.policies.Policy.window_scorer`) reduces each layer's window rows ``[B, Hq, W, T]``
+  (fp32, whatever ``window_dtype``) to scores ``[B, Hq, T]`` inside the layer scan, when the
+  caller needs only a policy's scores: the output is ``window_scores`` ``[L, B, Hq, T]`` and no
+  ``attn_window`` (``W`` times smaller; the rows of one layer are the largest temporary).
 
   ``attention`` picks the kernel of the attention *output* when no column sums are asked for
   (with them, the exact second pass forms the output anyway): ``"blocked"`` (the tiles above),
@@ -413,6 +426,11 @@ def prefill(
     raise ValueError(f"window: expected an int in [0, T={T}], got {window!r}")
   if not jnp.issubdtype(jnp.dtype(window_dtype), jnp.floating):
     raise ValueError(f"window_dtype: expected a floating dtype, got {window_dtype!r}")
+  if window_scores is not None and (not callable(window_scores) or not window):
+    raise ValueError(
+      f"window_scores: expected a callable reducing window rows, with window >= 1; got "
+      f"{window_scores!r} with window={window!r}"
+    )
   if attention not in ATTENTION:
     raise ValueError(f"attention: expected one of {ATTENTION}, got {attention!r}")
   if (
@@ -439,6 +457,7 @@ def prefill(
     window=window,
     window_queries=window_queries,
     n_sink=n_sink if query_stats else None,
+    window_scores=window_scores,
   )
   q_dtype, kv_dtype = _qkv_dtypes(cfg, params, x, positions)
   if attention == "cudnn" and (
@@ -454,7 +473,9 @@ def prefill(
   }
   if column_sums:
     out["column_sums"] = jnp.zeros((L, B, Hq, T), jnp.float32)
-  if window:
+  if window and window_scores is not None:
+    out["window_scores"] = jnp.zeros((L, B, Hq, T), jnp.float32)
+  elif window:
     out["attn_window"] = jnp.zeros((L, B, Hq, window, T), window_dtype)
   if window_queries:
     out["window_queries"] = jnp.zeros((L, B, Hq, window_queries, D), q_dtype)
@@ -480,6 +501,7 @@ def prefill(
     positions=positions,
     valid=valid,
     full_attention=maps,
+    window=window,
     **out,
   )
 
@@ -540,9 +562,11 @@ def _layer(
   window_queries,
   n_sink,
   attention,
+  window_scores,
 ):
   """One decoder layer over the whole prompt, ``chunk`` tokens at a time (residual stream, K/V
-  and the per-token evidence updated in place), then its window rows and query statistics."""
+  and the per-token evidence updated in place), then its window rows (or their scores) and
+  query statistics."""
   B, T, _ = x.shape
   Hq, D = cfg.num_heads, cfg.head_dim
   sums = jnp.zeros((B, Hq, T), jnp.float32) if "column_sums" in out else None
@@ -565,8 +589,14 @@ def _layer(
     mean, cov = rotate_moments(out["rope_mean"], *moments_mean_cov(moments))
     out = dict(out, query_mean=put("query_mean", mean), query_cov=put("query_cov", cov))
   if window:
-    rows = _window_rows(cfg, q_win[:, :, wq - window :], out, l, positions, valid, block)
-    out = dict(out, attn_window=rows)
+    q = q_win[:, :, wq - window :]
+    if window_scores is None:
+      rows = _window_rows(cfg, q, out, l, out["attn_window"], l, positions, valid, block)
+      out = dict(out, attn_window=rows)
+    else:  # this layer's rows only, reduced before the next layer's are formed
+      rows = jnp.zeros((1, B, Hq, window, T), jnp.float32)
+      rows = _window_rows(cfg, q, out, l, rows, 0, positions, valid, block)
+      out = dict(out, window_scores=put("window_scores", window_scores(rows[0])))
   return x, out
 
 
@@ -867,9 +897,9 @@ def _attend_chunk(q_BHQD, c0, n, keys: _Keys, sums_BHT, block, sliding_window):
   return o, sums
 
 
-def _window_rows(cfg, q_BHWD, out, l, positions, valid, block) -> Array:
-  """The ``[L, B, Hq, W, T]`` window output with layer ``l``'s rows (the last ``W`` queries over
-  every key) written in, tile by tile, from an fp32 softmax."""
+def _window_rows(cfg, q_BHWD, out, l, win, at, positions, valid, block) -> Array:
+  """``win`` (``[., B, Hq, W, T]``) with layer ``l``'s rows (the last ``W`` queries over every
+  key) written in at index ``at`` of its first axis, tile by tile, from an fp32 softmax."""
   B, Hq, W, D = q_BHWD.shape
   T = positions.shape[1]
   G = cfg.num_kv_heads
@@ -880,12 +910,11 @@ def _window_rows(cfg, q_BHWD, out, l, positions, valid, block) -> Array:
   count = (T - lo + keys.size - 1) // keys.size
   tile = functools.partial(_tile_logits, q, rows, keys, sliding_window=cfg.sliding_window)
   m, norm = _softmax_stats(tile, lo, count, keys.size, (B, G, Hq // G, W))
-  win = out["attn_window"]
 
   def body(j, win):  # a clamped last tile rewrites its overlap with the same probabilities
     start, allowed, logits, _ = tile(lo + j * keys.size, fresh_only=False)
     probs = _normalised(allowed, logits, m, norm).reshape(B, Hq, W, -1).astype(win.dtype)
-    return jax.lax.dynamic_update_slice(win, probs[None], (l, 0, 0, 0, start))
+    return jax.lax.dynamic_update_slice(win, probs[None], (at, 0, 0, 0, start))
 
   return jax.lax.fori_loop(0, count, body, win)
 
