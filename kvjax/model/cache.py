@@ -600,6 +600,7 @@ def extend(
   probs=False,
   appended=False,
   logits_from: int = 0,
+  after=None,
 ):
   """``M`` tokens fed at once after keys and values held per layer and head: ``(logits [B, M,
   V], attention [L, B, Hq, M, C] over the held keys or None)``. ``kv = (keys [L, B, H, C, D],
@@ -608,53 +609,64 @@ def extend(
   itself (Mistral's sliding window applies to both). ``repeat_kv``: the held keys are per query
   head (the query layout). With ``probs`` the softmax over held and fed keys is returned cut to
   the held ones (the oracle's full-cache attention of future queries). With ``appended`` a
-  third output is ``kv`` with the fed tokens' keys and values appended after the held ones
-  (``C + M`` slots, the held ones first), which later tokens are fed after. ``logits_from``:
-  the logits of the fed tokens from this one on only (the LM head is a fifth of a small
-  model's work per token; a prefix fed for its keys needs its last token's logits only)."""
+  third output is the fed tokens' own segment ``(keys [L, B, H, M, D], values, valid,
+  positions)``, which later tokens are fed after by passing it as ``after`` (a second held
+  segment, attended after ``kv``). ``logits_from``: the logits of the fed tokens from this one
+  on only (the LM head is a fifth of a small model's work per token; a prefix fed for its keys
+  needs its last token's logits only).
+
+  The segments are never concatenated: each one's logits are formed against its own keys and
+  its values weighted by its part of the one softmax over all of them, so a call reads the held
+  cache once instead of copying it per layer (for an evaluation's ``K x B`` caches, gigabytes
+  per call)."""
   B, M = tokens_BM.shape
   x = params["embed"][tokens_BM]
+  held = (kv,) if after is None else (kv, after)
 
   def layer(x, inputs):
-    p, keys, values, valid, positions = inputs  # [B, H, C, D], [B, H, C]
+    p, segments = inputs  # per held segment: [B, H, C, D] keys and values, [B, H, C] masks
     q, k, v = llama.project_qkv(cfg, p, x, pos_BM)
     if repeat_kv:
       k, v = jnp.repeat(k, cfg.num_groups, 1), jnp.repeat(v, cfg.num_groups, 1)
-    H, C = keys.shape[1], keys.shape[2]
-    all_keys = jnp.concatenate([keys, k.astype(keys.dtype)], axis=2)
-    all_values = jnp.concatenate([values, v.astype(values.dtype)], axis=2)
+    H, C = segments[0][0].shape[1], segments[0][0].shape[2]
+    dtype = segments[0][0].dtype
+    fed_pos = jnp.broadcast_to(pos_BM[:, None], (B, H, M))
+    fed = (k.astype(dtype), v.astype(dtype), jnp.ones((B, H, M), bool), fed_pos)
+    parts = (*segments, fed)
     # the model's own causal mask over held then fed keys, per (row, head): held slots all come
     # before the fed tokens (index -1); Mistral's window applies by position to both
-    k_pos = jnp.concatenate([positions, jnp.broadcast_to(pos_BM[:, None], (B, H, M))], -1)
-    k_valid = jnp.concatenate([valid, jnp.ones((B, H, M), bool)], -1)
-    k_index = jnp.concatenate([jnp.full((C,), -1, jnp.int32), jnp.arange(M, dtype=jnp.int32)])
+    k_pos = jnp.concatenate([s[3].astype(jnp.int32) for s in parts], -1)
+    k_valid = jnp.concatenate([s[2] for s in parts], -1)
+    held_len = k_pos.shape[-1] - M
+    k_index = jnp.concatenate(
+      [jnp.full((held_len,), -1, jnp.int32), jnp.arange(M, dtype=jnp.int32)]
+    )
     allowed = llama.causal_allowed(
-      jnp.broadcast_to(pos_BM[:, None], (B, H, M)).reshape(B * H, M),
-      k_pos.reshape(B * H, C + M),
-      k_valid.reshape(B * H, C + M),
+      fed_pos.reshape(B * H, M),
+      k_pos.reshape(B * H, -1),
+      k_valid.reshape(B * H, -1),
       jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (B * H, M)),
-      jnp.broadcast_to(k_index, (B * H, C + M)),
+      jnp.broadcast_to(k_index, (B * H, held_len + M)),
       cfg.sliding_window,
-    ).reshape(B, H, M, C + M)
-    attn = llama.attention_probs(q, all_keys, allowed)  # [B, Hq, M, C + M]
-    x = llama.output_and_mlp(cfg, p, x, llama.attend(attn, all_values))
-    fed = (all_keys[:, :, C:], all_values[:, :, C:]) if appended else None
-    return x, (attn[..., :C] if probs else None, fed)
+    ).reshape(B, H, M, held_len + M)
+    logits = jnp.concatenate([llama.attention_logits(q, s[0]) for s in parts], -1)
+    attn = llama.masked_softmax(logits, allowed)  # [B, Hq, M, C + ... + M]
+    bounds = np.cumsum([0] + [s[0].shape[2] for s in parts])
+    out = sum(
+      llama.attend(attn[..., a:b], s[1])
+      for s, a, b in zip(parts, bounds[:-1], bounds[1:], strict=True)
+    )
+    x = llama.output_and_mlp(cfg, p, x, out)
+    return x, (attn[..., :C] if probs else None, fed[:2] if appended else None)
 
-  x, (attn_LBHMC, fed) = jax.lax.scan(layer, x, (llama.stacked(params), *kv))
+  x, (attn_LBHMC, fed) = jax.lax.scan(layer, x, (llama.stacked(params), held))
   logits = llama.logits_of(cfg, params, x[:, logits_from:])
   if not appended:
     return logits, attn_LBHMC
-  keys, values, valid, positions = kv
-  L, _, H = valid.shape[:3]
+  positions = kv[3]
+  L, _, H = positions.shape[:3]
   pos_LBHM = jnp.broadcast_to(pos_BM[None, :, None], (L, B, H, M)).astype(positions.dtype)
-  grown = (
-    jnp.concatenate([keys, fed[0]], axis=3),
-    jnp.concatenate([values, fed[1]], axis=3),
-    jnp.concatenate([valid, jnp.ones((L, B, H, M), bool)], axis=3),
-    jnp.concatenate([positions, pos_LBHM], axis=3),
-  )
-  return logits, attn_LBHMC, grown
+  return logits, attn_LBHMC, (*fed, jnp.ones((L, B, H, M), bool), pos_LBHM)
 
 
 def _admit_generated(cache: KVCache, slots: dict, pos_B, step):

@@ -788,11 +788,11 @@ def _answer_at_once(cfg, params, spec, cache0, start_pos_B, inputs_BN, given_BN,
   P = prefix
   pos_BN = start_pos_B[:, None] + jnp.arange(N, dtype=jnp.int32)[None, :]
   repeat = spec.layout == "query"
-  kv = cache_lib.held_kv(spec, cache0)
+  kv, prefix_kv = cache_lib.held_kv(spec, cache0), None
   logits, greedy = [], []  # the prefix's last position (if any), then the rest's
   first_B = inputs_BN[:, 0]  # fed first after the prefix unless given: its last prediction
   if P:
-    logits_B1V, _, kv = cache_lib.extend(
+    logits_B1V, _, prefix_kv = cache_lib.extend(
       cfg,
       params,
       kv,
@@ -809,7 +809,7 @@ def _answer_at_once(cfg, params, spec, cache0, start_pos_B, inputs_BN, given_BN,
   fed_BR, given_BR, pos_BR = inputs_BN[:, P:], given_BN[:, P:], pos_BN[:, P:]
 
   def predict(fed):
-    return cache_lib.extend(cfg, params, kv, fed, pos_BR, repeat_kv=repeat)[0]
+    return cache_lib.extend(cfg, params, kv, fed, pos_BR, repeat_kv=repeat, after=prefix_kv)[0]
 
   def feed(pred_BR):  # the sequential loop's token i: the answer's if given, else prediction i-1
     prev_BR = jnp.concatenate([first_B[:, None], pred_BR[:, :-1]], axis=1)
