@@ -23,9 +23,11 @@ the same token ids go to both, and budgets are matched exactly (kvpress's ratio 
 
 Named differences that the numbers show: kvjax's ``streaming_llm`` and ``tova`` are decode-time
 policies (official StreamingLLM and TOVA: the question and answer tokens are fed through a cache
-that keeps evicting within the budget), while kvpress compresses the context once and then
-appends; section 2 also runs the same two scorers as prefill-only kvjax variants, which is
-kvpress's semantics. LagKV's scores are ranks inside each 128-token chunk, so every rank value
+that keeps evicting within the budget), while kvpress's ``StreamingLLMPress`` and ``TOVAPress``
+compress the context once and then append. The grid (sections 2 and 3) runs kvpress's semantics
+on both sides: kvjax's same two scorers selected once after the context (the prefill-only
+variants registered here, ``PREFILL_TWINS``), so both libraries do the same work; section 2 also
+shows the decode-time policies' accuracy beside them. LagKV's scores are ranks inside each 128-token chunk, so every rank value
 is shared by all the chunks: kvpress's cut falls inside a group of exactly tied scores, which
 ``torch.topk`` and kvjax break differently (the section 1 line says "exact score ties"). The
 grid's SnapKV and PyramidKV use a 32-token window on both sides
@@ -502,7 +504,9 @@ def pyramid_budget_check(kp, cfg, Tc: int, budgets: tuple[int, ...]) -> list[str
 
 def kvjax_grid(model, exs, pairs, budgets, G: int) -> tuple[float, dict]:
   """One prefill of all examples, then every policy's budgets vmapped: ``(seconds, accuracy,
-  answers)`` with ``accuracy[(label, budget)]`` and the greedy answer tokens ``[B, N]``."""
+  answers)`` with ``accuracy[(label, budget)]`` and the greedy answer tokens ``[B, N]``.
+  StreamingLLM and TOVA run as kvpress runs them, selected once after the context
+  (``PREFILL_TWINS``)."""
   start = time.perf_counter()
   prefilled = evaluate.prefill_examples(
     model, exs, question="after", window=WINDOW_GRID, oracle=False
@@ -510,8 +514,9 @@ def kvjax_grid(model, exs, pairs, budgets, G: int) -> tuple[float, dict]:
   acc, answers = {}, {}
   for pair in pairs:
     b_kj = [b + pair.extra_budget for b in budgets]
+    policy = PREFILL_TWINS.get(pair.policy, pair.policy)
     res = evaluate.evaluate_group(
-      model, exs, b_kj, pair.policy, dict(pair.options, num_kv_heads=G), prefilled=prefilled
+      model, exs, b_kj, policy, dict(pair.options, num_kv_heads=G), prefilled=prefilled
     )
     for c, (b, row) in enumerate(zip(budgets, res["rows"], strict=True)):
       acc[(pair.label, b)] = row["accuracy"]
@@ -570,7 +575,9 @@ def full_cache_accuracy(torch, hf, model, exs, Tc: int, n_new: int) -> tuple[flo
   return float(np.mean(oks)), res["rows"][0]["accuracy"]
 
 
-def prefill_twin_accuracy(model, exs, pairs, budgets, G: int) -> tuple[dict, dict]:
+def decode_time_accuracy(model, exs, pairs, budgets, G: int) -> tuple[dict, dict]:
+  """kvjax's decode-time StreamingLLM and TOVA (evicting while the question and answer are fed)
+  on the grid's examples: ``(accuracy, answers)`` keyed as :func:`kvjax_grid`'s."""
   prefilled = evaluate.prefill_examples(
     model, exs, question="after", window=WINDOW_GRID, oracle=False
   )
@@ -582,7 +589,7 @@ def prefill_twin_accuracy(model, exs, pairs, budgets, G: int) -> tuple[dict, dic
       model,
       exs,
       list(budgets),
-      PREFILL_TWINS[pair.policy],
+      pair.policy,
       dict(pair.options, num_kv_heads=G),
       prefilled=prefilled,
     )
@@ -616,23 +623,24 @@ def run_grid(torch, kvpress, hf, model, cfg, ptok, n_examples, budgets) -> tuple
 
   print("\n[2] accuracy, query-agnostic (question after the compressed context)", flush=True)
   full_kp, full_kj = full_cache_accuracy(torch, hf, model, exs, Tc, n_new)
-  twins, ans_twin = prefill_twin_accuracy(model, exs, pairs, budgets, G)
+  decode, ans_decode = decode_time_accuracy(model, exs, pairs, budgets, G)
   print(f"  full cache: kvpress {full_kp:.2f}, kvjax {full_kj:.2f}")
   print(
     f"  {'press':18s} {'budget':>6s} {'kvpress':>8s} {'kvjax':>6s} {'same answer':>12s} "
-    f"{'kvjax prefill-only':>19s}"
+    f"{'kvjax decode-time':>19s}"
   )
   for pair in pairs:
     for b in budgets:
       key = (pair.label, b)
-      twin = twins.get(key)
+      evicting = decode.get(key)
       n_same = same_answers(exs, ans_kp[key], ans_kj[key])
       print(
         f"  {pair.label:18s} {b:6d} {acc_kp[key]:8.2f} {acc_kj[key]:6.2f} "
         f"{f'{n_same}/{len(exs)}':>12s}"
         + (
-          f" {twin:7.2f} (same answer {same_answers(exs, ans_kp[key], ans_twin[key])}/{len(exs)})"
-          if twin is not None
+          f" {evicting:7.2f} (same answer "
+          f"{same_answers(exs, ans_kp[key], ans_decode[key])}/{len(exs)})"
+          if evicting is not None
           else ""
         )
       )
