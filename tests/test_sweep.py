@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT))
 from conftest import forced_devices_env, full_mode  # noqa: E402
 
 from configs import sweep_lab  # noqa: E402
-from kvjax import rundir, select  # noqa: E402
-from kvjax.lab import sweep  # noqa: E402
+from kvjax import budgets, rundir, select  # noqa: E402
+from kvjax.lab import sweep, synthetic  # noqa: E402
 
 
 def quick(**product):
@@ -144,6 +144,104 @@ def test_prefix_sum_metric_equals_the_mask_route():
   expected = float((np.asarray(ev["mass"]) * np.asarray(keep)).sum(-1).mean())
   np.testing.assert_allclose(row["retained_mass"], expected, rtol=1e-5)
   assert row["cache_tokens"] == int(np.asarray(budget_LH).sum())
+
+
+def _table_scores(kind: str, shape=(3, 6, 64)) -> jax.Array:
+  """Scores that stress Ada-KV's pooled table: one head far ahead of the others (it wins more
+  than its share), heavy ties, both zeros, and ``-inf`` entries that tie with the left-out
+  window."""
+  key = jax.random.key({"skewed": 0, "ties": 1, "inf": 2}[kind])
+  x = jax.random.uniform(key, shape)
+  if kind == "skewed":
+    x = x.at[:, 0].add(1.0)
+  elif kind == "ties":
+    x = jnp.round(x * 3) / 3
+    x = jnp.where(x == 0, -0.0, x)
+  else:
+    x = jnp.where(x < 0.4, -jnp.inf, x)
+  return x.at[..., -4:].set(jnp.inf)  # the protected window, as the scorers give it
+
+
+@pytest.mark.parametrize("kind", ["skewed", "ties", "inf"])
+@pytest.mark.parametrize("capacity", [3, 10, 36])
+def test_adakv_table_from_each_heads_order_equals_the_pooled_table(kind, capacity):
+  scores, window = _table_scores(kind), 4
+  L, H, P = scores.shape
+  expected = np.asarray(budgets.adakv_table(scores, window, capacity))
+  order = select.descending_order(scores, P)
+  cap = min(capacity, P - window)
+  shallow_exact = False
+  for depth in sorted({min(P, cap + window + extra) for extra in (0, cap, 3 * cap)} | {P}):
+    table, exact = sweep.adakv_table_from_order(scores, order, window, capacity, depth)
+    if bool(exact):  # exact, or it says it is not
+      np.testing.assert_array_equal(np.asarray(table), expected)
+      shallow_exact |= depth < P
+    assert bool(exact) or depth < P or kind == "inf"  # all of it: -inf ties the window only
+  assert shallow_exact or kind == "skewed" or capacity != 10  # the pooled union was shallower
+  # the engine deepens until exact, then falls back to the full pooled sort
+  engine = sweep.Engine(quick().world, capacity=capacity)
+  for start in (None, cap + window):  # the first try (P at this size), or a shallow one
+    table = engine.pooled_table(sweep.ScoreSet(scores), window, capacity, start)
+    np.testing.assert_array_equal(np.asarray(table), expected)
+
+
+def test_adakv_from_a_shallow_head_order_equals_the_loop():
+  c = quick(policy=("snapkv",), schedule=("uniform", "pyramid"), head_alloc=("adakv",))
+  c.grid.product.budget = (20, 40)
+  c.world.update(num_heads=8, prompt_len=1024, gen_steps=8)
+  configs = sweep.expand(c.grid, c.base)
+  engine = sweep.Engine(c.world, capacity=40, chunk_size=8)
+  assert sweep.table_depth(81, 8, 1024) < 1024  # the pooled table's first try is shallower
+  for key in dict.fromkeys(sweep.group_key(cfg) for cfg in configs):
+    members = [cfg for cfg in configs if sweep.group_key(cfg) == key]
+    rows = [r for chunk in engine.evaluate(members) for r in chunk]
+    single = jax.jit(
+      sweep.single_config_fn(key, engine.world_evidence(key.scenario).world.dims, 40)
+    )
+    for cfg, row in zip(members, rows, strict=True):
+      out = single(engine.evidence(key), {k: v[0] for k, v in sweep.stack_data([cfg], 1).items()})
+      for m in ("retained_mass", "oracle_gap", "fact_recall", "cache_tokens"):
+        np.testing.assert_allclose(row[m], float(out[m]), rtol=1e-5, atol=1e-6)
+
+
+def test_one_sort_per_layer_is_the_same_order():
+  x = jnp.round(jax.random.uniform(jax.random.key(4), (3, 5, 64)) * 8)  # heavy ties
+  for k in (4, 64):  # top_k, then the full sort
+    np.testing.assert_array_equal(
+      np.asarray(sweep.descending_order_by_layer(x, k)), np.asarray(select.descending_order(x, k))
+    )
+
+
+def test_small_groups_pad_to_a_power_of_two():
+  engine = sweep.Engine(quick().world, capacity=32, chunk_size=1000)
+  assert [engine.chunk_shape(n) for n in (1, 3, 167, 256, 999, 5000)] == [
+    1,
+    4,
+    256,
+    256,
+    1000,
+    1000,
+  ]
+
+
+def test_oracle_prefix_from_the_worlds_order_equals_the_sorted_one():
+  mass = jax.random.uniform(jax.random.key(3), (2, 3, 64)) ** 4
+  mass = mass.at[0, 0, :10].set(0.0)
+  descending = sweep.descending_mass(mass)
+  for cap in (4, 8, 9, 40, 64):  # top_k below P / 8, the sort past it
+    np.testing.assert_array_equal(
+      np.asarray(sweep.oracle_prefix_from(descending, cap)),
+      np.asarray(sweep.oracle_prefix(mass, cap)),
+    )
+
+
+def test_the_sweeps_world_without_values_has_the_same_tables():
+  cfg = synthetic.world_config("needle_qa", quick().world)
+  full, bare = synthetic.make_world(cfg), synthetic.make_world(cfg, values=False)
+  assert bare.values_LHTD.shape == full.values_LHTD.shape[:-1] + (0,)
+  for name, a in vars(full).items():
+    if name not in ("values_LHTD", "dims"):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(getattr(bare, name)), err_msg=name)
 
 
 def run_cli(workdir, *extra, env=None, wait=True):

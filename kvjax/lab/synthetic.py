@@ -196,8 +196,13 @@ def _mixture_weights(cfg: WorldConfig, roles_LH: Array) -> Array:
   return w * boost
 
 
-def make_world(cfg: WorldConfig) -> World:
-  """Builds the world's static tables from ``cfg.seed`` (same seed, identical arrays)."""
+def make_world(cfg: WorldConfig, *, values: bool = True) -> World:
+  """Builds the world's static tables from ``cfg.seed`` (same seed, identical arrays).
+
+  ``values=False`` leaves ``values_LHTD`` empty (``[L, H, T, 0]``) for callers that never read
+  them (a sweep's evidence): they are the world's largest random draw. Every other table is
+  the same either way.
+  """
   validate(cfg)
   L, H, T = cfg.num_layers, cfg.num_heads, cfg.total_len
   k_sal, k_roles, k_val = jax.random.split(jax.random.key(cfg.seed), 3)
@@ -229,7 +234,7 @@ def make_world(cfg: WorldConfig) -> World:
     fact_mask_FT=jnp.asarray(fact_mask),
     fact_active_FS=jnp.asarray(active),
     fact_preview_F=jnp.asarray(active.any(1)),
-    values_LHTD=jax.random.normal(k_val, (L, H, T, cfg.head_dim), jnp.float32),
+    values_LHTD=jax.random.normal(k_val, (L, H, T, cfg.head_dim if values else 0), jnp.float32),
     dims=Dims(L, H, cfg.prompt_len, cfg.gen_steps, cfg.head_dim, cfg.window),
   )
 
