@@ -397,6 +397,41 @@ def adakv_table(scores_LHT: Array, window: int, capacity: int) -> Array | None:
   return jnp.moveaxis(counts_MLH, 0, 1)
 
 
+def adakv_table_from_order(
+  scores_LHP: Array, order_LHN: Array, window: int, capacity: int, depth: int
+) -> tuple[Array, Array]:
+  """:func:`adakv_table` of ``scores_LHP`` from each head's order ``order_LHN``
+  (:func:`kvjax.select.descending_order`, at least ``depth`` deep): ``(table, exact)``.
+
+  The layer's pooled order is taken over each head's ``depth`` best positions only (the window
+  left out), a sort of ``[L, H * depth]`` instead of ``[L, H * (P - w)]``. That is exact when no
+  head fills its share: if the ``cap H`` best of the union held a head's every kept entry, a
+  better entry of that head could lie past the depth. ``exact`` is false then (or when a
+  left-out window entry ranked among them: ``-inf`` or NaN scores), and the caller retries
+  deeper. Pooled ties go to the lower head, then the lower rank, which is the lower position
+  (the order breaks ties by position), as in :func:`kvjax.select.pooled_rank_table`.
+  """
+  L, H, P = scores_LHP.shape
+  cap = max(min(capacity, P - window), 1)
+  if not cap <= depth <= order_LHN.shape[-1]:
+    raise ValueError(
+      f"depth: {depth} outside [cap={cap}, {order_LHN.shape[-1]}]: expected at least the "
+      "table's capacity and at most the order's depth"
+    )
+  idx_LHD = order_LHN[..., :depth]
+  kept_LHD = idx_LHD < P - window
+  values = jnp.take_along_axis(scores_LHP.astype(jnp.float32), idx_LHD, -1)
+  values = jnp.where(kept_LHD, values, -jnp.inf)
+  flat_LN = select.descending_order_by_layer(values.reshape(L, H * depth), cap * H)
+  head_LMB = (flat_LN // depth).reshape(L, cap, H)  # pooled ranks in blocks of H: one per row
+  counts_LMH = (head_LMB[..., None] == jnp.arange(H)[None, None, None]).sum(-2, dtype=jnp.int32)
+  zeros = jnp.zeros((L, 1, H), jnp.int32)
+  table = jnp.concatenate([zeros, jnp.cumsum(counts_LMH, 1, dtype=jnp.int32)], 1)
+  taken = jnp.take_along_axis(kept_LHD.reshape(L, H * depth), flat_LN, -1).all()
+  filled = jnp.any(table[:, -1, :] >= kept_LHD.sum(-1))
+  return table, taken & ((depth == P) | ~filled)
+
+
 def _adakv_official(scores_LHT, budget_L, window, alpha, normalize, capacity, table=None):
   L, H, T = scores_LHT.shape
   if window == T:  # the whole prompt is the protected window: nothing to select or evict

@@ -225,6 +225,13 @@ def descending_order(scores: Array, k: int) -> Array:
   return _two_key_sort_order(key, k)
 
 
+def descending_order_by_layer(scores: Array, k: int) -> Array:
+  """:func:`descending_order` of each leading index (a layer) as its own sort op: the rows are
+  independent, so the order is the same. XLA:CPU runs one sort op on one core but independent
+  ones side by side: 0.19 s against 0.30 s for [32, 32, 8192] on 2 cores (the same CPU time)."""
+  return jnp.concatenate([descending_order(x, k) for x in jnp.split(scores, len(scores))])
+
+
 def _top_positions(scores: Array, length: Array, capacity: int) -> Array:
   """Positions of the ``capacity`` highest scores per row, best first, ties to the lower position.
 

@@ -172,7 +172,7 @@ def test_adakv_table_from_each_heads_order_equals_the_pooled_table(kind, capacit
   cap = min(capacity, P - window)
   shallow_exact = False
   for depth in sorted({min(P, cap + window + extra) for extra in (0, cap, 3 * cap)} | {P}):
-    table, exact = sweep.adakv_table_from_order(scores, order, window, capacity, depth)
+    table, exact = budgets.adakv_table_from_order(scores, order, window, capacity, depth)
     if bool(exact):  # exact, or it says it is not
       np.testing.assert_array_equal(np.asarray(table), expected)
       shallow_exact |= depth < P
@@ -208,7 +208,7 @@ def test_one_sort_per_layer_is_the_same_order():
   x = jnp.round(jax.random.uniform(jax.random.key(4), (3, 5, 64)) * 8)  # heavy ties
   for k in (4, 64):  # top_k, then the full sort
     np.testing.assert_array_equal(
-      np.asarray(sweep.descending_order_by_layer(x, k)), np.asarray(select.descending_order(x, k))
+      np.asarray(select.descending_order_by_layer(x, k)), np.asarray(select.descending_order(x, k))
     )
 
 

@@ -337,15 +337,6 @@ def _descending_values(x: Array, k: int) -> Array:
   return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def descending_order_by_layer(scores_L: Array, k: int) -> Array:
-  """:func:`kvjax.select.descending_order` of each layer (rows are independent, so the result is
-  the same) as one sort per layer: XLA:CPU runs one sort on one core but independent ones side
-  by side, which took 0.19 s against 0.30 s for [32, 32, 8192] on 2 cores (the same CPU time)."""
-  return jnp.concatenate(
-    [select.descending_order(x, k) for x in jnp.split(scores_L, len(scores_L))]
-  )
-
-
 def _prefix(values_LHC: Array) -> Array:
   zeros = jnp.zeros(values_LHC.shape[:-1] + (1,), values_LHC.dtype)
   return jnp.concatenate([zeros, jnp.cumsum(values_LHC, -1)], -1)
@@ -374,8 +365,8 @@ def oracle_prefix(mass_LHP: Array, order_cap: int) -> Array:
 def descending_mass(mass_LHP: Array) -> Array:
   """Each head's future masses, all ``P`` of them, largest first: the oracle's order, which
   depends on the world alone (an engine sorts it once per world, one sort per layer: see
-  :func:`descending_order_by_layer`). A prefix of it is :func:`_descending_values` at any depth
-  past ``P / 8`` (the same sort), and holds the same values as its ``top_k`` below, so
+  :func:`kvjax.select.descending_order_by_layer`). A prefix of it is :func:`_descending_values`
+  at any depth past ``P / 8`` (the same sort), and holds the same values as its ``top_k`` below, so
   :func:`oracle_prefix_from` equals :func:`oracle_prefix`."""
   P = mass_LHP.shape[-1]
   return jnp.concatenate([_descending_values(m, P) for m in jnp.split(mass_LHP, len(mass_LHP))])
@@ -384,41 +375,6 @@ def descending_mass(mass_LHP: Array) -> Array:
 def oracle_prefix_from(descending_LHP: Array, order_cap: int) -> Array:
   """:func:`oracle_prefix` from the world's :func:`descending_mass`."""
   return _prefix(descending_LHP[..., :order_cap])
-
-
-def adakv_table_from_order(
-  scores_LHP: Array, order_LHN: Array, window: int, capacity: int, depth: int
-) -> tuple[Array, Array]:
-  """:func:`kvjax.budgets.adakv_table` of ``scores_LHP`` from each head's order ``order_LHN``
-  (:func:`kvjax.select.descending_order`, at least ``depth`` deep): ``(table, exact)``.
-
-  The layer's pooled order is taken over each head's ``depth`` best positions only (the window
-  left out), a sort of ``[L, H * depth]`` instead of ``[L, H * (P - w)]``. That is exact when no
-  head fills its share: if the ``cap H`` best of the union held a head's every kept entry, a
-  better entry of that head could lie past the depth. ``exact`` is false then (or when a
-  left-out window entry ranked among them: ``-inf`` or NaN scores), and the caller retries
-  deeper. Pooled ties go to the lower head, then the lower rank, which is the lower position
-  (the order breaks ties by position), as in :func:`kvjax.select.pooled_rank_table`.
-  """
-  L, H, P = scores_LHP.shape
-  cap = max(min(capacity, P - window), 1)
-  if not cap <= depth <= order_LHN.shape[-1]:
-    raise ValueError(
-      f"depth: {depth} outside [cap={cap}, {order_LHN.shape[-1]}]: expected at least the "
-      "table's capacity and at most the order's depth"
-    )
-  idx_LHD = order_LHN[..., :depth]
-  kept_LHD = idx_LHD < P - window
-  values = jnp.take_along_axis(scores_LHP.astype(jnp.float32), idx_LHD, -1)
-  values = jnp.where(kept_LHD, values, -jnp.inf)
-  flat_LN = descending_order_by_layer(values.reshape(L, H * depth), cap * H)
-  head_LMB = (flat_LN // depth).reshape(L, cap, H)  # pooled ranks in blocks of H: one per row
-  counts_LMH = (head_LMB[..., None] == jnp.arange(H)[None, None, None]).sum(-2, dtype=jnp.int32)
-  zeros = jnp.zeros((L, 1, H), jnp.int32)
-  table = jnp.concatenate([zeros, jnp.cumsum(counts_LMH, 1, dtype=jnp.int32)], 1)
-  taken = jnp.take_along_axis(kept_LHD.reshape(L, H * depth), flat_LN, -1).all()
-  filled = jnp.any(table[:, -1, :] >= kept_LHD.sum(-1))
-  return table, taken & ((depth == P) | ~filled)
 
 
 def layer_capacity(key: GroupKey, max_budget: int, prompt_len: int) -> int:
@@ -614,12 +570,14 @@ def scores_and_table(
   key: GroupKey, ev: dict, capacity: int, depth: int, order_depth: int
 ) -> tuple[Array, Array, Array, Array]:
   """A score set's :func:`group_scores`, each head's order of them ``order_depth`` deep, and
-  :func:`adakv_table_from_order` at ``depth``: ``(scores, order, table, exact)`` in one program
-  (the sort reads the scores as they are made): about a fifth less time than three calls at
-  L=H=32, P=8192."""
+  :func:`kvjax.budgets.adakv_table_from_order` at ``depth``: ``(scores, order, table, exact)``
+  in one program (the sort reads the scores as they are made): about a fifth less time than
+  three calls at L=H=32, P=8192."""
   scores_LHP = group_scores(key, ev)
-  order_LHN = descending_order_by_layer(scores_LHP, order_depth)
-  table, exact = adakv_table_from_order(scores_LHP, order_LHN, key.window, capacity, depth)
+  order_LHN = select.descending_order_by_layer(scores_LHP, order_depth)
+  table, exact = budgets_lib.adakv_table_from_order(
+    scores_LHP, order_LHN, key.window, capacity, depth
+  )
   return scores_LHP, order_LHN, table, exact
 
 
@@ -630,8 +588,9 @@ def sort_depth(depth: int, prompt_len: int) -> int:
 
 
 def table_depth(capacity: int, window: int, prompt_len: int) -> int:
-  """The first pooled depth of :func:`adakv_table_from_order` for a table of ``capacity`` rows:
-  twice the capacity (a head may win more than its share; measured 1.6x at L=H=32, P=8192)."""
+  """The first pooled depth of :func:`kvjax.budgets.adakv_table_from_order` for a table of
+  ``capacity`` rows: twice the capacity (a head may win more than its share; measured 1.6x at
+  L=H=32, P=8192)."""
   return round_capacity(2 * capacity + window, prompt_len)
 
 
@@ -681,12 +640,14 @@ class Engine:
     self.compiled: dict[GroupKey, dict[str, Callable]] = {}
     self._scores = jax.jit(group_scores, static_argnums=0)
     self._scores_and_table = jax.jit(scores_and_table, static_argnums=(0, 2, 3, 4))
-    self._head_order = jax.jit(descending_order_by_layer, static_argnums=1)
+    self._head_order = jax.jit(select.descending_order_by_layer, static_argnums=1)
     self._policy_prefixes = jax.jit(policy_prefixes, static_argnums=2)
     self._descending_mass = jax.jit(descending_mass)
     self._oracle_prefix = jax.jit(oracle_prefix_from, static_argnums=1)
     self._adakv_table = jax.jit(budgets_lib.adakv_table, static_argnums=(1, 2))
-    self._adakv_table_from_order = jax.jit(adakv_table_from_order, static_argnums=(2, 3, 4))
+    self._adakv_table_from_order = jax.jit(
+      budgets_lib.adakv_table_from_order, static_argnums=(2, 3, 4)
+    )
     self._cake_statistics = jax.jit(budgets_lib.cake_statistics, static_argnums=1)
 
   def world_evidence(self, scenario: str) -> WorldEvidence:
@@ -792,8 +753,8 @@ class Engine:
   def pooled_table(
     self, shared: ScoreSet, window: int, capacity: int, depth: int | None = None
   ) -> Array | None:
-    """Ada-KV's pooled table of a score set (:func:`adakv_table_from_order`), from each head's
-    order, which the score set keeps for its prefix sums. The pooled depth starts at
+    """Ada-KV's pooled table of a score set (:func:`kvjax.budgets.adakv_table_from_order`), from
+    each head's order, which the score set keeps for its prefix sums. The pooled depth starts at
     :func:`table_depth` (or ``depth``) and doubles until the table is exact; past every depth,
     :func:`kvjax.budgets.adakv_table` pools everything."""
     L, H, P = shared.scores.shape
