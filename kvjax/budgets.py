@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import scores as scores_lib
 from kvjax import select
 
 Array = jax.Array
@@ -607,7 +608,7 @@ def cake_statistics(attn_LHWT: Array, window: int) -> tuple[Array, Array]:
   T = attn_LHWT.shape[-1]
   A = attn_LHWT[..., -window:, : T - window].astype(jnp.float32)
   entropy_L = -(A * jnp.log(A + 1e-10)).sum((1, 2, 3))
-  var_L = A.var(axis=2, ddof=1).sum((1, 2))
+  var_L = scores_lib.var_rows(A, ddof=1).sum((1, 2))
   return entropy_L, var_L
 
 
