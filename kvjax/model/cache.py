@@ -567,6 +567,41 @@ def appends_only(spec: CacheSpec) -> bool:
   return not (spec.decode_time or spec.decode_every or spec.channel_ratio or spec.reindex)
 
 
+# where each KVCache field holds its batch axis B (the fields are [L, B, ...] or [B, ...])
+_BATCH_AXIS = dict(
+  keys=1,
+  values=1,
+  positions=1,
+  valid=1,
+  budget=0,
+  scores=1,
+  overflow=0,
+  channels=1,
+  new_keys=1,
+  queries=1,
+  query_pos=0,
+)
+
+
+def fold_configs(caches_K: KVCache) -> KVCache:
+  """``K`` caches stacked on a leading axis (as a vmapped compression returns them) as one cache
+  of ``K * B`` rows, configuration-major (row ``k * B + b``): what a batch-wide computation such
+  as :func:`extend` then runs over once, instead of vmapping over ``K``."""
+  if caches_K.evidence is not None:
+    raise ValueError("caches: caches holding model-level evidence cannot be folded")
+  K, _, B = caches_K.keys.shape[:3]
+
+  def rows(name):
+    x = getattr(caches_K, name)
+    if x is None:
+      return None
+    axis = _BATCH_AXIS[name]
+    x = jnp.moveaxis(x, 0, axis)  # the configurations next to the batch
+    return x.reshape(x.shape[:axis] + (K * B,) + x.shape[axis + 2 :])
+
+  return dataclasses.replace(caches_K, **{name: rows(name) for name in _BATCH_AXIS})
+
+
 def held_kv(spec: CacheSpec, cache: KVCache) -> tuple:
   """``(keys, values, valid, positions)`` of a cache that decoding only appends to
   (:func:`appends_only`), the held keys :func:`extend` feeds tokens after."""
@@ -649,15 +684,14 @@ def extend(
       jnp.broadcast_to(k_index, (B * H, held_len + M)),
       cfg.sliding_window,
     ).reshape(B, H, M, held_len + M)
-    logits = jnp.concatenate([llama.attention_logits(q, s[0]) for s in parts], -1)
-    attn = llama.masked_softmax(logits, allowed)  # [B, Hq, M, C + ... + M]
     bounds = np.cumsum([0] + [s[0].shape[2] for s in parts])
-    out = sum(
-      llama.attend(attn[..., a:b], s[1])
-      for s, a, b in zip(parts, bounds[:-1], bounds[1:], strict=True)
-    )
+    out, attn = llama.segments_attention(
+      q,
+      [(s[0], s[1], allowed[..., a:b]) for s, a, b in zip(parts, bounds[:-1], bounds[1:])],
+      probs_of_first=probs,
+    )  # attn: [B, Hq, M, C], the first segment's part of the one softmax
     x = llama.output_and_mlp(cfg, p, x, out)
-    return x, (attn[..., :C] if probs else None, fed[:2] if appended else None)
+    return x, (attn, fed[:2] if appended else None)
 
   x, (attn_LBHMC, fed) = jax.lax.scan(layer, x, (llama.stacked(params), held))
   logits = llama.logits_of(cfg, params, x[:, logits_from:])

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx, struct
 
 from kvjax.model.config import ModelConfig
+from kvjax import scores as scores_lib
 from kvjax.scores import PRECISION
 
 Array = jax.Array
@@ -218,6 +219,45 @@ def attend(probs_BHQT: Array, v_BGTD: Array) -> Array:
   p = probs_BHQT.reshape(B, G, Hq // G, Q, K)
   out = jnp.einsum("bgrqk,bgkd->bgrqd", p, v_BGTD.astype(jnp.float32), precision=PRECISION)
   return out.reshape(B, Hq, Q, -1)
+
+
+def segments_attention(q_BHQD, segments, *, probs_of_first=False):
+  """Attention of ``Q`` queries over several key segments with one softmax over all of them:
+  ``(out [B, Hq, Q, D], probs [B, Hq, Q, C] over the first segment, or None)``.
+
+  ``segments``: ``(keys [B, G, C_i, D], values [B, G, C_i, D], allowed [B, G, Q, C_i])``,
+  grouped by KV head (query head ``h`` reads group ``h // (Hq / G)``). The same attention as
+  :func:`attention_logits`, :func:`masked_softmax` then :func:`attend` over the concatenated
+  segments (a query with no allowed key gives 0), up to float rounding, in 0.6x their time on
+  XLA:CPU with few queries (a question fed after a compressed cache: 27 vs 45 ms per layer for
+  4 x 8 caches of 1026 slots and 18 queries), because:
+
+  * the logits are computed as ``k q^T`` (``[B, G, C, R Q]``; XLA:CPU's batched matmul runs it
+    2.3x faster than ``q k^T`` when the queries are few), then transposed;
+  * the segments are never concatenated: the softmax's maximum and normaliser are combined
+    across them and each segment's values are weighted by its own part.
+  """
+  B, Hq, Q, D = q_BHQD.shape
+  G = segments[0][0].shape[1]
+  R = Hq // G
+  q = q_BHQD.astype(jnp.float32).reshape(B, G, R * Q, D) / math.sqrt(D)
+  logits = []
+  for k, _, allowed in segments:
+    k_logits = jnp.einsum("bgnd,bgkd->bgkn", q, k.astype(jnp.float32), precision=PRECISION)
+    C = k.shape[2]
+    allowed = jnp.broadcast_to(allowed[:, :, None], (B, G, R, Q, C)).reshape(B, G, R * Q, C)
+    logits.append(jnp.where(allowed, jnp.swapaxes(k_logits, 2, 3), -jnp.inf))
+  top = functools.reduce(jnp.maximum, [x.max(-1, keepdims=True) for x in logits])
+  top = jnp.where(jnp.isneginf(top), 0.0, top)  # no allowed key: every exp is 0
+  exps = [jnp.exp(x - top) for x in logits]
+  norm = sum(e.sum(-1, keepdims=True) for e in exps)
+  scale = jnp.where(norm > 0, 1.0 / jnp.where(norm > 0, norm, 1.0), 0.0)
+  out = sum(
+    jnp.einsum("bgnk,bgkd->bgnd", e, v.astype(jnp.float32), precision=PRECISION)
+    for e, (_, v, _) in zip(exps, segments, strict=True)
+  )
+  first = (exps[0] * scale).reshape(B, Hq, Q, -1) if probs_of_first else None
+  return (out * scale).reshape(B, Hq, Q, D), first
 
 
 def output_and_mlp(cfg: ModelConfig, p: dict, x_BTd: Array, attn_BHTD: Array) -> Array:
@@ -858,7 +898,7 @@ def _attend_block(q_BGRQD, tile, lo, count, size, sums_BHT):
     o, sums = carry
     start, allowed, logits, v = tile(lo + j * size)
     probs = _normalised(allowed, logits, m, norm)
-    got = jax.lax.dynamic_slice_in_dim(sums, start, size, 2) + probs.sum(3).reshape(B, G * R, -1)
+    got = jax.lax.dynamic_slice_in_dim(sums, start, size, 2) + scores_lib.sum_rows(probs).reshape(B, G * R, -1)
     return o + _pv(probs, v), jax.lax.dynamic_update_slice_in_dim(sums, got, start, 2)
 
   return jax.lax.fori_loop(0, count, second, (o0, sums_BHT))
