@@ -133,3 +133,28 @@ def test_query_layout_gathers_each_query_heads_kv_head():
     np.testing.assert_array_equal(kept_v, values[l, b, h // group, p])
   per_head = {tuple(pos[0, 0, h][valid[0, 0, h]]) for h in range(cfg.num_heads)}
   assert len(per_head) > 1  # query heads of a group keep different positions
+
+
+def test_fold_configs_makes_one_batch_of_configuration_major_rows():
+  """cache.fold_configs: K stacked caches become K * B rows, row k * B + b holding cache k's
+  row b in every field, whatever axis the field keeps its batch on."""
+  rng = np.random.default_rng(0)
+  K, L, B, H, C, D = 3, 2, 4, 2, 5, 3
+  caches = cache_lib.KVCache(
+    keys=jnp.asarray(rng.standard_normal((K, L, B, H, C, D)), jnp.float32),
+    values=jnp.asarray(rng.standard_normal((K, L, B, H, C, D)), jnp.float32),
+    positions=jnp.asarray(rng.integers(0, 99, (K, L, B, H, C)), jnp.int32),
+    valid=jnp.asarray(rng.random((K, L, B, H, C)) < 0.5),
+    budget=jnp.asarray(rng.integers(0, 9, (K, B, L, H)), jnp.int32),
+    overflow=jnp.asarray(rng.random((K, B)) < 0.5),
+  )
+  folded = cache_lib.fold_configs(caches)
+  assert folded.keys.shape == (L, K * B, H, C, D) and folded.budget.shape == (K * B, L, H)
+  for k in range(K):
+    for b in range(B):
+      row = k * B + b
+      for name in ("keys", "values", "positions", "valid"):
+        np.testing.assert_array_equal(getattr(folded, name)[:, row], getattr(caches, name)[k, :, b])
+      np.testing.assert_array_equal(folded.budget[row], caches.budget[k, b])
+      assert folded.overflow[row] == caches.overflow[k, b]
+  assert folded.scores is None

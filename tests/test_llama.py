@@ -248,3 +248,31 @@ def test_model_call_refuses_ids_outside_the_vocabulary():
   for bad in ([[1, cfg.vocab_size]], [[-1, 2]], [[1.5, 2.0]]):
     with pytest.raises(ValueError, match="input_ids"):
       model(np.asarray(bad))
+
+
+def test_segments_attention_equals_one_softmax_over_the_concatenated_keys():
+  """llama.segments_attention (keys-major logits, segments never concatenated) against
+  attention_logits + masked_softmax + attend over the concatenated segments, with a query that
+  may see no key at all (it gives 0) and the first segment's probabilities."""
+  from kvjax.model import llama
+
+  rng = np.random.default_rng(0)
+  B, Hq, G, Q, D, sizes = 2, 6, 2, 5, 8, (7, 4, 5)
+  q = jnp.asarray(rng.standard_normal((B, Hq, Q, D)), jnp.float32)
+  keys = [jnp.asarray(rng.standard_normal((B, G, c, D)), jnp.float32) for c in sizes]
+  values = [jnp.asarray(rng.standard_normal((B, G, c, D)), jnp.float32) for c in sizes]
+  allowed = rng.random((B, G, Q, sum(sizes))) < 0.6
+  allowed[0, 1, 2] = False  # a query that sees nothing
+  allowed = jnp.asarray(allowed)
+  logits = llama.attention_logits(q, jnp.concatenate(keys, 2))
+  probs = llama.masked_softmax(logits, allowed)
+  want = llama.attend(probs, jnp.concatenate(values, 2))
+  bounds = np.cumsum((0,) + sizes)
+  segments = [
+    (k, v, allowed[..., a:b]) for k, v, a, b in zip(keys, values, bounds[:-1], bounds[1:])
+  ]
+  out, first = jax.jit(lambda s: llama.segments_attention(q, s, probs_of_first=True))(segments)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(first), np.asarray(probs[..., : sizes[0]]), atol=1e-6)
+  assert not np.asarray(out[0, 3:6, 2]).any()  # query heads of group 1, query 2: no key
+  assert llama.segments_attention(q, segments)[1] is None

@@ -120,6 +120,23 @@ def test_tova_knorm_oracle_cake():
   assert np.isinf(c[..., 6:]).all()
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 33])
+def test_window_row_reductions_equal_numpy(rows):
+  """sum_rows / mean_rows / var_rows (the tree of adds the window readers use) equal numpy's
+  reductions over the row axis, on a sliced input as the scorers feed them, under jit."""
+  rng = np.random.default_rng(rows)
+  attn = rng.random((2, 3, rows + 2, 11)).astype(np.float32)
+  sliced = jax.jit(lambda a: a[..., 2:, :9])
+  x = np.asarray(attn[..., 2:, :9], np.float64)
+  got = jax.jit(lambda a: scores.sum_rows(sliced(a)))(jnp.asarray(attn))
+  np.testing.assert_allclose(np.asarray(got), x.sum(-2), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(scores.mean_rows(sliced(attn))), x.mean(-2), rtol=1e-6)
+  if rows > 1:
+    var = np.asarray(scores.var_rows(sliced(attn), ddof=1))
+    np.testing.assert_allclose(var, x.var(-2, ddof=1), rtol=1e-5, atol=1e-7)
+  assert got.shape == (2, 3, 9)
+
+
 def test_group_mapping():
   s = jnp.asarray(np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3))
   g = np.asarray(scores.group(s, 2, "max"))
