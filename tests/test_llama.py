@@ -269,7 +269,8 @@ def test_segments_attention_equals_one_softmax_over_the_concatenated_keys():
   want = llama.attend(probs, jnp.concatenate(values, 2))
   bounds = np.cumsum((0,) + sizes)
   segments = [
-    (k, v, allowed[..., a:b]) for k, v, a, b in zip(keys, values, bounds[:-1], bounds[1:])
+    (k, v, allowed[..., a:b])
+    for k, v, a, b in zip(keys, values, bounds[:-1], bounds[1:], strict=True)
   ]
   out, first = jax.jit(lambda s: llama.segments_attention(q, s, probs_of_first=True))(segments)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-6)

@@ -663,7 +663,7 @@ def extend(
     q, k, v = llama.project_qkv(cfg, p, x, pos_BM)
     if repeat_kv:
       k, v = jnp.repeat(k, cfg.num_groups, 1), jnp.repeat(v, cfg.num_groups, 1)
-    H, C = segments[0][0].shape[1], segments[0][0].shape[2]
+    H = segments[0][0].shape[1]
     dtype = segments[0][0].dtype
     fed_pos = jnp.broadcast_to(pos_BM[:, None], (B, H, M))
     fed = (k.astype(dtype), v.astype(dtype), jnp.ones((B, H, M), bool), fed_pos)
@@ -687,7 +687,10 @@ def extend(
     bounds = np.cumsum([0] + [s[0].shape[2] for s in parts])
     out, attn = llama.segments_attention(
       q,
-      [(s[0], s[1], allowed[..., a:b]) for s, a, b in zip(parts, bounds[:-1], bounds[1:])],
+      [
+        (s[0], s[1], allowed[..., a:b])
+        for s, a, b in zip(parts, bounds[:-1], bounds[1:], strict=True)
+      ],
       probs_of_first=probs,
     )  # attn: [B, Hq, M, C], the first segment's part of the one softmax
     x = llama.output_and_mlp(cfg, p, x, out)

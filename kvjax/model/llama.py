@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from kvjax.model.config import ModelConfig
 from kvjax import scores as scores_lib
+from kvjax.model.config import ModelConfig
 from kvjax.scores import PRECISION
 
 Array = jax.Array
@@ -898,7 +898,9 @@ def _attend_block(q_BGRQD, tile, lo, count, size, sums_BHT):
     o, sums = carry
     start, allowed, logits, v = tile(lo + j * size)
     probs = _normalised(allowed, logits, m, norm)
-    got = jax.lax.dynamic_slice_in_dim(sums, start, size, 2) + scores_lib.sum_rows(probs).reshape(B, G * R, -1)
+    got = jax.lax.dynamic_slice_in_dim(sums, start, size, 2) + scores_lib.sum_rows(probs).reshape(
+      B, G * R, -1
+    )
     return o + _pv(probs, v), jax.lax.dynamic_update_slice_in_dim(sums, got, start, 2)
 
   return jax.lax.fori_loop(0, count, second, (o0, sums_BHT))
