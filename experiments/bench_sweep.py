@@ -5,11 +5,11 @@ PyramidKV legacy and exact-total, CAKE) and head allocations (uniform, Ada-KV, H
 synthetic world with ``L=32, H=32, P=8192``. Prints:
 
 * compile time (first pass over every group) apart from the compiled throughput;
-* configurations per second of the compiled, vmapped sweep (the median of 5 sweeps), end to end (each score set's
-  scores, sort and Ada-KV table + every configuration; the world's evidence, CAKE statistics and
-  the oracle's order are per world, computed once by the evidence stage, and a second rate
-  recomputes the last two in every sweep) and in the per-configuration stage alone (target
-  >= 1,000/s);
+* configurations per second of the compiled, vmapped sweep (the median of 5 sweeps), end to end
+  (each score set's scores, sort and Ada-KV table + every configuration; the world's evidence,
+  CAKE statistics and the oracle's order are per world, computed once by the evidence stage, and
+  a second rate recomputes the last two in every sweep) and in the per-configuration stage alone
+  (target >= 1,000/s);
 * the speed-up over a Python loop calling the same jitted single-configuration function
   (timed on a sample of configurations per group; target >= 50x);
 * peak resident memory of a fresh process sweeping 1,000 and 10,000 configurations (bounded:

@@ -599,7 +599,9 @@ def fold_configs(caches_K: KVCache) -> KVCache:
     x = jnp.moveaxis(x, 0, axis)  # the configurations next to the batch
     return x.reshape(x.shape[:axis] + (K * B,) + x.shape[axis + 2 :])
 
-  return dataclasses.replace(caches_K, **{name: rows(name) for name in _BATCH_AXIS})
+  # every field but the evidence (a new field without a _BATCH_AXIS entry fails here, loudly)
+  names = [f.name for f in dataclasses.fields(caches_K) if f.name != "evidence"]
+  return dataclasses.replace(caches_K, **{name: rows(name) for name in names})
 
 
 def held_kv(spec: CacheSpec, cache: KVCache) -> tuple:
