@@ -435,3 +435,16 @@ def test_checked_selection_reports_nan_negative_and_over_capacity_under_jit():
   # concrete bad input still raises at the boundary, before any jit
   with pytest.raises(ValueError, match="scores: contains NaN"):
     select.checked_keep_mask(scores.at[0, 0].set(jnp.nan), 2)
+
+
+@pytest.mark.parametrize("k", [3, 40])  # lax.top_k's depth, then the int32 sort's (past T / 8)
+def test_descending_values_equal_the_values_at_the_descending_order(k):
+  rng = np.random.default_rng(k)
+  x = rng.standard_normal((3, 4, 300)).astype(np.float32)
+  x[0, 0, :50] = 0.5  # ties
+  x[1, 1, 7], x[1, 1, 9] = -0.0, 0.0
+  x_j = jnp.asarray(x)
+  got = np.asarray(select.descending_values(x_j, k))
+  want = np.take_along_axis(x, np.asarray(select.descending_order(x_j, k)), -1)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got, -np.sort(-x, -1)[..., :k])

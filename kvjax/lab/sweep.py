@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pandas as pd
-from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
@@ -324,19 +323,6 @@ def _allocate(key: GroupKey, d: dict, shared: dict, dims, layer_cap: int) -> Arr
   )
 
 
-def _descending_values(x: Array, k: int) -> Array:
-  """The ``k`` largest values of each row, largest first: what the oracle's prefix sums need
-  (no positions, so deep orders sort int32 keys, a single-operand sort, instead of packed
-  (key, position) pairs). Equal values are interchangeable in a sum, so the prefix sums equal
-  those of :func:`kvjax.select.descending_order`'s gather bit for bit."""
-  if k * 8 <= x.shape[-1] or x.shape[-1] <= 256:
-    return lax.top_k(x, k)[0]
-  key = select.sortable_int32(x)
-  key = -jnp.sort(-key, axis=-1)[..., :k]  # keys lie in [-(2**31 - 1), 2**31 - 1]: no overflow
-  bits = jnp.where(key < 0, (-key) | jnp.int32(-(2**31)), key)
-  return lax.bitcast_convert_type(bits, jnp.float32)
-
-
 def _cumsum(x: Array, block: int = 32) -> Array:
   """``jnp.cumsum(x, -1)`` as running sums within blocks of ``block`` (unrolled adds, which
   XLA:CPU vectorises across rows) plus each block's offset: half ``jnp.cumsum``'s time on
@@ -375,17 +361,19 @@ def policy_prefixes(ev: dict, order_LHD: Array, order_cap: int) -> dict:
 
 def oracle_prefix(mass_LHP: Array, order_cap: int) -> Array:
   """The oracle's prefix sums: each head's ``order_cap`` largest masses, largest first."""
-  return _prefix(_descending_values(mass_LHP, order_cap))
+  return _prefix(select.descending_values(mass_LHP, order_cap))
 
 
 def descending_mass(mass_LHP: Array) -> Array:
   """Each head's future masses, all ``P`` of them, largest first: the oracle's order, which
   depends on the world alone (an engine sorts it once per world, one sort per layer: see
-  :func:`kvjax.select.descending_order_by_layer`). A prefix of it is :func:`_descending_values`
+  :func:`kvjax.select.descending_order_by_layer`). A prefix of it is :func:`kvjax.select.descending_values`
   at any depth past ``P / 8`` (the same sort), and holds the same values as its ``top_k`` below, so
   :func:`oracle_prefix_from` equals :func:`oracle_prefix`."""
   P = mass_LHP.shape[-1]
-  return jnp.concatenate([_descending_values(m, P) for m in jnp.split(mass_LHP, len(mass_LHP))])
+  return jnp.concatenate(
+    [select.descending_values(m, P) for m in jnp.split(mass_LHP, len(mass_LHP))]
+  )
 
 
 def oracle_prefix_from(descending_LHP: Array, order_cap: int) -> Array:
@@ -603,6 +591,14 @@ def sort_depth(depth: int, prompt_len: int) -> int:
   return prompt_len if 8 * depth > prompt_len else depth
 
 
+def table_rows(capacity: int, window: int, num_heads: int, prompt_len: int) -> int | None:
+  """The rows of Ada-KV's pooled table for budgets up to ``capacity`` (as
+  :func:`kvjax.budgets.adakv_table` sizes it: at most the ``P - window`` selectable positions, at
+  least 1), or ``None`` where its pooled ranks would not fit int32 (no table then, as there)."""
+  cap = max(min(capacity, prompt_len - window), 1)
+  return None if num_heads * (cap * num_heads + 1) >= select.INT32_LIMIT else cap
+
+
 def table_depth(capacity: int, window: int, prompt_len: int) -> int:
   """The first pooled depth of :func:`kvjax.budgets.adakv_table_from_order` for a table of
   ``capacity`` rows: twice the capacity (a head may win more than its share; measured 1.6x at
@@ -720,8 +716,8 @@ class Engine:
     table's first try are one program (:func:`scores_and_table`)."""
     dims = self.world_evidence(key.scenario).world.dims
     H, P = dims.num_heads, dims.prompt_len
-    cap = None if table_capacity is None else max(min(table_capacity, P - key.window), 1)
-    if cap is None or H * (cap * H + 1) >= select.INT32_LIMIT:  # no table: as adakv_table
+    cap = None if table_capacity is None else table_rows(table_capacity, key.window, H, P)
+    if cap is None:
       return ScoreSet(self.scores(key)), None
     depth = table_depth(cap, key.window, P)
     structure = dataclasses.replace(key, scenario="")
@@ -774,8 +770,8 @@ class Engine:
     :func:`table_depth` (or ``depth``) and doubles until the table is exact; past every depth,
     :func:`kvjax.budgets.adakv_table` pools everything."""
     L, H, P = shared.scores.shape
-    cap = max(min(capacity, P - window), 1)
-    if H * (cap * H + 1) >= select.INT32_LIMIT:  # as budgets.adakv_table: no table
+    cap = table_rows(capacity, window, H, P)
+    if cap is None:
       return None
     depth = table_depth(cap, window, P) if depth is None else depth
     while True:
