@@ -448,3 +448,102 @@ def test_descending_values_equal_the_values_at_the_descending_order(k):
   want = np.take_along_axis(x, np.asarray(select.descending_order(x_j, k)), -1)
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(got, -np.sort(-x, -1)[..., :k])
+
+
+# --------------------------------------------------------------------------- the bucket search
+# keep_mask on rows of at least BUCKET_MIN_POSITIONS with a capacity up to T / 8 finds each row's
+# n-th best by bisection on the sortable keys and orders only a bucket of <= 64 candidates; rows
+# it cannot settle (too many ties, -inf or NaN in the bucket) take the ordered path.
+
+
+def bucket_case(rng, kind, shape):
+  if kind == "normal":
+    return rng.standard_normal(shape).astype(np.float32)
+  if kind == "heavy_tail":  # attention-like: positive, spanning orders of magnitude
+    return np.exp(rng.standard_normal(shape) * 4).astype(np.float32)
+  if kind == "ties":  # few distinct values: buckets of thousands of equal keys
+    return rng.integers(0, 5, size=shape).astype(np.float32)
+  if kind == "signed_zeros":
+    return signed_zero_scores(rng, shape)
+  if kind == "subnormal":
+    tiny = np.float32(1e-45)
+    return (rng.integers(-40, 40, size=shape) * tiny).astype(np.float32)
+  if kind == "inf":  # +inf sentinels (protect) and -inf positions
+    s = rng.standard_normal(shape).astype(np.float32)
+    s[..., :5] = np.inf
+    s[..., 7::97] = -np.inf
+    return s
+  raise AssertionError(kind)
+
+
+@pytest.mark.parametrize(
+  "kind", ["normal", "heavy_tail", "ties", "signed_zeros", "subnormal", "inf"]
+)
+def test_bucket_path_equals_the_reference(kind):
+  rng = np.random.default_rng(len(kind))
+  T = select.BUCKET_MIN_POSITIONS + 77
+  scores = bucket_case(rng, kind, (3, 5, T))
+  capacity = T // 8
+  budget = rng.integers(0, capacity + 1, size=(3, 5)).astype(np.int32)
+  budget[0, 0], budget[0, 1], budget[0, 2] = 0, 1, capacity  # edges
+  length = rng.integers(capacity, T + 1, size=(3, 5)).astype(np.int32)
+  length[1, 0], length[1, 1] = 0, 3  # an empty row; a row shorter than its budget
+  keep = jax.jit(lambda s, b, n: select.keep_mask(s, b, length=n, capacity=capacity))
+  np.testing.assert_array_equal(
+    np.asarray(keep(scores, budget, length)), reference_mask(scores, budget, length)
+  )
+  full = jax.jit(lambda s, b: select.keep_mask(s, b, capacity=capacity))
+  np.testing.assert_array_equal(np.asarray(full(scores, budget)), reference_mask(scores, budget))
+  # which path ran: the bucket search settles every kind but the heavily tied ones
+  masked = np.where(np.arange(T) < length[..., None], scores, -np.inf)
+  n = jnp.minimum(jnp.asarray(budget), jnp.asarray(length))
+  settled = bool(select._nth_best_by_bucket(jnp.asarray(masked), n)[1])
+  assert settled == (kind not in ("ties", "signed_zeros"))
+
+
+def test_bucket_search_settles_distinct_rows_and_declines_ties():
+  rng = np.random.default_rng(5)
+  T = 8192
+  n = jnp.asarray(rng.integers(1, 513, size=(4, 6)), jnp.int32)
+  search = jax.jit(select._nth_best_by_bucket)
+  scores = rng.standard_normal((4, 6, T)).astype(np.float32)
+  last, ok = search(jnp.asarray(scores), n)
+  assert bool(ok)  # the fast path, not the fallback, is what the test above checks on these
+  expected = reference_order(scores)[np.arange(4)[:, None], np.arange(6), np.asarray(n) - 1]
+  np.testing.assert_array_equal(np.asarray(last), expected)
+  tied = np.zeros((4, 6, T), np.float32)  # every key equal: no bucket of 64 exists
+  assert not bool(search(jnp.asarray(tied), n)[1])
+  empty = scores.copy()
+  empty[0, 0] = -np.inf  # a row of length 0 (n = 0) keeps nothing and settles nothing
+  assert bool(search(jnp.asarray(empty), n.at[0, 0].set(0))[1])
+  masked = scores.copy()
+  masked[..., 100:] = -np.inf  # the 200th best is -inf: declined
+  assert not bool(search(jnp.asarray(masked), jnp.full((4, 6), 200, jnp.int32))[1])
+
+
+def test_bucket_path_counts_rows_longer_than_one_count_block():
+  # rows over 16384 positions are counted in int16 blocks, the last one padded
+  rng = np.random.default_rng(9)
+  T = 20000
+  scores = rng.standard_normal((2, T)).astype(np.float32)
+  budget = np.array([1, 2000], np.int32)
+  keep = jax.jit(lambda s, b: select.keep_mask(s, b, capacity=2048))
+  np.testing.assert_array_equal(np.asarray(keep(scores, budget)), reference_mask(scores, budget))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_bucket_path_under_vmap(shared):
+  """Budgets vmapped over shared scores take one ordered top-k (its batching rule); vmapped
+  scores run the bucket search on every row. Both equal the reference."""
+  rng = np.random.default_rng(11)
+  K, T, C = 3, 4096, 256
+  scores = rng.standard_normal((K, 2, 4, T)).astype(np.float32)
+  budgets = rng.integers(0, C + 1, size=(K, 2, 4)).astype(np.int32)
+  one = lambda s, b: select.keep_mask(s, b, capacity=C)  # noqa: E731
+  if shared:
+    keep = jax.jit(jax.vmap(one, in_axes=(None, 0)))(scores[0], budgets)
+    expected = [reference_mask(scores[0], budgets[k]) for k in range(K)]
+  else:
+    keep = jax.jit(jax.vmap(one))(scores, budgets)
+    expected = [reference_mask(scores[k], budgets[k]) for k in range(K)]
+  np.testing.assert_array_equal(np.asarray(keep), np.stack(expected))
