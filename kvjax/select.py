@@ -20,12 +20,13 @@ Semantics shared by every function here (DESIGN.md, step 4):
 The implementation is a threshold: each row keeps the entries above its
 ``min(budget, length)``-th best one, plus the tied entries up to that one's position (exact,
 tie-consistent, no scatter; about 10x faster on CPU than a double argsort: DESIGN.md, "On CPU,
-JAX sorts floats slowly"). That entry is found by a bisection on the sortable keys down to a
-bucket of at most 64 candidates, which alone are ordered (rows of 1024 positions or more, capacity
-up to ``T / 8``; tied buckets fall back to the next path), or from ``lax.top_k`` up to the static
-capacity ``C``. :func:`ranks` still scatters the order (one table answers every budget). Deep
-orders (``C > T / 8``) sort integer keys instead: a packed int64 sort on CPU, a two-key sort
-elsewhere, with the same order.
+JAX sorts floats slowly"). On rows of 1024 positions or more with a capacity up to ``T / 8``
+the threshold is found without ordering anything, by a bisection on the sortable keys with a
+counting pass per step (:func:`count_threshold`; rows whose ``n``-th best is tied with the next
+fall back); otherwise that entry comes from ``lax.top_k`` up to the static capacity ``C``.
+:func:`ranks` still scatters the order (one table answers every budget). Deep orders
+(``C > T / 8``) sort integer keys instead: a packed int64 sort on CPU, a two-key sort elsewhere,
+with the same order.
 Shape letters follow ``kvjax``'s key (``C`` capacity, ``K`` configurations); ``R`` is the rows
 (every leading axis) flattened.
 """
@@ -290,69 +291,69 @@ def _rank_impl(scores: Array, length: Array, capacity: int) -> Array:
   return out_RT.reshape(batch_shape + (num_positions,))
 
 
-# The bucket search (:func:`_nth_best_by_bucket`): rows of at least this many positions (at 1024
-# positions and capacity 128 it took 16 ms against top_k's 41 over 32 x 32 rows), and at most this
-# many candidates left for its final ``top_k`` (32, 64, 128, 256: 142, 139, 152, 160 ms over
-# [32, 32, 8192] with budgets up to 512).
-BUCKET_MIN_POSITIONS = 1024
-BUCKET_CANDIDATES = 64
-_COUNT_BLOCK = 16384  # int16 partial counts: a block's count must fit in int16
+# The count threshold (:func:`count_threshold`) selects rows of at least this many positions: at
+# 1024 positions and capacity 128 the bucket search it grew from took 16 ms against top_k's 41
+# over 32 x 32 rows.
+COUNT_THRESHOLD_MIN_POSITIONS = 1024
+# counts accumulate in int16 over blocks of 256 positions (2.7 ms a pass over [1024, 8192],
+# against 3.9 ms in one int16 sum per row and 23 ms in int32: XLA:CPU vectorises the former)
+_COUNT_BLOCK = 256
 
 
-def _unsigned_keys(key: Array) -> Array:
-  """uint32 keys in the order of the int32 ``key`` (the sign bit flipped)."""
-  return lax.bitcast_convert_type(key, jnp.uint32) ^ jnp.uint32(0x80000000)
+def _order_keys(x: Array) -> Array:
+  """uint32 keys whose unsigned order is the float32 order of ``x``, ``-0.0 == +0.0`` (the order
+  of :func:`_sortable_int32`, shifted: one fused pass over the bits)."""
+  i = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  i = jnp.where(i == jnp.uint32(0x80000000), jnp.uint32(0), i)  # -0.0 -> +0.0
+  return jnp.where(i >> 31 == 1, ~i, i | jnp.uint32(0x80000000))
 
 
-def _count_blocks(u: Array) -> Array:
-  """``u [..., T]`` as ``[..., N, block]`` for :func:`_count_at_least`, padded with zeros (below
-  every probe, which is at least 1)."""
-  T = u.shape[-1]
-  block = min(T, _COUNT_BLOCK)
-  pad = -T % block
+def _count_blocks(x: Array) -> Array:
+  """float32 ``x [..., T]`` as ``[..., N, block]`` for :func:`_count_at_least`, padded with
+  ``-inf``. A pad is counted only by a probe at or below the key of ``-inf``, and a row whose
+  ``lo`` ends there does not settle (:func:`count_threshold`), so pads never change a result."""
+  T = x.shape[-1]
+  pad = -T % _COUNT_BLOCK
   if pad:
-    u = jnp.pad(u, [(0, 0)] * (u.ndim - 1) + [(0, pad)])
-  return u.reshape(u.shape[:-1] + (-1, block))
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+  return x.reshape(x.shape[:-1] + (-1, _COUNT_BLOCK))
 
 
-def _count_at_least(u_blocks: Array, probe: Array) -> Array:
-  """int32 ``count(u >= probe)`` per row. The bool count accumulates in int16 per block: XLA:CPU
-  vectorises that reduction and not the int32 one (4 ms against 23 ms over [1024, 8192])."""
-  hits = u_blocks >= probe[..., None, None]
+def _count_at_least(x_blocks: Array, probe: Array) -> Array:
+  """int32 ``count(key(x) >= probe)`` per row, the keys recomputed in the counting pass (cheaper
+  than writing them out once: a fresh 32 MiB buffer costs 15-18 ms here)."""
+  hits = _order_keys(x_blocks) >= probe[..., None, None]
   return jnp.sum(hits, -1, dtype=jnp.int16).astype(jnp.int32).sum(-1)
 
 
-def _nth_best_by_bucket(masked: Array, n: Array) -> tuple[Array, Array]:
-  """The position of each row's ``n``-th best entry, in the order of :func:`descending_order`,
-  without ordering the row: ``(last, ok)``. Rows with ``n = 0`` keep nothing: any position.
+def count_threshold(masked: Array, n: Array) -> tuple[Array, Array]:
+  """Per row, a key with exactly ``n`` entries at or above it: ``(lo, ok)``, so that
+  ``_order_keys(masked) >= lo[..., None]`` is each row's top ``n`` without ordering anything.
 
-  A bisection on the sortable keys narrows each row to a bucket ``[lo, hi]`` of keys that holds
-  its ``n``-th best and at most :data:`BUCKET_CANDIDATES` entries (each step one counting pass
-  over the row, about 14 steps for 8192 normal scores), then ``lax.top_k`` orders the bucket
-  alone. ``ok`` is False when a row's bucket stays larger (more tied entries than that) or
-  reaches ``-inf`` (masked positions cannot be told from the bucket's fill) or NaN: the caller
-  then orders the whole rows instead. About 2x faster than ``top_k(capacity=512)`` over
-  [32, 32, 8192] on a 2-core CPU.
+  A bisection on the keys (:func:`_order_keys`) keeps ``count(u >= lo) >= n > count(u > hi)``
+  and stops a row when ``count(u >= lo) == n``: one counting pass over the rows per step, until
+  ``lo`` falls between the row's ``n``-th and ``(n + 1)``-th best keys (about 18 steps for 8192
+  normal scores, at most 32). Exact whenever it settles, since the ``n`` entries at or above
+  ``lo`` are then the top ``n`` in any tie order. ``ok`` is False when some row (with ``n >= 1``)
+  cannot settle: its ``n``-th and ``(n + 1)``-th best are tied (ties must then go to the lower
+  position), or ``lo`` reaches ``-inf`` (masked positions would be kept). Rows with ``n = 0``
+  keep nothing and always settle.
   """
-  W = BUCKET_CANDIDATES
   empty = n < 1
   n = jnp.maximum(n, 1)
-  u = _unsigned_keys(_sortable_int32(masked))
-  blocks = _count_blocks(u)
+  blocks = _count_blocks(masked.astype(jnp.float32))
   shape = n.shape
-  # invariant: count(u >= lo) = c_lo >= n > c_hi = count(u > hi)
   init = (
     jnp.zeros(shape, jnp.uint32),
     jnp.full(shape, 0xFFFFFFFF, jnp.uint32),
     jnp.full(shape, masked.shape[-1], jnp.int32),
-    jnp.zeros(shape, jnp.int32),
   )
 
-  def active(lo, hi, c_lo, c_hi):
-    return (c_lo - c_hi > W) & (lo < hi)
+  def active(lo, hi, c_lo):
+    return (c_lo > n) & (lo < hi)
 
   def step(state):
-    lo, hi, c_lo, c_hi = state
+    lo, hi, c_lo = state
     probe = lo + ((hi - lo) >> 1) + jnp.uint32(1)  # in (lo, hi]: no uint32 overflow
     count = _count_at_least(blocks, probe)
     go = active(*state)
@@ -361,67 +362,63 @@ def _nth_best_by_bucket(masked: Array, n: Array) -> tuple[Array, Array]:
       jnp.where(up, probe, lo),
       jnp.where(down, probe - jnp.uint32(1), hi),
       jnp.where(up, count, c_lo),
-      jnp.where(down, count, c_hi),
     )
 
-  lo, hi, c_lo, c_hi = lax.while_loop(lambda state: active(*state).any(), step, init)
-  inside = (u >= lo[..., None]) & (u <= hi[..., None])
-  values, order = lax.top_k(jnp.where(inside, _unsigned_zero(masked), -jnp.inf), W)
-  rank = jnp.clip(n - c_hi - 1, 0, W - 1)
-  last = jnp.take_along_axis(order, rank[..., None], -1)[..., 0].astype(jnp.int32)
-  neg_inf = _unsigned_keys(_sortable_int32(jnp.float32(-jnp.inf)))
-  ok = (c_lo - c_hi <= W) & (lo > neg_inf) & ~jnp.isnan(values).any(-1)
-  return last, (ok | empty).all()
+  lo, _, c_lo = lax.while_loop(lambda state: active(*state).any(), step, init)
+  ok = ((c_lo == n) & (lo > _order_keys(jnp.float32(-jnp.inf)))) | empty
+  return lo, ok.all()
 
 
-def _nth_best_by_order(masked: Array, n: Array, k: int) -> Array:
-  """The position of each row's ``n``-th best entry (``1 <= n``, clipped to ``k``) from the
-  row's first ``k`` in :func:`descending_order`."""
+def _ordered_threshold(masked: Array, n: Array, k: int) -> Array:
+  """Each row's top ``n`` (``0 <= n``, at most ``k``) as a comparison with its ``n``-th best
+  entry, found in the row's first ``k`` in :func:`descending_order`.
+
+  With ``(key*, pos*)`` the sortable key and position of that entry, the kept set is
+  ``key > key*`` plus the tied ``key == key*`` at positions ``<= pos*``: ties enter the order by
+  ascending position, so the kept ties are exactly those up to the last kept one. Keys are
+  :func:`_sortable_int32` (exact integer comparisons, ``-0.0 == +0.0``, no subnormal flushing),
+  the order every selection path produces.
+  """
   idx = descending_order(masked, k)
-  return jnp.take_along_axis(idx, jnp.clip(n - 1, 0, k - 1)[..., None], -1)[..., 0]
+  last = jnp.take_along_axis(idx, jnp.clip(n - 1, 0, k - 1)[..., None], -1)
+  key = _sortable_int32(masked)
+  threshold = jnp.take_along_axis(key, last, -1)
+  return (key > threshold) | ((key == threshold) & (_iota(masked.shape) <= last))
 
 
-def _uses_bucket(num_positions: int, k: int) -> bool:
-  return num_positions >= BUCKET_MIN_POSITIONS and k * 8 <= num_positions
+def _uses_count_threshold(num_positions: int, k: int) -> bool:
+  return num_positions >= COUNT_THRESHOLD_MIN_POSITIONS and k * 8 <= num_positions
 
 
 @functools.cache
-def _nth_best_fn(k: int):
-  """``(masked, n) -> last``: the bucket search, falling back to the ordered top ``k`` (a
-  ``lax.cond``). Under ``vmap`` with the scores shared and only ``n`` batched (a sweep over
-  budgets), one ordered top ``k`` serves every configuration instead: its own batching rule."""
+def _top_n_fn(k: int):
+  """``(masked, n) -> top n mask``: :func:`count_threshold`, or the ordered top ``k`` when a row
+  cannot settle (one ``lax.cond`` for the batch). Under ``vmap`` with the scores shared and only
+  ``n`` batched (a sweep over budgets), one ordered top ``k`` serves every configuration (its
+  batching rule), where the bisection would count each configuration's rows anew."""
 
   @jax.custom_batching.custom_vmap
-  def nth_best(masked, n):
-    last, ok = _nth_best_by_bucket(masked, n)
-    return lax.cond(ok, lambda: last, lambda: _nth_best_by_order(masked, n, k))
+  def top_n(masked, n):
+    lo, ok = count_threshold(masked, n)
+    return lax.cond(
+      ok, lambda: _order_keys(masked) >= lo[..., None], lambda: _ordered_threshold(masked, n, k)
+    )
 
-  @nth_best.def_vmap
+  @top_n.def_vmap
   def rule(axis_size, in_batched, masked, n):
     masked_batched, n_batched = in_batched
-    if not masked_batched:
-      idx = descending_order(masked, k)
-      if not n_batched:
-        n = jnp.broadcast_to(n, (axis_size,) + n.shape)
-      last = jnp.take_along_axis(
-        jnp.broadcast_to(idx, (axis_size,) + idx.shape), jnp.clip(n - 1, 0, k - 1)[..., None], -1
-      )
-      return last[..., 0], True
     if not n_batched:
       n = jnp.broadcast_to(n, (axis_size,) + n.shape)
-    return nth_best(masked, n), True
+    if not masked_batched:
+      return jax.vmap(lambda n: _ordered_threshold(masked, n, k))(n), True
+    return top_n(masked, n), True
 
-  return nth_best
+  return top_n
 
 
 def _threshold_mask(scores: Array, budget: Array, length: Array, capacity: int) -> Array:
-  """The mask as a comparison with each row's last kept entry: no scatter of ranks.
-
-  With ``n = min(budget, length)`` and ``(key*, pos*)`` the sortable key and position of the
-  row's ``n``-th best entry, the kept set is ``key > key*`` plus the tied ``key == key*`` at
-  positions ``<= pos*``: ties enter the order by ascending position, so the kept ties are exactly
-  those up to the last kept one. Keys are :func:`_sortable_int32` (exact integer comparisons,
-  ``-0.0 == +0.0``, no subnormal flushing), the order every selection path produces.
+  """Each row's top ``min(budget, length)`` with the no-compression guard: by
+  :func:`count_threshold` on long rows with a shallow capacity, else :func:`_ordered_threshold`.
   """
   num_positions = scores.shape[-1]
   if length is None:  # every position is a candidate: no masking pass
@@ -432,14 +429,10 @@ def _threshold_mask(scores: Array, budget: Array, length: Array, capacity: int) 
     masked = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
   k = min(capacity, num_positions)
   n = jnp.minimum(budget, length)
-  if _uses_bucket(num_positions, k):
-    last = _nth_best_fn(k)(masked, n)
+  if _uses_count_threshold(num_positions, k):
+    keep = _top_n_fn(k)(masked, n)
   else:
-    last = _nth_best_by_order(masked, n, k)
-  last = last[..., None]
-  key = _sortable_int32(masked)
-  threshold = jnp.take_along_axis(key, last, -1)
-  keep = (key > threshold) | ((key == threshold) & (_iota(scores.shape) <= last))
+    keep = _ordered_threshold(masked, n, k)
   keep = keep & (n > 0)[..., None]
   # Rows whose budget covers the whole valid prefix keep all of it (the no-compression guard),
   # even when the prefix is longer than the static capacity.

@@ -450,24 +450,26 @@ def test_descending_values_equal_the_values_at_the_descending_order(k):
   np.testing.assert_array_equal(got, -np.sort(-x, -1)[..., :k])
 
 
-# --------------------------------------------------------------------------- the bucket search
-# keep_mask on rows of at least BUCKET_MIN_POSITIONS with a capacity up to T / 8 finds each row's
-# n-th best by bisection on the sortable keys and orders only a bucket of <= 64 candidates; rows
-# it cannot settle (too many ties, -inf or NaN in the bucket) take the ordered path.
+# --------------------------------------------------------------------------- the count threshold
+# keep_mask on rows of at least COUNT_THRESHOLD_MIN_POSITIONS with a capacity up to T / 8 finds,
+# by bisection with counting passes, a key with exactly n entries at or above it; when some row's
+# n-th best is tied with the next (or is -inf) the batch takes the ordered path instead.
 
 
-def bucket_case(rng, kind, shape):
+def threshold_case(rng, kind, shape):
   if kind == "normal":
     return rng.standard_normal(shape).astype(np.float32)
   if kind == "heavy_tail":  # attention-like: positive, spanning orders of magnitude
     return np.exp(rng.standard_normal(shape) * 4).astype(np.float32)
-  if kind == "ties":  # few distinct values: buckets of thousands of equal keys
+  if kind == "ties":  # few distinct values: the n-th best tied with the next
     return rng.integers(0, 5, size=shape).astype(np.float32)
   if kind == "signed_zeros":
     return signed_zero_scores(rng, shape)
-  if kind == "subnormal":
-    tiny = np.float32(1e-45)
-    return (rng.integers(-40, 40, size=shape) * tiny).astype(np.float32)
+  if kind == "subnormal":  # distinct subnormals of both signs, and the zeros
+    ints = np.stack(
+      [rng.permutation(shape[-1]) - shape[-1] // 2 for _ in range(np.prod(shape[:-1]))]
+    )
+    return (ints.reshape(shape) * np.float32(1e-45)).astype(np.float32)
   if kind == "inf":  # +inf sentinels (protect) and -inf positions
     s = rng.standard_normal(shape).astype(np.float32)
     s[..., :5] = np.inf
@@ -476,13 +478,24 @@ def bucket_case(rng, kind, shape):
   raise AssertionError(kind)
 
 
+def settles(masked, n):
+  """Whether every row with n >= 1 has its n-th best above -inf and above its (n + 1)-th."""
+  desc = -np.sort(-np.where(masked == 0, 0.0, masked.astype(np.float64)), axis=-1)
+  for row, count in zip(desc.reshape(-1, desc.shape[-1]), np.ravel(n), strict=True):
+    if count >= 1 and (
+      row[count - 1] == -np.inf or (count < len(row) and row[count - 1] == row[count])
+    ):
+      return False
+  return True
+
+
 @pytest.mark.parametrize(
   "kind", ["normal", "heavy_tail", "ties", "signed_zeros", "subnormal", "inf"]
 )
-def test_bucket_path_equals_the_reference(kind):
+def test_count_threshold_path_equals_the_reference(kind):
   rng = np.random.default_rng(len(kind))
-  T = select.BUCKET_MIN_POSITIONS + 77
-  scores = bucket_case(rng, kind, (3, 5, T))
+  T = select.COUNT_THRESHOLD_MIN_POSITIONS + 77
+  scores = threshold_case(rng, kind, (3, 5, T))
   capacity = T // 8
   budget = rng.integers(0, capacity + 1, size=(3, 5)).astype(np.int32)
   budget[0, 0], budget[0, 1], budget[0, 2] = 0, 1, capacity  # edges
@@ -494,47 +507,50 @@ def test_bucket_path_equals_the_reference(kind):
   )
   full = jax.jit(lambda s, b: select.keep_mask(s, b, capacity=capacity))
   np.testing.assert_array_equal(np.asarray(full(scores, budget)), reference_mask(scores, budget))
-  # which path ran: the bucket search settles every kind but the heavily tied ones
-  masked = np.where(np.arange(T) < length[..., None], scores, -np.inf)
-  n = jnp.minimum(jnp.asarray(budget), jnp.asarray(length))
-  settled = bool(select._nth_best_by_bucket(jnp.asarray(masked), n)[1])
-  assert settled == (kind not in ("ties", "signed_zeros"))
+  # which path ran: the count threshold wherever every row settles, as numpy predicts
+  masked = np.where(np.arange(T) < length[..., None], scores, -np.inf).astype(np.float32)
+  n = np.minimum(budget, length)
+  settled = bool(jax.jit(select.count_threshold)(masked, n)[1])
+  assert settled == settles(masked, n)
+  if kind in ("normal", "heavy_tail", "subnormal"):
+    assert settled  # these exercise the count threshold, not the fallback
+  if kind in ("ties", "signed_zeros"):
+    assert not settled
 
 
-def test_bucket_search_settles_distinct_rows_and_declines_ties():
+def test_count_threshold_declines_ties_and_minus_inf_and_settles_empty_rows():
   rng = np.random.default_rng(5)
   T = 8192
-  n = jnp.asarray(rng.integers(1, 513, size=(4, 6)), jnp.int32)
-  search = jax.jit(select._nth_best_by_bucket)
+  n = rng.integers(1, 513, size=(4, 6)).astype(np.int32)
+  search = jax.jit(select.count_threshold)
   scores = rng.standard_normal((4, 6, T)).astype(np.float32)
-  last, ok = search(jnp.asarray(scores), n)
-  assert bool(ok)  # the fast path, not the fallback, is what the test above checks on these
-  expected = reference_order(scores)[np.arange(4)[:, None], np.arange(6), np.asarray(n) - 1]
-  np.testing.assert_array_equal(np.asarray(last), expected)
-  tied = np.zeros((4, 6, T), np.float32)  # every key equal: no bucket of 64 exists
-  assert not bool(search(jnp.asarray(tied), n)[1])
+  assert bool(search(scores, n)[1])
+  assert not bool(search(np.zeros_like(scores), n)[1])  # every key tied
   empty = scores.copy()
-  empty[0, 0] = -np.inf  # a row of length 0 (n = 0) keeps nothing and settles nothing
-  assert bool(search(jnp.asarray(empty), n.at[0, 0].set(0))[1])
+  empty[0, 0] = -np.inf  # a row of length 0 (n = 0) keeps nothing and settles
+  n_empty = n.copy()
+  n_empty[0, 0] = 0
+  assert bool(search(empty, n_empty)[1])
   masked = scores.copy()
   masked[..., 100:] = -np.inf  # the 200th best is -inf: declined
-  assert not bool(search(jnp.asarray(masked), jnp.full((4, 6), 200, jnp.int32))[1])
+  assert not bool(search(masked, np.full((4, 6), 200, np.int32))[1])
 
 
-def test_bucket_path_counts_rows_longer_than_one_count_block():
-  # rows over 16384 positions are counted in int16 blocks, the last one padded
+def test_count_threshold_pads_rows_to_whole_count_blocks():
+  # 20000 positions: the last block of 256 is padded with -inf, never counted
   rng = np.random.default_rng(9)
   T = 20000
   scores = rng.standard_normal((2, T)).astype(np.float32)
   budget = np.array([1, 2000], np.int32)
   keep = jax.jit(lambda s, b: select.keep_mask(s, b, capacity=2048))
   np.testing.assert_array_equal(np.asarray(keep(scores, budget)), reference_mask(scores, budget))
+  assert bool(jax.jit(select.count_threshold)(scores, budget)[1])
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_bucket_path_under_vmap(shared):
+def test_count_threshold_under_vmap(shared):
   """Budgets vmapped over shared scores take one ordered top-k (its batching rule); vmapped
-  scores run the bucket search on every row. Both equal the reference."""
+  scores run the count threshold on every row. Both equal the reference."""
   rng = np.random.default_rng(11)
   K, T, C = 3, 4096, 256
   scores = rng.standard_normal((K, 2, 4, T)).astype(np.float32)
