@@ -2,7 +2,8 @@
 
 1. One configuration: ``keep_mask`` and ``compact`` on ``[32, 32, 8192]`` float32 scores with
    per-row budgets up to 512, against a numpy ``argpartition`` reference that produces the same
-   exact, tie-consistent mask / index set. Prints the ratio kvjax / numpy (issue 16: <= 1.0).
+   exact, tie-consistent mask / index set, the two timed in alternation (medians of 7). Prints
+   the ratio kvjax / numpy (issue 16: <= 1.0).
 2. Deep selection: ``keep_mask`` with a capacity of ``T / 2`` (the integer-sort path: a packed
    int64 sort on CPU) against the same numpy reference. Prints the ratio kvjax / numpy.
 3. 64 budget configurations: one ``jit(vmap(keep_mask))`` call against a Python loop of 64 calls
@@ -34,6 +35,20 @@ def timeit(fn, *args, repeats: int = 5) -> float:
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
   return float(np.median(times))
+
+
+def paired(ours, theirs, repeats: int = 7) -> tuple[float, float]:
+  """Median wall times in seconds of ``ours()`` and ``theirs()``, timed in alternation after one
+  warm-up call each, so that a machine whose speed drifts (a shared 2-core VM) slows both alike."""
+  jax.block_until_ready(ours())
+  theirs()
+  times = ([], [])
+  for _ in range(repeats):
+    for fn, out in zip((ours, theirs), times, strict=True):
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      out.append(time.perf_counter() - start)
+  return float(np.median(times[0])), float(np.median(times[1]))
 
 
 def numpy_top(scores: np.ndarray, capacity: int) -> np.ndarray:
@@ -81,10 +96,12 @@ def main() -> None:
   assert np.array_equal(np.asarray(ours_idx), ref_idx)
   assert np.array_equal(np.asarray(ours_valid), ref_valid)
 
-  t_np_mask = timeit(numpy_keep_mask, scores_np, budget_np, C)
-  t_mask = timeit(keep, scores, budget)
-  t_np_compact = timeit(numpy_compact, scores_np, budget_np, C)
-  t_compact = timeit(compact, scores, budget)
+  t_mask, t_np_mask = paired(
+    lambda: keep(scores, budget), lambda: numpy_keep_mask(scores_np, budget_np, C)
+  )
+  t_compact, t_np_compact = paired(
+    lambda: compact(scores, budget), lambda: numpy_compact(scores_np, budget_np, C)
+  )
   print(
     f"keep_mask: kvjax {t_mask * 1e3:8.1f} ms   numpy {t_np_mask * 1e3:8.1f} ms   "
     f"ratio kvjax/numpy {t_mask / t_np_mask:5.2f}  (issue 16: <= 1.0)"
@@ -101,8 +118,11 @@ def main() -> None:
   assert np.array_equal(
     np.asarray(deep(scores, deep_budget)), numpy_keep_mask(scores_np, deep_budget_np, deep_C)
   )
-  t_np_deep = timeit(numpy_keep_mask, scores_np, deep_budget_np, deep_C, repeats=3)
-  t_deep = timeit(deep, scores, deep_budget, repeats=3)
+  t_deep, t_np_deep = paired(
+    lambda: deep(scores, deep_budget),
+    lambda: numpy_keep_mask(scores_np, deep_budget_np, deep_C),
+    repeats=3,
+  )
   print(
     f"deep (C = {deep_C}): kvjax {t_deep * 1e3:8.1f} ms   numpy {t_np_deep * 1e3:8.1f} ms   "
     f"ratio kvjax/numpy {t_deep / t_np_deep:5.2f}"

@@ -340,33 +340,59 @@ def count_threshold(masked: Array, n: Array) -> tuple[Array, Array]:
   keep nothing and always settle.
   """
   empty = n < 1
-  n = jnp.maximum(n, 1)
-  blocks = _count_blocks(masked.astype(jnp.float32))
   shape = n.shape
-  init = (
-    jnp.zeros(shape, jnp.uint32),
-    jnp.full(shape, 0xFFFFFFFF, jnp.uint32),
-    jnp.full(shape, masked.shape[-1], jnp.int32),
+  n_R = jnp.maximum(n, 1).reshape(-1)
+  blocks = _count_blocks(masked.astype(jnp.float32))
+  blocks = blocks.reshape((-1,) + blocks.shape[-2:])
+  R = n_R.shape[0]
+  state = (
+    jnp.zeros((R,), jnp.uint32),
+    jnp.full((R,), 0xFFFFFFFF, jnp.uint32),
+    jnp.full((R,), masked.shape[-1], jnp.int32),
   )
+  if R > 2 * TAIL_ROWS:
+    # all rows until at most TAIL_ROWS remain unsettled, then those rows alone: the last steps
+    # (a few rows whose n-th and (n + 1)-th keys are close) no longer count every row
+    state = _bisect(blocks, n_R, state, more_than=TAIL_ROWS)
+    rows = jnp.nonzero(_unsettled(n_R, *state), size=TAIL_ROWS, fill_value=R)[0]
+    tail = tuple(jnp.take(x, rows, axis=0, mode="clip") for x in state)
+    tail = (*tail[:2], jnp.where(rows < R, tail[2], jnp.take(n_R, rows, mode="clip")))
+    tail = _bisect(jnp.take(blocks, rows, axis=0, mode="clip"), n_R[jnp.minimum(rows, R - 1)], tail)
+    state = tuple(x.at[rows].set(t, mode="drop") for x, t in zip(state, tail, strict=True))
+  else:
+    state = _bisect(blocks, n_R, state)
+  lo, _, c_lo = (x.reshape(shape) for x in state)
+  ok = ((c_lo == jnp.maximum(n, 1)) & (lo > _order_keys(jnp.float32(-jnp.inf)))) | empty
+  return lo, ok.all()
 
-  def active(lo, hi, c_lo):
-    return (c_lo > n) & (lo < hi)
+
+# rows counted alone once this few are left unsettled (:func:`count_threshold`)
+TAIL_ROWS = 32
+
+
+def _unsettled(n_R: Array, lo: Array, hi: Array, c_lo: Array) -> Array:
+  return (c_lo > n_R) & (lo < hi)
+
+
+def _bisect(blocks_RNB: Array, n_R: Array, state: tuple, more_than: int = 0) -> tuple:
+  """Bisection steps of :func:`count_threshold` over rows ``[R, N, block]`` while more than
+  ``more_than`` rows are unsettled. ``state``: ``(lo, hi, c_lo)`` with
+  ``count(u >= lo) = c_lo >= n > count(u > hi)``; a step counts ``u >= probe`` at the midpoint
+  and moves ``lo`` up or ``hi`` down to it."""
 
   def step(state):
     lo, hi, c_lo = state
     probe = lo + ((hi - lo) >> 1) + jnp.uint32(1)  # in (lo, hi]: no uint32 overflow
-    count = _count_at_least(blocks, probe)
-    go = active(*state)
-    up, down = go & (count >= n), go & (count < n)
+    count = _count_at_least(blocks_RNB, probe)
+    go = _unsettled(n_R, *state)
+    up, down = go & (count >= n_R), go & (count < n_R)
     return (
       jnp.where(up, probe, lo),
       jnp.where(down, probe - jnp.uint32(1), hi),
       jnp.where(up, count, c_lo),
     )
 
-  lo, _, c_lo = lax.while_loop(lambda state: active(*state).any(), step, init)
-  ok = ((c_lo == n) & (lo > _order_keys(jnp.float32(-jnp.inf)))) | empty
-  return lo, ok.all()
+  return lax.while_loop(lambda state: _unsettled(n_R, *state).sum() > more_than, step, state)
 
 
 def _ordered_threshold(masked: Array, n: Array, k: int) -> Array:

@@ -563,3 +563,22 @@ def test_count_threshold_under_vmap(shared):
     keep = jax.jit(jax.vmap(one))(scores, budgets)
     expected = [reference_mask(scores[k], budgets[k]) for k in range(K)]
   np.testing.assert_array_equal(np.asarray(keep), np.stack(expected))
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy_tail", "ties"])
+def test_count_threshold_finishes_the_last_rows_alone(kind):
+  # more than 2 * TAIL_ROWS rows: the last unsettled rows are gathered and bisected alone
+  rng = np.random.default_rng(21)
+  T = select.COUNT_THRESHOLD_MIN_POSITIONS + 5
+  rows = 3 * select.TAIL_ROWS
+  scores = threshold_case(rng, kind, (rows, T))
+  budget = rng.integers(0, T // 8 + 1, size=rows).astype(np.int32)
+  length = rng.integers(T // 8, T + 1, size=rows).astype(np.int32)
+  keep = jax.jit(lambda s, b, n: select.keep_mask(s, b, length=n, capacity=T // 8))
+  np.testing.assert_array_equal(
+    np.asarray(keep(scores, budget, length)), reference_mask(scores, budget, length)
+  )
+  masked = np.where(np.arange(T) < length[..., None], scores, -np.inf).astype(np.float32)
+  n = np.minimum(budget, length)
+  assert bool(jax.jit(select.count_threshold)(masked, n)[1]) == settles(masked, n)
+  assert settles(masked, n) == (kind != "ties")
