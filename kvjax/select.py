@@ -298,11 +298,14 @@ COUNT_THRESHOLD_MIN_POSITIONS = 1024
 # counts accumulate in int16 over blocks of 256 positions (2.7 ms a pass over [1024, 8192],
 # against 3.9 ms in one int16 sum per row and 23 ms in int32: XLA:CPU vectorises the former)
 _COUNT_BLOCK = 256
+# once at most this many rows are unsettled, they are gathered and bisected alone
+TAIL_ROWS = 32
 
 
-def _order_keys(x: Array) -> Array:
-  """uint32 keys whose unsigned order is the float32 order of ``x``, ``-0.0 == +0.0`` (the order
-  of :func:`_sortable_int32`, shifted: one fused pass over the bits)."""
+def order_keys(x: Array) -> Array:
+  """uint32 keys whose unsigned order is the float32 order of ``x``, ``-0.0 == +0.0``, subnormals
+  exact (the order of :func:`sortable_int32`, as unsigned integers): what
+  :func:`count_threshold` bisects and compares."""
   i = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
   i = jnp.where(i == jnp.uint32(0x80000000), jnp.uint32(0), i)  # -0.0 -> +0.0
   return jnp.where(i >> 31 == 1, ~i, i | jnp.uint32(0x80000000))
@@ -322,18 +325,18 @@ def _count_blocks(x: Array) -> Array:
 def _count_at_least(x_blocks: Array, probe: Array) -> Array:
   """int32 ``count(key(x) >= probe)`` per row, the keys recomputed in the counting pass (cheaper
   than writing them out once: a fresh 32 MiB buffer costs 15-18 ms here)."""
-  hits = _order_keys(x_blocks) >= probe[..., None, None]
+  hits = order_keys(x_blocks) >= probe[..., None, None]
   return jnp.sum(hits, -1, dtype=jnp.int16).astype(jnp.int32).sum(-1)
 
 
 def count_threshold(masked: Array, n: Array) -> tuple[Array, Array]:
   """Per row, a key with exactly ``n`` entries at or above it: ``(lo, ok)``, so that
-  ``_order_keys(masked) >= lo[..., None]`` is each row's top ``n`` without ordering anything.
+  ``order_keys(masked) >= lo[..., None]`` is each row's top ``n`` without ordering anything.
 
-  A bisection on the keys (:func:`_order_keys`) keeps ``count(u >= lo) >= n > count(u > hi)``
+  A bisection on the keys (:func:`order_keys`) keeps ``count(u >= lo) >= n > count(u > hi)``
   and stops a row when ``count(u >= lo) == n``: one counting pass over the rows per step, until
-  ``lo`` falls between the row's ``n``-th and ``(n + 1)``-th best keys (about 18 steps for 8192
-  normal scores, at most 32). Exact whenever it settles, since the ``n`` entries at or above
+  ``lo`` falls between the row's ``n``-th and ``(n + 1)``-th best keys (about 20 steps for 8192
+  normal scores, 27 for the slowest of 1024 such rows; at most 32). Exact whenever it settles, since the ``n`` entries at or above
   ``lo`` are then the top ``n`` in any tie order. ``ok`` is False when some row (with ``n >= 1``)
   cannot settle: its ``n``-th and ``(n + 1)``-th best are tied (ties must then go to the lower
   position), or ``lo`` reaches ``-inf`` (masked positions would be kept). Rows with ``n = 0``
@@ -356,18 +359,15 @@ def count_threshold(masked: Array, n: Array) -> tuple[Array, Array]:
     state = _bisect(blocks, n_R, state, more_than=TAIL_ROWS)
     rows = jnp.nonzero(_unsettled(n_R, *state), size=TAIL_ROWS, fill_value=R)[0]
     tail = tuple(jnp.take(x, rows, axis=0, mode="clip") for x in state)
-    tail = (*tail[:2], jnp.where(rows < R, tail[2], jnp.take(n_R, rows, mode="clip")))
-    tail = _bisect(jnp.take(blocks, rows, axis=0, mode="clip"), n_R[jnp.minimum(rows, R - 1)], tail)
+    n_tail = jnp.take(n_R, rows, mode="clip")
+    tail = (*tail[:2], jnp.where(rows < R, tail[2], n_tail))  # padding rows: settled
+    tail = _bisect(jnp.take(blocks, rows, axis=0, mode="clip"), n_tail, tail)
     state = tuple(x.at[rows].set(t, mode="drop") for x, t in zip(state, tail, strict=True))
   else:
     state = _bisect(blocks, n_R, state)
   lo, _, c_lo = (x.reshape(shape) for x in state)
-  ok = ((c_lo == jnp.maximum(n, 1)) & (lo > _order_keys(jnp.float32(-jnp.inf)))) | empty
+  ok = ((c_lo == jnp.maximum(n, 1)) & (lo > order_keys(jnp.float32(-jnp.inf)))) | empty
   return lo, ok.all()
-
-
-# rows counted alone once this few are left unsettled (:func:`count_threshold`)
-TAIL_ROWS = 32
 
 
 def _unsettled(n_R: Array, lo: Array, hi: Array, c_lo: Array) -> Array:
@@ -427,7 +427,7 @@ def _top_n_fn(k: int):
   def top_n(masked, n):
     lo, ok = count_threshold(masked, n)
     return lax.cond(
-      ok, lambda: _order_keys(masked) >= lo[..., None], lambda: _ordered_threshold(masked, n, k)
+      ok, lambda: order_keys(masked) >= lo[..., None], lambda: _ordered_threshold(masked, n, k)
     )
 
   @top_n.def_vmap

@@ -582,3 +582,22 @@ def test_count_threshold_finishes_the_last_rows_alone(kind):
   n = np.minimum(budget, length)
   assert bool(jax.jit(select.count_threshold)(masked, n)[1]) == settles(masked, n)
   assert settles(masked, n) == (kind != "ties")
+
+
+def test_order_keys_order_as_sortable_int32():
+  rng = np.random.default_rng(3)
+  tiny = np.float32(1e-45)
+  x = np.concatenate(
+    [
+      rng.standard_normal(500).astype(np.float32),
+      np.array([0.0, -0.0, np.inf, -np.inf, tiny, -tiny, 3 * tiny, -3 * tiny], np.float32),
+      np.float32(3.4e38) * np.array([1, -1], np.float32),
+    ]
+  )
+  u = np.asarray(select.order_keys(jnp.asarray(x))).astype(np.int64)
+  k = np.asarray(select.sortable_int32(jnp.asarray(x))).astype(np.int64)
+  # the same ranks, ties included (the two zeros share one key in both)
+  np.testing.assert_array_equal(
+    np.unique(u, return_inverse=True)[1], np.unique(k, return_inverse=True)[1]
+  )
+  assert u[500] == u[501]
