@@ -601,3 +601,15 @@ def test_order_keys_order_as_sortable_int32():
     np.unique(u, return_inverse=True)[1], np.unique(k, return_inverse=True)[1]
   )
   assert u[500] == u[501]
+
+
+def test_count_threshold_rejects_bad_counts_and_scores():
+  scores = np.zeros((2, 1100), np.float32)
+  with pytest.raises(ValueError, match="n: 1101 exceeds T=1100"):
+    select.count_threshold(scores, np.array([1, 1101]))
+  with pytest.raises(ValueError, match="n"):
+    select.count_threshold(scores, np.array([1, -1]))
+  with pytest.raises(ValueError, match="n: shape"):
+    select.count_threshold(scores, np.ones((3,), np.int32))
+  with pytest.raises(ValueError, match="NaN"):
+    select.count_threshold(np.full((2, 1100), np.nan, np.float32), np.array([1, 1]))
