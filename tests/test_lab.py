@@ -56,6 +56,36 @@ def test_determinism():
   assert not np.array_equal(np.asarray(a.salience_LHT), np.asarray(c.salience_LHT))
 
 
+@pytest.mark.parametrize(("name", "seed"), [("topic_drift", 0), ("funnel", 7), ("needle_qa", -3)])
+def test_salience_is_the_op_by_op_sum_to_the_bit(name, seed):
+  """The world's tables come from one jitted program, but the salience is scaled and summed op
+  by op: fused with the draw, XLA:CPU contracts multiplies and additions (1-2 ulp off)."""
+  cfg = synthetic.scenario(name, seed=seed, **SIZES)
+  w = synthetic.make_world(cfg)
+  k_sal = jax.random.split(jax.random.key(seed), 3)[0]
+  noise = np.asarray(jax.random.normal(k_sal, (cfg.num_layers, cfg.num_heads, cfg.total_len)))
+  fact = np.zeros(cfg.total_len, bool)
+  for pos in cfg.fact_positions:
+    fact[pos : pos + cfg.fact_span] = True
+  expected = np.float32(cfg.salience_scale) * noise
+  expected = expected + np.float32(cfg.fact_salience) * fact.astype(np.float32)
+  if cfg.drift_step >= 0:
+    start = cfg.prompt_len + cfg.drift_step
+    drift = np.zeros(cfg.total_len, np.float32)
+    drift[start : start + cfg.drift_tokens] = cfg.drift_salience
+    expected = expected + drift
+  assert expected.dtype == np.float32
+  np.testing.assert_array_equal(np.asarray(w.salience_LHT), expected)
+
+
+@pytest.mark.parametrize(
+  ("seed", "match"), [(2**31, "expected an int32"), (1.5, "expected an int")]
+)
+def test_bad_seed_is_refused(seed, match):
+  with pytest.raises(ValueError, match=f"seed: {match}"):
+    synthetic.make_world(synthetic.scenario("needle_qa", seed=seed, **SIZES))
+
+
 @pytest.mark.parametrize("policy", online.LAB_POLICIES)
 def test_budget_mass_bounds_and_oracle_at_every_step(policy):
   tr = trace("streaming_chat", policy)
