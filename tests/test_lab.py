@@ -56,7 +56,9 @@ def test_determinism():
   assert not np.array_equal(np.asarray(a.salience_LHT), np.asarray(c.salience_LHT))
 
 
-@pytest.mark.parametrize(("name", "seed"), [("topic_drift", 0), ("funnel", 7), ("needle_qa", -3)])
+@pytest.mark.parametrize(
+  ("name", "seed"), [("topic_drift", 0), ("funnel", 7), ("needle_qa", 2**40 + 3)]
+)
 def test_salience_is_the_op_by_op_sum_to_the_bit(name, seed):
   """The world's tables come from one jitted program, but the salience is scaled and summed op
   by op: fused with the draw, XLA:CPU contracts multiplies and additions (1-2 ulp off)."""
@@ -76,14 +78,6 @@ def test_salience_is_the_op_by_op_sum_to_the_bit(name, seed):
     expected = expected + drift
   assert expected.dtype == np.float32
   np.testing.assert_array_equal(np.asarray(w.salience_LHT), expected)
-
-
-@pytest.mark.parametrize(
-  ("seed", "match"), [(2**31, "expected an int32"), (1.5, "expected an int")]
-)
-def test_bad_seed_is_refused(seed, match):
-  with pytest.raises(ValueError, match=f"seed: {match}"):
-    synthetic.make_world(synthetic.scenario("needle_qa", seed=seed, **SIZES))
 
 
 @pytest.mark.parametrize("policy", online.LAB_POLICIES)
