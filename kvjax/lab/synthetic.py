@@ -208,7 +208,7 @@ def make_world(cfg: WorldConfig, *, values: bool = True) -> World:
   traced, so every seed of a configuration shares it). Op by op, each of its few dozen
   operations was compiled, or read from the persistent compilation cache, on its first use in a
   process: the first world of ``L = H = 32, P = 8192`` in a fresh process took 2.5 s, now
-  1.8 s (most of it loading the one program), and 0.26 s the next.
+  1.8-2.0 s (most of it loading the one program), and 0.26 s the next.
   """
   validate(cfg)
   T = cfg.total_len
