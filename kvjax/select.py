@@ -333,11 +333,11 @@ def count_threshold(masked: Array, n: Array) -> tuple[Array, Array]:
   A bisection on the keys (:func:`order_keys`) keeps ``count(u >= lo) >= n > count(u > hi)``
   and stops a row when ``count(u >= lo) == n``: one counting pass over the rows per step, until
   ``lo`` falls between the row's ``n``-th and ``(n + 1)``-th best keys (about 20 steps for 8192
-  normal scores, 27 for the slowest of 1024 such rows; at most 32). Exact whenever it settles, since the ``n`` entries at or above
-  ``lo`` are then the top ``n`` in any tie order. ``ok`` is False when some row (with ``n >= 1``)
-  cannot settle: its ``n``-th and ``(n + 1)``-th best are tied (ties must then go to the lower
-  position), or ``lo`` reaches ``-inf`` (masked positions would be kept). Rows with ``n = 0``
-  keep nothing and always settle.
+  normal scores, 27 for the slowest of 1024 such rows; at most 32). Exact whenever it settles,
+  since the ``n`` entries at or above ``lo`` are then the top ``n`` in any tie order. ``ok`` is
+  False when some row (with ``n >= 1``) cannot settle: its ``n``-th and ``(n + 1)``-th best are
+  tied (ties must then go to the lower position), or ``lo`` reaches ``-inf`` (masked positions
+  would be kept). Rows with ``n = 0`` keep nothing and always settle.
 
   Raises ``ValueError`` for NaN or non-float scores (when concrete), and for counts that are
   negative, above ``T`` or do not broadcast to the rows.

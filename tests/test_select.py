@@ -607,7 +607,7 @@ def test_count_threshold_rejects_bad_counts_and_scores():
   scores = np.zeros((2, 1100), np.float32)
   with pytest.raises(ValueError, match="n: 1101 exceeds T=1100"):
     select.count_threshold(scores, np.array([1, 1101]))
-  with pytest.raises(ValueError, match="n"):
+  with pytest.raises(ValueError, match="n: expected non-negative counts, got minimum -1"):
     select.count_threshold(scores, np.array([1, -1]))
   with pytest.raises(ValueError, match="n: shape"):
     select.count_threshold(scores, np.ones((3,), np.int32))
