@@ -1,0 +1,144 @@
+"""Policies are objects: a typed, frozen policy scores, allocates and selects.
+
+Build one by name, ``policies.make("pyramidkv", beta=5)``, or as an object,
+``policies.SnapKV(allocator=policies.Pyramid(beta=5))``; every entry point of kvjax (the lab,
+sweeps, the model's ``generate``/``keep_mask``/``answer_configs``, evaluations) takes either.
+A policy's numbers (budgets, data options) stay traced data under ``jit``/``vmap``; the choice
+of method is static Python (never ``lax.switch`` over policies under ``vmap``).
+
+* :mod:`~kvjax.policies.evidence`: :class:`Evidence` (what a policy observes) and
+  :class:`EvidenceRequest` (what it asks a prefill to compute).
+* :mod:`~kvjax.policies.base`: the protocol: :class:`Policy` (write ``score``),
+  :class:`WindowPolicy` (write ``score_rows``), :class:`DecodePolicy` (a decode-time state
+  machine: ``init_state``, ``observe``, ``keep_scores``).
+* :mod:`~kvjax.policies.allocators`: total budget -> ``budget_LH``: :class:`Uniform`,
+  :class:`Pyramid`, :class:`AdaKV`, :class:`HeadKV`, :class:`CakeLayers`, :class:`DuoSplit`,
+  :class:`Pooled`, :class:`KeepAll`.
+* :mod:`~kvjax.policies.methods`: one class per method; :mod:`~kvjax.policies.wrappers`:
+  :class:`Critical`, :class:`CriticalAdaKV`, :class:`ChunkKV`, :class:`SelectOnce` over any base.
+* :mod:`~kvjax.policies.registry`: names at the boundary: :func:`make`, :func:`register`,
+  :func:`build`.
+
+Budgets passed to a policy are per-(layer, head) ``max_capacity_prompt`` values: a scalar,
+``[L]`` or ``[L, H]``, window and sinks included.
+"""
+
+from kvjax.policies.allocators import (
+  AdaKV,
+  Allocator,
+  CakeLayers,
+  DuoSplit,
+  HeadKV,
+  KeepAll,
+  Pooled,
+  Pyramid,
+  Uniform,
+  as_budget_LH,
+  check_budget_counts,
+)
+from kvjax.policies.base import DecodePolicy, Policy, WindowPolicy, WindowScorer, gather_slots
+from kvjax.policies.evidence import (
+  DEFAULT_WINDOW,
+  KEY_AXIS,
+  N_FUTURE,
+  N_SINK,
+  Evidence,
+  EvidenceRequest,
+  evidence_from_qk,
+)
+from kvjax.policies.methods import (
+  CAKE,
+  H2O,
+  RKV,
+  TOVA,
+  DuoAttention,
+  ExpectedAttention,
+  Full,
+  HeavyHitters,
+  KeyDiff,
+  KNorm,
+  KVzip,
+  LagKV,
+  ObservedAttention,
+  Oracle,
+  QFilter,
+  Random,
+  SlidingWindow,
+  SnapKV,
+  StreamingLLM,
+  ThinK,
+)
+from kvjax.policies.registry import (
+  REGISTRY,
+  Preset,
+  accepted_options,
+  build,
+  describe,
+  doc,
+  make,
+  names,
+  register,
+  unregister,
+)
+from kvjax.policies.wrappers import ChunkKV, Critical, CriticalAdaKV, SelectOnce, Wrapper
+
+__all__ = [
+  "CAKE",
+  "DEFAULT_WINDOW",
+  "H2O",
+  "KEY_AXIS",
+  "N_FUTURE",
+  "N_SINK",
+  "REGISTRY",
+  "RKV",
+  "TOVA",
+  "AdaKV",
+  "Allocator",
+  "CakeLayers",
+  "ChunkKV",
+  "Critical",
+  "CriticalAdaKV",
+  "DecodePolicy",
+  "DuoAttention",
+  "DuoSplit",
+  "Evidence",
+  "EvidenceRequest",
+  "ExpectedAttention",
+  "Full",
+  "HeadKV",
+  "HeavyHitters",
+  "KNorm",
+  "KVzip",
+  "KeepAll",
+  "KeyDiff",
+  "LagKV",
+  "ObservedAttention",
+  "Oracle",
+  "Policy",
+  "Pooled",
+  "Preset",
+  "Pyramid",
+  "QFilter",
+  "Random",
+  "SelectOnce",
+  "SlidingWindow",
+  "SnapKV",
+  "StreamingLLM",
+  "ThinK",
+  "Uniform",
+  "WindowPolicy",
+  "WindowScorer",
+  "Wrapper",
+  "accepted_options",
+  "as_budget_LH",
+  "build",
+  "check_budget_counts",
+  "describe",
+  "doc",
+  "evidence_from_qk",
+  "gather_slots",
+  "make",
+  "names",
+  "register",
+  "unregister",
+]

@@ -1,0 +1,260 @@
+"""Allocators: a total budget -> ``budget_LH``, as composable objects.
+
+Any policy takes any allocator (``SnapKV(allocator=Pyramid())`` is PyramidKV), and a user's
+allocator is one small frozen dataclass with a ``__call__``. The arithmetic lives in
+:mod:`kvjax.budgets` (and :mod:`kvjax.select` for pooled selections); these objects only hold
+the options and say what evidence they read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import budgets as budgets_lib
+from kvjax import scores as scores_lib
+from kvjax import select
+from kvjax.policies.evidence import Evidence
+
+Array = jax.Array
+
+
+def check_budget_counts(budget):
+  """A budget's token counts: integer dtype and, when concrete, in ``[0, 2**31)`` (checked before
+  any cast, so ``np.int64(2**32 + 12)`` never wraps to 12). Returns numpy (concrete) or the
+  tracer."""
+  arr = np.asarray(budget) if select.is_concrete(budget) else budget
+  if arr.dtype != object and not jnp.issubdtype(arr.dtype, jnp.integer):
+    raise ValueError(f"budget: expected integer token counts, got dtype {arr.dtype}")
+  if select.is_concrete(arr) and arr.dtype != object and arr.size and int(arr.min()) < 0:
+    raise ValueError(f"budget: expected non-negative token counts, got {int(arr.min())}")
+  return select.check_counts("budget", budget)
+
+
+def as_budget_LH(budget, L: int, H: int) -> Array:
+  """A scalar, ``[L]`` or ``[L, H]`` budget as ``budget_LH`` int32 (``ValueError`` otherwise)."""
+  budget = check_budget_counts(budget)
+  if select.is_concrete(budget):
+    budget = np.asarray(budget, np.int32)
+  budget = jnp.asarray(budget).astype(jnp.int32)
+  if budget.ndim == 1:
+    budget = budget[:, None]
+  try:
+    return jnp.broadcast_to(budget, (L, H))
+  except ValueError:
+    raise ValueError(
+      f"budget: shape {budget.shape} is not a scalar, [L={L}] or [L={L}, H={H}]"
+    ) from None
+
+
+def _choice(name: str, value, choices) -> None:
+  if value not in choices:
+    raise ValueError(f"{name}: unknown value {value!r}; expected one of {choices}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocator:
+  """A total budget -> ``budget_LH`` int32. Subclasses implement :meth:`__call__`.
+
+  Class attributes:
+    needs: the :class:`~kvjax.policies.Evidence` fields it reads besides the scores.
+    budget_ndim: the largest budget rank it takes (0: a scalar, 1: ``[L]``, 2: ``[L, H]``).
+    keeps_all: it keeps every position (a budget below ``T`` is then an error).
+  """
+
+  needs: ClassVar[frozenset[str]] = frozenset()
+  budget_ndim: ClassVar[int] = 0
+  keeps_all: ClassVar[bool] = False
+
+  def __call__(self, evidence: Evidence, scores_LHT: Array, budget, window: int) -> Array:
+    """``budget_LH`` for ``budget`` (scalar, ``[L]`` or ``[L, H]``, at most
+    :attr:`budget_ndim`), given the policy's scores ``[L, H, T]`` and its protected ``window``
+    (0 when it protects none)."""
+    raise NotImplementedError
+
+  @property
+  def max_budget_ndim(self) -> int:
+    return self.budget_ndim
+
+
+@dataclasses.dataclass(frozen=True)
+class Uniform(Allocator):
+  """The budget as given: a scalar for every head, ``[L]`` per layer or an explicit ``[L, H]``
+  table."""
+
+  budget_ndim: ClassVar[int] = 2
+
+  def __call__(self, evidence, scores_LHT, budget, window):
+    L, H, _ = scores_LHT.shape
+    return as_budget_LH(budget, L, H)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pyramid(Allocator):
+  """PyramidKV's layer schedule (:func:`kvjax.budgets.pyramid`): more budget in lower layers,
+  ``beta`` 20 as the official code, ``pyramid_mode`` one of :data:`kvjax.budgets.PYRAMID_MODES`
+  (``"legacy_floor"``: KVCache-Factory's integer arithmetic)."""
+
+  beta: float = 20
+  pyramid_mode: str = "legacy_floor"
+
+  def __post_init__(self):
+    _choice("pyramid_mode", self.pyramid_mode, budgets_lib.PYRAMID_MODES)
+    budgets_lib.check_real("beta", self.beta, low=1.0)
+
+  def __call__(self, evidence, scores_LHT, budget, window):
+    L, H, T = scores_LHT.shape
+    layer_L = budgets_lib.pyramid(L, budget, window, T, beta=self.beta, mode=self.pyramid_mode)
+    return budgets_lib.per_head(layer_L, H)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaKV(Allocator):
+  """Ada-KV's head-adaptive split of each layer's budget by the scores
+  (:func:`kvjax.budgets.adakv`): ``floor_alpha`` 0.2 of it spread evenly, ``adakv_mode``
+  ``"official"`` or ``"kvpress"``; with ``pyramid_mode`` the layer budgets first follow
+  PyramidKV's schedule (Ada-KV's ``pyram_mode``)."""
+
+  floor_alpha: float = 0.2
+  normalize: bool = False
+  adakv_mode: str = "official"
+  pyramid_mode: str | None = None
+  beta: float = 20
+
+  def __post_init__(self):
+    budgets_lib.check_real("floor_alpha", self.floor_alpha, low=0.0, high=1.0)
+    if not isinstance(self.normalize, bool):
+      raise ValueError(f"normalize: expected a bool, got {self.normalize!r}")
+    _choice("adakv_mode", self.adakv_mode, budgets_lib.ADAKV_MODES)
+    _choice("pyramid_mode", self.pyramid_mode, (None, *budgets_lib.PYRAMID_MODES))
+    budgets_lib.check_real("beta", self.beta, low=1.0)
+
+  @property
+  def max_budget_ndim(self) -> int:
+    return 0 if self.pyramid_mode else 1
+
+  def __call__(self, evidence, scores_LHT, budget, window):
+    L, H, T = scores_LHT.shape
+    if self.pyramid_mode:
+      budget = budgets_lib.pyramid(L, budget, window, T, beta=self.beta, mode=self.pyramid_mode)
+    return budgets_lib.adakv(
+      scores_LHT,
+      budget,
+      window,
+      floor_alpha=self.floor_alpha,
+      normalize=self.normalize,
+      mode=self.adakv_mode,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadKV(Allocator):
+  """HeadKV's static head budgets from each head's importance (``evidence.head_scores_LH``,
+  :func:`kvjax.budgets.headkv`): ``beta`` 1.5 (a pool of ``b // beta`` per head moves to the
+  important heads), ``temp`` 1.0."""
+
+  needs: ClassVar[frozenset[str]] = frozenset({"head_scores_LH"})
+  beta: float = 1.5
+  temp: float = 1.0
+  headkv_mode: str = "official"
+
+  def __post_init__(self):
+    budgets_lib.check_real("beta", self.beta, low=1.0, strict=True)  # b // beta needs beta > 1
+    budgets_lib.check_real("temp", self.temp, low=0.0, strict=True)
+    _choice("headkv_mode", self.headkv_mode, budgets_lib.HEADKV_MODES)
+
+  def __call__(self, evidence, scores_LHT, budget, window):
+    return budgets_lib.headkv(
+      evidence.need("head_scores_LH", "headkv"),
+      budget,
+      window,
+      beta=self.beta,
+      temp=self.temp,
+      mode=self.headkv_mode,
+      q_len=scores_LHT.shape[-1],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CakeLayers(Allocator):
+  """CAKE's layer preference from the window rows' entropy and variance
+  (:func:`kvjax.budgets.cake`), temperatures ``tau1`` and ``tau2`` 1.0."""
+
+  needs: ClassVar[frozenset[str]] = frozenset({"attn_window_LHWT"})
+  tau1: float = 1.0
+  tau2: float = 1.0
+
+  def __post_init__(self):
+    budgets_lib.check_real("tau1", self.tau1, low=0.0, strict=True)
+    budgets_lib.check_real("tau2", self.tau2, low=0.0, strict=True)
+
+  def __call__(self, evidence, scores_LHT, budget, window):
+    attn = evidence.need("attn_window_LHWT", "cake")
+    layer_L = budgets_lib.cake(attn, budget, window, self.tau1, self.tau2)
+    return budgets_lib.per_head(layer_L, scores_LHT.shape[1])
+
+
+def heads_like(x_LG: Array, num_heads: int) -> Array:
+  """A per-KV-head ``[L, G]`` table at the scores' granularity (repeated over GQA groups)."""
+  G = x_LG.shape[1]
+  if num_heads == G:
+    return x_LG
+  if num_heads % G:
+    raise ValueError(f"retrieval_heads: G={G} KV heads do not divide the scores' {num_heads} heads")
+  return jnp.repeat(x_LG, num_heads // G, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DuoSplit(Allocator):
+  """DuoAttention: retrieval heads keep all ``T``; the ``round(L * G * head_compression_ratio)``
+  lowest gates (``evidence.retrieval_heads_LG``) are streaming heads that keep ``budget``."""
+
+  needs: ClassVar[frozenset[str]] = frozenset({"retrieval_heads_LG"})
+  head_compression_ratio: float = 0.5
+
+  def __post_init__(self):
+    budgets_lib.check_real(
+      "head_compression_ratio", self.head_compression_ratio, low=0.0, high=1.0
+    )
+
+  def __call__(self, evidence, scores_LHT, budget, window):
+    L, H, T = scores_LHT.shape
+    gates = evidence.need("retrieval_heads_LG", "duo_attention")
+    streaming = scores_lib.duo_streaming_heads(gates, self.head_compression_ratio)
+    budget_LH = as_budget_LH(budget, L, H)
+    return jnp.where(heads_like(streaming, H), budget_LH, T).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pooled(Allocator):
+  """KVzip's selection pooled across heads: ``L * H * budget`` over every layer and head at once
+  (kvpress's default), or ``H * budget`` per layer with ``layerwise``."""
+
+  layerwise: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.layerwise, bool):
+      raise ValueError(f"layerwise: expected a bool, got {self.layerwise!r}")
+
+  def __call__(self, evidence, scores_LHT, budget, window):
+    L, H, T = scores_LHT.shape
+    b = jnp.minimum(as_budget_LH(budget, L, H)[:, 0], T)  # a scalar budget: every row the same
+    if self.layerwise:
+      return select.pooled_budgets(scores_LHT, b * H)
+    flat = scores_LHT.reshape(1, L * H, T)
+    return select.pooled_budgets(flat, b[:1] * (L * H)).reshape(L, H)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepAll(Allocator):
+  """Every position of every head (ThinK alone prunes key channels, not tokens)."""
+
+  keeps_all: ClassVar[bool] = True
+
+  def __call__(self, evidence, scores_LHT, budget, window):
+    L, H, T = scores_LHT.shape
+    return jnp.full((L, H), T, jnp.int32)

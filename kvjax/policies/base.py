@@ -1,0 +1,437 @@
+"""The policy protocol: a typed, frozen object that scores, allocates and selects.
+
+A policy is a frozen dataclass (and a pytree: its :attr:`Policy.data_options` are leaves, the
+other fields static), the way optax builds transformations. Subclass one of
+
+* :class:`Policy`: a prefill scorer; write :meth:`Policy.score` (``Evidence -> scores_LHT``,
+  higher keeps) and list the evidence it reads in ``needs``;
+* :class:`WindowPolicy`: a scorer of the observation window's rows; write
+  :meth:`WindowPolicy.score_rows` and a prefill may reduce each layer's rows as it forms them;
+* :class:`DecodePolicy`: a decode-time evictor, a small state machine over the cache's slots
+  (:meth:`DecodePolicy.init_state`, :meth:`DecodePolicy.observe`,
+  :meth:`DecodePolicy.keep_scores`) that the model's cache and the lab's replay both run.
+
+Every policy takes an :class:`~kvjax.policies.allocators.Allocator` (``allocator=``) and the
+common options below; the pipeline is ``scores`` -> ``budgets`` -> ``selection_scores`` ->
+:mod:`kvjax.select`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import budgets as budgets_lib
+from kvjax import scores as scores_lib
+from kvjax import select
+from kvjax.policies import allocators as alloc_lib
+from kvjax.policies.evidence import DEFAULT_WINDOW, Evidence, EvidenceRequest
+
+Array = jax.Array
+
+
+def check_int(key: str, value, low: int) -> None:
+  """``ValueError`` unless ``value`` is an int in ``[low, 2**31)``."""
+  if isinstance(value, bool) or not isinstance(value, int) or not low <= value < select.INT32_LIMIT:
+    raise ValueError(f"{key}: expected an int >= {low}, got {value!r}")
+
+
+def check_bool(key: str, value) -> None:
+  if not isinstance(value, bool):
+    raise ValueError(f"{key}: expected a bool, got {value!r}")
+
+
+def check_choice(key: str, value, choices, policy: str = "") -> None:
+  if value not in choices:
+    of = f" for {policy!r}" if policy else ""
+    raise ValueError(f"{key}: unknown value {value!r}{of}; expected one of {choices}")
+
+
+def check_window(value, policy: str) -> None:
+  """``None`` (the rows' own ``W``) or an int in ``[1, 2**31)``."""
+  if value is not None and (
+    isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < select.INT32_LIMIT
+  ):
+    raise ValueError(f"window: expected None or an int >= 1 for {policy!r}, got {value!r}")
+
+
+def _pytree(cls):
+  """Registers a policy class as a pytree: :attr:`Policy.data_options` are leaves (a sweep's
+  traced sink count), every other field is static."""
+
+  def flatten(p):
+    data = tuple(p.data_options)
+    static = tuple((f.name, getattr(p, f.name)) for f in dataclasses.fields(p) if f.name not in data)
+    return tuple(getattr(p, k) for k in data), (data, static)
+
+  def unflatten(aux, leaves):
+    data, static = aux
+    out = object.__new__(cls)
+    for k, v in (*static, *zip(data, leaves, strict=True)):
+      object.__setattr__(out, k, v)
+    return out
+
+  jax.tree_util.register_pytree_node(cls, flatten, unflatten)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Policy:
+  """A KV-cache policy: evidence -> ``scores_LHT`` -> ``budget_LH`` -> kept positions.
+
+  Subclass it, declare ``needs`` and write :meth:`score`; the rest (allocation, grouping,
+  budget checks, selection) is inherited. Options are dataclass fields, validated once in
+  ``__post_init__``.
+
+  Attributes:
+    allocator: the total budget -> ``budget_LH`` rule (default :class:`Uniform`: as given).
+    num_kv_heads: group query-head scores to this many KV heads (``None``: query heads, the
+      published tables' granularity).
+    gqa: how to group (``"mean"``, ``"max"``, ``"sum"``).
+    channel_ratio: ThinK: prune the ``int(D * channel_ratio)`` least important key channels of
+      the kept keys, a float in ``[0, 1)`` (``None``: off; applied by the model cache).
+    decode_every: kvpress ``DecodingPress``: re-compress the cache to the budget every ``N``
+      generated tokens (``None``: select once after the prompt; applied by the model).
+    name: the registered name (a label for tables and errors; never dispatched on).
+
+  Class attributes:
+    needs: the :class:`Evidence` fields :meth:`score` reads.
+    windowed: it protects its observation window, so a budget must exceed the window.
+    window_field: the option holding its protected recent window (a sweep's ``window`` axis),
+      or ``None``.
+    data_options: options that stay traced data in a sweep (pytree leaves).
+    requires_budget: ``False`` for the full cache alone.
+  """
+
+  needs: ClassVar[frozenset[str]] = frozenset({"attn_window_LHWT"})
+  windowed: ClassVar[bool] = False
+  window_field: ClassVar[str | None] = None
+  data_options: ClassVar[tuple[str, ...]] = ()
+  requires_budget: ClassVar[bool] = True
+
+  allocator: alloc_lib.Allocator = alloc_lib.Uniform()
+  num_kv_heads: int | None = None
+  gqa: str = "mean"
+  channel_ratio: float | None = None
+  decode_every: int | None = None
+  name: str | None = dataclasses.field(default=None, compare=False)
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    _pytree(cls)
+
+  def __post_init__(self):
+    if not isinstance(self.allocator, alloc_lib.Allocator):
+      raise ValueError(f"allocator: expected an Allocator, got {self.allocator!r}")
+    kv = self.num_kv_heads
+    if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
+      raise ValueError(f"num_kv_heads: expected a positive int or None, got {kv!r}")
+    check_choice("gqa", self.gqa, scores_lib.GROUPINGS, self.label)
+    if self.decode_every is not None:
+      check_int("decode_every", self.decode_every, 1)
+    if self.channel_ratio is not None:
+      budgets_lib.check_real("channel_ratio", self.channel_ratio, low=0.0, high=1.0)
+      if self.channel_ratio >= 1:
+        raise ValueError(
+          f"channel_ratio: expected a fraction of key channels in [0, 1), got {self.channel_ratio!r}"
+        )
+
+  # ------------------------------------------------------------------ what a subclass writes
+
+  def score(self, evidence: Evidence) -> Array:
+    """Evidence -> ``scores_LHT`` fp32 (higher keeps; ``+inf`` protects), before grouping."""
+    raise NotImplementedError(f"{type(self).__name__}.score")
+
+  def rescore(self, evidence: Evidence, scores_LHT: Array, budget_LH: Array, capacity) -> Array:
+    """A budget-dependent last score stage (CriticalKV's first stage); the identity here."""
+    return scores_LHT
+
+  # ------------------------------------------------------------------ what it declares
+
+  @property
+  def label(self) -> str:
+    """The registered name, or the class name."""
+    return self.name or type(self).__name__
+
+  @property
+  def evidence_fields(self) -> frozenset[str]:
+    """Every :class:`Evidence` field the policy reads: its scorer's, its allocator's, and
+    ThinK's for ``channel_ratio``."""
+    out = frozenset(self.needs) | self.allocator.needs
+    if self.channel_ratio:
+      out |= {"window_queries_LHWD", "keys_LGTD"}
+    return out
+
+  @property
+  def observation_window(self) -> int:
+    """Observation queries the policy's evidence is formed from (its ``window`` option, else
+    :data:`DEFAULT_WINDOW`; 0 when it observes nothing)."""
+    return getattr(self, "window", None) or DEFAULT_WINDOW
+
+  @property
+  def allocates(self) -> bool:
+    """Whether the allocator turns a total budget into its own ``budget_LH``."""
+    return not isinstance(self.allocator, alloc_lib.Uniform)
+
+  @property
+  def rescores(self) -> bool:
+    """Whether the selection's scores depend on the budget (:meth:`rescore` overridden)."""
+    return type(self).rescore is not Policy.rescore
+
+  @property
+  def evicts_each_step(self) -> bool:
+    """Whether it evicts at every generated token (:class:`DecodePolicy`)."""
+    return False
+
+  @property
+  def acts_at_decode(self) -> bool:
+    """Whether it compresses while decoding (every step, or every ``decode_every`` tokens)."""
+    return self.evicts_each_step or self.decode_every is not None
+
+  @property
+  def reads_future(self) -> bool:
+    """Whether it reads future attention (the oracle: an upper bound, not a realisable cache)."""
+    return "future_attn_LHST" in self.evidence_fields
+
+  @property
+  def options(self) -> dict[str, Any]:
+    """The flat options :func:`kvjax.policies.make` takes to rebuild this policy by name."""
+    out = {
+      f.name: getattr(self, f.name)
+      for f in dataclasses.fields(self)
+      if f.name not in ("allocator", "name", "base")
+    }
+    if not isinstance(self.allocator, alloc_lib.Uniform):
+      out |= {f.name: getattr(self.allocator, f.name) for f in dataclasses.fields(self.allocator)}
+    return out
+
+  def evidence_request(self, T: int, *, reduce_rows: bool = False) -> EvidenceRequest:
+    """What a prefill of ``T`` prompt tokens computes for this policy (the one mapping from a
+    policy's needs to the prefill's work). ``reduce_rows``: a prefill serving this policy alone
+    keeps its :meth:`WindowPolicy.window_scorer`'s scores instead of the window rows."""
+    return EvidenceRequest.for_fields(self.evidence_fields, min(self.observation_window, T))
+
+  def scores_row(self, evidence: Evidence) -> Array:
+    """:meth:`scores` of one left-padded row (``evidence.valid_T`` set). A policy that keeps
+    sinks counts them from the row's first real token: it scores the row with its padding
+    rolled to the end."""
+    if getattr(self, "sinks", None) is None or evidence.valid_T is None:
+      return self.scores(evidence)
+    pad = evidence.valid_T.shape[-1] - evidence.valid_T.sum()
+    return jnp.roll(self.scores(evidence.rolled(-pad)), pad, axis=-1)
+
+  # ------------------------------------------------------------------ the pipeline
+
+  def grouped(self, scores_LHT: Array) -> Array:
+    """Query-head scores grouped to ``num_kv_heads`` (when set)."""
+    kv = self.num_kv_heads
+    if kv is not None and scores_LHT.shape[1] != kv:
+      return scores_lib.group(scores_LHT, kv, self.gqa)
+    return scores_LHT
+
+  def scores(self, evidence: Evidence) -> Array:
+    """Evidence -> ``scores_LHT`` (grouped to KV heads when ``num_kv_heads`` is set)."""
+    return self.grouped(self.score(evidence))
+
+  def protected_window(self, evidence: Evidence) -> int:
+    """The window this policy protects (0 when it protects none): its ``window`` option, else
+    the observation rows' ``W``."""
+    if not self.windowed:
+      return 0
+    window = getattr(self, "window", None)
+    if window is not None:
+      return window
+    if evidence.attn_window_LHWT is None and evidence.observation_window is not None:
+      return evidence.observation_window
+    return evidence.need("attn_window_LHWT", self.label).shape[2]
+
+  def allocation_window(self, evidence: Evidence) -> int:
+    """The window the allocator reserves in every budget (the protected one)."""
+    return self.protected_window(evidence)
+
+  def budgets(self, evidence: Evidence, scores_LHT: Array, budget) -> Array:
+    """Total budget (scalar, ``[L]`` or ``[L, H]``) -> ``budget_LH`` int32 under the allocator.
+
+    A concrete budget must keep something: ``>= 1``, and for a windowed policy
+    ``>= window + 1``, since the protected window counts inside the budget (``ValueError``
+    otherwise, instead of keeping fewer than the protected tokens or nothing).
+    """
+    self._check_budget(evidence, scores_LHT, budget)
+    return self.allocator(evidence, scores_LHT, budget, self.allocation_window(evidence))
+
+  def selection_scores(
+    self, evidence: Evidence, scores_LHT: Array, budget_LH: Array, *, capacity: int | None = None
+  ) -> Array:
+    """The scores the selection ranks under ``budget_LH``: :meth:`rescore`'s (CriticalKV),
+    ``scores_LHT`` itself for a budget-free scorer. ``capacity``: the selection's static
+    capacity (default ``T``)."""
+    if not self.rescores:
+      return scores_LHT
+    return self.rescore(evidence, scores_LHT, budget_LH, capacity)
+
+  def min_budget(self, window: int) -> int:
+    """The smallest budget that keeps a selected token, with ``window`` the protected window."""
+    return window + 1 if self.windowed else 1
+
+  def check_budget(self, budget, window: int) -> None:
+    """``ValueError`` for a concrete budget array that the policy cannot run with: non-integer,
+    beyond int32, or below :meth:`min_budget` (every entry point calls this one check)."""
+    arr = np.asarray(budget)
+    if not np.issubdtype(arr.dtype, np.integer):
+      raise ValueError(f"budget: expected integer token counts, got {arr.dtype}")
+    if arr.size and arr.max() >= 2**31:
+      raise ValueError(f"budget: {int(arr.max())} does not fit int32; expected < 2**31 tokens")
+    floor = self.min_budget(window)
+    if arr.size and arr.min() < floor:
+      raise ValueError(
+        f"budget: {int(arr.min())} is below {floor} for {self.label!r} "
+        f"(every budget counts the window of {window} and needs a selected token)"
+        if self.windowed
+        else self._low_budget_message(int(arr.min()), floor)
+      )
+
+  def check_allocation(self, budget_LH) -> None:
+    """``ValueError`` for a concrete allocation the policy cannot hold (TOVA: one index set per
+    layer); nothing here."""
+
+  def _low_budget_message(self, low: int, floor: int) -> str:
+    return f"budget: {low} < {floor}; every row needs at least one slot"
+
+  def _check_budget(self, evidence: Evidence, scores_LHT: Array, budget) -> None:
+    alloc_lib.as_budget_LH(budget, *scores_LHT.shape[:2])  # dtype, int32 range and shape
+    if self.allocates:
+      ndim = self.allocator.max_budget_ndim
+      if np.ndim(budget) > ndim:
+        expected = "a scalar or [L]" if ndim else "a scalar"
+        raise ValueError(
+          f"budget: policy {self.label!r} allocates its own budget_LH from one per-head budget; "
+          f"expected {expected}, got shape {np.shape(budget)}"
+        )
+    if not select.is_concrete(budget) or not np.size(budget):
+      return
+    low = int(np.min(budget))
+    if low < 1:
+      raise ValueError(
+        f"budget: {low} keeps nothing; expected a budget >= 1 for policy {self.label!r}"
+      )
+    T = scores_LHT.shape[-1]
+    if self.allocator.keeps_all and low < T:
+      raise ValueError(
+        f"budget: {low} < T={T}, but policy {self.label!r} keeps every token (ThinK prunes key "
+        "channels, not tokens); expected budget >= T, or channel_ratio on a token policy, "
+        "e.g. make('snapkv', channel_ratio=0.5)"
+      )
+    if self.windowed:
+      window = self.protected_window(evidence)
+      if low < window + 1:
+        raise ValueError(
+          f"budget: {low} does not exceed the protected window {window} of policy "
+          f"{self.label!r}; expected budget >= window + 1 = {window + 1}"
+        )
+
+  def keep_mask(self, evidence: Evidence, budget, *, capacity: int | None = None) -> Array:
+    """Kept positions ``[L, H, T]`` bool under ``budget`` (scalar, ``[L]`` or ``[L, H]``)."""
+    scores_LHT = self.scores(evidence)
+    budget_LH = self.budgets(evidence, scores_LHT, budget)
+    scores_LHT = self.selection_scores(evidence, scores_LHT, budget_LH, capacity=capacity)
+    return select.keep_mask(scores_LHT, budget_LH, capacity=capacity)
+
+  def compact(self, evidence: Evidence, budget, capacity: int) -> tuple[Array, Array]:
+    """Kept positions as ``(idx_LHC, valid_LHC)`` for a real cache of capacity ``C``."""
+    scores_LHT = self.scores(evidence)
+    budget_LH = self.budgets(evidence, scores_LHT, budget)
+    scores_LHT = self.selection_scores(evidence, scores_LHT, budget_LH, capacity=capacity)
+    return select.compact(scores_LHT, budget_LH, capacity)
+
+  def window_scorer(self):
+    """A hashable callable reducing one layer's window rows to scores, for a prefill that keeps
+    the scores instead of the rows; ``None`` unless the policy reads the rows only through
+    :meth:`WindowPolicy.score_rows`."""
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowScorer:
+  """:meth:`WindowPolicy.score_rows` bound to a policy: equal (and hashing equal) for equal
+  policies, so a jitted prefill that takes it as a static argument compiles once per policy."""
+
+  policy: Policy
+
+  def __call__(self, attn_LHWT: Array) -> Array:
+    return self.policy.score_rows(attn_LHWT)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WindowPolicy(Policy):
+  """A policy that reads the window rows through :meth:`score_rows` only (SnapKV's votes,
+  TOVA's last row): independent per layer, so a prefill may reduce each layer's rows to scores
+  as it forms them (``evidence.window_scores_LHT``)."""
+
+  def score_rows(self, attn_LHWT: Array) -> Array:
+    """Window rows ``[., H, W, T]`` -> scores ``[., H, T]`` (independent per leading index)."""
+    raise NotImplementedError(f"{type(self).__name__}.score_rows")
+
+  def score(self, evidence: Evidence) -> Array:
+    if evidence.window_scores_LHT is not None:
+      return evidence.window_scores_LHT
+    return self.score_rows(evidence.need("attn_window_LHWT", self.label))
+
+  def window_scorer(self):
+    return WindowScorer(self)
+
+  def evidence_request(self, T: int, *, reduce_rows: bool = False) -> EvidenceRequest:
+    request = super().evidence_request(T)
+    # the rows are read by score_rows alone, unless the allocator reads them too (CAKE's)
+    if reduce_rows and "attn_window_LHWT" not in self.allocator.needs:
+      request = dataclasses.replace(request, window_scores=self.window_scorer())
+    return request
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodePolicy(Policy):
+  """A decode-time evictor: after the prompt's selection, every generated token joins the cache
+  and the cache is cut back to the budget by :meth:`keep_scores` (the new token always stays).
+
+  A small state machine over the cache's slots, run alike by the model's cache
+  (:mod:`kvjax.model.cache`) and the lab's online replay (:mod:`kvjax.lab.online`). Shapes are
+  ``[..., H, C]`` (the lab: ``[L, H, C]``; the model, one layer at a time: ``[B, H, C]``).
+  """
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.decode_every is not None:
+      raise ValueError(
+        f"decode_every: policy {self.label!r} evicts at every step already; expected None"
+      )
+
+  @property
+  def evicts_each_step(self) -> bool:
+    return True
+
+  def init_state(
+    self, evidence: Evidence, scores_LHT: Array, idx_LHC: Array, kept_LHC: Array
+  ) -> Array | None:
+    """The per-slot state ``[L, H, C]`` fp32 of the prompt's kept slots (``idx``: their
+    positions), or ``None`` for a policy without state."""
+    return None
+
+  def observe(self, state_HC: Array, attn_HC: Array) -> Array:
+    """The state after a step whose query paid ``attn_HC`` (per cache head, mean over its
+    query heads) to each slot. A new slot's state starts at 0."""
+    return state_HC
+
+  def keep_scores(self, state_HC: Array | None, positions_HC: Array, t, budget_H: Array) -> Array:
+    """Keep scores of the current slots before token ``t`` (its position, broadcastable to
+    ``[..., 1, 1]``) joins: higher keeps, ``+inf`` protects. ``budget_H``: each head's budget."""
+    return positions_HC.astype(jnp.float32)
+
+
+def gather_slots(x_LHT: Array, idx_LHC: Array, kept_LHC: Array, num_heads: int) -> Array:
+  """``x`` at the kept slots' positions (0 elsewhere), its heads first averaged down to
+  ``num_heads`` (query-head evidence for a KV-head cache)."""
+  if x_LHT.shape[1] != num_heads:
+    x_LHT = x_LHT.reshape(x_LHT.shape[0], num_heads, -1, x_LHT.shape[-1]).mean(2)
+  return jnp.where(kept_LHC, jnp.take_along_axis(x_LHT, idx_LHC, -1), 0.0)

@@ -1,0 +1,331 @@
+"""Names at the boundary: configs, sweeps and notebooks name policies; :func:`make` builds the
+object once, :func:`register` adds a user's own.
+
+A registered name is a factory of flat options (``make("pyramidkv", beta=5, window=16)``): a
+:class:`Preset` routes each option to the policy's field or to its allocator's.
+``critical_<base>``, ``critical_adakv_<base>``, ``chunkkv_<base>`` and ``think_<base>`` wrap any
+registered prefill scorer ``<base>`` on demand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from kvjax.policies import allocators as alloc_lib
+from kvjax.policies import methods as m
+from kvjax.policies import wrappers as w
+from kvjax.policies.base import Policy
+
+_NOT_OPTIONS = ("allocator", "name", "base")
+
+
+def _field_names(cls) -> set[str]:
+  return {f.name for f in dataclasses.fields(cls) if f.name not in _NOT_OPTIONS}
+
+
+def _default_allocator(cls) -> alloc_lib.Allocator:
+  field = next(f for f in dataclasses.fields(cls) if f.name == "allocator")
+  return field.default
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """A policy class with reference defaults (and allocator) under a name: called with flat
+  options, it routes each one to the policy's field or its allocator's."""
+
+  cls: type
+  defaults: dict = dataclasses.field(default_factory=dict)
+  allocator: alloc_lib.Allocator | None = None
+  doc: str = ""
+
+  @property
+  def _allocator(self) -> alloc_lib.Allocator:
+    return self.allocator if self.allocator is not None else _default_allocator(self.cls)
+
+  def accepted(self) -> set[str]:
+    return _field_names(self.cls) | _field_names(type(self._allocator))
+
+  def __call__(self, **options) -> Policy:
+    allocator = self._allocator
+    alloc_fields = _field_names(type(allocator))
+    own = {k: v for k, v in options.items() if k not in alloc_fields}
+    routed = {k: v for k, v in options.items() if k in alloc_fields}
+    if routed:
+      allocator = dataclasses.replace(allocator, **routed)
+    return self.cls(allocator=allocator, **{**self.defaults, **own})
+
+
+def _check_options(name: str, accepted: set[str], options: dict) -> None:
+  unknown = sorted(set(options) - accepted)
+  if unknown:
+    raise ValueError(
+      f"options: {unknown} are not options of policy {name!r}; expected some of {sorted(accepted)}"
+    )
+
+
+def accepted(factory) -> set[str] | None:
+  """The options a factory takes (``None``: any, a ``**kwargs`` callable)."""
+  if isinstance(factory, Preset):
+    return factory.accepted()
+  if isinstance(getattr(factory, "accepted", None), set):
+    return factory.accepted
+  if isinstance(factory, type) and issubclass(factory, Policy):
+    return _field_names(factory) | _field_names(type(_default_allocator(factory)))
+  params = inspect.signature(factory).parameters.values()
+  if any(p.kind is p.VAR_KEYWORD for p in params):
+    return None
+  return {p.name for p in params}
+
+
+REGISTRY: dict[str, Callable[..., Policy]] = {}
+
+
+def register(name: str, factory, *, overwrite: bool = False) -> None:
+  """Names a policy for configs, sweeps and evaluations.
+
+  Args:
+    name: the name configs use (an identifier, not yet registered unless ``overwrite``).
+    factory: a :class:`Policy` subclass (its fields are the options) or a callable taking
+      options and returning a :class:`Policy`.
+    overwrite: replace an existing registration.
+  """
+  if not isinstance(name, str) or not name.isidentifier():
+    raise ValueError(f"name: expected an identifier such as 'my_policy', got {name!r}")
+  if name in REGISTRY and not overwrite:
+    raise ValueError(f"name: {name!r} is registered already; pass overwrite=True to replace it")
+  if isinstance(factory, type) and issubclass(factory, Policy):
+    factory = Preset(factory, doc=(factory.__doc__ or "").strip().split("\n")[0])
+  elif not callable(factory):
+    raise ValueError(f"factory: expected a Policy subclass or a callable, got {factory!r}")
+  REGISTRY[name] = factory
+
+
+def unregister(name: str) -> None:
+  """Removes ``name`` (a user's registration; ``ValueError`` if unknown)."""
+  if name not in REGISTRY:
+    raise ValueError(f"name: {name!r} is not registered")
+  del REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+  """All registered policy names (wrappers of other bases, such as ``critical_knorm``, resolve on
+  demand and are not listed)."""
+  return tuple(REGISTRY)
+
+
+def _wrapped(name: str):
+  """A factory for ``<prefix><base>`` names, or ``None``."""
+  for prefix, wrapper in _WRAPPERS:
+    base_name = name[len(prefix) :]
+    if name.startswith(prefix) and base_name:
+      if base_name not in REGISTRY:
+        raise ValueError(
+          f"name: {name!r} wraps an unknown policy {base_name!r}; expected "
+          f"{prefix}<one of {names()}>"
+        )
+      return _wrapper_factory(wrapper, base_name)
+  return None
+
+
+def _wrapper_factory(wrapper, base_name: str):
+  base_factory = REGISTRY[base_name]
+  base_accepted = accepted(base_factory) or set()
+  if wrapper is None:  # think_<base>: the base with ThinK's key channels on by default
+
+    def think(**options):
+      return base_factory(**{"channel_ratio": 0.5, **options})
+
+    think.accepted = base_accepted  # type: ignore[attr-defined]
+    return think
+
+  own = _field_names(wrapper)
+
+  def wrap(**options):
+    base = base_factory(**{k: v for k, v in options.items() if k not in own})
+    mine = {k: v for k, v in options.items() if k in own}
+    return wrapper(base=base, allocator=base.allocator, **mine)
+
+  wrap.accepted = own | base_accepted  # type: ignore[attr-defined]
+  return wrap
+
+
+_WRAPPERS = (
+  ("critical_adakv_", w.CriticalAdaKV),
+  ("critical_", w.Critical),
+  ("chunkkv_", w.ChunkKV),
+  ("think_", None),
+)
+
+
+def factory(name: str):
+  """The factory registered (or resolved) for ``name``; ``ValueError`` for an unknown name."""
+  if not isinstance(name, str):
+    raise ValueError(f"name: expected a policy name (str), got {name!r}")
+  if name in REGISTRY:
+    return REGISTRY[name]
+  wrapped = _wrapped(name)
+  if wrapped is None:
+    raise ValueError(f"name: unknown policy {name!r}; expected one of {names()}")
+  return wrapped
+
+
+def accepted_options(name: str, *, window=None, **candidates) -> dict:
+  """Of ``candidates`` (and the protected ``window``), the options that policy ``name`` takes:
+  what a sweep's static axes become for that policy. ``window`` goes to the policy's
+  ``window_field`` when it has one."""
+  known = accepted(factory(name))
+  out = {k: v for k, v in candidates.items() if known is None or k in known}
+  field = make(name).window_field
+  if window is not None and field is not None:
+    out[field] = window
+  return out
+
+
+def make(name: str, **options) -> Policy:
+  """The policy ``name`` with ``options`` overriding its reference defaults.
+
+  Args:
+    name: a registered name (:func:`names`), or ``critical_<base>``, ``critical_adakv_<base>``,
+      ``chunkkv_<base>``, ``think_<base>`` over a registered prefill scorer.
+    **options: the policy's options, validated when it is built. Every policy also accepts
+      ``num_kv_heads``, ``gqa``, ``channel_ratio``, and every prefill scorer ``decode_every``
+      (:class:`Policy`).
+
+  Returns:
+    A frozen :class:`Policy` named ``name``.
+  """
+  f = factory(name)
+  known = accepted(f)
+  if known is not None:
+    _check_options(name, known, options)
+  policy = f(**options)
+  if not isinstance(policy, Policy):
+    raise ValueError(f"factory: {name!r} returned {type(policy).__name__}, expected a Policy")
+  return dataclasses.replace(policy, name=name) if policy.name != name else policy
+
+
+def build(policy: Policy | str, **options) -> Policy:
+  """A policy object from a policy or a name (what every entry point calls once).
+
+  Args:
+    policy: a :class:`Policy`, or a name for :func:`make`.
+    **options: options for :func:`make` (only with a name: an object carries its own).
+
+  Returns:
+    The policy.
+  """
+  if isinstance(policy, Policy):
+    if options:
+      raise ValueError(
+        f"options: {sorted(options)} given with a policy object {policy.label!r}; set them on "
+        "the object (dataclasses.replace) or pass the policy by name"
+      )
+    return policy
+  return make(policy, **options)
+
+
+def _preset(cls, doc: str, allocator=None, **defaults) -> Preset:
+  return Preset(cls, defaults, allocator, doc)
+
+
+_SNAP_MEAN = dict(reduce="mean")
+_BUILTIN = {
+  "full": _preset(m.Full, "the full cache: every token kept"),
+  "sliding_window": _preset(m.SlidingWindow, "the last B tokens"),
+  "streaming_llm": _preset(m.StreamingLLM, "4 sinks + recent"),
+  "h2o": _preset(m.H2O, "causal heavy hitters + recent 8"),
+  "h2o_kvfactory_legacy": _preset(
+    m.HeavyHitters,
+    "KVCache-Factory's published H2O (non-causal prefill column sums) + window 8",
+    form="kvfactory_legacy",
+  ),
+  "h2o_kvpress": _preset(m.ObservedAttention, "kvpress ObservedAttentionPress"),
+  "tova": _preset(m.TOVA, "last query's row averaged over heads"),
+  "snapkv": _preset(m.SnapKV, "window votes, maxpool k=7"),
+  "snapkv_kvpress": _preset(
+    m.SnapKV,
+    "kvpress SnapKVPress (mean votes, avgpool k=5; add num_kv_heads for its GQA mean)",
+    kernel=5,
+    pool="avg",
+    reduce="mean",
+  ),
+  "pyramidkv": _preset(
+    m.SnapKV, "SnapKV scores under PyramidKV's layer schedule", alloc_lib.Pyramid()
+  ),
+  "adakv_snapkv": _preset(
+    m.SnapKV, "Ada-KV head-adaptive budgets over SnapKV scores", alloc_lib.AdaKV(), **_SNAP_MEAN
+  ),
+  "adakv_pyramidkv": _preset(
+    m.SnapKV,
+    "Ada-KV within PyramidKV's layer schedule (Ada-KV pyram_mode)",
+    alloc_lib.AdaKV(pyramid_mode="legacy_floor"),
+    **_SNAP_MEAN,
+  ),
+  "headkv": _preset(
+    m.SnapKV,
+    "HeadKV static head budgets over SnapKV mean votes",
+    alloc_lib.HeadKV(),
+    **_SNAP_MEAN,
+  ),
+  "cake": _preset(m.CAKE, "CAKE layer preference budgets, mean + gamma var eviction score"),
+  "knorm": _preset(m.KNorm, "lowest key norm"),
+  "random": _preset(m.Random, "uniform random scores"),
+  "oracle": _preset(m.Oracle, "future attention (upper bound)"),
+  "keydiff": _preset(m.KeyDiff, "kvpress KeyDiffPress: keys least like the mean normalised key"),
+  "lagkv": _preset(
+    m.LagKV,
+    "kvpress LagKVPress: K/V spread against the next lag chunk, ranked inside each chunk; "
+    "4 sinks and the tail chunk kept",
+  ),
+  "expected_attention": _preset(
+    m.ExpectedAttention,
+    "kvpress ExpectedAttentionPress: softmax of the expected logits of future queries "
+    "(mean + covariance of the pre-RoPE prompt queries, averaged RoPE over the next 512 "
+    "positions, computed by the model), times ||v||; 4 sinks kept",
+  ),
+  "qfilter": _preset(
+    m.QFilter,
+    "kvpress QFilterPress: -<k, f> with the calibrated Q-Filter direction f per KV head",
+  ),
+  "duo_attention": _preset(
+    m.DuoAttention,
+    "kvpress DuoAttentionPress: the lowest round(L*G*head_compression_ratio) gates are streaming "
+    "heads keeping `sinks` sinks + (budget - sinks) recent tokens (kvpress sink_size + "
+    "recent_size = the budget: 128 + 256 = 384 in the official patterns); retrieval heads keep "
+    "everything; head_compression_ratio 0.5 (kvpress's default 0.0 streams no head)",
+  ),
+  "kvzip": _preset(
+    m.KVzip,
+    "kvpress KVzipPress: max attention of the context-reconstruction queries, 4 sinks kept, one "
+    "pooled selection of L*H*budget across all layers and heads (layerwise=True: per layer)",
+  ),
+  "think": _preset(
+    m.ThinK,
+    "kvpress ThinKPress alone: every token kept, the int(D*channel_ratio) least important key "
+    "channels pruned (give any policy channel_ratio to compose it with a token policy)",
+  ),
+  "rkv": _preset(
+    m.RKV,
+    "R-KV (official code): 0.07 * pooled window attention - 0.93 * key-cosine redundancy, "
+    "window 8 kept; re-compresses every 128 generated tokens",
+  ),
+}
+REGISTRY.update(_BUILTIN)
+for _name in ("critical_snapkv", "critical_adakv_snapkv", "chunkkv_snapkv"):
+  REGISTRY[_name] = _wrapped(_name)
+
+
+def doc(name: str) -> str:
+  """One line on policy ``name`` (its preset's, or its class's docstring)."""
+  f = factory(name)
+  if isinstance(f, Preset):
+    return f.doc or (f.cls.__doc__ or "").strip().split("\n")[0]
+  return (getattr(f, "__doc__", None) or "").strip().split("\n")[0]
+
+
+def describe(name: str) -> dict[str, Any]:
+  """Policy ``name``'s defaults as flat options."""
+  return make(name).options

@@ -1,0 +1,215 @@
+"""Wrappers: combinators over any budget-free prefill scorer (kvpress's CriticalKVPress,
+CriticalAdaKVPress and ChunkKVPress take any ScorerPress; these take any :class:`Policy`).
+
+A wrapper holds its ``base`` policy and reads the base's options through it
+(``critical.window`` is ``critical.base.window``); its own fields are its options and the
+common ones (grouping, ``channel_ratio``, ``decode_every``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import budgets as budgets_lib
+from kvjax import scores as scores_lib
+from kvjax import select
+from kvjax.policies import allocators as alloc_lib
+from kvjax.policies.base import DecodePolicy, Policy, WindowScorer, check_int
+from kvjax.policies.evidence import EvidenceRequest
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Wrapper(Policy):
+  """A policy over ``base``: by default it scores, protects and observes as the base does."""
+
+  needs: ClassVar[frozenset[str]] = frozenset()  # the base's, through evidence_fields
+  base: Policy
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not isinstance(self.base, Policy):
+      raise ValueError(f"base: expected a Policy, got {self.base!r}")
+
+  def __getattr__(self, name: str):
+    # the base's options (window, sinks, kernel, ...) read through the wrapper
+    if name.startswith("__") or name == "base":
+      raise AttributeError(name)
+    return getattr(self.base, name)
+
+  @property
+  def windowed(self) -> bool:
+    return self.base.windowed
+
+  @property
+  def window_field(self) -> str | None:
+    return self.base.window_field
+
+  @property
+  def data_options(self) -> tuple[str, ...]:
+    return ()
+
+  @property
+  def evidence_fields(self) -> frozenset[str]:
+    return super().evidence_fields | self.base.evidence_fields
+
+  @property
+  def options(self) -> dict:
+    own = super().options
+    return {**self.base.options, **own}
+
+  def score(self, evidence):
+    return self.base.score(evidence)
+
+  def score_rows(self, attn_LHWT: Array) -> Array:
+    return self.base.score_rows(attn_LHWT)
+
+  def window_scorer(self):
+    return None if self.base.window_scorer() is None else WindowScorer(self)
+
+  def evidence_request(self, T: int, *, reduce_rows: bool = False) -> EvidenceRequest:
+    request = super().evidence_request(T)
+    if reduce_rows and self.window_scorer() is not None:
+      if "attn_window_LHWT" not in self.allocator.needs:
+        request = dataclasses.replace(request, window_scores=self.window_scorer())
+    return request
+
+
+def check_base(base: Policy, wrapper: str, *, given_budget: bool = False) -> None:
+  """``ValueError`` unless ``base`` is a budget-free prefill scorer (and, with
+  ``given_budget``, takes its budget as given)."""
+  if isinstance(base, DecodePolicy) or base.rescores:
+    raise ValueError(
+      f"base: {wrapper} wraps {base.label!r}, which is not a budget-free prefill scorer; "
+      "expected a prefill scorer such as snapkv"
+    )
+  if given_budget and base.allocates:
+    raise ValueError(
+      f"base: {wrapper} over {base.label!r}: expected a base that takes its budget as given"
+    )
+
+
+# --------------------------------------------------------------------------- CriticalKV
+
+
+def _first_stage(scores_LHT, count_LH, capacity):
+  T = scores_LHT.shape[-1]
+  capacity = T if capacity is None else capacity
+  count_LH = jnp.minimum(count_LH, capacity)  # a budget >= T keeps everything anyway
+  return select.keep_mask(scores_LHT, count_LH, capacity=capacity)
+
+
+def _stage_one_count(budget_LH, ratio, floor_one):
+  count = jnp.floor(budget_LH.astype(jnp.float32) * ratio).astype(jnp.int32)
+  if floor_one:  # kvpress: ``max(1, count)`` whenever the first stage is on
+    count = jnp.where(jnp.asarray(ratio) > 0, jnp.maximum(count, 1), count)
+  return count
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Critical(Wrapper):
+  """kvpress ``CriticalKVPress`` over ``base``: stage 1 keeps the base scores' top
+  ``max(1, floor(first_stage_ratio * b))``; stage 2 ranks the rest by
+  ``(s + epsilon) * ||W_O v||_1``. Protected positions (``+inf``) stay in: kvpress pads
+  SnapKV's window with the max + 1, which stage 2 rescales, so with a first stage smaller than
+  the window kvpress can drop window tokens; kvjax never does."""
+
+  epsilon: float = 1e-4
+  first_stage_ratio: float = 0.5
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_base(self.base, "CriticalKV")
+    budgets_lib.check_real("epsilon", self.epsilon, low=0.0)
+    budgets_lib.check_real("first_stage_ratio", self.first_stage_ratio, low=0.0, high=1.0)
+
+  @property
+  def evidence_fields(self):
+    return super().evidence_fields | {"value_out_norms_LHT"}
+
+  def rescore(self, evidence, scores_LHT, budget_LH, capacity):
+    norms = evidence.need("value_out_norms_LHT", self.label)
+    count = _stage_one_count(budget_LH, self.first_stage_ratio, floor_one=True)
+    first = _first_stage(scores_LHT, count, capacity)
+    return scores_lib.critical(scores_LHT, norms, first, epsilon=self.epsilon)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CriticalAdaKV(Critical):
+  """kvpress ``CriticalAdaKVPress`` over ``base``: kvpress's Ada-KV split (``floor_alpha`` 0.2),
+  then each head's safeguard top ``max(1, int(b * floor_alpha))`` and stage-1 top
+  ``int(first_stage_ratio * b_h)`` forced, the rest ranked by ``(s + epsilon) * ||W_O v||_1``."""
+
+  floor_alpha: float = 0.2
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_base(self.base, "CriticalAdaKV", given_budget=True)
+    # kvpress's Ada-KV split; a windowed base's window only bounds the budget from below
+    split = alloc_lib.AdaKV(floor_alpha=self.floor_alpha, adakv_mode="kvpress")
+    object.__setattr__(self, "allocator", split)
+
+  @property
+  def options(self) -> dict:
+    out = super().options
+    for key in ("normalize", "adakv_mode", "pyramid_mode", "beta"):
+      out.pop(key, None)  # the split is kvpress's, fixed
+    return out
+
+  def rescore(self, evidence, scores_LHT, budget_LH, capacity):
+    norms = evidence.need("value_out_norms_LHT", self.label)
+    L, H, T = scores_LHT.shape
+    n_kept_L = budget_LH.sum(-1) // H  # kvpress's counts sum exactly to H * min(b, T)
+    alpha = self.floor_alpha
+    n_safe_L = jnp.floor(n_kept_L.astype(jnp.float32) * alpha).astype(jnp.int32)
+    n_safe_L = jnp.where(
+      jnp.asarray(alpha) > 0, jnp.where(n_kept_L > 0, jnp.maximum(n_safe_L, 1), 0), n_safe_L
+    )
+    safe = _first_stage(scores_LHT, jnp.broadcast_to(n_safe_L[:, None], (L, H)), capacity)
+    boosted = jnp.where(safe, jnp.inf, scores_LHT)
+    count = _stage_one_count(budget_LH, self.first_stage_ratio, floor_one=False)
+    first = _first_stage(boosted, count, capacity)
+    return scores_lib.critical(boosted, norms, first, epsilon=self.epsilon)
+
+
+# --------------------------------------------------------------------------- ChunkKV
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChunkKV(Wrapper):
+  """kvpress ``ChunkKVPress`` over ``base``: whole chunks of ``chunk`` (20) positions ranked by
+  their summed (grouped) score; one kept set shared by every head of a layer."""
+
+  chunk: int = 20
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_base(self.base, "ChunkKV", given_budget=True)
+    check_int("chunk", self.chunk, 1)
+
+  @property
+  def windowed(self) -> bool:
+    return False  # the window's chunk competes like any other (kvpress pads it max + 1)
+
+  def score(self, evidence):
+    scores = self.grouped(self.base.score(evidence))
+    return scores_lib.chunkkv(scores, chunk=self.chunk, valid_T=evidence.valid_T)
+
+
+# --------------------------------------------------------------------------- select once
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SelectOnce(Wrapper):
+  """A decode-time policy's scores, selected once after the prompt (then appended to, as a
+  prefill scorer's cache): kvpress's StreamingLLMPress and TOVAPress act this way."""
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.base.rescores:
+      raise ValueError(f"base: {self.base.label!r} rescores; expected a budget-free scorer")
