@@ -94,9 +94,12 @@ def missing_requirement() -> str | None:
 
 def register_prefill_twins() -> None:
   for name, twin in PREFILL_TWINS.items():
-    policies.REGISTRY[twin] = dataclasses.replace(
-      policies.REGISTRY[name], acts=policies.PREFILL, doc=f"{name}, selected once after prefill"
-    )
+
+    def once(name=name, **options):
+      base = policies.make(name, **options)
+      return policies.SelectOnce(base=base, allocator=base.allocator)
+
+    policies.register(twin, once, overwrite=True)
 
 
 def ratio_for(n_kept: int, T: int) -> float:
@@ -516,7 +519,7 @@ def kvjax_grid(model, exs, pairs, budgets, G: int) -> tuple[float, dict]:
     b_kj = [b + pair.extra_budget for b in budgets]
     policy = PREFILL_TWINS.get(pair.policy, pair.policy)
     res = evaluate.evaluate_group(
-      model, exs, b_kj, policy, dict(pair.options, num_kv_heads=G), prefilled=prefilled
+      model, exs, b_kj, policies.make(policy, **pair.options, num_kv_heads=G), prefilled=prefilled
     )
     for c, (b, row) in enumerate(zip(budgets, res["rows"], strict=True)):
       acc[(pair.label, b)] = row["accuracy"]
@@ -571,7 +574,7 @@ def full_cache_accuracy(torch, hf, model, exs, Tc: int, n_new: int) -> tuple[flo
       tasks.score(e, np.asarray(kvpress_answer(torch, hf, None, ctx, q, n_new)[: e.answer.size]))
     )
   prefilled = evaluate.prefill_examples(model, exs, question="after", window=1, oracle=False)
-  res = evaluate.evaluate_group(model, exs, [LENGTH], "full", {}, prefilled=prefilled)
+  res = evaluate.evaluate_group(model, exs, [LENGTH], evaluate.FULL, prefilled=prefilled)
   return float(np.mean(oks)), res["rows"][0]["accuracy"]
 
 
@@ -589,8 +592,7 @@ def decode_time_accuracy(model, exs, pairs, budgets, G: int) -> tuple[dict, dict
       model,
       exs,
       list(budgets),
-      pair.policy,
-      dict(pair.options, num_kv_heads=G),
+      policies.make(pair.policy, **pair.options, num_kv_heads=G),
       prefilled=prefilled,
     )
     for c, (b, row) in enumerate(zip(budgets, res["rows"], strict=True)):

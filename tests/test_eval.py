@@ -12,6 +12,7 @@ from flax import nnx
 
 import kvjax.model as km
 from configs import eval as eval_config
+from kvjax import policies
 from kvjax.eval import evaluate, funnel, report, tasks, vocab
 
 TOK = vocab.tiny_tokenizer()
@@ -235,9 +236,10 @@ def test_example_batches_merge_to_the_rows_of_one_batch(random_model):
 
   def group(part):
     pre = evaluate.prefill_examples(random_model, part, oracle=False, shape=shape)
-    full = evaluate.evaluate_group(random_model, part, [200], "full", {}, prefilled=pre)
+    full = evaluate.evaluate_group(random_model, part, [200], evaluate.FULL, prefilled=pre)
+    snapkv = policies.make("snapkv")
     return evaluate.evaluate_group(
-      random_model, part, [40, 64], "snapkv", {}, full=full["answers"], prefilled=pre
+      random_model, part, [40, 64], snapkv, full=full["answers"], prefilled=pre
     )
 
   whole = group(exs)["rows"]

@@ -487,18 +487,17 @@ def evidence():
 @given(st.sampled_from(policies.names()), st.data())
 def test_policy_keeps_its_count_and_protection_or_a_value_error(evidence, name, data):
   policy = policies.make(name)
-  entry = policies.spec(name)
   budget, b = data.draw(counts((PL,), boundary(PW, PT, 2**30), PT + 4))
   b = b.astype(np.int64) if all(-(2**63) <= int(v) < 2**63 for v in b) else b
   call = functools.partial(policy.keep_mask, evidence, budget)
   # allocators take one per-head budget (Ada-KV also one per layer); the rest take any table
-  per_layer_ok = not policies.allocates(name) or name == "adakv_snapkv"
-  window = policy.opts.get("window") or PW  # R-KV protects its own window of 8
+  per_layer_ok = not policy.allocates or policy.allocator.max_budget_ndim >= 1
+  window = policy.protected_window(evidence)  # R-KV protects its own window of 8
   if (
     any(not 1 <= int(v) < LIMIT for v in b)
-    or (entry.windowed and min(b) < window + 1)
+    or (policy.windowed and min(b) < window + 1)
     or (np.ndim(budget) > 0 and not per_layer_ok)
-    or (name == "think" and min(b) < PT)  # ThinK keeps every token
+    or (policy.allocator.keeps_all and min(b) < PT)  # ThinK keeps every token
   ):
     expect_value_error(call, "budget")
     return
@@ -507,9 +506,9 @@ def test_policy_keeps_its_count_and_protection_or_a_value_error(evidence, name, 
   budget_LH = np.asarray(policy.budgets(evidence, scores, budget))
   np.testing.assert_array_equal(keep.sum(-1), np.minimum(budget_LH, PT))
   b_L1 = np.asarray(b, np.int64)[:, None]
-  if not policies.allocates(name):
+  if not policy.allocates:
     np.testing.assert_array_equal(budget_LH, np.broadcast_to(b_L1, budget_LH.shape))
-  if entry.windowed:
+  if policy.windowed:
     assert keep[..., PT - window :].all()  # the observation window
   if name == "streaming_llm":
     for layer in range(PL):

@@ -73,11 +73,11 @@ def test_kept_count_and_protection(evidence, name, budget):
     assert keep[..., PROTECTED[name]].all(), name
   if budget >= T:
     assert keep.all()
-  if not policies.allocates(name) and name != "critical_adakv_snapkv":
+  if not policy.allocates:
     assert (budget_LH == budget).all()
 
 
-@pytest.mark.parametrize("name", [n for n in NEW if not policies.allocates(n)])
+@pytest.mark.parametrize("name", [n for n in NEW if not policies.make(n).allocates])
 def test_per_layer_and_per_head_budgets(evidence, name):
   policy = make(name)
   H = policy.scores(evidence).shape[1]
@@ -139,9 +139,8 @@ def test_rkv_matches_a_direct_numpy_reading_of_the_official_code():
 
 
 def test_rkv_registry_entry_is_decode_time_every_128():
-  entry = policies.spec("rkv")
-  assert entry.acts == policies.DECODE and not entry.replay
-  assert policies.make("rkv").opts["decode_every"] == 128
+  rkv = policies.make("rkv")
+  assert rkv.acts_at_decode and not rkv.evicts_each_step and rkv.decode_every == 128
 
 
 def test_keydiff_by_hand():
@@ -217,8 +216,8 @@ def test_think_channels_and_composition(evidence):
   assert (keep.sum(-1) == D - int(D * 0.3)).all()
   kept_scores = np.where(keep, np.asarray(cs), np.inf).min(-1)
   assert np.all(kept_scores >= np.where(keep, -np.inf, np.asarray(cs)).max(-1))
-  assert policies.make("snapkv", channel_ratio=0.5).opts["channel_ratio"] == 0.5
-  assert policies.make("think_snapkv").opts["channel_ratio"] == 0.5
+  assert policies.make("snapkv", channel_ratio=0.5).channel_ratio == 0.5
+  assert policies.make("think_snapkv").channel_ratio == 0.5
   think = policies.make("think")
   assert np.asarray(think.keep_mask(evidence, T)).all()
   with pytest.raises(ValueError, match="keeps every token"):
@@ -275,10 +274,10 @@ def test_critical_keeps_sentinels_whatever_the_norm():
 
 def test_wrappers_resolve_and_refuse(evidence):
   assert "critical_knorm" not in policies.names()
-  assert policies.spec("chunkkv_knorm").needs == ("keys_LGTD",)
+  assert policies.make("chunkkv_knorm").evidence_fields == {"keys_LGTD"}
   for name, match in (
     ("critical_h2o", "not a budget-free prefill scorer"),
-    ("chunkkv_pyramidkv", "shares one kept set"),
+    ("chunkkv_pyramidkv", "takes its budget as given"),
     ("critical_adakv_cake", "takes its budget as given"),
     ("critical_nope", "wraps an unknown policy 'nope'"),
     ("critical_critical_snapkv", "not a budget-free prefill scorer"),
@@ -292,7 +291,7 @@ def test_wrappers_resolve_and_refuse(evidence):
   [
     ("snapkv", dict(decode_every=0), "decode_every: expected an int >= 1"),
     ("snapkv", dict(decode_every=2.0), "decode_every: expected an int >= 1"),
-    ("h2o", dict(decode_every=4), r"options: \['decode_every'\] are not options"),
+    ("h2o", dict(decode_every=4), "decode_every: policy 'h2o' evicts at every step already"),
     ("snapkv", dict(channel_ratio=1.0), "channel_ratio: expected a fraction"),
     ("snapkv", dict(channel_ratio=-0.1), "channel_ratio: expected a finite value"),
     ("lagkv", dict(lag=0), "lag: expected an int >= 1"),
@@ -312,8 +311,8 @@ def test_new_options_are_validated_at_make(name, options, match):
 
 def test_decode_every_on_prefill_policies():
   for name in ("snapkv", "expected_attention", "critical_snapkv", "kvzip"):
-    assert policies.make(name, decode_every=64).opts["decode_every"] == 64
-    assert policies.make(name).opts["decode_every"] is None
+    assert policies.make(name, decode_every=64).decode_every == 64
+    assert policies.make(name).decode_every is None
 
 
 def test_missing_evidence_names_the_field(evidence):

@@ -105,7 +105,8 @@ def head_retrieval_scores(
   cfg = model.cfg
   exs = examples("single_needle", tokenizer, length, count, {}, seed=7)
   prompts = np.stack([e.prompt for e in exs])
-  pre = km.prefill(cfg, model.params(), prompts, np.ones_like(prompts), window=1)
+  request = policies.EvidenceRequest(window=1)
+  pre = km.prefill(cfg, model.params(), prompts, np.ones_like(prompts), request)
   row_LBHT = np.asarray(pre.attn_window[..., -1, :])
   at_B = np.asarray([e.needle_at[0] for e in exs])
   near_BT = np.abs(np.arange(length)[None, :] - at_B[:, None]) <= span
@@ -126,7 +127,7 @@ def full_cache_scores(model, tokenizer, lengths, count: int, task_options: dict,
       for start in range(0, count, 8):  # batches of 8 bound memory at long contexts
         part = exs[start : start + 8]
         P, A, S = tasks.batch(part)
-        ans = decoding.answer_configs(model, P, A, np.array([1]), policy="full", answer_given=~S)
+        ans = decoding.answer_configs(model, P, A, np.array([1]), policy=FULL, answer_given=~S)
         oks.append(accuracy(part, ans.predicted[0]))
         found.append(recall(part, ans.predicted[0]))
       out["accuracy"][str(length)][task] = float(np.concatenate(oks).mean())
@@ -134,11 +135,16 @@ def full_cache_scores(model, tokenizer, lengths, count: int, task_options: dict,
   return out
 
 
-def _policy_options(entry) -> tuple[str, str, dict]:
+# the full cache: every policy's reference row, labelled report.FULL in the tables
+FULL = policies.make("full")
+
+
+def policy_entry(entry) -> tuple[str, policies.Policy]:
+  """A config's policy entry ``{"label": ..., "policy": name, **options}`` as ``(label,
+  policy)``, the policy built (and its options validated) once."""
   entry = dict(entry)
   label = entry.pop("label")
-  name = entry.pop("policy")
-  return label, name, entry
+  return label, policies.make(entry.pop("policy"), **entry)
 
 
 def prefill_examples(
@@ -178,15 +184,8 @@ CONTEXT_EVIDENCE = ("reconstruction_attn_LGT",)
 
 
 def policy_needs(entries) -> set[str]:
-  """The :class:`kvjax.policies.Evidence` fields the ``(label, name, options)`` entries read
-  (ThinK's ``channel_ratio`` on any policy adds the window queries)."""
-  needs = set()
-  for _, name, options in entries:
-    if name != "full":
-      needs |= set(policies.spec(name).needs)
-    if options.get("channel_ratio"):
-      needs.add("window_queries_LHWD")
-  return needs
+  """The :class:`kvjax.policies.Evidence` fields the ``(label, policy)`` entries read."""
+  return set().union(*(policy.evidence_fields for _, policy in entries))
 
 
 def load_calibration(config, needs) -> dict:
@@ -248,16 +247,19 @@ def shared_shape(example_sets) -> tuple[int, int]:
 
 
 def _policy_window(entries) -> int:
-  """The most window rows any of the policies reads (32 by default, the reference's)."""
-  return max([32, *(int(opts.get("window") or 32) for _, _, opts in entries)])
+  """The most window rows any of the policies reads (the reference's by default)."""
+  return max([policies.DEFAULT_WINDOW, *(policy.observation_window for _, policy in entries)])
+
+
+def _reads_head_scores(policy: policies.Policy) -> bool:
+  return "head_scores_LH" in policy.evidence_fields
 
 
 def evaluate_group(
   model,
   exs,
   budgets,
-  name,
-  options,
+  policy: policies.Policy,
   *,
   head_scores=None,
   full=None,
@@ -269,23 +271,22 @@ def evaluate_group(
   :func:`kvjax.model.answer_configs`), answered from ``prefilled`` (:func:`prefill_examples`)
   when given, else from a prefill of its own."""
   if len(budgets) == 0:
-    raise ValueError(f"budgets: no budget to evaluate for policy {name!r}")
+    raise ValueError(f"budgets: no budget to evaluate for policy {policy.label!r}")
   n_len = None
   if prefilled is not None:  # answers as wide as the prefill's (see prefill_examples)
     n_len = prefilled.inputs_BM.shape[1] - prefilled.question_len + 1
   _, answers, scored = tasks.batch(exs, answer_len=n_len)
   if prefilled is None:
-    window = _policy_window([("", name, options)])
+    window = _policy_window([("", policy)])
     prefilled = prefill_examples(
-      model, exs, question=question, window=window, oracle=name == "oracle"
+      model, exs, question=question, window=window, oracle=policy.reads_future
     )
-  extra = {"head_scores": head_scores} if name == "headkv" else {}
-  wanted = policy_needs([("", name, options)])
-  given = {k: v for k, v in (evidence or {}).items() if k in wanted}
+  extra = {"head_scores": head_scores} if _reads_head_scores(policy) else {}
+  given = {k: v for k, v in (evidence or {}).items() if k in policy.evidence_fields}
   if given:
     extra["evidence"] = given
   out = decoding.answer_prefilled(
-    model, prefilled, np.asarray(budgets, np.int32), policy=name, **extra, **options
+    model, prefilled, np.asarray(budgets, np.int32), policy=policy, **extra
   )
   rows = []
   for c, b in enumerate(budgets):
@@ -406,14 +407,11 @@ def validate_config(config) -> None:
       f"batch: expected None or a positive divisor of examples={config.examples} (equal batches "
       f"compile once), got {batch!r}"
     )
-  labels = []
-  for entry in config.policies:
-    label, name, options = _policy_options(entry)
-    decoding.check_policy(name, options)
-    labels.append(label)
-  load_calibration(config, policy_needs([_policy_options(e) for e in config.policies]))
-  if len(set(labels)) < len(labels) or "full" in labels:
-    raise ValueError(f"policies: labels must be distinct and not 'full', got {labels}")
+  entries = [policy_entry(e) for e in config.policies]
+  labels = [label for label, _ in entries]
+  load_calibration(config, policy_needs(entries))
+  if len(set(labels)) < len(labels) or report.FULL in labels:
+    raise ValueError(f"policies: labels must be distinct and not {report.FULL!r}, got {labels}")
   for length in config.lengths:
     if not [b for b in config.budgets if b < length]:
       raise ValueError(
@@ -458,19 +456,20 @@ def _run(config, workdir, log) -> pd.DataFrame:
       f"workdir: {path} has the columns {list(table.columns)}, expected {COLUMNS} (written by "
       "another kvjax version); use a fresh workdir"
     )
-  entries = [_policy_options(e) for e in config.policies]
+  entries = [policy_entry(e) for e in config.policies]
+  everyone = [(report.FULL, FULL), *entries]
   modes = question_modes(config)
   groups = {}  # (task, length, label, kind, question) -> budgets
   for task in config.tasks:
     for length in config.lengths:
-      for label, name, _ in [("full", "full", {}), *entries]:
-        budgets = [length] if name == "full" else [b for b in config.budgets if b < length]
+      for label, policy in everyone:
+        budgets = [b for b in config.budgets if b < length] if policy.requires_budget else [length]
         for q in modes:
           groups[(task, length, label, "budget", q)] = budgets
   done = complete_groups(table, path, {k: len(v) for k, v in groups.items()})
   model, cfg, tok = load_model(config.model)
   window = _policy_window(entries)
-  oracle = any(name == "oracle" for _, name, _ in entries)
+  oracle = any(policy.reads_future for _, policy in entries)
   needs = policy_needs(entries)
   calibration = load_calibration(config, needs)
   template = kvzip_template(tok, config.model) if set(needs) & set(CONTEXT_EVIDENCE) else None
@@ -491,15 +490,11 @@ def _run(config, workdir, log) -> pd.DataFrame:
   for task in config.tasks:
     for length in config.lengths:
       for q in modes:
-        todo = [
-          e
-          for e in [("full", "full", {}), *entries]
-          if (task, length, e[0], "budget", q) not in done
-        ]
+        todo = [e for e in everyone if (task, length, e[0], "budget", q) not in done]
         if not todo:
           continue
         batches = example_batches(sets[(task, length)], config.get("batch"))
-        parts = {label: [] for label, _, _ in todo}
+        parts = {label: [] for label, _ in todo}
         seconds = dict.fromkeys(parts, 0.0)
         for i, exs in enumerate(batches):
           t0 = time.time()  # one prefill per example for every policy, timed with the first
@@ -513,11 +508,11 @@ def _run(config, workdir, log) -> pd.DataFrame:
             needs=needs,
           )
           evidence = calibration | context_evidence(model, exs, shapes[length], template, needs)
-          full = evaluate_group(model, exs, [length], "full", {}, prefilled=prefilled)
-          for label, name, options in todo:
-            if name == "headkv" and head is None:
+          full = evaluate_group(model, exs, [length], FULL, prefilled=prefilled)
+          for label, policy in todo:
+            if _reads_head_scores(policy) and head is None:
               head = head_retrieval_scores(model, tok)
-            if name == "full":  # its own reference: KL exactly 0
+            if policy is FULL:  # its own reference: KL exactly 0
               res = full | {"rows": [r | {"kl": 0.0} for r in full["rows"]]}
             else:
               budgets = groups[(task, length, label, "budget", q)]
@@ -525,8 +520,7 @@ def _run(config, workdir, log) -> pd.DataFrame:
                 model,
                 exs,
                 budgets,
-                name,
-                options,
+                policy,
                 head_scores=head,
                 full=full["answers"],
                 prefilled=prefilled,
@@ -566,38 +560,39 @@ def _heatmap(config, model, tok, path, done, head, log, data):
   if not h.policies:
     return head
   q = question_modes(config)[0]
-  entries = {e["label"]: _policy_options(e) for e in config.policies}
+  entries = dict(policy_entry(e) for e in config.policies)
   for length in h.lengths:
     for d in h.depths:
       kind = f"heatmap@{d:g}"
       cells = [
-        label for label in ["full", *h.policies] if (h.task, length, label, kind, q) not in done
+        label
+        for label in [report.FULL, *h.policies]
+        if (h.task, length, label, kind, q) not in done
       ]
       if not cells:
         continue
       opts = rundir.plain(config.tasks[h.task]) if h.task in config.tasks else {}
       exs = examples(h.task, tok, length, h.examples, opts, depth=d, seed=config.seed + 1)
-      chosen = [("full", "full", {}) if label == "full" else entries[label] for label in cells]
+      chosen = [(label, FULL if label == report.FULL else entries[label]) for label in cells]
       needs = policy_needs(chosen)
       prefilled = prefill_examples(
         model,
         exs,
         question=q,
         window=_policy_window(chosen),
-        oracle=any(name == "oracle" for _, name, _ in chosen),
+        oracle=any(policy.reads_future for _, policy in chosen),
         needs=needs,
       )
       evidence = data["calibration"] | context_evidence(model, exs, None, data["template"], needs)
-      for label, (_, name, options) in zip(cells, chosen, strict=True):
-        budget = length if name == "full" else h.budget
-        if name == "headkv" and head is None:
+      for label, policy in chosen:
+        budget = h.budget if policy.requires_budget else length
+        if _reads_head_scores(policy) and head is None:
           head = head_retrieval_scores(model, tok)
         res = evaluate_group(
           model,
           exs,
           [budget],
-          name,
-          options,
+          policy,
           head_scores=head,
           prefilled=prefilled,
           evidence=evidence,

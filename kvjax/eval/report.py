@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+FULL = "full"  # the label of the full cache's rows, every policy's reference
+
 
 def _cell(value: float, digits: int) -> str:
   return "" if pd.isna(value) else f"{value:.{digits}f}"
@@ -28,7 +30,7 @@ def frame_markdown(frame: pd.DataFrame, digits: int = 2, index_name: str | None 
 
 def full_cache(table: pd.DataFrame) -> pd.DataFrame:
   """Full-cache accuracy, task x context length (the first question mode's rows)."""
-  rows = table[(table["kind"] == "budget") & (table["policy"] == "full")]
+  rows = table[(table["kind"] == "budget") & (table["policy"] == FULL)]
   rows = rows[rows["question"] == rows["question"].iloc[0]] if len(rows) else rows
   return rows.pivot_table(index="task", columns="length", values="accuracy", aggfunc="mean")
 
@@ -37,12 +39,12 @@ def by_budget(table: pd.DataFrame, question: str, value: str = "accuracy") -> pd
   """``value`` per policy x budget in one question mode, the mean over tasks and lengths; the
   full cache's column is its own mean (``full``), the policies in the order they were run."""
   rows = table[(table["kind"] == "budget") & (table["question"] == question)]
-  budgets = rows[rows["policy"] != "full"]
+  budgets = rows[rows["policy"] != FULL]
   frame = budgets.pivot_table(index="policy", columns="budget", values=value, aggfunc="mean")
   order = [p for p in dict.fromkeys(budgets["policy"]) if p in frame.index]
   frame = frame.loc[order]
-  full = rows[rows["policy"] == "full"][value].mean()
-  frame.insert(0, "full", np.full(len(frame), full))
+  full = rows[rows["policy"] == FULL][value].mean()
+  frame.insert(0, FULL, np.full(len(frame), full))
   return frame
 
 

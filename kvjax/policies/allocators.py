@@ -217,9 +217,7 @@ class DuoSplit(Allocator):
   head_compression_ratio: float = 0.5
 
   def __post_init__(self):
-    budgets_lib.check_real(
-      "head_compression_ratio", self.head_compression_ratio, low=0.0, high=1.0
-    )
+    budgets_lib.check_real("head_compression_ratio", self.head_compression_ratio, low=0.0, high=1.0)
 
   def __call__(self, evidence, scores_LHT, budget, window):
     L, H, T = scores_LHT.shape

@@ -65,7 +65,9 @@ def _pytree(cls):
 
   def flatten(p):
     data = tuple(p.data_options)
-    static = tuple((f.name, getattr(p, f.name)) for f in dataclasses.fields(p) if f.name not in data)
+    static = tuple(
+      (f.name, getattr(p, f.name)) for f in dataclasses.fields(p) if f.name not in data
+    )
     return tuple(getattr(p, k) for k in data), (data, static)
 
   def unflatten(aux, leaves):
@@ -320,9 +322,9 @@ class Policy:
     T = scores_LHT.shape[-1]
     if self.allocator.keeps_all and low < T:
       raise ValueError(
-        f"budget: {low} < T={T}, but policy {self.label!r} keeps every token (ThinK prunes key "
-        "channels, not tokens); expected budget >= T, or channel_ratio on a token policy, "
-        "e.g. make('snapkv', channel_ratio=0.5)"
+        f"budget: {low} < T={T}, but policy {self.label!r} keeps every token (the full cache; "
+        "ThinK prunes key channels, not tokens); expected budget >= T, or channel_ratio on a "
+        "token policy, e.g. make('snapkv', channel_ratio=0.5)"
       )
     if self.windowed:
       window = self.protected_window(evidence)

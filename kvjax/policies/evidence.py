@@ -189,7 +189,9 @@ class EvidenceRequest:
     needs = frozenset(needs)
     unknown = sorted(needs - FIELDS)
     if unknown:
-      raise ValueError(f"needs: {unknown} are not Evidence fields; expected some of {sorted(FIELDS)}")
+      raise ValueError(
+        f"needs: {unknown} are not Evidence fields; expected some of {sorted(FIELDS)}"
+      )
     return cls(
       window=window,
       column_sums="column_sums_LHT" in needs,

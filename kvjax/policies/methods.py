@@ -56,6 +56,8 @@ class Full(Policy):
     return jnp.zeros(evidence.positions_shape(self.label), jnp.float32)
 
   def budgets(self, evidence, scores_LHT, budget):
+    if budget is not None:  # a given budget is checked (it must keep every token)
+      return super().budgets(evidence, scores_LHT, budget)
     L, H, T = scores_LHT.shape
     return jnp.full((L, H), T, jnp.int32)
 

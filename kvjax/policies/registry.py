@@ -48,14 +48,14 @@ class Preset:
   def accepted(self) -> set[str]:
     return _field_names(self.cls) | _field_names(type(self._allocator))
 
-  def __call__(self, **options) -> Policy:
+  def __call__(self, name: str | None = None, **options) -> Policy:
     allocator = self._allocator
     alloc_fields = _field_names(type(allocator))
     own = {k: v for k, v in options.items() if k not in alloc_fields}
     routed = {k: v for k, v in options.items() if k in alloc_fields}
     if routed:
       allocator = dataclasses.replace(allocator, **routed)
-    return self.cls(allocator=allocator, **{**self.defaults, **own})
+    return self.cls(allocator=allocator, name=name, **{**self.defaults, **own})
 
 
 def _check_options(name: str, accepted: set[str], options: dict) -> None:
@@ -135,21 +135,31 @@ def _wrapper_factory(wrapper, base_name: str):
   base_accepted = accepted(base_factory) or set()
   if wrapper is None:  # think_<base>: the base with ThinK's key channels on by default
 
-    def think(**options):
-      return base_factory(**{"channel_ratio": 0.5, **options})
+    def think(name=None, **options):
+      return _call(base_factory, name, {"channel_ratio": 0.5, **options})
 
     think.accepted = base_accepted  # type: ignore[attr-defined]
+    think.takes_name = True  # type: ignore[attr-defined]
     return think
 
   own = _field_names(wrapper)
 
-  def wrap(**options):
-    base = base_factory(**{k: v for k, v in options.items() if k not in own})
+  def wrap(name=None, **options):
+    base = _call(base_factory, base_name, {k: v for k, v in options.items() if k not in own})
     mine = {k: v for k, v in options.items() if k in own}
-    return wrapper(base=base, allocator=base.allocator, **mine)
+    return wrapper(base=base, allocator=base.allocator, name=name, **mine)
 
   wrap.accepted = own | base_accepted  # type: ignore[attr-defined]
+  wrap.takes_name = True  # type: ignore[attr-defined]
   return wrap
+
+
+def _call(f, name: str, options: dict) -> Policy:
+  """``f(**options)``, naming the policy ``name`` (before its options are validated, so errors
+  name it)."""
+  if isinstance(f, Preset) or getattr(f, "takes_name", False):
+    return f(name=name, **options)
+  return f(**options)
 
 
 _WRAPPERS = (
@@ -201,7 +211,7 @@ def make(name: str, **options) -> Policy:
   known = accepted(f)
   if known is not None:
     _check_options(name, known, options)
-  policy = f(**options)
+  policy = _call(f, name, options)
   if not isinstance(policy, Policy):
     raise ValueError(f"factory: {name!r} returned {type(policy).__name__}, expected a Policy")
   return dataclasses.replace(policy, name=name) if policy.name != name else policy

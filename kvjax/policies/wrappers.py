@@ -74,9 +74,9 @@ class Wrapper(Policy):
 
   def evidence_request(self, T: int, *, reduce_rows: bool = False) -> EvidenceRequest:
     request = super().evidence_request(T)
-    if reduce_rows and self.window_scorer() is not None:
-      if "attn_window_LHWT" not in self.allocator.needs:
-        request = dataclasses.replace(request, window_scores=self.window_scorer())
+    scorer = self.window_scorer()
+    if reduce_rows and scorer is not None and "attn_window_LHWT" not in self.allocator.needs:
+      request = dataclasses.replace(request, window_scores=scorer)
     return request
 
 
