@@ -6,8 +6,9 @@ The pipeline (DESIGN.md): every method is four pure steps over stacked arrays,
 
 and the package is laid out in layers whose imports point one way (down this list):
 
-* the core, ``select``, ``scores``, ``budgets`` and ``policies`` (the registry by name), which
-  import nothing else from kvjax;
+* the core, ``select``, ``scores``, ``budgets`` and ``policies`` (policies as typed, frozen
+  objects: the protocol, allocators, one class per method, wrappers, and the registry that names
+  them), which import nothing else from kvjax;
 * two leaves, ``rundir`` (run directories: one config per directory, rows appended durably) and
   ``plotting`` (figures from arrays and tables);
 * ``kvjax.lab``: the synthetic attention world, online replay of every policy, metrics, the

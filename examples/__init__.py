@@ -1,0 +1,1 @@
+"""Worked examples of extending kvjax (the README's "Write your own")."""
