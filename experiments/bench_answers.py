@@ -22,10 +22,16 @@ import time
 import jax
 import numpy as np
 
+from kvjax import policies
 from kvjax.eval import evaluate
 from kvjax.model import decoding
 
-CASES = (("full", None), ("snapkv", (64, 128, 256)), ("pyramidkv", (64, 128, 256)))
+# each policy built once (budgets None: the full cache's whole context)
+CASES = (
+  (policies.make("full"), None),
+  (policies.make("snapkv"), (64, 128, 256)),
+  (policies.make("pyramidkv"), (64, 128, 256)),
+)
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -70,7 +76,7 @@ def main() -> int:
       same = bool((a.predicted == b.predicted).all())
       gap = float(np.abs(a.logprobs - b.logprobs).max())
       print(
-        f"{question:9s} {policy:10s} K={len(budgets)}: at once {fast * 1e3:7.0f} ms, token loop "
+        f"{question:9s} {policy.label:10s} K={len(budgets)}: at once {fast * 1e3:7.0f} ms, token loop "
         f"{slow * 1e3:7.0f} ms = {slow / fast:5.1f}x faster (same greedy answers: {same}, "
         f"teacher-forced log-probs within {gap:.1e})"
       )

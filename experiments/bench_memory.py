@@ -26,6 +26,7 @@ Usage: ``python -m experiments.bench_memory [--quick] [--block 256] [--chunk 204
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,8 @@ SHAPES = {
   ),
 }
 TARGETS_GIB = {("llama-3.2-1b", 32768): 8.0, ("llama-3.2-1b", 131072): 16.0}
+# the policies' evidence: the window rows of the reference window and H2O's column sums
+EVIDENCE = policies.EvidenceRequest(window=policies.DEFAULT_WINDOW, column_sums=True)
 # the window evidence: rows in fp32 or bf16, or reduced to SnapKV's scores in the layer scan
 WINDOW_MODES = {
   "float32": dict(window_dtype=jnp.float32),
@@ -71,14 +74,14 @@ def plan(
   cfg: km.ModelConfig,
   T: int,
   *,
-  window: int,
   block: int,
   chunk: int | None,
   window_dtype=jnp.float32,
   window_scores=None,
   attention: str = "blocked",
 ) -> dict:
-  """The memory plan (bytes) of one prefill of ``T`` tokens with the policies' evidence."""
+  """The memory plan (bytes) of one prefill of ``T`` tokens with the policies' evidence
+  (:data:`EVIDENCE`; its window rows reduced by ``window_scores`` when given)."""
   model = nnx.eval_shape(lambda: km.Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))  # ShapeDtypeStructs: no weights
   ids = jax.ShapeDtypeStruct((1, T), jnp.int32)
@@ -88,12 +91,10 @@ def plan(
       cfg,
       p,
       i,
-      window=window,
-      column_sums=True,
+      request=dataclasses.replace(EVIDENCE, window_scores=window_scores),
       block=block,
       chunk=chunk,
       window_dtype=window_dtype,
-      window_scores=window_scores,
       attention=attention,
     )
 
@@ -120,7 +121,8 @@ def main() -> None:
   if not args.quick:
     cases += [(n, t) for n in SHAPES for t in (8192, 32768, 131072)][1:]
   print(
-    f"prefill(window=32, column_sums=True, block={args.block}, chunk={chunk}, "
+    f"prefill(request=EvidenceRequest(window={EVIDENCE.window}, column_sums=True), "
+    f"block={args.block}, chunk={chunk}, "
     f"attention={args.attention!r}), bf16 weights, batch 1"
   )
   print(
@@ -134,7 +136,6 @@ def main() -> None:
       p = plan(
         SHAPES[name],
         T,
-        window=32,
         block=args.block,
         chunk=chunk,
         attention=args.attention,

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.bench_memory import SHAPES
+from experiments.bench_memory import EVIDENCE, SHAPES
 from kvjax import model as km
 from kvjax import policies
 from kvjax.model import cache as cache_lib
@@ -64,7 +64,7 @@ def prefill_rows(cfg, lengths) -> list[str]:
   rows = []
   for T in lengths:
     ids = jnp.asarray(np.random.default_rng(T).integers(0, cfg.vocab_size, (1, T)), jnp.int32)
-    fn = jax.jit(lambda p, i: km.prefill(cfg, p, i, window=32, column_sums=True))
+    fn = jax.jit(lambda p, i: km.prefill(cfg, p, i, request=EVIDENCE))
     try:
       seconds = timed(fn, params, ids, repeats=2)
       rows.append(f"prefill 1B bf16 {T:6d} tokens: {seconds:7.2f} s, peak {peak_gib():6.2f} GiB")

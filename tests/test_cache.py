@@ -55,7 +55,9 @@ def test_snapkv_on_the_model_keeps_kvpress_positions():
   model, cfg = km.load(fixtures / "kvpress_tiny_llama")
   ids = data["input_ids_T"][None].astype(np.int32)
   T = ids.shape[1]
-  pre = km.prefill(cfg, model.params(), jnp.asarray(ids), window=8)
+  pre = km.prefill(
+    cfg, model.params(), jnp.asarray(ids), request=policies.EvidenceRequest(window=8)
+  )
   np.testing.assert_allclose(np.asarray(pre.keys[:, 0]), data["keys_LGTD"], atol=1e-5)
   spec = cache_lib.CacheSpec(policies.make("snapkv_kvpress", num_kv_heads=cfg.num_kv_heads), T // 2)
   cache = cache_lib.compress(cfg, pre, spec, T // 2)
@@ -98,7 +100,9 @@ def test_capacity_overflow_is_flagged_and_sinks_are_the_first_real_tokens():
   model, cfg = km.load(path)
   ids = prompt(T=40)
   # a capacity below the budget is flagged, never silently clamped
-  pre = km.prefill(cfg, model.params(), jnp.asarray(ids), window=8)
+  pre = km.prefill(
+    cfg, model.params(), jnp.asarray(ids), request=policies.EvidenceRequest(window=8)
+  )
   small = cache_lib.compress(
     cfg, pre, cache_lib.CacheSpec(policies.make("snapkv", window=8), 4), 33
   )
@@ -118,7 +122,9 @@ def test_query_layout_gathers_each_query_heads_kv_head():
   ``h // group`` at the positions it kept, gathered without repeating K/V across the group."""
   model, cfg = km.load(make_checkpoint_cached()[1])
   assert cfg.num_heads > cfg.num_kv_heads  # GQA: a group of query heads per KV head
-  pre = km.prefill(cfg, model.params(), jnp.asarray(prompt(T=48)), window=8)
+  pre = km.prefill(
+    cfg, model.params(), jnp.asarray(prompt(T=48)), request=policies.EvidenceRequest(window=8)
+  )
   spec = cache_lib.CacheSpec(policies.make("snapkv", window=8), 24, "query")
   cache = cache_lib.compress(cfg, pre, spec, 20)
   keys, values = np.asarray(pre.keys), np.asarray(pre.values)

@@ -1,6 +1,8 @@
 """kvjax.model.decoding: generation through the compressed cache (full-cache equivalence,
 padding, vmapped configurations, budget validation)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,7 +39,7 @@ def test_budget_covering_the_prompt_reproduces_full_cache(family, policy):
   full = km.generate(model, ids, max_new_tokens=NEW).tokens
   # prefill-time policies append without eviction: budget >= prompt suffices; decode-time
   # policies evict once prompt + generated exceeds the budget, so they need T + NEW.
-  budget = 40 + NEW if policies.acts_at_decode(policy) else 40
+  budget = 40 + NEW if policies.make(policy).acts_at_decode else 40
   options = {"window": 8} if policy in ("snapkv", "pyramidkv", "adakv_snapkv") else {}
   out = km.generate(model, ids, policy=policy, budget=budget, max_new_tokens=NEW, **options)
   np.testing.assert_array_equal(out.tokens, full)
@@ -125,7 +127,7 @@ def test_keep_mask_on_a_real_prompt_matches_the_policy_and_survives_padding():
   kept = km.keep_mask(model, ids, "snapkv", 40, window=8)
   assert kept.shape == (cfg.num_layers, 1, cfg.num_heads, 120)
   assert (kept.sum(-1) == 40).all() and kept[..., -8:].all()  # the window is protected
-  pre = km.prefill(cfg, model.params(), ids, window=8)
+  pre = km.prefill(cfg, model.params(), ids, request=policies.EvidenceRequest(window=8))
   ev = policies.Evidence(attn_window_LHWT=pre.attn_window[:, 0], keys_LGTD=pre.keys[:, 0])
   expected = np.asarray(policies.make("snapkv", window=8).keep_mask(ev, 40))
   np.testing.assert_array_equal(kept[:, 0], expected)
@@ -143,7 +145,7 @@ def test_keep_mask_on_a_real_prompt_matches_the_policy_and_survives_padding():
     km.keep_mask(model, ids, "snapkv", 40, num_kv_heads=cfg.num_kv_heads + 1)
 
 
-# every policy that reads its window rows only through Spec.window_scorer; quick mode runs one
+# every policy that reads its window rows only through its window scorer; quick mode runs one
 # per way the scores are read (as given, by an allocator, by a budget-dependent stage, chunked,
 # by a decode-time policy)
 WINDOW_SCORED = [
@@ -174,10 +176,16 @@ def test_window_rows_reduced_in_the_layer_scan_keep_what_the_rows_keep(policy):
   scorer = pol.window_scorer()
   assert scorer == policies.make(pol.name, **dict(pol.options)).window_scorer()  # one compile
   # the entry points' observation window: the policy's, or 32 rows
-  kw = dict(km.decoding.evidence_request(pol, 90), window=32 if policy == "tova" else 8)
-  rows = km.prefill(cfg, model.params(), ids, mask, **kw)
-  reduced = km.prefill(cfg, model.params(), ids, mask, window_scores=scorer, **kw)
-  assert reduced.attn_window is None and reduced.window == rows.window == kw["window"]
+  request = pol.evidence_request(90)
+  assert request.window == (32 if policy == "tova" else 8) and request.window_scores is None
+  assert pol.evidence_request(90, reduce_rows=True) == dataclasses.replace(
+    request, window_scores=scorer
+  )
+  rows = km.prefill(cfg, model.params(), ids, mask, request=request)
+  reduced = km.prefill(
+    cfg, model.params(), ids, mask, request=dataclasses.replace(request, window_scores=scorer)
+  )
+  assert reduced.attn_window is None and reduced.window == rows.window == request.window
   assert reduced.window_scores.shape == (cfg.num_layers, 2, cfg.num_heads, 90)
   expected = np.stack([np.asarray(scorer(rows.attn_window[l])) for l in range(cfg.num_layers)])
   np.testing.assert_allclose(np.asarray(reduced.window_scores), expected, rtol=1e-6, atol=1e-7)
@@ -346,3 +354,32 @@ def test_new_budget_maxima_rarely_recompile_the_decoder():
 def test_capacity_buckets_waste_at_most_a_quarter(n):
   b = km.decoding.capacity_bucket(n)
   assert n <= b <= 1.25 * n
+
+
+def test_a_warm_generate_builds_its_policy_once(monkeypatch):
+  model, _, _ = km.load_tiny()
+  ids = np.random.default_rng(5).integers(4, 200, (1, 40)).astype(np.int32)
+  calls = []
+  real = policies.registry.make
+
+  def counting(name, **options):
+    calls.append(name)
+    return real(name, **options)
+
+  for name, options in (("snapkv", {"window": 8}), ("h2o", {})):
+    kw = dict(policy=name, budget=24, max_new_tokens=4, **options)
+    km.generate(model, ids, **kw)  # warm: compiled
+    with monkeypatch.context() as m:
+      m.setattr(policies.registry, "make", counting)
+      m.setattr(policies, "make", counting)
+      calls.clear()
+      out = km.generate(model, ids, **kw)
+      assert calls == [name]
+      # an object is never rebuilt, and generates the same tokens
+      calls.clear()
+      obj = policies.H2O() if name == "h2o" else policies.SnapKV(window=8)
+      same = km.generate(model, ids, policy=obj, budget=24, max_new_tokens=4)
+      assert calls == []
+    np.testing.assert_array_equal(same.tokens, out.tokens)
+  with pytest.raises(ValueError, match="policy object"):
+    km.generate(model, ids, policy=policies.SnapKV(), budget=40, window=8)

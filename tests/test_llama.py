@@ -15,6 +15,9 @@ from hf_models import (
 )
 
 from kvjax import model as km
+from kvjax import policies
+
+Request = policies.EvidenceRequest
 
 
 def test_logits_and_greedy_tokens_match_transformers(family):
@@ -40,8 +43,7 @@ def test_prefill_evidence_is_consistent_with_full_attention_maps():
     model.params(),
     jnp.asarray(ids),
     jnp.asarray(mask),
-    window=6,
-    column_sums=True,
+    request=Request(window=6, column_sums=True),
     full_attention_layers=(0, 1),
     block=8,
   )
@@ -84,7 +86,7 @@ def test_every_matmul_asks_for_full_fp32_precision():
   # TPUs and TF32 GPUs would otherwise compute fp32 matmuls at reduced precision
   model, cfg, _ = km.load_tiny()
   prefill = jax.make_jaxpr(
-    lambda ids: km.prefill(cfg, model.params(), ids, window=4, column_sums=True)
+    lambda ids: km.prefill(cfg, model.params(), ids, request=Request(window=4, column_sums=True))
   )(jnp.zeros((1, 8), jnp.int32))
   text = str(prefill)
   assert text.count("dot_general") > 5
@@ -160,8 +162,7 @@ def test_blocked_prefill_equals_the_unblocked_reference(
       params,
       ids,
       mask,
-      window=6,
-      column_sums=column_sums,
+      request=Request(window=6, column_sums=column_sums),
       block=block,
       chunk=chunk,
       logits="all",
@@ -183,7 +184,7 @@ def test_blocked_prefill_equals_the_unblocked_reference(
 def test_prefill_window_rows_in_bfloat16_on_request():
   model, cfg, _ = km.load_tiny()
   ids = jnp.asarray(np.random.default_rng(1).integers(4, 100, (1, 30)), jnp.int32)
-  kw = dict(window=5, column_sums=True, block=8, chunk=16)
+  kw = dict(request=Request(window=5, column_sums=True), block=8, chunk=16)
   f32 = km.prefill(cfg, model.params(), ids, **kw)
   bf16 = km.prefill(cfg, model.params(), ids, window_dtype=jnp.bfloat16, **kw)
   assert bf16.attn_window.dtype == jnp.bfloat16
@@ -201,12 +202,17 @@ def test_prefill_validates_its_blocking_arguments():
     (dict(block=2.5), "block"),
     (dict(chunk=0), "chunk"),
     (dict(chunk=True), "chunk"),
-    (dict(window=9), "window"),
-    (dict(window=-1), "window"),
+    (dict(request=Request(window=9)), "window"),
+    (dict(request=Request(window=-1)), "window"),
     (dict(window_dtype=jnp.int32), "window_dtype"),
     (dict(attention="flash"), "attention"),
-    (dict(window_scores=jnp.sum), "window_scores"),  # no window rows to reduce
-    (dict(window=2, window_scores="snapkv"), "window_scores"),
+    (dict(request=Request(window_scores=jnp.sum)), "window_scores"),  # no window rows to reduce
+    (dict(request=Request(window=2, window_scores="snapkv")), "window_scores"),
+    (dict(request=Request(window_queries=9)), "window_queries"),
+    (dict(request=Request(value_out_norms=1)), "value_out_norms"),
+    (dict(request=Request(query_stats=True, n_sink=-1)), "n_sink"),
+    (dict(request=Request(query_stats=True, n_future=0)), "n_future"),
+    (dict(request={"window": 2}), "request"),
   ]:
     with pytest.raises(ValueError, match=name):
       km.prefill(cfg, model.params(), ids, **kw)

@@ -17,7 +17,7 @@ from kvjax import scores as scores_lib
 from kvjax.model import cache as cache_lib
 from kvjax.model import decoding, llama
 
-EXTRA = (("query_stats", True), ("value_out_norms", True), ("window_queries", 6))
+EXTRA = policies.EvidenceRequest(query_stats=True, value_out_norms=True, window_queries=6)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_new_prefill_evidence_equals_the_dense_reference(tiny):
   field matches the all-at-once reference; nothing extra unless asked for."""
   model, cfg, params = tiny
   ids = prompt(T=40)
-  pre = llama.prefill(cfg, params, jnp.asarray(ids), chunk=16, block=8, **dict(EXTRA))
+  pre = llama.prefill(cfg, params, jnp.asarray(ids), request=EXTRA, chunk=16, block=8)
   ref = _dense_reference(cfg, params, ids, 6)
   for name, tol in (
     ("value_out_norms", 1e-4),
@@ -143,8 +143,8 @@ def test_left_padding_gives_the_same_evidence_as_no_padding(tiny):
   ids = prompt(T=40, B=2)
   mask = np.ones_like(ids)
   mask[1, :7] = 0
-  pre = llama.prefill(cfg, params, jnp.asarray(ids), jnp.asarray(mask), chunk=16, **dict(EXTRA))
-  alone = llama.prefill(cfg, params, jnp.asarray(ids[1:, 7:]), **dict(EXTRA))
+  pre = llama.prefill(cfg, params, jnp.asarray(ids), jnp.asarray(mask), request=EXTRA, chunk=16)
+  alone = llama.prefill(cfg, params, jnp.asarray(ids[1:, 7:]), request=EXTRA)
   np.testing.assert_allclose(
     np.asarray(pre.value_out_norms[:, 1, :, 7:]), np.asarray(alone.value_out_norms[:, 0]), atol=1e-4
   )
@@ -156,13 +156,20 @@ def test_left_padding_gives_the_same_evidence_as_no_padding(tiny):
 
 
 def test_decoding_asks_the_prefill_for_exactly_what_the_policy_needs():
-  req = lambda name, **o: dict(decoding.evidence_request(policies.make(name, **o), 64))  # noqa: E731
-  assert req("snapkv") == {} and req("knorm") == {}
-  assert req("critical_snapkv") == {"value_out_norms": True}
-  assert req("expected_attention") == {"query_stats": True, "n_sink": 4, "n_future": 512}
-  assert req("think_snapkv") == {"window_queries": 32}
-  assert req("snapkv", window=8, channel_ratio=0.25) == {"window_queries": 8}
-  assert req("rkv") == {"window_queries": 8}
+  # beyond the observation window's rows (the policy's window, or 32), each policy asks for its
+  # own evidence only (H2O's column sums, issue 15's fields)
+  req = lambda name, **o: policies.make(name, **o).evidence_request(64)  # noqa: E731
+  R = policies.EvidenceRequest
+  assert req("snapkv") == R(window=32) and req("knorm") == R(window=32)
+  assert req("full") == R()
+  assert req("h2o") == R(window=32, column_sums=True)
+  assert req("critical_snapkv") == R(window=32, value_out_norms=True)
+  assert req("expected_attention") == R(window=32, query_stats=True, n_sink=4, n_future=512)
+  assert req("expected_attention", sinks=2) == R(window=32, query_stats=True, n_sink=2)
+  assert req("think_snapkv") == R(window=32, window_queries=32)
+  assert req("snapkv", window=8, channel_ratio=0.25) == R(window=8, window_queries=8)
+  assert req("rkv") == R(window=8, window_queries=8)
+  assert policies.make("snapkv").evidence_request(20) == R(window=20)  # cut to the prompt
 
 
 # --------------------------------------------------------------------------- ThinK
@@ -187,15 +194,8 @@ def test_think_logits_equal_kvpress_zeroed_keys_and_the_cache_is_smaller(tiny):
   model, cfg, params = tiny
   ids = prompt(T=40, B=2, seed=3)
   N, budget, ratio = 6, 16, 0.5
-  pre = decoding._prefill(
-    cfg,
-    params,
-    jnp.asarray(ids),
-    jnp.ones(ids.shape, jnp.int32),
-    8,
-    False,
-    (("window_queries", 8),),
-  )
+  request = policies.EvidenceRequest(window=8, window_queries=8)
+  pre = decoding._prefill(cfg, params, jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32), request)
   think = cache_lib.CacheSpec(
     policies.make("snapkv", window=8, channel_ratio=ratio), budget + N, new_tokens=N
   )
@@ -263,7 +263,13 @@ def test_decode_every_keeps_at_most_budget_plus_n_and_compresses_on_time(tiny):
   model, cfg, params = tiny
   ids = prompt(T=40, B=2, seed=1)
   budget, N = 12, 5
-  pre = decoding._prefill(cfg, params, jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32), 4, False)
+  pre = decoding._prefill(
+    cfg,
+    params,
+    jnp.asarray(ids),
+    jnp.ones(ids.shape, jnp.int32),
+    policies.EvidenceRequest(window=4),
+  )
   spec = cache_lib.CacheSpec(policies.make("snapkv", window=4, decode_every=N), budget + N)
   assert spec.decode_window == 4 and not spec.decode_time
   cache = cache_lib.compress(cfg, pre, spec, budget)
@@ -286,7 +292,13 @@ def test_a_recompression_keeps_what_the_policy_selects_on_the_slots(tiny):
   model, cfg, params = tiny
   ids = prompt(T=40, B=2, seed=2)
   budget, N = 10, 6
-  pre = decoding._prefill(cfg, params, jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32), 4, False)
+  pre = decoding._prefill(
+    cfg,
+    params,
+    jnp.asarray(ids),
+    jnp.ones(ids.shape, jnp.int32),
+    policies.EvidenceRequest(window=4),
+  )
   pol = policies.make("snapkv", window=4, decode_every=N)
   spec = cache_lib.CacheSpec(pol, budget + N)
   late = cache_lib.CacheSpec(policies.make("snapkv", window=4, decode_every=1000), budget + N)
@@ -334,10 +346,9 @@ def test_rkv_recompresses_through_the_same_mechanism(tiny):
   spec = cache_lib.CacheSpec(policies.make("rkv"), 1)
   assert spec.decode_every == 128 and spec.decode_window == 8 and not spec.decode_time
   ids = prompt(T=40, B=2, seed=4)
-  extra = decoding.evidence_request(policies.make("rkv"), 40)
-  pre = decoding._prefill(
-    cfg, params, jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32), 8, False, extra
-  )
+  request = policies.make("rkv").evidence_request(40)
+  assert request == policies.EvidenceRequest(window=8, window_queries=8)
+  pre = llama.prefill(cfg, params, jnp.asarray(ids), request=request)
   spec = cache_lib.CacheSpec(policies.make("rkv", decode_every=8), 16 + 8)
   cache = cache_lib.compress(cfg, pre, spec, 16)
   cache, held, _ = _run_steps(cfg, params, spec, cache, 10)
@@ -363,10 +374,8 @@ def test_decode_every_refuses_what_it_cannot_rebuild(tiny):
 def test_budgets_are_traced_data_with_decode_every_and_think(tiny):
   model, cfg, params = tiny
   ids = prompt(T=40)
-  extra = (("value_out_norms", True), ("window_queries", 8))
-  pre = decoding._prefill(
-    cfg, params, jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32), 8, False, extra
-  )
+  request = policies.EvidenceRequest(window=8, value_out_norms=True, window_queries=8)
+  pre = decoding._prefill(cfg, params, jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32), request)
   first = jnp.zeros((1,), jnp.int32)
   for options in (dict(decode_every=8), dict(channel_ratio=0.5)):
     chex.clear_trace_counter()

@@ -6,11 +6,14 @@ a validity mask per slot. Attention masks empty slots, never evicted keys: an ev
 gone. Per-layer and per-head budgets decode correctly because every row is its own slot table.
 
 * :func:`compress` turns a prefill (:func:`kvjax.model.llama.prefill`) into a cache with any
-  registry policy and allocation, through :func:`kvjax.select.compact` (the only selection).
+  policy object (:class:`kvjax.policies.Policy`) and allocation, through
+  :func:`kvjax.select.compact` (the only selection).
 * :func:`decode_step` runs one token through the model against the cache. Prefill-time policies
   (SnapKV, PyramidKV, Ada-KV, HeadKV, CAKE, ...) and the full cache append without eviction, as
-  the official code does; decode-time policies (``sliding_window``, ``streaming_llm``, ``h2o``,
-  ``tova``) admit the new token and evict to stay within budget before attending.
+  the official code does; decode-time policies (:class:`kvjax.policies.DecodePolicy`: sliding
+  window, StreamingLLM, H2O, TOVA, a user's own) admit the new token and evict to stay within
+  budget before attending, running the policy's own state machine (``init_state``, ``observe``,
+  ``keep_scores``) over the slots.
 * ``decode_every=N`` (a policy option) re-compresses a prefill scorer's cache to its budget
   every ``N`` generated tokens (kvpress ``DecodingPress``; R-KV's buffer of 128), inside the
   jitted decode with a fixed capacity ``budget + N``: :func:`recompress`.
@@ -66,12 +69,12 @@ class KVCache:
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-  """Static choices of a compressed cache."""
+  """Static choices of a compressed cache; what it does while decoding follows from its policy
+  object (:class:`kvjax.policies.Policy`)."""
 
   policy: policies.Policy
   capacity: int
   layout: str = "kv"  # "kv": per KV head; "query": per query head (K/V repeated, 4x for Llama 3)
-  recent: int = 8  # H2O's probation window during decoding
   reindex: bool = False  # StreamingLLM's positions: keys stored pre-RoPE, rotated by cache rank
   # ThinK: the slots (of the capacity) for generated tokens, whose keys keep every channel
   new_tokens: int = 0
@@ -79,28 +82,25 @@ class CacheSpec:
   @property
   def decode_every(self) -> int | None:
     """Re-compress to the budget every this many generated tokens (``None``: never)."""
-    return None if self.policy.name == "full" else self.policy.opts.get("decode_every")
+    return self.policy.decode_every
 
   @property
   def decode_window(self) -> int:
-    """Generated queries kept for re-compression: the policy's window (32 by default), at most
+    """Generated queries kept for re-compression: the policy's observation window, at most
     ``decode_every`` (kvpress clears its buffer of hidden states at every compression)."""
     if not self.decode_every:
       return 0
-    return min(int(self.policy.opts.get("window") or 32), self.decode_every)
+    return min(self.policy.observation_window, self.decode_every)
 
   @property
   def channel_ratio(self) -> float | None:
-    ratio = None if self.policy.name == "full" else self.policy.opts.get("channel_ratio")
-    return ratio or None
+    """ThinK's pruned fraction of key channels (``None``: every channel kept)."""
+    return self.policy.channel_ratio or None
 
   @property
   def decode_time(self) -> bool:
-    return (
-      self.policy.name != "full"
-      and policies.acts_at_decode(self.policy.name)
-      and not self.decode_every
-    )
+    """Whether the policy evicts at every generated token (its decode-time state machine)."""
+    return self.policy.evicts_each_step and not self.decode_every
 
 
 # caller-given evidence (kvjax.model.calibrate): per model, or per batch row (B at axis 1)
@@ -156,7 +156,7 @@ def check_spec(spec: CacheSpec) -> None:
     )
   if spec.channel_ratio and (spec.decode_time or spec.decode_every):
     raise ValueError(
-      f"channel_ratio: ThinK prunes the prompt's keys once; policy {spec.policy.name!r} evicts "
+      f"channel_ratio: ThinK prunes the prompt's keys once; policy {spec.policy.label!r} evicts "
       "or re-compresses while decoding, expected a prefill policy without decode_every"
     )
   check_decode_every(spec)
@@ -252,28 +252,18 @@ def compress(
     ev = ev.replace(rng=rng_b, valid_T=valid_T, **shared)
     if head_scores is not None:
       ev = ev.replace(head_scores_LH=head_scores)
-    if spec.policy.name == "full":
-      scores = jnp.broadcast_to(jnp.where(valid_T, 0.0, -jnp.inf), (L, H, T))
-      budget_LH = jnp.full((L, H), T, jnp.int32)
-    elif "sinks" in spec.policy.opts and spec.policy.name != "streaming_llm":
-      # sinks are the row's first *real* tokens: score the row with its padding moved to the end
-      pad = T - valid_T.sum()
-      scores = jnp.roll(spec.policy.scores(_rolled(ev, -pad)), pad, axis=-1)
-    else:
-      scores = spec.policy.scores(ev)
-    if spec.policy.name != "full":
-      if spec.policy.name == "streaming_llm":  # sinks are the first *real* tokens of the row
-        pad = T - valid_T.sum()
-        scores = scores_lib.streaming(T, scores.shape[:2], sinks=pad + spec.policy.opts["sinks"])
-      if scores.shape[1] != H:
-        scores = _to_layout(scores, H, cfg)
-      # allocators see padding as zero evidence (Ada-KV's normalisation sums rows); only the
-      # selection sees it as never-keep
-      budget_LH = spec.policy.budgets(ev, jnp.where(valid_T, scores, 0.0), budget)
-      scores = _selection_scores(spec, ev, scores, valid_T, budget_LH)
+    # a left-padded row: sinks count from its first *real* token (Policy.scores_row)
+    scores = spec.policy.scores_row(ev)
+    if scores.shape[1] != H:
+      scores = _to_layout(scores, H, cfg)
+    # allocators see padding as zero evidence (Ada-KV's normalisation sums rows); only the
+    # selection sees it as never-keep
+    budget_LH = spec.policy.budgets(ev, jnp.where(valid_T, scores, 0.0), budget)
+    scores = _selection_scores(spec, ev, scores, valid_T, budget_LH)
     count = jnp.minimum(budget_LH, valid_T.sum())
     idx, kept = select.compact(scores, count, prompt_slots)
-    state = _decode_state(spec, ev, scores, idx, kept, H)
+    # a decode-time policy's per-slot state (H2O's sums, TOVA's last row) of the kept slots
+    state = spec.policy.init_state(ev, scores, idx, kept) if spec.decode_time else None
     overflow = (count > prompt_slots).any() | (budget_LH < 0).any()
     return idx, kept, budget_LH, state, overflow
 
@@ -349,36 +339,11 @@ def think_channels(window_queries_LBHWD: Array, keys_LBHCD: Array, ratio: float)
   return jnp.sort(out, axis=-1)
 
 
-# the key axis of each per-position evidence field
-_KEY_AXIS = {
-  "attn_window_LHWT": -1,
-  "window_scores_LHT": -1,
-  "column_sums_LHT": -1,
-  "legacy_column_sums_LHT": -1,
-  "keys_LGTD": -2,
-  "future_attn_LHST": -1,
-  "values_LGTD": -2,
-  "value_out_norms_LHT": -1,
-  "reconstruction_attn_LGT": -1,
-  "valid_T": -1,
-}
-
-
-def _rolled(ev: policies.Evidence, shift) -> policies.Evidence:
-  """Every per-position field rolled by ``shift`` along its key axis (traced shift)."""
-  fields = {
-    k: jnp.roll(getattr(ev, k), shift, axis=a)
-    for k, a in _KEY_AXIS.items()
-    if getattr(ev, k) is not None
-  }
-  return ev.replace(**fields)
-
-
 def _selection_scores(spec: CacheSpec, ev, scores_LHT, valid_T, budget_LH) -> Array:
   """The scores the selection ranks: the policy's budget-dependent last stage (CriticalKV;
   padding enters it as the lowest finite score, so ``(s + eps) * 0`` stays finite), then
   padding never kept."""
-  if policies.rescores(spec.policy.name):
+  if spec.policy.rescores:
     low = jnp.finfo(jnp.float32).min
     floor = jnp.where(valid_T, scores_LHT, low)
     scores_LHT = spec.policy.selection_scores(ev, floor, budget_LH, capacity=spec.capacity)
@@ -418,39 +383,16 @@ def _to_layout(scores_LHT, H, cfg):
   raise ValueError(f"scores: {scores_LHT.shape[1]} heads cannot map to the cache's {H} heads")
 
 
-def _decode_state(spec: CacheSpec, ev: policies.Evidence, scores_LHT, idx, kept, H):
-  if spec.policy.name == "h2o":
-    sums = ev.column_sums_LHT
-    if sums.shape[1] != H:
-      sums = sums.reshape(sums.shape[0], H, -1, sums.shape[-1]).mean(2)
-    return jnp.where(kept, jnp.take_along_axis(sums, idx, -1), 0.0)
-  if spec.policy.name == "tova":
-    return jnp.where(kept, jnp.take_along_axis(scores_LHT, idx, -1), 0.0)
-  return None
-
-
-def _eviction_scores(spec: CacheSpec, positions, scores, pos_B) -> Array:
-  """Decode-time keep scores of the current slots (higher = keep); H2O's probation covers the
-  ``recent`` positions before the new token's."""
-  name = spec.policy.name
-  recency = positions.astype(jnp.float32)
-  if name == "streaming_llm":
-    return jnp.where(positions < spec.policy.opts["sinks"], jnp.inf, recency)
-  if name == "h2o":
-    return jnp.where(positions > pos_B[:, None, None] - spec.recent, jnp.inf, scores)
-  if name == "tova":
-    return scores
-  return recency
-
-
 def _admit(spec: CacheSpec, slots: dict, budget_BH, pos_B):
   """Where the new token goes in each row: ``(slot [B, H], slots')`` with the bookkeeping
   (positions, validity, decode-time scores) updated; decode-time policies evict to make room."""
   positions, valid = slots["positions"], slots["valid"]
   C = valid.shape[-1]
   fill = valid.sum(-1)
-  if spec.decode_time:
-    keep_old = _eviction_scores(spec, positions, slots.get("scores"), pos_B)
+  if spec.decode_time:  # the policy's keep scores before the token at pos_B joins
+    keep_old = spec.policy.keep_scores(
+      slots.get("scores"), positions, pos_B[:, None, None], budget_BH
+    )
     keep_old = jnp.where(valid, keep_old, -jnp.inf)
     # room for the new token: keep the best `budget - 1` current slots (select.keep_mask)
     room = jnp.minimum(jnp.minimum(budget_BH, C) - 1, fill)
@@ -532,9 +474,8 @@ def decode_step(
     else:
       probs = llama.attention_probs(q_att, keys, visible[:, :, None, :])  # [B, Hq, 1, C]
     out = llama.attend(probs, values)  # the query layout is the case G = Hq
-    if spec.decode_time and "scores" in lslots:
-      lc = dict(lslots, keys=keys)
-      lslots = dict(lslots, scores=_observe(spec, lc, probs, cfg))
+    if spec.decode_time and "scores" in lslots:  # the policy's state after this step
+      lslots = dict(lslots, scores=spec.policy.observe(lslots["scores"], _per_cache_head(probs, H)))
     carry = (llama.output_and_mlp(cfg, p, x, out), keys_all, values_all, new_all)
     return carry, (lslots, layer_overflow, q[:, :, 0] if spec.decode_every else None)
 
@@ -744,19 +685,20 @@ def check_decode_every(spec: CacheSpec) -> None:
   a re-compression can rebuild over the cache's own slots, original positions."""
   if not spec.decode_every:
     return
-  needs = set(policies.spec(spec.policy.name).needs) - set(DECODE_EVIDENCE)
+  policy = spec.policy
+  needs = set(policy.evidence_fields) - set(DECODE_EVIDENCE)
   if needs:
     raise ValueError(
-      f"decode_every: policy {spec.policy.name!r} needs {sorted(needs)}, which a re-compression "
+      f"decode_every: policy {policy.label!r} needs {sorted(needs)}, which a re-compression "
       f"during decoding cannot rebuild; expected a scorer reading only {DECODE_EVIDENCE}"
     )
   if spec.reindex:
     raise ValueError("decode_every: re-compression keeps original positions; expected reindex off")
-  window = int(spec.policy.opts.get("window") or 32)
-  if policies.spec(spec.policy.name).windowed and spec.decode_every < window:
+  window = policy.observation_window
+  if policy.windowed and spec.decode_every < window:
     raise ValueError(
       f"decode_every: {spec.decode_every} generated tokens cannot fill the observation window "
-      f"of {window} of policy {spec.policy.name!r}; expected decode_every >= {window}"
+      f"of {window} of policy {policy.label!r}; expected decode_every >= {window}"
     )
 
 
@@ -801,7 +743,7 @@ def recompress(cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache) 
   order = (jnp.arange(C)[None, None, None] + fill[..., None]) % C
   keys, values = _right_aligned(cache.keys, order), _right_aligned(cache.values, order)
   positions, valid = _right_aligned(cache.positions, order), _right_aligned(cache.valid, order)
-  needs = set(policies.spec(spec.policy.name).needs)
+  needs = spec.policy.evidence_fields
   # the window of generated queries oldest first (a ring: slot = step % W)
   chrono = jnp.argsort(cache.query_pos[0])
   win = cache.replace(
@@ -853,14 +795,8 @@ def _reindexed(cfg, q_BHq1D, keys_BHCD, positions_BHC, valid_BHC, pos_B):
   return llama.rope_at(q_BHq1D, q_pos, cfg), keys
 
 
-def _observe(spec: CacheSpec, lc, probs_BHq1C, cfg) -> Array:
-  """H2O accumulates the attention its own compressed cache received; TOVA keeps the row,
-  averaged over all heads of the layer."""
+def _per_cache_head(probs_BHq1C: Array, H: int) -> Array:
+  """One step's attention ``[B, Hq, 1, C]`` per cache head ``[B, H, C]``: the mean over the
+  query heads reading it (the query layout, ``H = Hq``, is unchanged)."""
   B, Hq, _, C = probs_BHq1C.shape
-  H = lc["keys"].shape[1]
-  per_head = probs_BHq1C[:, :, 0].reshape(B, H, Hq // H, C).mean(2)
-  if spec.policy.name == "h2o":
-    return lc["scores"] + per_head
-  # TOVA is layer-wise: every head holds the same positions in the same slots (generate
-  # enforces uniform per-layer budgets for it), so the layer's mean row is a mean over heads.
-  return jnp.broadcast_to(per_head.mean(1, keepdims=True), per_head.shape)
+  return probs_BHq1C[:, :, 0].reshape(B, H, Hq // H, C).mean(2)

@@ -37,75 +37,17 @@ def to_left_padding(input_ids: np.ndarray, attention_mask: np.ndarray, pad_id: i
   return out_ids, out_mask.astype(np.int32)
 
 
-def check_policy(name: str, options: dict) -> None:
-  """Raises the ``ValueError`` that generating with policy ``name`` and ``options`` would, before
-  any model is loaded (``"full"``, or a registered policy with its options)."""
-  _policy(name, dict(options))
+def check_policy(policy: policies.Policy | str, options: dict | None = None) -> policies.Policy:
+  """The policy that generating with ``policy`` (an object, or a registered name such as
+  ``"full"``) and ``options`` would use, or the ``ValueError`` it would raise, before any model
+  is loaded (:func:`kvjax.policies.build`)."""
+  return policies.build(policy, **dict(options or {}))
 
 
-def _policy(name: str, options: dict) -> policies.Policy:
-  if name == "full":
-    if options:
-      raise ValueError(f"options: the full cache takes none, got {sorted(options)}")
-    return policies.Policy("full", ())
-  return policies.make(name, **options)
-
-
-def _window(policy: policies.Policy, T: int) -> int:
-  opts = dict(policy.options)
-  return min(int(opts.get("window") or 32), T)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "window", "column_sums", "extra"))
-def _prefill(cfg, params, ids, mask, window, column_sums, extra=()):
-  """The jitted prefill; ``extra`` is :func:`evidence_request`'s (static, hashable) pairs."""
-  return llama.prefill(
-    cfg, params, ids, mask, window=window, column_sums=column_sums, **dict(extra)
-  )
-
-
-def _needs(policy: policies.Policy) -> set:
-  """The evidence fields ``policy`` reads (its scorer's, plus ThinK's for ``channel_ratio``)."""
-  if policy.name == "full":
-    return set()
-  needs = set(policies.spec(policy.name).needs)
-  if policy.opts.get("channel_ratio"):
-    needs |= {"window_queries_LHWD", "keys_LGTD"}
-  return needs
-
-
-def evidence_request(policy: policies.Policy, T: int) -> tuple:
-  """The prefill's extra evidence that ``policy``'s :attr:`policies.Spec.needs` list, as sorted
-  ``(argument, value)`` pairs of :func:`kvjax.model.llama.prefill` (nothing for the others, so
-  their memory plan is unchanged)."""
-  needs, opts = _needs(policy), policy.opts
-  extra = {}
-  if "value_out_norms_LHT" in needs:
-    extra["value_out_norms"] = True
-  if needs & {"query_mean_LHD", "query_cov_LHDD"}:
-    extra["query_stats"] = True
-    extra["n_sink"] = int(opts.get("n_sink", opts.get("sinks", llama.N_SINK)))
-    extra["n_future"] = int(opts.get("n_future_positions", opts.get("n_future", llama.N_FUTURE)))
-  if "window_queries_LHWD" in needs:
-    extra["window_queries"] = _window(policy, T)
-  return tuple(sorted(extra.items()))
-
-
-def _own_prefill_request(policy: policies.Policy, T: int) -> tuple:
-  """:func:`evidence_request`'s pairs for a prefill that serves ``policy`` alone, with the
-  policy's window scorer when it reads the window rows only through it (SnapKV's family, TOVA):
-  the prefill then reduces each layer's rows to scores in the layer scan and holds
-  ``[L, B, Hq, T]`` instead of ``[L, B, Hq, W, T]`` (the same scores). A prefill shared by
-  several policies (:func:`prefill_answers`) keeps the rows."""
-  if policy.name == "full":
-    return ()
-  scorer = policy.window_scorer()
-  extra = evidence_request(policy, T)
-  return extra if scorer is None else tuple(sorted((*extra, ("window_scores", scorer))))
-
-
-def _column_sums(policy: policies.Policy) -> bool:
-  return "column_sums_LHT" in _needs(policy)
+@functools.partial(jax.jit, static_argnames=("cfg", "request"))
+def _prefill(cfg, params, ids, mask, request: policies.EvidenceRequest):
+  """The jitted prefill: one compile per shape and (static, hashable) evidence request."""
+  return llama.prefill(cfg, params, ids, mask, request)
 
 
 def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_ids, attention_mask):
@@ -125,10 +67,10 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
       f"evidence: {unknown} are not caller-given evidence; expected some of {sorted(data)} "
       "(the model computes the rest)"
     )
-  missing = sorted((_needs(policy) & data) - {k for k, v in given.items() if v is not None})
+  missing = sorted((policy.evidence_fields & data) - {k for k, v in given.items() if v is not None})
   if missing:
     raise ValueError(
-      f"evidence: policy {policy.name!r} needs {missing}; pass evidence={{...}} "
+      f"evidence: policy {policy.label!r} needs {missing}; pass evidence={{...}} "
       "(kvjax.model.calibrate computes them from the model)"
     )
   out = dict(given)
@@ -179,37 +121,16 @@ def capacity_bucket(n: int) -> int:
   return -(-n // quantum) * quantum
 
 
-def _check_budget(policy: policies.Policy, budget, window: int) -> None:
-  """Concrete budgets (before any vmap hides them): integers, at least one slot, and above the
-  protected window for the observation-window policies."""
-  arr = np.asarray(budget)
-  if not np.issubdtype(arr.dtype, np.integer):
-    raise ValueError(f"budget: expected integer token counts, got {arr.dtype}")
-  if arr.size and arr.max() >= 2**31:
-    raise ValueError(f"budget: {int(arr.max())} does not fit int32; expected < 2**31 tokens")
-  windowed = policies.spec(policy.name).windowed
-  floor = window + 1 if windowed else 1
-  if arr.size and arr.min() < floor:
-    raise ValueError(
-      f"budget: {int(arr.min())} is below {floor} for {policy.name!r} "
-      f"(every budget counts the window of {window} and needs a selected token)"
-      if windowed
-      else f"budget: {int(arr.min())} < 1; every row needs at least one slot"
-    )
-  if policy.name == "h2o" and arr.min() <= policy.opts["recent"]:
-    raise ValueError(
-      f"budget: {int(arr.min())} must exceed H2O's recent window ({policy.opts['recent']}) "
-      "so that heavy hitters have slots"
-    )
-
-
 def _check_head_scores(policy: policies.Policy, head_scores) -> None:
   """HeadKV needs positive head importances: all-zero scores would silently leave every head
-  with only its window."""
-  if policy.name != "headkv":
+  with only its window (any policy that reads ``head_scores_LH``)."""
+  if "head_scores_LH" not in policy.evidence_fields:
     return
   if head_scores is None:
-    raise ValueError("head_scores: HeadKV needs per-head importance scores [L, H]")
+    raise ValueError(
+      f"head_scores: policy {policy.label!r} (HeadKV's allocation) needs per-head importance "
+      "scores [L, H]"
+    )
   arr = np.asarray(head_scores, np.float64)
   if arr.ndim != 2 or not np.isfinite(arr).all() or (arr < 0).any() or arr.sum() <= 0:
     raise ValueError(
@@ -223,15 +144,15 @@ def _check_overflow(cache) -> None:
     raise RuntimeError("cache: a row needed more slots than the capacity; tokens would be lost")
 
 
-def _capacity(policy, budget_max: int, T: int, new: int) -> int:
+def _capacity(policy: policies.Policy, budget_max: int, T: int, new: int) -> int:
   """Slots per row: the largest budget rounded up to a :func:`capacity_bucket` (never past what
   the sequence can fill), plus the generated tokens for prefill-time policies."""
-  if policy.name == "full":
+  if not policy.requires_budget:  # the full cache
     return T + new
-  every = policy.opts.get("decode_every")
+  every = policy.decode_every
   if every:  # re-compressed to the budget every `every` tokens: at most budget + every
     return min(min(capacity_bucket(budget_max), T + new) + min(every, new), T + new)
-  if policies.acts_at_decode(policy.name):
+  if policy.evicts_each_step:
     return max(min(capacity_bucket(budget_max), T + new), 1)
   return min(capacity_bucket(budget_max), T) + new
 
@@ -309,7 +230,11 @@ def _check_temperature(temperature) -> float:
   return t
 
 
-def _prepare(model, prompt_ids, attention_mask, padding_side, policy_name, options, max_new_tokens):
+def _prepare(model, prompt_ids, attention_mask, padding_side, policy, max_new_tokens):
+  """Checks the prompt, then its one prefill for ``policy`` (an object) alone: what the policy's
+  :meth:`~kvjax.policies.Policy.evidence_request` asks for, the window rows reduced to its
+  scores in the layer scan where it reads them only through its window scorer. Returns
+  ``(cfg, params, pre, window)`` with ``window`` the observation window (cut to the prompt)."""
   cfg: ModelConfig = model.cfg
   ids = check_token_ids("prompt_ids", prompt_ids, cfg.vocab_size)
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
@@ -320,21 +245,18 @@ def _prepare(model, prompt_ids, attention_mask, padding_side, policy_name, optio
     raise ValueError(f"padding_side: expected 'left' or 'right', got {padding_side!r}")
   mask = _check_mask(attention_mask, ids.shape)
   ids, mask = to_left_padding(ids, mask)  # left padding whichever side was given
-  policy = _policy(policy_name, options)
-  T = ids.shape[1]
-  window = _window(policy, T) if policy.name != "full" else 0
+  request = policy.evidence_request(ids.shape[1], reduce_rows=True)
   params = model.params()
-  extra = _own_prefill_request(policy, T)
   ids, mask = sharding.place_batch(params, ids, mask)  # over the model's mesh, if it has one
-  pre = _prefill(cfg, params, ids, mask, window, _column_sums(policy), extra)
-  return cfg, params, policy, pre, T
+  pre = _prefill(cfg, params, ids, mask, request)
+  return cfg, params, pre, request.window
 
 
 def generate(
   model,
   prompt_ids,
   *,
-  policy: str = "full",
+  policy: policies.Policy | str = "full",
   budget=None,
   max_new_tokens: int = 32,
   attention_mask=None,
@@ -347,8 +269,10 @@ def generate(
   evidence=None,
   **policy_options,
 ) -> Generation:
-  """Generates ``max_new_tokens`` per row with policy ``policy`` under ``budget`` (per head,
-  window included; a scalar, ``[L]`` or ``[L, H]``). ``policy="full"`` keeps everything.
+  """Generates ``max_new_tokens`` per row with ``policy`` (a :class:`kvjax.policies.Policy`, or a
+  registered name built once with ``policy_options``) under ``budget`` (per head, window
+  included; a scalar, ``[L]`` or ``[L, H]``). ``policy="full"`` (:class:`kvjax.policies.Full`)
+  keeps everything.
 
   The prompt is compressed once after prefill; prefill-time policies then append (no eviction),
   decode-time policies evict as they go within ``budget``. Greedy by default. Keys keep their
@@ -364,31 +288,22 @@ def generate(
   """
   cache_lib.check_layout(layout)
   temperature = _check_temperature(temperature)
-  if policy == "full" and budget is not None:
-    raise ValueError(
-      f"budget: the full cache keeps everything; got budget={budget!r}, expected None"
-    )
-  cfg, params, pol, pre, T = _prepare(
-    model, prompt_ids, attention_mask, padding_side, policy, policy_options, max_new_tokens
+  pol = policies.build(policy, **policy_options)
+  _check_budget_given(pol, budget)
+  cfg, params, pre, window = _prepare(
+    model, prompt_ids, attention_mask, padding_side, pol, max_new_tokens
   )
-  if pol.name != "full" and budget is None:
-    raise ValueError("budget: required for a compressing policy")
-  budget = 0 if budget is None else budget
-  window = _window(pol, T) if pol.name != "full" else 0
-  if pol.name != "full":
-    _check_budget(pol, budget, window)
+  T = pre.valid.shape[1]
+  if pol.requires_budget:
+    pol.check_budget(budget, window)
   _check_head_scores(pol, head_scores)
   ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
-  recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
-  spec = cache_lib.CacheSpec(pol, 1, layout, recent=recent, reindex=bool(reindex_positions))
+  spec = cache_lib.CacheSpec(pol, 1, layout, reindex=bool(reindex_positions))
   cache_lib.check_spec(spec)
-  budget_LH = (
-    np.asarray(_allocation(cfg, pre, spec, budget, head_scores, ev)) if pol.name != "full" else None
-  )
-  if pol.name == "tova" and budget_LH is not None and (budget_LH != budget_LH[..., :1]).any():
-    raise ValueError(
-      "budget: TOVA is layer-wise; expected the same budget for every head of a layer"
-    )
+  budget_LH = None
+  if pol.requires_budget:
+    budget_LH = np.asarray(_allocation(cfg, pre, spec, budget, head_scores, ev))
+    pol.check_allocation(budget_LH)
   cap = _capacity(pol, int(budget_LH.max()) if budget_LH is not None else T, T, max_new_tokens)
   spec = dataclasses.replace(spec, capacity=cap, new_tokens=max_new_tokens)
   rng = jax.random.key(0) if rng is None else rng
@@ -415,6 +330,16 @@ def generate(
     )
   }
   return Generation(np.asarray(tokens), mem, np.asarray(cache.budget))
+
+
+def _check_budget_given(policy: policies.Policy, budget) -> None:
+  """A budget for a compressing policy, none for the full cache."""
+  if not policy.requires_budget and budget is not None:
+    raise ValueError(
+      f"budget: the full cache keeps everything; got budget={budget!r}, expected None"
+    )
+  if policy.requires_budget and budget is None:
+    raise ValueError("budget: required for a compressing policy")
 
 
 def _check_config_budgets(budgets) -> Array:
@@ -460,11 +385,10 @@ def shard_configs(budgets_K: Array, params: dict | None = None) -> tuple[Array, 
 def _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, T, new, evidence=None):
   """Checks the budgets, then the cache spec sized for every configuration and their
   allocations ``[K, B, L, H]`` (shared by ``generate_configs`` and ``answer_configs``)."""
-  if pol.name != "full":
-    _check_budget(pol, budgets, window)
+  if pol.requires_budget:
+    pol.check_budget(budgets, window)
   _check_head_scores(pol, head_scores)
-  recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
-  spec = cache_lib.CacheSpec(pol, 1, layout, recent=recent)
+  spec = cache_lib.CacheSpec(pol, 1, layout)
   cache_lib.check_spec(spec)
   alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, head_scores, evidence))(budgets)
   cap = _capacity(pol, int(np.asarray(alloc).max()), T, new)
@@ -476,7 +400,7 @@ def generate_configs(
   prompt_ids,
   budgets,
   *,
-  policy: str,
+  policy: policies.Policy | str,
   max_new_tokens: int = 32,
   attention_mask=None,
   padding_side: str = "left",
@@ -487,13 +411,14 @@ def generate_configs(
 ) -> Generation:
   """One prefill shared by ``K`` budget configurations (``budgets``: ``[K]``, ``[K, L]`` or
   ``[K, L, H]``): compress + decode are vmapped over configurations. Tokens ``[K, B, N]``.
-  ``evidence`` as :func:`generate`'s."""
+  ``policy`` and ``evidence`` as :func:`generate`'s."""
   cache_lib.check_layout(layout)
-  cfg, params, pol, pre, T = _prepare(
-    model, prompt_ids, attention_mask, padding_side, policy, policy_options, max_new_tokens
+  pol = policies.build(policy, **policy_options)
+  cfg, params, pre, window = _prepare(
+    model, prompt_ids, attention_mask, padding_side, pol, max_new_tokens
   )
+  T = pre.valid.shape[1]
   budgets = _check_config_budgets(budgets)
-  window = _window(pol, T) if pol.name != "full" else 0
   ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
   spec, alloc = _configs_spec(
     cfg, pol, pre, budgets, window, head_scores, layout, T, max_new_tokens, ev
@@ -516,7 +441,7 @@ def generate_configs(
 def keep_mask(
   model,
   input_ids,
-  policy: str,
+  policy: policies.Policy | str,
   budget,
   *,
   window: int | None = None,
@@ -525,24 +450,27 @@ def keep_mask(
   evidence=None,
   **options,
 ) -> np.ndarray:
-  """Which prompt positions ``policy`` keeps under ``budget`` on a real prompt: bool
-  ``[L, B, H, T]``, per layer, batch row and head (for plots, and parity with other libraries).
+  """Which prompt positions ``policy`` (an object, or a name built once with ``options``) keeps
+  under ``budget`` on a real prompt: bool ``[L, B, H, T]``, per layer, batch row and head (for
+  plots, and parity with other libraries).
 
   ``H`` is the policy's granularity: query heads by default (the published tables' layout), or
   KV heads with ``num_kv_heads=G`` (scores averaged over each group, as kvpress does). ``window``
-  is the observation window of the window-based policies (default 32). Rows are left-padded
-  internally; the mask is returned in the caller's column order. ``evidence`` as
-  :func:`generate`'s.
+  is the observation window of the window-based policies (an option of a named policy; default
+  :data:`kvjax.policies.DEFAULT_WINDOW`). Rows are left-padded internally; the mask is returned
+  in the caller's column order. ``evidence`` as :func:`generate`'s.
   """
   if window is not None:
     options = dict(options, window=window)
-  cfg, params, pol, pre, T = _prepare(model, input_ids, attention_mask, "left", policy, options, 1)
-  kv = options.get("num_kv_heads")
+  pol = policies.build(policy, **options)
+  cfg, params, pre, obs_window = _prepare(model, input_ids, attention_mask, "left", pol, 1)
+  kv = pol.num_kv_heads
   if kv is not None and kv != cfg.num_kv_heads:
     raise ValueError(f"num_kv_heads: {kv} is not the model's {cfg.num_kv_heads} KV heads")
   layout = "kv" if kv is not None else "query"
-  if pol.name != "full":
-    _check_budget(pol, budget, _window(pol, T))
+  T = pre.valid.shape[1]
+  if pol.requires_budget:
+    pol.check_budget(budget, obs_window)
   _check_head_scores(pol, head_scores)
   ev = check_evidence(pol, evidence, cfg, input_ids, attention_mask)
   spec = cache_lib.CacheSpec(pol, T, layout)
@@ -619,7 +547,7 @@ def stream_logprobs(
   model,
   input_ids,
   *,
-  policy: str = "full",
+  policy: policies.Policy | str = "full",
   budget=None,
   prefix: int = 1,
   budgets=None,
@@ -630,9 +558,11 @@ def stream_logprobs(
   holds them (StreamingLLM's perplexity experiment, Xiao et al. 2023, Fig. 3).
 
   The first ``prefix`` tokens are prefilled (and compressed under ``budget``); every later token
-  goes through the jitted decode step, where a decode-time policy (``sliding_window``,
-  ``streaming_llm``, ``h2o``, ``tova``) evicts to stay within ``budget`` per head.
-  ``policy="full"`` keeps every token (``budget`` must then be ``None``). ``budgets`` (``[K]``,
+  goes through the jitted decode step, where a policy that acts while decoding (a
+  :class:`kvjax.policies.DecodePolicy` such as ``sliding_window``, ``streaming_llm``, ``h2o``,
+  ``tova``, or one with ``decode_every``) keeps within ``budget`` per head. ``policy`` is an
+  object or a name built once with ``policy_options``; ``policy="full"`` keeps every token
+  (``budget`` must then be ``None``). ``budgets`` (``[K]``,
   ``[K, L]`` or ``[K, L, H]``, instead of ``budget``) reads the text under ``K`` budgets in one
   scan (vmapped, one compile) and returns ``[K, B, T - prefix]``.
   """
@@ -641,38 +571,36 @@ def stream_logprobs(
   ids = check_token_ids("input_ids", input_ids, model.cfg.vocab_size, min_len=2)
   if isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix < ids.shape[1]:
     raise ValueError(f"prefix: expected an int in [1, T={ids.shape[1]}), got {prefix!r}")
-  if policy == "full" and budget is not None:
+  pol = policies.build(policy, **policy_options)
+  if not pol.requires_budget and budget is not None:
     raise ValueError(f"budget: the full cache keeps everything; got budget={budget!r}")
-  pol = _policy(policy, policy_options)
-  if pol.name != "full" and not policies.acts_at_decode(pol.name):
+  if pol.requires_budget and not pol.acts_at_decode:
     raise ValueError(
-      f"policy: {policy!r} selects once after the prompt; a stream needs a decode-time policy "
-      f"({[n for n in policies.names() if policies.acts_at_decode(n)]}) or 'full'"
+      f"policy: {pol.label!r} selects once after the prompt; a stream needs a policy that acts "
+      "while decoding (a decode-time policy such as 'sliding_window', 'streaming_llm', 'h2o', "
+      "'tova', or decode_every=N) or the full cache"
     )
   cfg, params = model.cfg, model.params()
   T = ids.shape[1]
   head, rest = jnp.asarray(ids[:, :prefix]), jnp.asarray(ids[:, prefix:])
-  column_sums = "column_sums_LHT" in policies.spec(pol.name).needs if pol.name != "full" else False
-  window = _window(pol, prefix) if pol.name != "full" else 0
-  extra = _own_prefill_request(pol, prefix)
-  pre = _prefill(cfg, params, head, jnp.ones_like(head), window, column_sums, extra)
+  request = pol.evidence_request(prefix, reduce_rows=True)
+  pre = _prefill(cfg, params, head, jnp.ones_like(head), request)
   if budgets is not None:
-    if pol.name == "full":
+    if not pol.requires_budget:
       raise ValueError(f"budgets: the full cache keeps everything; got budgets={budgets!r}")
     budget = _check_config_budgets(budgets)
-  if pol.name == "full":
+  if not pol.requires_budget:
     capacity, budget = T, T
   else:
-    _check_budget(pol, budget, window)
+    pol.check_budget(budget, request.window)
     # decode_every (R-KV): the budget, plus the tokens read between two re-compressions
-    capacity = int(np.max(budget)) + (pol.opts.get("decode_every") or 0)
-  recent = pol.opts.get("recent", 8) if pol.name == "h2o" else 8
-  spec = cache_lib.CacheSpec(pol, capacity, "kv", recent=recent)
+    capacity = int(np.max(budget)) + (pol.decode_every or 0)
+  spec = cache_lib.CacheSpec(pol, capacity, "kv")
   if budgets is not None:
     logp, overflow = _stream_logprobs_configs(cfg, params, pre, spec, budget, rest)
     return np.asarray(logp)
   logp, overflow = _stream_logprobs(cfg, params, pre, spec, budget, rest)
-  if pol.name == "full" and bool(np.asarray(overflow).any()):
+  if not pol.requires_budget and bool(np.asarray(overflow).any()):
     raise RuntimeError("cache: the full cache overflowed its capacity")
   return np.asarray(logp)
 
@@ -701,7 +629,7 @@ def decoding_spec(spec: cache_lib.CacheSpec) -> cache_lib.CacheSpec:
   capacity; decode-time policies keep their own."""
   if spec.decode_time or spec.decode_every or spec.channel_ratio:
     return spec
-  return dataclasses.replace(spec, policy=_policy("full", {}), recent=8)
+  return dataclasses.replace(spec, policy=policies.Full())
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"))
@@ -859,27 +787,28 @@ def _answer_at_once(cfg, params, spec, cache0, start_pos_B, inputs_BN, given_BN,
 QUESTION_MODES = ("in_window", "after", "compressed")
 
 
-def _check_prefilled_evidence(pol: policies.Policy, prefilled: Prefilled, wanted: dict) -> None:
+def _check_prefilled_evidence(pol: policies.Policy, prefilled: Prefilled) -> None:
   """``ValueError`` naming ``prefill_answers(needs=...)`` when the shared prefill lacks what the
   policy reads (ExpectedAttention's statistics must also match its ``n_sink``/``n_future``)."""
-  held = dict(prefilled.extra)
+  wanted, held = pol.evidence_request(prefilled.seen_len), prefilled.request
   fields = {
     "value_out_norms": "value_out_norms_LHT",
     "query_stats": "query_mean_LHD",
     "window_queries": "window_queries_LHWD",
   }
   for arg, field in fields.items():
-    if arg in wanted and arg not in held:
+    if getattr(wanted, arg) and not getattr(held, arg):
       raise ValueError(
-        f"prefilled: policy {pol.name!r} needs {field}; prefill with "
+        f"prefilled: policy {pol.label!r} needs {field}; prefill with "
         f"prefill_answers(..., needs=({field!r},))"
       )
-  for arg in ("n_sink", "n_future"):
-    if arg in wanted and wanted[arg] != held.get(arg, getattr(llama, arg.upper())):
-      raise ValueError(
-        f"prefilled: policy {pol.name!r} wants {arg}={wanted[arg]}, the prefill used "
-        f"{held.get(arg, getattr(llama, arg.upper()))}"
-      )
+  if wanted.query_stats:
+    for arg in ("n_sink", "n_future"):
+      if getattr(wanted, arg) != getattr(held, arg):
+        raise ValueError(
+          f"prefilled: policy {pol.label!r} wants {arg}={getattr(wanted, arg)}, the prefill used "
+          f"{getattr(held, arg)}"
+        )
 
 
 def _future_attention(cfg, params, pre: llama.Prefill, inputs_BM, Tc: int) -> Array:
@@ -934,7 +863,7 @@ class Prefilled:
   window: int  # window rows held in ``pre.attn_window`` (policies may use fewer)
   seen_len: int  # prompt tokens the prefill saw (the whole prompt, or the context)
   future_attn: Array | None = None
-  extra: tuple = ()  # the extra prefill evidence held (evidence_request's pairs)
+  request: policies.EvidenceRequest = llama.NO_EVIDENCE  # the evidence the prefill computed
 
 
 def prefill_answers(
@@ -945,7 +874,7 @@ def prefill_answers(
   question_len: int = 1,
   question: str = "in_window",
   answer_given=None,
-  window: int = 32,
+  window: int = policies.DEFAULT_WINDOW,
   oracle: bool = True,
   needs: tuple[str, ...] = (),
 ) -> Prefilled:
@@ -955,11 +884,21 @@ def prefill_answers(
   ``question`` and ``answer_given``. ``needs`` names further :class:`kvjax.policies.Evidence`
   fields to compute (``value_out_norms_LHT``, ``query_mean_LHD``/``query_cov_LHDD`` with
   kvpress's defaults, ``window_queries_LHWD`` for ``window`` queries): the policies that will
-  answer list them in their ``Spec.needs``."""
-  known = ("value_out_norms_LHT", "query_mean_LHD", "query_cov_LHDD", "window_queries_LHWD")
-  unknown = sorted(set(needs) - set(policies.Evidence.__dataclass_fields__))
-  if unknown:
-    raise ValueError(f"needs: {unknown} are not Evidence fields; expected some of {known}")
+  answer list them in their :attr:`~kvjax.policies.Policy.evidence_fields`."""
+  needs = tuple(needs)
+  policies.EvidenceRequest.for_fields(needs, 0)  # unknown fields fail before any work
+
+  def request(seen_len: int) -> policies.EvidenceRequest:
+    return policies.EvidenceRequest.for_fields(needs, min(int(window), seen_len))
+
+  shape = (question_len, question, answer_given)
+  return _prefill_shared(model, prompt_ids, answer_ids, shape, int(window), oracle, request)
+
+
+def _prefill_shared(model, prompt_ids, answer_ids, shape, window, oracle, request_of):
+  """:func:`prefill_answers` with the evidence ``request_of(seen_len)`` (besides the shared
+  window rows and column sums); ``shape = (question_len, question, answer_given)``."""
+  question_len, question, answer_given = shape
   prompt = check_token_ids("prompt_ids", prompt_ids, model.cfg.vocab_size, min_len=2)
   answer = check_token_ids("answer_ids", answer_ids, model.cfg.vocab_size)
   if answer.shape[0] != prompt.shape[0]:
@@ -982,23 +921,17 @@ def prefill_answers(
   Tc = prompt.shape[1] - question_len
   seen = prompt if question == "in_window" else prompt[:, :Tc]
   cfg, params = model.cfg, model.params()
-  w = min(int(window), seen.shape[1])
-  extra = {}
-  if "value_out_norms_LHT" in needs:
-    extra["value_out_norms"] = True
-  if {"query_mean_LHD", "query_cov_LHDD"} & set(needs):
-    extra["query_stats"] = True
-  if "window_queries_LHWD" in needs:
-    extra["window_queries"] = w
-  extra = tuple(sorted(extra.items()))
+  w = min(window, seen.shape[1])
+  # every policy's window rows (at most w) and H2O's column sums, plus what the policies ask for
+  request = request_of(seen.shape[1]) | policies.EvidenceRequest(window=w, column_sums=True)
   fed = np.concatenate([prompt[:, Tc:], answer[:, :-1]], axis=1)
   feed = np.concatenate([np.ones((B, question_len), bool), given[:, :-1]], 1)
   # over the model's mesh, if it has one
   seen_j, inputs, feed = sharding.place_batch(params, seen, fed, feed)
-  full = _prefill(cfg, params, seen_j, jnp.ones_like(seen_j), w, True, extra)
+  full = _prefill(cfg, params, seen_j, jnp.ones_like(seen_j), request)
   future = _future_attention(cfg, params, full, inputs, Tc) if oracle else None
   pre = _restrict(full, Tc)
-  return Prefilled(pre, inputs, feed, question_len, w, seen.shape[1], future, extra)
+  return Prefilled(pre, inputs, feed, question_len, w, seen.shape[1], future, request)
 
 
 def answer_prefilled(
@@ -1006,38 +939,39 @@ def answer_prefilled(
   prefilled: Prefilled,
   budgets,
   *,
-  policy: str,
+  policy: policies.Policy | str,
   layout: str = "kv",
   head_scores=None,
   evidence=None,
   token_loop: bool = False,
   **policy_options,
 ) -> Answers:
-  """Answers under ``K`` budget configurations of ``policy`` from one :func:`prefill_answers`
-  (every policy of an evaluation shares it; nothing is prefilled here). ``evidence`` as
-  :func:`generate`'s, over the context's columns. ``token_loop``: feed the answers token by
+  """Answers under ``K`` budget configurations of ``policy`` (an object, or a name built once
+  with ``policy_options``) from one :func:`prefill_answers` (every policy of an evaluation
+  shares it; nothing is prefilled here). ``evidence`` as :func:`generate`'s, over the context's
+  columns. ``token_loop``: feed the answers token by
   token even where decoding only appends and they could go at once (the reference, and the
   baseline of ``experiments/bench_answers.py``; the results are the same)."""
   cache_lib.check_layout(layout)
   budgets = _check_config_budgets(budgets)
   cfg, params = model.cfg, model.params()
-  pol = _policy(policy, policy_options)
+  pol = policies.build(policy, **policy_options)
   pre = prefilled.pre
-  window = _window(pol, prefilled.seen_len) if pol.name != "full" else 0
-  if not _needs(pol) & {"attn_window_LHWT", "window_queries_LHWD"} or pol.name == "full":
+  window = min(pol.observation_window, prefilled.seen_len)
+  if not pol.evidence_fields & {"attn_window_LHWT", "window_queries_LHWD"}:
     window = min(window, prefilled.window)  # reads no window rows (ExpectedAttention, ...)
   if window > prefilled.window:
     raise ValueError(
-      f"window: policy {policy!r} needs {window} window rows, the prefill holds "
+      f"window: policy {pol.label!r} needs {window} window rows, the prefill holds "
       f"{prefilled.window}; prefill with window >= {window}"
     )
   pre = pre.replace(attn_window=pre.attn_window[..., prefilled.window - max(window, 1) :, :])
-  _check_prefilled_evidence(pol, prefilled, dict(evidence_request(pol, prefilled.seen_len)))
+  _check_prefilled_evidence(pol, prefilled)
   if pre.window_queries is not None:
     pre = pre.replace(
       window_queries=pre.window_queries[:, :, :, prefilled.window - max(window, 1) :]
     )
-  if pol.name == "oracle":
+  if pol.reads_future:
     if prefilled.future_attn is None:
       raise ValueError("prefilled: the oracle needs prefill_answers(..., oracle=True)")
     pre = pre.replace(future_attn=prefilled.future_attn)
@@ -1070,7 +1004,7 @@ def answer_configs(
   answer_ids,
   budgets,
   *,
-  policy: str,
+  policy: policies.Policy | str,
   question_len: int = 1,
   question: str = "in_window",
   answer_given=None,
@@ -1108,26 +1042,13 @@ def answer_configs(
   SnapKV-style policies protect the last ``window`` context positions (the question itself is
   re-fed, so it is always present).
   """
-  pol = _policy(policy, policy_options)
-  window = int(dict(pol.options).get("window") or 32) if pol.name != "full" else 1
-  prefilled = prefill_answers(
-    model,
-    prompt_ids,
-    answer_ids,
-    question_len=question_len,
-    question=question,
-    answer_given=answer_given,
-    window=window,
-    oracle=pol.name == "oracle",
-    needs=tuple(sorted(_needs(pol))),
+  pol = policies.build(policy, **policy_options)
+  shape = (question_len, question, answer_given)
+  # the policy's own evidence; at least one window row (the shared prefill always holds some)
+  window = max(pol.observation_window, 1)
+  prefilled = _prefill_shared(
+    model, prompt_ids, answer_ids, shape, window, pol.reads_future, pol.evidence_request
   )
   return answer_prefilled(
-    model,
-    prefilled,
-    budgets,
-    policy=policy,
-    layout=layout,
-    head_scores=head_scores,
-    evidence=evidence,
-    **policy_options,
+    model, prefilled, budgets, policy=pol, layout=layout, head_scores=head_scores, evidence=evidence
   )

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from kvjax import policies
 from kvjax import scores as scores_lib
 from kvjax.model.config import ModelConfig
 from kvjax.scores import PRECISION
@@ -344,6 +345,7 @@ def forward(
 LOGITS = ("last", "all")
 CHUNK = 2048  # prefill tokens per chunk: bounds the [B, chunk, F] MLP activations
 ATTENTION = ("blocked", "xla", "cudnn")  # prefill's kernels for the attention output
+NO_EVIDENCE = policies.EvidenceRequest()  # logits, keys and values only
 
 
 @struct.dataclass
@@ -390,52 +392,44 @@ class Prefill:
   window_queries: Array | None = None
 
 
-N_SINK, N_FUTURE = 4, 512  # kvpress ExpectedAttentionPress's n_sink and n_future_positions
-
-
 def prefill(
   cfg: ModelConfig,
   params: dict,
   input_ids: Array,
   attention_mask: Array | None = None,
+  request: policies.EvidenceRequest = NO_EVIDENCE,
   *,
-  window: int = 0,
-  column_sums: bool = False,
   full_attention_layers: tuple[int, ...] = (),
   block: int = 256,
   chunk: int | None = CHUNK,
   logits: str = "last",
   window_dtype=jnp.float32,
   attention: str = "blocked",
-  value_out_norms: bool = False,
-  query_stats: bool = False,
-  n_sink: int = N_SINK,
-  n_future: int = N_FUTURE,
-  window_queries: int = 0,
-  window_scores=None,
 ) -> Prefill:
   """One pass over the prompt: a :class:`Prefill` with logits, K/V and the requested evidence.
 
-  ``window`` asks for the last ``window`` query rows, ``column_sums`` for H2O's attention sums,
-  ``full_attention_layers`` for full maps of those layers. ``logits="last"`` (the default)
-  computes the last position's logits only (``[B, 1, V]``: all that generation reads;
-  ``[B, T, V]`` fp32 would be 16 GiB at 32k tokens and a 128k vocabulary), ``"all"`` every
-  position's.
+  ``request`` (a :class:`kvjax.policies.EvidenceRequest`, static under ``jit``: what
+  :meth:`kvjax.policies.Policy.evidence_request` asks for, or several policies' requests merged
+  with ``|``) says which evidence to compute besides logits, keys and values; the default
+  computes none. ``full_attention_layers`` asks for full maps of those layers.
+  ``logits="last"`` (the default) computes the last position's logits only (``[B, 1, V]``: all
+  that generation reads; ``[B, T, V]`` fp32 would be 16 GiB at 32k tokens and a 128k
+  vocabulary), ``"all"`` every position's.
 
   Memory is bounded by two blockings, neither of which changes a value (fp32 softmax, exact to
   rounding). Each layer runs over the prompt ``chunk`` tokens at a time (``None``: all at once):
   projections, attention output and MLP of a chunk, its keys and values written in place, so
   the ``[B, chunk, F]`` MLP intermediates are the largest activations. Attention is tiled
   flash-style into ``block`` queries x ``block`` keys, skipping the tiles above the causal
-  diagonal and, with ``cfg.sliding_window``, those behind the window. Without column sums one
-  pass with an online softmax gives the output; with them a first pass finds each query's
-  normaliser and a second forms the normalised rows tile by tile, adding them into the column
-  sums and the output. The window rows (the last ``window`` queries over all ``T`` keys) are
-  written tile by tile into their ``[L, B, Hq, W, T]`` output, in ``window_dtype`` (fp32 by
-  default; ``jnp.bfloat16`` halves the largest output, 8 GiB at 128k tokens for a 1B model,
-  after an fp32 softmax).
+  diagonal and, with ``cfg.sliding_window``, those behind the window. Without column sums
+  (``request.column_sums``, H2O's) one pass with an online softmax gives the output; with them
+  a first pass finds each query's normaliser and a second forms the normalised rows tile by
+  tile, adding them into the column sums and the output. The window rows (the last
+  ``request.window`` queries over all ``T`` keys) are written tile by tile into their
+  ``[L, B, Hq, W, T]`` output, in ``window_dtype`` (fp32 by default; ``jnp.bfloat16`` halves
+  the largest output, 8 GiB at 128k tokens for a 1B model, after an fp32 softmax).
 
-  ``window_scores`` (a hashable callable, static under ``jit``, e.g.
+  ``request.window_scores`` (a hashable callable, e.g.
   :meth:`kvjax.policies.Policy.window_scorer`) reduces each layer's window rows ``[B, Hq, W, T]``
   (fp32, whatever ``window_dtype``) to scores ``[B, Hq, T]`` inside the layer scan, when the
   caller needs only a policy's scores: the output is ``window_scores`` ``[L, B, Hq, T]`` and no
@@ -450,11 +444,12 @@ def prefill(
   2.3x slower at 2k tokens), hence the default.
 
   Evidence of issue 15's methods, each off by default (the memory plan above is unchanged):
-  ``value_out_norms`` (CriticalKV's ``||W_O^h v_j||_1``, a head at a time, ``[L, B, Hq, T]``),
-  ``query_stats`` (ExpectedAttention's query mean and covariance, accumulated chunk by chunk:
-  :func:`query_statistics`; ``n_sink`` and ``n_future`` as kvpress's ``n_sink`` and
-  ``n_future_positions``) and ``window_queries`` (the last ``window_queries`` post-RoPE queries,
-  ThinK's channel evidence).
+  ``request.value_out_norms`` (CriticalKV's ``||W_O^h v_j||_1``, a head at a time,
+  ``[L, B, Hq, T]``), ``request.query_stats`` (ExpectedAttention's query mean and covariance,
+  accumulated chunk by chunk: :func:`query_statistics`; ``request.n_sink`` and
+  ``request.n_future`` as kvpress's ``n_sink`` and ``n_future_positions``) and
+  ``request.window_queries`` (the last ``window_queries`` post-RoPE queries, ThinK's channel
+  evidence).
   """
   if logits not in LOGITS:
     raise ValueError(f"logits: expected one of {LOGITS}, got {logits!r}")
@@ -462,6 +457,10 @@ def prefill(
   _check_count("block", block)
   if chunk is not None:
     _check_count("chunk", chunk, "None or a positive int")
+  if not isinstance(request, policies.EvidenceRequest):
+    raise ValueError(f"request: expected a kvjax.policies.EvidenceRequest, got {request!r}")
+  window, window_queries = request.window, request.window_queries
+  window_scores, query_stats = request.window_scores, request.query_stats
   if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or not 0 <= window <= T:
     raise ValueError(f"window: expected an int in [0, T={T}], got {window!r}")
   if not jnp.issubdtype(jnp.dtype(window_dtype), jnp.floating):
@@ -479,9 +478,10 @@ def prefill(
     or not 0 <= window_queries <= T
   ):
     raise ValueError(f"window_queries: expected an int in [0, T={T}], got {window_queries!r}")
-  for name, flag in (("value_out_norms", value_out_norms), ("query_stats", query_stats)):
-    if not isinstance(flag, bool):
-      raise ValueError(f"{name}: expected a bool, got {flag!r}")
+  for name in ("column_sums", "value_out_norms", "query_stats"):
+    if not isinstance(getattr(request, name), bool):
+      raise ValueError(f"{name}: expected a bool, got {getattr(request, name)!r}")
+  n_sink, n_future = request.n_sink, request.n_future
   if query_stats:
     _check_count("n_future", n_future)
     if isinstance(n_sink, bool) or not isinstance(n_sink, (int, np.integer)) or n_sink < 0:
@@ -511,7 +511,7 @@ def prefill(
     "values": jnp.zeros((L, B, G, T, D), kv_dtype),
     "key_norms": jnp.zeros((L, B, G, T), jnp.float32),
   }
-  if column_sums:
+  if request.column_sums:
     out["column_sums"] = jnp.zeros((L, B, Hq, T), jnp.float32)
   if window and window_scores is not None:
     out["window_scores"] = jnp.zeros((L, B, Hq, T), jnp.float32)
@@ -519,7 +519,7 @@ def prefill(
     out["attn_window"] = jnp.zeros((L, B, Hq, window, T), window_dtype)
   if window_queries:
     out["window_queries"] = jnp.zeros((L, B, Hq, window_queries, D), q_dtype)
-  if value_out_norms:
+  if request.value_out_norms:
     out["value_out_norms"] = jnp.zeros((L, B, Hq, T), jnp.float32)
   if query_stats:
     out["query_mean"] = jnp.zeros((L, B, Hq, D), jnp.float32)
