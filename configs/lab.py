@@ -28,13 +28,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.scenarios = SCENARIOS  # tuples, so they can be overridden on the command line
   c.policies = POLICIES
   c.budget = 64  # per (layer, head), sinks and window included
+  # options per policy name (the registry's defaults otherwise); the lab runs H2O as official
+  # H2O does, half of each head's budget recent (recent=None), not KVCache-Factory's 8
+  h2o_recent = ml_collections.config_dict.placeholder(int)  # None: half of each head's budget
+  c.policy_options = ml_collections.ConfigDict(dict(h2o=dict(recent=h2o_recent)))
   c.world = ml_collections.ConfigDict(
     dict(num_layers=8, num_heads=8, prompt_len=512, gen_steps=128, head_dim=16, window=32, seed=0)
   )
   c.figure_step = -1  # -1: the middle of the last fact's query window
-  c.figure_policy = (
-    ""  # whose kept part the attention-row panel draws ("": snapkv if run, else the first)
-  )
+  # whose kept part the attention-row panel draws ("": snapkv if run, else the first policy)
+  c.figure_policy = ""
   c.workdir = ml_collections.config_dict.placeholder(str)  # default: runs/lab-<timestamp>
   a = common.parse_arg(arg, presets=SCENARIOS, quick=False)
   if a.quick:

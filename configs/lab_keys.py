@@ -23,6 +23,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.scenarios = SCENARIOS
   c.policies = POLICIES
+  c.versus = "snapkv"  # the attention-based policy the attention-free scorers are measured against
   c.budgets = (48, 64, 128)  # per (layer, head); SnapKV needs > its 32-token window
   c.fact_distinctness = (0.0, 1.0)  # facts disguised as ordinary keys / as distinctive as sinks
   c.key_model = ml_collections.ConfigDict(  # kvjax.lab.keys.KeyGeometry but fact_distinctness
@@ -30,7 +31,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       sink_distinctness=1.0, heavy_log_ratio=2.0, key_noise=0.3, norm_contrast=0.5, norm_noise=0.1
     )
   )
-  c.policy_options = ml_collections.ConfigDict(dict(lagkv=dict(lag=16)))
+  # H2O as in configs/lab.py: half of each head's budget recent (the official 1:1 split)
+  c.policy_options = ml_collections.ConfigDict(
+    dict(lagkv=dict(lag=16), h2o=dict(recent=ml_collections.config_dict.placeholder(int)))
+  )
   c.world = ml_collections.ConfigDict(
     dict(num_layers=8, num_heads=8, prompt_len=512, gen_steps=128, head_dim=16, window=32, seed=0)
   )

@@ -14,9 +14,9 @@ def base() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(
     dict(
       scenario="needle_qa",
-      policy="snapkv",
-      schedule="uniform",  # uniform | pyramid | cake
-      head_alloc="uniform",  # uniform | adakv | headkv
+      policy="snapkv",  # any sweepable registered policy (kvjax.lab.sweep.sweepable())
+      schedule="uniform",  # uniform | pyramid | cake: policies.Uniform, Pyramid, CakeLayers
+      head_alloc="uniform",  # uniform | adakv | headkv: policies.Uniform, AdaKV, HeadKV
       pyramid_mode="legacy_floor",  # legacy_floor | kvpress | exact_total
       window=8,  # observation window (<= world.window)
       kernel=7,

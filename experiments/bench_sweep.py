@@ -36,6 +36,7 @@ import ml_collections
 import numpy as np
 
 from configs import sweep_lab
+from kvjax import policies
 from kvjax.lab import sweep
 
 REPEATS = 5  # timed sweeps of the compiled engine
@@ -105,7 +106,8 @@ def by_group(configs):
 def world_state(engine, key) -> tuple:
   """What the engine keeps per world (computed on first use): the evidence a group reads, CAKE's
   statistics and the oracle's order."""
-  cake = engine.cake_statistics(key) if key.schedule == "cake" else None
+  layers, _ = sweep.allocators(key)
+  cake = engine.cake_statistics(key) if isinstance(layers, policies.CakeLayers) else None
   return engine.evidence(key), cake, engine.descending_mass(key)
 
 
@@ -177,9 +179,10 @@ def main() -> None:
     ev = engine.evidence(key)
     shared = sweep.ScoreSet(engine.scores(key))
     table = stats = ordered = None
-    if key.head_alloc == "adakv":
+    layers, heads = sweep.allocators(key)
+    if isinstance(heads, policies.AdaKV):
       table = engine.pooled_table(shared, key.window, sweep.layer_capacity(key, engine.capacity, P))
-    if key.schedule == "cake":
+    if isinstance(layers, policies.CakeLayers):
       stats = engine.cake_statistics(key)
     state = fns["prepare"](ev, shared.scores, table, stats)
     if state["scores"] is not None:

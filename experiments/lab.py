@@ -2,7 +2,8 @@
 
 python -m experiments.lab --config=configs/lab.py[:scenario] [--config.budget=64]
 python -m experiments.lab --config=configs/lab_keys.py[:quick]  (attention-free scorers on
-  modelled keys: retained mass and fact recall per budget, and the difference to SnapKV)
+  modelled keys: retained mass and fact recall per budget, and the difference to the
+  attention-based policy `versus`, SnapKV)
 """
 
 import datetime
@@ -36,14 +37,15 @@ def main(argv):
     with pd.option_context("display.width", 250, "display.max_columns", 40):
       for metric in ("retained_mass", "fact_recall"):
         print(f"\n{metric}\n" + lab.key_pivot(table, metric).to_string())
-      delta = lab.versus(table, "snapkv")
-      delta = delta[delta.policy.isin(("keydiff", "lagkv", "knorm"))]
-      print("\nminus snapkv (positive: the attention-free scorer wins)")
-      print(
-        delta.pivot_table(index=["budget", "policy"], columns=["scenario", "fact_distinctness"])
-        .round(3)
-        .to_string()
-      )
+      if config.versus in set(table.policy):
+        delta = lab.versus(table, config.versus)
+        delta = delta[delta.policy.isin(table.policy[table.reads_keys])]  # attention-free
+        print(f"\nminus {config.versus} (positive: the attention-free scorer wins)")
+        print(
+          delta.pivot_table(index=["budget", "policy"], columns=["scenario", "fact_distinctness"])
+          .round(3)
+          .to_string()
+        )
   else:
     table = lab.run(config, workdir)
     with pd.option_context("display.width", 200, "display.max_columns", 40):

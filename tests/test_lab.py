@@ -1,5 +1,6 @@
 """The lab's audit: the essay's checks and qualitative claims, on generated worlds."""
 
+import dataclasses
 import functools
 import os
 import pathlib
@@ -7,16 +8,20 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 import pytest
 
-from kvjax import lab
-from kvjax.lab import metrics, online, synthetic
+from kvjax import lab, policies
+from kvjax.lab import metrics, online, suite, synthetic
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SIZES = dict(num_layers=4, num_heads=4)
 BUDGET = 64
+# the lab's options (configs/lab.py's policy_options): H2O with official H2O's half-budget recent
+# window, as the lab ran it before policies were objects; a bare "h2o" is the registry's (8)
+OPTIONS = {"h2o": dict(recent=None)}
 
 
 @functools.cache
@@ -26,7 +31,8 @@ def world(name: str, **kw) -> synthetic.World:
 
 @functools.cache
 def trace(name: str, policy: str, budget: int = BUDGET) -> online.Trace:
-  return online.simulate(world(name), policy, budget, record_map=True)
+  options = OPTIONS.get(policy, {})
+  return online.simulate(world(name), policy, budget, record_map=True, **options)
 
 
 def mass(name, policy, budget=BUDGET, steps=slice(None)):
@@ -177,6 +183,20 @@ def test_bad_lab_inputs():
     online.simulate(w, "snapkv", 100000)
   with pytest.raises(ValueError, match="name: policy 'headkv' is not simulated"):
     online.simulate(w, "headkv", 64)
+  with pytest.raises(ValueError, match=r"evidence\.head_scores_LH, which the lab does not"):
+    online.simulate(w, policies.make("headkv"), 64)
+  with pytest.raises(ValueError, match="channel_ratio"):
+    online.simulate(w, "think_snapkv", 64)
+  with pytest.raises(ValueError, match="decode_every"):
+    online.simulate(w, "snapkv", 64, decode_every=8)
+  with pytest.raises(ValueError, match="options: .* given with a policy object"):
+    online.simulate(w, policies.make("h2o"), 64, recent=4)
+  with pytest.raises(
+    ValueError, match=r"budget: 33 is below 41 for .snapkv. \(every budget counts the window of 40"
+  ):
+    online.simulate(w, "snapkv", 33, window=40)
+  with pytest.raises(ValueError, match="TOVA is layer-wise"):
+    online.simulate(w, "tova", np.arange(16).reshape(4, 4) + 40)
   with pytest.raises(ValueError, match="budget: 0 < 1"):
     online.simulate(w, "sliding_window", 0)
 
@@ -239,3 +259,111 @@ def test_new_token_is_cached_even_when_protected_tokens_fill_the_budget():
   pos, valid = np.asarray(tr.positions_SLHC), np.asarray(tr.valid_SLHC)
   assert ((pos == t[:, None, None, None]) & valid).any(-1).all()
   assert (valid.sum(-1) == 4).all()
+
+
+def retained(tr: online.Trace) -> np.ndarray:
+  return np.asarray(tr.metrics.retained)
+
+
+def test_replay_is_the_evidence_the_lab_provides():
+  names = online.replayable()
+  assert set(online.LAB_POLICIES) <= set(names)
+  for name in (
+    *("sliding_window", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "adakv_snapkv"),
+    *("cake", "random", "oracle", "knorm", "keydiff", "lagkv", "chunkkv_snapkv", "full"),
+  ):
+    assert name in names and online.can_replay(policies.make(name)), name
+  for name in (
+    *("headkv", "h2o_kvfactory_legacy", "critical_snapkv", "expected_attention", "qfilter"),
+    *("duo_attention", "kvzip", "think", "rkv", "think_snapkv"),
+  ):
+    assert name not in names and not online.can_replay(name), name
+  assert not online.can_replay(policies.make("snapkv", decode_every=16))
+
+
+def test_the_labs_h2o_is_the_configs_and_a_bare_name_the_registrys(monkeypatch):
+  monkeypatch.syspath_prepend(str(ROOT))
+  assert suite.build_policies(quick_config())["h2o"] == policies.H2O(recent=None)
+  w = world("needle_qa")
+  bare, eight = online.simulate(w, "h2o", 48), online.simulate(w, policies.H2O(recent=8), 48)
+  np.testing.assert_array_equal(retained(bare), retained(eight))
+  half = online.simulate(w, "h2o", 48, recent=None)
+  np.testing.assert_array_equal(
+    retained(half), retained(online.simulate(w, policies.H2O(recent=None), 48))
+  )
+  assert not np.array_equal(retained(bare), retained(half))
+
+
+def test_an_object_replays_as_its_name():
+  w = world("funnel")
+  by_name = online.simulate(w, "pyramidkv", 48, record_map=True)
+  obj = online.simulate(w, policies.SnapKV(allocator=policies.Pyramid()), 48, record_map=True)
+  for a, b in zip(jax.tree.leaves(by_name), jax.tree.leaves(obj), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Oldest(policies.DecodePolicy):
+  """Keeps the oldest tokens (a decode-time evictor written outside kvjax)."""
+
+  needs = frozenset()
+
+  def score(self, evidence):
+    L, H, T = evidence.positions_shape(self.label)
+    return jnp.broadcast_to(-jnp.arange(T, dtype=jnp.float32), (L, H, T))
+
+  def keep_scores(self, state_HC, positions_HC, t, budget_H):
+    return -positions_HC.astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Accumulated(policies.DecodePolicy):
+  """Attention accumulated over the compressed cache, no recent window: its own state."""
+
+  needs = frozenset({"column_sums_LHT"})
+
+  def score(self, evidence):
+    return evidence.column_sums_LHT
+
+  def init_state(self, evidence, scores_LHT, idx_LHC, kept_LHC):
+    return policies.gather_slots(evidence.column_sums_LHT, idx_LHC, kept_LHC, idx_LHC.shape[-2])
+
+  def observe(self, state_HC, attn_HC):
+    return state_HC + attn_HC
+
+  def keep_scores(self, state_HC, positions_HC, t, budget_H):
+    return state_HC
+
+
+def test_a_users_decode_policy_is_replayed_by_its_own_state_machine():
+  w, b = world("streaming_chat"), 24
+  policies.register("oldest_lab_test", Oldest)
+  try:
+    assert "oldest_lab_test" in online.replayable()
+    tr = online.simulate(w, "oldest_lab_test", b, record_map=True)
+  finally:
+    policies.unregister("oldest_lab_test")
+  pos, valid = np.asarray(tr.positions_SLHC), np.asarray(tr.valid_SLHC)
+  for s in range(w.dims.gen_steps):  # the oldest b - 1 prompt tokens, then the current one
+    expected = [*range(b - 1), w.dims.prompt_len + s]
+    kept = np.sort(np.where(valid[s], pos[s], -1), -1)[..., -b:]
+    np.testing.assert_array_equal(kept, np.broadcast_to(expected, kept.shape))
+  # its state: the same evictions as H2O with no recent window
+  mine = online.simulate(w, Accumulated(), b, record_map=True)
+  h2o = online.simulate(w, "h2o", b, record_map=True, recent=0)
+  for a, c in zip(jax.tree.leaves(mine), jax.tree.leaves(h2o), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_the_suite_takes_objects_and_checks_options(monkeypatch):
+  monkeypatch.syspath_prepend(str(ROOT))
+  mine = policies.SnapKV(allocator=policies.Pyramid(beta=5), name="mine")
+  config = quick_config(policies=(mine, "oracle"), scenarios=("needle_qa",))
+  table = lab.run(config, None, log=lambda *_: None)
+  assert list(table.policy) == ["mine", "oracle"]
+  with pytest.raises(ValueError, match="policy_options: 'h2o': options: .*'recnet'"):
+    suite.build_policies(quick_config(policy_options={"h2o": {"recnet": 3}}))
+  with pytest.raises(ValueError, match="policies: 'headkv' is not a lab policy"):
+    suite.build_policies(quick_config(policies=("headkv",)))
+  with pytest.raises(ValueError, match=r"policies: \['oracle'\] appear more than once"):
+    suite.build_policies(quick_config(policies=("oracle", "oracle")))

@@ -1,5 +1,6 @@
 """Sweeps: grid expansion, vmapped == looped, one compile per group, sharding, resume, bad input."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -21,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from conftest import forced_devices_env, full_mode  # noqa: E402
 
 from configs import sweep_lab  # noqa: E402
-from kvjax import budgets, rundir, select  # noqa: E402
+from kvjax import budgets, policies, rundir, select  # noqa: E402
 from kvjax.lab import sweep, synthetic  # noqa: E402
 
 
@@ -78,6 +79,12 @@ def test_bad_configurations(tmp_path):
     sweep.run(quick(policy=("snap",)), tmp_path / "c", progress=False)
   with pytest.raises(ValueError, match="kernel: expected a positive odd"):
     sweep.run(quick(kernel=(4,)), tmp_path / "d", progress=False)
+  with pytest.raises(ValueError, match=r"policy: 'knorm' cannot be swept: it reads evidence\.keys"):
+    sweep.run(quick(policy=("knorm",)), tmp_path / "f", progress=False)
+  with pytest.raises(ValueError, match="policy: 'pyramidkv' cannot be swept: it allocates"):
+    sweep.run(quick(policy=("pyramidkv",)), tmp_path / "g", progress=False)
+  with pytest.raises(ValueError, match="schedule: HeadKV allocates across layers itself"):
+    sweep.run(quick(schedule=("pyramid",), head_alloc=("headkv",)), tmp_path / "h", progress=False)
   sweep.run(quick(budget=(16,)), tmp_path / "e", progress=False, log=lambda *_: None)
   with pytest.raises(ValueError, match="workdir: .* holds a run of a different configuration"):
     sweep.run(quick(budget=(32,)), tmp_path / "e", progress=False)
@@ -438,3 +445,80 @@ def test_resume_reruns_cut_and_invalid_rows_and_drops_repeats(tmp_path):
   resumed = resumed.set_index("config_id").sort_index()
   for m in sweep.METRICS:
     np.testing.assert_allclose(resumed[m], fresh[m], rtol=1e-6, err_msg=m)
+
+
+def test_the_builtin_sweepable_policies():
+  assert set(sweep.sweepable()) == {
+    *("snapkv", "snapkv_kvpress", "h2o", "h2o_kvpress", "tova", "streaming_llm"),
+    *("sliding_window", "random", "oracle", "chunkkv_snapkv"),
+  }
+
+
+@pytest.mark.parametrize(
+  "schedule, head_alloc",
+  [
+    *(("uniform", h) for h in ("uniform", "adakv", "headkv")),
+    *(("pyramid", h) for h in ("uniform", "adakv")),
+    *(("cake", h) for h in ("uniform", "adakv")),
+  ],
+)
+def test_the_axes_allocate_as_the_registrys_allocators(schedule, head_alloc):
+  c = quick()
+  cfg = dict(sweep.expand(c.grid, c.base)[0], schedule=schedule, head_alloc=head_alloc)
+  cfg.update(budget=40, beta=4.0, alpha=0.3, head_beta=1.2, tau1=1.6, tau2=0.4)
+  key = sweep.group_key(cfg)
+  engine = sweep.Engine(c.world, capacity=40)
+  ev = engine.evidence(key)
+  fns = sweep.make_group(key, engine.world_evidence(key.scenario).world.dims, 40, 2)
+  state = fns.prepare(ev)
+  d = {k: jnp.asarray(v[0]) for k, v in sweep.stack_data([cfg], 1).items()}
+  layers, heads = sweep.allocators(key, d)
+  assert type(layers) is sweep.SCHEDULES[schedule] and type(heads) is sweep.HEAD_ALLOCS[head_alloc]
+  if schedule == "pyramid":
+    assert layers.pyramid_mode == cfg["pyramid_mode"] and float(layers.beta) == 4.0
+  evidence = policies.Evidence(attn_window_LHWT=ev["attn"], head_scores_LH=ev.get("head_scores"))
+  scores, w = state["scores"], key.window
+  if isinstance(heads, policies.HeadKV):
+    expected = heads(evidence, scores, d["budget"], w)
+  else:
+    expected = heads(evidence, scores, layers(evidence, scores, d["budget"], w)[:, 0], w)
+  np.testing.assert_array_equal(np.asarray(fns.allocate(state, d)), np.asarray(expected))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LastRow(policies.Policy):
+  """The last prompt query's attention (a prefill scorer written outside kvjax)."""
+
+  needs = frozenset({"attn_window_LHWT"})
+
+  def score(self, evidence):
+    return evidence.attn_window_LHWT[:, :, -1, :]
+
+
+def test_a_registered_scorer_is_swept_by_name(tmp_path):
+  c = quick(policy=("last_row_sweep_test",), budget=(16, 32))
+  policies.register("last_row_sweep_test", LastRow)
+  try:
+    assert "last_row_sweep_test" in sweep.sweepable()
+    table = sweep.run(c, tmp_path, progress=False, log=lambda *_: None)
+  finally:
+    policies.unregister("last_row_sweep_test")
+  engine = sweep.Engine(c.world, capacity=32)
+  ev = engine.world_evidence(c.base.scenario)
+  last, mass = np.asarray(ev.attn_window_LHWP)[:, :, -1], np.asarray(ev.future_mass_LHP)
+  for b in (16, 32):  # each head's top b of the last row, judged by the future mass
+    kept = np.argsort(-last, -1, kind="stable")[..., :b]
+    expected = np.take_along_axis(mass, kept, -1).sum(-1).mean()
+    row = table[table.budget == b]
+    np.testing.assert_allclose(row.retained_mass.item(), expected, rtol=1e-5)
+
+
+def test_best_per_budget_leaves_out_what_reads_the_future():
+  rows = [
+    dict(budget=b, policy=p, schedule="uniform", head_alloc="uniform", retained_mass=m)
+    | dict(oracle_gap=0.0, fact_recall=1.0, cache_bytes=1.0)
+    for b in (16, 32)
+    for p, m in (("oracle", 0.9), ("snapkv", 0.5), ("h2o", 0.6))
+  ]
+  best = sweep.best_per_budget(pd.DataFrame(rows))
+  assert list(best.policy) == ["h2o", "h2o"]

@@ -3,34 +3,41 @@
 
 Cache semantics (the same for every policy, so budgets compare):
 
-* The prompt (``P`` tokens) is compressed once at the end of prefill by the policy's registry
-  entry (:mod:`kvjax.policies`) to its ``budget_LH``.
+* The prompt (``P`` tokens) is compressed once at the end of prefill by the policy itself
+  (:mod:`kvjax.policies`: its scores, allocator and selection scores) to its ``budget_LH``.
 * At generation step ``s`` (position ``t = P + s``) the new token joins the cache, then the cache
   is cut back to ``budget_LH`` with the information the policy had *before* attending (the new
   token is always kept), and the query attends to exactly ``min(budget, t + 1)`` positions,
   itself included. (Official H2O/TOVA evict after attending with a cache of ``budget - 1``
   old tokens: the same thing.)
-* Decode-time policies evict every step: ``sliding_window`` and ``streaming_llm`` by position
-  (sinks protected), ``h2o`` by attention accumulated over its own compressed rows (official
-  ``H2OKVCache_LayerWise``) with the last ``recent`` tokens on probation (default: half the
-  budget, official H2O's 1:1 heavy:recent split), ``tova`` by the
-  previous row averaged over heads (``TOVACache``).
-* Prefill-time policies (``snapkv``, ``pyramidkv``, ``adakv_*``, ``cake``, ``random``) pin the
-  prompt positions their vote selected and keep a rolling recent window (the essay's
-  "high-vote prompt positions plus a rolling recent window").
-* ``oracle`` keeps the top ``b`` of the true current row (not realisable; the upper bound).
+* Decode-time policies (:class:`kvjax.policies.DecodePolicy`: sliding window, StreamingLLM,
+  H2O, TOVA, a user's own) evict every step by their own state machine, the one the model's
+  cache runs: :meth:`~kvjax.policies.DecodePolicy.init_state` from the prompt's kept slots,
+  :meth:`~kvjax.policies.DecodePolicy.keep_scores` before each step,
+  :meth:`~kvjax.policies.DecodePolicy.observe` of the attention the compressed cache paid
+  (official H2O's accumulated attention over its own compressed rows, TOVA's previous row
+  averaged over heads).
+* Prefill-time policies (SnapKV, PyramidKV, Ada-KV, CAKE, random, ...) select once; the lab's
+  cache then pins the prompt positions their vote selected and keeps a rolling recent window
+  (the essay's "high-vote prompt positions plus a rolling recent window"): the lab's cache
+  semantics (:class:`PinnedPrompt`), not the policy's.
+* A policy that reads future attention (:attr:`~kvjax.policies.Policy.reads_future`, the oracle)
+  keeps the top ``b`` of the true current row (not realisable; the upper bound).
 * Attention-free prefill scorers (``knorm``, ``keydiff``, ``lagkv``) read the world's *modelled*
   keys (:mod:`kvjax.lab.keys`, a stated hypothesis, not measured keys) and its values over the
   prompt (:func:`key_evidence`); like every prefill policy they pin what they selected and roll
   the rest. They protect no observation window, so unlike SnapKV their recent tokens are only
   those they happened to select.
 
-Selection always goes through :mod:`kvjax.select`. Rows are generated inside the scan, so no
-``[L, H, S, T]`` array exists; the cache map ``[S, L, H, C]`` is recorded on request.
+Any policy whose evidence the lab provides can be replayed (:func:`can_replay`), a user's
+registered or unregistered one included. Selection always goes through :mod:`kvjax.select`.
+Rows are generated inside the scan, so no ``[L, H, S, T]`` array exists; the cache map
+``[S, L, H, C]`` is recorded on request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -39,14 +46,62 @@ import numpy as np
 from flax import struct
 
 from kvjax import policies, select
-from kvjax import scores as scores_lib
 from kvjax.lab import keys as keys_lib
 from kvjax.lab import metrics as metrics_lib
 from kvjax.lab import synthetic
 
 Array = jax.Array
 
-LAB_POLICIES = policies.replayable()
+# The evidence the lab gives a policy: the prompt's window rows, H2O's column sums and a PRNG key
+# (prompt_evidence), the modelled keys and the world's values (key_evidence), and, for a
+# policy that reads the future, the true row of every step (the oracle's replay).
+LAB_EVIDENCE = frozenset(
+  {
+    "attn_window_LHWT",
+    "column_sums_LHT",
+    "rng",
+    "keys_LGTD",
+    "values_LGTD",
+    "future_attn_LHST",
+  }
+)
+
+
+def replay_problem(policy: policies.Policy) -> str | None:
+  """Why the lab cannot replay ``policy``, or ``None`` when it can."""
+  if policy.channel_ratio:
+    return "it prunes key channels (channel_ratio), which the lab's cache does not model"
+  if policy.decode_every is not None:
+    return "it re-compresses every decode_every tokens, which the lab's cache does not model"
+  missing = sorted(policy.evidence_fields - LAB_EVIDENCE)
+  if missing:
+    fields = ", ".join(f"evidence.{f}" for f in missing)
+    return f"it reads {fields}, which the lab does not provide"
+  return None
+
+
+def can_replay(policy: policies.Policy | str) -> bool:
+  """Whether the lab replays ``policy`` (an object or a registered name): every evidence field
+  it reads is one of :data:`LAB_EVIDENCE`, and it has no ``channel_ratio`` or ``decode_every``
+  (the lab's cache holds whole tokens and compresses the prompt once)."""
+  return replay_problem(policies.build(policy)) is None
+
+
+def replayable() -> tuple[str, ...]:
+  """The registered names the lab replays (:func:`can_replay` of each with its defaults), a
+  user's registered since included; a factory that cannot build without options is left out."""
+  out = []
+  for name in policies.names():
+    try:
+      policy = policies.make(name)
+    except (TypeError, ValueError):
+      continue
+    if can_replay(policy):
+      out.append(name)
+  return tuple(out)
+
+
+LAB_POLICIES = replayable()  # the built-in replayable names (for messages and tests)
 
 
 @struct.dataclass
@@ -63,7 +118,41 @@ class Trace:
 class _Slots:
   pos: Array  # [L, H, C] int32 original positions
   valid: Array  # [L, H, C] bool
-  aux: Array  # [L, H, C] float32: accumulated attention (h2o), last row (tova), pinned (prefill)
+  state: Array | None  # [L, H, C] float32: the cache's per-slot state (None: stateless)
+
+
+@dataclasses.dataclass(frozen=True)
+class PinnedPrompt:
+  """The lab's cache for a prefill-time policy, with a decode policy's three methods: the
+  prompt positions the policy selected before the last ``window`` prompt tokens stay pinned
+  (state 1); every other slot (the selected window, then each generated token) rolls by
+  recency."""
+
+  pinned_before: int  # P - window: selected positions below it are pinned
+
+  def init_state(self, evidence, scores_LHT, idx_LHC, kept_LHC):
+    return jnp.where(kept_LHC, (idx_LHC < self.pinned_before).astype(jnp.float32), 0.0)
+
+  def observe(self, state_HC, attn_HC):
+    return state_HC
+
+  def keep_scores(self, state_HC, positions_HC, t, budget_H):
+    return jnp.where(state_HC > 0, jnp.inf, positions_HC.astype(jnp.float32))
+
+
+def rolling_window(policy: policies.Policy, dims: synthetic.Dims) -> int:
+  """The recent window a prefill-time policy's cache rolls: its own protected window (the
+  option named by its ``window_field``), else the world's observation window."""
+  field = policy.window_field
+  return (getattr(policy, field) if field else None) or dims.window
+
+
+def lab_cache(policy: policies.Policy, dims: synthetic.Dims):
+  """What evicts while decoding: a decode-time policy itself, else the lab's
+  :class:`PinnedPrompt` cache around the prompt's selection."""
+  if policy.evicts_each_step:
+    return policy
+  return PinnedPrompt(dims.prompt_len - rolling_window(policy, dims))
 
 
 @jax.jit
@@ -78,9 +167,10 @@ def prompt_evidence(world: synthetic.World, rng: Array) -> policies.Evidence:
   )
 
 
-def needs_keys(name: str) -> bool:
-  """Whether policy ``name`` reads keys or values (the lab then models them, :mod:`.keys`)."""
-  return bool({"keys_LGTD", "values_LGTD"} & set(policies.spec(name).needs))
+def needs_keys(policy: policies.Policy | str) -> bool:
+  """Whether ``policy`` (an object or a name) reads keys or values (the lab then models them,
+  :mod:`.keys`)."""
+  return bool({"keys_LGTD", "values_LGTD"} & policies.build(policy).evidence_fields)
 
 
 def key_evidence(
@@ -116,9 +206,16 @@ def check_budget(world: synthetic.World, budget_LH) -> np.ndarray:
   return b
 
 
-def allocate(world: synthetic.World, policy: policies.Policy, budget, evidence=None) -> Array:
-  """The policy's ``budget_LH`` on this world's prompt (PyramidKV, Ada-KV, CAKE allocate; the
-  others broadcast ``budget``)."""
+def allocate(world: synthetic.World, policy: policies.Policy | str, budget, evidence=None) -> Array:
+  """The policy's ``budget_LH`` on this world's prompt: its allocator's (PyramidKV, Ada-KV,
+  CAKE allocate; the others broadcast ``budget``). A policy that keeps every position (the full
+  cache) keeps every position of the world."""
+  policy = policies.build(policy)
+  L, H = world.dims.num_layers, world.dims.num_heads
+  if policy.allocator.keeps_all:
+    return jnp.full((L, H), world.dims.total_len, jnp.int32)
+  if not policy.allocates:
+    return policies.as_budget_LH(budget, L, H)
   evidence = prompt_evidence(world, jax.random.key(0)) if evidence is None else evidence
   scores = policy.scores(evidence)
   return policy.budgets(evidence, scores, budget)
@@ -126,7 +223,7 @@ def allocate(world: synthetic.World, policy: policies.Policy, budget, evidence=N
 
 def simulate(
   world: synthetic.World,
-  name: str,
+  policy: policies.Policy | str,
   budget,
   *,
   capacity: int | None = None,
@@ -136,69 +233,73 @@ def simulate(
   geometry: keys_lib.KeyGeometry | None = None,
   **options,
 ) -> Trace:
-  """Runs policy ``name`` (a :data:`LAB_POLICIES` registry name) over the world's generation.
+  """Runs ``policy`` over the world's generation.
 
-  ``budget`` is a scalar, ``[L]`` or ``[L, H]`` per-head budget (window and sinks included);
-  allocating policies turn it into their own ``budget_LH``. ``capacity`` (static slot count)
-  defaults to the largest budget. Pass ``evidence`` (:func:`prompt_evidence`) to share the
-  prefill evidence across policies; ``seed`` seeds the random policy and the modelled keys.
-  A policy that reads keys (:func:`needs_keys`) gets them from :func:`key_evidence` under
-  ``geometry`` when ``evidence`` has none or ``geometry`` is given; otherwise it reads the keys
-  already in ``evidence``.
+  Args:
+    world: the synthetic world.
+    policy: a :class:`~kvjax.policies.Policy`, or a registered name built with ``options``
+      (:func:`kvjax.policies.build`; a name means the registry's defaults, e.g. H2O's
+      ``recent=8``). It must be replayable (:func:`can_replay`).
+    budget: a scalar, ``[L]`` or ``[L, H]`` per-head budget (window and sinks included);
+      allocating policies turn it into their own ``budget_LH``.
+    capacity: static slot count (default: the largest budget).
+    record_map: record the cache map ``[S, L, H, C]``.
+    seed: seeds the random policy and the modelled keys.
+    evidence: :func:`prompt_evidence`, to share the prefill evidence across policies.
+    geometry: the key model for a policy that reads keys (:func:`needs_keys`): it gets them
+      from :func:`key_evidence` under ``geometry`` when ``evidence`` has none or ``geometry`` is
+      given; otherwise it reads the keys already in ``evidence``.
+    **options: the policy's options (with a name only).
+
+  Returns:
+    The :class:`Trace`.
   """
-  if name not in LAB_POLICIES:
+  policy = policies.build(policy, **options)
+  why = replay_problem(policy)
+  if why is not None:
     raise ValueError(
-      f"name: policy {name!r} is not simulated in the lab; expected one of {LAB_POLICIES}"
+      f"name: policy {policy.label!r} is not simulated in the lab: {why}; expected a "
+      f"replayable policy, e.g. one of {replayable()}"
     )
-  recent = options.pop("recent", None) if name == "h2o" else None
-  policy = policies.make(name, **options)
   if evidence is None:
     evidence = prompt_evidence(world, jax.random.key(seed))
-  if needs_keys(name) and (evidence.keys_LGTD is None or geometry is not None):
+  if needs_keys(policy) and (evidence.keys_LGTD is None or geometry is not None):
     evidence = key_evidence(world, evidence, geometry, seed=seed)
-  if not policies.allocates(name):
-    L, H = world.dims.num_layers, world.dims.num_heads
-    budget_LH = policies.as_budget_LH(budget, L, H)
-  else:
-    budget_LH = allocate(world, policy, budget, evidence)
-  b = check_budget(world, budget_LH)
+  policy.check_budget(budget, policy.protected_window(evidence))
+  b = check_budget(world, allocate(world, policy, budget, evidence))
+  policy.check_allocation(b)
   capacity = int(b.max()) if capacity is None else int(capacity)
   if capacity < b.max():
     raise ValueError(f"capacity: {capacity} is smaller than the largest budget {int(b.max())}")
-  # Official H2O splits the cache 1:1 between heavy hitters and recent tokens
-  # (heavy_ratio = recent_ratio); KVCache-Factory's recent=8 is a prefill-only setting.
-  recent_LH = b // 2 if recent is None else np.full(b.shape, recent)
-  if np.any(recent_LH < 0) or np.any(recent_LH > b):
-    raise ValueError(f"recent: expected 0 <= recent <= budget, got {recent!r}")
-  return _simulate(
-    world,
-    policy,
-    jnp.asarray(b, jnp.int32),
-    jnp.asarray(recent_LH, jnp.int32),
-    evidence,
-    capacity,
-    record_map,
-  )
+  return _simulate(world, policy, jnp.asarray(b, jnp.int32), evidence, capacity, record_map)
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "capacity", "record_map"))
-def _simulate(world, policy, budget_LH, recent_LH, evidence, capacity, record_map):
+def _simulate(world, policy, budget_LH, evidence, capacity, record_map):
   cfg = world.dims
-  slots = _prefill(world, policy, budget_LH, recent_LH, evidence, capacity)
+  oracle = policy.reads_future
+  cache = None if oracle else lab_cache(policy, cfg)
+  if oracle:  # reads the true row at every step: nothing selected at prefill
+    zeros = jnp.zeros(budget_LH.shape + (capacity,), jnp.int32)
+    slots = _Slots(zeros, zeros > 0, None)
+  else:
+    slots = _prefill(policy, cache, budget_LH, evidence, capacity)
 
   def step(slots, s):
     t = cfg.prompt_len + s
     row = synthetic.attention_row(world, t)
-    if policy.name == "oracle":
+    if oracle:
       pos, valid = select.compact(row, budget_LH, capacity, length=jnp.full(budget_LH.shape, t + 1))
-      slots = _Slots(pos, valid, slots.aux)
+      slots = _Slots(pos, valid, slots.state)
     else:
-      slots = _evict(policy, slots, budget_LH, recent_LH, t, capacity)
+      slots = _evict(cache, slots, budget_LH, t, capacity)
     fact_T = synthetic.active_fact_positions(world, s)
     m, a_hat = metrics_lib.step_metrics(
       row, world.values_LHTD, slots.pos, slots.valid, budget_LH, fact_T, capacity
     )
-    slots = _observe(policy, slots, a_hat, cfg.total_len)
+    if slots.state is not None:  # the attention the compressed cache paid
+      state = cache.observe(slots.state, a_hat)
+      slots = slots.replace(state=jnp.where(slots.valid, state, 0.0))
     out = (m, slots.pos, slots.valid) if record_map else (m,)
     return slots, out
 
@@ -208,69 +309,30 @@ def _simulate(world, policy, budget_LH, recent_LH, evidence, capacity, record_ma
   return Trace(outs[0], budget_LH)
 
 
-def _prefill(world, policy, budget_LH, recent_LH, evidence, capacity) -> _Slots:
-  """Compresses the prompt with the policy's own scores; sets the per-slot state."""
-  P = world.dims.prompt_len
-  if policy.name == "oracle":
-    L, H = budget_LH.shape
-    zeros = jnp.zeros((L, H, capacity), jnp.int32)
-    return _Slots(zeros, zeros > 0, jnp.zeros(zeros.shape, jnp.float32))
-  if policy.name == "h2o":
-    scores_LHT = scores_lib.h2o_from_column_sums(evidence.column_sums_LHT, recent=recent_LH)
-  else:
-    scores_LHT = policy.scores(evidence)
-  pos, valid = select.compact(scores_LHT, budget_LH, capacity)
-  gather = functools.partial(jnp.take_along_axis, indices=pos, axis=-1)
-  if policy.name == "h2o":
-    aux = gather(evidence.column_sums_LHT)
-  elif policy.name == "tova":
-    aux = gather(scores_LHT)
-  elif not policies.acts_at_decode(policy.name):
-    window = policy.opts.get("window") or world.dims.window
-    aux = (pos < P - window).astype(jnp.float32)  # pinned by the vote; the window rolls
-  else:
-    aux = jnp.zeros(pos.shape, jnp.float32)
-  return _Slots(pos, valid, jnp.where(valid, aux, 0.0))
+def _prefill(policy, cache, budget_LH, evidence, capacity) -> _Slots:
+  """Compresses the prompt with the policy's own scores and selection scores; the cache's
+  initial per-slot state."""
+  scores_LHT = policy.scores(evidence)
+  selection = policy.selection_scores(evidence, scores_LHT, budget_LH, capacity=capacity)
+  pos, valid = select.compact(selection, budget_LH, capacity)
+  state = cache.init_state(evidence, scores_LHT, pos, valid)
+  if state is not None:
+    state = jnp.where(valid, state, 0.0)
+  return _Slots(pos, valid, state)
 
 
-def _evict(policy, slots: _Slots, budget_LH, recent_LH, t, capacity) -> _Slots:
-  """Keeps each row's best ``budget - 1`` slots (by what the policy knew before step ``t``) and
-  admits token ``t`` into the next free slot: the new token is always cached, even when
-  protected tokens (sinks, probation, pins) alone could fill the budget."""
-  pos, valid, aux = slots.pos, slots.valid, slots.aux
-  recency = pos.astype(jnp.float32)
-  opts = policy.opts
-  if policy.name == "streaming_llm":
-    score = jnp.where(pos < opts["sinks"], jnp.inf, recency)
-  elif policy.name == "h2o":
-    score = jnp.where(pos > t - recent_LH[..., None], jnp.inf, aux)
-  elif policy.name == "tova":
-    score = aux
-  elif not policies.acts_at_decode(policy.name):
-    score = jnp.where(aux > 0, jnp.inf, recency)
-  else:
-    score = recency
+def _evict(cache, slots: _Slots, budget_LH, t, capacity) -> _Slots:
+  """Keeps each row's best ``budget - 1`` slots (by the cache's keep scores, what it knew before
+  step ``t``) and admits token ``t`` into the next free slot: the new token is always cached,
+  even when protected tokens (sinks, probation, pins) alone could fill the budget."""
+  pos, valid, state = slots.pos, slots.valid, slots.state
+  score = cache.keep_scores(state, pos, t, budget_LH)
   score = jnp.where(valid, score, -jnp.inf)
   room = jnp.minimum(budget_LH - 1, valid.sum(-1))
   idx, kept = select.compact(score, room, capacity)  # ascending positions, valid slots first
   take = functools.partial(jnp.take_along_axis, indices=idx, axis=-1)
   new_slot = jax.nn.one_hot(room, capacity, dtype=bool)  # the first free slot after the kept
   pos = jnp.where(new_slot, t, jnp.where(kept, take(pos), 0))
-  aux = jnp.where(kept, take(aux), 0.0)
-  return _Slots(pos.astype(jnp.int32), kept | new_slot, aux)
-
-
-def _observe(policy, slots: _Slots, a_hat_LHC, total_len) -> _Slots:
-  """Decode-time evidence update after attending: H2O accumulates, TOVA remembers the row."""
-  if policy.name == "h2o":
-    return slots.replace(aux=slots.aux + a_hat_LHC)
-  if policy.name == "tova":
-    L, H, C = slots.pos.shape
-    dense = jnp.zeros((L, H, total_len), jnp.float32)
-    dense = dense.at[jnp.arange(L)[:, None, None], jnp.arange(H)[None, :, None], slots.pos].add(
-      jnp.where(slots.valid, a_hat_LHC, 0.0)
-    )
-    mean_LT = dense.mean(1)
-    row = jnp.take_along_axis(jnp.broadcast_to(mean_LT[:, None, :], dense.shape), slots.pos, -1)
-    return slots.replace(aux=jnp.where(slots.valid, row, 0.0))
-  return slots
+  if state is not None:
+    state = jnp.where(kept, take(state), 0.0)  # a new slot's state starts at 0
+  return _Slots(pos.astype(jnp.int32), kept | new_slot, state)

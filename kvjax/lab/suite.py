@@ -5,6 +5,11 @@ as a ``pandas.DataFrame`` and writes ``summary.csv``, ``layers.csv`` and one PNG
 (:func:`kvjax.plotting.lab_figure`) into the run directory. :func:`run_keys` is the
 attention-free comparison (``configs/lab_keys.py``): knorm, KeyDiff and LagKV on the world's
 modelled keys (:mod:`kvjax.lab.keys`) against attention-based policies.
+
+A config names its policies (``config.policies``: registered names or
+:class:`~kvjax.policies.Policy` objects) and gives options per name
+(``config.policy_options``); :func:`build_policies` builds each once and every table labels it
+by that name.
 """
 
 from __future__ import annotations
@@ -17,8 +22,12 @@ import jax
 import numpy as np
 import pandas as pd
 
-from kvjax import plotting
+from kvjax import plotting, policies
 from kvjax.lab import keys, metrics, online, synthetic
+
+# the attention-row panel's policy when the config's ``figure_policy`` is "" and it runs (the
+# essay's voter), else the first policy run
+DEFAULT_FIGURE_POLICY = "snapkv"
 
 SUMMARY_COLUMNS = (
   "scenario",
@@ -33,30 +42,82 @@ SUMMARY_COLUMNS = (
 )
 
 
-def _check_names(config) -> None:
-  """Names the offending field for an unknown scenario or lab policy."""
+def policy_label(policy: policies.Policy | str) -> str:
+  """A config entry's name in the tables: the name itself, or an object's label."""
+  return policy if isinstance(policy, str) else policy.label
+
+
+def _options(config, name: str) -> dict:
+  options = config.get("policy_options", None) or {}
+  if name not in options:
+    return {}
+  entry = options[name]
+  return entry.to_dict() if hasattr(entry, "to_dict") else dict(entry)
+
+
+def build_policies(config) -> dict[str, policies.Policy]:
+  """Each of ``config.policies`` built once (a name with its ``config.policy_options``, an
+  object as it is), keyed by :func:`policy_label`. ``ValueError`` naming ``policies`` for an
+  unknown name or one the lab cannot replay (:func:`kvjax.lab.online.can_replay`), naming
+  ``policy_options`` for a bad option (those of policies not run are checked too)."""
+  built = {}
+  for name in config.get("policy_options", None) or {}:
+    if name not in config.policies:  # unused here, but a typo should not pass silently
+      try:
+        policies.make(name, **_options(config, name))
+      except ValueError as e:
+        raise ValueError(f"policy_options: {name!r}: {e}") from None
+  for entry in config.policies:
+    label = policy_label(entry)
+    if isinstance(entry, str):
+      try:
+        policies.registry.factory(entry)
+      except ValueError:
+        raise ValueError(
+          f"policies: unknown lab policy {entry!r}; expected some of {online.replayable()}"
+        ) from None
+      try:
+        policy = policies.make(entry, **_options(config, entry))
+      except ValueError as e:
+        raise ValueError(f"policy_options: {entry!r}: {e}") from None
+    else:
+      policy = policies.build(entry)
+    problem = online.replay_problem(policy)
+    if problem is not None:
+      raise ValueError(
+        f"policies: {label!r} is not a lab policy: {problem}; expected some of "
+        f"{online.replayable()}"
+      )
+    built[label] = policy
+  labels = [policy_label(entry) for entry in config.policies]
+  repeated = sorted({label for label in labels if labels.count(label) > 1})
+  if repeated:
+    raise ValueError(f"policies: {repeated} appear more than once; expected distinct policies")
+  return {label: built[label] for label in labels}
+
+
+def _check_names(config) -> dict[str, policies.Policy]:
+  """Names the offending field for an unknown scenario or lab policy; the built policies."""
   for s in config.scenarios:
     if s not in synthetic.SCENARIOS:
       raise ValueError(
         f"scenarios: unknown scenario {s!r}; expected some of {tuple(synthetic.SCENARIOS)}"
       )
-  for p in config.policies:
-    if p not in online.LAB_POLICIES:
-      raise ValueError(
-        f"policies: unknown lab policy {p!r}; expected some of {online.LAB_POLICIES}"
-      )
+  return build_policies(config)
 
 
-def validate_config(config) -> None:
-  """Names the offending field for an unknown scenario or policy, or a bad budget."""
-  _check_names(config)
+def validate_config(config) -> dict[str, policies.Policy]:
+  """Names the offending field for an unknown scenario or policy, a bad policy option or a bad
+  budget; returns the built policies (:func:`build_policies`)."""
+  built = _check_names(config)
   if not config.scenarios or not config.policies:
     raise ValueError("scenarios/policies: expected at least one of each")
   T = config.world.prompt_len + config.world.gen_steps
   if not 1 <= config.budget <= T:
     raise ValueError(f"budget: {config.budget} does not fit the world (1..T={T})")
-  if config.figure_policy and config.figure_policy not in config.policies:
+  if config.figure_policy and config.figure_policy not in built:
     raise ValueError(f"figure_policy: {config.figure_policy!r} is not among the policies run")
+  return built
 
 
 def pick_step(world: synthetic.World, requested: int) -> int:
@@ -82,15 +143,17 @@ class ScenarioRun:
   rows: list[dict]
 
 
-def simulate_scenario(scenario: str, config, log=print) -> ScenarioRun:
-  """All policies of ``config`` on one scenario (the figure's attention maps recorded)."""
+def simulate_scenario(scenario: str, config, log=print, built=None) -> ScenarioRun:
+  """All policies of ``config`` on one scenario (the figure's attention maps recorded);
+  ``built``: :func:`build_policies` of ``config`` when the caller has them."""
+  built = build_policies(config) if built is None else built
   world = synthetic.make_world(synthetic.world_config(scenario, config.world))
   step = pick_step(world, config.figure_step)
   evidence = online.prompt_evidence(world, jax.random.key(config.world.seed))
   rows, traces = [], {}
-  for name in config.policies:
+  for name, policy in built.items():
     start = time.perf_counter()
-    trace = online.simulate(world, name, config.budget, record_map=True, evidence=evidence)
+    trace = online.simulate(world, policy, config.budget, record_map=True, evidence=evidence)
     summary = metrics.summarize(trace.metrics)
     traces[name] = (trace, summary)
     rows.append(
@@ -106,7 +169,9 @@ def simulate_scenario(scenario: str, config, log=print) -> ScenarioRun:
 
 def figure(sim: ScenarioRun, config, step: int | None = None):
   """The essay's four-panel figure of a simulated scenario (at ``step``, default the config's)."""
-  focus = config.figure_policy or ("snapkv" if "snapkv" in sim.traces else next(iter(sim.traces)))
+  focus = config.figure_policy or (
+    DEFAULT_FIGURE_POLICY if DEFAULT_FIGURE_POLICY in sim.traces else next(iter(sim.traces))
+  )
   step = sim.step if step is None else pick_step(sim.world, step)
   world = sim.world
   return plotting.lab_figure(
@@ -131,9 +196,11 @@ def retained_by_head(sim: ScenarioRun) -> pd.DataFrame:
   return pd.DataFrame(rows)
 
 
-def run_scenario(scenario: str, config, workdir: pathlib.Path | None, log=print) -> list[dict]:
+def run_scenario(
+  scenario: str, config, workdir: pathlib.Path | None, log=print, built=None
+) -> list[dict]:
   """All policies on one scenario; returns summary rows (and writes the figure)."""
-  sim = simulate_scenario(scenario, config, log)
+  sim = simulate_scenario(scenario, config, log, built)
   if workdir is not None:
     fig = figure(sim, config)
     fig.savefig(workdir / f"{scenario}.png", dpi=110)
@@ -151,7 +218,7 @@ def summary_tables(rows: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def run(config, workdir: str | pathlib.Path | None, log=print) -> pd.DataFrame:
   """Runs the lab described by ``config`` (``configs/lab.py``); returns the summary table."""
-  validate_config(config)
+  built = validate_config(config)
   out = None
   if workdir is not None:
     out = pathlib.Path(workdir)
@@ -159,7 +226,7 @@ def run(config, workdir: str | pathlib.Path | None, log=print) -> pd.DataFrame:
     (out / "config.json").write_text(config.to_json_best_effort(indent=2))
   rows = []
   for scenario in config.scenarios:
-    rows += run_scenario(scenario, config, out, log)
+    rows += run_scenario(scenario, config, out, log, built)
   table, layers = summary_tables(rows)
   if out is not None:
     table.to_csv(out / "summary.csv", index=False)
@@ -192,10 +259,14 @@ KEY_COLUMNS = (
 )
 
 
-def validate_keys_config(config) -> None:
+def validate_keys_config(config) -> dict[str, policies.Policy]:
   """:func:`validate_config`'s checks for ``configs/lab_keys.py``: budgets, the key model's knobs
-  (:class:`~kvjax.lab.keys.KeyGeometry` names a bad one) and per-policy options."""
-  _check_names(config)
+  (:class:`~kvjax.lab.keys.KeyGeometry` names a bad one) and per-policy options (here only for
+  policies run); returns the built policies."""
+  for name in config.policy_options:
+    if name not in config.policies:
+      raise ValueError(f"policy_options: {name!r} is not among the policies run")
+  built = _check_names(config)
   if not config.scenarios or not config.policies or not config.budgets:
     raise ValueError("scenarios/policies/budgets: expected at least one of each")
   T = config.world.prompt_len + config.world.gen_steps
@@ -206,12 +277,10 @@ def validate_keys_config(config) -> None:
     raise ValueError("fact_distinctness: expected at least one value in [0, 1]")
   for fd in config.fact_distinctness:
     keys.KeyGeometry(**dict(config.key_model.to_dict(), fact_distinctness=fd))
-  for name in config.policy_options:
-    if name not in config.policies:
-      raise ValueError(f"policy_options: {name!r} is not among the policies run")
+  return built
 
 
-def _key_rows(scenario: str, config, log=print) -> list[dict]:
+def _key_rows(scenario: str, config, built: dict, log=print) -> list[dict]:
   """Every policy x budget on one scenario; the attention-free scorers once per
   ``fact_distinctness`` (their keys change), the others once (their rows are repeated)."""
   world = synthetic.make_world(synthetic.world_config(scenario, config.world))
@@ -219,9 +288,8 @@ def _key_rows(scenario: str, config, log=print) -> list[dict]:
   evidence = online.prompt_evidence(world, jax.random.key(seed))
   capacity = max(config.budgets)  # one compiled simulation per policy for every budget
   rows = []
-  for name in config.policies:
-    reads = online.needs_keys(name)
-    options = config.policy_options[name].to_dict() if name in config.policy_options else {}
+  for name, policy in built.items():
+    reads = online.needs_keys(policy)
     for fd in config.fact_distinctness if reads else (None,):
       ev = evidence
       if reads:
@@ -229,9 +297,7 @@ def _key_rows(scenario: str, config, log=print) -> list[dict]:
         ev = online.key_evidence(world, evidence, geometry, seed=seed)
       for budget in config.budgets:
         start = time.perf_counter()
-        trace = online.simulate(
-          world, name, budget, capacity=capacity, evidence=ev, seed=seed, **options
-        )
+        trace = online.simulate(world, policy, budget, capacity=capacity, evidence=ev, seed=seed)
         s = metrics.summarize(trace.metrics)
         row = dict(scenario=scenario, policy=name, budget=budget, reads_keys=reads)
         row |= {k: s[k] for k in KEY_COLUMNS[5:]}
@@ -249,10 +315,10 @@ def run_keys(config, workdir: str | pathlib.Path | None, log=print) -> pd.DataFr
   """The attention-free lab (``configs/lab_keys.py``): scenarios x ``fact_distinctness`` x
   policies x budgets under the modelled keys of :mod:`kvjax.lab.keys`; returns the table
   [:data:`KEY_COLUMNS`] and writes ``summary.csv`` into ``workdir``."""
-  validate_keys_config(config)
+  built = validate_keys_config(config)
   rows = []
   for scenario in config.scenarios:
-    rows += _key_rows(scenario, config, log)
+    rows += _key_rows(scenario, config, built, log)
   table = pd.DataFrame(rows)[list(KEY_COLUMNS)]
   if workdir is not None:
     out = pathlib.Path(workdir)

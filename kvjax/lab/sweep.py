@@ -12,6 +12,12 @@ is its oracle):
 * ``fact_recall``: share of the fact tokens generation queries that stay cached;
 * ``cache_tokens`` / ``cache_bytes``: the compressed cache (K and V, ``bytes_per_value`` each).
 
+The policy axis names any registered policy whose scores the sweep's world can compute
+(:func:`sweepable`: the evidence of :data:`SWEEP_EVIDENCE`, its budget taken as given), a
+user's after :func:`kvjax.policies.register` included; the ``schedule`` and ``head_alloc`` axes
+name :mod:`kvjax.policies` allocators (:data:`SCHEDULES`, :data:`HEAD_ALLOCS`,
+:func:`allocators`), their numbers swept as data.
+
 All three are sums over kept positions, so each configuration is a gather into prefix sums of
 one sort (DESIGN.md, "compute shared work once"): scores, each head's sort and Ada-KV's pooled
 table (built from that sort) are computed once per score set (the groups of one scenario,
@@ -41,6 +47,7 @@ from tqdm.auto import tqdm
 
 from kvjax import budgets as budgets_lib
 from kvjax import policies, rundir, select
+from kvjax import scores as scores_lib
 from kvjax.lab import synthetic
 
 Array = jax.Array
@@ -58,19 +65,22 @@ STATIC_FIELDS = (
 DATA_FIELDS = ("budget", "beta", "alpha", "head_beta", "sinks", "tau1", "tau2")
 FIELDS = STATIC_FIELDS + DATA_FIELDS
 FLOAT_FIELDS = ("beta", "alpha", "head_beta", "tau1", "tau2")
-POLICIES = (
-  "snapkv",
-  "snapkv_kvpress",
-  "h2o",
-  "h2o_kvpress",
-  "tova",
-  "streaming_llm",
-  "sliding_window",
-  "random",
-  "oracle",
-)
-SCHEDULES = ("uniform", "pyramid", "cake")
-HEAD_ALLOCS = ("uniform", "adakv", "headkv")
+# What the sweep's world gives a scorer: the prompt's window rows, H2O's column sums, the
+# future attention (the oracle's) and a PRNG key. Any policy that reads no more, takes its
+# budget as given (the schedule and head_alloc axes allocate) and scores without it can be
+# swept by name, a user's registered one included (sweepable).
+SWEEP_EVIDENCE = frozenset({"attn_window_LHWT", "column_sums_LHT", "future_attn_LHST", "rng"})
+# The config's schedule and head_alloc axes name kvjax.policies allocators (names only here, at
+# the boundary): a layer schedule, then a head allocation of each layer's budget.
+SCHEDULES = {"uniform": policies.Uniform, "pyramid": policies.Pyramid, "cake": policies.CakeLayers}
+HEAD_ALLOCS = {"uniform": policies.Uniform, "adakv": policies.AdaKV, "headkv": policies.HeadKV}
+# the data axes that set each allocator's swept numbers, {allocator field: axis}
+ALLOCATOR_AXES = {
+  policies.Pyramid: {"beta": "beta"},
+  policies.CakeLayers: {"tau1": "tau1", "tau2": "tau2"},
+  policies.AdaKV: {"floor_alpha": "alpha"},
+  policies.HeadKV: {"beta": "head_beta"},
+}
 METRICS = (
   "retained_mass",
   "oracle_mass",
@@ -136,18 +146,35 @@ def config_id(cfg: dict) -> str:
   return hashlib.sha1(canonical.encode()).hexdigest()[:12]
 
 
+def _registered(name: str) -> bool:
+  try:
+    policies.registry.factory(name)
+  except ValueError:
+    return False
+  return True
+
+
 def validate(cfg: dict, dims: synthetic.Dims | None) -> None:
   """Names the offending field of one configuration (sizes are checked when ``dims`` is given)."""
   checks = (
     ("scenario", cfg["scenario"] in synthetic.SCENARIOS, tuple(synthetic.SCENARIOS)),
-    ("policy", cfg["policy"] in POLICIES, POLICIES),
-    ("schedule", cfg["schedule"] in SCHEDULES, SCHEDULES),
-    ("head_alloc", cfg["head_alloc"] in HEAD_ALLOCS, HEAD_ALLOCS),
+    ("policy", _registered(cfg["policy"]), None),
+    ("schedule", cfg["schedule"] in SCHEDULES, tuple(SCHEDULES)),
+    ("head_alloc", cfg["head_alloc"] in HEAD_ALLOCS, tuple(HEAD_ALLOCS)),
     ("pyramid_mode", cfg["pyramid_mode"] in budgets_lib.PYRAMID_MODES, budgets_lib.PYRAMID_MODES),
+    ("pool", cfg["pool"] in scores_lib.POOLS, scores_lib.POOLS),
   )
   for name, ok, choices in checks:
     if not ok:
+      choices = sweepable() if choices is None else choices
       raise ValueError(f"{name}: unknown value {cfg[name]!r}; expected one of {choices}")
+  scores_lib.check_kernel(cfg["kernel"])
+  key = group_key(cfg)
+  problem = sweep_problem(sweep_policy(key))
+  if problem is not None:
+    raise ValueError(
+      f"policy: {cfg['policy']!r} cannot be swept: {problem}; expected one of {sweepable()}"
+    )
   if dims is None:
     return
   if not 1 <= cfg["window"] <= dims.window:
@@ -170,13 +197,15 @@ def validate(cfg: dict, dims: synthetic.Dims | None) -> None:
   for name, ok, expected in data_checks:
     if not ok:
       raise ValueError(f"{name}: {cfg[name]!r} is invalid; expected {expected}")
-  if cfg["schedule"] == "cake" and cfg["window"] < 2:
+  layers, heads = allocators(key)
+  if isinstance(layers, policies.CakeLayers) and cfg["window"] < 2:
     raise ValueError(
       f"window: CAKE's variance over window queries needs window >= 2, got {cfg['window']}"
     )
-  if cfg["head_alloc"] == "headkv" and cfg["schedule"] != "uniform":
-    raise ValueError(f"schedule: HeadKV allocates across layers itself; got {cfg['schedule']!r}")
-  policies.make("snapkv", kernel=cfg["kernel"], pool=cfg["pool"])  # validates kernel and pool
+  if heads.max_budget_ndim == 0 and not isinstance(layers, policies.Uniform):
+    raise ValueError(
+      f"schedule: {type(heads).__name__} allocates across layers itself; got {cfg['schedule']!r}"
+    )
 
 
 # --------------------------------------------------------------------------- evidence
@@ -281,46 +310,124 @@ def group_key(cfg: dict) -> GroupKey:
   return GroupKey(*(cfg[f] for f in STATIC_FIELDS))
 
 
-def _policy_scores(key: GroupKey, ev: dict, data: dict) -> Array:
-  """Scores over the ``P`` prompt positions. Budget-free, so computed once per group under
-  ``vmap``, except for a policy with data-valued options (StreamingLLM's sink count), whose
-  options come from the configuration ``data``."""
+def sweep_policy(key: GroupKey, data: dict | None = None) -> policies.Policy:
+  """The group's policy: its name built with the static axes it takes (``window`` as its
+  protected window, ``kernel``, ``pool``: :func:`kvjax.policies.accepted_options`) and, given a
+  configuration's ``data``, its data options from it (StreamingLLM's sink count, traced)."""
   options = policies.accepted_options(
     key.policy, window=key.window, kernel=key.kernel, pool=key.pool
   )
-  options |= {k: data[k] for k in policies.spec(key.policy).data_options}
+  policy = policies.make(key.policy, **options)
+  if data is None or not policy.data_options:
+    return policy
+  return policies.make(key.policy, **options, **{k: data[k] for k in policy.data_options})
+
+
+def sweep_problem(policy: policies.Policy) -> str | None:
+  """Why the sweep cannot score ``policy``, or ``None`` when it can (:func:`sweepable`)."""
+  missing = sorted(policy.evidence_fields - SWEEP_EVIDENCE)
+  if missing:
+    fields = ", ".join(f"evidence.{f}" for f in missing)
+    return f"it reads {fields}, which the sweep's world does not provide"
+  if policy.allocates:
+    return "it allocates its own budgets; sweep its scorer under the schedule and head_alloc axes"
+  if policy.rescores:
+    return "its selection scores depend on the budget"
+  axes = [k for k in policy.data_options if k not in DATA_FIELDS]
+  if axes:
+    return f"its data options {axes} are not sweep axes (expected some of {DATA_FIELDS})"
+  return None
+
+
+def sweepable() -> tuple[str, ...]:
+  """The registered names the sweep scores (with their defaults), a user's included."""
+  out = []
+  for name in policies.names():
+    try:
+      policy = policies.make(name)
+    except (TypeError, ValueError):
+      continue
+    if sweep_problem(policy) is None:
+      out.append(name)
+  return tuple(out)
+
+
+def _allocator(cls: type, key: GroupKey, data: dict | None) -> policies.Allocator:
+  fields = {}
+  if data is not None:
+    fields = {f: data[axis] for f, axis in ALLOCATOR_AXES.get(cls, {}).items()}
+  if issubclass(cls, policies.Pyramid):
+    fields["pyramid_mode"] = key.pyramid_mode
+  return cls(**fields)
+
+
+def allocators(
+  key: GroupKey, data: dict | None = None
+) -> tuple[policies.Allocator, policies.Allocator]:
+  """A configuration's ``(layer schedule, head allocation)`` as :mod:`kvjax.policies`
+  allocators: ``Uniform``, ``Pyramid(beta, pyramid_mode)`` or ``CakeLayers(tau1, tau2)``, then
+  ``Uniform``, ``AdaKV(floor_alpha)`` or ``HeadKV(beta)``. Their numbers come from the
+  configuration's ``data`` (traced under ``vmap``); without it, their defaults (the group's
+  static structure, what the engine dispatches on)."""
+  return (
+    _allocator(SCHEDULES[key.schedule], key, data),
+    _allocator(HEAD_ALLOCS[key.head_alloc], key, data),
+  )
+
+
+def _policy_scores(key: GroupKey, ev: dict, data: dict | None) -> Array:
+  """Scores over the ``P`` prompt positions. Budget-free, so computed once per group under
+  ``vmap``, except for a policy with data-valued options (StreamingLLM's sink count), whose
+  options come from the configuration ``data``."""
   evidence = policies.Evidence(
     attn_window_LHWT=ev["attn"],
     column_sums_LHT=ev.get("column_sums"),
     future_attn_LHST=ev["mass"][:, :, None, :],
     rng=jax.random.key(0),
   )
-  return policies.make(key.policy, **options).scores(evidence)
+  return sweep_policy(key, data).scores(evidence)
 
 
 def _allocate(key: GroupKey, d: dict, shared: dict, dims, layer_cap: int) -> Array:
+  """``budget_LH`` of one configuration: the fast path of each allocator (CAKE from the world's
+  shared statistics, Ada-KV from the score set's pooled table)."""
   L, H, P = dims.num_layers, dims.num_heads, dims.prompt_len
   b = d["budget"]
-  if key.head_alloc == "headkv":
-    return budgets_lib.headkv(shared["head_scores"], b, key.window, beta=d["head_beta"], q_len=P)
-  if key.schedule == "uniform":
-    budget_L = jnp.full((L,), b, jnp.int32)
-  elif key.schedule == "pyramid":
-    budget_L = budgets_lib.pyramid(L, b, key.window, P, beta=d["beta"], mode=key.pyramid_mode)
-  else:
-    budget_L = budgets_lib.cake_from_statistics(
-      shared["cake_stats"], b, key.window, P, d["tau1"], d["tau2"]
+  layers, heads = allocators(key, d)
+  if isinstance(heads, policies.HeadKV):  # across layers and heads at once
+    return budgets_lib.headkv(
+      shared["head_scores"],
+      b,
+      key.window,
+      beta=heads.beta,
+      temp=heads.temp,
+      mode=heads.headkv_mode,
+      q_len=P,
     )
-  if key.head_alloc == "uniform":
+  if isinstance(layers, policies.Uniform):
+    budget_L = jnp.full((L,), b, jnp.int32)
+  elif isinstance(layers, policies.Pyramid):
+    budget_L = budgets_lib.pyramid(L, b, key.window, P, beta=layers.beta, mode=layers.pyramid_mode)
+  elif isinstance(layers, policies.CakeLayers):
+    budget_L = budgets_lib.cake_from_statistics(
+      shared["cake_stats"], b, key.window, P, layers.tau1, layers.tau2
+    )
+  else:
+    raise ValueError(f"schedule: the sweep has no layer schedule for {layers!r}")
+  if isinstance(heads, policies.Uniform):
     return budgets_lib.per_head(budget_L, H)
-  return budgets_lib.adakv(
-    shared["scores"],
-    budget_L,
-    key.window,
-    floor_alpha=d["alpha"],
-    capacity=layer_cap,
-    table=shared["adakv_table"],
-  )
+  if isinstance(heads, policies.AdaKV):
+    return budgets_lib.adakv(
+      shared["scores"],
+      budget_L,
+      key.window,
+      floor_alpha=heads.floor_alpha,
+      normalize=heads.normalize,
+      mode=heads.adakv_mode,
+      capacity=layer_cap,
+      table=shared["adakv_table"],
+    )
+  raise ValueError(f"head_alloc: the sweep has no head allocation for {heads!r}")
 
 
 def _cumsum(x: Array, block: int = 32) -> Array:
@@ -384,8 +491,15 @@ def oracle_prefix_from(descending_LHP: Array, order_cap: int) -> Array:
 def layer_capacity(key: GroupKey, max_budget: int, prompt_len: int) -> int:
   """Static bound on any layer's per-head budget before head allocation: PyramidKV's bottom
   layer gets up to ``2 (B - w) + w``; CAKE and HeadKV can give a layer the whole prompt."""
-  cap = {"uniform": max_budget, "pyramid": 2 * max_budget + 1}.get(key.schedule, prompt_len)
-  return min(prompt_len if key.head_alloc == "headkv" else cap, prompt_len)
+  layers, heads = allocators(key)
+  if not isinstance(heads, (policies.Uniform, policies.AdaKV)):  # HeadKV: across layers too
+    return prompt_len
+  cap = prompt_len
+  if isinstance(layers, policies.Uniform):
+    cap = max_budget
+  elif isinstance(layers, policies.Pyramid):
+    cap = 2 * max_budget + 1
+  return min(cap, prompt_len)
 
 
 def round_capacity(max_budget: int, prompt_len: int, quantum: int = 256) -> int:
@@ -414,7 +528,10 @@ def make_group(
   """
   P = dims.prompt_len
   layer_cap = layer_capacity(key, max_budget, P)
-  per_config_scores = bool(policies.spec(key.policy).data_options)
+  per_config_scores = bool(sweep_policy(key).data_options)
+  layers, heads = allocators(key)
+  cake = isinstance(layers, policies.CakeLayers)  # shares the world's CAKE statistics
+  adakv = isinstance(heads, policies.AdaKV)  # shares the score set's pooled table
 
   def prepare(
     ev: dict,
@@ -430,20 +547,20 @@ def make_group(
     this only assembles a dict (no array work): the engine calls it unjitted, since a jitted
     call would copy the evidence it passes through (512 MiB of window rows at L=H=32,
     P=8192)."""
-    if key.schedule == "cake" and cake_stats is None:
+    if cake and cake_stats is None:
       cake_stats = budgets_lib.cake_statistics(ev["attn"], key.window)
     state = {
       "ev": ev,
       "head_scores": ev.get("head_scores"),
-      "cake_stats": cake_stats if key.schedule == "cake" else None,
+      "cake_stats": cake_stats if cake else None,
       "scores": None,
       "adakv_table": None,
     }
     if not per_config_scores:
-      state["scores"] = _policy_scores(key, ev, {}) if scores_LHP is None else scores_LHP
-      if key.head_alloc == "adakv" and adakv_table is None:
+      state["scores"] = _policy_scores(key, ev, None) if scores_LHP is None else scores_LHP
+      if adakv and adakv_table is None:
         adakv_table = budgets_lib.adakv_table(state["scores"], key.window, layer_cap)
-      state["adakv_table"] = adakv_table if key.head_alloc == "adakv" else None
+      state["adakv_table"] = adakv_table if adakv else None
     return state
 
   def scores_of(state, d):
@@ -452,7 +569,7 @@ def make_group(
     return state["scores"]
 
   def allocate(state: dict, d: dict) -> Array:
-    if per_config_scores and key.head_alloc == "adakv":
+    if per_config_scores and adakv:
       scores = scores_of(state, d)
       state = dict(
         state, scores=scores, adakv_table=budgets_lib.adakv_table(scores, key.window, layer_cap)
@@ -565,9 +682,9 @@ def group_scores(key: GroupKey, ev: dict) -> Array | None:
   """The budget-free scores ``[L, H, P]`` of a group's policy (``None`` when they depend on the
   configuration's data: StreamingLLM's sink count). Equal for every group of one
   :func:`_scores_key`, so an engine computes them once per score set."""
-  if policies.spec(key.policy).data_options:
+  if sweep_policy(key).data_options:
     return None
-  return _policy_scores(key, ev, {})
+  return _policy_scores(key, ev, None)
 
 
 def scores_and_table(
@@ -673,9 +790,9 @@ class Engine:
     and chunk, so no call copies the shared state again."""
     ev = self.world_evidence(key.scenario)
     arrays = {"attn": ev.attn_window_LHWP, "mass": ev.future_mass_LHP, "fact": ev.fact_P}
-    if "column_sums_LHT" in policies.spec(key.policy).needs:
+    if "column_sums_LHT" in sweep_policy(key).evidence_fields:
       arrays["column_sums"] = ev.column_sums_LHP
-    if key.head_alloc == "headkv":
+    if any("head_scores_LH" in a.needs for a in allocators(key)):
       arrays["head_scores"] = ev.head_scores_LH
     if self.replicated is None:
       return arrays
@@ -687,14 +804,14 @@ class Engine:
   def cake_statistics(self, key: GroupKey) -> tuple[Array, Array]:
     """CAKE's statistics of the world's window rows (:func:`kvjax.budgets.cake_statistics`):
     budget-free and policy-free, so computed once per world and window, for every sweep."""
-    name = (key.scenario, "cake", key.window)
+    name = (key.scenario, "cake_statistics", key.window)
     if name not in self._world_state:
       self._world_state[name] = self._cake_statistics(self.evidence(key)["attn"], key.window)
     return self._world_state[name]
 
   def descending_mass(self, key: GroupKey) -> Array:
     """The world's :func:`descending_mass` (the oracle's order), sorted once per world."""
-    name = (key.scenario, "oracle")
+    name = (key.scenario, "descending_mass")
     if name not in self._world_state:
       self._world_state[name] = self._descending_mass(self.evidence(key)["mass"])
     return self._world_state[name]
@@ -799,7 +916,7 @@ class Engine:
     """Yields ``(rows, n)`` per evaluated chunk for all ``groups`` (two passes, see above)."""
     states, sets, tables, table_cap = {}, {}, {}, {}
     for key in groups:  # the deepest Ada-KV table each score set needs
-      if key.head_alloc == "adakv" and not policies.spec(key.policy).data_options:
+      if isinstance(allocators(key)[1], policies.AdaKV) and not sweep_policy(key).data_options:
         P = self.world_evidence(key.scenario).world.dims.prompt_len
         cap = layer_capacity(key, self.capacity, P)
         table_cap[_scores_key(key)] = max(table_cap.get(_scores_key(key), 0), cap)
@@ -810,8 +927,9 @@ class Engine:
       skey = _scores_key(key)
       if skey not in sets:  # one scoring (and Ada-KV table) per score set, shared
         sets[skey], tables[skey] = self.score_set(key, table_cap.get(skey))
-      table = tables.get(skey) if key.head_alloc == "adakv" else None
-      stats = self.cake_statistics(key) if key.schedule == "cake" else None
+      layers, heads = allocators(key)
+      table = tables.get(skey) if isinstance(heads, policies.AdaKV) else None
+      stats = self.cake_statistics(key) if isinstance(layers, policies.CakeLayers) else None
       states[key] = fns["prepare"](ev, sets[skey].scores, table, stats)
       chunks[key] = list(self._chunks(members))  # stacked once for both passes
       for _, data in chunks[key]:  # dispatched now, read once every group is dispatched
@@ -980,7 +1098,8 @@ def run(
 def best_per_budget(table: pd.DataFrame, metric: str = "retained_mass") -> pd.DataFrame:
   """The best realisable configuration at each budget (the oracle is the reference, not a
   candidate), with the oracle's mass at that configuration as ``oracle_gap``."""
-  table = table[table["policy"] != "oracle"]
+  realisable = {name: not policies.make(name).reads_future for name in table["policy"].unique()}
+  table = table[table["policy"].map(realisable).astype(bool)]
   if table.empty:
     return table
   idx = table.groupby("budget")[metric].idxmax()
