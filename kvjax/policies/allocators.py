@@ -256,3 +256,36 @@ class KeepAll(Allocator):
   def __call__(self, evidence, scores_LHT, budget, window):
     L, H, T = scores_LHT.shape
     return jnp.full((L, H), T, jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layered(Allocator):
+  """A layer schedule, then a head allocation of each layer's budget: ``layers`` turns the total
+  budget into per-layer budgets (its ``budget_LH``'s first column), ``heads`` splits each layer's
+  among its heads (it must take a ``[L]`` budget, as :class:`AdaKV` does). CAKE's layer
+  preference with Ada-KV's head split is ``Layered(CakeLayers(), AdaKV())``."""
+
+  layers: Allocator = Uniform()
+  heads: Allocator = Uniform()
+
+  def __post_init__(self):
+    for name, value in (("layers", self.layers), ("heads", self.heads)):
+      if not isinstance(value, Allocator):
+        raise ValueError(f"{name}: expected an Allocator, got {value!r}")
+    if self.heads.max_budget_ndim < 1:
+      raise ValueError(
+        f"heads: {type(self.heads).__name__} allocates across layers itself; expected a head "
+        "allocation that takes a budget per layer (Uniform, AdaKV)"
+      )
+
+  @property
+  def needs(self) -> frozenset[str]:  # type: ignore[override]
+    return self.layers.needs | self.heads.needs
+
+  @property
+  def max_budget_ndim(self) -> int:
+    return self.layers.max_budget_ndim
+
+  def __call__(self, evidence, scores_LHT, budget, window):
+    budget_L = self.layers(evidence, scores_LHT, budget, window)[:, 0]
+    return self.heads(evidence, scores_LHT, budget_L, window)

@@ -110,6 +110,15 @@ def unregister(name: str) -> None:
   del REGISTRY[name]
 
 
+def is_registered(name) -> bool:
+  """Whether ``name`` names a policy (registered, or a wrapper of a registered base)."""
+  try:
+    factory(name)
+  except ValueError:
+    return False
+  return True
+
+
 def names() -> tuple[str, ...]:
   """All registered policy names (wrappers of other bases, such as ``critical_knorm``, resolve on
   demand and are not listed)."""
