@@ -128,3 +128,35 @@ def test_lab_and_model_are_independent_and_the_core_imports_only_the_core():
       assert not any(t.startswith(("kvjax.model", "kvjax.eval")) for t in targets), me
     if me.startswith("kvjax.model"):
       assert not any(t.startswith(("kvjax.lab", "kvjax.eval")) for t in targets), me
+
+
+def _name_literals(node: ast.AST, known: set[str]) -> list[str]:
+  """Policy names written as string literals among a comparison's operands (``x == "h2o"``,
+  ``x in ("tova", ...)``)."""
+  found = []
+  for operand in [node.left, *node.comparators]:
+    items = operand.elts if isinstance(operand, ast.Tuple | ast.List | ast.Set) else [operand]
+    for item in items:
+      if isinstance(item, ast.Constant) and item.value in known:
+        found.append(item.value)
+  return found
+
+
+def test_nothing_outside_the_policies_compares_a_policy_name():
+  """Names live at the boundary (configs, ``policies.make``): the model, the lab, the evaluation
+  and the entry points read a policy's properties, never compare its name."""
+  from kvjax import policies  # noqa: PLC0415 (the registry, imported here to keep this file ast-only)
+
+  known = set(policies.names())
+  paths = [
+    p
+    for room in ("model", "eval", "lab")
+    for p in sorted((ROOT / "kvjax" / room).rglob("*.py"))
+  ] + sorted((ROOT / "experiments").glob("*.py"))
+  problems = []
+  for path in paths:
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Compare):
+        for name in _name_literals(node, known):
+          problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: compares {name!r}")
+  assert not problems, "\n".join(problems)
