@@ -6,10 +6,11 @@ Llama-3.2-1B- and a Llama-3.1-8B-shaped model in bf16, batch 1, and prints the p
 with the evidence the policies read (32 window rows, H2O's column sums). It needs no device
 memory, so it answers on this CPU what a Colab chip would need. Targets (issue 14): 1B at 32k
 <= 8 GiB, 1B at 128k <= 16 GiB (one v5e chip). The rows with a target are planned three times:
-with the window rows in fp32 (``km.prefill``'s default), in bf16 (``window_dtype``, opt-in),
-and reduced to SnapKV's scores inside the layer scan (``window_scores``: what ``km.generate``,
-``km.keep_mask`` and ``km.generate_configs`` ask for when a policy of SnapKV's family or TOVA is
-alone on its prefill; ``[L, 1, Hq, T]`` scores instead of ``[L, 1, Hq, 32, T]`` rows).
+with the window rows in fp32 (``km.prefill``'s default), in bf16 (``PrefillPlan.window_dtype``,
+opt-in), and reduced to SnapKV's scores inside the layer scan (the request's ``window_scores``:
+what ``km.generate``, ``km.keep_mask`` and ``km.generate_configs`` ask for when a policy of
+SnapKV's family or TOVA is alone on its prefill; ``[L, 1, Hq, T]`` scores instead of
+``[L, 1, Hq, 32, T]`` rows).
 
 What the plan shows: outputs are K/V (``[L, 1, G, T, D]`` bf16) and the window rows
 (``[L, 1, Hq, 32, T]``, 8 GiB in fp32 at 128k for 1B); temporaries stay near the residual
@@ -62,26 +63,21 @@ SHAPES = {
 TARGETS_GIB = {("llama-3.2-1b", 32768): 8.0, ("llama-3.2-1b", 131072): 16.0}
 # the policies' evidence: the window rows of the reference window and H2O's column sums
 EVIDENCE = policies.EvidenceRequest(window=policies.DEFAULT_WINDOW, column_sums=True)
-# the window evidence: rows in fp32 or bf16, or reduced to SnapKV's scores in the layer scan
+# the window evidence, (request, window_dtype): rows in fp32 or bf16, or reduced to SnapKV's
+# scores in the layer scan
 WINDOW_MODES = {
-  "float32": dict(window_dtype=jnp.float32),
-  "bfloat16": dict(window_dtype=jnp.bfloat16),
-  "scores": dict(window_scores=policies.make("snapkv").window_scorer()),
+  "float32": (EVIDENCE, jnp.float32),
+  "bfloat16": (EVIDENCE, jnp.bfloat16),
+  "scores": (
+    dataclasses.replace(EVIDENCE, window_scores=policies.make("snapkv").window_scorer()),
+    jnp.float32,
+  ),
 }
 
 
-def plan(
-  cfg: km.ModelConfig,
-  T: int,
-  *,
-  block: int,
-  chunk: int | None,
-  window_dtype=jnp.float32,
-  window_scores=None,
-  attention: str = "blocked",
-) -> dict:
-  """The memory plan (bytes) of one prefill of ``T`` tokens with the policies' evidence
-  (:data:`EVIDENCE`; its window rows reduced by ``window_scores`` when given)."""
+def plan(cfg: km.ModelConfig, T: int, request, prefill_plan: km.llama.PrefillPlan) -> dict:
+  """The memory plan (bytes) of one prefill of ``T`` tokens computing ``request`` under
+  ``prefill_plan``."""
   model = nnx.eval_shape(lambda: km.Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))  # ShapeDtypeStructs: no weights
   ids = jax.ShapeDtypeStruct((1, T), jnp.int32)
@@ -91,11 +87,8 @@ def plan(
       cfg,
       p,
       i,
-      request=dataclasses.replace(EVIDENCE, window_scores=window_scores),
-      block=block,
-      chunk=chunk,
-      window_dtype=window_dtype,
-      attention=attention,
+      request=request,
+      plan=prefill_plan,
     )
 
   stats = jax.jit(prefill).lower(params, ids).compile().memory_analysis()
@@ -133,14 +126,9 @@ def main() -> None:
   for name, T in cases:
     target = TARGETS_GIB.get((name, T))
     for dtype_name in WINDOW_MODES if target is not None or args.quick else ("float32", "scores"):
-      p = plan(
-        SHAPES[name],
-        T,
-        block=args.block,
-        chunk=chunk,
-        attention=args.attention,
-        **WINDOW_MODES[dtype_name],
-      )
+      request, window_dtype = WINDOW_MODES[dtype_name]
+      prefill_plan = km.llama.PrefillPlan(args.block, chunk, args.attention, window_dtype)
+      p = plan(SHAPES[name], T, request, prefill_plan)
       gib = {k: v / GiB for k, v in p.items()}
       verdict = ""
       if target is not None:

@@ -44,7 +44,9 @@ def kvjax_prefill(model, attention: str, block: int):
   weights are an argument, not a closure, so XLA does not fold 0.5 GB of constants."""
   cfg, params = model.cfg, model.params()
   run = jax.jit(
-    lambda p, ids: km.llama.prefill(cfg, p, ids, attention=attention, block=block).logits
+    lambda p, ids: (
+      km.llama.prefill(cfg, p, ids, plan=km.llama.PrefillPlan(block, attention=attention)).logits
+    )
   )
   return functools.partial(run, params)
 

@@ -75,7 +75,12 @@ def test_streaming_llm_position_reindexing(tmp_path_factory):
   full = km.generate(model, ids, max_new_tokens=16).tokens
   # nothing evicted: ranks inside the cache are the original positions
   same = km.generate(
-    model, ids, policy="streaming_llm", budget=60, max_new_tokens=16, reindex_positions=True
+    model,
+    ids,
+    policy="streaming_llm",
+    budget=60,
+    max_new_tokens=16,
+    layout=cache_lib.Layout(reindex=True),
   )
   np.testing.assert_array_equal(same.tokens, full)
   # with eviction, keys are renumbered by rank: the sinks sit next to the recent window

@@ -207,15 +207,13 @@ def _random_examples(cfg, n, T, seed=0):
 def test_duo_official_training(tiny):
   cfg, params = tiny
   examples = _random_examples(cfg, 2, 40)
-  run = cal.train_duo_attention(cfg, params, examples, num_steps=6, sink_size=2, recent_size=4)
+  run = cal.train_duo_attention(cfg, params, examples, num_steps=6, sizes=(2, 4))
   assert run.alpha_LG.shape == (cfg.num_layers, cfg.num_kv_heads)
   assert ((run.alpha_LG >= 0) & (run.alpha_LG <= 1)).all()
   assert run.distill[0] < 1e-8  # every gate at 1: the gated model is the model
   assert run.loss[-1] < run.loss[0]
   assert (run.alpha_LG < 1).any()
-  pattern = cal.duo_attention_pattern(
-    cfg, params, examples, num_steps=6, sink_size=2, recent_size=4
-  )
+  pattern = cal.duo_attention_pattern(cfg, params, examples, num_steps=6, sizes=(2, 4))
   np.testing.assert_allclose(pattern, run.alpha_LG)
 
 
@@ -246,9 +244,7 @@ def test_duo_distant_mass_and_task_examples(tiny):
   mass = cal.duo_attention_pattern(cfg, params, examples, method="distant_mass")
   assert mass.shape == (cfg.num_layers, cfg.num_kv_heads)
   assert ((mass >= 0) & (mass <= 1)).all() and (mass > 0).any()
-  everything = cal.duo_attention_pattern(
-    cfg, params, examples, method="distant_mass", sink_size=1, recent_size=1
-  )
+  everything = cal.duo_attention_pattern(cfg, params, examples, method="distant_mass", sizes=(1, 1))
   assert (everything >= mass - 1e-6).all()  # a smaller streaming window leaves more far mass
 
 
@@ -273,6 +269,16 @@ def test_bad_input_names_the_argument(tiny, gold):
     (
       "calibration_ids",
       lambda: cal.duo_attention_pattern(cfg, params, method="kvpress_on_the_fly"),
+    ),
+    (
+      "sizes",
+      lambda: cal.train_duo_attention(cfg, params, [(ids[0], ids[0] == 0)], sizes=(2,)),
+    ),
+    (
+      "recent_size",
+      lambda: cal.duo_attention_pattern(
+        cfg, params, [(ids[0], ids[0] == 0)], method="distant_mass", sizes=(2, 0)
+      ),
     ),
     (
       "num_steps",

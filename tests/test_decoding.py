@@ -16,6 +16,7 @@ from hf_models import (
   tiny_hf,
 )
 
+from kvjax import budgets as budgets_lib
 from kvjax import model as km
 from kvjax import policies
 
@@ -59,13 +60,12 @@ def test_left_and_right_padding_match_unpadded_rows(family):
   right[0], right[1, :31] = a, b
   right_mask = (np.arange(40) < np.array([[40], [31]])).astype(np.int32)
   for ids, mask, side in ((left, left_mask, "left"), (right, right_mask, "right")):
-    out = km.generate(model, ids, attention_mask=mask, padding_side=side, max_new_tokens=12).tokens
+    out = km.generate(model, ids, attention_mask=mask, max_new_tokens=12).tokens
     np.testing.assert_array_equal(out, np.stack(solo), err_msg=side)
     comp = km.generate(
       model,
       ids,
       attention_mask=mask,
-      padding_side=side,
       policy="snapkv",
       budget=24,
       window=8,
@@ -98,8 +98,8 @@ def test_bad_generation_inputs():
     km.generate(model, prompt(), policy="snapkv")
   with pytest.raises(ValueError, match="prompt_ids: expected"):
     km.generate(model, np.zeros(5, np.int32))
-  with pytest.raises(ValueError, match="padding_side"):
-    km.generate(model, prompt(), padding_side="middle")
+  with pytest.raises(ValueError, match="layout: expected one of"):
+    km.generate(model, prompt(), layout="heads")
   with pytest.raises(ValueError, match="name: unknown policy"):
     km.generate(model, prompt(), policy="snapkvv", budget=8)
 
@@ -339,7 +339,7 @@ def test_new_budget_maxima_rarely_recompile_the_decoder():
   jax.clear_caches()
   for budget in range(80, 96, 2):  # eight different largest budgets, two capacity buckets
     km.generate(model, ids, policy="snapkv", budget=budget, max_new_tokens=2, window=8)
-  assert km.decoding.compress_and_decode._cache_size() <= 2
+  assert km.decoding._compress_and_decode._cache_size() <= 2
   assert [km.decoding.capacity_bucket(n) for n in (5, 40, 41, 64, 65, 100)] == [
     8,
     40,
@@ -383,3 +383,32 @@ def test_a_warm_generate_builds_its_policy_once(monkeypatch):
     np.testing.assert_array_equal(same.tokens, out.tokens)
   with pytest.raises(ValueError, match="policy object"):
     km.generate(model, ids, policy=policies.SnapKV(), budget=40, window=8)
+
+
+def test_one_layout_object_and_evidence_dict_reach_every_entry_point():
+  # the cache layout (heads, StreamingLLM's re-indexing) is one argument, and HeadKV's head
+  # importances are caller-given evidence like the calibrated fields
+  model, cfg, _ = km.load_tiny()
+  ids = np.random.default_rng(2).integers(4, 200, (2, 40)).astype(np.int32)
+  layout = km.cache.Layout(reindex=True)
+  many = km.generate_configs(
+    model, ids, [16, 24], policy="streaming_llm", max_new_tokens=8, layout=layout
+  )
+  for k, b in enumerate((16, 24)):
+    one = km.generate(model, ids, policy="streaming_llm", budget=b, max_new_tokens=8, layout=layout)
+    np.testing.assert_array_equal(many.tokens[k], one.tokens)
+  with pytest.raises(ValueError, match="layout"):
+    km.cache.Layout(heads="heads")
+  head_LG = np.random.default_rng(0).random((cfg.num_layers, cfg.num_kv_heads), np.float32) + 0.1
+  ev = {"head_scores_LH": head_LG}
+  out = km.generate(model, ids, policy="headkv", budget=24, window=4, evidence=ev)
+  expected = budgets_lib.headkv(jnp.asarray(head_LG), 24, 4, beta=1.5, temp=1.0, q_len=40)
+  np.testing.assert_array_equal(out.budget_LH[0], np.asarray(expected))
+  # a re-compression reuses them (decode_every)
+  again = km.generate(model, ids, policy="headkv", budget=24, window=4, decode_every=4, evidence=ev)
+  assert again.tokens.shape == (2, 32)
+  with pytest.raises(ValueError, match="head_scores_LH"):
+    km.generate(model, ids, policy="headkv", budget=24, window=4)
+  bad = {"head_scores_LH": head_LG[:1]}
+  with pytest.raises(ValueError, match="head_scores_LH has shape"):
+    km.generate(model, ids, policy="headkv", budget=24, window=4, evidence=bad)

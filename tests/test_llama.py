@@ -1,6 +1,8 @@
 """kvjax.model.llama: logits and greedy tokens against transformers, the prefill's evidence,
 bf16, Mistral's sliding window."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from kvjax import model as km
 from kvjax import policies
 
 Request = policies.EvidenceRequest
+Plan = km.llama.PrefillPlan
 
 
 def test_logits_and_greedy_tokens_match_transformers(family):
@@ -45,7 +48,7 @@ def test_prefill_evidence_is_consistent_with_full_attention_maps():
     jnp.asarray(mask),
     request=Request(window=6, column_sums=True),
     full_attention_layers=(0, 1),
-    block=8,
+    plan=km.llama.PrefillPlan(block=8),
   )
   for layer in (0, 1):
     maps = np.asarray(pre.full_attention[layer])  # [B, Hq, T, T]
@@ -145,8 +148,6 @@ def _dense_prefill(cfg, params, ids, mask, window):
 def test_blocked_prefill_equals_the_unblocked_reference(
   T, block, chunk, pad, sliding_window, attention
 ):
-  import dataclasses
-
   model, cfg, _ = km.load_tiny()
   cfg = dataclasses.replace(cfg, sliding_window=sliding_window)
   params = model.params()
@@ -163,10 +164,8 @@ def test_blocked_prefill_equals_the_unblocked_reference(
       ids,
       mask,
       request=Request(window=6, column_sums=column_sums),
-      block=block,
-      chunk=chunk,
       logits="all",
-      attention=attention,
+      plan=km.llama.PrefillPlan(block=block, chunk=chunk, attention=attention),
     )
     assert pre.attn_window.dtype == jnp.float32 and pre.attn_window.shape == (4, 2, 4, 6, T)
     np.testing.assert_allclose(np.asarray(pre.attn_window), ref["attn_window"], atol=1e-5)
@@ -184,9 +183,16 @@ def test_blocked_prefill_equals_the_unblocked_reference(
 def test_prefill_window_rows_in_bfloat16_on_request():
   model, cfg, _ = km.load_tiny()
   ids = jnp.asarray(np.random.default_rng(1).integers(4, 100, (1, 30)), jnp.int32)
-  kw = dict(request=Request(window=5, column_sums=True), block=8, chunk=16)
-  f32 = km.prefill(cfg, model.params(), ids, **kw)
-  bf16 = km.prefill(cfg, model.params(), ids, window_dtype=jnp.bfloat16, **kw)
+  request = Request(window=5, column_sums=True)
+  plan = km.llama.PrefillPlan(block=8, chunk=16)
+  f32 = km.prefill(cfg, model.params(), ids, request=request, plan=plan)
+  bf16 = km.prefill(
+    cfg,
+    model.params(),
+    ids,
+    request=request,
+    plan=dataclasses.replace(plan, window_dtype=jnp.bfloat16),
+  )
   assert bf16.attn_window.dtype == jnp.bfloat16
   np.testing.assert_allclose(
     np.asarray(bf16.attn_window, np.float32), np.asarray(f32.attn_window), atol=4e-3
@@ -198,14 +204,16 @@ def test_prefill_validates_its_blocking_arguments():
   model, cfg, _ = km.load_tiny()
   ids = jnp.zeros((1, 8), jnp.int32)
   for kw, name in [
-    (dict(block=0), "block"),
-    (dict(block=2.5), "block"),
-    (dict(chunk=0), "chunk"),
-    (dict(chunk=True), "chunk"),
+    (dict(plan=Plan(block=0)), "block"),
+    (dict(plan=Plan(block=2.5)), "block"),
+    (dict(plan=Plan(chunk=0)), "chunk"),
+    (dict(plan=Plan(chunk=True)), "chunk"),
     (dict(request=Request(window=9)), "window"),
     (dict(request=Request(window=-1)), "window"),
-    (dict(window_dtype=jnp.int32), "window_dtype"),
-    (dict(attention="flash"), "attention"),
+    (dict(plan=Plan(window_dtype=jnp.int32)), "window_dtype"),
+    (dict(plan=Plan(attention="flash")), "attention"),
+    (dict(plan=dict(block=8)), "plan"),
+    (dict(attention_mask=Request(window=2)), "request="),
     (dict(request=Request(window_scores=jnp.sum)), "window_scores"),  # no window rows to reduce
     (dict(request=Request(window=2, window_scores="snapkv")), "window_scores"),
     (dict(request=Request(window_queries=9)), "window_queries"),

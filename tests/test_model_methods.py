@@ -68,7 +68,9 @@ def test_new_prefill_evidence_equals_the_dense_reference(tiny):
   field matches the all-at-once reference; nothing extra unless asked for."""
   model, cfg, params = tiny
   ids = prompt(T=40)
-  pre = llama.prefill(cfg, params, jnp.asarray(ids), request=EXTRA, chunk=16, block=8)
+  pre = llama.prefill(
+    cfg, params, jnp.asarray(ids), request=EXTRA, plan=llama.PrefillPlan(block=8, chunk=16)
+  )
   ref = _dense_reference(cfg, params, ids, 6)
   for name, tol in (
     ("value_out_norms", 1e-4),
@@ -143,7 +145,14 @@ def test_left_padding_gives_the_same_evidence_as_no_padding(tiny):
   ids = prompt(T=40, B=2)
   mask = np.ones_like(ids)
   mask[1, :7] = 0
-  pre = llama.prefill(cfg, params, jnp.asarray(ids), jnp.asarray(mask), request=EXTRA, chunk=16)
+  pre = llama.prefill(
+    cfg,
+    params,
+    jnp.asarray(ids),
+    jnp.asarray(mask),
+    request=EXTRA,
+    plan=llama.PrefillPlan(chunk=16),
+  )
   alone = llama.prefill(cfg, params, jnp.asarray(ids[1:, 7:]), request=EXTRA)
   np.testing.assert_allclose(
     np.asarray(pre.value_out_norms[:, 1, :, 7:]), np.asarray(alone.value_out_norms[:, 0]), atol=1e-4
@@ -237,7 +246,13 @@ def test_think_through_generate_and_its_refusals(tiny):
   np.testing.assert_array_equal(whole.tokens, full.tokens)  # nothing pruned: the full cache
   with pytest.raises(ValueError, match="reindex"):
     km.generate(
-      model, ids, policy="snapkv", budget=20, window=8, channel_ratio=0.5, reindex_positions=True
+      model,
+      ids,
+      policy="snapkv",
+      budget=20,
+      window=8,
+      channel_ratio=0.5,
+      layout=cache_lib.Layout(reindex=True),
     )
   with pytest.raises(ValueError, match="channel_ratio"):
     km.generate(model, ids, policy="snapkv", budget=40, channel_ratio=0.5, decode_every=32)
@@ -386,8 +401,8 @@ def test_budgets_are_traced_data_with_decode_every_and_think(tiny):
     @jax.jit
     @chex.assert_max_traces(n=1)
     def run(budget, spec=spec):
-      return decoding.compress_and_decode(
-        cfg, params, pre, spec, budget, None, first, 8, 0.0, jax.random.key(0)
+      return decoding._compress_and_decode(
+        cfg, params, pre, spec, budget, first, 8, 0.0, jax.random.key(0), None
       )
 
     for budget in (12, 20, 32):

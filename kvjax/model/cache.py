@@ -48,6 +48,36 @@ def check_layout(layout: str) -> None:
     raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How a cache holds its slots (what the entry points take as ``layout``; a string there is
+  ``Layout(heads=...)``).
+
+  Attributes:
+    heads: ``"kv"`` (a slot table per KV head) or ``"query"`` (per query head, the published
+      tables' granularity: K/V repeated over each group, 4x the memory for Llama 3).
+    reindex: StreamingLLM's pos-shift: keys stored pre-RoPE and rotated by their rank inside
+      the cache, so positions never exceed its size (default: original positions).
+  """
+
+  heads: str = "kv"
+  reindex: bool = False
+
+  def __post_init__(self):
+    check_layout(self.heads)
+    if not isinstance(self.reindex, bool):
+      raise ValueError(f"reindex: expected a bool, got {self.reindex!r}")
+
+
+def as_layout(layout: Layout | str) -> Layout:
+  """``layout`` as a :class:`Layout` (a string names its ``heads``); ``ValueError`` otherwise."""
+  if isinstance(layout, Layout):
+    return layout
+  if isinstance(layout, str):
+    return Layout(layout)
+  raise ValueError(f"layout: expected one of {LAYOUTS} or a cache.Layout, got {layout!r}")
+
+
 @struct.dataclass
 class KVCache:
   keys: Array  # [L, B, H, C, D] post-RoPE, original positions
@@ -103,8 +133,9 @@ class CacheSpec:
     return self.policy.evicts_each_step and not self.decode_every
 
 
-# caller-given evidence (kvjax.model.calibrate): per model, or per batch row (B at axis 1)
-SHARED_EVIDENCE = {"qfilters_LGD": 3, "retrieval_heads_LG": 2}
+# caller-given evidence (kvjax.model.calibrate; HeadKV's head importances): per model, or per
+# batch row (B at axis 1)
+SHARED_EVIDENCE = {"qfilters_LGD": 3, "retrieval_heads_LG": 2, "head_scores_LH": 2}
 ROW_EVIDENCE = {"reconstruction_attn_LGT": 4}
 # what a re-compression during decoding can provide (over the cache's own slots)
 DECODE_EVIDENCE = (
@@ -113,7 +144,6 @@ DECODE_EVIDENCE = (
   "values_LGTD",
   "value_out_norms_LHT",
   "window_queries_LHWD",
-  "head_scores_LH",
   "rng",
   *SHARED_EVIDENCE,
 )
@@ -152,7 +182,7 @@ def check_spec(spec: CacheSpec) -> None:
   if spec.channel_ratio and spec.reindex:
     raise ValueError(
       "channel_ratio: pruned key channels cannot be re-rotated (RoPE mixes channel i with "
-      "i + D/2); expected reindex_positions off"
+      "i + D/2); expected Layout(reindex=False)"
     )
   if spec.channel_ratio and (spec.decode_time or spec.decode_every):
     raise ValueError(
@@ -182,19 +212,24 @@ def _evidence_per_row(pre: llama.Prefill, evidence: dict | None = None) -> polic
   )
 
 
-def check_evidence(evidence, *, L: int, B: int, G: int, T: int, D: int) -> dict:
+def check_evidence(
+  evidence, *, L: int, B: int, G: int, T: int, D: int, Hq: int | None = None
+) -> dict:
   """The caller's evidence mapping (``{field: array}``), checked: only the data fields
   (``qfilters_LGD [L, G, D]``, ``retrieval_heads_LG [L, G]`` in ``[0, 1]``,
-  ``reconstruction_attn_LGT [L, B, G, T]``), finite, with their shapes. ``ValueError`` names the
-  field, its shape and the expected one."""
+  ``reconstruction_attn_LGT [L, B, G, T]``, HeadKV's ``head_scores_LH`` ``[L, Hq]`` or
+  ``[L, G]``, the heads of the policy's scores), finite, with their shapes. ``ValueError`` names
+  the field, its shape and the expected one."""
   if evidence is None:
     return {}
   if not isinstance(evidence, dict):
     raise ValueError(f"evidence: expected a dict of evidence fields, got {type(evidence).__name__}")
-  expected = {
-    "qfilters_LGD": (L, G, D),
-    "retrieval_heads_LG": (L, G),
-    "reconstruction_attn_LGT": (L, B, G, T),
+  expected = {  # the shapes each field may have
+    "qfilters_LGD": [(L, G, D)],
+    "retrieval_heads_LG": [(L, G)],
+    "reconstruction_attn_LGT": [(L, B, G, T)],
+    # at the policy's head granularity: query heads, or KV heads (num_kv_heads, the kv layout)
+    "head_scores_LH": [(L, G)] if Hq is None or Hq == G else [(L, Hq), (L, G)],
   }
   out = {}
   for name, value in evidence.items():
@@ -206,8 +241,9 @@ def check_evidence(evidence, *, L: int, B: int, G: int, T: int, D: int) -> dict:
     if value is None:
       continue
     shape = tuple(np.shape(value))
-    if shape != expected[name]:
-      raise ValueError(f"evidence: {name} has shape {shape}, expected {expected[name]}")
+    if shape not in expected[name]:
+      want = " or ".join(str(s) for s in expected[name])
+      raise ValueError(f"evidence: {name} has shape {shape}, expected {want}")
     if select.is_concrete(value):
       arr = np.asarray(value, np.float64)
       if not np.isfinite(arr).all():
@@ -226,14 +262,14 @@ def compress(
   spec: CacheSpec,
   budget,
   *,
-  head_scores=None,
   rng=None,
   evidence: dict | None = None,
 ) -> KVCache:
   """A cache of capacity ``spec.capacity`` from prefill outputs ``pre`` under ``budget``
   (scalar, ``[L]`` or ``[L, H]``), per batch row (allocations may differ between rows).
 
-  ``evidence`` holds caller-given data fields (:func:`check_evidence`). With the policy's
+  ``evidence`` holds caller-given data fields (:func:`check_evidence`; HeadKV's importances as
+  ``head_scores_LH``). With the policy's
   ``channel_ratio`` the keys keep ``D - int(D * ratio)`` channels per (layer, row, KV head)
   (:func:`think_channels`); with ``decode_every`` the cache carries the window of generated
   queries that :func:`recompress` scores with.
@@ -241,7 +277,7 @@ def compress(
   L, B, G, T, D = pre.keys.shape
   check_spec(spec)
   rng = jax.random.key(0) if rng is None else rng
-  evidence = check_evidence(evidence, L=L, B=B, G=G, T=T, D=D)
+  evidence = check_evidence(evidence, L=L, B=B, G=G, T=T, D=D, Hq=cfg.num_heads)
   shared = {k: v for k, v in evidence.items() if k in SHARED_EVIDENCE}
   keys, values = pre.keys, pre.values
   H = cfg.num_heads if spec.layout == "query" else G
@@ -250,8 +286,6 @@ def compress(
 
   def one(ev, valid_T, rng_b):
     ev = ev.replace(rng=rng_b, valid_T=valid_T, **shared)
-    if head_scores is not None:
-      ev = ev.replace(head_scores_LH=head_scores)
     # a left-padded row: sinks count from its first *real* token (Policy.scores_row)
     scores = spec.policy.scores_row(ev)
     if scores.shape[1] != H:
@@ -562,36 +596,33 @@ def extend_logits(
   (:func:`appends_only`). One pass over the weights for all ``M`` tokens instead of ``M``
   passes: a decode step reads every weight to produce one row (memory-bound), this reads them
   once for ``B * M`` rows. ``pos_BM``: the tokens' RoPE positions. The cache is not updated."""
-  kv = held_kv(spec, cache)
-  logits, _ = extend(cfg, params, kv, tokens_BM, pos_BM, repeat_kv=spec.layout == "query")
+  logits, _ = extend(cfg, params, (held_kv(spec, cache),), tokens_BM, pos_BM)
   return logits
 
 
 def extend(
   cfg: ModelConfig,
   params: dict,
-  kv,
+  held: tuple,
   tokens_BM,
   pos_BM,
   *,
-  repeat_kv=False,
   probs=False,
   appended=False,
   logits_from: int = 0,
-  after=None,
 ):
   """``M`` tokens fed at once after keys and values held per layer and head: ``(logits [B, M,
-  V], attention [L, B, Hq, M, C] over the held keys or None)``. ``kv = (keys [L, B, H, C, D],
-  values, valid [L, B, H, C], positions [L, B, H, C])``, keys post-RoPE at their original
-  positions; each fed token attends to the valid held keys and causally to the fed tokens up to
-  itself (Mistral's sliding window applies to both). ``repeat_kv``: the held keys are per query
-  head (the query layout). With ``probs`` the softmax over held and fed keys is returned cut to
-  the held ones (the oracle's full-cache attention of future queries). With ``appended`` a
-  third output is the fed tokens' own segment ``(keys [L, B, H, M, D], values, valid,
-  positions)``, which later tokens are fed after by passing it as ``after`` (a second held
-  segment, attended after ``kv``). ``logits_from``: the logits of the fed tokens from this one
-  on only (the LM head is a fifth of a small model's work per token; a prefix fed for its keys
-  needs its last token's logits only).
+  V], attention [L, B, Hq, M, C] over the first held segment or None)``. ``held``: the held
+  segments, attended in order, each ``(keys [L, B, H, C, D], values, valid [L, B, H, C],
+  positions [L, B, H, C])`` with keys post-RoPE at their original positions, per KV head or (the
+  query layout, ``H = Hq``) per query head; each fed token attends to the valid held keys and
+  causally to the fed tokens up to itself (Mistral's sliding window applies to both). With
+  ``probs`` the softmax over held and fed keys is returned cut to the first segment (the
+  oracle's full-cache attention of future queries). With ``appended`` a third output is the fed
+  tokens' own segment ``(keys [L, B, H, M, D], values, valid, positions)``, which later tokens
+  are fed after by holding it as a second segment. ``logits_from``: the logits of the fed tokens
+  from this one on only (the LM head is a fifth of a small model's work per token; a prefix fed
+  for its keys needs its last token's logits only).
 
   The segments are never concatenated: each one's logits are formed against its own keys and
   its values weighted by its part of the one softmax over all of them, so a call reads the held
@@ -599,7 +630,8 @@ def extend(
   per call)."""
   B, M = tokens_BM.shape
   x = params["embed"][tokens_BM]
-  held = (kv,) if after is None else (kv, after)
+  held = tuple(held)
+  repeat_kv = held[0][0].shape[2] != cfg.num_kv_heads  # the query layout: one slot table per Hq
 
   def layer(x, inputs):
     p, segments = inputs  # per held segment: [B, H, C, D] keys and values, [B, H, C] masks
@@ -643,7 +675,7 @@ def extend(
   logits = llama.logits_of(cfg, params, x[:, logits_from:])
   if not appended:
     return logits, attn_LBHMC
-  positions = kv[3]
+  positions = held[0][3]
   L, _, H = positions.shape[:3]
   pos_LBHM = jnp.broadcast_to(pos_BM[None, :, None], (L, B, H, M)).astype(positions.dtype)
   return logits, attn_LBHMC, (*fed, jnp.ones((L, B, H, M), bool), pos_LBHM)

@@ -301,8 +301,7 @@ def train_duo_attention(
   lr: float = 0.02,
   reg_weight: float = 0.05,
   initial_value: float = 1.0,
-  sink_size: int | None = None,
-  recent_size: int | None = None,
+  sizes: tuple[int | None, int | None] = (None, None),
 ) -> DuoTraining:
   """DuoAttention's optimisation of one gate per KV head, as ``duo_attn/train.py``.
 
@@ -312,8 +311,9 @@ def train_duo_attention(
   (:func:`duo_schedule`) on :func:`duo_loss` with ``reg_weight`` 0.05; batch size 1, the
   ``examples`` cycled in order (the official shuffles a dataset of multi-passkey prompts).
   ``examples``: ``(ids_T, label_mask_T)`` pairs (:func:`duo_examples`); the label mask marks
-  the question-and-answer tokens, where the hidden states are distilled. Sink and recent
-  default to :func:`duo_sizes` of the shortest example. Differs: a few steps on short prompts
+  the question-and-answer tokens, where the hidden states are distilled. ``sizes``: the
+  streaming pattern's ``(sink_size, recent_size)``, each ``None`` for :func:`duo_sizes` of the
+  shortest example. Differs: a few steps on short prompts
   (the official runs 2000 steps on 1k-32k tokens), fp32 instead of bf16 FSDP, no sequence
   parallelism.
   """
@@ -322,10 +322,7 @@ def train_duo_attention(
   lr, reg_weight = _check_positive("lr", lr), float(reg_weight)
   if reg_weight < 0:
     raise ValueError(f"reg_weight: expected a number >= 0, got {reg_weight}")
-  T_min = min(ids.shape[1] for ids, _ in data)
-  sink, recent = duo_sizes(T_min)
-  sink = sink if sink_size is None else _check_int("sink_size", sink_size)
-  recent = recent if recent_size is None else _check_int("recent_size", recent_size)
+  sink, recent = _sizes(sizes, min(ids.shape[1] for ids, _ in data))
   schedule = duo_schedule(lr, steps)
   alpha = jnp.full((cfg.num_layers, cfg.num_kv_heads), float(initial_value), jnp.float32)
   state = _ADAM.init(alpha)
@@ -442,6 +439,18 @@ def _distant_mass(cfg, params, ids_BT, labels_BT, stream_TT):
 _distant_mass_jit = jax.jit(_distant_mass, static_argnums=0)
 
 
+def _sizes(sizes, T: int) -> tuple[int, int]:
+  """``(sink_size, recent_size)`` from ``sizes``, each ``None`` taken from :func:`duo_sizes` of
+  ``T`` tokens."""
+  if not isinstance(sizes, tuple | list) or len(sizes) != 2:
+    raise ValueError(f"sizes: expected (sink_size, recent_size), got {sizes!r}")
+  default = duo_sizes(T)
+  names = ("sink_size", "recent_size")
+  return tuple(
+    d if v is None else _check_int(n, v) for n, v, d in zip(names, sizes, default, strict=True)
+  )
+
+
 def duo_attention_pattern(
   cfg: ModelConfig,
   params: dict,
@@ -450,8 +459,7 @@ def duo_attention_pattern(
   method: str = "official",
   calibration_ids=None,
   q_len: int = 500,
-  sink_size: int | None = None,
-  recent_size: int | None = None,
+  sizes: tuple[int | None, int | None] = (None, None),
   **train_options,
 ) -> np.ndarray:
   """``retrieval_heads_LG`` in [0, 1] (higher: more of a retrieval head), by ``method``:
@@ -465,13 +473,14 @@ def duo_attention_pattern(
   * ``"distant_mass"``: kvjax's cheap proxy, each KV head's attention mass outside sink +
     recent (:func:`duo_sizes`) paid by the question-and-answer queries of ``examples``,
     averaged over them and over the group, then over the examples.
+
+  ``sizes``: ``(sink_size, recent_size)`` of the streaming pattern (``"official"`` and
+  ``"distant_mass"``), each ``None`` for :func:`duo_sizes`.
   """
   if method not in DUO_METHODS:
     raise ValueError(f"method: expected one of {DUO_METHODS}, got {method!r}")
   if method == "official":
-    return train_duo_attention(
-      cfg, params, examples, sink_size=sink_size, recent_size=recent_size, **train_options
-    ).alpha_LG
+    return train_duo_attention(cfg, params, examples, sizes=sizes, **train_options).alpha_LG
   if train_options:
     raise ValueError(f"{sorted(train_options)[0]}: only method='official' trains")
   if method == "kvpress_on_the_fly":
@@ -484,9 +493,7 @@ def duo_attention_pattern(
   data = _examples(examples, cfg)
   total = 0.0
   for ids, labels in data:
-    sink, recent = duo_sizes(ids.shape[1])
-    sink = sink if sink_size is None else _check_int("sink_size", sink_size)
-    recent = recent if recent_size is None else _check_int("recent_size", recent_size)
+    sink, recent = _sizes(sizes, ids.shape[1])
     stream = jnp.asarray(streaming_mask(ids.shape[1], sink, recent))
     total = total + np.asarray(_distant_mass_jit(cfg, params, ids, labels, stream))
   return (total / len(data)).astype(np.float32)

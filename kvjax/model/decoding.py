@@ -52,9 +52,10 @@ def _prefill(cfg, params, ids, mask, request: policies.EvidenceRequest):
 
 def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_ids, attention_mask):
   """The caller's data evidence for ``policy`` on a batch (``qfilters_LGD``,
-  ``retrieval_heads_LG``, ``reconstruction_attn_LGT`` as ``[L, B, G, T]`` over the caller's
-  columns, or ``[L, G, T]`` for every row), moved to the left padding the model runs with;
-  ``ValueError`` when a field the policy needs is missing or has the wrong shape."""
+  ``retrieval_heads_LG``, HeadKV's ``head_scores_LH``, ``reconstruction_attn_LGT`` as
+  ``[L, B, G, T]`` over the caller's columns, or ``[L, G, T]`` for every row), moved to the left
+  padding the model runs with; ``ValueError`` when a field the policy needs is missing or has
+  the wrong shape."""
   ids = np.asarray(input_ids)
   B, T = ids.shape
   given = {} if evidence is None else evidence
@@ -67,6 +68,7 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
       f"evidence: {unknown} are not caller-given evidence; expected some of {sorted(data)} "
       "(the model computes the rest)"
     )
+  _check_head_scores(policy, given.get("head_scores_LH"))
   missing = sorted((policy.evidence_fields & data) - {k for k, v in given.items() if v is not None})
   if missing:
     raise ValueError(
@@ -92,23 +94,17 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
       if real.size:
         moved[:, r, :, T - real.size :] = arr[:, r][..., real]
     out["reconstruction_attn_LGT"] = moved
-  cache_lib.check_evidence(out, L=cfg.num_layers, B=B, G=cfg.num_kv_heads, T=T, D=cfg.head_dim)
+  L, G, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  cache_lib.check_evidence(out, L=L, B=B, G=G, T=T, D=D, Hq=cfg.num_heads)
   return out or None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec0"))
-def _allocation(cfg, pre, spec0, budget, head_scores, evidence=None):
+def _allocation(cfg, pre, spec0, budget, evidence=None):
   """Every row's ``budget_LH`` (to size the cache before compressing), compiled once per shape:
   budgets are traced data."""
-  cache = cache_lib.compress(
-    cfg,
-    pre,
-    dataclasses.replace(spec0, capacity=1),
-    budget,
-    head_scores=head_scores,
-    evidence=evidence,
-  )
-  return cache.budget
+  spec = dataclasses.replace(spec0, capacity=1)
+  return cache_lib.compress(cfg, pre, spec, budget, evidence=evidence).budget
 
 
 def capacity_bucket(n: int) -> int:
@@ -129,7 +125,7 @@ def _check_head_scores(policy: policies.Policy, head_scores) -> None:
   if head_scores is None:
     raise ValueError(
       f"head_scores: policy {policy.label!r} (HeadKV's allocation) needs per-head importance "
-      "scores [L, H]"
+      "scores; pass evidence={'head_scores_LH': [L, H] scores}"
     )
   arr = np.asarray(head_scores, np.float64)
   if arr.ndim != 2 or not np.isfinite(arr).all() or (arr < 0).any() or arr.sum() <= 0:
@@ -158,15 +154,11 @@ def _capacity(policy: policies.Policy, budget_max: int, T: int, new: int) -> int
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "new", "temperature"))
-def compress_and_decode(
-  cfg, params, pre, spec, budget, head_scores, first, new, temperature, rng, evidence=None
-):
+def _compress_and_decode(cfg, params, pre, spec, budget, first, new, temperature, rng, evidence):
   """The compiled core of :func:`generate`: compress the prefill ``pre`` under ``budget`` (traced
   data) into a cache of ``spec``, then decode ``new`` tokens from ``first``. Tokens ``[B, new]``
   and the final cache. ``evidence``: caller-given data fields (:func:`check_evidence`)."""
-  cache = cache_lib.compress(
-    cfg, pre, spec, budget, head_scores=head_scores, rng=rng, evidence=evidence
-  )
+  cache = cache_lib.compress(cfg, pre, spec, budget, rng=rng, evidence=evidence)
   B, T = pre.valid.shape
   start_pos = pre.valid.sum(-1).astype(jnp.int32)  # next RoPE position per row
 
@@ -230,7 +222,7 @@ def _check_temperature(temperature) -> float:
   return t
 
 
-def _prepare(model, prompt_ids, attention_mask, padding_side, policy, max_new_tokens):
+def _prepare(model, prompt_ids, attention_mask, policy, max_new_tokens):
   """Checks the prompt, then its one prefill for ``policy`` (an object) alone: what the policy's
   :meth:`~kvjax.policies.Policy.evidence_request` asks for, the window rows reduced to its
   scores in the layer scan where it reads them only through its window scorer. Returns
@@ -241,8 +233,6 @@ def _prepare(model, prompt_ids, attention_mask, padding_side, policy, max_new_to
     raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
-  if padding_side not in ("left", "right"):
-    raise ValueError(f"padding_side: expected 'left' or 'right', got {padding_side!r}")
   mask = _check_mask(attention_mask, ids.shape)
   ids, mask = to_left_padding(ids, mask)  # left padding whichever side was given
   request = policy.evidence_request(ids.shape[1], reduce_rows=True)
@@ -260,12 +250,9 @@ def generate(
   budget=None,
   max_new_tokens: int = 32,
   attention_mask=None,
-  padding_side: str = "left",
   temperature: float = 0.0,
   rng=None,
-  layout: str = "kv",
-  head_scores=None,
-  reindex_positions: bool = False,
+  layout: cache_lib.Layout | str = "kv",
   evidence=None,
   **policy_options,
 ) -> Generation:
@@ -275,52 +262,43 @@ def generate(
   keeps everything.
 
   The prompt is compressed once after prefill; prefill-time policies then append (no eviction),
-  decode-time policies evict as they go within ``budget``. Greedy by default. Keys keep their
-  original positions; ``reindex_positions=True`` numbers them by rank inside the cache instead
+  decode-time policies evict as they go within ``budget``. Greedy by default (``temperature``
+  0); ``rng`` seeds sampling and the random policy. ``attention_mask`` ``[B, T]`` marks each
+  row's real tokens, padded on either side (rows run left-padded). ``layout``: the cache's
+  heads (``"kv"`` or ``"query"``) or a :class:`kvjax.model.cache.Layout`; keys keep their
+  original positions unless ``Layout(reindex=True)`` numbers them by rank inside the cache
   (official StreamingLLM's pos-shift).
 
   ``evidence`` holds the data a policy needs from outside the prompt: ``qfilters_LGD``
   ``[L, G, D]`` (Q-Filters), ``retrieval_heads_LG`` ``[L, G]`` (DuoAttention),
   ``reconstruction_attn_LGT`` ``[L, B, G, T]`` or ``[L, G, T]`` over the caller's columns
-  (KVzip), as :mod:`kvjax.model.calibrate` computes them. Policy options ``channel_ratio``
-  (ThinK's key channels, stored pruned) and ``decode_every=N`` (re-compress to the budget every
-  ``N`` generated tokens) apply to any prefill scorer.
+  (KVzip), as :mod:`kvjax.model.calibrate` computes them, and HeadKV's head importances
+  ``head_scores_LH`` (``[L, Hq]``, or ``[L, G]`` at KV-head granularity). Policy options
+  ``channel_ratio`` (ThinK's key channels, stored pruned) and ``decode_every=N`` (re-compress
+  to the budget every ``N`` generated tokens) apply to any prefill scorer.
   """
-  cache_lib.check_layout(layout)
+  layout = cache_lib.as_layout(layout)
   temperature = _check_temperature(temperature)
   pol = policies.build(policy, **policy_options)
   _check_budget_given(pol, budget)
-  cfg, params, pre, window = _prepare(
-    model, prompt_ids, attention_mask, padding_side, pol, max_new_tokens
-  )
+  cfg, params, pre, window = _prepare(model, prompt_ids, attention_mask, pol, max_new_tokens)
   T = pre.valid.shape[1]
   if pol.requires_budget:
     pol.check_budget(budget, window)
-  _check_head_scores(pol, head_scores)
   ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
-  spec = cache_lib.CacheSpec(pol, 1, layout, reindex=bool(reindex_positions))
+  spec = cache_lib.CacheSpec(pol, 1, layout.heads, reindex=layout.reindex)
   cache_lib.check_spec(spec)
   budget_LH = None
   if pol.requires_budget:
-    budget_LH = np.asarray(_allocation(cfg, pre, spec, budget, head_scores, ev))
+    budget_LH = np.asarray(_allocation(cfg, pre, spec, budget, ev))
     pol.check_allocation(budget_LH)
   cap = _capacity(pol, int(budget_LH.max()) if budget_LH is not None else T, T, max_new_tokens)
   spec = dataclasses.replace(spec, capacity=cap, new_tokens=max_new_tokens)
   rng = jax.random.key(0) if rng is None else rng
   rng, first_rng = jax.random.split(rng)
   first = _pick(pre.logits[:, -1], float(temperature), first_rng)
-  tokens, cache = compress_and_decode(
-    cfg,
-    params,
-    pre,
-    spec,
-    budget,
-    head_scores,
-    first,
-    max_new_tokens,
-    float(temperature),
-    rng,
-    ev,
+  tokens, cache = _compress_and_decode(
+    cfg, params, pre, spec, budget, first, max_new_tokens, float(temperature), rng, ev
   )
   _check_overflow(cache)
   itemsize = cache.keys.dtype.itemsize
@@ -382,15 +360,15 @@ def shard_configs(budgets_K: Array, params: dict | None = None) -> tuple[Array, 
   return jax.device_put(budgets_K, NamedSharding(mesh, PartitionSpec("k"))), K
 
 
-def _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, T, new, evidence=None):
-  """Checks the budgets, then the cache spec sized for every configuration and their
-  allocations ``[K, B, L, H]`` (shared by ``generate_configs`` and ``answer_configs``)."""
+def _configs_spec(cfg, pol, pre, budgets, window, layout, T, new, evidence):
+  """Checks the budgets, then the cache spec (``layout``: a :class:`cache_lib.Layout`) sized for
+  every configuration and their allocations ``[K, B, L, H]`` (shared by ``generate_configs``
+  and ``answer_configs``)."""
   if pol.requires_budget:
     pol.check_budget(budgets, window)
-  _check_head_scores(pol, head_scores)
-  spec = cache_lib.CacheSpec(pol, 1, layout)
+  spec = cache_lib.CacheSpec(pol, 1, layout.heads, reindex=layout.reindex)
   cache_lib.check_spec(spec)
-  alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, head_scores, evidence))(budgets)
+  alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, evidence))(budgets)
   cap = _capacity(pol, int(np.asarray(alloc).max()), T, new)
   return dataclasses.replace(spec, capacity=cap, new_tokens=new), alloc
 
@@ -403,31 +381,25 @@ def generate_configs(
   policy: policies.Policy | str,
   max_new_tokens: int = 32,
   attention_mask=None,
-  padding_side: str = "left",
-  layout: str = "kv",
-  head_scores=None,
+  layout: cache_lib.Layout | str = "kv",
   evidence=None,
   **policy_options,
 ) -> Generation:
   """One prefill shared by ``K`` budget configurations (``budgets``: ``[K]``, ``[K, L]`` or
-  ``[K, L, H]``): compress + decode are vmapped over configurations. Tokens ``[K, B, N]``.
-  ``policy`` and ``evidence`` as :func:`generate`'s."""
-  cache_lib.check_layout(layout)
+  ``[K, L, H]``): compress + decode are vmapped over configurations, greedy. Tokens
+  ``[K, B, N]``. ``policy``, ``attention_mask``, ``layout`` and ``evidence`` as
+  :func:`generate`'s."""
+  layout = cache_lib.as_layout(layout)
   pol = policies.build(policy, **policy_options)
-  cfg, params, pre, window = _prepare(
-    model, prompt_ids, attention_mask, padding_side, pol, max_new_tokens
-  )
+  cfg, params, pre, window = _prepare(model, prompt_ids, attention_mask, pol, max_new_tokens)
   T = pre.valid.shape[1]
   budgets = _check_config_budgets(budgets)
   ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
-  spec, alloc = _configs_spec(
-    cfg, pol, pre, budgets, window, head_scores, layout, T, max_new_tokens, ev
-  )
+  spec, alloc = _configs_spec(cfg, pol, pre, budgets, window, layout, T, max_new_tokens, ev)
   first = jnp.argmax(pre.logits[:, -1], -1).astype(jnp.int32)
+  key = jax.random.key(0)
   run = jax.vmap(
-    lambda b: compress_and_decode(
-      cfg, params, pre, spec, b, head_scores, first, max_new_tokens, 0.0, jax.random.key(0), ev
-    )
+    lambda b: _compress_and_decode(cfg, params, pre, spec, b, first, max_new_tokens, 0.0, key, ev)
   )
   sharded, K = shard_configs(budgets, params)
   tokens, caches = jax.tree.map(lambda x: x[:K], run(sharded))
@@ -444,9 +416,7 @@ def keep_mask(
   policy: policies.Policy | str,
   budget,
   *,
-  window: int | None = None,
   attention_mask=None,
-  head_scores=None,
   evidence=None,
   **options,
 ) -> np.ndarray:
@@ -455,15 +425,13 @@ def keep_mask(
   plots, and parity with other libraries).
 
   ``H`` is the policy's granularity: query heads by default (the published tables' layout), or
-  KV heads with ``num_kv_heads=G`` (scores averaged over each group, as kvpress does). ``window``
-  is the observation window of the window-based policies (an option of a named policy; default
+  KV heads with ``num_kv_heads=G`` (scores averaged over each group, as kvpress does). The
+  window-based policies observe their ``window`` option's queries (default
   :data:`kvjax.policies.DEFAULT_WINDOW`). Rows are left-padded internally; the mask is returned
   in the caller's column order. ``evidence`` as :func:`generate`'s.
   """
-  if window is not None:
-    options = dict(options, window=window)
   pol = policies.build(policy, **options)
-  cfg, params, pre, obs_window = _prepare(model, input_ids, attention_mask, "left", pol, 1)
+  cfg, params, pre, obs_window = _prepare(model, input_ids, attention_mask, pol, 1)
   kv = pol.num_kv_heads
   if kv is not None and kv != cfg.num_kv_heads:
     raise ValueError(f"num_kv_heads: {kv} is not the model's {cfg.num_kv_heads} KV heads")
@@ -471,10 +439,9 @@ def keep_mask(
   T = pre.valid.shape[1]
   if pol.requires_budget:
     pol.check_budget(budget, obs_window)
-  _check_head_scores(pol, head_scores)
   ev = check_evidence(pol, evidence, cfg, input_ids, attention_mask)
   spec = cache_lib.CacheSpec(pol, T, layout)
-  cache = cache_lib.compress(cfg, pre, spec, budget, head_scores=head_scores, evidence=ev)
+  cache = cache_lib.compress(cfg, pre, spec, budget, evidence=ev)
   _check_overflow(cache)
   return _to_caller_columns(
     np.asarray(cache.positions), np.asarray(cache.valid), input_ids, attention_mask
@@ -633,11 +600,9 @@ def decoding_spec(spec: cache_lib.CacheSpec) -> cache_lib.CacheSpec:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"))
-def _compress_configs(cfg, pre, spec, budgets_K, head_scores, evidence=None):
+def _compress_configs(cfg, pre, spec, budgets_K, evidence=None):
   """The ``K`` compressed caches, one per budget configuration (vmapped)."""
-  return jax.vmap(
-    lambda b: cache_lib.compress(cfg, pre, spec, b, head_scores=head_scores, evidence=evidence)
-  )(budgets_K)
+  return jax.vmap(lambda b: cache_lib.compress(cfg, pre, spec, b, evidence=evidence))(budgets_K)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "token_loop", "prefix"))
@@ -726,7 +691,6 @@ def _answer_at_once(cfg, params, spec, cache0, start_pos_B, inputs_BN, given_BN,
   N = inputs_BN.shape[1]
   P = prefix
   pos_BN = start_pos_B[:, None] + jnp.arange(N, dtype=jnp.int32)[None, :]
-  repeat = spec.layout == "query"
   kv, prefix_kv = cache_lib.held_kv(spec, cache0), None
   logits, greedy = [], []  # the prefix's last position (if any), then the rest's
   first_B = inputs_BN[:, 0]  # fed first after the prefix unless given: its last prediction
@@ -741,10 +705,9 @@ def _answer_at_once(cfg, params, spec, cache0, start_pos_B, inputs_BN, given_BN,
     logits_BV, _, fed_kv = cache_lib.extend(
       cfg,
       params,
-      kv,
+      (kv,),
       inputs_BN[:, :M],
       pos_BN[:, :M],
-      repeat_kv=repeat,
       appended=True,
       logits_from=P - 1,  # the prefix's own predictions are not outputs
     )
@@ -756,7 +719,8 @@ def _answer_at_once(cfg, params, spec, cache0, start_pos_B, inputs_BN, given_BN,
       teacher = logits_BV[:, 1:]
 
   def predict(fed):
-    return cache_lib.extend(cfg, params, kv, fed, pos_BR, repeat_kv=repeat, after=prefix_kv)[0]
+    held = (kv,) if prefix_kv is None else (kv, prefix_kv)
+    return cache_lib.extend(cfg, params, held, fed, pos_BR)[0]
 
   def feed(pred_BR):  # the sequential loop's token i: the answer's if given, else prediction i-1
     prev_BR = jnp.concatenate([first_B[:, None], pred_BR[:, :-1]], axis=1)
@@ -828,7 +792,7 @@ def _future_attention(cfg, params, pre: llama.Prefill, inputs_BM, Tc: int) -> Ar
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _future_attention_jit(cfg, params, kv, inputs_BM, pos_BM):
-  return cache_lib.extend(cfg, params, kv, inputs_BM, pos_BM, probs=True)[1]
+  return cache_lib.extend(cfg, params, (kv,), inputs_BM, pos_BM, probs=True)[1]
 
 
 def _restrict(pre: llama.Prefill, Tc: int) -> llama.Prefill:
@@ -940,7 +904,7 @@ def answer_prefilled(
   budgets,
   *,
   policy: policies.Policy | str,
-  layout: str = "kv",
+  layout: cache_lib.Layout | str = "kv",
   head_scores=None,
   evidence=None,
   token_loop: bool = False,
@@ -948,11 +912,14 @@ def answer_prefilled(
 ) -> Answers:
   """Answers under ``K`` budget configurations of ``policy`` (an object, or a name built once
   with ``policy_options``) from one :func:`prefill_answers` (every policy of an evaluation
-  shares it; nothing is prefilled here). ``evidence`` as :func:`generate`'s, over the context's
-  columns. ``token_loop``: feed the answers token by
-  token even where decoding only appends and they could go at once (the reference, and the
-  baseline of ``experiments/bench_answers.py``; the results are the same)."""
-  cache_lib.check_layout(layout)
+  shares it; nothing is prefilled here). ``layout`` and ``evidence`` as :func:`generate`'s,
+  the evidence over the context's columns; ``head_scores`` is ``evidence["head_scores_LH"]``
+  (HeadKV's importances) given on its own. ``token_loop``: feed the answers token by token even
+  where decoding only appends and they could go at once (the reference, and the baseline of
+  ``experiments/bench_answers.py``; the results are the same)."""
+  layout = cache_lib.as_layout(layout)
+  if head_scores is not None:
+    evidence = {**(evidence or {}), "head_scores_LH": head_scores}
   budgets = _check_config_budgets(budgets)
   cfg, params = model.cfg, model.params()
   pol = policies.build(policy, **policy_options)
@@ -978,9 +945,9 @@ def answer_prefilled(
   Tc = pre.valid.shape[1]
   M = prefilled.inputs_BM.shape[1]
   ev = check_evidence(pol, evidence, cfg, np.zeros(pre.valid.shape, np.int32), None)
-  spec, alloc = _configs_spec(cfg, pol, pre, budgets, window, head_scores, layout, Tc, M, ev)
+  spec, alloc = _configs_spec(cfg, pol, pre, budgets, window, layout, Tc, M, ev)
   sharded, K = shard_configs(budgets, params)
-  caches = _compress_configs(cfg, pre, spec, sharded, head_scores, ev)
+  caches = _compress_configs(cfg, pre, spec, sharded, ev)
   pred, logp, caches = _answer_configs(
     cfg,
     params,
@@ -1008,8 +975,7 @@ def answer_configs(
   question_len: int = 1,
   question: str = "in_window",
   answer_given=None,
-  layout: str = "kv",
-  head_scores=None,
+  layout: cache_lib.Layout | str = "kv",
   evidence=None,
   **policy_options,
 ) -> Answers:
@@ -1035,7 +1001,8 @@ def answer_configs(
   answer everywhere (for KL divergences). Prefill-time policies hold the question tokens beyond
   the budget, like generated ones; decode-time policies (sliding window, StreamingLLM, H2O, TOVA)
   spend their budget on them as on any decoded token. ``policy="oracle"`` uses the full-cache
-  attention of exactly the fed queries.
+  attention of exactly the fed queries. ``policy`` (an object, or a name built once with
+  ``policy_options``), ``layout`` and ``evidence`` as :func:`generate`'s.
 
   In ``"in_window"`` mode the evidence is the full prompt's, cut to the context keys: window rows
   keep their original normalisation (their mass on question keys is not redistributed), and
@@ -1049,6 +1016,4 @@ def answer_configs(
   prefilled = _prefill_shared(
     model, prompt_ids, answer_ids, shape, window, pol.reads_future, pol.evidence_request
   )
-  return answer_prefilled(
-    model, prefilled, budgets, policy=pol, layout=layout, head_scores=head_scores, evidence=evidence
-  )
+  return answer_prefilled(model, prefilled, budgets, policy=pol, layout=layout, evidence=evidence)

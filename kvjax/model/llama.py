@@ -13,8 +13,10 @@ before RoPE, tied or untied embeddings. Softmax is always fp32.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -339,13 +341,33 @@ def forward(
   block: int = 256,
 ) -> Array:
   """Full causal forward: logits ``[B, T, V]`` (queries processed in blocks of ``block``)."""
-  return prefill(cfg, params, input_ids, attention_mask, block=block, logits="all").logits
+  return prefill(
+    cfg, params, input_ids, attention_mask, plan=PrefillPlan(block), logits="all"
+  ).logits
 
 
 LOGITS = ("last", "all")
 CHUNK = 2048  # prefill tokens per chunk: bounds the [B, chunk, F] MLP activations
 ATTENTION = ("blocked", "xla", "cudnn")  # prefill's kernels for the attention output
 NO_EVIDENCE = policies.EvidenceRequest()  # logits, keys and values only
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillPlan:
+  """How :func:`prefill` computes: its memory plan and kernels (static, hashable). None of these
+  changes a value beyond rounding, but ``window_dtype`` stores the window rows narrower.
+
+  Attributes:
+    block: queries (and keys) per attention tile.
+    chunk: prompt tokens per chunk of each layer (``None``: all at once).
+    attention: the kernel of the attention output, one of :data:`ATTENTION`.
+    window_dtype: the floating dtype the window rows are stored in.
+  """
+
+  block: int = 256
+  chunk: int | None = CHUNK
+  attention: str = "blocked"
+  window_dtype: Any = jnp.float32
 
 
 @struct.dataclass
@@ -357,7 +379,7 @@ class Prefill:
     keys, values: ``[L, B, G, T, D]`` (keys post-RoPE, at their original positions).
     positions, valid: ``[B, T]`` RoPE positions and the non-padding mask.
     key_norms: ``[L, B, G, T]`` (key norm's evidence).
-    attn_window: ``[L, B, Hq, W, T]`` fp32 (or prefill's ``window_dtype``), the last ``W``
+    attn_window: ``[L, B, Hq, W, T]`` fp32 (or the plan's ``window_dtype``), the last ``W``
       query rows (no ``T x T`` matrix).
     window_scores: ``[L, B, Hq, T]`` fp32, the window rows already reduced to a policy's scores
       inside the layer scan (prefill's ``window_scores``; then ``attn_window`` is ``None``).
@@ -400,11 +422,8 @@ def prefill(
   request: policies.EvidenceRequest = NO_EVIDENCE,
   *,
   full_attention_layers: tuple[int, ...] = (),
-  block: int = 256,
-  chunk: int | None = CHUNK,
   logits: str = "last",
-  window_dtype=jnp.float32,
-  attention: str = "blocked",
+  plan: PrefillPlan = PrefillPlan(),
 ) -> Prefill:
   """One pass over the prompt: a :class:`Prefill` with logits, K/V and the requested evidence.
 
@@ -416,8 +435,9 @@ def prefill(
   that generation reads; ``[B, T, V]`` fp32 would be 16 GiB at 32k tokens and a 128k
   vocabulary), ``"all"`` every position's.
 
-  Memory is bounded by two blockings, neither of which changes a value (fp32 softmax, exact to
-  rounding). Each layer runs over the prompt ``chunk`` tokens at a time (``None``: all at once):
+  ``plan`` (a :class:`PrefillPlan`) sets how it computes. Memory is bounded by two blockings,
+  neither of which changes a value (fp32 softmax, exact to rounding). Each layer runs over the
+  prompt ``chunk`` tokens at a time (``None``: all at once):
   projections, attention output and MLP of a chunk, its keys and values written in place, so
   the ``[B, chunk, F]`` MLP intermediates are the largest activations. Attention is tiled
   flash-style into ``block`` queries x ``block`` keys, skipping the tiles above the causal
@@ -453,10 +473,15 @@ def prefill(
   """
   if logits not in LOGITS:
     raise ValueError(f"logits: expected one of {LOGITS}, got {logits!r}")
+  if not isinstance(plan, PrefillPlan):
+    raise ValueError(f"plan: expected a kvjax.model.llama.PrefillPlan, got {plan!r}")
+  block, chunk, attention, window_dtype = plan.block, plan.chunk, plan.attention, plan.window_dtype
   B, T = input_ids.shape
   _check_count("block", block)
   if chunk is not None:
     _check_count("chunk", chunk, "None or a positive int")
+  if isinstance(attention_mask, policies.EvidenceRequest):
+    raise ValueError("attention_mask: got an EvidenceRequest; pass it as request=")
   if not isinstance(request, policies.EvidenceRequest):
     raise ValueError(f"request: expected a kvjax.policies.EvidenceRequest, got {request!r}")
   window, window_queries = request.window, request.window_queries
