@@ -379,7 +379,9 @@ def model_parity(torch, hf, model, cfg, ids_1T) -> dict:
   cache = DynamicCache()
   with torch.inference_mode():
     logits_hf = hf(torch.from_numpy(ids_1T).long(), past_key_values=cache).logits[0, -1].numpy()
-  pre = km.prefill(cfg, model.params(), ids_1T, np.ones_like(ids_1T), window=1)
+  pre = km.prefill(
+    cfg, model.params(), ids_1T, np.ones_like(ids_1T), policies.EvidenceRequest(window=1)
+  )
   logits_kj = np.asarray(pre.logits)[0, -1]
   keys_kj = np.asarray(pre.keys)[:, 0]  # [L, G, T, D]
   keys_hf = np.stack([cache.layers[i].keys[0].numpy() for i in range(cfg.num_layers)])

@@ -118,11 +118,15 @@ def test_answer_inputs_are_validated(random_model):
     km.answer_configs(random_model, P, A, np.array([50]), policy="snapkv", layout="heads")
   with pytest.raises(ValueError, match="question"):
     km.answer_configs(random_model, P, A, np.array([50]), policy="snapkv", question="before")
-  with pytest.raises(
-    ValueError, match="head_scores"
-  ):  # all-zero importances: no silent window-only
+  # all-zero importances: no silent window-only
+  with pytest.raises(ValueError, match="head_scores: expected finite non-negative"):
     km.answer_configs(
-      random_model, P, A, np.array([50]), policy="headkv", head_scores=np.zeros((2, 2))
+      random_model,
+      P,
+      A,
+      np.array([50]),
+      policy="headkv",
+      evidence={"head_scores_LH": np.zeros((2, 2))},
     )
   with pytest.raises(ValueError, match="question_len"):
     km.answer_configs(random_model, P, A, np.array([50]), policy="snapkv", question_len=100)

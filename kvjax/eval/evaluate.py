@@ -148,7 +148,14 @@ def policy_entry(entry) -> tuple[str, policies.Policy]:
 
 
 def prefill_examples(
-  model, exs, *, question="in_window", window=32, oracle=True, shape=None, needs=()
+  model,
+  exs,
+  *,
+  question="in_window",
+  window=policies.DEFAULT_WINDOW,
+  oracle=True,
+  shape=None,
+  needs=(),
 ) -> decoding.Prefilled:
   """The examples' one prefill, shared by every policy and budget that answers them
   (:func:`kvjax.model.decoding.prefill_answers`). ``shape = (question_len, answer_len)`` feeds
@@ -255,13 +262,17 @@ def _reads_head_scores(policy: policies.Policy) -> bool:
   return "head_scores_LH" in policy.evidence_fields
 
 
+def _head_evidence(head) -> dict:
+  """HeadKV's measured importances as caller-given evidence (once measured)."""
+  return {} if head is None else {"head_scores_LH": head}
+
+
 def evaluate_group(
   model,
   exs,
   budgets,
   policy: policies.Policy,
   *,
-  head_scores=None,
   full=None,
   question="in_window",
   prefilled=None,
@@ -269,7 +280,9 @@ def evaluate_group(
 ) -> dict:
   """One (task, length, policy) group: per-budget accuracy and KL (``question``: see
   :func:`kvjax.model.answer_configs`), answered from ``prefilled`` (:func:`prefill_examples`)
-  when given, else from a prefill of its own."""
+  when given, else from a prefill of its own. ``evidence``: the caller-given evidence fields
+  (calibration, KVzip's reconstruction attention, HeadKV's ``head_scores_LH``); the policy
+  gets those it reads."""
   if len(budgets) == 0:
     raise ValueError(f"budgets: no budget to evaluate for policy {policy.label!r}")
   n_len = None
@@ -281,12 +294,9 @@ def evaluate_group(
     prefilled = prefill_examples(
       model, exs, question=question, window=window, oracle=policy.reads_future
     )
-  extra = {"head_scores": head_scores} if _reads_head_scores(policy) else {}
   given = {k: v for k, v in (evidence or {}).items() if k in policy.evidence_fields}
-  if given:
-    extra["evidence"] = given
   out = decoding.answer_prefilled(
-    model, prefilled, np.asarray(budgets, np.int32), policy=policy, **extra
+    model, prefilled, np.asarray(budgets, np.int32), policy=policy, evidence=given or None
   )
   rows = []
   for c, b in enumerate(budgets):
@@ -521,10 +531,9 @@ def _run(config, workdir, log) -> pd.DataFrame:
                 exs,
                 budgets,
                 policy,
-                head_scores=head,
                 full=full["answers"],
                 prefilled=prefilled,
-                evidence=evidence,
+                evidence=evidence | _head_evidence(head),
               )
             parts[label].append(res)
             seconds[label] += time.time() - t0
@@ -593,9 +602,8 @@ def _heatmap(config, model, tok, path, done, head, log, data):
           exs,
           [budget],
           policy,
-          head_scores=head,
           prefilled=prefilled,
-          evidence=evidence,
+          evidence=evidence | _head_evidence(head),
         )
         (r,) = res["rows"]
         row = dict(task=h.task, length=length, policy=label, kind=kind, question=q, depth=d) | r

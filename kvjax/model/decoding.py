@@ -905,7 +905,6 @@ def answer_prefilled(
   *,
   policy: policies.Policy | str,
   layout: cache_lib.Layout | str = "kv",
-  head_scores=None,
   evidence=None,
   token_loop: bool = False,
   **policy_options,
@@ -913,13 +912,10 @@ def answer_prefilled(
   """Answers under ``K`` budget configurations of ``policy`` (an object, or a name built once
   with ``policy_options``) from one :func:`prefill_answers` (every policy of an evaluation
   shares it; nothing is prefilled here). ``layout`` and ``evidence`` as :func:`generate`'s,
-  the evidence over the context's columns; ``head_scores`` is ``evidence["head_scores_LH"]``
-  (HeadKV's importances) given on its own. ``token_loop``: feed the answers token by token even
+  the evidence over the context's columns. ``token_loop``: feed the answers token by token even
   where decoding only appends and they could go at once (the reference, and the baseline of
   ``experiments/bench_answers.py``; the results are the same)."""
   layout = cache_lib.as_layout(layout)
-  if head_scores is not None:
-    evidence = {**(evidence or {}), "head_scores_LH": head_scores}
   budgets = _check_config_budgets(budgets)
   cfg, params = model.cfg, model.params()
   pol = policies.build(policy, **policy_options)
