@@ -48,6 +48,14 @@ class Full(Policy):
   requires_budget: ClassVar[bool] = False
   allocator: alloc_lib.Allocator = alloc_lib.KeepAll()
 
+  def __post_init__(self):
+    super().__post_init__()
+    if self.channel_ratio is not None or self.decode_every is not None:
+      raise ValueError(
+        "options: the full cache keeps every token and every key channel; expected no "
+        f"channel_ratio or decode_every, got {self.channel_ratio!r}, {self.decode_every!r}"
+      )
+
   @property
   def observation_window(self) -> int:
     return 0
