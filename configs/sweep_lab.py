@@ -2,6 +2,12 @@
 
 The grid crosses total budgets, layer schedules, head allocations and scorers; ``zip`` axes move
 together (here each schedule with its own hyper-parameter label is crossed by product).
+
+A user's own pieces are named after registering them before the sweep runs (in a config file
+that imports this one, say, since ``experiments.sweep`` executes the config file):
+``kvjax.policies.register`` for a scorer on the ``policy`` axis, and
+``kvjax.lab.sweep.register_schedule`` / ``register_head_alloc`` for an allocator on the
+``schedule`` / ``head_alloc`` axes, its swept fields mapped to the data axes below (``axes=``).
 """
 
 import ml_collections
@@ -15,8 +21,10 @@ def base() -> ml_collections.ConfigDict:
     dict(
       scenario="needle_qa",
       policy="snapkv",  # any sweepable registered policy (kvjax.lab.sweep.sweepable())
-      schedule="uniform",  # uniform | pyramid | cake: policies.Uniform, Pyramid, CakeLayers
-      head_alloc="uniform",  # uniform | adakv | headkv: policies.Uniform, AdaKV, HeadKV
+      # uniform | pyramid | cake (policies.Uniform, Pyramid, CakeLayers) | a registered schedule
+      schedule="uniform",
+      # uniform | adakv | headkv (policies.Uniform, AdaKV, HeadKV) | a registered head allocation
+      head_alloc="uniform",
       pyramid_mode="legacy_floor",  # legacy_floor | kvpress | exact_total
       window=8,  # observation window (<= world.window)
       kernel=7,

@@ -23,7 +23,8 @@ from conftest import forced_devices_env, full_mode  # noqa: E402
 
 from configs import sweep_lab  # noqa: E402
 from kvjax import budgets, policies, rundir, select  # noqa: E402
-from kvjax.lab import sweep, synthetic  # noqa: E402
+from kvjax.lab import keys as keys_lib  # noqa: E402
+from kvjax.lab import online, sweep, synthetic  # noqa: E402
 
 
 def quick(**product):
@@ -79,8 +80,8 @@ def test_bad_configurations(tmp_path):
     sweep.run(quick(policy=("snap",)), tmp_path / "c", progress=False)
   with pytest.raises(ValueError, match="kernel: expected a positive odd"):
     sweep.run(quick(kernel=(4,)), tmp_path / "d", progress=False)
-  with pytest.raises(ValueError, match=r"policy: 'knorm' cannot be swept: it reads evidence\.keys"):
-    sweep.run(quick(policy=("knorm",)), tmp_path / "f", progress=False)
+  with pytest.raises(ValueError, match=r"policy: 'qfilter' cannot be swept: it reads evidence\.qf"):
+    sweep.run(quick(policy=("qfilter",)), tmp_path / "f", progress=False)
   with pytest.raises(ValueError, match="policy: 'pyramidkv' cannot be swept: it allocates"):
     sweep.run(quick(policy=("pyramidkv",)), tmp_path / "g", progress=False)
   with pytest.raises(ValueError, match="schedule: HeadKV allocates across layers itself"):
@@ -450,8 +451,12 @@ def test_resume_reruns_cut_and_invalid_rows_and_drops_repeats(tmp_path):
 def test_the_builtin_sweepable_policies():
   assert set(sweep.sweepable()) == {
     *("snapkv", "snapkv_kvpress", "h2o", "h2o_kvpress", "tova", "streaming_llm"),
-    *("sliding_window", "random", "oracle", "chunkkv_snapkv"),
+    *("sliding_window", "random", "oracle", "chunkkv_snapkv", "knorm", "keydiff", "lagkv"),
   }
+  # every policy the lab replays and that takes its budget as given (the axes allocate)
+  takes_budget = {n for n in online.replayable() if not policies.make(n).allocates}
+  assert takes_budget == set(sweep.sweepable())
+  assert online.LAB_EVIDENCE <= sweep.SWEEP_EVIDENCE
 
 
 @pytest.mark.parametrize(
@@ -513,6 +518,33 @@ def test_a_registered_scorer_is_swept_by_name(tmp_path):
     np.testing.assert_allclose(row.retained_mass.item(), expected, rtol=1e-5)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FirstRow(policies.Policy):
+  """The first window query's attention (another scorer for the name of :class:`LastRow`)."""
+
+  needs = frozenset({"attn_window_LHWT"})
+
+  def score(self, evidence):
+    return evidence.attn_window_LHWT[:, :, 0, :]
+
+
+def test_a_name_registered_again_scores_with_its_new_policy():
+  c = quick()
+  cfg = dict(sweep.expand(c.grid, c.base)[0], policy="reregistered_sweep_test")
+  scores = []
+  try:
+    for cls in (LastRow, FirstRow):
+      policies.register("reregistered_sweep_test", cls, overwrite=True)
+      scores.append(np.asarray(sweep.Engine(c.world, capacity=32).scores(sweep.group_key(cfg))))
+  finally:
+    policies.unregister("reregistered_sweep_test")
+  attn = np.asarray(
+    sweep.Engine(c.world, capacity=32).world_evidence(cfg["scenario"]).attn_window_LHWP
+  )
+  np.testing.assert_array_equal(scores[0], attn[:, :, -1])
+  np.testing.assert_array_equal(scores[1], attn[:, :, 0])
+
+
 def test_best_per_budget_leaves_out_what_reads_the_future():
   rows = [
     dict(budget=b, policy=p, schedule="uniform", head_alloc="uniform", retained_mass=m)
@@ -522,3 +554,287 @@ def test_best_per_budget_leaves_out_what_reads_the_future():
   ]
   best = sweep.best_per_budget(pd.DataFrame(rows))
   assert list(best.policy) == ["h2o", "h2o"]
+
+
+# --------------------------------------------------------------------------- keys and values
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LargestValues(policies.Policy):
+  """Keep the positions whose values have the largest L2 norm (a scorer written outside kvjax)."""
+
+  needs = frozenset({"values_LGTD"})
+
+  def score(self, evidence):
+    return jnp.linalg.norm(evidence.values_LGTD, axis=-1)
+
+
+def _kept_by_numpy(rank_LHP: np.ndarray, budget_LH: np.ndarray) -> np.ndarray:
+  """``[L, H, P]`` bool: each head's first ``budget`` positions of ``rank`` (a stable sort: ties
+  to the lower position, the selection's rule)."""
+  order = np.argsort(rank_LHP, -1, kind="stable")
+  keep = np.zeros(rank_LHP.shape, bool)
+  for idx in np.ndindex(budget_LH.shape):
+    keep[idx][order[idx][: budget_LH[idx]]] = True
+  return keep
+
+
+def _metrics_by_numpy(keep_LHP: np.ndarray, mass_LHP: np.ndarray, fact_P: np.ndarray) -> dict:
+  L, H, _ = keep_LHP.shape
+  return {
+    "retained_mass": (mass_LHP * keep_LHP).sum(-1).mean(),
+    "fact_recall": (keep_LHP & fact_P).sum() / max(fact_P.sum() * L * H, 1),
+    "cache_tokens": keep_LHP.sum(),
+  }
+
+
+def test_key_and_value_scorers_are_swept_by_name(tmp_path):
+  """Key norm (the lab's modelled keys) and a user's value-norm scorer (the world's values),
+  both by name: what they keep and retain checked against numpy on the lab's keys and values."""
+  name = "largest_values_sweep_test"
+  c = quick(policy=("knorm", name), budget=(16, 48))
+  policies.register(name, LargestValues)
+  try:
+    assert name in sweep.sweepable()
+    table = sweep.run(c, tmp_path, progress=False, log=lambda *_: None)
+    engine = sweep.Engine(c.world, capacity=48)
+    configs = sweep.expand(c.grid, c.base)
+    engine_scores = {cfg["policy"]: engine.scores(sweep.group_key(cfg)) for cfg in configs}
+  finally:
+    policies.unregister(name)
+  cfg = synthetic.world_config(c.base.scenario, c.world)
+  world, P = synthetic.make_world(cfg), cfg.prompt_len  # the lab's world, with its values
+  keys = np.asarray(keys_lib.world_keys(world, seed=cfg.seed), np.float64)[..., :P, :]
+  values = np.asarray(world.values_LHTD, np.float64)[..., :P, :]
+  ranks = {  # ascending: the first kept
+    "knorm": np.linalg.norm(keys, axis=-1),  # the lowest key norms
+    name: -np.linalg.norm(values, axis=-1),  # the largest value norms
+  }
+  ev = engine.world_evidence(c.base.scenario)
+  mass, fact = np.asarray(ev.future_mass_LHP), np.asarray(ev.fact_P)
+  L, H = mass.shape[:2]
+  for policy, rank in ranks.items():
+    for b in (16, 48):
+      keep = _kept_by_numpy(rank, np.full((L, H), b))
+      np.testing.assert_array_equal(
+        np.asarray(select.keep_mask(engine_scores[policy], b)), keep, err_msg=policy
+      )
+      row = table[(table.policy == policy) & (table.budget == b)]
+      for m, expected in _metrics_by_numpy(keep, mass, fact).items():
+        np.testing.assert_allclose(row[m].item(), expected, rtol=1e-5, err_msg=f"{policy} {m}")
+
+
+def test_keys_and_values_are_the_labs_and_built_only_when_read():
+  c = quick()
+  c.world.update(prompt_len=384)  # past LagKV's sinks + 2 * lag: its chunked scores
+  engine = sweep.Engine(c.world, capacity=64)
+  base = sweep.expand(c.grid, c.base)[0]
+  ev = engine.world_evidence(base["scenario"])
+  engine.scores(sweep.group_key(base))  # SnapKV reads neither
+  assert ev._keys is None and ev._values is None
+  cfg = synthetic.world_config(base["scenario"], c.world)
+  world = synthetic.make_world(cfg)
+  lab = online.key_evidence(
+    world, online.prompt_evidence(world, jax.random.key(cfg.seed)), seed=cfg.seed
+  )
+  for policy in ("knorm", "keydiff", "lagkv"):
+    key = sweep.group_key(dict(base, policy=policy))
+    expected = policies.make(policy).scores(lab)  # the lab's replay scores these
+    actual = np.asarray(engine.scores(key))  # fused in one program: within float rounding
+    np.testing.assert_allclose(actual, np.asarray(expected), rtol=1e-5, atol=1e-6, err_msg=policy)
+    if policy == "knorm":
+      assert ev._keys is not None and ev._values is None  # keys alone: no world with values
+  np.testing.assert_array_equal(np.asarray(ev.keys_LHPD), np.asarray(lab.keys_LGTD))
+  np.testing.assert_array_equal(np.asarray(ev.values_LHPD), np.asarray(lab.values_LGTD))
+
+
+# --------------------------------------------------------------------------- a user's allocators
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearRamp(policies.Allocator):
+  """Layer budgets rising linearly from ``low`` x the budget to ``2 - low`` x, never below the
+  protected window + 1 (a layer schedule written outside kvjax)."""
+
+  low: float = 0.5
+
+  def __call__(self, evidence, scores_LHT, budget, window):
+    L, H, _ = scores_LHT.shape
+    budget_L = jnp.floor(budget * jnp.linspace(self.low, 2.0 - self.low, L))
+    budget_L = jnp.maximum(budget_L, window + 1).astype(jnp.int32)
+    return jnp.broadcast_to(budget_L[:, None], (L, H))
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadTilt(policies.Allocator):
+  """Each layer's budget tilted across its heads, from ``1 - tilt`` x to ``1 + tilt`` x, never
+  below the protected window + 1 (a head allocation written outside kvjax)."""
+
+  budget_ndim = 1  # takes a budget per layer
+  tilt: float = 0.5
+
+  def __call__(self, evidence, scores_LHT, budget_L, window):
+    L, H, _ = scores_LHT.shape
+    budget_L = jnp.broadcast_to(jnp.asarray(budget_L), (L,))
+    scale_H = jnp.linspace(1.0 - self.tilt, 1.0 + self.tilt, H)
+    tilted = jnp.floor(budget_L[:, None] * scale_H[None])
+    return jnp.maximum(tilted, window + 1).astype(jnp.int32)
+
+
+def test_a_users_allocators_on_the_schedule_and_head_alloc_axes(tmp_path):
+  """A registered schedule and head allocation, their numbers swept as data, called through the
+  Allocator protocol under vmap: budgets, kept mass and recall checked against numpy."""
+  sweep.register_schedule("linear_ramp_test", LinearRamp, axes={"low": "alpha"})
+  sweep.register_head_alloc("head_tilt_test", HeadTilt, axes={"tilt": "tau2"})
+  c = quick(
+    policy=("snapkv", "streaming_llm"),
+    schedule=("linear_ramp_test", "uniform"),
+    head_alloc=("uniform", "head_tilt_test"),
+    budget=(20, 40),
+    alpha=(0.25, 0.625),  # multipliers k / 8 at L = H = 4: exact in float32 and float64
+  )
+  c.base.tau2 = 0.375
+  c.world.num_layers = 4
+  try:
+    table = sweep.run(c, tmp_path, progress=False, log=lambda *_: None)
+  finally:
+    sweep.unregister_schedule("linear_ramp_test")
+    sweep.unregister_head_alloc("head_tilt_test")
+  assert "linear_ramp_test" not in sweep.SCHEDULES and LinearRamp not in sweep.ALLOCATOR_AXES
+  assert len(table) == 2 * 2 * 2 * 2 * 2
+  engine = sweep.Engine(c.world, capacity=40)
+  ev = engine.world_evidence(c.base.scenario)
+  attn, mass, fact = (np.asarray(a) for a in (ev.attn_window_LHWP, ev.future_mass_LHP, ev.fact_P))
+  L, H, P = mass.shape
+  w = c.base.window
+  evidence = policies.Evidence(attn_window_LHWT=jnp.asarray(attn))
+  ranks = {
+    "snapkv": -np.asarray(policies.make("snapkv", window=w).scores(evidence)),
+    "streaming_llm": -np.asarray(
+      policies.make("streaming_llm", sinks=c.base.sinks).scores(evidence)
+    ),
+  }
+  for row in table.itertuples():
+    budget_L = np.full(L, row.budget, np.float64)
+    if row.schedule == "linear_ramp_test":
+      budget_L = np.maximum(np.floor(row.budget * np.linspace(row.alpha, 2 - row.alpha, L)), w + 1)
+    budget_LH = np.broadcast_to(budget_L[:, None], (L, H))
+    if row.head_alloc == "head_tilt_test":
+      tilt = np.linspace(1 - row.tau2, 1 + row.tau2, H)
+      budget_LH = np.maximum(np.floor(budget_L[:, None] * tilt), w + 1)
+    budget_LH = budget_LH.astype(int)
+    assert json.loads(row.budget_profile) == np.round(budget_LH.mean(-1), 2).tolist(), row
+    keep = _kept_by_numpy(ranks[row.policy], budget_LH)
+    for m, expected in _metrics_by_numpy(keep, mass, fact).items():
+      np.testing.assert_allclose(getattr(row, m), expected, rtol=1e-5, err_msg=f"{row} {m}")
+
+
+class SlowPyramid(policies.Pyramid):
+  """PyramidKV's schedule without the engine's fast path (a subclass: called by the protocol)."""
+
+
+class SlowCake(policies.CakeLayers):
+  pass
+
+
+class SlowAdaKV(policies.AdaKV):
+  pass
+
+
+class SlowHeadKV(policies.HeadKV):
+  pass
+
+
+def test_the_protocol_path_equals_the_fast_paths(tmp_path):
+  """The built-in allocators' subclasses go through the Allocator protocol (the slow path); their
+  rows equal the fast paths' (shared CAKE statistics, Ada-KV's pooled table, HeadKV)."""
+  slow = {
+    "schedule": {
+      "slow_pyramid": (SlowPyramid, {"beta": "beta"}),
+      "slow_cake": (SlowCake, {"tau1": "tau1", "tau2": "tau2"}),
+    },
+    "head_alloc": {
+      "slow_adakv": (SlowAdaKV, {"floor_alpha": "alpha"}),
+      "slow_headkv": (SlowHeadKV, {"beta": "head_beta"}),
+    },
+  }
+  pairs = [  # (fast schedule, head_alloc) -> the same through the protocol
+    (("pyramid", "adakv"), ("slow_pyramid", "adakv")),
+    (("pyramid", "adakv"), ("pyramid", "slow_adakv")),
+    (("cake", "uniform"), ("slow_cake", "uniform")),
+    (("uniform", "headkv"), ("uniform", "slow_headkv")),
+  ]
+  both = list(dict.fromkeys(p for pair in pairs for p in pair))
+  c = quick(policy=("snapkv", "streaming_llm"), budget=(20, 40))
+  c.grid.zip = ml_collections.ConfigDict(
+    dict(schedule=tuple(s for s, _ in both), head_alloc=tuple(h for _, h in both))
+  )
+  c.base.update(beta=4.0, alpha=0.3, head_beta=1.2, tau1=1.6, tau2=0.4)
+  for name, (cls, axes) in slow["schedule"].items():
+    sweep.register_schedule(name, cls, axes=axes)
+  for name, (cls, axes) in slow["head_alloc"].items():
+    sweep.register_head_alloc(name, cls, axes=axes)
+  try:
+    table = sweep.run(c, tmp_path, progress=False, log=lambda *_: None)
+  finally:
+    for name in slow["schedule"]:
+      sweep.unregister_schedule(name)
+    for name in slow["head_alloc"]:
+      sweep.unregister_head_alloc(name)
+  rows = table.set_index(["policy", "budget", "schedule", "head_alloc"]).sort_index()
+  for fast, protocol in pairs:
+    for policy in ("snapkv", "streaming_llm"):
+      for b in (20, 40):
+        a, z = rows.loc[(policy, b, *fast)], rows.loc[(policy, b, *protocol)]
+        assert a.budget_profile == z.budget_profile, (fast, protocol, policy, b)
+        for m in sweep.METRICS:
+          np.testing.assert_allclose(z[m], a[m], rtol=1e-6, err_msg=f"{fast} {protocol} {m}")
+
+
+@pytest.mark.parametrize(
+  "call, match",
+  [
+    (lambda: sweep.register_schedule("pyramid", LinearRamp), "'pyramid' is a built-in schedule"),
+    (lambda: sweep.register_schedule("my ramp", LinearRamp), "expected an identifier"),
+    (lambda: sweep.register_schedule("ramp_x", object), "expected a kvjax.policies.Allocator"),
+    (
+      lambda: sweep.register_schedule("ramp_x", LinearRamp, axes={"high": "alpha"}),
+      r"'high' is not a field of LinearRamp; expected one of \['low'\]",
+    ),
+    (
+      lambda: sweep.register_schedule("ramp_x", LinearRamp, axes={"low": "budget"}),
+      "'low' -> 'budget' is not a data axis",
+    ),
+    (
+      lambda: sweep.register_head_alloc("duo_x", policies.DuoSplit),
+      r"reads evidence\.retrieval_heads_LG, which the sweep's world does not provide",
+    ),
+    (
+      lambda: sweep.register_head_alloc("pyramid_x", policies.Pyramid, axes={"beta": "tau1"}),
+      r"Pyramid is swept by the axes \{'beta': 'beta'\} already",
+    ),
+    (lambda: sweep.unregister_schedule("cake"), "'cake' is a built-in schedule"),
+    (lambda: sweep.unregister_head_alloc("nope"), "head_alloc 'nope' is not registered"),
+  ],
+)
+def test_allocator_registration_errors(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
+  assert set(sweep.SCHEDULES) == {"uniform", "pyramid", "cake"}
+  assert set(sweep.HEAD_ALLOCS) == {"uniform", "adakv", "headkv"}
+
+
+def test_a_users_allocator_validates_its_numbers_and_names_the_axis(tmp_path):
+  @dataclasses.dataclass(frozen=True)
+  class CheckedRamp(LinearRamp):
+    def __post_init__(self):
+      budgets.check_real("low", self.low, low=0.0, high=1.0)  # concrete values only
+
+  sweep.register_schedule("checked_ramp_test", CheckedRamp, axes={"low": "beta"})
+  try:
+    with pytest.raises(ValueError, match="schedule: 'checked_ramp_test' rejects this config"):
+      sweep.run(quick(schedule=("checked_ramp_test",), beta=(4.0,)), tmp_path, progress=False)
+    with pytest.raises(ValueError, match="name: schedule 'checked_ramp_test' is registered"):
+      sweep.register_schedule("checked_ramp_test", CheckedRamp)
+  finally:
+    sweep.unregister_schedule("checked_ramp_test")
