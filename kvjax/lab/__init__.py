@@ -2,8 +2,10 @@
 metrics, the policy x scenario suite and budget sweeps.
 
 ``synthetic`` (the world), ``online`` (decode-time replay in a ``lax.scan``), ``metrics``,
-``suite`` (what ``python -m experiments.lab`` runs) and ``sweep`` (grids of budget
-configurations, vmapped and sharded), ``keys`` (modelled keys for the attention-free scorers).
+``suite`` (what ``python -m experiments.lab`` runs), budget sweeps in three rooms: ``grid``
+(fields, axis vocabularies, expansion, validation), ``groups`` (a group's evidence, allocation
+and compiled evaluation) and ``sweep`` (the engine and run directory), and ``keys`` (modelled
+keys for the attention-free scorers).
 ``run`` and ``pivot`` are the suite's; ``run_keys``, ``key_pivot`` and ``versus`` its
 attention-free comparison (``configs/lab_keys.py``).
 """
