@@ -295,3 +295,26 @@ def test_custom_policies_in_an_evaluation_config(tmp_path, tiny):
   direct = evaluate.evaluate_group(tiny[0], exs, [48, 128], mine.ValueNorm(sinks=2))
   rows = table[table.policy == "value_norm"].sort_values("budget")
   np.testing.assert_allclose(rows.accuracy, [r["accuracy"] for r in direct["rows"]])
+
+
+def test_value_norm_swept_under_the_layer_ramp(tmp_path):
+  c = sweep_lab.get_config("quick")
+  grid = dict(policy=("value_norm",), schedule=("layer_ramp_example",), budget=(16, 32))
+  c.grid.product = ml_collections.ConfigDict(grid)
+  sweep.register_schedule("layer_ramp_example", mine.LayerRamp)
+  try:
+    table = sweep.run(c, tmp_path, progress=False, log=lambda *_: None)
+  finally:
+    sweep.unregister_schedule("layer_ramp_example")
+  cfg = synthetic.world_config(c.base.scenario, c.world)
+  world, P = synthetic.make_world(cfg), cfg.prompt_len
+  values = np.asarray(world.values_LHTD, np.float32)[..., :P, :]
+  mass = np.asarray(
+    sweep.Engine(c.world, capacity=32).world_evidence(c.base.scenario).future_mass_LHP
+  )
+  L, H = mass.shape[:2]
+  for b in (16, 32):  # the ramp's layer budgets (the sweep's window is 8), each head's top b_l
+    budget_L = ramp_np(b, c.base.window, L)
+    kept = top_b(value_norm_np(values, 4).reshape(-1, P), np.repeat(budget_L, H))
+    expected = (mass * kept.reshape(L, H, P)).sum(-1).mean()
+    np.testing.assert_allclose(table[table.budget == b].retained_mass.item(), expected, rtol=1e-5)
