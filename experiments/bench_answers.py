@@ -1,7 +1,7 @@
 """Answering from one prefill: the answer fed at once (and greedy rounds) vs token by token.
 
 The evaluation answers every (policy, budget) from one shared prefill
-(:func:`kvjax.model.decoding.answer_prefilled`): it decodes the question and the answer through
+(:func:`kvjax.model.answers.answer_prefilled`): it decodes the question and the answer through
 the compressed cache twice, teacher-forced (for KL) and greedy (for accuracy). A prefill-time
 policy only appends while decoding, so both passes go without a token loop: one
 :func:`kvjax.model.cache.extend_logits` call for the teacher-forced pass and a few rounds of it
@@ -24,7 +24,7 @@ import numpy as np
 
 from kvjax import policies
 from kvjax.eval import evaluate
-from kvjax.model import decoding
+from kvjax.model import answers
 
 # each policy built once (budgets None: the full cache's whole context)
 CASES = (
@@ -66,7 +66,7 @@ def main() -> int:
       runs = {
         loop: timed(
           functools.partial(
-            decoding.answer_prefilled, model, pre, budgets_K, policy=policy, token_loop=loop
+            answers.answer_prefilled, model, pre, budgets_K, policy=policy, token_loop=loop
           ),
           args.repeats,
         )

@@ -1,5 +1,6 @@
-"""kvjax.model.decoding: generation through the compressed cache (full-cache equivalence,
-padding, vmapped configurations, budget validation)."""
+"""kvjax.model.decoding (with answers and logprobs): generation, answers and streamed
+log-probabilities through the compressed cache (full-cache equivalence, padding, vmapped
+configurations, budget validation)."""
 
 import dataclasses
 
@@ -220,16 +221,16 @@ def test_one_prefill_serves_every_policy(question):
   rng = np.random.default_rng(1)
   prompt = rng.integers(4, 200, (2, 96)).astype(np.int32)
   answer = rng.integers(4, 200, (2, 3)).astype(np.int32)
-  shared = km.decoding.prefill_answers(model, prompt, answer, question_len=5, question=question)
+  shared = km.answers.prefill_answers(model, prompt, answer, question_len=5, question=question)
   for policy, options in [("snapkv", {"window": 8}), ("h2o", {}), ("oracle", {}), ("tova", {})]:
     alone = km.answer_configs(
       model, prompt, answer, [24, 40], policy=policy, question_len=5, question=question, **options
     )
-    both = km.decoding.answer_prefilled(model, shared, [24, 40], policy=policy, **options)
+    both = km.answers.answer_prefilled(model, shared, [24, 40], policy=policy, **options)
     np.testing.assert_array_equal(both.predicted, alone.predicted)
     np.testing.assert_allclose(both.logprobs, alone.logprobs, atol=1e-5)
   with pytest.raises(ValueError, match="window rows"):
-    km.decoding.answer_prefilled(model, shared, [60], policy="snapkv", window=40)
+    km.answers.answer_prefilled(model, shared, [60], policy="snapkv", window=40)
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "mistral_window_8"])
@@ -261,12 +262,12 @@ def test_answers_without_a_token_loop_equal_the_token_loop(model_name, tmp_path)
   elif not full_mode():  # CI's quick mode: one mode, no per-head allocation
     cases, modes = [cases[0], cases[1], cases[3]], ("after",)
   for question in modes:
-    shared = km.decoding.prefill_answers(
+    shared = km.answers.prefill_answers(
       model, prompt_ids, answer, question_len=5, question=question, answer_given=given
     )
     for policy, budgets, options in cases:
-      at_once = km.decoding.answer_prefilled(model, shared, budgets, policy=policy, **options)
-      loop = km.decoding.answer_prefilled(
+      at_once = km.answers.answer_prefilled(model, shared, budgets, policy=policy, **options)
+      loop = km.answers.answer_prefilled(
         model, shared, budgets, policy=policy, token_loop=True, **options
       )
       np.testing.assert_array_equal(at_once.predicted, loop.predicted, err_msg=policy)
@@ -319,18 +320,18 @@ def test_stream_logprobs_through_the_cache_equal_the_full_forward():
   ids = np.random.default_rng(0).integers(4, 200, (2, 60)).astype(np.int32)
   logp = np.asarray(jax.nn.log_softmax(model(jnp.asarray(ids)), -1))[:, :-1]
   ref = np.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
-  np.testing.assert_allclose(km.decoding.stream_logprobs(model, ids), ref, atol=1e-4)
-  np.testing.assert_allclose(km.decoding.teacher_forced_logprobs(model, ids), ref, atol=1e-5)
+  np.testing.assert_allclose(km.logprobs.stream_logprobs(model, ids), ref, atol=1e-4)
+  np.testing.assert_allclose(km.logprobs.teacher_forced_logprobs(model, ids), ref, atol=1e-5)
   # a window as long as the text evicts nothing; the prefix is compressed under the budget too
-  wide = km.decoding.stream_logprobs(model, ids, policy="sliding_window", budget=60, prefix=10)
+  wide = km.logprobs.stream_logprobs(model, ids, policy="sliding_window", budget=60, prefix=10)
   np.testing.assert_allclose(wide, ref[:, 9:], atol=1e-4)
-  small = km.decoding.stream_logprobs(model, ids, policy="streaming_llm", budget=12)
+  small = km.logprobs.stream_logprobs(model, ids, policy="streaming_llm", budget=12)
   assert small.shape == (2, 59) and np.isfinite(small).all()
   assert np.abs(small[:, :10] - ref[:, :10]).max() < 1e-4  # nothing evicted yet
   with pytest.raises(ValueError, match="decode-time policy"):
-    km.decoding.stream_logprobs(model, ids, policy="snapkv", budget=40)
+    km.logprobs.stream_logprobs(model, ids, policy="snapkv", budget=40)
   with pytest.raises(ValueError, match="prefix"):
-    km.decoding.stream_logprobs(model, ids, prefix=60)
+    km.logprobs.stream_logprobs(model, ids, prefix=60)
 
 
 def test_new_budget_maxima_rarely_recompile_the_decoder():

@@ -149,9 +149,7 @@ def test_nothing_outside_the_policies_compares_a_policy_name():
 
   known = set(policies.names())
   paths = [
-    p
-    for room in ("model", "eval", "lab")
-    for p in sorted((ROOT / "kvjax" / room).rglob("*.py"))
+    p for room in ("model", "eval", "lab") for p in sorted((ROOT / "kvjax" / room).rglob("*.py"))
   ] + sorted((ROOT / "experiments").glob("*.py"))
   problems = []
   for path in paths:

@@ -14,8 +14,8 @@ from hf_models import make_checkpoint_cached, prompt
 from kvjax import model as km
 from kvjax import policies
 from kvjax import scores as scores_lib
+from kvjax.model import answers, decoding, llama
 from kvjax.model import cache as cache_lib
-from kvjax.model import decoding, llama
 
 EXTRA = policies.EvidenceRequest(query_stats=True, value_out_norms=True, window_queries=6)
 
@@ -204,7 +204,7 @@ def test_think_logits_equal_kvpress_zeroed_keys_and_the_cache_is_smaller(tiny):
   ids = prompt(T=40, B=2, seed=3)
   N, budget, ratio = 6, 16, 0.5
   request = policies.EvidenceRequest(window=8, window_queries=8)
-  pre = decoding._prefill(cfg, params, jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32), request)
+  pre = decoding.jit_prefill(cfg, params, jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32), request)
   think = cache_lib.CacheSpec(
     policies.make("snapkv", window=8, channel_ratio=ratio), budget + N, new_tokens=N
   )
@@ -278,7 +278,7 @@ def test_decode_every_keeps_at_most_budget_plus_n_and_compresses_on_time(tiny):
   model, cfg, params = tiny
   ids = prompt(T=40, B=2, seed=1)
   budget, N = 12, 5
-  pre = decoding._prefill(
+  pre = decoding.jit_prefill(
     cfg,
     params,
     jnp.asarray(ids),
@@ -307,7 +307,7 @@ def test_a_recompression_keeps_what_the_policy_selects_on_the_slots(tiny):
   model, cfg, params = tiny
   ids = prompt(T=40, B=2, seed=2)
   budget, N = 10, 6
-  pre = decoding._prefill(
+  pre = decoding.jit_prefill(
     cfg,
     params,
     jnp.asarray(ids),
@@ -390,7 +390,7 @@ def test_budgets_are_traced_data_with_decode_every_and_think(tiny):
   model, cfg, params = tiny
   ids = prompt(T=40)
   request = policies.EvidenceRequest(window=8, value_out_norms=True, window_queries=8)
-  pre = decoding._prefill(cfg, params, jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32), request)
+  pre = decoding.jit_prefill(cfg, params, jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32), request)
   first = jnp.zeros((1,), jnp.int32)
   for options in (dict(decode_every=8), dict(channel_ratio=0.5)):
     chex.clear_trace_counter()
@@ -470,14 +470,14 @@ def test_reconstruction_attention_follows_the_callers_columns(tiny):
 def test_answers_with_the_new_evidence_share_one_prefill(tiny):
   model, cfg, _ = tiny
   ids, answer = prompt(T=40, seed=6), prompt(T=3, seed=7)
-  pre = decoding.prefill_answers(
+  pre = answers.prefill_answers(
     model, ids, answer, window=8, oracle=False, needs=("value_out_norms_LHT", "query_mean_LHD")
   )
   for policy, options in (("critical_snapkv", dict(window=8)), ("expected_attention", {})):
-    out = decoding.answer_prefilled(model, pre, np.array([16, 24]), policy=policy, **options)
+    out = answers.answer_prefilled(model, pre, np.array([16, 24]), policy=policy, **options)
     assert out.predicted.shape == (2, 1, 3)
   with pytest.raises(ValueError, match="n_sink"):
-    decoding.answer_prefilled(model, pre, np.array([16]), policy="expected_attention", sinks=2)
-  bare = decoding.prefill_answers(model, ids, answer, window=8, oracle=False)
+    answers.answer_prefilled(model, pre, np.array([16]), policy="expected_attention", sinks=2)
+  bare = answers.prefill_answers(model, ids, answer, window=8, oracle=False)
   with pytest.raises(ValueError, match="needs=\\('value_out_norms_LHT',\\)"):
-    decoding.answer_prefilled(model, bare, np.array([16]), policy="critical_snapkv", window=8)
+    answers.answer_prefilled(model, bare, np.array([16]), policy="critical_snapkv", window=8)

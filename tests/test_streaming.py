@@ -6,7 +6,7 @@ import pytest
 from configs import streaming_ppl
 from kvjax import model as km
 from kvjax.eval import streaming
-from kvjax.model import decoding
+from kvjax.model import logprobs
 
 
 def test_the_text_ships_with_python_and_is_long_enough():
@@ -34,11 +34,11 @@ def test_quick_run_writes_every_policy_and_cache(tmp_path):
 def test_budgets_read_in_one_scan_equal_separate_streams():
   model, _, tok = km.load_tiny()
   ids = streaming.text_ids(tok, 96, "filler")
-  together = decoding.stream_logprobs(model, ids, policy="streaming_llm", budgets=[16, 40], sinks=2)
+  together = logprobs.stream_logprobs(model, ids, policy="streaming_llm", budgets=[16, 40], sinks=2)
   for k, b in enumerate([16, 40]):
-    alone = decoding.stream_logprobs(model, ids, policy="streaming_llm", budget=b, sinks=2)
+    alone = logprobs.stream_logprobs(model, ids, policy="streaming_llm", budget=b, sinks=2)
     np.testing.assert_allclose(together[k], alone, atol=1e-5)
   with pytest.raises(ValueError, match="budget or budgets"):
-    decoding.stream_logprobs(model, ids, policy="sliding_window", budget=16, budgets=[16])
+    logprobs.stream_logprobs(model, ids, policy="sliding_window", budget=16, budgets=[16])
   with pytest.raises(ValueError, match="budgets: the full cache"):
-    decoding.stream_logprobs(model, ids, budgets=[16])
+    logprobs.stream_logprobs(model, ids, budgets=[16])

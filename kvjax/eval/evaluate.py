@@ -2,7 +2,8 @@
 
 For each (task, context length) a fixed set of held-out examples is prefilled once for every
 policy, ``batch`` examples at a time (all at once by default), and answered under every budget of
-the grid at once (:func:`kvjax.model.answer_prefilled`: compress and decode vmapped over budgets).
+the grid at once (:func:`kvjax.model.answers.answer_prefilled`: compress and decode vmapped over
+budgets).
 Each (task, length, policy) group appends its rows to ``results.csv`` as soon as its last batch
 is done; a rerun skips the groups already there (like sweeps).
 Besides accuracy, each row carries the teacher-forced next-token KL divergence between the full and
@@ -26,7 +27,8 @@ import pandas as pd
 from kvjax import model as km
 from kvjax import plotting, policies, rundir
 from kvjax.eval import report, tasks
-from kvjax.model import assets, calibrate, decoding
+from kvjax.model import answers as answers_lib
+from kvjax.model import assets, calibrate
 from kvjax.model.tokenizer import HFTokenizer, PieceTokenizer
 
 EVAL_SEED = 2**31  # training draws example seeds below 2**31: evaluation seeds never collide
@@ -127,7 +129,7 @@ def full_cache_scores(model, tokenizer, lengths, count: int, task_options: dict,
       for start in range(0, count, 8):  # batches of 8 bound memory at long contexts
         part = exs[start : start + 8]
         P, A, S = tasks.batch(part)
-        ans = decoding.answer_configs(model, P, A, np.array([1]), policy=FULL, answer_given=~S)
+        ans = answers_lib.answer_configs(model, P, A, np.array([1]), policy=FULL, answer_given=~S)
         oks.append(accuracy(part, ans.predicted[0]))
         found.append(recall(part, ans.predicted[0]))
       out["accuracy"][str(length)][task] = float(np.concatenate(oks).mean())
@@ -156,15 +158,15 @@ def prefill_examples(
   oracle=True,
   shape=None,
   needs=(),
-) -> decoding.Prefilled:
+) -> answers_lib.Prefilled:
   """The examples' one prefill, shared by every policy and budget that answers them
-  (:func:`kvjax.model.decoding.prefill_answers`). ``shape = (question_len, answer_len)`` feeds
+  (:func:`kvjax.model.answers.prefill_answers`). ``shape = (question_len, answer_len)`` feeds
   that many trailing prompt tokens through the cache and pads answers to that length (see
   :func:`shared_shape`); by default the examples' own longest question and answer. ``needs``:
   the further prefill evidence the policies read (:func:`policy_needs`)."""
   q_len, n_len = shape or (max(e.question_len for e in exs), None)
   prompts, answers, scored = tasks.batch(exs, answer_len=n_len)
-  return decoding.prefill_answers(
+  return answers_lib.prefill_answers(
     model,
     prompts,
     answers,
@@ -295,7 +297,7 @@ def evaluate_group(
       model, exs, question=question, window=window, oracle=policy.reads_future
     )
   given = {k: v for k, v in (evidence or {}).items() if k in policy.evidence_fields}
-  out = decoding.answer_prefilled(
+  out = answers_lib.answer_prefilled(
     model, prefilled, np.asarray(budgets, np.int32), policy=policy, evidence=given or None
   )
   rows = []
@@ -380,14 +382,14 @@ COLUMNS = [
 
 def question_modes(config) -> tuple[str, ...]:
   """The config's question modes: ``question`` is one of
-  :data:`kvjax.model.decoding.QUESTION_MODES` or several joined by commas (the kvpress
+  :data:`kvjax.model.answers.QUESTION_MODES` or several joined by commas (the kvpress
   leaderboard reports query-aware ``in_window`` and query-agnostic ``after`` separately)."""
   modes = tuple(m.strip() for m in str(config.question).split(",") if m.strip())
-  bad = [m for m in modes if m not in decoding.QUESTION_MODES]
+  bad = [m for m in modes if m not in answers_lib.QUESTION_MODES]
   if not modes or bad or len(set(modes)) < len(modes):
     raise ValueError(
       f"question: {config.question!r} is not a comma-separated list of distinct modes from "
-      f"{decoding.QUESTION_MODES}"
+      f"{answers_lib.QUESTION_MODES}"
     )
   return modes
 

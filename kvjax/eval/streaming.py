@@ -1,11 +1,11 @@
 """StreamingLLM's perplexity experiment (Xiao et al. 2023, Fig. 3) on a real model.
 
 One long natural text is read token by token through kvjax's decode-time cache
-(:func:`kvjax.model.decoding.stream_logprobs`) under a sliding window and ``sinks`` attention
+(:func:`kvjax.model.logprobs.stream_logprobs`) under a sliding window and ``sinks`` attention
 sinks + window, at several cache sizes, beside the full cache (one causal forward,
-:func:`kvjax.model.decoding.teacher_forced_logprobs`, which equals reading it token by token). The paper's finding: once the text
-outgrows the cache, the window's perplexity explodes (the first tokens, which soak up attention,
-are gone), and keeping 4 sink tokens recovers it.
+:func:`kvjax.model.logprobs.teacher_forced_logprobs`, which equals reading it token by token).
+The paper's finding: once the text outgrows the cache, the window's perplexity explodes (the
+first tokens, which soak up attention, are gone), and keeping 4 sink tokens recovers it.
 
 The text ships with Python itself: the "Special method names" section of *The Python Language
 Reference*'s "Data model" chapter (about 13k tokens of prose), then "Compound statements" and
@@ -25,7 +25,7 @@ import pandas as pd
 
 from kvjax import rundir
 from kvjax.eval import tasks
-from kvjax.model import decoding
+from kvjax.model import logprobs
 
 TEXT_SOURCE = "The Python Language Reference (CPython's pydoc_data.topics, PSF license)"
 TOPICS = ("specialnames", "compound", "types")  # the longest stretches of prose in it
@@ -93,9 +93,9 @@ def run(config, workdir, *, model=None, tokenizer=None, log=print) -> pd.DataFra
   for policy, caches, options in runs:
     t0 = time.time()
     if caches is None:  # one causal forward: the full cache read token by token, at once
-      logps = {None: decoding.teacher_forced_logprobs(model, ids)[0]}
+      logps = {None: logprobs.teacher_forced_logprobs(model, ids)[0]}
     else:
-      logp_K = decoding.stream_logprobs(model, ids, policy=policy, budgets=caches, **options)
+      logp_K = logprobs.stream_logprobs(model, ids, policy=policy, budgets=caches, **options)
       logps = {cache: logp_K[k, 0] for k, cache in enumerate(caches)}
     seconds = (time.time() - t0) / len(logps)
     for cache, logp in logps.items():

@@ -5,14 +5,28 @@ Modules: ``config`` (``ModelConfig`` from a checkpoint's config), ``llama`` (the
 prefill), ``assets`` (the offline models), ``gguf`` (llama.cpp checkpoints), ``tokenizer``,
 ``loading`` (Hugging Face safetensors and GGUF), ``cache`` (the compressed
 per-layer, per-head slot table, with ThinK's pruned key channels and ``decode_every``
-re-compression) and ``decoding`` (generation and answers through the cache; caller-given evidence
-as ``evidence={...}``). This package re-exports the calls a user needs.
+re-compression), ``decoding`` (generation through the cache; caller-given evidence as
+``evidence={...}``), ``answers`` (answers decoded through the compressed cache from one shared
+prefill) and ``logprobs`` (a text's log-probabilities read token by token through the cache).
+This package re-exports the calls a user needs.
 """
 
-from kvjax.model import assets, cache, config, decoding, gguf, llama, loading, tokenizer
+from kvjax.model import (
+  answers,
+  assets,
+  cache,
+  config,
+  decoding,
+  gguf,
+  llama,
+  loading,
+  logprobs,
+  tokenizer,
+)
+from kvjax.model.answers import answer_configs
 from kvjax.model.assets import smollm2_path
 from kvjax.model.config import ModelConfig, from_hf_dict
-from kvjax.model.decoding import answer_configs, generate, generate_configs, keep_mask
+from kvjax.model.decoding import generate, generate_configs, keep_mask
 from kvjax.model.llama import Llama, Prefill, forward, prefill
 from kvjax.model.loading import load, load_tiny, save
 from kvjax.model.tokenizer import load_tokenizer
@@ -26,6 +40,7 @@ __all__ = [
   "load_tokenizer",
   "smollm2_path",
   "answer_configs",
+  "answers",
   "cache",
   "config",
   "decoding",
@@ -38,6 +53,7 @@ __all__ = [
   "load",
   "load_tiny",
   "loading",
+  "logprobs",
   "prefill",
   "save",
   "tokenizer",

@@ -1,0 +1,123 @@
+"""Teacher-forced log-probabilities of a text read token by token through a compressed cache
+(StreamingLLM's perplexity experiment), and the full-cache reference from one causal forward."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import policies
+from kvjax.model import cache as cache_lib
+from kvjax.model import decoding, llama, sharding
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"))
+def _stream_logprobs(cfg, params, pre, spec, budget, rest_BS):
+  """Feeds ``rest_BS`` one token at a time through the cache compressed from ``pre``; returns
+  the log-probability of each fed token given everything before it ``[B, S]``."""
+  cache = cache_lib.compress(cfg, pre, spec, budget)
+  B, T = pre.valid.shape
+  first_logp = jax.nn.log_softmax(pre.logits[:, -1], -1)
+  start_pos = pre.valid.sum(-1).astype(jnp.int32)
+
+  def step(carry, i):
+    cache, logp_BV = carry
+    token = rest_BS[:, i]
+    hit = jnp.take_along_axis(logp_BV, token[:, None], -1)[:, 0]
+    logits, cache = cache_lib.decode_step(
+      cfg, params, spec, cache, token, start_pos + i, T + i, step=i
+    )
+    return (cache, jax.nn.log_softmax(logits, -1)), hit
+
+  (cache, _), hits = jax.lax.scan(step, (cache, first_logp), jnp.arange(rest_BS.shape[1]))
+  return hits.T, cache.overflow
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"))
+def _stream_logprobs_configs(cfg, params, pre, spec, budgets_K, rest_BS):
+  """:func:`_stream_logprobs` for ``K`` budgets in one scan (vmapped): each token's step reads
+  the weights once for every configuration."""
+  return jax.vmap(lambda b: _stream_logprobs(cfg, params, pre, spec, b, rest_BS))(budgets_K)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _teacher_forced_logprobs(cfg, params, ids_BT):
+  logits = llama.prefill(cfg, params, ids_BT, jnp.ones_like(ids_BT), logits="all").logits
+  logp_BTV = jax.nn.log_softmax(logits[:, :-1], -1)
+  return jnp.take_along_axis(logp_BTV, ids_BT[:, 1:, None], -1)[..., 0]
+
+
+def teacher_forced_logprobs(model, input_ids) -> np.ndarray:
+  """``[B, T - 1]`` log-probabilities of tokens ``1..T-1`` given the tokens before them, from one
+  causal forward: what :func:`stream_logprobs` with ``policy="full"`` reads token by token (an
+  uncompressed cache evicts nothing, so the two agree; ``tests/test_decoding.py`` checks it),
+  in one pass instead of ``T - 1`` decode steps."""
+  ids = decoding.check_token_ids("input_ids", input_ids, model.cfg.vocab_size, min_len=2)
+  params = model.params()
+  (ids,) = sharding.place_batch(params, ids)
+  return np.asarray(_teacher_forced_logprobs(model.cfg, params, ids))
+
+
+def stream_logprobs(
+  model,
+  input_ids,
+  *,
+  policy: policies.Policy | str = "full",
+  budget=None,
+  prefix: int = 1,
+  budgets=None,
+  **policy_options,
+) -> np.ndarray:
+  """Teacher-forced log-probabilities of a long text read token by token through a cache:
+  ``[B, T - prefix]``, the log-probability of token ``t`` given tokens ``< t`` as the cache
+  holds them (StreamingLLM's perplexity experiment, Xiao et al. 2023, Fig. 3).
+
+  The first ``prefix`` tokens are prefilled (and compressed under ``budget``); every later token
+  goes through the jitted decode step, where a policy that acts while decoding (a
+  :class:`kvjax.policies.DecodePolicy` such as ``sliding_window``, ``streaming_llm``, ``h2o``,
+  ``tova``, or one with ``decode_every``) keeps within ``budget`` per head. ``policy`` is an
+  object or a name built once with ``policy_options``; ``policy="full"`` keeps every token
+  (``budget`` must then be ``None``). ``budgets`` (``[K]``,
+  ``[K, L]`` or ``[K, L, H]``, instead of ``budget``) reads the text under ``K`` budgets in one
+  scan (vmapped, one compile) and returns ``[K, B, T - prefix]``.
+  """
+  if budgets is not None and budget is not None:
+    raise ValueError(f"budget: give budget or budgets, not both; got budget={budget!r}")
+  ids = decoding.check_token_ids("input_ids", input_ids, model.cfg.vocab_size, min_len=2)
+  if isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix < ids.shape[1]:
+    raise ValueError(f"prefix: expected an int in [1, T={ids.shape[1]}), got {prefix!r}")
+  pol = policies.build(policy, **policy_options)
+  if not pol.requires_budget and budget is not None:
+    raise ValueError(f"budget: the full cache keeps everything; got budget={budget!r}")
+  if pol.requires_budget and not pol.acts_at_decode:
+    raise ValueError(
+      f"policy: {pol.label!r} selects once after the prompt; a stream needs a policy that acts "
+      "while decoding (a decode-time policy such as 'sliding_window', 'streaming_llm', 'h2o', "
+      "'tova', or decode_every=N) or the full cache"
+    )
+  cfg, params = model.cfg, model.params()
+  T = ids.shape[1]
+  head, rest = jnp.asarray(ids[:, :prefix]), jnp.asarray(ids[:, prefix:])
+  request = pol.evidence_request(prefix, reduce_rows=True)
+  pre = decoding.jit_prefill(cfg, params, head, jnp.ones_like(head), request)
+  if budgets is not None:
+    if not pol.requires_budget:
+      raise ValueError(f"budgets: the full cache keeps everything; got budgets={budgets!r}")
+    budget = decoding.check_config_budgets(budgets)
+  if not pol.requires_budget:
+    capacity, budget = T, T
+  else:
+    pol.check_budget(budget, request.window)
+    # decode_every (R-KV): the budget, plus the tokens read between two re-compressions
+    capacity = int(np.max(budget)) + (pol.decode_every or 0)
+  spec = cache_lib.CacheSpec(pol, capacity, "kv")
+  if budgets is not None:
+    logp, overflow = _stream_logprobs_configs(cfg, params, pre, spec, budget, rest)
+    return np.asarray(logp)
+  logp, overflow = _stream_logprobs(cfg, params, pre, spec, budget, rest)
+  if not pol.requires_budget and bool(np.asarray(overflow).any()):
+    raise RuntimeError("cache: the full cache overflowed its capacity")
+  return np.asarray(logp)
