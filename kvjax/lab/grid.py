@@ -195,15 +195,7 @@ def sweep_problem(policy: policies.Policy) -> str | None:
 
 def sweepable() -> tuple[str, ...]:
   """The registered names the sweep scores (with their defaults), a user's included."""
-  out = []
-  for name in policies.names():
-    try:
-      policy = policies.make(name)
-    except (TypeError, ValueError):
-      continue
-    if sweep_problem(policy) is None:
-      out.append(name)
-  return tuple(out)
+  return policies.names_where(lambda policy: sweep_problem(policy) is None)
 
 
 # --------------------------------------------------------------------------- allocators

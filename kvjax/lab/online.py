@@ -90,15 +90,7 @@ def can_replay(policy: policies.Policy | str) -> bool:
 def replayable() -> tuple[str, ...]:
   """The registered names the lab replays (:func:`can_replay` of each with its defaults), a
   user's registered since included; a factory that cannot build without options is left out."""
-  out = []
-  for name in policies.names():
-    try:
-      policy = policies.make(name)
-    except (TypeError, ValueError):
-      continue
-    if can_replay(policy):
-      out.append(name)
-  return tuple(out)
+  return policies.names_where(can_replay)
 
 
 LAB_POLICIES = replayable()  # the built-in replayable names (for messages and tests)

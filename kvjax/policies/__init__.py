@@ -79,6 +79,7 @@ from kvjax.policies.registry import (
   is_registered,
   make,
   names,
+  names_where,
   register,
   unregister,
 )
@@ -143,6 +144,7 @@ __all__ = [
   "is_registered",
   "make",
   "names",
+  "names_where",
   "register",
   "unregister",
 ]

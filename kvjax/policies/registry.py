@@ -119,6 +119,20 @@ def is_registered(name) -> bool:
   return True
 
 
+def names_where(predicate: Callable[[Policy], bool]) -> tuple[str, ...]:
+  """The registered names whose policy, built with its defaults, satisfies ``predicate`` (a
+  factory that cannot build without options is left out)."""
+  out = []
+  for name in REGISTRY:
+    try:
+      policy = make(name)
+    except (TypeError, ValueError):
+      continue
+    if predicate(policy):
+      out.append(name)
+  return tuple(out)
+
+
 def names() -> tuple[str, ...]:
   """All registered policy names (wrappers of other bases, such as ``critical_knorm``, resolve on
   demand and are not listed)."""
