@@ -481,3 +481,23 @@ def test_answers_with_the_new_evidence_share_one_prefill(tiny):
   bare = answers.prefill_answers(model, ids, answer, window=8, oracle=False)
   with pytest.raises(ValueError, match="needs=\\('value_out_norms_LHT',\\)"):
     answers.answer_prefilled(model, bare, np.array([16]), policy="critical_snapkv", window=8)
+
+
+def test_every_entry_point_refuses_a_token_budget_for_a_policy_that_keeps_every_token(tiny):
+  model, cfg, _ = tiny
+  ids = prompt(T=24)
+  calls = {
+    "generate": lambda: km.generate(model, ids, policy="think", budget=1, max_new_tokens=2),
+    "generate_configs": lambda: km.generate_configs(
+      model, ids, np.array([1, 30]), policy="think", max_new_tokens=2
+    ),
+    "keep_mask": lambda: km.keep_mask(model, ids, "think", 1),
+    "answer_configs": lambda: km.answer_configs(
+      model, ids, ids[:, -2:], np.array([1]), policy="think"
+    ),
+  }
+  for name, call in calls.items():
+    with pytest.raises(ValueError, match="keeps every token"):
+      call()
+      pytest.fail(f"{name} accepted budget 1 for think")
+  assert km.generate(model, ids, policy="think", budget=24, max_new_tokens=2).tokens.shape[1] == 2

@@ -287,7 +287,7 @@ def generate(
   cfg, params, pre, window = _prepare(model, prompt_ids, attention_mask, pol, max_new_tokens)
   T = pre.valid.shape[1]
   if pol.requires_budget:
-    pol.check_budget(budget, window)
+    pol.check_budget(budget, window, T)
   ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
   spec = cache_lib.CacheSpec(pol, 1, layout.heads, reindex=layout.reindex)
   cache_lib.check_spec(spec)
@@ -368,7 +368,7 @@ def configs_spec(cfg, pol, pre, budgets, window, layout, T, new, evidence):
   every configuration and their allocations ``[K, B, L, H]`` (shared by ``generate_configs``
   and ``answer_configs``)."""
   if pol.requires_budget:
-    pol.check_budget(budgets, window)
+    pol.check_budget(budgets, window, T)
   spec = cache_lib.CacheSpec(pol, 1, layout.heads, reindex=layout.reindex)
   cache_lib.check_spec(spec)
   alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, evidence))(budgets)
@@ -441,7 +441,7 @@ def keep_mask(
   layout = "kv" if kv is not None else "query"
   T = pre.valid.shape[1]
   if pol.requires_budget:
-    pol.check_budget(budget, obs_window)
+    pol.check_budget(budget, obs_window, T)
   ev = check_evidence(pol, evidence, cfg, input_ids, attention_mask)
   spec = cache_lib.CacheSpec(pol, T, layout)
   cache = cache_lib.compress(cfg, pre, spec, budget, evidence=ev)

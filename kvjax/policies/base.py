@@ -278,9 +278,10 @@ class Policy:
     """The smallest budget that keeps a selected token, with ``window`` the protected window."""
     return window + 1 if self.windowed else 1
 
-  def check_budget(self, budget, window: int) -> None:
+  def check_budget(self, budget, window: int, T: int | None = None) -> None:
     """``ValueError`` for a concrete budget array that the policy cannot run with: non-integer,
-    beyond int32, or below :meth:`min_budget` (every entry point calls this one check)."""
+    beyond int32, below :meth:`min_budget`, or, for a policy that keeps every token, below the
+    ``T`` prompt positions (every entry point calls this one check before any ``jit``)."""
     arr = np.asarray(budget)
     if not np.issubdtype(arr.dtype, np.integer):
       raise ValueError(f"budget: expected integer token counts, got {arr.dtype}")
@@ -294,6 +295,15 @@ class Policy:
         if self.windowed
         else self._low_budget_message(int(arr.min()), floor)
       )
+    if T is not None and arr.size and self.allocator.keeps_all and arr.min() < T:
+      raise ValueError(self._keeps_all_message(int(arr.min()), T))
+
+  def _keeps_all_message(self, low: int, T: int) -> str:
+    return (
+      f"budget: {low} < T={T}, but policy {self.label!r} keeps every token (the full cache; "
+      "ThinK prunes key channels, not tokens); expected budget >= T, or channel_ratio on a "
+      "token policy, e.g. make('snapkv', channel_ratio=0.5)"
+    )
 
   def check_allocation(self, budget_LH) -> None:
     """``ValueError`` for a concrete allocation the policy cannot hold (TOVA: one index set per
@@ -321,11 +331,7 @@ class Policy:
       )
     T = scores_LHT.shape[-1]
     if self.allocator.keeps_all and low < T:
-      raise ValueError(
-        f"budget: {low} < T={T}, but policy {self.label!r} keeps every token (the full cache; "
-        "ThinK prunes key channels, not tokens); expected budget >= T, or channel_ratio on a "
-        "token policy, e.g. make('snapkv', channel_ratio=0.5)"
-      )
+      raise ValueError(self._keeps_all_message(low, T))
     if self.windowed:
       window = self.protected_window(evidence)
       if low < window + 1:
