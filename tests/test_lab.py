@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SIZES = dict(num_layers=4, num_heads=4)
 BUDGET = 64
 # the lab's options (configs/lab.py's policy_options): H2O with official H2O's half-budget recent
-# window, as the lab ran it before policies were objects; a bare "h2o" is the registry's (8)
+# window; a bare "h2o" is the registry's (recent 8)
 OPTIONS = {"h2o": dict(recent=None)}
 
 
