@@ -42,6 +42,10 @@ class ModelConfig:
   qk_norm: bool = False  # Qwen3
   sliding_window: int | None = None  # Mistral (when the prompt is longer than it)
   family: str = "llama"
+  # The context the checkpoint was trained for (``max_position_embeddings``, GGUF's
+  # ``{arch}.context_length``); None when the checkpoint does not say. Entry points refuse a
+  # prompt plus generated tokens longer than it.
+  max_positions: int | None = None
 
   @property
   def num_groups(self) -> int:
@@ -65,6 +69,14 @@ def _rope(raw: dict) -> dict:
       rope_original_max_positions=int(params.get("original_max_position_embeddings", 8192)),
     )
   return out
+
+
+def _max_positions(value) -> int | None:
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"max_position_embeddings: {value!r}, expected a positive integer")
+  return int(value)
 
 
 def from_hf_dict(raw: dict) -> ModelConfig:
@@ -102,6 +114,7 @@ def from_hf_dict(raw: dict) -> ModelConfig:
     qk_norm=family == "qwen3",
     sliding_window=raw.get("sliding_window") if use_sliding else None,
     family=family,
+    max_positions=_max_positions(raw.get("max_position_embeddings")),
     **_rope(raw),
   )
 
@@ -125,7 +138,7 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
     "rope_theta": cfg.rope_theta,
     "tie_word_embeddings": cfg.tie_word_embeddings,
     "hidden_act": "silu",
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": cfg.max_positions or 4096,
     "torch_dtype": "float32",
   }
   if cfg.family == "llama":
