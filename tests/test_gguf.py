@@ -149,7 +149,7 @@ def write_model(path: pathlib.Path, arch: str, qtype: str = "F32", seed: int = 0
     if value is not None:
       getattr(writer, f"add_{key}")(value)
   for key, value in raw.items():
-    writer.add_string(key, value) if isinstance(value, str) else writer.add_float32(key, value)
+    add_raw(writer, key, value)
   add_tokenizer(
     writer, "llama" if arch == "llama" else "gpt2", vocab, None if arch == "llama" else "qwen2"
   )
@@ -168,6 +168,20 @@ def write_model(path: pathlib.Path, arch: str, qtype: str = "F32", seed: int = 0
   writer.write_tensors_to_file()
   writer.close()
   return weights
+
+
+def add_raw(writer, key: str, value) -> None:
+  """One metadata entry of whatever type ``value`` is (str, bool, int, float or a list)."""
+  if isinstance(value, list):
+    writer.add_array(key, value)
+  elif isinstance(value, str):
+    writer.add_string(key, value)
+  elif isinstance(value, bool):
+    writer.add_bool(key, value)
+  elif isinstance(value, int):
+    writer.add_int32(key, value)
+  else:
+    writer.add_float32(key, value)
 
 
 def hf_logits(path: pathlib.Path, ids: np.ndarray) -> np.ndarray:
@@ -462,3 +476,158 @@ def test_smollm2_greedy_tokens_match_transformers(smollm2_pair):
     theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
   theirs = theirs[0, len(prompt) :].tolist()
   assert len(theirs) == 16 and np.asarray(ours).tolist() == theirs, tok.decode(theirs)
+
+
+# --------------------------------------------------------------------------- tensor offsets
+
+
+def _offset_field(data: bytes, name: str) -> int:
+  """Where tensor ``name``'s u64 data offset sits in the tensor table (after its name, rank,
+  dims and type id)."""
+  encoded = len(name).to_bytes(8, "little") + name.encode()
+  at = data.index(encoded) + len(encoded)
+  n_dims = int.from_bytes(data[at : at + 4], "little")
+  return at + 4 + 8 * n_dims + 4
+
+
+def _with_offset(path: pathlib.Path, name: str, offset: int) -> bytes:
+  data = bytearray(path.read_bytes())
+  at = _offset_field(data, name)
+  data[at : at + 8] = offset.to_bytes(8, "little")
+  return bytes(data)
+
+
+def _offset(path: pathlib.Path, name: str) -> int:
+  data = path.read_bytes()
+  at = _offset_field(data, name)
+  return int.from_bytes(data[at : at + 8], "little")
+
+
+def test_misaligned_tensor_offset_is_refused(good):
+  """An offset 4 bytes past an aligned one would load the norm shifted by one element."""
+  name = "blk.0.attn_norm.weight"
+  start = _offset(good, name)
+  path = _copy(good, "shifted.gguf", _with_offset(good, name, start + 4))
+  with pytest.raises(
+    ValueError,
+    match=rf"shifted\.gguf.*'blk\.0\.attn_norm\.weight' starts at data offset {start + 4}, "
+    r"not a multiple of general.alignment 32",
+  ):
+    km.load(path)
+
+
+def test_overlapping_tensor_offsets_are_refused(good):
+  """Two tensors on the same bytes would load one norm twice."""
+  shared = _offset(good, "blk.0.attn_norm.weight")
+  path = _copy(good, "overlap.gguf", _with_offset(good, "blk.0.ffn_norm.weight", shared))
+  with pytest.raises(
+    ValueError,
+    match=rf"overlap\.gguf.*'blk\.0\.(ffn|attn)_norm\.weight' \(data bytes {shared}\.\.\d+\) "
+    rf"overlaps tensor 'blk\.0\.(attn|ffn)_norm\.weight' \(data bytes {shared}\.\.",
+  ):
+    km.load(path)
+  # a weight starting inside the previous tensor's bytes, aligned
+  q = _offset(good, "blk.0.attn_q.weight")
+  path = _copy(good, "inside.gguf", _with_offset(good, "blk.0.attn_k.weight", q + 64))
+  with pytest.raises(ValueError, match=r"inside\.gguf.*attn_k\.weight.*overlaps.*attn_q\.weight"):
+    km.load(path)
+
+
+def test_tensor_offset_past_the_end_is_refused(good):
+  size = good.stat().st_size
+  path = _copy(good, "far.gguf", _with_offset(good, "blk.0.attn_norm.weight", size * 32))
+  with pytest.raises(ValueError, match=r"far\.gguf is truncated.*blk\.0\.attn_norm\.weight"):
+    km.load(path)
+
+
+# --------------------------------------------------------------------------- metadata types
+
+
+@pytest.mark.parametrize(
+  "key,value,expected",
+  [
+    ("block_count", "2", r"'llama\.block_count' is str '2', expected an integer"),
+    ("embedding_length", [256, 256], r"'llama\.embedding_length' is an array of 2 int32 values"),
+    ("attention.head_count", 0, r"'llama\.attention\.head_count' is int 0, expected an integer in"),
+    ("attention.head_count_kv", 2.0, r"'llama\.attention\.head_count_kv' is float 2\.0"),
+    ("feed_forward_length", [1.5, 1.5], r"'llama\.feed_forward_length' is an array of 2 float32"),
+    (
+      "attention.layer_norm_rms_epsilon",
+      "1e-5",
+      r"layer_norm_rms_epsilon' is str '1e-5', expected a",
+    ),
+    (
+      "rope.freq_base",
+      True,
+      r"'llama\.rope\.freq_base' is bool True, expected a finite number > 0",
+    ),
+    ("context_length", 0, r"'llama\.context_length' is int 0, expected an integer in \[1, "),
+    ("context_length", "512", r"'llama\.context_length' is str '512'"),
+    ("rope.scaling.factor", "2", r"'llama\.rope\.scaling\.factor' is str '2'"),
+  ],
+)
+def test_metadata_of_the_wrong_type_names_the_key(tmp_path, key, value, expected):
+  """A string, array, float or bool where an integer is expected is refused, naming the file, the
+  key, the value's type and what was expected (never int()'s or float()'s bare error, or a
+  string read as a number)."""
+  # the writer's own setter for the key (dropped, so that only the raw value is written)
+  names = {
+    "block_count": "block_count",
+    "embedding_length": "embedding_length",
+    "attention.head_count": "head_count",
+    "attention.head_count_kv": "head_count_kv",
+    "feed_forward_length": "feed_forward_length",
+    "attention.layer_norm_rms_epsilon": "layer_norm_rms_eps",
+    "rope.freq_base": "rope_freq_base",
+    "context_length": "context_length",
+  }
+  drop = {names[key]: None} if key in names else {}
+  path = tmp_path / "typed.gguf"
+  write_model(path, "llama", raw_kv={f"llama.{key}": value}, **drop)
+  with pytest.raises(ValueError, match=rf"typed\.gguf.*{expected}"):
+    km.load(path)
+
+
+def test_architecture_of_the_wrong_type_names_the_key(tmp_path):
+  header = kgguf.Header(pathlib.Path("a.gguf"), {"general.architecture": ["llama"]}, {})
+  with pytest.raises(ValueError, match=r"a\.gguf.*'general\.architecture' is an array of 1 str"):
+    kgguf.config_from_header(header)
+
+
+def test_context_length_is_max_positions(tmp_path):
+  write_model(tmp_path / "ctx.gguf", "qwen2")
+  assert kgguf.read(tmp_path / "ctx.gguf")[0].max_positions == 512
+  write_model(tmp_path / "none.gguf", "qwen2", context_length=None)
+  assert kgguf.read(tmp_path / "none.gguf")[0].max_positions is None
+
+
+def test_smollm2_context_length():
+  cfg = kgguf.config_from_header(kgguf.read_header(_smollm2()))
+  assert cfg.max_positions == 8192
+
+
+# --------------------------------------------------------------------------- file names
+
+
+def test_upper_case_extension_loads(tmp_path):
+  weights = write_model(tmp_path / "m.GGUF", "qwen2")
+  model, cfg = km.load(tmp_path / "m.GGUF")
+  assert cfg.family == "qwen2"
+  np.testing.assert_array_equal(
+    np.asarray(model.params()["final_norm"]), weights["output_norm.weight"]
+  )
+  from kvjax.model import tokenizer as tok_lib
+
+  assert tok_lib.load_tokenizer(tmp_path / "m.GGUF").vocab_size == cfg.vocab_size
+
+
+def test_a_file_that_is_not_gguf_is_named(tmp_path):
+  (tmp_path / "weights.bin").write_bytes(b"\0" * 64)
+  with pytest.raises(ValueError, match=r"weights\.bin is a file but not a \.gguf file"):
+    km.load(tmp_path / "weights.bin")
+  (tmp_path / "empty.GGUF").write_bytes(b"")
+  with pytest.raises(ValueError, match=r"path: .*empty\.GGUF is empty, not a GGUF file"):
+    km.load(tmp_path / "empty.GGUF")
+  (tmp_path / "zero.gguf").write_bytes(b"")
+  with pytest.raises(ValueError, match=r"path: .*zero\.gguf is empty, not a GGUF file"):
+    km.load(tmp_path / "zero.gguf")

@@ -135,3 +135,26 @@ def test_a_damaged_checkpoint_is_named(tmp_path, damage, match):
 def test_a_missing_local_path_is_named(tmp_path):
   with pytest.raises(ValueError, match="does not exist"):
     km.load(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(
+  ("index", "match"),
+  [
+    ('{"weight_map": ', r"model\.safetensors\.index\.json is not valid JSON"),
+    ("[1, 2]", r"model\.safetensors\.index\.json holds a JSON list, expected an object"),
+    ('{"metadata": {}}', r"model\.safetensors\.index\.json has no weight_map of tensor name"),
+    ('{"weight_map": {"a": 3}}', r"model\.safetensors\.index\.json has no weight_map"),
+  ],
+)
+def test_a_damaged_shard_index_is_named(tmp_path, index, match):
+  path = tmp_path / "ckpt"
+  shutil.copytree(assets.tiny_path(), path)
+  (path / "model.safetensors.index.json").write_text(index)
+  with pytest.raises(ValueError, match=match):
+    km.load(path)
+
+
+def test_a_file_that_is_neither_gguf_nor_a_checkpoint_is_named(tmp_path):
+  (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
+  with pytest.raises(ValueError, match=r"model\.safetensors is a file but not a \.gguf file"):
+    km.load(tmp_path / "model.safetensors")

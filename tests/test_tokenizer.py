@@ -261,3 +261,206 @@ def test_word_tokenizer_decode_refuses_ids_outside_the_vocabulary():
   for bad in (tok.vocab_size + 5, -1):
     with pytest.raises(ValueError, match="outside the vocabulary"):
       tok.decode([3, bad])
+
+
+# --------------------------------------------------------------------------- bad ids and text
+
+
+def _every_tokenizer(tmp_path) -> dict:
+  """One of each tokenizer class: the tiny word vocabulary, a GGUF-built one, its piece wrapper
+  and a tokenizer.json read by HFTokenizer."""
+  from kvjax.eval import vocab as vocab_lib
+
+  built = tok_lib.from_gguf(
+    write_tokenizer_gguf(tmp_path / "t.gguf", "gpt2", byte_level_vocab(), "qwen2")
+  )
+  built.tok.save(str(tmp_path / "tokenizer.json"))
+  return {
+    "word": vocab_lib.tiny_tokenizer(),
+    "gguf": built,
+    "piece": tok_lib.PieceTokenizer(built),
+    "hf": tok_lib.HFTokenizer(tmp_path / "tokenizer.json"),
+  }
+
+
+def test_decode_refuses_non_integer_ids(tmp_path):
+  """Floats are not truncated to ids (504.9 is not 504) and bools are not read as 0/1; integer
+  numpy arrays and numpy integers remain ids."""
+  np = pytest.importorskip("numpy")
+  for name, tok in _every_tokenizer(tmp_path).items():
+    assert tok.decode(np.array([5, 6], np.int64)) == tok.decode([np.int64(5), 6]), name
+    with pytest.raises(ValueError, match=r"ids: element 0 is float 5\.9, expected an integer"):
+      tok.decode([5.9, 6.2])
+    with pytest.raises(ValueError, match=r"ids: element 1 is bool True, expected an integer"):
+      tok.decode([5, True])
+    with pytest.raises(ValueError, match=r"ids: element 0 is float64 5\.0"):
+      tok.decode([np.float64(5.0)])
+    with pytest.raises(ValueError, match=r"ids: expected integer token ids, .*dtype float32"):
+      tok.decode(np.array([5.0, 6.0], np.float32))
+    with pytest.raises(ValueError, match=r"ids: expected integer token ids, .*dtype bool"):
+      tok.decode(np.array([True, False]))
+    with pytest.raises(ValueError, match=r"ids: expected a sequence of integer token ids, got str"):
+      tok.decode("5 6")
+    with pytest.raises(ValueError, match=r"ids: expected a 1-D sequence .* shape \(1, 2\)"):
+      tok.decode(np.array([[5, 6]]))
+
+
+def test_decode_refuses_ids_outside_the_vocabulary(tmp_path):
+  """Out-of-vocabulary ids are refused, never dropped, and negative or huge ids are a ValueError
+  naming the range (not the tokenizers package's OverflowError): one rule for every tokenizer."""
+  np = pytest.importorskip("numpy")
+  for name, tok in _every_tokenizer(tmp_path).items():
+    V = tok.vocab_size
+    for bad in (V, V + 5, -1, 2**32 + 1, 2**70):
+      with pytest.raises(ValueError, match=rf"ids: token id {bad} \(element 1\) is outside the "):
+        tok.decode([3, bad])
+    with pytest.raises(ValueError, match=rf"outside the vocabulary \[0, {V}\)"):
+      tok.decode(np.array([3, -7]))
+    assert isinstance(tok.decode([3, V - 1]), str), name
+
+
+def test_smollm2_decode_refuses_ids_outside_its_vocabulary():
+  tok = tok_lib.load_tokenizer(_smollm2())
+  assert tok.decode([504, 28]) == "The,"
+  for ids in ([28, 49157], [-1], [2**32 + 1], [504.9, 28.2], [True, 28]):
+    with pytest.raises(ValueError, match=r"ids: .*(outside the vocabulary \[0, 49152\)|integer)"):
+      tok.decode(ids)
+  with pytest.raises(ValueError, match=r"i: token id 49152 .*outside the vocabulary"):
+    tok.token(49152)
+
+
+@pytest.mark.parametrize("text", [b"the", 7, None, ["the"], "the \ud800 cat"])
+def test_encode_refuses_what_is_not_text(tmp_path, text):
+  for name, tok in _every_tokenizer(tmp_path).items():
+    with pytest.raises(ValueError, match=r"text: (expected a str, got|character 4 .* lone surr)"):
+      tok.encode(text)
+    assert tok.encode("the"), name  # plain text still encodes
+
+
+def test_broken_tokenizer_files_are_named(tmp_path):
+  vocab = byte_level_vocab()
+  built = tok_lib.from_gguf(write_tokenizer_gguf(tmp_path / "t.gguf", "gpt2", vocab, "qwen2"))
+  folder = tmp_path / "hf"
+  folder.mkdir()
+  built.tok.save(str(folder / "tokenizer.json"))
+  good = (folder / "tokenizer.json").read_text()
+  (folder / "tokenizer_config.json").write_text('{"bos_token": "<|im_start|>",')
+  with pytest.raises(ValueError, match=r"path: .*tokenizer_config\.json is not valid JSON"):
+    tok_lib.load_tokenizer(folder)
+  (folder / "tokenizer_config.json").write_text('["not", "an", "object"]')
+  with pytest.raises(ValueError, match=r"tokenizer_config\.json holds a JSON list, expected an"):
+    tok_lib.load_tokenizer(folder)
+  (folder / "tokenizer_config.json").write_text('{"bos_token_id": 99999}')
+  with pytest.raises(ValueError, match=r"tokenizer_config\.json: bos_token_id is 99999, expected"):
+    tok_lib.load_tokenizer(folder)
+  (folder / "tokenizer_config.json").write_text('{"eos_token_id": "2"}')
+  with pytest.raises(ValueError, match=r"tokenizer_config\.json: eos_token_id is '2', expected an"):
+    tok_lib.load_tokenizer(folder)
+  (folder / "tokenizer_config.json").write_text('{"eos_token_id": [2, 5]}')
+  assert tok_lib.load_tokenizer(folder).eos_id == 2
+  (folder / "tokenizer.json").write_text(good[: len(good) // 2])
+  with pytest.raises(ValueError, match=r"path: .*hf/tokenizer\.json is not a readable tokenizer"):
+    tok_lib.load_tokenizer(folder)
+  with pytest.raises(ValueError, match=r"path: .*hf/tokenizer\.json is not a readable tokenizer"):
+    tok_lib.HFTokenizer(folder / "tokenizer.json")
+  (tmp_path / "words.json").write_text("{")
+  with pytest.raises(ValueError, match=r"path: .*words\.json is not valid JSON"):
+    tok_lib.WordTokenizer.load(tmp_path / "words.json")
+  (tmp_path / "words.json").write_text('{"model": {"vocab": ["a", "b"]}}')
+  with pytest.raises(ValueError, match=r"path: .*words\.json has no WordLevel model\.vocab"):
+    tok_lib.WordTokenizer.load(tmp_path / "words.json")
+
+
+def _write_metadata(path: pathlib.Path, entries: dict) -> pathlib.Path:
+  """A GGUF file holding only ``entries`` (typed by gguf-py from the Python values)."""
+  writer = gguf.GGUFWriter(str(path), "llama")
+  for key, value in entries.items():
+    if isinstance(value, list):
+      writer.add_array(key, value)
+    elif isinstance(value, str):
+      writer.add_string(key, value)
+    elif isinstance(value, bool):
+      writer.add_bool(key, value)
+    elif isinstance(value, int):
+      writer.add_uint32(key, value)
+    else:
+      writer.add_float32(key, value)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return path
+
+
+def _sentencepiece_metadata(**edits) -> dict:
+  v = sentencepiece_vocab()
+  meta = {
+    "tokenizer.ggml.model": "llama",
+    "tokenizer.ggml.tokens": v["tokens"],
+    "tokenizer.ggml.token_type": v["types"],
+    "tokenizer.ggml.scores": v["scores"],
+    "tokenizer.ggml.bos_token_id": 1,
+    "tokenizer.ggml.eos_token_id": 2,
+  }
+  return {k: v for k, v in (meta | edits).items() if v is not None}
+
+
+@pytest.mark.parametrize(
+  "edits,expected",
+  [
+    (
+      {"tokenizer.ggml.bos_token_id": 5000},
+      r"'tokenizer\.ggml\.bos_token_id' is 5000, outside the vocabulary of 330 tokens \[0, 330\)",
+    ),
+    (
+      {"tokenizer.ggml.eos_token_id": 330},
+      r"'tokenizer\.ggml\.eos_token_id' is 330, outside the vocabulary of 330 tokens",
+    ),
+    (
+      {"tokenizer.ggml.padding_token_id": 10**6},
+      r"'tokenizer\.ggml\.padding_token_id' is 1000000, outside the vocabulary",
+    ),
+    (
+      {"tokenizer.ggml.tokens": list(range(330))},
+      r"'tokenizer\.ggml\.tokens' is an array of 330 int32 values, expected an array of strings",
+    ),
+    (
+      {"tokenizer.ggml.tokens": "<unk> <s> </s>"},
+      r"'tokenizer\.ggml\.tokens' is str '<unk> <s> </s>', expected an array of strings",
+    ),
+    (
+      {"tokenizer.ggml.scores": ["0.0"] * 330},
+      r"'tokenizer\.ggml\.scores' is an array of 330 str values, expected an array of numbers",
+    ),
+    (
+      {"tokenizer.ggml.scores": [0.0] * 7},
+      r"'tokenizer\.ggml\.scores' has 7 values for 330 tokens",
+    ),
+    (
+      {"tokenizer.ggml.token_type": [1.0] * 330},
+      r"'tokenizer\.ggml\.token_type' is an array of 330 float32 values, expected an array of int",
+    ),
+    (
+      {"tokenizer.ggml.merges": ["▁ t", "▁th"]},
+      r"'tokenizer\.ggml\.merges' entry 1 is '▁th', expected two tokens separated by one space",
+    ),
+    (
+      {"tokenizer.ggml.add_space_prefix": 1},
+      r"'tokenizer\.ggml\.add_space_prefix' is int 1, expected a bool",
+    ),
+    ({"tokenizer.ggml.model": 3}, r"'tokenizer\.ggml\.model' is int 3, expected a string"),
+  ],
+)
+def test_gguf_tokenizer_metadata_is_checked(tmp_path, edits, expected):
+  """A wrong-typed value or an out-of-range special id is refused, naming the file and the key
+  (an out-of-range bos id is never silently dropped)."""
+  assert len(sentencepiece_vocab()["tokens"]) == 330
+  path = _write_metadata(tmp_path / "meta.gguf", _sentencepiece_metadata(**edits))
+  with pytest.raises(ValueError, match=rf"meta\.gguf: metadata {expected}"):
+    tok_lib.load_tokenizer(path)
+
+
+def test_gguf_tokenizer_metadata_written_plainly_loads(tmp_path):
+  path = _write_metadata(tmp_path / "meta.gguf", _sentencepiece_metadata())
+  tok = tok_lib.load_tokenizer(path)
+  assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (1, 2, 330)

@@ -19,8 +19,11 @@ The header (metadata and tensor table) is parsed here with bounds checks before 
 file, so a wrong magic number, a truncated file, a corrupt header, an unsupported architecture or
 an unsupported quantisation type raises ``ValueError`` naming the file (and the tensor) instead of
 a numpy or struct error deep inside the reader, and :mod:`kvjax.model.tokenizer` reads a
-tokenizer from the metadata without the ``gguf`` package. Every tensor's shape is checked
-against the configuration, so a file never loads as wrong weights.
+tokenizer from the metadata without the ``gguf`` package. Every tensor's data must be aligned to
+``general.alignment``, inside the file and apart from every other tensor's (:func:`check_layout`),
+every metadata value must have the type its key needs (``metadata_int`` and its siblings name the
+key, the value's type and what was expected), and every tensor's shape is checked against the
+configuration, so a file never loads as wrong weights.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ SUPPORTED_TYPES = ", ".join(name for name, _, _ in TYPES.values())
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 MAX_DIMS = 4  # GGML_MAX_DIMS
+DEFAULT_ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT, when general.alignment is absent
+INT32_MAX = 2**31 - 1
 
 # GGUF metadata value types (gguf-py GGUFValueType)
 _SCALARS = {
@@ -237,8 +242,13 @@ def _parse_header(buf, path: pathlib.Path) -> Header:
       raise cur.corrupt(f"tensor {name!r} has rank {n_dims} (expected 1..{MAX_DIMS})")
     dims = tuple(cur.unpack("Q", f"the shape of tensor {name!r}") for _ in range(n_dims))
     infos.append((name, dims, cur.unpack("I", f"the type of {name!r}"), cur.unpack("Q", name)))
-  alignment = metadata.get("general.alignment", 32)
-  if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+  alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+  if (
+    isinstance(alignment, bool)
+    or not isinstance(alignment, int)
+    or alignment <= 0
+    or alignment & (alignment - 1)
+  ):
     raise cur.corrupt(f"general.alignment {alignment!r} is not a power of two")
   data_start = -(-cur.pos // alignment) * alignment
   tensors: dict[str, TensorInfo] = {}
@@ -246,20 +256,56 @@ def _parse_header(buf, path: pathlib.Path) -> Header:
     if name in tensors:
       raise cur.corrupt(f"tensor {name!r} repeated")
     info = TensorInfo(name, dims, type_id, data_start + offset)
-    if type_id in TYPES:  # others are refused by read(), naming the type
-      _, block, size = TYPES[type_id]
-      if dims[0] % block:
-        raise cur.corrupt(
-          f"tensor {name!r} has rows of {dims[0]}, not whole {info.type_name} blocks"
-        )
-      end = info.offset + math.prod(dims) // block * size
-      if end > len(buf):
-        raise ValueError(
-          f"path: GGUF file {path} is truncated: tensor {name!r} ({info.type_name} "
-          f"{list(info.shape)}) ends at byte {end}, the file has {len(buf)} bytes"
-        )
+    if type_id in TYPES and dims[0] % TYPES[type_id][1]:  # others are refused by read()
+      raise cur.corrupt(f"tensor {name!r} has rows of {dims[0]}, not whole {info.type_name} blocks")
     tensors[name] = info
+  check_layout(list(tensors.values()), data_start, alignment, len(buf), path)
   return Header(path, metadata, tensors)
+
+
+def nbytes(info: TensorInfo) -> int | None:
+  """The bytes ``info``'s data takes in the file (``None`` for a type kvjax does not know)."""
+  if info.type_id not in TYPES:
+    return None
+  _, block, size = TYPES[info.type_id]
+  return math.prod(info.dims) // block * size
+
+
+def check_layout(
+  infos: list[TensorInfo], data_start: int, alignment: int, file_size: int, path
+) -> None:
+  """Every tensor's data is aligned, inside the file and shares no byte with another tensor's.
+
+  Offsets are relative to the data section (``data_start``), as llama.cpp's ``gguf.cpp`` reads
+  them: a misaligned offset would read every element shifted, an overlapping one another
+  tensor's weights, so both are refused (``ValueError`` naming the file, the tensors and their
+  offsets) rather than loaded as wrong weights. A tensor of a type kvjax does not know has no
+  known size: only its start is checked (:func:`check_tensors` refuses its type).
+  """
+  spans = []
+  for info in infos:
+    start = info.offset - data_start
+    if start % alignment:
+      raise ValueError(
+        f"path: GGUF file {path}: tensor {info.name!r} starts at data offset {start}, not a "
+        f"multiple of general.alignment {alignment}"
+      )
+    size = nbytes(info)
+    end = info.offset + (size or 0)
+    if end > file_size:
+      raise ValueError(
+        f"path: GGUF file {path} is truncated: tensor {info.name!r} ({info.type_name} "
+        f"{list(info.shape)}) ends at byte {end}, the file has {file_size} bytes"
+      )
+    if size:  # an empty or unknown-size tensor claims no bytes
+      spans.append((start, start + size, info.name))
+  spans.sort()
+  for (a_start, a_end, a_name), (b_start, b_end, b_name) in zip(spans, spans[1:], strict=False):
+    if b_start < a_end:
+      raise ValueError(
+        f"path: GGUF file {path}: tensor {b_name!r} (data bytes {b_start}..{b_end}) overlaps "
+        f"tensor {a_name!r} (data bytes {a_start}..{a_end}); each tensor needs its own bytes"
+      )
 
 
 def read_header(path: str | pathlib.Path) -> Header:
@@ -281,29 +327,131 @@ def read_header(path: str | pathlib.Path) -> Header:
 # --------------------------------------------------------------------------- the configuration
 
 
-def _key(header: Header, key: str, default: Any = ...) -> Any:
-  if key in header.metadata:
-    return header.metadata[key]
+def describe(value) -> str:
+  """A metadata value's type and a short rendering, for error messages."""
+  if isinstance(value, np.ndarray):
+    return f"an array of {value.size} {value.dtype} values"
+  if isinstance(value, list):
+    kinds = sorted({type(v).__name__ for v in value})
+    return f"an array of {len(value)} {'/'.join(kinds) or 'no'} values"
+  text = repr(value)
+  return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _lookup(meta: dict, key: str, default, where: str):
+  if key in meta:
+    return meta[key]
   if default is ...:
-    raise ValueError(f"path: GGUF file {header.path} lacks the metadata key {key!r}")
+    raise ValueError(f"{where} lacks the metadata key {key!r}")
   return default
 
 
-def _uniform(header: Header, key: str, value) -> int:
-  """Per-layer arrays (some converters write one head count per layer) must be uniform here."""
-  if isinstance(value, np.ndarray | list):
-    values = {int(v) for v in np.ravel(value)}
-    if len(values) != 1:
-      raise ValueError(
-        f"path: GGUF file {header.path} has per-layer {key} {sorted(values)}; kvjax supports "
-        "one value for every layer"
-      )
-    return values.pop()
+def _is_int(value) -> bool:
+  return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def metadata_int(meta: dict, key: str, where: str, default: Any = ..., *, minimum: int = 1):
+  """``meta[key]`` as an integer in ``[minimum, 2**31 - 1]`` (``default`` when absent).
+
+  Args:
+    meta: a GGUF file's metadata (:attr:`Header.metadata`).
+    key: the metadata key, e.g. ``"llama.block_count"``.
+    where: how errors name the file, e.g. ``"path: GGUF file m.gguf"``.
+    default: returned as is when ``key`` is absent; ``...`` makes the key required.
+    minimum: the smallest value accepted.
+
+  Raises:
+    ValueError: naming the file and the key, for a missing key, a value that is not an integer
+      (a string, a float, a bool, an array) or one outside the range.
+  """
+  value = _lookup(meta, key, default, where)
+  if key not in meta:
+    return value
+  if not _is_int(value) or not minimum <= value <= INT32_MAX:
+    raise ValueError(
+      f"{where}: metadata {key!r} is {describe(value)}, expected an integer in "
+      f"[{minimum}, {INT32_MAX}]"
+    )
   return int(value)
 
 
+def metadata_float(meta: dict, key: str, where: str, default: Any = ..., *, positive=False):
+  """``meta[key]`` as a finite float (``> 0`` when ``positive``, else ``>= 0``).
+
+  Args and errors as :func:`metadata_int`; integers are accepted, bools and strings are not.
+  """
+  value = _lookup(meta, key, default, where)
+  if key not in meta:
+    return value
+  number = (_is_int(value) or isinstance(value, float | np.floating)) and math.isfinite(value)
+  if not number or value < 0 or (positive and value == 0):
+    raise ValueError(
+      f"{where}: metadata {key!r} is {describe(value)}, expected a finite number "
+      f"{'> 0' if positive else '>= 0'}"
+    )
+  return float(value)
+
+
+def metadata_str(meta: dict, key: str, where: str, default: Any = ...):
+  """``meta[key]``, which must be a string. Args and errors as :func:`metadata_int`."""
+  value = _lookup(meta, key, default, where)
+  if key in meta and not isinstance(value, str):
+    raise ValueError(f"{where}: metadata {key!r} is {describe(value)}, expected a string")
+  return value
+
+
+def metadata_bool(meta: dict, key: str, where: str, default: Any = ...):
+  """``meta[key]``, which must be a bool. Args and errors as :func:`metadata_int`."""
+  value = _lookup(meta, key, default, where)
+  if key in meta and not isinstance(value, bool | np.bool_):
+    raise ValueError(f"{where}: metadata {key!r} is {describe(value)}, expected a bool")
+  return value if key not in meta else bool(value)
+
+
+def metadata_strings(meta: dict, key: str, where: str, default: Any = ...):
+  """``meta[key]``, which must be an array of strings. Args and errors as :func:`metadata_int`."""
+  value = _lookup(meta, key, default, where)
+  if key in meta and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+    raise ValueError(
+      f"{where}: metadata {key!r} is {describe(value)}, expected an array of strings"
+    )
+  return value
+
+
+def metadata_numbers(meta: dict, key: str, where: str, default: Any = ..., *, integer=False):
+  """``meta[key]``, which must be a numeric array (of integers when ``integer``), as numpy.
+  Args and errors as :func:`metadata_int`."""
+  value = _lookup(meta, key, default, where)
+  if key not in meta:
+    return value
+  kinds = "iu" if integer else "iuf"
+  if not (isinstance(value, np.ndarray) and value.dtype.kind in kinds):
+    raise ValueError(
+      f"{where}: metadata {key!r} is {describe(value)}, expected an array of "
+      f"{'integers' if integer else 'numbers'}"
+    )
+  return value
+
+
+def _uniform(header: Header, key: str, default: Any = ...) -> int:
+  """A positive integer, or a per-layer integer array (some converters write one head count per
+  layer), which must be uniform here."""
+  where = f"path: GGUF file {header.path}"
+  value = _lookup(header.metadata, key, default, where)
+  if not isinstance(value, np.ndarray):
+    return metadata_int({key: value}, key, where)
+  metadata_numbers({key: value}, key, where, integer=True)
+  values = sorted({int(v) for v in value.ravel()})
+  if len(values) != 1:
+    raise ValueError(
+      f"{where} has per-layer {key} {values}; kvjax supports one value for every layer"
+    )
+  return metadata_int({key: values[0]}, key, where)
+
+
 def architecture(header: Header) -> str:
-  arch = _key(header, "general.architecture")
+  """The file's ``general.architecture``, one of :data:`ARCHITECTURES` (else ``ValueError``)."""
+  arch = metadata_str(header.metadata, "general.architecture", f"path: GGUF file {header.path}")
   if arch not in ARCHITECTURES:
     raise ValueError(
       f"path: GGUF file {header.path} has architecture {arch!r}; supported: "
@@ -313,8 +461,9 @@ def architecture(header: Header) -> str:
 
 
 def _rope_scaling(header: Header, arch: str) -> None:
-  kind = header.metadata.get(f"{arch}.rope.scaling.type", "none")
-  factor = float(header.metadata.get(f"{arch}.rope.scaling.factor", 1.0))
+  where = f"path: GGUF file {header.path}"
+  kind = metadata_str(header.metadata, f"{arch}.rope.scaling.type", where, "none")
+  factor = metadata_float(header.metadata, f"{arch}.rope.scaling.factor", where, 1.0)
   if kind not in ("none", "") and not (kind == "linear" and factor == 1.0):
     raise ValueError(
       f"path: GGUF file {header.path} has RoPE scaling {kind!r} (factor {factor}); supported: "
@@ -324,18 +473,24 @@ def _rope_scaling(header: Header, arch: str) -> None:
 
 def config_from_header(header: Header) -> ModelConfig:
   """The :class:`ModelConfig` of a ``llama``, ``qwen2`` or ``qwen3`` GGUF file, before any
-  ``rope_freqs`` (Llama 3 RoPE scaling, see :func:`llama3_rope`) is applied."""
+  ``rope_freqs`` (Llama 3 RoPE scaling, see :func:`llama3_rope`) is applied.
+
+  Every metadata value is type-checked (``ValueError`` naming the file, the key, the value's
+  type and what was expected); ``{arch}.context_length``, when present, is ``max_positions``.
+  """
   arch = architecture(header)
+  where, meta = f"path: GGUF file {header.path}", header.metadata
 
-  def key(name, default=...):
-    return _key(header, f"{arch}.{name}", default)
+  def integer(name, default=...):
+    return metadata_int(meta, f"{arch}.{name}", where, default)
 
-  hidden = int(key("embedding_length"))
-  heads = _uniform(header, "attention.head_count", key("attention.head_count"))
-  kv_heads = _uniform(header, "attention.head_count_kv", key("attention.head_count_kv", heads))
-  head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
-  value_dim = int(key("attention.value_length", head_dim))
-  rotary = int(key("rope.dimension_count", head_dim))
+  hidden = integer("embedding_length")
+  heads = _uniform(header, f"{arch}.attention.head_count")
+  kv_heads = _uniform(header, f"{arch}.attention.head_count_kv", heads)
+  rotary = integer("rope.dimension_count", None)
+  head_dim = integer("attention.key_length", rotary if rotary is not None else hidden // heads)
+  value_dim = integer("attention.value_length", head_dim)
+  rotary = head_dim if rotary is None else rotary
   if value_dim != head_dim or rotary != head_dim:
     raise ValueError(
       f"path: GGUF file {header.path} has key length {head_dim}, value length {value_dim} and "
@@ -345,31 +500,32 @@ def config_from_header(header: Header) -> ModelConfig:
   if "token_embd.weight" not in header.tensors:
     raise ValueError(f"path: GGUF file {header.path} lacks the tensor 'token_embd.weight'")
   vocab = header.tensors["token_embd.weight"].shape[0]
-  stated = key("vocab_size", vocab)
-  if int(stated) != vocab:
+  stated = integer("vocab_size", vocab)
+  if stated != vocab:
     raise ValueError(
       f"path: GGUF file {header.path} states {arch}.vocab_size {stated} but token_embd.weight "
       f"has {vocab} rows"
     )
-  name = str(header.metadata.get("general.name", "")).lower()
+  name = metadata_str(meta, "general.name", where, "").lower()
   family = "mistral" if arch == "llama" and "mistral" in name else ARCHITECTURES[arch]
   names = header.tensors
   return ModelConfig(
     vocab_size=vocab,
     hidden_size=hidden,
-    intermediate_size=_uniform(header, "feed_forward_length", key("feed_forward_length")),
-    num_layers=int(key("block_count")),
+    intermediate_size=_uniform(header, f"{arch}.feed_forward_length"),
+    num_layers=integer("block_count"),
     num_heads=heads,
     num_kv_heads=kv_heads,
     head_dim=head_dim,
-    rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-    rope_theta=float(key("rope.freq_base", 10000.0)),
+    rms_norm_eps=metadata_float(meta, f"{arch}.attention.layer_norm_rms_epsilon", where),
+    rope_theta=metadata_float(meta, f"{arch}.rope.freq_base", where, 10000.0, positive=True),
     tie_word_embeddings="output.weight" not in names,
     qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
     o_bias=arch != "qwen2" and "blk.0.attn_output.bias" in names,
     qk_norm=arch == "qwen3",
     sliding_window=None,  # llama.cpp attends to every key for these architectures
     family=family,
+    max_positions=integer("context_length", None),
   )
 
 

@@ -21,13 +21,13 @@ from kvjax.model import config as config_lib
 from kvjax.model import gguf
 from kvjax.model.assets import SMOLLM2, smollm2_path, tiny_path
 from kvjax.model.llama import Llama
-from kvjax.model.tokenizer import WordTokenizer
+from kvjax.model.tokenizer import WordTokenizer, read_json
 
 
 def _read_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
   index = path / "model.safetensors.index.json"
   if index.exists():
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    files = _shard_names(index)
   else:
     files = sorted(p.name for p in path.glob("*.safetensors"))
   if not files:
@@ -41,6 +41,16 @@ def _read_tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
         f"checkpoint: {path / name} is not a readable safetensors file ({e})"
       ) from None
   return tensors
+
+
+def _shard_names(index: pathlib.Path) -> list[str]:
+  """The shard files a ``model.safetensors.index.json`` names (``ValueError`` naming it when it
+  is not JSON or has no ``weight_map`` of tensor -> file name)."""
+  raw = read_json(index)
+  weight_map = raw.get("weight_map")
+  if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+    raise ValueError(f"checkpoint: {index} has no weight_map of tensor name -> shard file name")
+  return sorted(set(weight_map.values()))
 
 
 def _check_layers(cfg: config_lib.ModelConfig, tensors: dict, source) -> None:
@@ -156,8 +166,13 @@ def load(path_or_hub_id: str | pathlib.Path, dtype=None) -> tuple[Llama, config_
   if str(path_or_hub_id) == SMOLLM2:
     path_or_hub_id = smollm2_path()
   path = pathlib.Path(path_or_hub_id)
-  if path.suffix == ".gguf":
+  if path.suffix.lower() == ".gguf":  # llama.cpp and the Hub also write .GGUF
     cfg, tensors = gguf.read(path)
+  elif path.is_file():
+    raise ValueError(
+      f"path: {path} is a file but not a .gguf file; expected a GGUF file or a checkpoint "
+      "directory (config.json + *.safetensors)"
+    )
   else:
     if not path.exists():
       if path.is_absolute() or str(path_or_hub_id).startswith(".") or str(path).count("/") != 1:

@@ -7,10 +7,12 @@ whichever tokenizer is used (:mod:`kvjax.eval.tasks`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from collections.abc import Sequence
 
+import numpy as np
 from tokenizers import Regex, Tokenizer
 
 from kvjax.model import gguf
@@ -18,6 +20,100 @@ from kvjax.model.assets import SMOLLM2, smollm2_path
 
 # the word tokenizer's special words (their ids are the first four of the tiny vocabulary)
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+
+# --------------------------------------------------------------------------- input checks
+
+
+def _integer(value) -> bool:
+  # bool is an int subclass: True would silently read as id 1
+  return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _show(value) -> str:
+  # numpy scalars print as 5.0, not np.float64(5.0); strings keep their quotes
+  text = repr(value) if isinstance(value, str | bytes) else str(value)
+  return text[:60] + ("..." if len(text) > 60 else "")
+
+
+def check_ids(ids, vocab_size: int, name: str = "ids") -> list[int]:
+  """The token ids every tokenizer's ``decode`` accepts, as a list of Python ints.
+
+  ``ids`` is a 1-D sequence (list, tuple, numpy or jax array) of integers in
+  ``[0, vocab_size)``. Floats are refused rather than truncated (504.9 is not id 504), bools
+  rather than read as 0/1, and out-of-range ids rather than dropped or wrapped.
+
+  Args:
+    ids: the token ids.
+    vocab_size: the tokenizer's vocabulary size.
+    name: the argument's name in error messages.
+
+  Returns:
+    The ids as Python ints.
+
+  Raises:
+    ValueError: naming ``name``, the offending value and what was expected.
+  """
+  if hasattr(ids, "dtype") and hasattr(ids, "shape"):  # numpy and jax arrays: check the dtype
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+      raise ValueError(f"{name}: expected a 1-D sequence of token ids, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+      raise ValueError(f"{name}: expected integer token ids, got an array of dtype {arr.dtype}")
+    values = arr.tolist()
+  elif isinstance(ids, str | bytes | dict) or not hasattr(ids, "__iter__"):
+    raise ValueError(
+      f"{name}: expected a sequence of integer token ids, got {type(ids).__name__} {_show(ids)}"
+    )
+  else:
+    values = list(ids)
+    for k, v in enumerate(values):
+      if not _integer(v):
+        raise ValueError(
+          f"{name}: element {k} is {type(v).__name__} {_show(v)}, expected an integer token id"
+        )
+    values = [int(v) for v in values]
+  for k, v in enumerate(values):
+    if not 0 <= v < vocab_size:
+      raise ValueError(
+        f"{name}: token id {v} (element {k}) is outside the vocabulary [0, {vocab_size})"
+      )
+  return values
+
+
+def check_text(text, name: str = "text") -> str:
+  """``text`` if it is a ``str`` that UTF-8 can encode, else ``ValueError`` naming ``name``.
+
+  A lone surrogate (``"\\ud800"``) is refused here: no tokenizer can encode it.
+  """
+  if not isinstance(text, str):
+    raise ValueError(f"{name}: expected a str, got {type(text).__name__} {_show(text)}")
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ValueError(
+      f"{name}: character {e.start} ({text[e.start]!r}) is a lone surrogate, not encodable text"
+    ) from None
+  return text
+
+
+def read_json(path: pathlib.Path) -> dict:
+  """A tokenizer or config file's JSON object, or ``ValueError`` naming the file."""
+  try:
+    raw = json.loads(path.read_text(encoding="utf-8"))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"path: {path} is not valid JSON ({e})") from None
+  if not isinstance(raw, dict):
+    raise ValueError(f"path: {path} holds a JSON {type(raw).__name__}, expected an object")
+  return raw
+
+
+def read_tokenizer_json(path: pathlib.Path) -> Tokenizer:
+  """A ``tokenizers.Tokenizer`` from ``path``, or ``ValueError`` naming the file."""
+  try:
+    return Tokenizer.from_file(str(path))
+  except Exception as e:  # noqa: BLE001  (tokenizers raises a bare Exception for any bad file)
+    raise ValueError(f"path: {path} is not a readable tokenizer.json ({e})") from None
 
 
 class WordTokenizer:
@@ -36,16 +132,12 @@ class WordTokenizer:
 
   def encode(self, text: str) -> list[int]:
     try:
-      return [self.ids[w] for w in text.split()]
+      return [self.ids[w] for w in check_text(text).split()]
     except KeyError as e:
       raise ValueError(f"text: word {e.args[0]!r} is not in the vocabulary") from None
 
   def decode(self, ids) -> str:
-    ids = [int(i) for i in ids]
-    bad = [i for i in ids if not 0 <= i < len(self.vocab)]
-    if bad:
-      raise ValueError(f"ids: token id {bad[0]} is outside the vocabulary [0, {len(self.vocab)})")
-    return " ".join(self.vocab[i] for i in ids)
+    return " ".join(self.vocab[i] for i in check_ids(ids, len(self.vocab)))
 
   def to_json(self) -> dict:
     """A Hugging Face ``tokenizers`` WordLevel file (loadable by ``HFTokenizer`` as well)."""
@@ -77,7 +169,11 @@ class WordTokenizer:
 
   @classmethod
   def load(cls, path: str | pathlib.Path) -> WordTokenizer:
-    vocab = json.loads(pathlib.Path(path).read_text())["model"]["vocab"]
+    path = pathlib.Path(path)
+    vocab = read_json(path).get("model", {})
+    vocab = vocab.get("vocab") if isinstance(vocab, dict) else None
+    if not isinstance(vocab, dict) or not all(_integer(i) for i in vocab.values()):
+      raise ValueError(f"path: {path} has no WordLevel model.vocab (word -> integer id)")
     return cls(sorted(vocab, key=vocab.get))
 
 
@@ -89,7 +185,7 @@ class HFTokenizer:
   """
 
   def __init__(self, path: str | pathlib.Path, bos_token: str | None = None):
-    self.tok = Tokenizer.from_file(str(path))
+    self.tok = read_tokenizer_json(pathlib.Path(path))
     self.vocab_size = self.tok.get_vocab_size()
     self.bos_id = self.tok.token_to_id(bos_token) if bos_token else None
     if bos_token and self.bos_id is None:
@@ -98,10 +194,10 @@ class HFTokenizer:
     self.pad_id = self.bos_id if self.bos_id is not None else 0
 
   def encode(self, text: str) -> list[int]:
-    return self.tok.encode(" " + text, add_special_tokens=False).ids
+    return self.tok.encode(" " + check_text(text), add_special_tokens=False).ids
 
   def decode(self, ids) -> str:
-    return self.tok.decode([int(i) for i in ids])
+    return self.tok.decode(check_ids(ids, self.vocab_size))
 
 
 # --------------------------------------------------------------------------- real models' tokenizers
@@ -123,13 +219,14 @@ class ModelTokenizer:
     self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
   def encode(self, text: str) -> list[int]:
-    return self.tok.encode(text, add_special_tokens=False).ids
+    return self.tok.encode(check_text(text), add_special_tokens=False).ids
 
   def decode(self, ids) -> str:
-    return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    return self.tok.decode(check_ids(ids, self.vocab_size), skip_special_tokens=False)
 
   def token(self, i: int) -> str:
-    return self.tok.id_to_token(int(i))
+    (i,) = check_ids([i], self.vocab_size, name="i")
+    return self.tok.id_to_token(i)
 
   def __repr__(self) -> str:
     return f"ModelTokenizer({self.source!r}, vocab_size={self.vocab_size})"
@@ -147,7 +244,7 @@ class PieceTokenizer:
     self.pad_id = tok.bos_id if tok.bos_id is not None else tok.pad_id
 
   def encode(self, text: str) -> list[int]:
-    return self.tok.encode(" " + text)
+    return self.tok.encode(" " + check_text(text))
 
   def decode(self, ids) -> str:
     return self.tok.decode(ids)
@@ -159,7 +256,7 @@ def load_tokenizer(path_or_name: str | pathlib.Path) -> ModelTokenizer:
   if str(path_or_name) == SMOLLM2:
     path_or_name = smollm2_path()
   path = pathlib.Path(path_or_name)
-  if path.suffix == ".gguf":
+  if path.suffix.lower() == ".gguf":  # llama.cpp and the Hub also write .GGUF
     return from_gguf(path)
   if path.name == "tokenizer.json" and path.is_file():
     path = path.parent
@@ -177,20 +274,36 @@ def from_pretrained_dir(path: str | pathlib.Path) -> ModelTokenizer:
   path = pathlib.Path(path)
   if not (path / "tokenizer.json").is_file():
     raise ValueError(f"path: {path} has no tokenizer.json")
-  tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+  tok = read_tokenizer_json(path / "tokenizer.json")
+  vocab_size = tok.get_vocab_size(with_added_tokens=True)
+  files = [path / f for f in ("tokenizer_config.json", "config.json") if (path / f).is_file()]
+  raws = [(file, read_json(file)) for file in files]
   ids = {}
   for name in ("bos", "eos", "pad"):
-    for file in ("tokenizer_config.json", "config.json"):
-      raw = json.loads((path / file).read_text()) if (path / file).is_file() else {}
-      token = raw.get(f"{name}_token")
-      token = token.get("content") if isinstance(token, dict) else token
-      found = tok.token_to_id(token) if isinstance(token, str) else raw.get(f"{name}_token_id")
-      if isinstance(found, list):  # several eos ids: the first is the canonical one
-        found = found[0] if found else None
+    for file, raw in raws:
+      found = _special_id(raw, name, tok, file, vocab_size)
       if found is not None:
-        ids[f"{name}_id"] = int(found)
+        ids[f"{name}_id"] = found
         break
   return ModelTokenizer(tok, source=str(path), **ids)
+
+
+def _special_id(raw: dict, name: str, tok: Tokenizer, file: pathlib.Path, vocab_size: int):
+  """``name``'s id from a config file: its ``{name}_token`` string when the vocabulary has it,
+  else its ``{name}_token_id`` (the first of a list), checked to be an id of the vocabulary."""
+  token = raw.get(f"{name}_token")
+  token = token.get("content") if isinstance(token, dict) else token
+  if isinstance(token, str):
+    return tok.token_to_id(token)
+  key = f"{name}_token_id"
+  found = raw.get(key)
+  if isinstance(found, list):  # several eos ids: the first is the canonical one
+    found = found[0] if found else None
+  if found is not None and not (_integer(found) and 0 <= found < vocab_size):
+    raise ValueError(
+      f"path: {file}: {key} is {_show(found)}, expected an integer id in [0, {vocab_size})"
+    )
+  return found
 
 
 # --- GGUF: rebuilt from the metadata as transformers does (integrations/gguf/gguf_tokenizer_mapping)
@@ -273,32 +386,117 @@ def merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[t
   return [(a, b) for a, b, _ in merges]
 
 
-def _byte_level(meta: dict, tokens: list[str]):
+SPECIAL_ID_KEYS = (
+  ("bos_id", "tokenizer.ggml.bos_token_id"),
+  ("eos_id", "tokenizer.ggml.eos_token_id"),
+  ("unk_id", "tokenizer.ggml.unknown_token_id"),
+  ("pad_id", "tokenizer.ggml.padding_token_id"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFVocab:
+  """The ``tokenizer.ggml.*`` metadata, type-checked (:func:`gguf_vocab`)."""
+
+  kind: str  # "gpt2" | "llama"
+  tokens: list[str]
+  merges: list[tuple[str, str]] | None
+  scores: list[float] | None
+  types: list[int]
+  pre: str | None
+  add_space_prefix: bool
+  special_ids: dict[str, int]  # bos_id/eos_id/unk_id/pad_id -> id, those the file states
+
+
+def _merges(merges: list[str], where: str) -> list[tuple[str, str]]:
+  pairs = [tuple(m.split(" ")) for m in merges]
+  bad = next((i for i, pair in enumerate(pairs) if len(pair) != 2 or not all(pair)), None)
+  if bad is not None:
+    raise ValueError(
+      f"{where}: metadata 'tokenizer.ggml.merges' entry {bad} is {merges[bad]!r:.60}, expected "
+      "two tokens separated by one space"
+    )
+  return pairs
+
+
+def gguf_vocab(meta: dict, where: str) -> GGUFVocab:
+  """The tokenizer metadata of a GGUF file, every value type- and range-checked.
+
+  Args:
+    meta: the file's metadata (:attr:`kvjax.model.gguf.Header.metadata`).
+    where: how errors name the file, e.g. ``"path: m.gguf"``.
+
+  Raises:
+    ValueError: naming ``where`` and the key, for an unsupported ``tokenizer.ggml.model``, a
+      value of the wrong type (tokens that are not strings, scores that are not numbers...),
+      scores not one per token, or a special token id (bos, eos, unknown, padding) outside
+      ``[0, len(tokens))``.
+  """
+  kind = gguf.metadata_str(meta, "tokenizer.ggml.model", where, None)
+  tokens = gguf.metadata_strings(meta, "tokenizer.ggml.tokens", where, None)
+  if kind not in ("gpt2", "llama") or tokens is None:
+    raise ValueError(
+      f"{where} has tokenizer.ggml.model {kind!r}"
+      f"{'' if tokens is not None else ' and no tokenizer.ggml.tokens'}; supported: "
+      "'gpt2' (byte-level BPE), 'llama' (SentencePiece)"
+    )
+  merges = gguf.metadata_strings(meta, "tokenizer.ggml.merges", where, None)
+  scores = gguf.metadata_numbers(meta, "tokenizer.ggml.scores", where, None)
+  if scores is not None and len(scores) != len(tokens):
+    raise ValueError(
+      f"{where}: metadata 'tokenizer.ggml.scores' has {len(scores)} values for {len(tokens)} "
+      "tokens, expected one per token"
+    )
+  if kind == "llama" and merges is None and scores is None:
+    raise ValueError(f"{where}: the SentencePiece vocabulary has neither merges nor scores")
+  types = gguf.metadata_numbers(meta, "tokenizer.ggml.token_type", where, None, integer=True)
+  special_ids = {}
+  for name, key in SPECIAL_ID_KEYS:
+    value = gguf.metadata_int(meta, key, where, None, minimum=0)
+    if value is not None and value >= len(tokens):
+      raise ValueError(
+        f"{where}: metadata {key!r} is {value}, outside the vocabulary of {len(tokens)} tokens "
+        f"[0, {len(tokens)})"
+      )
+    if value is not None:
+      special_ids[name] = value
+  return GGUFVocab(
+    kind=kind,
+    tokens=list(tokens),
+    merges=None if merges is None else _merges(merges, where),
+    scores=None if scores is None else [float(x) for x in scores],
+    types=[] if types is None else types.tolist(),
+    pre=gguf.metadata_str(meta, "tokenizer.ggml.pre", where, None),
+    # llama.cpp honours add_space_prefix; transformers always prepends (the flag's default)
+    add_space_prefix=gguf.metadata_bool(meta, "tokenizer.ggml.add_space_prefix", where, True),
+    special_ids=special_ids,
+  )
+
+
+def _byte_level(v: GGUFVocab):
   from tokenizers import decoders, models, pre_tokenizers  # noqa: PLC0415
 
   spelling = bytes_to_unicode()
   alphabet = set(spelling.values())
   vocab = {
     t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
-    for i, t in enumerate(tokens)
+    for i, t in enumerate(v.tokens)
   }
-  merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
   tok = Tokenizer(
     models.BPE(
       vocab=vocab,
-      merges=merges,
+      merges=v.merges or [],
       dropout=None,
       continuing_subword_prefix="",
       end_of_word_suffix="",
       fuse_unk=False,
     )
   )
-  pre = meta.get("tokenizer.ggml.pre")
   byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-  if pre in PRE_TOKENIZER_SPLITS:
+  if v.pre in PRE_TOKENIZER_SPLITS:
     byte_level = pre_tokenizers.Sequence(
       [
-        pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
+        pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[v.pre]), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
       ]
     )
@@ -307,22 +505,15 @@ def _byte_level(meta: dict, tokens: list[str]):
   return tok, vocab, ("<|endoftext|>",)
 
 
-def _sentencepiece(meta: dict, tokens: list[str]):
+def _sentencepiece(v: GGUFVocab):
   from tokenizers import decoders, models, pre_tokenizers  # noqa: PLC0415
 
-  vocab = {t: i for i, t in enumerate(tokens)}
-  if "tokenizer.ggml.merges" in meta:
-    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
-  else:
-    scores = meta.get("tokenizer.ggml.scores")
-    if scores is None:
-      raise ValueError("the SentencePiece vocabulary has neither merges nor scores")
-    merges = merges_from_scores(tokens, [float(s) for s in scores])
+  vocab = {t: i for i, t in enumerate(v.tokens)}
+  merges = v.merges if v.merges is not None else merges_from_scores(v.tokens, v.scores)
   tok = Tokenizer(
     models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None)
   )
-  # llama.cpp honours add_space_prefix; transformers always prepends (the flag's default)
-  prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+  prefix = v.add_space_prefix
   tok.pre_tokenizer = pre_tokenizers.Metaspace(
     replacement="▁", prepend_scheme="first" if prefix else "never", split=False
   )
@@ -339,48 +530,27 @@ def from_gguf_metadata(meta: dict, source: str = "GGUF metadata") -> ModelTokeni
   ``tokenizer.ggml.pre``; ``"llama"`` is SentencePiece BPE with byte fallback, merges from the
   scores and ``▁`` for spaces (prepended to the text unless ``add_space_prefix`` is false).
   Control tokens (and bos/eos/unk/pad) are special added tokens, user-defined ones plain added
-  tokens, so both are matched whole in the text.
+  tokens, so both are matched whole in the text. The metadata is checked by :func:`gguf_vocab`.
   """
   from tokenizers import AddedToken  # noqa: PLC0415
 
-  kind = meta.get("tokenizer.ggml.model")
-  tokens = meta.get("tokenizer.ggml.tokens")
-  if kind not in ("gpt2", "llama") or tokens is None:
-    raise ValueError(
-      f"path: {source} has tokenizer.ggml.model {kind!r}"
-      f"{'' if tokens is not None else ' and no tokenizer.ggml.tokens'}; supported: "
-      "'gpt2' (byte-level BPE), 'llama' (SentencePiece)"
-    )
-  try:
-    tok, vocab, defaults = (_byte_level if kind == "gpt2" else _sentencepiece)(meta, list(tokens))
-  except ValueError as e:
-    raise ValueError(f"path: {source}: {e}") from None
-  types = list(meta.get("tokenizer.ggml.token_type", ()))
+  v = gguf_vocab(meta, f"path: {source}")
+  tok, vocab, defaults = (_byte_level if v.kind == "gpt2" else _sentencepiece)(v)
   alphabet = set(bytes_to_unicode().values())
-  ids = {
-    name: int(meta[f"tokenizer.ggml.{key}"])
-    for name, key in (
-      ("bos_id", "bos_token_id"),
-      ("eos_id", "eos_token_id"),
-      ("unk_id", "unknown_token_id"),
-      ("pad_id", "padding_token_id"),
-    )
-    if f"tokenizer.ggml.{key}" in meta and 0 <= int(meta[f"tokenizer.ggml.{key}"]) < len(tokens)
-  }
   special = [
     t
-    for t, kind_id in zip(tokens, types, strict=False)
-    if kind_id == CONTROL and (kind != "gpt2" or set(t) <= alphabet)
+    for t, kind_id in zip(v.tokens, v.types, strict=False)
+    if kind_id == CONTROL and (v.kind != "gpt2" or set(t) <= alphabet)
   ]
   # transformers' tokenizer classes add their default specials and the file's bos/eos/unk/pad
-  special += [t for t in defaults if t in vocab] + [tokens[i] for i in ids.values()]
+  special += [t for t in defaults if t in vocab] + [v.tokens[i] for i in v.special_ids.values()]
   tok.add_special_tokens(
     [AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(special)]
   )
-  user = [t for t, k in zip(tokens, types, strict=False) if k == USER_DEFINED and t in vocab]
+  user = [t for t, k in zip(v.tokens, v.types, strict=False) if k == USER_DEFINED and t in vocab]
   if user:
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
-  ids.pop("unk_id", None)
+  ids = {k: i for k, i in v.special_ids.items() if k != "unk_id"}
   return ModelTokenizer(tok, source=source, **ids)
 
 
