@@ -13,6 +13,11 @@ import time
 import pytest
 from conftest import full_mode
 
+from kvjax import policies
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "docs"))
+import pages  # noqa: E402  (docs/pages.py)
+
 nbformat = pytest.importorskip("nbformat")
 jupytext = pytest.importorskip("jupytext")
 nbclient = pytest.importorskip("nbclient")
@@ -219,3 +224,29 @@ def test_papermill_runs_it_from_the_notebooks_folder(path, tmp_path, monkeypatch
   assert "parameters" in tags[injected - 1], path.name
   install = next(c for c, t in zip(out.cells, tags, strict=True) if "skip-execution" in t)
   assert install.execution_count is None and not install.outputs, path.name
+  pages.adopt(tmp_path / path.name, path)  # the documentation renders this run
+
+
+def test_docs_build_with_the_executed_notebooks(tmp_path):
+  """``sphinx-build -W`` (warnings are errors) of ``docs/``, after the papermill runs above
+  (the same worker runs this file in order), so the notebook pages show their figures and the
+  build executes only what those runs did not; the lab's page is generated once."""
+  sphinx = pytest.importorskip("sphinx", reason="needs the docs packages: pip install -e '.[docs]'")
+  del sphinx
+  out = tmp_path / "html"
+  build = subprocess.run(
+    [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", "docs", str(out)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=1500,
+    env={**os.environ, "MPLBACKEND": "Agg"},
+  )
+  assert build.returncode == 0, build.stderr[-4000:]
+  for path in NOTEBOOKS:
+    html = (out / "notebooks" / f"{path.stem}.html").read_text()
+    assert "<img" in html and "_images/" in html, f"{path.name}: no figure on its page"
+  assert (out / "_static" / "lab.html").exists()
+  methods = (out / "methods.html").read_text()
+  for name in policies.names():
+    assert f"policy-{name.replace('_', '-')}" in methods, name

@@ -1,0 +1,73 @@
+"""Sphinx configuration of kvjax's documentation (myst-nb and sphinx-book-theme, as optax,
+flax and penzai build theirs).
+
+Build: ``sphinx-build -W --keep-going -b html docs docs/_build/html``. The build generates the
+methods catalogue from the policy registry, the lab's interactive page (``_static/lab.html``)
+and executes the notebooks in QUICK mode (``KVJAX_DOCS_EXECUTE=0`` skips both of the slow
+parts: the notebooks render without outputs and the lab page is not regenerated).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # configs/ and experiments/ live at the repository root
+sys.path.insert(0, str(ROOT / "docs"))
+
+import pages  # noqa: E402  (docs/pages.py, after the path above)
+
+from kvjax.policies import registry  # noqa: E402
+
+registry.BUILTIN = getattr(registry, "BUILTIN", registry._BUILTIN)
+import kvjax.policies as _p  # noqa: E402
+from kvjax.policies.provenance import provenance as _prov  # noqa: E402
+
+_p.provenance = _prov
+
+project = "kvjax"
+author = "the kvjax authors"
+copyright = "2026, the kvjax authors"
+
+extensions = [
+  "myst_nb",
+  "sphinx.ext.autodoc",
+  "sphinx.ext.autosummary",
+  "sphinx.ext.napoleon",
+  "sphinx.ext.viewcode",
+]
+EXECUTE = os.environ.get("KVJAX_DOCS_EXECUTE", "1") != "0"
+
+# methods_catalogue.md is included by methods.md, not a page of its own
+exclude_patterns = ["_build", "**.ipynb_checkpoints", "methods_catalogue.md"]
+html_theme = "sphinx_book_theme"
+html_title = "kvjax"
+html_static_path = ["_static"]
+html_theme_options = {
+  "repository_url": "https://github.com/kvjax/kvjax",
+  "use_repository_button": True,
+  "show_toc_level": 2,
+}
+
+myst_enable_extensions = ["colon_fence", "dollarmath"]
+myst_heading_anchors = 3
+
+# The notebooks are executed by pages.prepare (papermill, QUICK mode), not by myst-nb: papermill
+# injects the parameters and runs them from notebooks/, as a user would.
+nb_execution_mode = "off"
+
+autosummary_generate = True
+autodoc_default_options = {"members": True, "undoc-members": False, "show-inheritance": False}
+autodoc_typehints = "description"
+autodoc_member_order = "bysource"
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_ivar = True  # dataclass fields are members already: no second attribute entry
+suppress_warnings = ["myst.header", "mystnb.unknown_mime_type"]
+
+
+def setup(app):
+  """Writes the generated pages before Sphinx reads the sources."""
+  pages.prepare(execute_notebooks=EXECUTE)

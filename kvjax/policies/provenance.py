@@ -1,0 +1,204 @@
+"""Where each registered method comes from: its paper, the reference code kvjax follows, and the
+differences from that code that kvjax names. The documentation's methods catalogue is generated
+from this and the registry, so a registered name without an entry is visible there.
+
+A user's policy class states its own with the class attributes ``paper``, ``code`` and
+``differs`` (strings); :func:`provenance` reads them.
+"""
+
+from __future__ import annotations
+
+from kvjax.policies import registry
+
+_KVPRESS = "kvpress 0.5.5 `{}`"
+_SAME = "none: kept sets equal the reference's in the golden tests"
+
+# name -> (paper, reference code followed, named differences)
+_BUILTIN: dict[str, tuple[str, str, str]] = {
+  "full": ("", "", ""),
+  "sliding_window": ("", "", ""),
+  "streaming_llm": (
+    "Xiao et al., Efficient Streaming Language Models with Attention Sinks (arXiv 2309.17453)",
+    "mit-han-lab/streaming-llm `streaming_llm/kv_cache.py::StartRecentKVCache`; "
+    + _KVPRESS.format("StreamingLLMPress"),
+    "positions are not re-rotated after eviction (keys keep their original RoPE positions)",
+  ),
+  "h2o": (
+    "Zhang et al., H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large "
+    "Language Models (arXiv 2306.14048)",
+    "FMInference/H2O `h2o_hf/utils_real_drop/modify_llama.py` (causal column sums, evicting "
+    "while decoding)",
+    "`recent=8` by default, as KVCache-Factory's H2O; the official code keeps half the budget "
+    "recent (`recent=None`)",
+  ),
+  "h2o_kvfactory_legacy": (
+    "Zhang et al., H2O (arXiv 2306.14048), as KVCache-Factory publishes it",
+    "Zefan-Cai/KVCache-Factory `pyramidkv/pyramidkv_utils.py::H2OKVCluster`",
+    "none: the non-causal prefill column sums of that code, kept as published",
+  ),
+  "h2o_kvpress": (
+    "Zhang et al., H2O (arXiv 2306.14048), as kvpress runs it",
+    _KVPRESS.format("ObservedAttentionPress"),
+    _SAME,
+  ),
+  "tova": (
+    "Oren et al., Transformers are Multi-State RNNs (arXiv 2401.06104)",
+    "schwartz-lab-NLP/TOVA `src/tova_cache.py::TOVACache.reduce`; " + _KVPRESS.format("TOVAPress"),
+    _SAME,
+  ),
+  "snapkv": (
+    "Li et al., SnapKV: LLM Knows What You are Looking for Before Generation (arXiv 2404.14469)",
+    "FasterDecoding/SnapKV `snapkv/monkeypatch/snapkv_utils.py::SnapKVCluster.update_kv`",
+    "kept positions in ascending order (upstream keeps top-k order; attention is unaffected); "
+    "scores stay float32 (upstream casts the softmax to fp16/bf16 before summing)",
+  ),
+  "snapkv_kvpress": (
+    "Li et al., SnapKV (arXiv 2404.14469), as kvpress runs it",
+    _KVPRESS.format("SnapKVPress"),
+    _SAME,
+  ),
+  "pyramidkv": (
+    "Cai et al., PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information "
+    "Funneling (arXiv 2406.02069)",
+    "Zefan-Cai/KVCache-Factory `pyramidkv/pyramidkv_utils.py::PyramidKVCluster.update_kv`",
+    "as SnapKV's; layer budgets equal the reference's arithmetic on a 648-row grid",
+  ),
+  "adakv_snapkv": (
+    "Feng et al., Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation "
+    "(arXiv 2407.11550)",
+    "FFY0/AdaKV `adaptive_snapkv/monkeypatch/snapkv_utils.py::AdaptiveSnapKVCluster`",
+    "as SnapKV's",
+  ),
+  "adakv_pyramidkv": (
+    "Feng et al., Ada-KV (arXiv 2407.11550), within PyramidKV's schedule",
+    "FFY0/AdaKV `adaptive_snapkv` with `pyram_mode=True`",
+    "as SnapKV's",
+  ),
+  "headkv": (
+    "Fu et al., Not All Heads Matter: A Head-Level KV Cache Compression Method with Integrated "
+    "Retrieval and Reasoning (arXiv 2410.19258)",
+    "FYYFU/HeadKV `headkv/snapkv_utils.py::ReasonSnapKVCluster`",
+    "head scores are data (`evidence['head_scores_LH']`); kvjax ships none for a given model",
+  ),
+  "cake": (
+    "Qin et al., CAKE: Cascading and Adaptive KV Cache Eviction with Layer Preferences "
+    "(arXiv 2503.12491)",
+    "antgroup/cakekv `cake/cake_cache.py::CakeprefillKVCache`, `adjust_budgets`",
+    "budgets are allocated once after the prompt from every layer's preference (the reference "
+    "cascades them layer by layer during the prefill; the final budgets are the same)",
+  ),
+  "knorm": (
+    "Devoto et al., A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression "
+    "(arXiv 2406.11430)",
+    _KVPRESS.format("KnormPress"),
+    _SAME,
+  ),
+  "random": ("", _KVPRESS.format("RandomPress"), "its own random generator (jax.random)"),
+  "oracle": (
+    "",
+    "",
+    "an upper bound, not a method: it reads the future attention that no realisable policy has",
+  ),
+  "keydiff": (
+    "Park et al., KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM "
+    "Inference (arXiv 2504.15364)",
+    _KVPRESS.format("KeyDiffPress"),
+    _SAME,
+  ),
+  "lagkv": (
+    "Liang et al., LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are "
+    "Important (arXiv 2504.04704)",
+    _KVPRESS.format("LagKVPress"),
+    "a channel constant over its reference chunk scores 0 (kvpress: NaN)",
+  ),
+  "expected_attention": (
+    "Devoto et al., Expected Attention: KV Cache Compression by Estimating Attention from "
+    "Future Queries Distribution (arXiv 2510.00636)",
+    _KVPRESS.format("ExpectedAttentionPress"),
+    "the averaged RoPE matrix is computed in float32",
+  ),
+  "qfilter": (
+    "Godey et al., Q-Filters: Leveraging QK Geometry for Efficient KV Cache Compression "
+    "(arXiv 2503.02812)",
+    _KVPRESS.format("QFilterPress") + "; the filters as the official `make_filters.py` makes them",
+    "float32 and numpy's generator for the calibration samples",
+  ),
+  "duo_attention": (
+    "Xiao et al., DuoAttention: Efficient Long-Context LLM Inference with Retrieval and "
+    "Streaming Heads (arXiv 2410.10819)",
+    _KVPRESS.format("DuoAttentionPress") + "; the gates by mit-han-lab/duo-attention's "
+    "distillation (`duo_attn/train.py`)",
+    "`head_compression_ratio=0.5` by default (kvpress's 0.0 streams no head); short prompts "
+    "shrink sink 128 + recent 256",
+  ),
+  "kvzip": (
+    "Kim et al., KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction "
+    "(arXiv 2505.23416)",
+    _KVPRESS.format("KVzipPress"),
+    "the reconstruction attention is computed in batches of rows; contexts over 4k tokens "
+    "through the chunked prefill",
+  ),
+  "think": (
+    "Xu et al., ThinK: Thinner Key Cache by Query-Driven Pruning (arXiv 2407.21018)",
+    _KVPRESS.format("ThinKPress"),
+    "a real memory saving: pruned key channels are not stored (kvpress zeroes them)",
+  ),
+  "rkv": (
+    "Cai et al., R-KV: Redundancy-aware KV Cache Compression for Reasoning Models "
+    "(arXiv 2505.24133)",
+    "Zefan-Cai/R-KV (the official code; kvpress has no press)",
+    "none known: checked against a transcription of the official code",
+  ),
+}
+
+# Wrapper prefixes (``critical_<base>`` ...): their paper and code; the base adds its own.
+_WRAPPERS: dict[str, tuple[str, str, str]] = {
+  "critical_adakv_": (
+    "Feng et al., Identify Critical KV Cache in LLM Inference from an Output Perturbation "
+    "Perspective (arXiv 2502.03805)",
+    _KVPRESS.format("CriticalAdaKVPress"),
+    "the first stage counts from the budget; the window is never dropped",
+  ),
+  "critical_": (
+    "Feng et al., Identify Critical KV Cache in LLM Inference from an Output Perturbation "
+    "Perspective (arXiv 2502.03805)",
+    _KVPRESS.format("CriticalKVPress"),
+    "the first stage counts from the budget; the window is never dropped",
+  ),
+  "chunkkv_": (
+    "Liu et al., ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context "
+    "LLM Inference (arXiv 2502.00299)",
+    _KVPRESS.format("ChunkKVPress"),
+    "exactly the budget (the best whole chunks, then the best tokens of the next); kvpress "
+    "rounds to whole chunks",
+  ),
+  "think_": _BUILTIN["think"],
+}
+
+
+def provenance(name: str) -> dict[str, str]:
+  """The paper, the reference code followed and the named differences of policy ``name``.
+
+  Args:
+    name: a registered policy name (or a wrapper of one, e.g. ``critical_snapkv``).
+
+  Returns:
+    A dict with ``paper``, ``code`` and ``differs`` (empty strings where there is none: a
+    baseline, or a user's policy that does not say).
+
+  Raises:
+    ValueError: ``name`` is not registered.
+  """
+  factory = registry.factory(name)  # raises for an unknown name
+  if name in _BUILTIN and factory is registry.BUILTIN.get(name):
+    paper, code, differs = _BUILTIN[name]
+    return dict(paper=paper, code=code, differs=differs)
+  for prefix, (paper, code, differs) in _WRAPPERS.items():
+    base = name.removeprefix(prefix)
+    if base != name and registry.is_registered(base):
+      own = provenance(base)
+      return dict(
+        paper=paper, code=code, differs=f"{differs}; the base `{base}`: {own['differs'] or '—'}"
+      )
+  cls = getattr(factory, "cls", factory)
+  return {key: str(getattr(cls, key, "") or "") for key in ("paper", "code", "differs")}

@@ -1,0 +1,90 @@
+"""The front door: the README's size, no page narrating history, a catalogue that lists the
+registry, no reference to a document the repository lacks. (The Sphinx build itself runs in
+``tests/test_notebooks.py``, after the notebooks it renders.)"""
+
+import pathlib
+import re
+import sys
+
+import pytest
+
+from kvjax import policies
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "docs"))
+import catalogue  # noqa: E402  (docs/catalogue.py)
+
+PAGES = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [p for p in PAGES if p.name != "methods_catalogue.md"]
+
+# Phrases that date a number relative to earlier work or an earlier machine.
+HISTORY = re.compile(
+  r"this session|previous session|next session|earlier machine|later machine|the one after|"
+  r"on the latest|the previous model|the previous engine|previous one's|at this session|"
+  r"tried and dropped|was \d[\d.,]* ?(?:ms|s|GiB|MiB|×|x)\b|\bbefore: |no longer|used to be",
+  re.IGNORECASE,
+)
+
+
+def test_readme_is_short():
+  lines = (ROOT / "README.md").read_text().splitlines()
+  assert len(lines) <= 220, f"README.md has {len(lines)} lines; the front door keeps <= 220"
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
+def test_no_page_narrates_history(path):
+  found = [m.group(0) for m in HISTORY.finditer(path.read_text())]
+  assert not found, f"{path.name} dates numbers against earlier work: {found}"
+
+
+def test_catalogue_lists_every_registered_policy():
+  text = catalogue.markdown()
+  listed = re.findall(r"^## `([a-z0-9_]+)`$", text, re.MULTILINE)
+  assert listed == list(policies.names())
+
+
+def test_catalogue_names_the_paper_and_code_of_every_method():
+  baselines = {"full", "sliding_window", "oracle"}
+  for name in policies.names():
+    entry = catalogue.entry(name)
+    if name not in baselines:
+      assert entry["code"] != "—", name
+      assert entry["paper"] != "—" or name == "random", name
+
+
+def test_a_users_policy_enters_the_catalogue_with_its_own_provenance():
+  import dataclasses
+
+  @dataclasses.dataclass(frozen=True, kw_only=True)
+  class Mine(policies.KNorm):
+    """My key-norm variant."""
+
+    paper = "Me et al., My Method (arXiv 0000.00000)"
+    code = "me/my-method `score.py`"
+
+  policies.register("mine_for_the_catalogue", Mine)
+  try:
+    entry = catalogue.entry("mine_for_the_catalogue")
+    assert entry["paper"] == Mine.paper and entry["code"] == Mine.code
+    assert entry["summary"] == "My key-norm variant."
+    assert "## `mine_for_the_catalogue`" in catalogue.markdown()
+  finally:
+    policies.unregister("mine_for_the_catalogue")
+
+
+def test_no_file_cites_a_design_document_the_repository_lacks():
+  tracked = [
+    p
+    for p in ROOT.rglob("*")
+    if p.is_file()
+    and p.suffix in (".py", ".md", ".toml", ".yaml")
+    and not any(part in (".venv", "_build", "_autosummary", "runs") for part in p.parts)
+    and p != pathlib.Path(__file__)
+  ]
+  for path in tracked:
+    text = path.read_text(errors="replace")
+    assert "DESIGN.md" not in text, f"{path.relative_to(ROOT)} cites DESIGN.md (docs/concepts.md)"
+    assert "ALGORITHMS.md" not in text, (
+      f"{path.relative_to(ROOT)} cites ALGORITHMS.md (docs/methods.md)"
+    )
+    assert "../shared/" not in text, f"{path.relative_to(ROOT)} points outside the repository"

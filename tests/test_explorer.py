@@ -1,0 +1,122 @@
+"""The lab's interactive page: its data agree with the lab, and it works in a real browser."""
+
+import json
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from configs import lab as lab_config
+from kvjax.lab import explorer, metrics, online, suite, synthetic
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def tiny_config():
+  c = lab_config.get_config("quick")
+  c.world.update(num_layers=2, num_heads=2, prompt_len=96, gen_steps=12, window=8)
+  c.scenarios = ("needle_qa", "streaming_chat")
+  c.policies = ("sliding_window", "snapkv", "pyramidkv")
+  c.budget = 24
+  return c
+
+
+@pytest.fixture(scope="module")
+def data():
+  c = tiny_config()
+  return explorer.explorer_data(c, suite.validate_config(c), focus="snapkv", log=lambda *_: None)
+
+
+def test_data_match_the_lab(data):
+  c = tiny_config()
+  assert data["budgets"] == [18, 24, 36, 48, 72]
+  assert data["default_budget"] == 24
+  world = synthetic.make_world(synthetic.world_config("needle_qa", c.world))
+  evidence = online.prompt_evidence(world, jax.random.key(c.world.seed))
+  for name, policy in suite.build_policies(c).items():
+    trace = online.simulate(world, policy, 36, evidence=evidence)
+    summary = metrics.summarize(trace.metrics)
+    entry = data["scenarios"]["needle_qa"]["budgets"]["36"]
+    assert entry["mean"][name] == pytest.approx(summary["retained_mass"], abs=1e-4)
+    np.testing.assert_allclose(
+      entry["mass"][name], np.asarray(trace.metrics.retained).mean((1, 2)), atol=6e-4
+    )  # the page keeps three significant digits
+    np.testing.assert_allclose(entry["layer"][name], summary["retained_mass_L"], atol=6e-4)
+
+
+def test_maps_and_rows_are_consistent(data):
+  levels = data["map_levels"]
+  for sc in data["scenarios"].values():
+    S = len(sc["steps"])
+    assert len(sc["row"]) == len(sc["active"]) == S
+    assert all(f in range(sc["prompt_len"]) for f in sc["facts"])
+    for b, entry in sc["budgets"].items():
+      assert len(entry["kept"]) == S
+      kept, row = np.asarray(entry["kept"]), np.asarray(sc["row"])
+      assert (kept <= row * 1.06 + 1e-9).all()  # the kept part of a row is part of it (2 digits)
+      for maps in entry["map"].values():
+        cells = np.array([[ord(ch) - 48 for ch in m] for m in maps])
+        assert cells.min() >= 0 and cells.max() <= levels
+        # every (layer, head) row holds at most `budget` positions: the map's column sum agrees
+        assert (cells.sum(1) / levels * sc["bin"] <= int(b) * 1.5 + sc["bin"]).all()
+
+
+def test_budget_grid_refuses_budgets_a_policy_cannot_run():
+  c = tiny_config()
+  built = suite.validate_config(c)
+  c.explorer_budgets = (8, 24)  # snapkv's window is 8: a budget of 8 keeps nothing selected
+  with pytest.raises(ValueError, match="explorer_budgets: 8"):
+    explorer.budget_grid(c, built)
+  c.explorer_budgets = (24, 10_000)
+  with pytest.raises(ValueError, match="explorer_budgets: 10000"):
+    explorer.budget_grid(c, built)
+  c.explorer_budgets = (32, 24, 32)
+  assert explorer.budget_grid(c, built) == (24, 32)
+
+
+def test_focus_must_be_a_policy_run():
+  c = tiny_config()
+  with pytest.raises(ValueError, match="focus: 'tova'"):
+    explorer.explorer_data(c, suite.validate_config(c), focus="tova")
+
+
+def test_page_is_self_contained(data, tmp_path):
+  from plotly.offline import get_plotlyjs
+
+  page = pathlib.Path(explorer.write_html(data, tmp_path / "lab.html")).read_text()
+  assert get_plotlyjs() in page  # plotly.js inlined: the page works offline
+  rest = page.replace(get_plotlyjs(), "")
+  assert "src=" not in rest and "http" not in rest
+  start = page.index("const DATA = ") + len("const DATA = ")
+  assert json.loads(page[start : page.index(";\nconst $")]) == data
+
+
+@pytest.mark.skipif(
+  CHROMIUM is None, reason="needs a browser: apt-get install chromium (Debian's package)"
+)
+def test_page_in_a_browser(data, tmp_path):
+  sync_api = pytest.importorskip("playwright.sync_api", reason="needs pip install playwright")
+  path = explorer.write_html(data, tmp_path / "lab.html")
+  errors = []
+  with sync_api.sync_playwright() as p:
+    browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+    page = browser.new_page(viewport={"width": 1200, "height": 800})
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(pathlib.Path(path).as_uri())
+    page.wait_for_selector("#map .main-svg")
+    shots = [page.screenshot()]
+    page.select_option("#scenario", "streaming_chat")
+    page.wait_for_timeout(300)
+    shots.append(page.screenshot())
+    page.fill("#budget", "4")  # the largest budget of the grid
+    page.dispatch_event("#budget", "input")
+    page.wait_for_timeout(300)
+    shots.append(page.screenshot())
+    budget_shown = page.inner_text("#budget-value")
+    browser.close()
+  assert errors == []
+  assert budget_shown == "72"
+  assert shots[0] != shots[1] and shots[1] != shots[2]  # each control redraws the picture
