@@ -14,8 +14,13 @@ Semantics shared by every function here (DESIGN.md, step 4):
   ``T``) are static, so a sweep over budget values compiles once.
 * Counts (budgets, lengths, the capacity) are int32 token counts: concrete values are checked to
   lie in ``[0, 2**31)`` before any cast (``ValueError``, never a wrapped value). Traced values
-  cannot be checked in Python: :func:`checked_keep_mask` and :func:`checked_compact` check NaN
-  scores, negative budgets and budgets above the capacity under ``jit`` with ``checkify``.
+  cannot be checked in Python: :func:`keep_mask` and :func:`compact` then keep what their
+  docstrings say without a signal (a budget above the capacity keeps ``capacity`` entries);
+  :func:`checked_keep_mask` and :func:`checked_compact` report NaN scores, negative budgets and
+  budgets above the capacity under ``jit`` with ``checkify``.
+* Keys are float32. float64 scores keep their own order: values float32 cannot tell apart or
+  hold (``1e39`` would become ``+inf``, the keep-always marker) are selected by their float64
+  ranks (:func:`float32_scores`).
 
 The implementation is a threshold: each row keeps the entries above its
 ``min(budget, length)``-th best one, plus the tied entries up to that one's position (exact,
@@ -60,6 +65,72 @@ def _check_scores(scores) -> None:
     raise ValueError(f"scores: expected at least one position, got shape {scores.shape}")
   if is_concrete(scores) and np.isnan(np.asarray(scores)).any():
     raise ValueError("scores: contains NaN; expected finite scores (or +/-inf sentinels)")
+
+
+# float32 holds every integer up to 2**24 exactly: the largest row whose float64 scores can be
+# replaced by their ranks without two ranks meeting
+_EXACT_RANKS = 2**24
+
+
+def float32_scores(scores):
+  """Scores as floats whose float32 order is their own, for the float32 keys every selection
+  path orders by.
+
+  float16, bfloat16 and float32 scores convert exactly and are returned unchanged. float64
+  scores that convert exactly are cast. Others would not keep their order in float32: finite
+  values beyond float32's range become ``+inf`` (the always-keep marker) and values closer than
+  float32's precision become ties. Each row's scores are then replaced by their dense ranks
+  (0 for the row's lowest finite score, up), ``+/-inf`` kept: the same order, ties and
+  sentinels, so the selection is float64's own. Traced float64 scores (under ``jit`` with x64
+  enabled) are always ranked.
+
+  Args:
+    scores: floating scores ``[..., T]`` (already checked: no NaN).
+
+  Returns:
+    float32 (or narrower) scores of the same shape and order along the last axis.
+
+  Raises:
+    ValueError: for float64 rows longer than ``2**24`` positions whose cast is inexact, where
+      float32 cannot hold distinct ranks.
+  """
+  if jnp.dtype(scores.dtype).itemsize <= 4:
+    return scores
+  if is_concrete(scores):
+    host = np.asarray(scores)
+    with np.errstate(over="ignore"):  # an overflow is what the comparison below detects
+      cast = host.astype(np.float32)
+    if np.array_equal(cast.astype(host.dtype), host):
+      return cast
+    xp = np
+  else:
+    host, xp = scores, jnp
+  if scores.shape[-1] > _EXACT_RANKS:
+    raise ValueError(
+      f"scores: float64 rows of {scores.shape[-1]} positions do not keep their order in float32 "
+      f"and are longer than the {_EXACT_RANKS} ranks float32 holds exactly; expected float32 "
+      "scores, or float64 values that float32 represents"
+    )
+  ranks = _dense_ranks(host, xp)
+  return xp.where(xp.isinf(host), host, ranks).astype(xp.float32)
+
+
+def _dense_ranks(x, xp):
+  """Each entry's place among the distinct values of its row (equal values share one), by
+  ``xp`` (numpy on the host, jax.numpy under ``jit``)."""
+  order = xp.argsort(x, axis=-1)
+  ordered = xp.take_along_axis(x, order, axis=-1)
+  steps = (ordered[..., 1:] != ordered[..., :-1]).astype(np.int32)  # -0.0 == +0.0: one value
+  dense = xp.concatenate([xp.zeros(steps.shape[:-1] + (1,), np.int32), xp.cumsum(steps, -1)], -1)
+  if xp is np:
+    out = np.empty_like(dense)
+    np.put_along_axis(out, order, dense, axis=-1)
+    return out
+  rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+  flat = jnp.zeros((rows, x.shape[-1]), jnp.int32)
+  row = jnp.arange(rows)[:, None]
+  flat = flat.at[row, order.reshape(rows, -1)].set(dense.reshape(rows, -1), unique_indices=True)
+  return flat.reshape(x.shape)
 
 
 def _object_ints(name: str, arr: np.ndarray) -> None:
@@ -343,6 +414,7 @@ def count_threshold(masked: Array, n: Array) -> tuple[Array, Array]:
   negative, above ``T`` or do not broadcast to the rows.
   """
   _check_scores(masked)
+  masked = float32_scores(masked)
   n = _check_counts("n", n, masked.shape[:-1])
   if is_concrete(n) and n.size and int(np.max(np.asarray(n))) > masked.shape[-1]:
     raise ValueError(f"n: {int(np.max(np.asarray(n)))} exceeds T={masked.shape[-1]}")
@@ -475,6 +547,7 @@ def _mask_impl(scores: Array, budget: Array, length: Array, capacity: int) -> Ar
 
 def _prepare(scores, budget, length, capacity):
   _check_scores(scores)
+  scores = float32_scores(scores)
   batch_shape = scores.shape[:-1]
   num_positions = scores.shape[-1]
   budget = _check_counts("budget", budget, batch_shape)
@@ -487,11 +560,20 @@ def _prepare(scores, budget, length, capacity):
   if capacity is None:
     capacity = num_positions
   _check_capacity(capacity, budget, length, num_positions)
-  return budget, length, int(capacity)
+  return scores, budget, length, int(capacity)
 
 
 def keep_mask(scores: Array, budget, *, length=None, capacity: int | None = None) -> Array:
   """Bool mask [..., T] of the ``min(budget, length)`` highest scores of each row.
+
+  Exactly ``min(budget, length)`` entries are True per row; ties go to the lower position.
+  float64 scores are selected in their own order (:func:`float32_scores`).
+
+  Concrete budgets and lengths are checked here; traced ones (under ``jit``) cannot be, and
+  this unchecked path then answers without a signal: a budget in ``(capacity, length)`` keeps
+  ``capacity`` entries, a negative budget keeps nothing, and a NaN score (traced) ranks above
+  every number. :func:`checked_keep_mask` is the same selection that reports each of these
+  under ``jit``.
 
   Args:
     scores: float [..., T], higher = keep.
@@ -501,10 +583,17 @@ def keep_mask(scores: Array, budget, *, length=None, capacity: int | None = None
     capacity: static upper bound on the budgets below ``T`` (default ``T``). Pass the largest
       budget of a sweep: ``top_k`` then costs ``O(T log capacity)`` instead of a full sort.
 
-  Exactly ``min(budget, length)`` entries are True per row; ties go to the lower position.
+  Returns:
+    The kept positions, bool ``[..., T]``.
+
+  Raises:
+    ValueError: for scores that are not floating, empty or NaN (when concrete); budgets or
+      lengths that are not integers, negative, beyond int32 or do not broadcast to the rows; a
+      length above ``T``; a capacity that is not a positive static int; and a concrete budget
+      in ``(capacity, length)``, which the capacity cannot honour.
   """
   full_rows = length is None
-  budget, length, capacity = _prepare(scores, budget, length, capacity)
+  scores, budget, length, capacity = _prepare(scores, budget, length, capacity)
   return _mask_jit(scores, budget, None if full_rows else length, capacity)
 
 
@@ -516,7 +605,7 @@ def ranks(scores: Array, *, length=None, capacity: int | None = None) -> Array:
   ``b <= capacity``, so a sweep computes the ranks once and answers every budget with a
   comparison (or a prefix sum of the sorted metric).
   """
-  _, length, capacity = _prepare(scores, jnp.zeros((), jnp.int32), length, capacity)
+  scores, _, length, capacity = _prepare(scores, jnp.zeros((), jnp.int32), length, capacity)
   return _rank_jit(scores, length, capacity)
 
 
@@ -527,10 +616,11 @@ def compact(scores: Array, budget, capacity: int, *, length=None) -> tuple[Array
   ascending order and come first; invalid slots hold 0 (a safe gather index) and must be masked
   by ``valid``. The set equals :func:`keep_mask`'s.
   ``min(budget, length)`` must fit the ``capacity``: concrete inputs that do not raise
-  ``ValueError``; under ``jit`` the caller checks (the model cache flags it as ``overflow``).
-  This is the layout of :mod:`kvjax.model.cache`.
+  ``ValueError``; traced ones are not checked and keep the first ``capacity`` slots (the
+  model cache flags it as ``overflow``; :func:`checked_compact` reports it). This is the layout
+  of :mod:`kvjax.model.cache`.
   """
-  budget, length, capacity = _prepare(scores, budget, length, capacity)
+  scores, budget, length, capacity = _prepare(scores, budget, length, capacity)
   if is_concrete(budget) and is_concrete(length):
     _check_slots(budget, length, capacity)
   return _compact_jit(scores, budget, length, capacity)
@@ -577,8 +667,11 @@ def keep_mask_pooled(
   Ties go to the lower head, then the lower position. ``length`` (per layer and head, optional)
   excludes positions past each head's prefix. Returns bool ``[..., H, T]``.
   """
-  _flatten_heads(scores_LHT)  # validates [..., H, T]
+  flat = _flatten_heads(scores_LHT)  # validates [..., H, T]
+  _check_scores(flat)
   num_heads, num_positions = scores_LHT.shape[-2:]
+  # one layer's heads compete: float64 scores keep their order over the flattened layer
+  scores_LHT = float32_scores(flat).reshape(scores_LHT.shape)
   if length is not None:
     length = _check_counts("length", length, scores_LHT.shape[:-1])
     scores_LHT = jnp.where(_iota(scores_LHT.shape) < length[..., None], scores_LHT, -jnp.inf)
@@ -617,7 +710,7 @@ def pooled_count_table(scores_LHT: Array, max_total: int) -> Array:
     raise ValueError(f"scores: expected [..., H, T] for a pooled table, got {scores_LHT.shape}")
   num_heads, num_positions = scores_LHT.shape[-2:]
   k = min(check_static_count("max_total", max_total), num_heads * num_positions)
-  idx = descending_order(_flatten_heads(scores_LHT), k)
+  idx = descending_order(float32_scores(_flatten_heads(scores_LHT)), k)
   onehot = jax.nn.one_hot(idx // num_positions, num_heads, dtype=jnp.int32)
   counts = jnp.cumsum(onehot, axis=-2, dtype=jnp.int32)
   zeros = jnp.zeros(counts.shape[:-2] + (1, num_heads), jnp.int32)
@@ -652,7 +745,7 @@ def pooled_rank_table(scores_LHT: Array, max_total: int) -> Array:
       f"max_total: {max_total} gives codes up to H * (n_max + 1) = {num_heads * (k + 1)}; "
       "expected H * (min(max_total, H*T) + 1) < 2**31"
     )
-  idx = descending_order(_flatten_heads(scores_LHT), k)
+  idx = descending_order(float32_scores(_flatten_heads(scores_LHT)), k)
   codes = (idx // num_positions) * (k + 1) + _iota(idx.shape)
   return jnp.sort(codes, axis=-1)
 
@@ -751,7 +844,7 @@ def checked_keep_mask(
   ``jit``. Concrete bad input still raises ``ValueError`` at once. It can be called inside
   ``jit``; the error is a pytree to return from it.
   """
-  budget, length, capacity = _prepare(scores, budget, length, capacity)
+  scores, budget, length, capacity = _prepare(scores, budget, length, capacity)
   return _checked_mask_jit(scores, budget, length, capacity=capacity)
 
 
@@ -760,7 +853,7 @@ def checked_compact(
 ) -> tuple[checkify.Error, tuple[Array, Array]]:
   """:func:`compact` that also checks its traced data: ``(error, (idx, valid))``; see
   :func:`checked_keep_mask`. Reports ``min(budget, length) > capacity`` (slots overflow)."""
-  budget, length, capacity = _prepare(scores, budget, length, capacity)
+  scores, budget, length, capacity = _prepare(scores, budget, length, capacity)
   if is_concrete(budget) and is_concrete(length):
     _check_slots(budget, length, capacity)
   return _checked_compact_jit(scores, budget, length, capacity=capacity)

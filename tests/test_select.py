@@ -613,3 +613,44 @@ def test_count_threshold_rejects_bad_counts_and_scores():
     select.count_threshold(scores, np.ones((3,), np.int32))
   with pytest.raises(ValueError, match="NaN"):
     select.count_threshold(np.full((2, 1100), np.nan, np.float32), np.array([1, 1]))
+
+
+def test_float64_scores_are_selected_in_their_own_order():
+  # beyond float32's range: a cast would make all three +inf (the keep-always marker) and keep
+  # position 1; closer than float32's precision: a cast would tie them and keep position 0
+  huge = np.array([[0.0, 1e39, 3e39, 2e39]])
+  close = np.array([[1.0, 1.0 + 1e-12, 1.0 + 2e-12, 0.5]])
+  for scores in (huge, close):
+    want = reference_mask(scores, [1])
+    np.testing.assert_array_equal(select.keep_mask(scores, 1), want)
+    np.testing.assert_array_equal(select.checked_keep_mask(scores, 1)[1], want)
+    idx, valid = select.compact(scores, 1, 2)
+    assert np.asarray(idx)[0, 0] == 2 and np.asarray(valid).tolist() == [[True, False]]
+    np.testing.assert_array_equal(select.ranks(scores), reference_order(scores).argsort(-1))
+    # a pooled layer ranks its heads together
+    pooled = select.keep_mask_pooled(scores.reshape(1, 2, 2), 1)
+    np.testing.assert_array_equal(np.asarray(pooled).reshape(1, 4), want)
+  # the sentinels, ties and signed zeros of float64 scores survive
+  mixed = np.array([[-np.inf, 1e39, np.inf, -0.0, 0.0, 1e39, -1e-300]])
+  for b in range(8):
+    np.testing.assert_array_equal(select.keep_mask(mixed, b), reference_mask(mixed, [b]))
+  # under x64, traced float64 scores keep their order too
+  with jax.enable_x64(True):
+    keep = jax.jit(lambda s, b: select.keep_mask(s, b))(jnp.asarray(close), jnp.int32(2))
+    np.testing.assert_array_equal(keep, reference_mask(close, [2]))
+
+
+def test_keep_mask_under_jit_keeps_capacity_for_a_traced_budget_above_it_as_documented():
+  # concrete budgets are checked; traced ones cannot be, and the docstring says what the
+  # unchecked path does and which variant reports it
+  scores = jnp.asarray(np.random.default_rng(1).normal(size=(2, 16)), jnp.float32)
+  with pytest.raises(ValueError, match="budget: 9 exceeds capacity=4"):
+    select.keep_mask(scores, 9, capacity=4)
+  keep = jax.jit(lambda s, b: select.keep_mask(s, b, capacity=4))(scores, jnp.int32(9))
+  assert np.asarray(keep).sum(-1).tolist() == [4, 4]
+  doc = " ".join(select.keep_mask.__doc__.split())
+  assert "a budget in ``(capacity, length)`` keeps ``capacity`` entries" in doc
+  assert ":func:`checked_keep_mask`" in doc
+  err, _ = jax.jit(lambda s, b: select.checked_keep_mask(s, b, capacity=4))(scores, jnp.int32(9))
+  with pytest.raises(ValueError, match="budget: 9 exceeds capacity=4"):
+    err.throw()
