@@ -54,3 +54,47 @@ def parse_arg(
         f"{tuple(presets)}, flags {flags} or key=value for {sorted(spec)}"
       )
   return out
+
+
+def _unknown_field(error: Exception) -> ValueError:
+  """The ``ValueError`` naming the ``--config.`` override behind ml_collections' bare
+  ``AttributeError: "'foo'"`` (a field the config lacks)."""
+  import re  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  text = str(error)
+  names = re.findall(r"[A-Za-z_]\w*", text)
+  name = names[0] if names else text
+  hint = re.search(r'Did you mean "([^"]+)"', text)
+  given = [a for a in sys.argv[1:] if a.startswith("--config.") and name in a.split("=")[0]]
+  flag = given[0].split("=")[0] if given else f"--config.{name}"
+  return ValueError(
+    f"{flag}: the config has no field {name!r}"
+    + (f" (did you mean {hint.group(1)!r}?)" if hint else "")
+    + "; expected a field of the config file (check the spelling, and the nesting: "
+    "--config.heatmap.budget=...)"
+  )
+
+
+def config_flag(default_file: str, help_text: str = "Configuration.", **kwargs):
+  """``config_flags.DEFINE_config_file("config", default_file, ...)`` of the entry points, with a
+  mistyped override named: ``--config.foo=1`` for a field the config lacks raises ``ValueError``
+  naming ``--config.foo`` (ml_collections raises a bare ``AttributeError: "'foo'"``). The flag
+  may read the command line when it is defined; :func:`parse_flags` covers the later parse."""
+  from ml_collections import config_flags  # noqa: PLC0415
+
+  try:
+    return config_flags.DEFINE_config_file("config", default_file, help_text, **kwargs)
+  except (AttributeError, KeyError) as e:
+    raise _unknown_field(e) from None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parser (``app.run(main, flags_parser=common.parse_flags)``), naming a
+  ``--config.`` override of a field the config lacks (see :func:`config_flag`)."""
+  from absl import app  # noqa: PLC0415
+
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as e:
+    raise _unknown_field(e) from None

@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app
-from ml_collections import config_flags
 
+from configs import common
+from kvjax import rundir
 from kvjax.eval import evaluate, streaming, tasks
 from kvjax.model import calibrate
 
-_CONFIG = config_flags.DEFINE_config_file(
-  "config",
+_CONFIG = common.config_flag(
   str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "calibrate.py"),
   "Calibration configuration.",
   lock_config=True,
@@ -45,6 +45,7 @@ def _text_ids(config, tokenizer, rows, length):
 def main(argv):
   del argv
   c = _CONFIG.value
+  rundir.check_workdir(c.workdir)  # "" would be the current directory: refused
   os.makedirs(c.workdir, exist_ok=True)
   model, cfg, tokenizer = evaluate.load_model(c.model, dtype=jnp.dtype(c.dtype))
   params = model.params()
@@ -115,4 +116,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=common.parse_flags)

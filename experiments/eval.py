@@ -6,13 +6,13 @@ import pathlib
 
 import matplotlib
 from absl import app
-from ml_collections import config_flags
 
+from configs import common
 from kvjax import rundir
 from kvjax.eval import evaluate
 
-_CONFIG = config_flags.DEFINE_config_file(
-  "config", str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "eval.py")
+_CONFIG = common.config_flag(
+  str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "eval.py")
 )
 
 
@@ -21,6 +21,7 @@ def main(argv):
   matplotlib.use("Agg")  # figures go to files
   config = _CONFIG.value
   evaluate.validate_config(config)
+  rundir.check_workdir(config.workdir)  # "" would be the current directory: refused
   cache = rundir.enable_compilation_cache(config.get("compilation_cache", None))
   print(f"persistent compilation cache: {cache or 'off'}")
   evaluate.run(config, config.workdir)
@@ -29,4 +30,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=common.parse_flags)

@@ -13,12 +13,11 @@ import pathlib
 import matplotlib
 import pandas as pd
 from absl import app
-from ml_collections import config_flags
 
-from kvjax import lab
+from configs import common
+from kvjax import lab, rundir
 
-_CONFIG = config_flags.DEFINE_config_file(
-  "config",
+_CONFIG = common.config_flag(
   str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "lab.py"),
   "Lab configuration.",
   lock_config=True,
@@ -29,9 +28,11 @@ def main(argv):
   del argv
   matplotlib.use("Agg")  # figures go to files
   config = _CONFIG.value
-  workdir = config.workdir or os.path.join(
-    "runs", "lab-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  )
+  # unset: a fresh timestamped directory; "" is refused like everywhere (rundir.check_workdir)
+  workdir = config.workdir
+  if workdir is None:
+    workdir = os.path.join("runs", "lab-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+  rundir.check_workdir(workdir)
   if "fact_distinctness" in config:  # configs/lab_keys.py
     table = lab.run_keys(config, workdir)
     with pd.option_context("display.width", 250, "display.max_columns", 40):
@@ -54,4 +55,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=common.parse_flags)

@@ -9,13 +9,12 @@ import pathlib
 import jax.numpy as jnp
 import matplotlib
 from absl import app
-from ml_collections import config_flags
 
-from kvjax import plotting
+from configs import common
+from kvjax import plotting, rundir
 from kvjax.eval import evaluate, streaming
 
-_CONFIG = config_flags.DEFINE_config_file(
-  "config",
+_CONFIG = common.config_flag(
   str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "streaming_ppl.py"),
   "Streaming perplexity configuration.",
   lock_config=True,
@@ -26,6 +25,7 @@ def main(argv):
   del argv
   matplotlib.use("Agg")  # figures go to files
   config = _CONFIG.value
+  rundir.check_workdir(config.workdir)  # "" would be the current directory: refused
   dtypes = ("auto", "float32", "bfloat16", "float16")
   if config.dtype not in dtypes:
     raise ValueError(f"dtype: expected one of {dtypes}, got {config.dtype!r}")
@@ -41,4 +41,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=common.parse_flags)

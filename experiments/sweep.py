@@ -12,13 +12,12 @@ import pathlib
 import matplotlib
 import pandas as pd
 from absl import app, flags
-from ml_collections import config_flags
 
+from configs import common
 from kvjax import plotting
 from kvjax.lab import sweep
 
-_CONFIG = config_flags.DEFINE_config_file(
-  "config",
+_CONFIG = common.config_flag(
   str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "sweep_lab.py"),
   "Sweep configuration.",
   lock_config=True,
@@ -30,9 +29,10 @@ def main(argv):
   del argv
   matplotlib.use("Agg")  # figures go to files
   config = _CONFIG.value
-  workdir = config.workdir or os.path.join(
-    "runs", "sweep-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  )
+  # unset: a fresh timestamped directory; "" is refused like everywhere (rundir.check_workdir)
+  workdir = config.workdir
+  if workdir is None:
+    workdir = os.path.join("runs", "sweep-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
   table = sweep.run(config, workdir)
   if _PLOTS.value:
     for name, fig in (
@@ -48,4 +48,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=common.parse_flags)

@@ -11,13 +11,13 @@ import pathlib
 
 import jax
 from absl import app, flags
-from ml_collections import config_flags
 
+from configs import common
 from kvjax.eval import card as card_lib
 from kvjax.eval import tasks, train
 
-_CONFIG = config_flags.DEFINE_config_file(
-  "config", str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "train_tiny.py")
+_CONFIG = common.config_flag(
+  str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "train_tiny.py")
 )
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/kvjax_train", "checkpoints and metrics.jsonl")
 _EXPORT = flags.DEFINE_string("export", None, "write the trained model here when done")
@@ -40,4 +40,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=common.parse_flags)

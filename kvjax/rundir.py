@@ -5,13 +5,16 @@ module is the one place that knows how:
 
 * :func:`lock` holds an exclusive ``fcntl.flock`` on ``workdir/.rundir.lock`` for a whole run,
   so that a second run into the same directory refuses (or waits) instead of duplicating rows;
-* :func:`claim` records what a directory holds and refuses a different configuration;
+* :func:`check_workdir` refuses an empty workdir and one that is a file, before anything;
+* :func:`claim` records what a directory holds (its configuration, as JSON) and refuses a
+  different configuration, and results that no claim records;
 * :func:`append_rows` adds CSV rows durably: one ``write`` per call, ``fsync``'d, the header
   written once, into a file whose first line must be that header;
 * :func:`read_rows` reads the valid rows back: a line cut by a kill, a line with the wrong number
   of fields, a repeated header, a row whose required values are missing or not finite numbers,
   and (given a ``key``) a repeated row are all dropped; :func:`repair_rows` also rewrites the
-  file without them, so that their configurations run again;
+  file without them, so that their configurations run again. Only a file that starts with the
+  header (or, cut by a kill, with a prefix of it) is ever repaired: anything else is refused;
 * :func:`read_jsonl` does the same for JSON-lines logs;
 * :func:`enable_compilation_cache` keeps a run's compiled programs across processes (JAX's
   persistent compilation cache), for sweeps and evaluations alike.
@@ -58,6 +61,61 @@ def signature(value) -> str:
   return json.dumps(plain(value), sort_keys=True, indent=1, default=str)
 
 
+# --------------------------------------------------------------------------- the directory
+
+
+def check_workdir(workdir, name: str = "workdir") -> pathlib.Path:
+  """``workdir`` as a ``pathlib.Path``, after refusing what cannot be a run directory.
+
+  ``ValueError`` naming ``name`` for a value that is not a path, an empty (or blank) path and a
+  path that exists but is not a directory. An empty workdir is refused, the same way by every
+  entry point (evaluation, sweep, lab, training, calibration): ``pathlib.Path("")`` is the
+  current directory, so the evaluation used to write there while the sweep and the lab read ""
+  as "their default"; neither reading is what every user meant, so none is guessed. Leave the
+  field unset for an entry point's default, or pass ``"."`` for the current directory.
+  """
+  if isinstance(workdir, bool) or not isinstance(workdir, str | os.PathLike):
+    raise ValueError(f"{name}: expected a directory path, got {workdir!r}")
+  text = os.fspath(workdir)
+  if not isinstance(text, str) or not text.strip():
+    raise ValueError(
+      f"{name}: got the empty path {text!r}; expected a directory (unset for the default, "
+      "'.' for the current directory)"
+    )
+  out = pathlib.Path(text)
+  if out.exists() and not out.is_dir():
+    raise ValueError(f"{name}: {out} is a file; expected a directory (or a path to create)")
+  return out
+
+
+def _make_workdir(workdir) -> pathlib.Path:
+  """:func:`check_workdir`, then creates it (``ValueError`` naming it when that fails, say under
+  a parent that is a file)."""
+  out = check_workdir(workdir)
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"workdir: cannot create the directory {out} ({e}); expected one") from None
+  return out
+
+
+def _not_a_directory(path: pathlib.Path, what: str) -> None:
+  if path.is_dir():
+    raise ValueError(
+      f"path: {path} is a directory; expected {what} there (move the directory away)"
+    )
+
+
+def holds_data(path: str | pathlib.Path) -> bool:
+  """Whether ``path`` holds anything: a non-empty file, or a directory with an entry. What a run
+  directory's results count as for :func:`claim` (a torn or invalid line is data too: only the
+  run that wrote it may drop it)."""
+  path = pathlib.Path(path)
+  if path.is_dir():
+    return any(path.iterdir())
+  return path.is_file() and path.stat().st_size > 0
+
+
 # --------------------------------------------------------------------------- one run at a time
 
 
@@ -93,8 +151,7 @@ def lock(workdir: str | pathlib.Path, *, timeout: float = 0.0) -> Iterator[pathl
 
   if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
     raise ValueError(f"timeout: expected a number of seconds >= 0, got {timeout!r}")
-  out = pathlib.Path(workdir)
-  out.mkdir(parents=True, exist_ok=True)
+  out = _make_workdir(workdir)
   key = str(out.resolve())
   if key in _held:
     _held[key] += 1
@@ -104,6 +161,7 @@ def lock(workdir: str | pathlib.Path, *, timeout: float = 0.0) -> Iterator[pathl
       _held[key] -= 1
     return
   path = out / LOCK_NAME
+  _not_a_directory(path, "the run's lock file")
   fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
   try:
     deadline = time.monotonic() + timeout
@@ -150,26 +208,78 @@ def _write_atomic(path: pathlib.Path, data: bytes) -> None:
   _fsync_dir(path.parent)
 
 
-def claim(
-  workdir: str | pathlib.Path, name: str, text: str, *, has_results: bool = True
-) -> pathlib.Path:
-  """Creates ``workdir`` and records ``text`` (a :func:`signature`) in ``workdir/name``.
+def read_claim(path: str | pathlib.Path) -> dict | None:
+  """The configuration a claim file records (``None`` when there is none).
 
-  Raises ``ValueError`` when the directory already holds a run of a different configuration:
-  a run directory resumes only the run it holds. Pass ``has_results=False`` when the directory
-  holds no results yet, so that a corrected configuration may take it over. The record is
-  written atomically (a kill never leaves half of it).
-  """
-  out = pathlib.Path(workdir)
-  out.mkdir(parents=True, exist_ok=True)
-  path = out / name
-  old = path.read_text() if path.exists() else None
-  if has_results and old is not None and old != text:
+  ``ValueError`` naming the path when it is a directory or not a JSON object (a file kvjax did not
+  write: claims are written atomically, so a kill never leaves half of one)."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    return None
+  _not_a_directory(path, "a claim file (JSON)")
+  try:
+    record = json.loads(path.read_bytes().decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError):
+    record = None
+  if not isinstance(record, dict):
     raise ValueError(
-      f"workdir: {out} holds a run of a different configuration ({name} differs); "
+      f"path: {path} is not a claim file (a JSON object of the run's configuration, as kvjax "
+      "writes it); expected one: move it away and use a fresh workdir"
+    )
+  return record
+
+
+def _differing(old: dict, new: dict, ignore: Sequence[str]) -> list[str]:
+  """The top-level fields, outside ``ignore``, whose values differ (or that only one holds)."""
+  keys = (set(old) | set(new)) - set(ignore)
+  return sorted(k for k in keys if k not in old or k not in new or old[k] != new[k])
+
+
+def claim(
+  workdir: str | pathlib.Path,
+  name: str,
+  text: str,
+  *,
+  has_results: bool,
+  not_identity: Sequence[str] = (),
+) -> pathlib.Path:
+  """Creates ``workdir`` and records ``text`` (a :func:`signature`: a JSON object) in
+  ``workdir/name``, the directory's claim.
+
+  A run directory resumes only the run it holds. ``has_results`` says whether the directory
+  holds results (:func:`holds_data` of its results); then ``ValueError`` when:
+
+  * the claim is missing: results that no claim describes are never adopted (they may be another
+    configuration's, or another seed's);
+  * the claim differs from ``text`` in a field outside ``not_identity`` (the fields that change
+    no result, such as batch sizes or caches: they may change between a run and its resume).
+
+  Without results a different (corrected) configuration takes the directory over. A claim file
+  that is not a JSON object is refused (:func:`read_claim`). The record is rewritten with
+  ``text`` when it differs (so it always holds the last run's settings), atomically.
+  """
+  out = _make_workdir(workdir)
+  path = out / name
+  old_record = read_claim(path)
+  try:
+    new_record = json.loads(text)
+  except json.JSONDecodeError:
+    new_record = None
+  if not isinstance(new_record, dict):
+    raise ValueError(f"text: expected the signature() of a config (a JSON object), got {text!r}")
+  if has_results and old_record is None:
+    raise ValueError(
+      f"workdir: {out} holds results but no {name} recording their configuration; expected a "
+      "run directory claimed by kvjax (results are never adopted without one): use a fresh "
+      "workdir, or restore the run's own claim file"
+    )
+  differ = [] if old_record is None else _differing(old_record, new_record, not_identity)
+  if has_results and differ:
+    raise ValueError(
+      f"workdir: {out} holds a run of a different configuration ({name} differs in {differ}); "
       "expected the same config to resume, or a fresh workdir"
     )
-  if old != text:
+  if old_record is None or path.read_text() != text:
     _write_atomic(path, text.encode())
   return out
 
@@ -193,6 +303,28 @@ def _is_number(text: str) -> bool:
     return False
 
 
+def _is_header_prefix(data: bytes, columns: Sequence[str] | None) -> bool:
+  """Whether ``data`` (a file without a complete line) can be a header cut by a kill.
+
+  With the expected ``columns``: its fields are distinct columns, the last one possibly cut, in
+  any order. Without them (a reader that does not know the whole header), any one line of
+  printable UTF-8 text passes; the writer (:func:`append_rows`), which knows the columns, still
+  checks before it cuts anything."""
+  try:
+    text = data.decode("utf-8")
+  except UnicodeDecodeError:
+    return False
+  if not text.isprintable():
+    return False
+  if columns is None:
+    return True
+  names = [str(c) for c in columns]
+  *whole, last = text.split(",")
+  if len(set(whole)) < len(whole) or not set(whole) <= set(names):
+    return False
+  return any(c.startswith(last) for c in names if c not in whole)
+
+
 def _complete_lines(path: pathlib.Path) -> tuple[list[str], bool]:
   """The file's complete lines (without their newlines) and whether a torn last line followed."""
   data = path.read_bytes()
@@ -202,28 +334,45 @@ def _complete_lines(path: pathlib.Path) -> tuple[list[str], bool]:
 
 
 def _scan(
-  path: pathlib.Path, dtype, required: Sequence[str], numeric: Sequence[str], key: str | None
+  path: pathlib.Path,
+  dtype,
+  required: Sequence[str],
+  numeric: Sequence[str],
+  key: str | None,
+  columns: Sequence[str] | None = None,
 ) -> tuple[pd.DataFrame, list[str], int]:
   """``(table, kept lines with the header first, number of dropped lines)``."""
   if not path.exists():
     return pd.DataFrame(), [], 0
+  _not_a_directory(path, "a CSV results file")
   lines, torn = _complete_lines(path)
-  if not lines or not lines[0].strip():
-    return pd.DataFrame(), [], len(lines) + torn
-  header, columns = lines[0], _fields(lines[0]) or []
-  missing = [c for c in (*required, *numeric, *([key] if key else [])) if c not in columns]
-  if missing:
+  if not lines:
+    if torn and not _is_header_prefix(path.read_bytes(), columns):
+      raise ValueError(
+        f"path: {path} holds no line and does not start like the header of these results "
+        f"{list(columns) if columns else ''}; expected a CSV results file (refused, never "
+        "rewritten: move it away or use a fresh workdir)"
+      )
+    return pd.DataFrame(), [], int(torn)
+  header, found = lines[0], _fields(lines[0]) or []
+  if columns is not None and sorted(found) != sorted(str(c) for c in columns):
     raise ValueError(
-      f"path: {path} has the columns {columns}, expected {missing} too (its first line must be "
+      f"path: {path} has the columns {found}, expected {list(columns)} (its first line must be "
+      "the header of these results, written by this kvjax version); use a fresh workdir"
+    )
+  missing = [c for c in (*required, *numeric, *([key] if key else [])) if c not in found]
+  if missing or not lines[0].strip():
+    raise ValueError(
+      f"path: {path} has the columns {found}, expected {missing} too (its first line must be "
       "the header of these results); use a fresh workdir"
     )
-  texts = [columns.index(c) for c in required]
-  numbers = [columns.index(c) for c in numeric]
-  key_at = columns.index(key) if key else None
+  texts = [found.index(c) for c in required]
+  numbers = [found.index(c) for c in numeric]
+  key_at = found.index(key) if key else None
   kept, seen = [header], set()
   for line in lines[1:]:
     fields = _fields(line)
-    if line == header or fields is None or len(fields) != len(columns):
+    if line == header or fields is None or len(fields) != len(found):
       continue
     if any(not fields[i].strip() for i in texts) or not all(_is_number(fields[i]) for i in numbers):
       continue
@@ -244,6 +393,7 @@ def read_rows(
   required: Sequence[str] = (),
   numeric: Sequence[str] = (),
   key: str | None = None,
+  columns: Sequence[str] | None = None,
 ) -> pd.DataFrame:
   """The valid rows of a CSV results file (empty when there is none); never modifies the file.
 
@@ -251,9 +401,11 @@ def read_rows(
   wrong number of fields (a row cut in the middle of the file), a repeated header line, a row
   with an empty ``required`` column, or with a ``numeric`` column that is not a finite number
   (missing, unparsable, NaN or inf). With ``key`` (a column), only the first row of each key is
-  kept. ``ValueError`` when the first line is not a header holding those columns.
+  kept. ``columns``: the whole header expected (in any order). ``ValueError`` when the first
+  line is not a header holding those columns, when a file without a complete line is not a
+  prefix of a header (binary data, say), and when ``path`` is a directory.
   """
-  return _scan(pathlib.Path(path), dtype, required, numeric, key)[0]
+  return _scan(pathlib.Path(path), dtype, required, numeric, key, columns)[0]
 
 
 def repair_rows(
@@ -263,12 +415,15 @@ def repair_rows(
   required: Sequence[str] = (),
   numeric: Sequence[str] = (),
   key: str | None = None,
+  columns: Sequence[str] | None = None,
 ) -> tuple[pd.DataFrame, int]:
   """:func:`read_rows`, then rewrites the file atomically without the dropped lines (when there
-  are any): ``(table, number of dropped lines)``. Hold the directory's :func:`lock`."""
+  are any): ``(table, number of dropped lines)``. Hold the directory's :func:`lock`. A file
+  without a complete line is left to :func:`append_rows`, which cuts it only when it is a
+  prefix of the header it writes."""
   path = pathlib.Path(path)
-  table, kept, dropped = _scan(path, dtype, required, numeric, key)
-  if dropped:
+  table, kept, dropped = _scan(path, dtype, required, numeric, key, columns)
+  if dropped and kept:
     _write_atomic(path, "".join(line + "\n" for line in kept).encode())
   return table, dropped
 
@@ -318,14 +473,17 @@ def _check_no_line_breaks(table: pd.DataFrame) -> None:
 def append_rows(path: str | pathlib.Path, rows: list[dict]) -> None:
   """Appends ``rows`` to a CSV file in one ``fsync``'d write (hold the directory's :func:`lock`).
 
-  An empty file (or one holding only a torn first line) gets the header first. A non-empty file
-  must start with the header of these columns (in any order; the rows follow the file's order):
-  anything else raises ``ValueError`` rather than writing a second header or mixing tables. A
-  torn last line left by a killed writer is cut before appending, so it never merges with a row.
+  An empty file (or one holding only a header cut by a kill: a prefix of the header of these
+  columns) gets the header first. A non-empty file must start with the header of these columns
+  (in any order; the rows follow the file's order): anything else, a file without a newline that
+  is not such a prefix included, raises ``ValueError`` rather than writing a second header,
+  mixing tables or cutting what is not ours. A torn last line left by a killed writer is cut
+  before appending, so it never merges with a row.
   """
   if not rows:
     return
   path = pathlib.Path(path)
+  _not_a_directory(path, "a CSV results file")
   table = pd.DataFrame(rows)
   _check_no_line_breaks(table)
   columns = [str(c) for c in table.columns]
@@ -335,6 +493,12 @@ def append_rows(path: str | pathlib.Path, rows: list[dict]) -> None:
     created = size == 0
     first = _first_line(fd) if size else None
     if first is None:
+      if size and not _is_header_prefix(os.pread(fd, size, 0), columns):
+        raise ValueError(
+          f"path: {path} holds no line and does not start like the header of these rows "
+          f"{columns}; expected a CSV results file (refused, never rewritten: move it away or "
+          "use a fresh workdir)"
+        )
       size = _cut_torn_tail(fd, size) if size else 0
     else:
       existing = _fields(first.decode("utf-8", errors="replace").rstrip("\n")) or []
@@ -358,6 +522,7 @@ def append_rows(path: str | pathlib.Path, rows: list[dict]) -> None:
 
 def write_rows(path: str | pathlib.Path, table: pd.DataFrame) -> None:
   """Replaces a results file with ``table`` (written beside it, ``fsync``'d, renamed over it)."""
+  _not_a_directory(pathlib.Path(path), "a CSV results file")
   _check_no_line_breaks(table)
   _write_atomic(pathlib.Path(path), table.to_csv(index=False).encode())
 
@@ -380,12 +545,28 @@ def load_config(path: str | pathlib.Path, arg: str | None = None):
   """``get_config(arg)`` of an ml-collections config file (what ``--config=path:arg`` loads), for
   notebooks and scripts that do not parse flags."""
   path = pathlib.Path(path)
-  if not path.exists():
-    raise ValueError(f"path: config file {path} does not exist")
+  if not path.is_file():
+    raise ValueError(f"path: config file {path} does not exist (or is not a file)")
   spec = importlib.util.spec_from_file_location(f"kvjax_config_{path.stem}", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
+  if not callable(getattr(module, "get_config", None)):
+    raise ValueError(f"path: config file {path} defines no get_config(arg); expected one")
   return module.get_config(arg)
+
+
+def require_fields(config, fields: Sequence[str], what: str) -> None:
+  """``ValueError`` naming the first of ``fields`` (dotted paths) that ``config`` lacks, instead
+  of ml_collections' bare ``AttributeError: "'name'"`` deep inside a run. ``what`` names the
+  config file whose fields are expected."""
+  for dotted in fields:
+    node = config
+    for part in dotted.split("."):
+      if not hasattr(node, "keys") or part not in node:
+        raise ValueError(
+          f"config.{dotted}: missing; expected the fields of {what} (a config file must set it)"
+        )
+      node = node[part]
 
 
 # --------------------------------------------------------------------------- compiled programs

@@ -1,6 +1,10 @@
 """Answers through the compressed cache, the evaluation loop and the shipped tiny model."""
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -281,12 +285,16 @@ def test_a_group_cut_mid_write_is_dropped_and_rerun(tmp_path):
     ("examples", 0, "examples"),
     ("batch", 3, "divisor of examples=4"),
     ("tasks", {"needle": {}}, "tasks"),
+    ("policies", (), r"policies: expected at least one policy entry"),
+    ("lengths", (256, 256), r"lengths: 256 appear more than once"),
+    ("budgets", (48, 48), r"budgets: 48 appear more than once"),
+    ("heatmap.depths", (0.0, 0.0), r"heatmap.depths: 0.0 appear more than once"),
   ],
 )
 def test_a_bad_eval_config_fails_before_any_work(tmp_path, field, value, match):
   c = eval_config.get_config("quick")
-  if field == "heatmap.policies":
-    c.heatmap.policies = value
+  if field.startswith("heatmap."):
+    c.heatmap[field.split(".")[1]] = value
   elif field == "tasks":
     c.tasks = ml_collections.ConfigDict(value)
   else:
@@ -345,3 +353,89 @@ def test_question_modes_parse():
   c = eval_config.get_config("quick")
   c.question = "in_window, after"
   assert evaluate.question_modes(c) == ("in_window", "after")
+
+
+def tiny_eval(**fields) -> ml_collections.ConfigDict:
+  """One task, one length, two examples, one policy and no heatmap: a run of seconds."""
+  c = eval_config.get_config("quick")
+  c.tasks = ml_collections.ConfigDict({"single_needle": {}})
+  c.lengths, c.examples, c.budgets = (128,), 2, (48,)
+  c.policies = tuple(p for p in eval_config.POLICIES if p["label"] == "streaming_llm")
+  c.heatmap.policies = ()
+  for k, v in fields.items():
+    c[k] = v
+  return c
+
+
+def test_results_without_eval_json_are_refused_and_batch_may_change(tmp_path):
+  quiet = dict(log=lambda *_: None)
+  table = evaluate.run(tiny_eval(batch=2), tmp_path, **quiet)
+  results = (tmp_path / "results.csv").read_bytes()
+  # the batch size and the compilation cache change no result: the run resumes, nothing to do
+  logs = []
+  again = evaluate.run(tiny_eval(batch=1, compilation_cache=""), tmp_path, log=logs.append)
+  assert logs == [] and len(again) == len(table)
+  assert (tmp_path / "results.csv").read_bytes() == results
+  assert json.loads((tmp_path / "eval.json").read_text())["batch"] == 1  # the last settings
+  # another seed into a directory whose claim is gone: refused, the old rows never adopted
+  (tmp_path / "eval.json").unlink()
+  with pytest.raises(ValueError, match=r"holds results but no eval.json"):
+    evaluate.run(tiny_eval(seed=1), tmp_path, **quiet)
+  assert (tmp_path / "results.csv").read_bytes() == results
+  assert not (tmp_path / "eval.json").exists()
+
+
+def _clean(workdir) -> bool:
+  return not workdir.exists() or not any(workdir.iterdir())
+
+
+def test_model_calibration_and_lengths_are_checked_before_the_workdir(tmp_path):
+  w = tmp_path / "w"
+  quiet = dict(log=lambda *_: None)
+  with pytest.raises(ValueError, match=r"model: '/no/such/model' does not exist"):
+    evaluate.run(tiny_eval(model="/no/such/model"), w, **quiet)
+  with pytest.raises(ValueError, match=r"model: 'tinyy' does not exist; expected 'tiny'"):
+    evaluate.run(tiny_eval(model="tinyy"), w, **quiet)
+  empty = tmp_path / "empty.gguf"
+  empty.write_bytes(b"")
+  with pytest.raises(ValueError, match="empty.gguf"):
+    evaluate.run(tiny_eval(model=str(empty)), w, **quiet)
+  with pytest.raises(ValueError, match=r"length: 20 tokens cannot hold"):
+    evaluate.run(tiny_eval(lengths=(20,), budgets=(8,)), w, **quiet)
+  other = tmp_path / "calibration.npz"  # measured on a model of 2 layers and head_dim 4
+  np.savez(other, qfilters_LGD=np.ones((2, 2, 4), np.float32))
+  c = tiny_eval(policies=(dict(label="qfilter", policy="qfilter"),), calibration=str(other))
+  with pytest.raises(ValueError, match=r"calibration: .* shape \(2, 2, 4\), expected \(4, 2, 32\)"):
+    evaluate.run(c, w, **quiet)
+  assert _clean(w)  # no eval.json, lock file or results: the corrected config starts afresh
+
+
+def test_empty_workdirs_and_missing_fields_are_named(tmp_path):
+  with pytest.raises(ValueError, match=r"workdir: got the empty path ''"):
+    evaluate.run(tiny_eval(), "", log=lambda *_: None)
+  c = tiny_eval()
+  del c["heatmap"]
+  with pytest.raises(ValueError, match=r"config.heatmap.task: missing"):
+    evaluate.run(c, tmp_path / "w", log=lambda *_: None)
+  assert _clean(tmp_path / "w")
+
+
+def test_the_entry_point_refuses_an_empty_workdir_and_writes_nothing(tmp_path):
+  root = pathlib.Path(__file__).resolve().parents[1]
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "experiments.eval",
+      f"--config={root}/configs/eval.py:quick",
+      "--config.workdir=",
+      "--config.model=/no/such/model",  # were the workdir accepted, the run would stop here
+    ],
+    cwd=tmp_path,  # "" is this directory: it must stay empty
+    env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(root)),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode != 0 and "workdir: got the empty path ''" in out.stderr, out.stderr[-2000:]
+  assert not any(tmp_path.iterdir())

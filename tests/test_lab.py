@@ -367,3 +367,41 @@ def test_the_suite_takes_objects_and_checks_options(monkeypatch):
     suite.build_policies(quick_config(policies=("headkv",)))
   with pytest.raises(ValueError, match=r"policies: \['oracle'\] appear more than once"):
     suite.build_policies(quick_config(policies=("oracle", "oracle")))
+
+
+def test_repeats_missing_fields_and_an_empty_workdir_are_refused_up_front(tmp_path, monkeypatch):
+  monkeypatch.syspath_prepend(str(ROOT))
+  import configs.lab_keys as keys_config  # noqa: PLC0415
+
+  with pytest.raises(ValueError, match=r"scenarios: 'needle_qa' appear more than once"):
+    lab.run(quick_config(scenarios=("needle_qa", "needle_qa")), None)
+  with pytest.raises(ValueError, match=r"workdir: got the empty path ''"):
+    lab.run(quick_config(), "")
+  c = quick_config()
+  del c["figure_step"]
+  with pytest.raises(ValueError, match=r"config.figure_step: missing"):
+    lab.run(c, None)
+  k = keys_config.get_config("quick")
+  k.budgets = (24, 24)
+  with pytest.raises(ValueError, match=r"budgets: 24 appear more than once"):
+    lab.run_keys(k, None)
+  k = keys_config.get_config("quick")
+  k.fact_distinctness = (0.0, 0.0)
+  with pytest.raises(ValueError, match=r"fact_distinctness: 0.0 appear more than once"):
+    lab.run_keys(k, None)
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "experiments.lab",
+      f"--config={ROOT}/configs/lab.py:quick,needle_qa",
+      "--config.workdir=",
+    ],
+    cwd=tmp_path,  # the current directory must stay empty
+    env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode != 0 and "workdir: got the empty path ''" in out.stderr, out.stderr[-2000:]
+  assert not any(tmp_path.iterdir())

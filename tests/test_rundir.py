@@ -273,10 +273,114 @@ def test_append_rows_writes_one_header_and_refuses_a_foreign_file(tmp_path):
 
 
 def test_claim_refuses_another_configuration_and_writes_atomically(tmp_path):
-  rundir.claim(tmp_path, "run.json", "one")
-  rundir.claim(tmp_path, "run.json", "one")
-  with pytest.raises(ValueError, match="holds a run of a different configuration"):
-    rundir.claim(tmp_path, "run.json", "two")
-  rundir.claim(tmp_path, "run.json", "two", has_results=False)
-  assert (tmp_path / "run.json").read_text() == "two"
+  one, two = rundir.signature({"seed": 1}), rundir.signature({"seed": 2})
+  rundir.claim(tmp_path, "run.json", one, has_results=False)
+  rundir.claim(tmp_path, "run.json", one, has_results=True)
+  with pytest.raises(ValueError, match=r"holds a run of a different configuration .*\['seed'\]"):
+    rundir.claim(tmp_path, "run.json", two, has_results=True)
+  rundir.claim(tmp_path, "run.json", two, has_results=False)
+  assert (tmp_path / "run.json").read_text() == two
   assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_results_without_a_claim_are_refused_never_adopted(tmp_path):
+  (tmp_path / "results.csv").write_text("config_id,value\na,1.0\n")
+  assert rundir.holds_data(tmp_path / "results.csv") and not rundir.holds_data(tmp_path / "x")
+  sig = rundir.signature({"seed": 1})
+  with pytest.raises(ValueError, match=r"holds results but no run.json .* fresh workdir"):
+    rundir.claim(tmp_path, "run.json", sig, has_results=True)
+  assert not (tmp_path / "run.json").exists()
+
+
+def test_fields_outside_the_identity_may_change_on_resume(tmp_path):
+  old = rundir.signature({"seed": 1, "batch": 2})  # a record that holds a non-identity field
+  rundir.claim(tmp_path, "run.json", old, has_results=False)
+  new = rundir.signature({"seed": 1, "batch": 4, "compilation_cache": ""})
+  rundir.claim(
+    tmp_path, "run.json", new, has_results=True, not_identity=("batch", "compilation_cache")
+  )
+  assert (tmp_path / "run.json").read_text() == new  # the record holds the last run's settings
+  with pytest.raises(ValueError, match=r"differs in \['seed'\]"):
+    rundir.claim(
+      tmp_path,
+      "run.json",
+      rundir.signature({"seed": 2, "batch": 4}),
+      has_results=True,
+      not_identity=("batch", "compilation_cache"),
+    )
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00garbage", b"not json", b"[1, 2]"])
+def test_a_foreign_claim_file_is_named(tmp_path, content):
+  (tmp_path / "sweep.json").write_bytes(content)
+  with pytest.raises(ValueError, match=r"sweep.json is not a claim file"):
+    rundir.claim(tmp_path, "sweep.json", rundir.signature({}), has_results=False)
+  assert (tmp_path / "sweep.json").read_bytes() == content  # nothing overwritten
+
+
+def test_a_binary_results_file_without_a_newline_is_refused_not_truncated(tmp_path):
+  path = tmp_path / "results.csv"
+  data = bytes(range(256)).replace(b"\n", b"") * 4  # a small binary file, no newline byte
+  path.write_bytes(data)
+  with pytest.raises(ValueError, match=r"does not start like the header"):
+    rundir.append_rows(path, [{"config_id": "a", "value": 1.0}])
+  with pytest.raises(ValueError, match=r"does not start like the header"):
+    rundir.repair_rows(path, required=("config_id",), numeric=("value",))
+  text = tmp_path / "text.csv"  # text, but not a prefix of this header
+  text.write_text("budget,val")
+  with pytest.raises(ValueError, match=r"does not start like the header"):
+    rundir.append_rows(text, [{"config_id": "a", "value": 1.0}])
+  with pytest.raises(ValueError, match=r"does not start like the header"):
+    rundir.read_rows(text, columns=("config_id", "value"))
+  assert path.read_bytes() == data and text.read_text() == "budget,val"
+  torn = tmp_path / "torn.csv"  # a header cut by a kill, in the file's order: repaired
+  torn.write_text("value,conf")
+  rundir.append_rows(torn, [{"config_id": "a", "value": 1.0}])
+  assert torn.read_text() == "config_id,value\na,1.0\n"
+
+
+def test_a_blank_first_line_is_refused_not_emptied(tmp_path):
+  path = tmp_path / "results.csv"
+  path.write_text("\nconfig_id,value\na,1.0\n")
+  with pytest.raises(ValueError, match="its first line must be the header"):
+    rundir.repair_rows(path, required=("config_id",))
+  assert path.read_text() == "\nconfig_id,value\na,1.0\n"
+
+
+def test_directories_where_files_belong_and_empty_workdirs_are_named(tmp_path):
+  with pytest.raises(ValueError, match=r"workdir: got the empty path ''"):
+    rundir.check_workdir("")
+  with pytest.raises(ValueError, match=r"workdir: got the empty path"):
+    rundir.lock("  ").__enter__()
+  afile = tmp_path / "afile"
+  afile.write_text("x")
+  with pytest.raises(ValueError, match=r"workdir: .*afile is a file; expected a directory"):
+    rundir.lock(afile).__enter__()
+  with pytest.raises(ValueError, match=r"workdir: cannot create the directory"):
+    rundir.claim(afile / "sub", "run.json", "{}", has_results=False)
+  (tmp_path / "w" / rundir.LOCK_NAME).mkdir(parents=True)
+  with pytest.raises(ValueError, match=r"\.rundir\.lock is a directory; expected the run's lock"):
+    rundir.lock(tmp_path / "w").__enter__()
+  (tmp_path / "results.csv").mkdir()
+  for call in (
+    lambda: rundir.read_rows(tmp_path / "results.csv"),
+    lambda: rundir.append_rows(tmp_path / "results.csv", [{"a": 1}]),
+  ):
+    with pytest.raises(ValueError, match=r"results.csv is a directory; expected a CSV results"):
+      call()
+  (tmp_path / "run.json").mkdir()
+  with pytest.raises(ValueError, match=r"run.json is a directory; expected a claim file"):
+    rundir.claim(tmp_path, "run.json", "{}", has_results=False)
+
+
+def test_config_files_and_missing_fields_are_named(tmp_path):
+  nofn = tmp_path / "c.py"
+  nofn.write_text("x = 1\n")
+  with pytest.raises(ValueError, match=r"defines no get_config"):
+    rundir.load_config(nofn)
+  import ml_collections  # noqa: PLC0415
+
+  c = ml_collections.ConfigDict(dict(a=1, heatmap=dict(task="x")))
+  rundir.require_fields(c, ("a", "heatmap.task"), "configs/x.py")
+  with pytest.raises(ValueError, match=r"config.heatmap.depths: missing; expected the fields"):
+    rundir.require_fields(c, ("heatmap.depths",), "configs/x.py")

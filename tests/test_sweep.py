@@ -838,3 +838,66 @@ def test_a_users_allocator_validates_its_numbers_and_names_the_axis(tmp_path):
       sweep.register_schedule("checked_ramp_test", CheckedRamp)
   finally:
     sweep.unregister_schedule("checked_ramp_test")
+
+
+def test_results_without_sweep_json_are_refused_never_adopted(tmp_path):
+  quiet = dict(progress=False, log=lambda *_: None)
+  c = quick(policy=("snapkv",), budget=(16, 32))
+  sweep.run(c, tmp_path, **quiet)
+  results = (tmp_path / "results.csv").read_bytes()
+  (tmp_path / "sweep.json").unlink()
+  c.world.seed = 1  # another world: the old rows are not its results
+  with pytest.raises(ValueError, match=r"holds results but no sweep.json"):
+    sweep.run(c, tmp_path, **quiet)
+  assert (tmp_path / "results.csv").read_bytes() == results
+  assert not (tmp_path / "sweep.json").exists()
+
+
+def test_a_garbage_claim_or_binary_results_are_refused_and_kept(tmp_path):
+  quiet = dict(progress=False, log=lambda *_: None)
+  c = quick(policy=("snapkv",), budget=(16,))
+  (tmp_path / "a").mkdir()
+  (tmp_path / "a" / "sweep.json").write_bytes(b"\xff\xfe\x00\x01")
+  with pytest.raises(ValueError, match=r"sweep.json is not a claim file"):
+    sweep.run(c, tmp_path / "a", **quiet)
+  assert (tmp_path / "a" / "sweep.json").read_bytes() == b"\xff\xfe\x00\x01"
+  (tmp_path / "b").mkdir()
+  (tmp_path / "b" / "sweep.json").write_text(sweep.grid_signature(c))
+  binary = bytes(range(10)) + bytes(range(11, 256))  # no newline byte
+  (tmp_path / "b" / "results.csv").write_bytes(binary)
+  with pytest.raises(ValueError, match=r"results.csv holds no line and does not start like"):
+    sweep.run(c, tmp_path / "b", **quiet)
+  assert (tmp_path / "b" / "results.csv").read_bytes() == binary
+
+
+def test_a_repeated_axis_value_is_named(tmp_path):
+  with pytest.raises(ValueError, match=r"grid.product.policy: 'snapkv' appear more than once"):
+    sweep.run(quick(policy=("snapkv", "h2o", "snapkv")), tmp_path / "w", progress=False)
+  c = quick(policy=("snapkv",))
+  del c["bytes_per_value"]
+  with pytest.raises(ValueError, match=r"config.bytes_per_value: missing"):
+    sweep.prepare(c)
+  assert not (tmp_path / "w").exists()
+
+
+def test_an_empty_workdir_or_unknown_field_on_the_command_line_is_refused(tmp_path):
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "experiments.sweep",
+      f"--config={ROOT}/configs/sweep_lab.py:quick",
+      "--config.workdir=",
+      "--noplots",
+    ],
+    cwd=tmp_path,  # the current directory must stay empty
+    env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)},
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode != 0 and "workdir: got the empty path ''" in out.stderr, out.stderr[-2000:]
+  assert not any(tmp_path.iterdir())
+  typo = run_cli(tmp_path / "w", "--config.chunk_sise=4")
+  assert typo.returncode != 0
+  assert "ValueError: --config.chunk_sise: the config has no field 'chunk_sise'" in typo.stderr

@@ -174,3 +174,19 @@ def test_a_torn_metrics_line_and_a_changed_config(tmp_path):
   assert state.step == 4
   steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert steps == [2, 4]
+
+
+def test_a_run_without_its_claim_or_with_a_changed_logging_plan(tmp_path):
+  c = quick_config(steps=4)
+  train.train(c, tmp_path, log=lambda *_: None)
+  # logging and checkpoint intervals change no weight: the run resumes (nothing left to do)
+  c.log_every, c.checkpoint_every = 1, 1
+  assert train.train(c, tmp_path, log=lambda *_: None).step == 4
+  # checkpoints and metrics whose claim is gone are never adopted, whatever the config
+  (tmp_path / "train_config.json").unlink()
+  c.seed = 1
+  with pytest.raises(ValueError, match=r"holds results but no train_config.json"):
+    train.train(c, tmp_path, log=lambda *_: None)
+  assert not (tmp_path / "train_config.json").exists()
+  with pytest.raises(ValueError, match=r"workdir: got the empty path"):
+    train.train(c, "", log=lambda *_: None)

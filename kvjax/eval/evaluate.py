@@ -16,6 +16,7 @@ results holds their markdown tables (:mod:`kvjax.eval.report`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import pathlib
@@ -48,9 +49,7 @@ def load_model(name: str, dtype=None):
     return model, cfg, PieceTokenizer(km.load_tokenizer(name))
   path = pathlib.Path(name)
   if not path.exists():
-    from huggingface_hub import snapshot_download  # noqa: PLC0415
-
-    path = pathlib.Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
+    path = _hub_snapshot(name)
   model, cfg = km.load(path, **kw)
   if not (path / "tokenizer.json").exists():
     raise ValueError(f"model: {name} has no tokenizer.json next to its weights")
@@ -60,6 +59,33 @@ def load_model(name: str, dtype=None):
     bos = json.loads(tc.read_text()).get("bos_token")
     bos = bos.get("content") if isinstance(bos, dict) else bos
   return model, cfg, HFTokenizer(path / "tokenizer.json", bos_token=bos)
+
+
+def _hub_snapshot(name: str) -> pathlib.Path:
+  """The local snapshot of hub id ``name`` (``owner/model``), downloaded when needed;
+  ``ValueError`` naming ``model`` for what is no hub id (a missing local path, a typo of a
+  packaged name) and for an id the hub cannot give."""
+  text = str(name)
+  expected = (
+    f"expected 'tiny', {assets.SMOLLM2!r}, a .gguf file, a local Hugging Face directory or a "
+    "hub id 'owner/model'"
+  )
+  if (
+    not text
+    or pathlib.Path(text).is_absolute()
+    or text.startswith((".", "~"))
+    or text.count("/") != 1
+  ):
+    raise ValueError(f"model: {text!r} does not exist; {expected}")
+  from huggingface_hub import snapshot_download  # noqa: PLC0415
+
+  try:
+    return pathlib.Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors"]))
+  except Exception as e:  # offline, unknown id, gated repository: all name the model
+    raise ValueError(
+      f"model: {text!r} is no local path, and the hub did not give it ({type(e).__name__}: "
+      f"{e}); {expected}"
+    ) from e
 
 
 def examples(task: str, tokenizer, length: int, count: int, options: dict, *, depth=None, seed=0):
@@ -215,11 +241,30 @@ def load_calibration(config, needs) -> dict:
     "qfilters_LGD": "qfilters_LGD",
     "retrieval_heads_LG": f"retrieval_heads_LG_{config.get('duo_method', 'official')}",
   }
-  with np.load(path) as data:
+  try:
+    data = np.load(path)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"calibration: {path} is not a calibration.npz ({e})") from None
+  with data:
     absent = [names[w] for w in wanted if names[w] not in data.files]
     if absent:
       raise ValueError(f"calibration: {path} has no {absent}; it has {sorted(data.files)}")
     return {w: np.asarray(data[names[w]]) for w in wanted}
+
+
+def check_calibration(calibration: dict, cfg, path) -> None:
+  """``ValueError`` naming ``calibration`` when its arrays (:func:`load_calibration`) were
+  measured on another model: ``qfilters_LGD`` must be ``[layers, KV heads, head_dim]`` and
+  ``retrieval_heads_LG`` ``[layers, KV heads]`` of ``cfg``."""
+  L, G, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  shapes = {"qfilters_LGD": (L, G, D), "retrieval_heads_LG": (L, G)}
+  for name, value in calibration.items():
+    if name in shapes and tuple(np.shape(value)) != shapes[name]:
+      raise ValueError(
+        f"calibration: {path} holds {name} of shape {tuple(np.shape(value))}, expected "
+        f"{shapes[name]} (layers, KV heads{', head_dim' if name == 'qfilters_LGD' else ''}) of "
+        "the evaluated model; calibrate this model (python -m experiments.calibrate)"
+      )
 
 
 def kvzip_template(tok, model_name: str) -> calibrate.KVzipTemplate:
@@ -394,10 +439,46 @@ def question_modes(config) -> tuple[str, ...]:
   return modes
 
 
+# what an evaluation config must hold (a config file's field left out is named, not an
+# AttributeError deep inside the run)
+CONFIG_FIELDS = (
+  "model",
+  "seed",
+  "question",
+  "tasks",
+  "lengths",
+  "examples",
+  "budgets",
+  "policies",
+  "heatmap.task",
+  "heatmap.policies",
+  "heatmap.budget",
+  "heatmap.lengths",
+  "heatmap.depths",
+  "heatmap.examples",
+)
+
+# Config fields that change no result, so a resume may change them (rundir.claim): the example
+# batch size bounds memory (merged rows agree to float rounding, merge_batches), the compilation
+# cache holds compiled programs. Everything else, model weights included, is the run's identity.
+NOT_IDENTITY = ("batch", "compilation_cache")
+
+
+def _distinct(name: str, values) -> None:
+  repeated = sorted({repr(v) for v in values if list(values).count(v) > 1})
+  if repeated:
+    raise ValueError(
+      f"{name}: {', '.join(repeated)} appear more than once; expected distinct values"
+    )
+
+
 def validate_config(config) -> None:
   """Every part of an evaluation config, before any work (and before the workdir is claimed):
-  tasks and their options, lengths, budgets, examples, the policies (by building each), labels,
-  question modes, the heatmap and the compilation cache setting."""
+  its fields (:data:`CONFIG_FIELDS`), tasks and their options, lengths, budgets, examples, the
+  policies (at least one, by building each), labels, question modes, the heatmap and the
+  compilation cache setting. What needs the model (that it loads, the calibration matches it,
+  every length holds every task) :func:`prepare` checks."""
+  rundir.require_fields(config, CONFIG_FIELDS, "configs/eval.py")
   question_modes(config)
   rundir.compilation_cache_dir(config.get("compilation_cache", None))
   for task in config.tasks:
@@ -407,6 +488,7 @@ def validate_config(config) -> None:
     values = tuple(config[name])
     if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
       raise ValueError(f"{name}: expected a non-empty tuple of positive ints, got {values!r}")
+    _distinct(name, values)
   if (
     isinstance(config.examples, bool) or not isinstance(config.examples, int) or config.examples < 1
   ):
@@ -419,6 +501,10 @@ def validate_config(config) -> None:
       f"batch: expected None or a positive divisor of examples={config.examples} (equal batches "
       f"compile once), got {batch!r}"
     )
+  if not config.policies:  # the full cache alone would only measure itself
+    raise ValueError(
+      f"policies: expected at least one policy entry beside the full cache, got {config.policies!r}"
+    )
   entries = [policy_entry(e) for e in config.policies]
   labels = [label for label, _ in entries]
   load_calibration(config, policy_needs(entries))
@@ -430,6 +516,8 @@ def validate_config(config) -> None:
         f"budgets: none of {list(config.budgets)} is below the context length {length}"
       )
   h = config.heatmap
+  for name in ("policies", "lengths", "depths"):
+    _distinct(f"heatmap.{name}", tuple(h[name]))
   unknown = [p for p in h.policies if p not in labels]
   if unknown:
     raise ValueError(
@@ -446,23 +534,71 @@ def validate_config(config) -> None:
       raise ValueError(f"heatmap.depths: expected fractions in [0, 1], got {list(h.depths)}")
 
 
+@dataclasses.dataclass
+class Prepared:
+  """What a run reads, made before its workdir is touched: the model, the calibration (checked
+  against the model), KVzip's template, and every example set (``sets[(task, length)]``,
+  ``heatmap[(length, depth)]``): drawing them checks that every length holds every task."""
+
+  model: object
+  cfg: object
+  tokenizer: object
+  calibration: dict
+  template: object
+  sets: dict
+  heatmap: dict
+
+
+def prepare(config) -> Prepared:
+  """Loads the model of a validated ``config`` (:func:`validate_config`) and everything a run
+  reads before the workdir is claimed, so that a model that does not load, a calibration of
+  another model or a length too short for a task fails with nothing written."""
+  model, cfg, tok = load_model(config.model)
+  entries = [policy_entry(e) for e in config.policies]
+  needs = policy_needs(entries)
+  calibration = load_calibration(config, needs)
+  check_calibration(calibration, cfg, config.get("calibration"))
+  template = kvzip_template(tok, config.model) if set(needs) & set(CONTEXT_EVIDENCE) else None
+  sets = {
+    (task, length): examples(
+      task, tok, length, config.examples, rundir.plain(opts), seed=config.seed
+    )
+    for task, opts in config.tasks.items()
+    for length in config.lengths
+  }
+  h, heatmap = config.heatmap, {}
+  if h.policies:
+    opts = rundir.plain(config.tasks[h.task]) if h.task in config.tasks else {}
+    heatmap = {
+      (length, d): examples(h.task, tok, length, h.examples, opts, depth=d, seed=config.seed + 1)
+      for length in h.lengths
+      for d in h.depths
+    }
+  return Prepared(model, cfg, tok, calibration, template, sets, heatmap)
+
+
 def run(config, workdir, *, log=print) -> pd.DataFrame:
   """Runs (or resumes) the evaluation ``config`` into ``workdir``; returns ``results.csv``.
 
-  The config is validated before anything is written; the run then holds the workdir's lock
-  (:func:`kvjax.rundir.lock`), so a second run into the same directory refuses."""
+  The config is validated, ``workdir`` checked (:func:`kvjax.rundir.check_workdir`: never
+  empty) and the model loaded with every example drawn (:func:`prepare`) before anything is
+  written; the run then holds the workdir's lock (:func:`kvjax.rundir.lock`), so a second run
+  into the same directory refuses. ``eval.json`` records the config: a resume must agree with
+  it outside :data:`NOT_IDENTITY`, and results without it are refused (:func:`kvjax.rundir.claim`)."""
   validate_config(config)
+  rundir.check_workdir(workdir)
+  prepared = prepare(config)
   with rundir.lock(workdir):
-    return _run(config, workdir, log)
+    return _run(config, workdir, prepared, log)
 
 
-def _run(config, workdir, log) -> pd.DataFrame:
+def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
   path = pathlib.Path(workdir) / "results.csv"
-  table = rundir.read_rows(path)
-  # where compiled programs are kept changes no result: not part of the run's signature
-  plain = {k: config[k] for k in config if k not in ("workdir", "compilation_cache")}
-  sig = rundir.signature(plain | {"weights": _model_fingerprint(config.model)})
-  out = rundir.claim(workdir, "eval.json", sig, has_results=not table.empty)
+  record = {k: config[k] for k in config if k != "workdir"}  # where is not what
+  sig = rundir.signature(record | {"weights": _model_fingerprint(config.model)})
+  has_results = rundir.holds_data(path)
+  out = rundir.claim(workdir, "eval.json", sig, has_results=has_results, not_identity=NOT_IDENTITY)
+  table = rundir.read_rows(path, columns=COLUMNS)
   if not table.empty and list(table.columns) != COLUMNS:
     raise ValueError(
       f"workdir: {path} has the columns {list(table.columns)}, expected {COLUMNS} (written by "
@@ -479,20 +615,12 @@ def _run(config, workdir, log) -> pd.DataFrame:
         for q in modes:
           groups[(task, length, label, "budget", q)] = budgets
   done = complete_groups(table, path, {k: len(v) for k, v in groups.items()})
-  model, cfg, tok = load_model(config.model)
+  model, tok, sets = prepared.model, prepared.tokenizer, prepared.sets
+  calibration, template = prepared.calibration, prepared.template
   window = _policy_window(entries)
   oracle = any(policy.reads_future for _, policy in entries)
   needs = policy_needs(entries)
-  calibration = load_calibration(config, needs)
-  template = kvzip_template(tok, config.model) if set(needs) & set(CONTEXT_EVIDENCE) else None
   head = None  # HeadKV's retrieval-head scores, measured once per run
-  sets = {
-    (task, length): examples(
-      task, tok, length, config.examples, rundir.plain(opts), seed=config.seed
-    )
-    for task, opts in config.tasks.items()
-    for length in config.lengths
-  }
   shapes = {
     length: shared_shape([exs for (_, n), exs in sets.items() if n == length])
     if config.get("shared_shapes", False)
@@ -543,7 +671,7 @@ def _run(config, workdir, log) -> pd.DataFrame:
             if i == len(batches) - 1:  # the group is complete: append it at once
               _append_group(path, (task, length, label, q), parts[label], seconds[label], log)
   evidence = dict(calibration=calibration, template=template)
-  head = _heatmap(config, model, tok, path, done, head, log, evidence)
+  head = _heatmap(config, prepared, path, done, head, log, evidence)
   table = rundir.read_rows(path)
   for q in modes:
     suffix = "" if len(modes) == 1 else f"_{q}"
@@ -564,9 +692,10 @@ def _append_group(path, key, parts: list[dict], seconds: float, log) -> None:
   )
 
 
-def _heatmap(config, model, tok, path, done, head, log, data):
+def _heatmap(config, prepared: Prepared, path, done, head, log, data):
   """Needle accuracy over depth x length for each heatmap policy at one budget (in the config's
-  first question mode)."""
+  first question mode), on the examples :func:`prepare` drew."""
+  model, tok = prepared.model, prepared.tokenizer
   h = config.heatmap
   if not h.policies:
     return head
@@ -582,8 +711,7 @@ def _heatmap(config, model, tok, path, done, head, log, data):
       ]
       if not cells:
         continue
-      opts = rundir.plain(config.tasks[h.task]) if h.task in config.tasks else {}
-      exs = examples(h.task, tok, length, h.examples, opts, depth=d, seed=config.seed + 1)
+      exs = prepared.heatmap[(length, d)]
       chosen = [(label, FULL if label == report.FULL else entries[label]) for label in cells]
       needs = policy_needs(chosen)
       prefilled = prefill_examples(

@@ -294,10 +294,17 @@ def restore(mngr: ocp.CheckpointManager, like: TrainState) -> TrainState | None:
 # --------------------------------------------------------------------------- the loop
 
 
+# config fields that change no trained weight: they may differ between a run and its resume
+NOT_IDENTITY = ("log_every", "checkpoint_every")
+
+
 def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, log=print) -> TrainState:
   """Trains (or resumes) to ``c.steps``; writes ``metrics.jsonl`` (one line per logged step,
   never duplicated on resume) and checkpoints every ``c.checkpoint_every`` steps. The run holds
-  the workdir's lock (:func:`kvjax.rundir.lock`): a second run into it refuses."""
+  the workdir's lock (:func:`kvjax.rundir.lock`): a second run into it refuses. The workdir's
+  ``train_config.json`` records the config (:func:`kvjax.rundir.claim`): a resume must agree
+  with it outside :data:`NOT_IDENTITY`, and checkpoints or metrics without it are refused."""
+  rundir.check_workdir(workdir)
   with rundir.lock(workdir):
     return _train(c, pathlib.Path(workdir), log)
 
@@ -305,7 +312,14 @@ def train(c: ml_collections.ConfigDict, workdir: str | pathlib.Path, *, log=prin
 def _train(c: ml_collections.ConfigDict, workdir: pathlib.Path, log) -> TrainState:
   tok = vocab.tiny_tokenizer()
   cfg = model_config(c.model, tok.vocab_size)
-  rundir.claim(workdir, "train_config.json", rundir.signature(c))
+  done = rundir.holds_data(workdir / "checkpoints") or rundir.holds_data(workdir / "metrics.jsonl")
+  rundir.claim(
+    workdir,
+    "train_config.json",
+    rundir.signature(c),
+    has_results=done,
+    not_identity=NOT_IDENTITY,
+  )
   state = init_state(c, cfg)
   mngr = checkpoint_manager(workdir)
   restored = restore(mngr, state)

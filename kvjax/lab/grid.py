@@ -108,13 +108,25 @@ def _axis_values(name: str, values, base) -> tuple:
   return tuple(values)
 
 
+def _distinct(name: str, values: tuple) -> tuple:
+  """A product axis's values, each once: a repeat would only run its configurations twice."""
+  repeated = sorted({repr(v) for v in values if values.count(v) > 1})
+  if repeated:
+    raise ValueError(
+      f"grid.product.{name}: {', '.join(repeated)} appear more than once; expected distinct values"
+    )
+  return values
+
+
 def expand(grid, base) -> list[dict]:
   """``product`` axes crossed with the ``zip`` axes (zipped together) over ``base``.
 
   ``grid.product`` and ``grid.zip`` map field names to tuples of values. Returns one resolved
   dict per configuration, in a deterministic order.
   """
-  product = {k: _axis_values(k, v, base) for k, v in dict(grid.get("product", {})).items()}
+  product = {
+    k: _distinct(k, _axis_values(k, v, base)) for k, v in dict(grid.get("product", {})).items()
+  }
   zipped = {k: _axis_values(k, v, base) for k, v in dict(grid.get("zip", {})).items()}
   both = set(product) & set(zipped)
   if both:

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pandas as pd
 
-from kvjax import plotting, policies
+from kvjax import plotting, policies, rundir
 from kvjax.lab import keys, metrics, online, synthetic
 
 # the attention-row panel's policy when the config's ``figure_policy`` is "" and it runs (the
@@ -96,8 +96,33 @@ def build_policies(config) -> dict[str, policies.Policy]:
   return {label: built[label] for label in labels}
 
 
+# what the lab's configs must hold (a field left out is named, not an AttributeError)
+CONFIG_FIELDS = ("scenarios", "policies", "budget", "world", "figure_step", "figure_policy")
+KEYS_CONFIG_FIELDS = (
+  "scenarios",
+  "policies",
+  "budgets",
+  "fact_distinctness",
+  "key_model",
+  "policy_options",
+  "world",
+)
+
+
+def _distinct(name: str, values) -> None:
+  """A repeated scenario, budget or value would run twice and break the tables' pivots."""
+  values = list(values)
+  repeated = sorted({repr(v) for v in values if values.count(v) > 1})
+  if repeated:
+    raise ValueError(
+      f"{name}: {', '.join(repeated)} appear more than once; expected distinct values"
+    )
+
+
 def _check_names(config) -> dict[str, policies.Policy]:
-  """Names the offending field for an unknown scenario or lab policy; the built policies."""
+  """Names the offending field for an unknown or repeated scenario or lab policy; the built
+  policies."""
+  _distinct("scenarios", config.scenarios)
   for s in config.scenarios:
     if s not in synthetic.SCENARIOS:
       raise ValueError(
@@ -108,7 +133,9 @@ def _check_names(config) -> dict[str, policies.Policy]:
 
 def validate_config(config) -> dict[str, policies.Policy]:
   """Names the offending field for an unknown scenario or policy, a bad policy option or a bad
-  budget; returns the built policies (:func:`build_policies`)."""
+  budget, or a field the config lacks (:data:`CONFIG_FIELDS`); returns the built policies
+  (:func:`build_policies`)."""
+  rundir.require_fields(config, CONFIG_FIELDS, "configs/lab.py")
   built = _check_names(config)
   if not config.scenarios or not config.policies:
     raise ValueError("scenarios/policies: expected at least one of each")
@@ -217,11 +244,13 @@ def summary_tables(rows: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def run(config, workdir: str | pathlib.Path | None, log=print) -> pd.DataFrame:
-  """Runs the lab described by ``config`` (``configs/lab.py``); returns the summary table."""
+  """Runs the lab described by ``config`` (``configs/lab.py``); returns the summary table.
+  ``workdir``: where the tables and figures go (``None``: nowhere; never empty,
+  :func:`kvjax.rundir.check_workdir`)."""
   built = validate_config(config)
   out = None
   if workdir is not None:
-    out = pathlib.Path(workdir)
+    out = rundir.check_workdir(workdir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(config.to_json_best_effort(indent=2))
   rows = []
@@ -262,7 +291,10 @@ KEY_COLUMNS = (
 def validate_keys_config(config) -> dict[str, policies.Policy]:
   """:func:`validate_config`'s checks for ``configs/lab_keys.py``: budgets, the key model's knobs
   (:class:`~kvjax.lab.keys.KeyGeometry` names a bad one) and per-policy options (here only for
-  policies run); returns the built policies."""
+  policies run), repeated budgets or values; returns the built policies."""
+  rundir.require_fields(config, KEYS_CONFIG_FIELDS, "configs/lab_keys.py")
+  _distinct("budgets", config.budgets)
+  _distinct("fact_distinctness", config.fact_distinctness)
   for name in config.policy_options:
     if name not in config.policies:
       raise ValueError(f"policy_options: {name!r} is not among the policies run")
@@ -316,6 +348,8 @@ def run_keys(config, workdir: str | pathlib.Path | None, log=print) -> pd.DataFr
   policies x budgets under the modelled keys of :mod:`kvjax.lab.keys`; returns the table
   [:data:`KEY_COLUMNS`] and writes ``summary.csv`` into ``workdir``."""
   built = validate_keys_config(config)
+  if workdir is not None:
+    rundir.check_workdir(workdir)
   rows = []
   for scenario in config.scenarios:
     rows += _key_rows(scenario, config, built, log)

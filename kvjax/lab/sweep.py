@@ -108,6 +108,8 @@ __all__ = [
   "FLOAT_FIELDS",
   "HEAD_ALLOCS",
   "METRICS",
+  "CONFIG_FIELDS",
+  "RESULT_COLUMNS",
   "RESULT_DTYPE",
   "RESULT_NUMBERS",
   "RESULT_TEXT",
@@ -485,6 +487,10 @@ def grid_signature(config) -> str:
 RESULT_TEXT = ("config_id", *STATIC_FIELDS, "budget_profile")
 RESULT_NUMBERS = (*DATA_FIELDS, "window", "kernel", *METRICS)
 RESULT_DTYPE = {"config_id": str}
+# the header of results.csv, in the order Engine rows are written
+RESULT_COLUMNS = ("config_id", *FIELDS, *METRICS, "budget_profile")
+# what a sweep config must hold (a config file's field left out is named, not an AttributeError)
+CONFIG_FIELDS = ("base", "grid", "world", "chunk_size", "bytes_per_value")
 
 
 def read_results(path: str | pathlib.Path) -> pd.DataFrame:
@@ -492,13 +498,19 @@ def read_results(path: str | pathlib.Path) -> pd.DataFrame:
   interruption, with a missing or non-finite metric, repeated headers and repeated
   configurations are left out (:func:`kvjax.rundir.read_rows`)."""
   return rundir.read_rows(
-    path, dtype=RESULT_DTYPE, required=RESULT_TEXT, numeric=RESULT_NUMBERS, key="config_id"
+    path,
+    dtype=RESULT_DTYPE,
+    required=RESULT_TEXT,
+    numeric=RESULT_NUMBERS,
+    key="config_id",
+    columns=RESULT_COLUMNS,
   )
 
 
 def prepare(config) -> tuple[list[dict], Engine]:
   """Validates the whole sweep ``config`` (its options, grid and every configuration against the
   world) and returns ``(configs, engine)``; nothing is written anywhere."""
+  rundir.require_fields(config, CONFIG_FIELDS, "configs/sweep_lab.py")
   check_engine_options(
     capacity=1, chunk_size=config.chunk_size, bytes_per_value=config.bytes_per_value
   )
@@ -506,9 +518,14 @@ def prepare(config) -> tuple[list[dict], Engine]:
   configs = expand(config.grid, config.base)
   for cfg in configs:
     validate(cfg, None)
-  ids = [config_id(c) for c in configs]
-  if len(set(ids)) != len(ids):
-    raise ValueError("grid: the grid repeats a configuration (duplicate config_id)")
+  first: dict[str, dict] = {}
+  for cfg in configs:
+    twin = first.setdefault(config_id(cfg), cfg)
+    if twin is not cfg:
+      raise ValueError(
+        f"grid: the grid repeats the configuration {cfg} (config_id {config_id(cfg)}); "
+        "expected each configuration once"
+      )
   budgets = [c["budget"] for c in configs]
   if not all(0 < b < 2**31 for b in budgets):
     raise ValueError(f"budget: {budgets} outside [1, 2**31); expected int32 token counts")
@@ -540,20 +557,30 @@ def run(
 ) -> pd.DataFrame:
   """Runs (or resumes) the sweep ``config`` into ``workdir``; returns the full results table.
 
-  The whole configuration is validated before anything is written. The run holds the
-  directory's lock (:func:`kvjax.rundir.lock`): a second run into the same ``workdir`` raises
-  :class:`kvjax.rundir.WorkdirLockedError` after waiting up to ``lock_timeout`` seconds. On
-  resume the invalid lines of ``results.csv`` (cut short, non-finite metrics, repeated headers
-  or configurations) are removed and their configurations run again.
+  The whole configuration, and ``workdir`` (:func:`kvjax.rundir.check_workdir`: never empty),
+  are validated before anything is written. The run holds the directory's lock
+  (:func:`kvjax.rundir.lock`): a second run into the same ``workdir`` raises
+  :class:`kvjax.rundir.WorkdirLockedError` after waiting up to ``lock_timeout`` seconds. The
+  directory's ``sweep.json`` (:func:`grid_signature`) must match, and results without it are
+  refused (:func:`kvjax.rundir.claim`). On resume the invalid lines of ``results.csv`` (cut
+  short, non-finite metrics, repeated headers or configurations) are removed and their
+  configurations run again.
   """
+  rundir.check_workdir(workdir)
   configs, engine = prepare(config)
   ids = [config_id(c) for c in configs]
   with rundir.lock(workdir, timeout=lock_timeout) as out:
-    rundir.claim(out, "sweep.json", grid_signature(config))
-    (out / "config.json").write_text(config.to_json_best_effort(indent=2))
     path = out / "results.csv"
+    # chunk_size and compilation_cache are outside the signature: they change no result
+    rundir.claim(out, "sweep.json", grid_signature(config), has_results=rundir.holds_data(path))
+    (out / "config.json").write_text(config.to_json_best_effort(indent=2))
     table, dropped = rundir.repair_rows(
-      path, dtype=RESULT_DTYPE, required=RESULT_TEXT, numeric=RESULT_NUMBERS, key="config_id"
+      path,
+      dtype=RESULT_DTYPE,
+      required=RESULT_TEXT,
+      numeric=RESULT_NUMBERS,
+      key="config_id",
+      columns=RESULT_COLUMNS,
     )
     if dropped:
       log(f"sweep: dropped {dropped} invalid or repeated lines of {path}")
