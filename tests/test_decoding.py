@@ -413,3 +413,146 @@ def test_one_layout_object_and_evidence_dict_reach_every_entry_point():
   bad = {"head_scores_LH": head_LG[:1]}
   with pytest.raises(ValueError, match="head_scores_LH has shape"):
     km.generate(model, ids, policy="headkv", budget=24, window=4, evidence=bad)
+
+
+def _no_prefill(monkeypatch):
+  """Makes any prefill fail the test: the refusals below come before any work."""
+
+  def fail(*args, **kwargs):
+    raise AssertionError("a prefill ran before the refusal")
+
+  monkeypatch.setattr(km.decoding, "jit_prefill", fail)
+
+
+def test_lengths_past_the_context_are_refused_before_any_work(monkeypatch):
+  model, cfg, _ = km.load_tiny()  # max_position_embeddings 4096
+  assert cfg.max_positions == 4096
+  ids = np.full((1, 40), 5, np.int32)
+  long = np.full((1, 4097), 5, np.int32)
+  _no_prefill(monkeypatch)
+  new = r"max_new_tokens: 1000000000 tokens after a prompt of 40 tokens .* context of 4096"
+  calls = [
+    (lambda: km.generate(model, ids, max_new_tokens=10**9), new),
+    (
+      lambda: km.generate_configs(model, ids, [16], policy="streaming_llm", max_new_tokens=10**9),
+      new,
+    ),
+    (
+      lambda: km.generate(model, ids, max_new_tokens=4057),
+      r"max_new_tokens: 4057 .* expected max_new_tokens <= 4056",
+    ),
+    (lambda: km.keep_mask(model, long, "snapkv", 64), "input_ids: a prompt of 4097 tokens"),
+    (
+      lambda: km.answer_configs(model, ids, np.full((1, 4057), 5), [16], policy="streaming_llm"),
+      "answer_ids: 4057 tokens after a prompt of 40 tokens",
+    ),
+    (lambda: km.logprobs.stream_logprobs(model, long), "input_ids: a prompt of 4097 tokens"),
+    (lambda: km.logprobs.teacher_forced_logprobs(model, long), "input_ids: a prompt of 4097"),
+  ]
+  for call, match in calls:
+    with pytest.raises(ValueError, match=match):
+      call()
+  # a padded row counts its real tokens: 4000 columns, 40 of them real, leave room for 4056
+  wide = np.zeros((1, 4000), np.int32)
+  mask = np.zeros((1, 4000), np.int32)
+  mask[0, -40:] = 1
+  with pytest.raises(ValueError, match="max_new_tokens: 4057 tokens after a prompt of 40"):
+    km.generate(model, wide, attention_mask=mask, max_new_tokens=4057)
+
+
+def test_caches_above_the_memory_limit_are_refused_before_any_work(monkeypatch):
+  model, cfg, _ = km.load_tiny()
+  model.cfg = dataclasses.replace(cfg, max_positions=None)  # a context nobody knows
+  ids = np.full((2, 40), 5, np.int32)
+  prefill = km.decoding.jit_prefill
+  _no_prefill(monkeypatch)
+  monkeypatch.setattr(km.decoding, "MAX_CACHE_BYTES", 2**20)
+  # 4 layers x 2 x 2 KV heads x (40 + 10**6) slots x 32 x 4 bytes x 2 rows: 15.3 GiB
+  limit = r"kvjax.model.decoding.MAX_CACHE_BYTES = 0.0 GiB; .* raise the limit"
+  with pytest.raises(ValueError, match=r"max_new_tokens: 1000000 with a prompt of 40 .*" + limit):
+    km.generate(model, ids, max_new_tokens=10**6)
+  with pytest.raises(
+    ValueError, match=r"\(model context: unknown\) .* 4 configuration\(s\) x batch 2"
+  ):
+    km.generate_configs(model, ids, [8, 16, 24, 32], policy="snapkv", window=4, max_new_tokens=4000)
+  with pytest.raises(ValueError, match="answer_ids: 4000 with a prompt of 39"):
+    km.answer_configs(model, ids, np.full((2, 4000), 5), [16], policy="snapkv", window=4)
+  with pytest.raises(ValueError, match="input_ids: 4000 with a prompt of 4000"):
+    km.logprobs.stream_logprobs(model, np.full((2, 4000), 5, np.int32))
+  # the estimate is the cache the policy builds: an evicting policy's stays at its budget, a
+  # prefill policy's is its budget's capacity bucket plus the new tokens, and a run at exactly
+  # the limit goes through
+  assert km.decoding.slots_bound(policies.make("streaming_llm"), 8, 40, 10**6) == 8
+  assert km.decoding.slots_bound(policies.make("snapkv", window=4), 8, 40, 3) == 8 + 3
+  monkeypatch.setattr(km.decoding, "jit_prefill", prefill)
+  monkeypatch.setattr(km.decoding, "MAX_CACHE_BYTES", 4 * 2 * 2 * (8 + 3) * 32 * 4 * 2)
+  out = km.generate(model, ids, policy="snapkv", budget=8, window=4, max_new_tokens=3)
+  assert out.tokens.shape == (2, 3)
+  assert out.memory["kv_bytes_allocated"] == km.decoding.MAX_CACHE_BYTES
+
+
+@pytest.mark.parametrize(
+  "ids",
+  [np.ones((1, 8), bool), np.zeros(8, np.int32), np.zeros((1, 2, 4), np.int32)],
+  ids=["bool", "1-D", "3-D"],
+)
+def test_every_entry_point_refuses_ids_outside_the_one_rule(ids):
+  model, cfg, _ = km.load_tiny()
+  calls = {
+    "generate": lambda: km.generate(model, ids, max_new_tokens=2),
+    "generate_configs": lambda: km.generate_configs(model, ids, [4], policy="streaming_llm"),
+    "keep_mask": lambda: km.keep_mask(model, ids, "streaming_llm", 4),
+    "answer_configs": lambda: km.answer_configs(
+      model, ids, np.ones((1, 2), np.int32), [4], policy="streaming_llm"
+    ),
+    "stream_logprobs": lambda: km.logprobs.stream_logprobs(model, ids),
+    "teacher_forced_logprobs": lambda: km.logprobs.teacher_forced_logprobs(model, ids),
+  }
+  expected = "expected integer token ids, got dtype bool" if ids.dtype == bool else "got shape"
+  for name, call in calls.items():
+    with pytest.raises(ValueError, match=r"(prompt|input)_ids: .*" + expected):
+      call()
+      pytest.fail(f"{name} accepted ids {ids.dtype}{ids.shape}")
+
+
+def test_headkv_takes_query_head_or_kv_head_importances_under_either_layout():
+  model, cfg, _ = km.load_tiny()
+  ids = np.random.default_rng(2).integers(4, 200, (1, 40)).astype(np.int32)
+  L, Hq, G = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads
+  head_LH = np.random.default_rng(0).random((L, Hq)) + 0.1
+  group_LG = head_LH.reshape(L, G, Hq // G).mean(-1)
+  kw = dict(policy="headkv", budget=24, window=4, max_new_tokens=2)
+  ref = dict(beta=1.5, temp=1.0, q_len=40)
+  # the documented [L, Hq] under the default KV-head cache: each group's mean importance
+  out = km.generate(model, ids, evidence={"head_scores_LH": head_LH}, **kw)
+  want = budgets_lib.headkv(jnp.asarray(group_LG, jnp.float32), 24, 4, **ref)
+  np.testing.assert_array_equal(out.budget_LH[0], np.asarray(want))
+  # [L, G] under a query-head cache: each query head takes its group's importance
+  out = km.generate(model, ids, evidence={"head_scores_LH": group_LG}, layout="query", **kw)
+  want = budgets_lib.headkv(jnp.asarray(np.repeat(group_LG, Hq // G, 1), jnp.float32), 24, 4, **ref)
+  np.testing.assert_array_equal(out.budget_LH[0], np.asarray(want))
+
+
+def test_evidence_no_model_can_provide_is_named_with_what_to_use_instead(monkeypatch):
+  model, cfg, _ = km.load_tiny()
+  ids = np.full((1, 40), 5, np.int32)
+  _no_prefill(monkeypatch)
+  legacy = (
+    r"policy: 'h2o_kvfactory_legacy' reads legacy_column_sums_LHT, KVCache-Factory's legacy "
+    r"non-causal prefill column sums .* use 'h2o'"
+  )
+  with pytest.raises(ValueError, match=legacy):
+    km.generate(model, ids, policy="h2o_kvfactory_legacy", budget=24)
+  with pytest.raises(ValueError, match=legacy):
+    km.generate_configs(model, ids, [24], policy="h2o_kvfactory_legacy")
+  with pytest.raises(ValueError, match=legacy):
+    km.keep_mask(model, ids, "h2o_kvfactory_legacy", 24)
+  with pytest.raises(ValueError, match=legacy):
+    km.answer_configs(model, ids, ids[:, :2], [24], policy="h2o_kvfactory_legacy")
+  with pytest.raises(ValueError, match="not caller-given evidence.*legacy_column_sums_LHT"):
+    km.generate(model, ids, policy="h2o", budget=24, evidence={"legacy_column_sums_LHT": 0})
+  oracle = "policy: 'oracle' reads future_attn_LHST, .* use kvjax.model.answer_configs"
+  with pytest.raises(ValueError, match=oracle):
+    km.generate(model, ids, policy="oracle", budget=24)
+  with pytest.raises(ValueError, match=oracle):
+    km.keep_mask(model, ids, "oracle", 24)

@@ -291,3 +291,77 @@ def test_segments_attention_equals_one_softmax_over_the_concatenated_keys():
   np.testing.assert_allclose(np.asarray(first), np.asarray(probs[..., : sizes[0]]), atol=1e-6)
   assert not np.asarray(out[0, 3:6, 2]).any()  # query heads of group 1, query 2: no key
   assert llama.segments_attention(q, segments)[1] is None
+
+
+def _tiny_random(max_positions=None):
+  """A one-layer random model (nothing trained: the checks run before any of it)."""
+  from flax import nnx
+
+  cfg = km.ModelConfig(
+    vocab_size=16,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    max_positions=max_positions,
+  )
+  return km.Llama(cfg, rngs=nnx.Rngs(0)), cfg
+
+
+@pytest.mark.parametrize(
+  ("ids", "match"),
+  [
+    (
+      np.zeros(5, np.int32),
+      r"input_ids: expected token ids \[batch >= 1, T >= 1\], got shape \(5,\)",
+    ),
+    (np.zeros((1, 2, 3), np.int32), r"got shape \(1, 2, 3\)"),
+    (np.zeros((1, 0), np.int32), r"got shape \(1, 0\)"),
+    (np.zeros((0, 5), np.int32), r"got shape \(0, 5\)"),
+    (np.ones((1, 4), bool), "input_ids: expected integer token ids, got dtype bool"),
+    (np.array([[1, 16]]), r"token id 16 is outside the vocabulary \[0, 16\)"),
+  ],
+)
+def test_model_call_and_prefill_share_one_rule_for_ids(ids, match):
+  model, cfg = _tiny_random()
+  calls = {
+    "model": lambda x: model(x),
+    "prefill": lambda x: km.prefill(cfg, model.params(), x),
+    "jit prefill": jax.jit(lambda x: km.prefill(cfg, model.params(), x).logits),
+  }
+  for name, call in calls.items():
+    if name == "jit prefill" and "vocabulary" in match:
+      continue  # traced values cannot be checked in Python; shapes and dtypes can
+    with pytest.raises(ValueError, match=match):
+      call(jnp.asarray(ids) if name == "jit prefill" else ids)
+      pytest.fail(f"{name} accepted {ids!r}")
+
+
+def test_model_call_and_prefill_refuse_prompts_past_the_context():
+  model, cfg = _tiny_random(max_positions=8)
+  ids = np.ones((1, 9), np.int32)
+  for call in (lambda: model(ids), lambda: km.prefill(cfg, model.params(), ids)):
+    with pytest.raises(
+      ValueError, match="a prompt of 9 tokens is longer than the model's context of 8"
+    ):
+      call()
+  assert model(ids[:, :8]).shape == (1, 8, 16)
+  unknown, _ = _tiny_random(max_positions=None)  # no context known: nothing to refuse
+  assert unknown(ids).shape == (1, 9, 16)
+
+
+def test_context_errors_name_the_argument_that_does_not_fit():
+  _, cfg = _tiny_random(max_positions=8)
+  km.llama.check_context(cfg, 5, 3)  # exactly the context
+  with pytest.raises(
+    ValueError, match="max_new_tokens: 4 tokens after a prompt of 5 tokens make 9"
+  ):
+    km.llama.check_context(cfg, 5, 4)
+  with pytest.raises(
+    ValueError, match="prompt_ids: a prompt of 8 tokens leaves no room .* 2 tokens"
+  ):
+    km.llama.check_context(cfg, 8, 2, name="prompt_ids")
+  with pytest.raises(ValueError, match="answer_ids: 2 tokens after a prompt of 7"):
+    km.llama.check_context(cfg, 7, 2, new_name="answer_ids")

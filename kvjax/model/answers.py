@@ -303,16 +303,38 @@ def prefill_answers(
   return _prefill_shared(model, prompt_ids, answer_ids, shape, int(window), oracle, request)
 
 
-def _prefill_shared(model, prompt_ids, answer_ids, shape, window, oracle, request_of):
-  """:func:`prefill_answers` with the evidence ``request_of(seen_len)`` (besides the shared
-  window rows and column sums); ``shape = (question_len, question, answer_given)``."""
+def check_answer_inputs(model, prompt_ids, answer_ids, shape):
+  """The prompts and answers of :func:`prefill_answers` and :func:`answer_configs`, checked
+  before any work.
+
+  Args:
+    model: the model (its vocabulary and context).
+    prompt_ids: ``[B, T]`` token ids, ``T >= 2``.
+    answer_ids: ``[B, N]`` token ids.
+    shape: ``(question_len, question, answer_given)`` as :func:`answer_configs` takes them.
+
+  Returns:
+    ``(prompt, answer, question_len, given)``: int32 ids, the question's length (1 for
+    ``question="compressed"``) and the bool ``[B, N]`` given-answer mask.
+
+  Raises:
+    ValueError: naming the argument, for ids breaking
+      :func:`kvjax.model.llama.check_token_ids`'s rule, a batch mismatch, an unknown question
+      mode, a question as long as the prompt, a mask of the wrong shape, or a prompt plus its
+      answer longer than the model's context.
+  """
   question_len, question, answer_given = shape
-  prompt = decoding.check_token_ids("prompt_ids", prompt_ids, model.cfg.vocab_size, min_len=2)
-  answer = decoding.check_token_ids("answer_ids", answer_ids, model.cfg.vocab_size)
+  vocab = model.cfg.vocab_size
+  prompt = llama.check_token_ids("prompt_ids", prompt_ids, vocab, min_len=2)
+  answer = llama.check_token_ids("answer_ids", answer_ids, vocab)
   if answer.shape[0] != prompt.shape[0]:
     raise ValueError(
       f"answer_ids: expected [batch={prompt.shape[0]}, N >= 1] token ids, got {answer.shape}"
     )
+  # the prompt then the answer is the sequence the model reads
+  llama.check_context(
+    model.cfg, prompt.shape[1], answer.shape[1], name="prompt_ids", new_name="answer_ids"
+  )
   if question not in QUESTION_MODES:
     raise ValueError(f"question: expected one of {QUESTION_MODES}, got {question!r}")
   if question == "compressed":
@@ -324,7 +346,43 @@ def _prefill_shared(model, prompt_ids, answer_ids, shape, window, oracle, reques
   given = np.zeros(answer.shape, bool) if answer_given is None else np.asarray(answer_given, bool)
   if given.shape != answer.shape:
     raise ValueError(f"answer_given: shape {given.shape}, expected {answer.shape}")
-  prompt, answer = prompt.astype(np.int32), answer.astype(np.int32)
+  return prompt, answer, question_len, given
+
+
+def check_answer_memory(model, policy, budgets, layout: str, batch: int, Tc: int, M: int) -> None:
+  """Refuses ``K`` caches of a ``Tc``-token context plus ``M`` fed tokens above
+  :data:`kvjax.model.decoding.MAX_CACHE_BYTES`, before any work.
+
+  Args:
+    model: the model.
+    policy: the policy (an object).
+    budgets: the checked ``[K, ...]`` budgets.
+    layout: the cache's heads (``"kv"`` or ``"query"``).
+    batch: rows.
+    Tc: context tokens compressed.
+    M: tokens fed through each cache (the question and the answer but its last token).
+
+  Raises:
+    ValueError: as :func:`kvjax.model.decoding.check_cache_bytes`, naming ``answer_ids``.
+  """
+  cfg = model.cfg
+  decoding.check_cache_bytes(
+    cfg,
+    slots=decoding.slots_bound(policy, budgets, Tc, M),
+    batch=batch,
+    heads=decoding.cache_heads(cfg, layout),
+    itemsize=llama.kv_itemsize(cfg, model.params()),
+    configs=int(np.shape(budgets)[0]),
+    prompt_len=Tc,
+    new=("answer_ids", M),
+  )
+
+
+def _prefill_shared(model, prompt_ids, answer_ids, shape, window, oracle, request_of):
+  """:func:`prefill_answers` with the evidence ``request_of(seen_len)`` (besides the shared
+  window rows and column sums); ``shape = (question_len, question, answer_given)``."""
+  prompt, answer, question_len, given = check_answer_inputs(model, prompt_ids, answer_ids, shape)
+  question = shape[1]
   B = answer.shape[0]
   Tc = prompt.shape[1] - question_len
   seen = prompt if question == "in_window" else prompt[:, :Tc]
@@ -359,12 +417,21 @@ def answer_prefilled(
   :func:`kvjax.model.decoding.generate`'s, the evidence over the context's columns.
   ``token_loop``: feed the answers token by token even where decoding only appends and they
   could go at once (the reference, and the baseline of ``experiments/bench_answers.py``; the
-  results are the same)."""
+  results are the same).
+
+  Raises:
+    ValueError: before any work, for budgets, a policy or evidence it cannot run with, or
+      caches above :data:`kvjax.model.decoding.MAX_CACHE_BYTES`.
+    RuntimeError: when a row needed more slots than its cache held.
+  """
   layout = cache_lib.as_layout(layout)
   budgets = decoding.check_config_budgets(budgets)
   cfg, params = model.cfg, model.params()
   pol = policies.build(policy, **policy_options)
+  decoding.check_model_evidence(pol, future=True)
   pre = prefilled.pre
+  B, Tc = pre.valid.shape
+  M = prefilled.inputs_BM.shape[1]
   window = min(pol.observation_window, prefilled.seen_len)
   if not pol.evidence_fields & {"attn_window_LHWT", "window_queries_LHWD"}:
     window = min(window, prefilled.window)  # reads no window rows (ExpectedAttention, ...)
@@ -373,6 +440,9 @@ def answer_prefilled(
       f"window: policy {pol.label!r} needs {window} window rows, the prefill holds "
       f"{prefilled.window}; prefill with window >= {window}"
     )
+  if pol.requires_budget:
+    pol.check_budget(budgets, window, Tc)
+  check_answer_memory(model, pol, budgets, layout.heads, B, Tc, M)
   pre = pre.replace(attn_window=pre.attn_window[..., prefilled.window - max(window, 1) :, :])
   _check_prefilled_evidence(pol, prefilled)
   if pre.window_queries is not None:
@@ -383,8 +453,6 @@ def answer_prefilled(
     if prefilled.future_attn is None:
       raise ValueError("prefilled: the oracle needs prefill_answers(..., oracle=True)")
     pre = pre.replace(future_attn=prefilled.future_attn)
-  Tc = pre.valid.shape[1]
-  M = prefilled.inputs_BM.shape[1]
   ev = decoding.check_evidence(pol, evidence, cfg, np.zeros(pre.valid.shape, np.int32), None)
   spec, alloc = decoding.configs_spec(cfg, pol, pre, budgets, window, layout, Tc, M, ev)
   sharded, K = decoding.shard_configs(budgets, params)
@@ -449,9 +517,22 @@ def answer_configs(
   keep their original normalisation (their mass on question keys is not redistributed), and
   SnapKV-style policies protect the last ``window`` context positions (the question itself is
   re-fed, so it is always present).
+
+  Raises:
+    ValueError: before any work, as :func:`check_answer_inputs` (a prompt plus its answer past
+      the model's context included) and :func:`answer_prefilled`.
+    RuntimeError: when a row needed more slots than its cache held.
   """
   pol = policies.build(policy, **policy_options)
+  decoding.check_model_evidence(pol, future=True)
   shape = (question_len, question, answer_given)
+  prompt, answer, q_len, _ = check_answer_inputs(model, prompt_ids, answer_ids, shape)
+  budgets = decoding.check_config_budgets(budgets)
+  layout = cache_lib.as_layout(layout)
+  Tc = prompt.shape[1] - q_len
+  check_answer_memory(
+    model, pol, budgets, layout.heads, prompt.shape[0], Tc, q_len + answer.shape[1] - 1
+  )
   # the policy's own evidence; at least one window row (the shared prefill always holds some)
   window = max(pol.observation_window, 1)
   prefilled = _prefill_shared(

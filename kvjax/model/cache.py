@@ -236,7 +236,8 @@ def check_evidence(
     if name not in expected:
       raise ValueError(
         f"evidence: {name!r} is not caller-given evidence; expected some of {sorted(expected)} "
-        "(the model computes the rest)"
+        "(the prefill computes the other fields a policy reads, but not all: "
+        "kvjax.model.decoding.check_model_evidence names those no model entry point provides)"
       )
     if value is None:
       continue
@@ -278,9 +279,11 @@ def compress(
   check_spec(spec)
   rng = jax.random.key(0) if rng is None else rng
   evidence = check_evidence(evidence, L=L, B=B, G=G, T=T, D=D, Hq=cfg.num_heads)
-  shared = {k: v for k, v in evidence.items() if k in SHARED_EVIDENCE}
-  keys, values = pre.keys, pre.values
   H = cfg.num_heads if spec.layout == "query" else G
+  shared = {k: v for k, v in evidence.items() if k in SHARED_EVIDENCE}
+  if "head_scores_LH" in shared:
+    shared["head_scores_LH"] = head_scores_to_layout(shared["head_scores_LH"], H, cfg)
+  keys, values = pre.keys, pre.values
   new = spec.new_tokens if spec.channel_ratio else 0
   prompt_slots = spec.capacity - new
 
@@ -406,6 +409,30 @@ def _think_probs(cfg, q_BHq1D, keys_BHCK, new_keys_BHND, channels_BHK, visible_B
     axis=-1,
   )
   return llama.masked_softmax(logits, visible_BHC[:, :, None, :])
+
+
+def head_scores_to_layout(head_scores_LH: Array, H: int, cfg: ModelConfig) -> Array:
+  """HeadKV's head importances on the cache's ``H`` heads, the heads its budgets are for.
+
+  Importances given per query head ``[L, Hq]`` are averaged over each KV head's group for a KV
+  cache, as the scores are (a group's share of the total is the sum of its heads' shares:
+  HeadKV normalises them); per KV head ``[L, G]`` they are repeated over each group's query
+  heads for a query-head cache.
+
+  Args:
+    head_scores_LH: ``[L, Hq]`` or ``[L, G]`` importances.
+    H: the cache's heads (``cfg.num_heads`` or ``cfg.num_kv_heads``).
+    cfg: the model's config.
+
+  Returns:
+    ``[L, H]`` importances.
+
+  Raises:
+    ValueError: when the heads map to neither.
+  """
+  if head_scores_LH.shape[1] == H:
+    return head_scores_LH
+  return _to_layout(head_scores_LH[..., None], H, cfg)[..., 0]
 
 
 def _to_layout(scores_LHT, H, cfg):

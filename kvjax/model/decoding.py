@@ -68,7 +68,8 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
   if unknown:
     raise ValueError(
       f"evidence: {unknown} are not caller-given evidence; expected some of {sorted(data)} "
-      "(the model computes the rest)"
+      "(the prefill computes the other fields a policy reads, but not "
+      f"{sorted(UNAVAILABLE_EVIDENCE)}, which no model entry point provides)"
     )
   _check_head_scores(policy, given.get("head_scores_LH"))
   missing = sorted((policy.evidence_fields & data) - {k for k, v in given.items() if v is not None})
@@ -99,6 +100,40 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
   L, G, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
   cache_lib.check_evidence(out, L=L, B=B, G=G, T=T, D=D, Hq=cfg.num_heads)
   return out or None
+
+
+# Evidence that no model entry point can give a policy: the prefill does not compute it and
+# ``evidence=`` does not take it. Each: what it is, and what to use instead.
+UNAVAILABLE_EVIDENCE = {
+  "legacy_column_sums_LHT": (
+    "KVCache-Factory's legacy non-causal prefill column sums (queries before the window attend "
+    "to later keys), which the model's causal prefill does not compute",
+    "use 'h2o' (causal column sums, computed by the prefill), or run this policy on arrays: "
+    "kvjax.policies.evidence_from_qk computes the legacy sums",
+  ),
+  "future_attn_LHST": (
+    "the attention that tokens after the prompt pay to it, unknown before they are generated",
+    "use kvjax.model.answer_configs, which computes it from the answer it is given",
+  ),
+}
+
+
+def check_model_evidence(policy: policies.Policy, *, future: bool = False) -> None:
+  """Refuses, before any work, a policy that reads evidence a model entry point cannot provide.
+
+  Args:
+    policy: the policy (an object).
+    future: whether the entry point computes the future attention (the answers do).
+
+  Raises:
+    ValueError: naming the policy, the field, what it is and what to use instead.
+  """
+  for field, (what, instead) in UNAVAILABLE_EVIDENCE.items():
+    if field in policy.evidence_fields and not (future and field == "future_attn_LHST"):
+      raise ValueError(
+        f"policy: {policy.label!r} reads {field}, {what}; it cannot be passed as evidence "
+        f"either; {instead}"
+      )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec0"))
@@ -184,21 +219,103 @@ def _pick(logits_BV, temperature, rng):
   return jax.random.categorical(rng, logits_BV / temperature).astype(jnp.int32)
 
 
-def check_token_ids(name: str, ids, vocab_size: int, *, min_len: int = 1) -> np.ndarray:
-  """``ids`` as an int32 ``[batch, T]`` array, or a ``ValueError`` naming ``name``: integer ids
-  in ``[0, vocab_size)`` (a gather would silently clamp or wrap anything else), at least one row
-  and ``min_len`` columns."""
-  arr = np.asarray(ids)
-  if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < min_len:
-    raise ValueError(
-      f"{name}: expected [batch >= 1, T >= {min_len}] token ids, got shape {arr.shape}"
-    )
-  if not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool):
-    raise ValueError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
-  if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
-    bad = arr.min() if arr.min() < 0 else arr.max()
-    raise ValueError(f"{name}: token id {int(bad)} is outside the vocabulary [0, {vocab_size})")
-  return arr.astype(np.int32)
+# The largest cache an entry point allocates without being told to: an estimate above it is
+# refused before any work (a runaway max_new_tokens would otherwise fill the host's memory for
+# minutes). Raise it by assigning kvjax.model.decoding.MAX_CACHE_BYTES.
+MAX_CACHE_BYTES = 64 * 2**30
+
+
+def check_new_tokens(name: str, value) -> int:
+  """A count of tokens to generate or feed: an int ``>= 1``.
+
+  Args:
+    name: the argument's name, for the error.
+    value: the count.
+
+  Returns:
+    ``value`` as an ``int``.
+
+  Raises:
+    ValueError: naming ``name`` and the value, for anything but an int in ``[1, 2**31)``.
+  """
+  if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+  if not 1 <= value < 2**31:
+    raise ValueError(f"{name}: expected an int in [1, 2**31), got {value}")
+  return int(value)
+
+
+def cache_bytes(cfg: ModelConfig, *, slots: int, batch: int, heads: int, itemsize: int) -> int:
+  """Bytes of the keys and values of one cache of ``slots`` slots per head.
+
+  Args:
+    cfg: the model's config (layers, head dimension).
+    slots: slots per (layer, row, head).
+    batch: rows.
+    heads: the cache's heads (KV heads, or query heads in the ``"query"`` layout).
+    itemsize: bytes per element (:func:`kvjax.model.llama.kv_itemsize`).
+
+  Returns:
+    ``layers x 2 x heads x slots x head_dim x itemsize x batch``.
+  """
+  return cfg.num_layers * 2 * heads * slots * cfg.head_dim * itemsize * batch
+
+
+def check_cache_bytes(
+  cfg: ModelConfig,
+  *,
+  slots: int,
+  batch: int,
+  heads: int,
+  itemsize: int,
+  configs: int = 1,
+  prompt_len: int,
+  new: tuple[str, int] | None = None,
+) -> None:
+  """Refuses caches whose keys and values would exceed :data:`MAX_CACHE_BYTES`, before any work.
+
+  Args:
+    cfg: the model's config.
+    slots: the slots per head each cache is sized to.
+    batch: rows per cache.
+    heads: the cache's heads.
+    itemsize: bytes per element.
+    configs: caches held at once (budget configurations).
+    prompt_len: the prompt's tokens, for the error.
+    new: ``(argument, count)`` of the tokens that grow the cache (``max_new_tokens``), if any.
+
+  Raises:
+    ValueError: naming the argument that grows the cache (else ``input_ids``), its value, the
+      prompt length, the model's context and the limit, with how to raise it.
+  """
+  total = configs * cache_bytes(cfg, slots=slots, batch=batch, heads=heads, itemsize=itemsize)
+  limit = MAX_CACHE_BYTES
+  if total <= limit:
+    return
+  name, value = new if new is not None else ("input_ids", prompt_len)
+  context = "unknown" if cfg.max_positions is None else f"{cfg.max_positions} positions"
+  raise ValueError(
+    f"{name}: {value} with a prompt of {prompt_len} tokens (model context: {context}) needs "
+    f"caches of {slots} slots per head, {configs} configuration(s) x batch {batch}: "
+    f"{total / 2**30:.1f} GiB of keys and values, above kvjax.model.decoding.MAX_CACHE_BYTES = "
+    f"{limit / 2**30:.1f} GiB; expected fewer tokens, or raise the limit by assigning "
+    "kvjax.model.decoding.MAX_CACHE_BYTES"
+  )
+
+
+def cache_heads(cfg: ModelConfig, layout: str) -> int:
+  """The cache's heads in ``layout``: query heads for ``"query"``, else KV heads."""
+  return cfg.num_heads if layout == "query" else cfg.num_kv_heads
+
+
+def slots_bound(policy: policies.Policy, budget, T: int, new: int) -> int:
+  """An upper bound on the slots per head that decoding ``new`` tokens after a ``T``-token
+  prompt gives ``policy`` under ``budget`` (checked), known before any work: the cache's size
+  when the allocator keeps the budget as given, the full ``T`` otherwise (an allocator may give
+  a head up to the prompt)."""
+  known = policy.requires_budget and not policy.allocates
+  budget_max = int(np.max(budget)) if known and np.size(budget) else T
+  return _capacity(policy, budget_max, T, new)
 
 
 def _check_mask(attention_mask, shape) -> np.ndarray:
@@ -225,24 +342,27 @@ def _check_temperature(temperature) -> float:
   return t
 
 
-def _prepare(model, prompt_ids, attention_mask, policy, max_new_tokens):
-  """Checks the prompt, then its one prefill for ``policy`` (an object) alone: what the policy's
+def _checked_prompt(model, prompt_ids, attention_mask, new: int, name: str = "prompt_ids"):
+  """The prompt's ids and 0/1 mask, checked (ids, mask, and the prompt's longest row plus
+  ``new`` tokens within the model's context), as left-padded numpy arrays."""
+  cfg: ModelConfig = model.cfg
+  ids = llama.check_token_ids(name, prompt_ids, cfg.vocab_size)
+  mask = _check_mask(attention_mask, ids.shape)
+  longest = int(mask.sum(-1).max())
+  llama.check_context(cfg, longest, new, name=name)
+  return to_left_padding(ids, mask)  # left padding whichever side was given
+
+
+def _prefill(model, ids, mask, policy):
+  """The prompt's one prefill for ``policy`` (an object) alone: what the policy's
   :meth:`~kvjax.policies.Policy.evidence_request` asks for, the window rows reduced to its
   scores in the layer scan where it reads them only through its window scorer. Returns
-  ``(cfg, params, pre, window)`` with ``window`` the observation window (cut to the prompt)."""
+  ``(cfg, params, pre)``."""
   cfg: ModelConfig = model.cfg
-  ids = check_token_ids("prompt_ids", prompt_ids, cfg.vocab_size)
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
-    raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
-  mask = _check_mask(attention_mask, ids.shape)
-  ids, mask = to_left_padding(ids, mask)  # left padding whichever side was given
   request = policy.evidence_request(ids.shape[1], reduce_rows=True)
   params = model.params()
   ids, mask = sharding.place_batch(params, ids, mask)  # over the model's mesh, if it has one
-  pre = jit_prefill(cfg, params, ids, mask, request)
-  return cfg, params, pre, request.window
+  return cfg, params, jit_prefill(cfg, params, ids, mask, request)
 
 
 def generate(
@@ -279,36 +399,55 @@ def generate(
   ``head_scores_LH`` (``[L, Hq]``, or ``[L, G]`` at KV-head granularity). Policy options
   ``channel_ratio`` (ThinK's key channels, stored pruned) and ``decode_every=N`` (re-compress
   to the budget every ``N`` generated tokens) apply to any prefill scorer.
+
+  Raises:
+    ValueError: before any work, for bad ids (:func:`kvjax.model.llama.check_token_ids`), a
+      mask, temperature, layout, budget, policy or evidence it cannot run with, a prompt plus
+      ``max_new_tokens`` past the model's context (``cfg.max_positions``), or a cache estimate
+      above :data:`MAX_CACHE_BYTES`.
+    RuntimeError: when a row needed more slots than its cache held.
   """
   layout = cache_lib.as_layout(layout)
   temperature = _check_temperature(temperature)
+  new = check_new_tokens("max_new_tokens", max_new_tokens)
   pol = policies.build(policy, **policy_options)
   _check_budget_given(pol, budget)
-  cfg, params, pre, window = _prepare(model, prompt_ids, attention_mask, pol, max_new_tokens)
-  T = pre.valid.shape[1]
+  check_model_evidence(pol)
+  cfg = model.cfg
+  ids, mask = _checked_prompt(model, prompt_ids, attention_mask, new)
+  B, T = ids.shape
   if pol.requires_budget:
-    pol.check_budget(budget, window, T)
+    pol.check_budget(budget, pol.evidence_request(T).window, T)
   ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
   spec = cache_lib.CacheSpec(pol, 1, layout.heads, reindex=layout.reindex)
   cache_lib.check_spec(spec)
+  params = model.params()
+  itemsize = llama.kv_itemsize(cfg, params)
+  check_cache_bytes(
+    cfg,
+    slots=slots_bound(pol, budget, T, new),
+    batch=B,
+    heads=cache_heads(cfg, layout.heads),
+    itemsize=itemsize,
+    prompt_len=T,
+    new=("max_new_tokens", new),
+  )
+  cfg, params, pre = _prefill(model, ids, mask, pol)
   budget_LH = None
   if pol.requires_budget:
     budget_LH = np.asarray(_allocation(cfg, pre, spec, budget, ev))
     pol.check_allocation(budget_LH)
-  cap = _capacity(pol, int(budget_LH.max()) if budget_LH is not None else T, T, max_new_tokens)
-  spec = dataclasses.replace(spec, capacity=cap, new_tokens=max_new_tokens)
+  cap = _capacity(pol, int(budget_LH.max()) if budget_LH is not None else T, T, new)
+  spec = dataclasses.replace(spec, capacity=cap, new_tokens=new)
   rng = jax.random.key(0) if rng is None else rng
   rng, first_rng = jax.random.split(rng)
   first = _pick(pre.logits[:, -1], float(temperature), first_rng)
   tokens, cache = _compress_and_decode(
-    cfg, params, pre, spec, budget, first, max_new_tokens, float(temperature), rng, ev
+    cfg, params, pre, spec, budget, first, new, float(temperature), rng, ev
   )
   check_overflow(cache)
-  itemsize = cache.keys.dtype.itemsize
   mem = cache_lib.memory(cache) | {
-    "full_cache_bytes": cache_lib.full_cache_bytes(
-      cfg, tokens.shape[0], T + max_new_tokens, itemsize
-    )
+    "full_cache_bytes": cache_lib.full_cache_bytes(cfg, tokens.shape[0], T + new, itemsize)
   }
   return Generation(np.asarray(tokens), mem, np.asarray(cache.budget))
 
@@ -391,18 +530,41 @@ def generate_configs(
   """One prefill shared by ``K`` budget configurations (``budgets``: ``[K]``, ``[K, L]`` or
   ``[K, L, H]``): compress + decode are vmapped over configurations, greedy. Tokens
   ``[K, B, N]``. ``policy``, ``attention_mask``, ``layout`` and ``evidence`` as
-  :func:`generate`'s."""
+  :func:`generate`'s.
+
+  Raises:
+    ValueError: as :func:`generate`'s, before any work; the cache estimate counts the ``K``
+      configurations.
+    RuntimeError: when a row needed more slots than its cache held.
+  """
   layout = cache_lib.as_layout(layout)
+  new = check_new_tokens("max_new_tokens", max_new_tokens)
   pol = policies.build(policy, **policy_options)
-  cfg, params, pre, window = _prepare(model, prompt_ids, attention_mask, pol, max_new_tokens)
-  T = pre.valid.shape[1]
+  check_model_evidence(pol)
+  cfg = model.cfg
+  ids, mask = _checked_prompt(model, prompt_ids, attention_mask, new)
+  B, T = ids.shape
   budgets = check_config_budgets(budgets)
+  window = pol.evidence_request(T).window
+  if pol.requires_budget:
+    pol.check_budget(budgets, window, T)
   ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
-  spec, alloc = configs_spec(cfg, pol, pre, budgets, window, layout, T, max_new_tokens, ev)
+  check_cache_bytes(
+    cfg,
+    slots=slots_bound(pol, budgets, T, new),
+    batch=B,
+    heads=cache_heads(cfg, layout.heads),
+    itemsize=llama.kv_itemsize(cfg, model.params()),
+    configs=budgets.shape[0],
+    prompt_len=T,
+    new=("max_new_tokens", new),
+  )
+  cfg, params, pre = _prefill(model, ids, mask, pol)
+  spec, alloc = configs_spec(cfg, pol, pre, budgets, window, layout, T, new, ev)
   first = jnp.argmax(pre.logits[:, -1], -1).astype(jnp.int32)
   key = jax.random.key(0)
   run = jax.vmap(
-    lambda b: _compress_and_decode(cfg, params, pre, spec, b, first, max_new_tokens, 0.0, key, ev)
+    lambda b: _compress_and_decode(cfg, params, pre, spec, b, first, new, 0.0, key, ev)
   )
   sharded, K = shard_configs(budgets, params)
   tokens, caches = jax.tree.map(lambda x: x[:K], run(sharded))
@@ -432,17 +594,28 @@ def keep_mask(
   window-based policies observe their ``window`` option's queries (default
   :data:`kvjax.policies.DEFAULT_WINDOW`). Rows are left-padded internally; the mask is returned
   in the caller's column order. ``evidence`` as :func:`generate`'s.
+
+  Raises:
+    ValueError: as :func:`generate`'s, before any work, for ``input_ids`` (a prompt longer than
+      the model's context included).
   """
   pol = policies.build(policy, **options)
-  cfg, params, pre, obs_window = _prepare(model, input_ids, attention_mask, pol, 1)
+  check_model_evidence(pol)
+  cfg = model.cfg
   kv = pol.num_kv_heads
   if kv is not None and kv != cfg.num_kv_heads:
     raise ValueError(f"num_kv_heads: {kv} is not the model's {cfg.num_kv_heads} KV heads")
   layout = "kv" if kv is not None else "query"
-  T = pre.valid.shape[1]
+  ids, mask = _checked_prompt(model, input_ids, attention_mask, 0, "input_ids")
+  B, T = ids.shape
+  obs_window = pol.evidence_request(T).window
   if pol.requires_budget:
     pol.check_budget(budget, obs_window, T)
   ev = check_evidence(pol, evidence, cfg, input_ids, attention_mask)
+  heads = cache_heads(cfg, layout)
+  itemsize = llama.kv_itemsize(cfg, model.params())
+  check_cache_bytes(cfg, slots=T, batch=B, heads=heads, itemsize=itemsize, prompt_len=T)
+  cfg, params, pre = _prefill(model, ids, mask, pol)
   spec = cache_lib.CacheSpec(pol, T, layout)
   cache = cache_lib.compress(cfg, pre, spec, budget, evidence=ev)
   check_overflow(cache)

@@ -72,21 +72,121 @@ class Llama(nnx.Module):
     return {k: v[...] for k, v in nnx.to_pure_dict(nnx.state(self, nnx.Param)).items()}
 
   def __call__(self, input_ids: Array, attention_mask: Array | None = None) -> Array:
-    """Logits ``[batch, T, vocab]`` of a full causal forward pass (concrete ``input_ids`` are
-    checked: integers in ``[0, vocab)``, since a gather would clamp anything else)."""
-    if not isinstance(input_ids, jax.core.Tracer):
-      check_ids("input_ids", input_ids, self.cfg.vocab_size)
+    """Logits ``[batch, T, vocab]`` of a full causal forward pass.
+
+    Args:
+      input_ids: token ids ``[batch, T]`` (:func:`check_token_ids`'s rule; traced ids are checked
+        for shape and dtype only).
+      attention_mask: optional ``[batch, T]`` 0/1 mask of the real tokens.
+
+    Returns:
+      fp32 logits ``[batch, T, vocab]``.
+
+    Raises:
+      ValueError: ids that break :func:`check_token_ids`'s rule, or a prompt longer than the
+        model's context (:func:`check_context`).
+    """
+    input_ids = check_token_ids("input_ids", input_ids, self.cfg.vocab_size)
+    check_context(self.cfg, input_ids.shape[1])
     return forward(self.cfg, self.params(), input_ids, attention_mask)
 
 
 def check_ids(name: str, ids, vocab_size: int) -> None:
-  """``ValueError`` unless ``ids`` are integer token ids in ``[0, vocab_size)``."""
+  """Checks token ids of any shape: an integer dtype (bools are not token ids) and values in
+  ``[0, vocab_size)``, since an embedding gather would silently clamp anything else.
+
+  Args:
+    name: the argument's name, for the error.
+    ids: the ids (array-like, concrete).
+    vocab_size: the model's vocabulary size.
+
+  Raises:
+    ValueError: naming ``name``, for a non-integer dtype or an id outside the vocabulary.
+  """
   arr = np.asarray(ids)
   if not np.issubdtype(arr.dtype, np.integer):
     raise ValueError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
   if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
     bad = int(arr.min() if arr.min() < 0 else arr.max())
     raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_token_ids(name: str, ids, vocab_size: int, *, min_len: int = 1):
+  """The one rule for a batch of token ids, shared by every model entry point: an integer dtype
+  (bools refused), two axes ``[B, T]`` with ``B >= 1`` and ``T >= min_len``, values in
+  ``[0, vocab_size)``.
+
+  Shapes and dtypes are static, so traced ids are checked for them too; their values are not
+  known in Python and pass unchecked.
+
+  Args:
+    name: the argument's name, for the error.
+    ids: token ids (array-like or traced).
+    vocab_size: the model's vocabulary size.
+    min_len: the fewest positions per row.
+
+  Returns:
+    Concrete ids as an int32 numpy array ``[B, T]``; traced ids unchanged.
+
+  Raises:
+    ValueError: naming ``name``, the shape, dtype or id and what was expected.
+  """
+  traced = isinstance(ids, jax.core.Tracer)
+  arr = ids if traced else np.asarray(ids)
+  if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < min_len:
+    raise ValueError(
+      f"{name}: expected token ids [batch >= 1, T >= {min_len}], got shape {tuple(arr.shape)}"
+    )
+  if not jnp.issubdtype(arr.dtype, jnp.integer):
+    raise ValueError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
+  if traced:
+    return ids
+  check_ids(name, arr, vocab_size)
+  return arr.astype(np.int32)
+
+
+def check_context(
+  cfg: ModelConfig,
+  length: int,
+  new: int = 0,
+  *,
+  name: str = "input_ids",
+  new_name: str = "max_new_tokens",
+) -> None:
+  """Refuses a sequence longer than the model's context (``cfg.max_positions``): positions past
+  it were never trained and give answers without a warning. Nothing is checked when the
+  context is unknown (``None``).
+
+  Args:
+    cfg: the model's config.
+    length: the prompt's tokens (its longest row).
+    new: tokens generated or fed after the prompt (``max_new_tokens``, an answer).
+    name: the prompt's argument.
+    new_name: the argument that asked for the ``new`` tokens.
+
+  Raises:
+    ValueError: when ``length + new > cfg.max_positions``, naming the prompt when it alone is
+      too long, else ``new_name`` with the most it may be.
+  """
+  limit = cfg.max_positions
+  if limit is None or length + new <= limit:
+    return
+  if not new:
+    raise ValueError(
+      f"{name}: a prompt of {length} tokens is longer than the model's context of {limit} "
+      f"positions (max_positions); expected at most {limit} tokens"
+    )
+  if length >= limit:
+    raise ValueError(
+      f"{name}: a prompt of {length} tokens leaves no room in the model's context of {limit} "
+      f"positions (max_positions) for the {new} tokens of {new_name}; expected a prompt of at "
+      f"most {limit - 1} tokens"
+    )
+  raise ValueError(
+    f"{new_name}: {new} tokens after a prompt of {length} tokens make {length + new}, past the "
+    f"model's context of {limit} positions (max_positions); expected {new_name} <= "
+    f"{limit - length} for this prompt"
+  )
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -470,13 +570,19 @@ def prefill(
   ``request.n_future`` as kvpress's ``n_sink`` and ``n_future_positions``) and
   ``request.window_queries`` (the last ``window_queries`` post-RoPE queries, ThinK's channel
   evidence).
+
+  Raises ``ValueError`` for ids breaking :func:`check_token_ids`'s rule (traced ids: their shape
+  and dtype), a prompt longer than the model's context (:func:`check_context`), and arguments
+  of the wrong kind.
   """
   if logits not in LOGITS:
     raise ValueError(f"logits: expected one of {LOGITS}, got {logits!r}")
   if not isinstance(plan, PrefillPlan):
     raise ValueError(f"plan: expected a kvjax.model.llama.PrefillPlan, got {plan!r}")
   block, chunk, attention, window_dtype = plan.block, plan.chunk, plan.attention, plan.window_dtype
+  input_ids = check_token_ids("input_ids", input_ids, cfg.vocab_size)
   B, T = input_ids.shape
+  check_context(cfg, T)
   _check_count("block", block)
   if chunk is not None:
     _check_count("chunk", chunk, "None or a positive int")
@@ -574,6 +680,20 @@ def prefill(
 def _check_count(name: str, value, expected: str = "a positive int") -> None:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
     raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def kv_itemsize(cfg: ModelConfig, params: dict) -> int:
+  """Bytes per element of the keys and values the model caches (its projections' dtype).
+
+  Args:
+    cfg: the model's config.
+    params: its parameter pytree.
+
+  Returns:
+    The itemsize of :func:`project_qkv`'s keys, found without computing anything.
+  """
+  x = jnp.zeros((1, 1, cfg.hidden_size), params["embed"].dtype)
+  return jnp.dtype(_qkv_dtypes(cfg, params, x, jnp.zeros((1, 1), jnp.int32))[1]).itemsize
 
 
 def _qkv_dtypes(cfg: ModelConfig, params: dict, x_BTd: Array, positions_BT: Array):

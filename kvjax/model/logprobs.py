@@ -54,8 +54,14 @@ def teacher_forced_logprobs(model, input_ids) -> np.ndarray:
   """``[B, T - 1]`` log-probabilities of tokens ``1..T-1`` given the tokens before them, from one
   causal forward: what :func:`stream_logprobs` with ``policy="full"`` reads token by token (an
   uncompressed cache evicts nothing, so the two agree; ``tests/test_decoding.py`` checks it),
-  in one pass instead of ``T - 1`` decode steps."""
-  ids = decoding.check_token_ids("input_ids", input_ids, model.cfg.vocab_size, min_len=2)
+  in one pass instead of ``T - 1`` decode steps.
+
+  Raises:
+    ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule (``T >= 2``)
+      or longer than the model's context.
+  """
+  ids = llama.check_token_ids("input_ids", input_ids, model.cfg.vocab_size, min_len=2)
+  llama.check_context(model.cfg, ids.shape[1])
   params = model.params()
   (ids,) = sharding.place_batch(params, ids)
   return np.asarray(_teacher_forced_logprobs(model.cfg, params, ids))
@@ -83,10 +89,16 @@ def stream_logprobs(
   (``budget`` must then be ``None``). ``budgets`` (``[K]``,
   ``[K, L]`` or ``[K, L, H]``, instead of ``budget``) reads the text under ``K`` budgets in one
   scan (vmapped, one compile) and returns ``[K, B, T - prefix]``.
+
+  Raises:
+    ValueError: before any work, for ids breaking :func:`kvjax.model.llama.check_token_ids`'s
+      rule (``T >= 2``) or longer than the model's context, a prefix, policy or budget it cannot
+      run with, or caches above :data:`kvjax.model.decoding.MAX_CACHE_BYTES`.
   """
   if budgets is not None and budget is not None:
     raise ValueError(f"budget: give budget or budgets, not both; got budget={budget!r}")
-  ids = decoding.check_token_ids("input_ids", input_ids, model.cfg.vocab_size, min_len=2)
+  ids = llama.check_token_ids("input_ids", input_ids, model.cfg.vocab_size, min_len=2)
+  llama.check_context(model.cfg, ids.shape[1])
   if isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix < ids.shape[1]:
     raise ValueError(f"prefix: expected an int in [1, T={ids.shape[1]}), got {prefix!r}")
   pol = policies.build(policy, **policy_options)
@@ -98,11 +110,10 @@ def stream_logprobs(
       "while decoding (a decode-time policy such as 'sliding_window', 'streaming_llm', 'h2o', "
       "'tova', or decode_every=N) or the full cache"
     )
+  decoding.check_model_evidence(pol)
   cfg, params = model.cfg, model.params()
-  T = ids.shape[1]
-  head, rest = jnp.asarray(ids[:, :prefix]), jnp.asarray(ids[:, prefix:])
+  B, T = ids.shape
   request = pol.evidence_request(prefix, reduce_rows=True)
-  pre = decoding.jit_prefill(cfg, params, head, jnp.ones_like(head), request)
   if budgets is not None:
     if not pol.requires_budget:
       raise ValueError(f"budgets: the full cache keeps everything; got budgets={budgets!r}")
@@ -113,6 +124,17 @@ def stream_logprobs(
     pol.check_budget(budget, request.window)
     # decode_every (R-KV): the budget, plus the tokens read between two re-compressions
     capacity = int(np.max(budget)) + (pol.decode_every or 0)
+  decoding.check_cache_bytes(
+    cfg,
+    slots=capacity,
+    batch=B,
+    heads=cfg.num_kv_heads,
+    itemsize=llama.kv_itemsize(cfg, params),
+    configs=1 if budgets is None else budget.shape[0],
+    prompt_len=T,
+  )
+  head, rest = jnp.asarray(ids[:, :prefix]), jnp.asarray(ids[:, prefix:])
+  pre = decoding.jit_prefill(cfg, params, head, jnp.ones_like(head), request)
   spec = cache_lib.CacheSpec(pol, capacity, "kv")
   if budgets is not None:
     logp, overflow = _stream_logprobs_configs(cfg, params, pre, spec, budget, rest)
