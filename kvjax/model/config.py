@@ -49,6 +49,7 @@ class ModelConfig:
 
   @property
   def num_groups(self) -> int:
+    """The number of query heads that share one key/value head (GQA's group size)."""
     return self.num_heads // self.num_kv_heads
 
 
@@ -80,7 +81,22 @@ def _max_positions(value) -> int | None:
 
 
 def from_hf_dict(raw: dict) -> ModelConfig:
-  """A ``ModelConfig`` from the parsed ``config.json``; unsupported architectures name themselves."""
+  """Builds a ``ModelConfig`` from a parsed Hugging Face ``config.json``.
+
+  Llama, Mistral, Qwen2 and Qwen3 are supported. RoPE settings are read from
+  ``rope_parameters`` (transformers 5) or from ``rope_theta`` and ``rope_scaling``.
+
+  Args:
+    raw: the parsed ``config.json``.
+
+  Returns:
+    The model configuration.
+
+  Raises:
+    ValueError: for an unsupported architecture (naming it), missing required keys, an
+      activation other than SiLU, a RoPE type other than ``default`` or ``llama3``, or a
+      ``max_position_embeddings`` that is not a positive integer.
+  """
   archs = raw.get("architectures") or []
   arch = next((a for a in archs if a in SUPPORTED), None)
   if arch is None:
@@ -120,7 +136,20 @@ def from_hf_dict(raw: dict) -> ModelConfig:
 
 
 def to_hf_dict(cfg: ModelConfig) -> dict:
-  """A ``config.json`` that :func:`from_hf_dict` and ``transformers`` read back to ``cfg``."""
+  """Writes a configuration as a Hugging Face ``config.json`` object.
+
+  :func:`from_hf_dict` and ``transformers`` read it back to ``cfg``; ``max_position_embeddings``
+  is 4096 when ``cfg.max_positions`` is ``None``.
+
+  Args:
+    cfg: the model configuration.
+
+  Returns:
+    The ``config.json`` object, ready for ``json.dumps``.
+
+  Raises:
+    ValueError: when ``cfg.rope_type`` is not ``"default"``.
+  """
   arch = {v: k for k, v in SUPPORTED.items()}[cfg.family]
   if cfg.rope_type != "default":
     raise ValueError(f"cfg: writing rope_type {cfg.rope_type!r} is not supported")
@@ -149,6 +178,18 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
 
 
 def from_pretrained_dir(path: str | pathlib.Path) -> ModelConfig:
+  """Reads the configuration of a Hugging Face model directory from its ``config.json``.
+
+  Args:
+    path: the directory.
+
+  Returns:
+    The model configuration (:func:`from_hf_dict`).
+
+  Raises:
+    ValueError: naming the directory or the file, when it has no ``config.json``, the file is not
+      valid JSON, or :func:`from_hf_dict` refuses it.
+  """
   path = pathlib.Path(path)
   config_path = path / "config.json"
   if not config_path.exists():

