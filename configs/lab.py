@@ -38,6 +38,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.figure_step = -1  # -1: the middle of the last fact's query window
   # whose kept part the attention-row panel draws ("": snapkv if run, else the first policy)
   c.figure_policy = ""
+  # also write lab.html: the essay's figure, interactive (scenario, budget, generated step),
+  # replayed at each of explorer_budgets (empty: 3/4, 1 and 2 times the budget)
+  c.explorer = True
+  c.explorer_budgets = ()
   c.workdir = ml_collections.config_dict.placeholder(str)  # default: runs/lab-<timestamp>
   a = common.parse_arg(arg, presets=SCENARIOS, quick=False)
   if a.quick:

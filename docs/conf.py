@@ -19,14 +19,6 @@ sys.path.insert(0, str(ROOT / "docs"))
 
 import pages  # noqa: E402  (docs/pages.py, after the path above)
 
-from kvjax.policies import registry  # noqa: E402
-
-registry.BUILTIN = getattr(registry, "BUILTIN", registry._BUILTIN)
-import kvjax.policies as _p  # noqa: E402
-from kvjax.policies.provenance import provenance as _prov  # noqa: E402
-
-_p.provenance = _prov
-
 project = "kvjax"
 author = "the kvjax authors"
 copyright = "2026, the kvjax authors"

@@ -1,4 +1,6 @@
-"""The main job: every policy on every lab scenario; prints the table and the run directory.
+"""The main job: every policy on every lab scenario; prints the table and the run directory,
+which holds the tables, one figure per scenario and ``lab.html``, the figure made interactive
+(``--config.explorer=False`` skips it).
 
 python -m experiments.lab --config=configs/lab.py[:scenario] [--config.budget=64]
 python -m experiments.lab --config=configs/lab_keys.py[:quick]  (attention-free scorers on
@@ -16,6 +18,7 @@ from absl import app
 
 from configs import common
 from kvjax import lab, rundir
+from kvjax.lab import explorer, suite
 
 _CONFIG = common.config_flag(
   str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "lab.py"),
@@ -48,9 +51,15 @@ def main(argv):
           .to_string()
         )
   else:
+    built = suite.validate_config(config)
+    if config.explorer:
+      explorer.budget_grid(config, built)  # a bad explorer_budgets fails before any work
     table = lab.run(config, workdir)
     with pd.option_context("display.width", 200, "display.max_columns", 40):
       print(lab.pivot(table).to_string())
+    if config.explorer:
+      data = explorer.explorer_data(config, built)
+      print("interactive figure:", explorer.write_html(data, pathlib.Path(workdir) / "lab.html"))
   print(f"run directory: {os.path.abspath(workdir)}")
 
 

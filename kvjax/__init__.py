@@ -1,6 +1,6 @@
 """kvjax: KV-cache eviction policies with per-layer and per-head budgets, in JAX.
 
-The pipeline (DESIGN.md): every method is four pure steps over stacked arrays,
+The pipeline (``docs/concepts.md``): every method is four pure steps over stacked arrays,
 
     evidence --score--> scores_LHT --allocate--> budget_LH --select--> keep_LHT / (idx_LHC, valid_LHC)
 

@@ -11,7 +11,7 @@ evidence (head scores, attention) must be finite. A concrete budget whose schedu
 would leave int32 (PyramidKV's ``2 (budget - w)`` when the prompt is longer still) raises too;
 traced budgets cannot be checked and must stay below ``2**30``.
 
-References (``shared/reference/ALGORITHMS.md`` sections 2.4-2.7, 7): KVCache-Factory
+References (the methods catalogue, ``docs/methods.md``): KVCache-Factory
 ``PyramidKVCluster`` (legacy integer arithmetic), kvpress ``PyramidKVPress.get_layer_budget``,
 Ada-KV ``AdaptiveSnapKVCluster``, kvpress ``AdaKVPress``, HeadKV ``ReasonSnapKVCluster``, CAKE
 ``CakeprefillKVCache`` + ``adjust_budgets``.

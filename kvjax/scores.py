@@ -1,6 +1,6 @@
 """Scores: evidence -> ``scores_LHT`` (higher = keep), one pure function per method.
 
-Each scorer follows one official implementation (``shared/reference/ALGORITHMS.md``); its
+Each scorer follows one official implementation (the methods catalogue, ``docs/methods.md``); its
 docstring names the reference and the keyword defaults are the reference defaults. Scores never
 depend on budgets (that is :mod:`kvjax.budgets`), and nothing here selects (that is
 :mod:`kvjax.select`). Softmax and accumulation run in fp32 whatever the input dtype.

@@ -1,6 +1,6 @@
 """Selection: the only place in kvjax that turns scores and budgets into kept positions.
 
-Semantics shared by every function here (DESIGN.md, step 4):
+Semantics shared by every function here (``docs/concepts.md``, step 4):
 
 * Higher score = keep. Each row keeps exactly ``min(budget, length)`` positions, where ``length`` is
   the number of valid (prefix) positions of the row, ``T`` by default.
@@ -24,7 +24,7 @@ Semantics shared by every function here (DESIGN.md, step 4):
 
 The implementation is a threshold: each row keeps the entries above its
 ``min(budget, length)``-th best one, plus the tied entries up to that one's position (exact,
-tie-consistent, no scatter; about 10x faster on CPU than a double argsort: DESIGN.md, "On CPU,
+tie-consistent, no scatter; about 10x faster on CPU than a double argsort: ``docs/concepts.md``, "On CPU,
 JAX sorts floats slowly"). On rows of 1024 positions or more with a capacity up to ``T / 8``
 the threshold is found without ordering anything, by a bisection on the sortable keys with a
 counting pass per step (:func:`count_threshold`; rows whose ``n``-th best is tied with the next
@@ -289,7 +289,7 @@ def descending_order(scores: Array, k: int) -> Array:
 
   ``-0.0`` and ``+0.0`` are equal scores. ``lax.top_k`` for shallow ``k``; past ``T / 8`` a sort
   of integer keys: on CPU a single-operand int64 sort of packed ``(score, position)`` keys,
-  exact and about 5x faster than a full-depth ``top_k`` (DESIGN.md: float and multi-operand
+  exact and about 5x faster than a full-depth ``top_k`` (``docs/concepts.md``: float and multi-operand
   sorts take XLA:CPU's slow path); elsewhere a two-key ``lax.sort``. Every path gives the same
   order.
   """

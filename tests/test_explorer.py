@@ -1,8 +1,11 @@
 """The lab's interactive page: its data agree with the lab, and it works in a real browser."""
 
 import json
+import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -20,6 +23,7 @@ def tiny_config():
   c.scenarios = ("needle_qa", "streaming_chat")
   c.policies = ("sliding_window", "snapkv", "pyramidkv")
   c.budget = 24
+  c.explorer_budgets = (18, 24, 36)
   return c
 
 
@@ -31,7 +35,7 @@ def data():
 
 def test_data_match_the_lab(data):
   c = tiny_config()
-  assert data["budgets"] == [18, 24, 36, 48, 72]
+  assert data["budgets"] == [18, 24, 36]
   assert data["default_budget"] == 24
   world = synthetic.make_world(synthetic.world_config("needle_qa", c.world))
   evidence = online.prompt_evidence(world, jax.random.key(c.world.seed))
@@ -66,6 +70,8 @@ def test_maps_and_rows_are_consistent(data):
 def test_budget_grid_refuses_budgets_a_policy_cannot_run():
   c = tiny_config()
   built = suite.validate_config(c)
+  c.explorer_budgets = ()
+  assert explorer.budget_grid(c, built) == (18, 24, 48)  # 3/4, 1 and 2 budgets
   c.explorer_budgets = (8, 24)  # snapkv's window is 8: a budget of 8 keeps nothing selected
   with pytest.raises(ValueError, match="explorer_budgets: 8"):
     explorer.budget_grid(c, built)
@@ -111,12 +117,46 @@ def test_page_in_a_browser(data, tmp_path):
     page.select_option("#scenario", "streaming_chat")
     page.wait_for_timeout(300)
     shots.append(page.screenshot())
-    page.fill("#budget", "4")  # the largest budget of the grid
+    page.fill("#budget", "2")  # the largest budget of the grid
     page.dispatch_event("#budget", "input")
     page.wait_for_timeout(300)
     shots.append(page.screenshot())
     budget_shown = page.inner_text("#budget-value")
     browser.close()
   assert errors == []
-  assert budget_shown == "72"
+  assert budget_shown == "36"
   assert shots[0] != shots[1] and shots[1] != shots[2]  # each control redraws the picture
+
+
+def test_the_main_job_writes_the_page(tmp_path):
+  """``python -m experiments.lab`` writes ``lab.html`` beside its tables and figures."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  workdir = tmp_path / "lab"
+  run = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "experiments.lab",
+      "--config=configs/lab.py:quick",
+      "--config.scenarios=('needle_qa',)",
+      "--config.policies=('sliding_window','snapkv')",
+      "--config.world.num_layers=1",
+      "--config.world.prompt_len=96",
+      "--config.world.gen_steps=8",
+      "--config.world.window=8",
+      "--config.budget=24",
+      "--config.explorer_budgets=(16,24)",
+      f"--config.workdir={workdir}",
+    ],
+    cwd=root,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, "MPLBACKEND": "Agg"},
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  page = (workdir / "lab.html").read_text()
+  start = page.index("const DATA = ") + len("const DATA = ")
+  data = json.loads(page[start : page.index(";\nconst $")])
+  assert data["budgets"] == [16, 24] and list(data["scenarios"]) == ["needle_qa"]
+  assert (workdir / "summary.csv").exists()

@@ -35,7 +35,8 @@ MAX_BINS = 320
 
 def budget_grid(config, built: dict) -> tuple[int, ...]:
   """The budgets the page offers: ``config.explorer_budgets`` if set, else multiples of
-  ``config.budget`` (3/4, 1, 3/2, 2, 3) that every policy of ``built`` can run.
+  ``config.budget`` (3/4, 1 and 2) that every policy of ``built`` can run (each budget replays
+  every policy on every scenario once more).
 
   Args:
     config: the lab config (``configs/lab.py``).
@@ -58,7 +59,7 @@ def budget_grid(config, built: dict) -> tuple[int, ...]:
           f"[{floor}, {T}]"
         )
     return tuple(sorted(set(explicit)))
-  grid = {int(config.budget * k) // 4 for k in (3, 4, 6, 8, 12)}
+  grid = {int(config.budget * k) // 4 for k in (3, 4, 8)}
   return tuple(sorted(b for b in grid if floor <= b <= T)) or (int(config.budget),)
 
 

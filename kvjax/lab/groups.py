@@ -11,7 +11,7 @@ view: kvpress's optimal pruning is its oracle):
 * ``cache_tokens`` / ``cache_bytes``: the compressed cache (K and V, ``bytes_per_value`` each).
 
 All three are sums over kept positions, so each configuration is a gather into prefix sums of
-one sort (DESIGN.md, "compute shared work once"). This module holds the pure pieces:
+one sort (``docs/concepts.md``, "compute shared work once"). This module holds the pure pieces:
 
 * :class:`WorldEvidence`: what a scenario's world gives (window rows, future mass, facts; and on
   first use H2O's column sums, HeadKV's head scores, the lab's modelled keys and the world's

@@ -19,7 +19,7 @@ sweep is three modules, by role:
   importable from here.
 
 Every metric is a sum over kept positions, so each configuration is a gather into prefix sums of
-one sort (DESIGN.md, "compute shared work once"): scores, each head's sort and Ada-KV's pooled
+one sort (``docs/concepts.md``, "compute shared work once"): scores, each head's sort and Ada-KV's pooled
 table (built from that sort) are computed once per score set (the groups of one scenario,
 scorer and scorer options share them); CAKE's statistics and the oracle's order depend on the
 world alone and are computed once per world; budgets are data, and a group of thousands of

@@ -139,7 +139,7 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
   """Writes a configuration as a Hugging Face ``config.json`` object.
 
   :func:`from_hf_dict` and ``transformers`` read it back to ``cfg``; ``max_position_embeddings``
-  is 4096 when ``cfg.max_positions`` is ``None``.
+  is written only when ``cfg.max_positions`` is set (so an unknown context stays unknown).
 
   Args:
     cfg: the model configuration.
@@ -167,9 +167,10 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
     "rope_theta": cfg.rope_theta,
     "tie_word_embeddings": cfg.tie_word_embeddings,
     "hidden_act": "silu",
-    "max_position_embeddings": cfg.max_positions or 4096,
     "torch_dtype": "float32",
   }
+  if cfg.max_positions is not None:
+    out["max_position_embeddings"] = cfg.max_positions
   if cfg.family == "llama":
     out["attention_bias"] = cfg.qkv_bias
   if cfg.sliding_window is not None:

@@ -17,7 +17,8 @@ of method is static Python (never ``lax.switch`` over policies under ``vmap``).
 * :mod:`~kvjax.policies.methods`: one class per method; :mod:`~kvjax.policies.wrappers`:
   :class:`Critical`, :class:`CriticalAdaKV`, :class:`ChunkKV`, :class:`SelectOnce` over any base.
 * :mod:`~kvjax.policies.registry`: names at the boundary: :func:`make`, :func:`register`,
-  :func:`build`.
+  :func:`build`; :mod:`~kvjax.policies.provenance`: each name's paper, reference code and
+  named differences (:func:`provenance`).
 
 Budgets passed to a policy are per-(layer, head) ``max_capacity_prompt`` values: a scalar,
 ``[L]`` or ``[L, H]``, window and sinks included.
@@ -69,7 +70,9 @@ from kvjax.policies.methods import (
   StreamingLLM,
   ThinK,
 )
+from kvjax.policies.provenance import provenance
 from kvjax.policies.registry import (
+  BUILTIN,
   REGISTRY,
   Preset,
   accepted_options,
@@ -86,6 +89,7 @@ from kvjax.policies.registry import (
 from kvjax.policies.wrappers import ChunkKV, Critical, CriticalAdaKV, SelectOnce, Wrapper
 
 __all__ = [
+  "BUILTIN",
   "CAKE",
   "DEFAULT_WINDOW",
   "H2O",
@@ -145,6 +149,7 @@ __all__ = [
   "make",
   "names",
   "names_where",
+  "provenance",
   "register",
   "unregister",
 ]

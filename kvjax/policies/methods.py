@@ -1,6 +1,6 @@
 """The methods, one class each: scorers that select once after the prompt, and decode-time
 evictors with their state machines. The reference each follows is in its docstring and in
-``reference/ALGORITHMS.md``; the registered names and their defaults are in
+the methods catalogue (``docs/methods.md``); the registered names and their defaults are in
 :mod:`kvjax.policies.registry`.
 """
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvjax.policies import allocators as alloc_lib
@@ -347,6 +348,9 @@ _BUILTIN = {
   ),
 }
 REGISTRY.update(_BUILTIN)
+# The built-in factories, read-only (a user may re-register a name with overwrite=True; this
+# still tells the built-in apart).
+BUILTIN: Mapping[str, Callable[..., Policy]] = types.MappingProxyType(dict(_BUILTIN))
 for _name in ("critical_snapkv", "critical_adakv_snapkv", "chunkkv_snapkv"):
   REGISTRY[_name] = _wrapped(_name)
 
