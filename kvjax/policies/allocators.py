@@ -24,9 +24,19 @@ Array = jax.Array
 
 
 def check_budget_counts(budget):
-  """A budget's token counts: integer dtype and, when concrete, in ``[0, 2**31)`` (checked before
-  any cast, so ``np.int64(2**32 + 12)`` never wraps to 12). Returns numpy (concrete) or the
-  tracer."""
+  """Checks a budget's token counts: integer dtype and, when concrete, in ``[0, 2**31)``.
+
+  The check comes before any cast, so ``np.int64(2**32 + 12)`` never wraps to 12.
+
+  Args:
+    budget: token counts, a number or array (concrete or traced).
+
+  Returns:
+    The counts as numpy (concrete) or the tracer.
+
+  Raises:
+    ValueError: a non-integer dtype, or concrete counts below 0 or not below ``2**31``.
+  """
   arr = np.asarray(budget) if select.is_concrete(budget) else budget
   if arr.dtype != object and not jnp.issubdtype(arr.dtype, jnp.integer):
     raise ValueError(f"budget: expected integer token counts, got dtype {arr.dtype}")
@@ -36,7 +46,20 @@ def check_budget_counts(budget):
 
 
 def as_budget_LH(budget, L: int, H: int) -> Array:
-  """A scalar, ``[L]`` or ``[L, H]`` budget as ``budget_LH`` int32 (``ValueError`` otherwise)."""
+  """A scalar, ``[L]`` or ``[L, H]`` budget as ``budget_LH`` int32.
+
+  Args:
+    budget: token counts, a scalar, ``[L]`` (per layer) or ``[L, H]``.
+    L: the layers.
+    H: the heads.
+
+  Returns:
+    ``budget_LH`` int32 ``[L, H]``.
+
+  Raises:
+    ValueError: counts :func:`check_budget_counts` refuses, or a shape that is not a scalar,
+      ``[L]`` or ``[L, H]``.
+  """
   budget = check_budget_counts(budget)
   if select.is_concrete(budget):
     budget = np.asarray(budget, np.int32)
@@ -58,12 +81,15 @@ def _choice(name: str, value, choices) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Allocator:
-  """A total budget -> ``budget_LH`` int32. Subclasses implement :meth:`__call__`.
+  """A rule from a total budget to ``budget_LH`` int32.
 
-  Class attributes:
-    needs: the :class:`~kvjax.policies.Evidence` fields it reads besides the scores.
-    budget_ndim: the largest budget rank it takes (0: a scalar, 1: ``[L]``, 2: ``[L, H]``).
-    keeps_all: it keeps every position (a budget below ``T`` is then an error).
+  Subclasses implement :meth:`__call__`.
+
+  Class attributes, which a subclass sets:
+
+  * ``needs``: the :class:`~kvjax.policies.Evidence` fields it reads besides the scores.
+  * ``budget_ndim``: the largest budget rank it takes (0: a scalar, 1: ``[L]``, 2: ``[L, H]``).
+  * ``keeps_all``: it keeps every position (a budget below ``T`` is then an error).
   """
 
   needs: ClassVar[frozenset[str]] = frozenset()
@@ -71,20 +97,39 @@ class Allocator:
   keeps_all: ClassVar[bool] = False
 
   def __call__(self, evidence: Evidence, scores_LHT: Array, budget, window: int) -> Array:
-    """``budget_LH`` for ``budget`` (scalar, ``[L]`` or ``[L, H]``, at most
-    :attr:`budget_ndim`), given the policy's scores ``[L, H, T]`` and its protected ``window``
-    (0 when it protects none)."""
+    """Allocates ``budget`` to the heads as ``budget_LH``.
+
+    Args:
+      evidence: what the policy observes (an allocator reads the fields in ``needs``).
+      scores_LHT: the policy's grouped scores ``[L, H, T]``.
+      budget: the total budget, a scalar, ``[L]`` or ``[L, H]`` (rank at most
+        :attr:`max_budget_ndim`).
+      window: the policy's protected window (0 when it protects none), reserved in every budget.
+
+    Returns:
+      ``budget_LH`` int32 ``[L, H]``.
+
+    Raises:
+      NotImplementedError: here; a subclass implements it.
+      ValueError: (in a subclass) a budget it cannot take, or evidence it needs is ``None``.
+    """
     raise NotImplementedError
 
   @property
   def max_budget_ndim(self) -> int:
+    """The largest budget rank this allocator takes.
+
+    ``budget_ndim``, unless its options narrow it.
+    """
     return self.budget_ndim
 
 
 @dataclasses.dataclass(frozen=True)
 class Uniform(Allocator):
-  """The budget as given: a scalar for every head, ``[L]`` per layer or an explicit ``[L, H]``
-  table."""
+  """The budget as given.
+
+  A scalar for every head, ``[L]`` per layer or an explicit ``[L, H]`` table.
+  """
 
   budget_ndim: ClassVar[int] = 2
 
@@ -95,9 +140,11 @@ class Uniform(Allocator):
 
 @dataclasses.dataclass(frozen=True)
 class Pyramid(Allocator):
-  """PyramidKV's layer schedule (:func:`kvjax.budgets.pyramid`): more budget in lower layers,
+  """PyramidKV's layer schedule (:func:`kvjax.budgets.pyramid`): more budget in lower layers.
+
   ``beta`` 20 as the official code, ``pyramid_mode`` one of :data:`kvjax.budgets.PYRAMID_MODES`
-  (``"legacy_floor"``: KVCache-Factory's integer arithmetic)."""
+  (``"legacy_floor"``: KVCache-Factory's integer arithmetic).
+  """
 
   beta: float = 20
   pyramid_mode: str = "legacy_floor"
@@ -114,10 +161,12 @@ class Pyramid(Allocator):
 
 @dataclasses.dataclass(frozen=True)
 class AdaKV(Allocator):
-  """Ada-KV's head-adaptive split of each layer's budget by the scores
-  (:func:`kvjax.budgets.adakv`): ``floor_alpha`` 0.2 of it spread evenly, ``adakv_mode``
-  ``"official"`` or ``"kvpress"``; with ``pyramid_mode`` the layer budgets first follow
-  PyramidKV's schedule (Ada-KV's ``pyram_mode``)."""
+  """Ada-KV's head-adaptive split of each layer's budget by the scores.
+
+  The split is :func:`kvjax.budgets.adakv`'s: ``floor_alpha`` 0.2 of it spread evenly,
+  ``adakv_mode`` ``"official"`` or ``"kvpress"``; with ``pyramid_mode`` the layer budgets first
+  follow PyramidKV's schedule (Ada-KV's ``pyram_mode``).
+  """
 
   floor_alpha: float = 0.2
   normalize: bool = False
@@ -135,6 +184,7 @@ class AdaKV(Allocator):
 
   @property
   def max_budget_ndim(self) -> int:
+    """0 (a scalar) with ``pyramid_mode``, whose schedule spreads it; else 1 (``[L]``)."""
     return 0 if self.pyramid_mode else 1
 
   def __call__(self, evidence, scores_LHT, budget, window):
@@ -153,9 +203,11 @@ class AdaKV(Allocator):
 
 @dataclasses.dataclass(frozen=True)
 class HeadKV(Allocator):
-  """HeadKV's static head budgets from each head's importance (``evidence.head_scores_LH``,
-  :func:`kvjax.budgets.headkv`): ``beta`` 1.5 (a pool of ``b // beta`` per head moves to the
-  important heads), ``temp`` 1.0."""
+  """HeadKV's static head budgets from each head's importance (:func:`kvjax.budgets.headkv`).
+
+  The importance is ``evidence.head_scores_LH``; ``beta`` 1.5 (a pool of ``b // beta`` per head
+  moves to the important heads), ``temp`` 1.0.
+  """
 
   needs: ClassVar[frozenset[str]] = frozenset({"head_scores_LH"})
   beta: float = 1.5
@@ -181,8 +233,10 @@ class HeadKV(Allocator):
 
 @dataclasses.dataclass(frozen=True)
 class CakeLayers(Allocator):
-  """CAKE's layer preference from the window rows' entropy and variance
-  (:func:`kvjax.budgets.cake`), temperatures ``tau1`` and ``tau2`` 1.0."""
+  """CAKE's layer preference from the window rows' entropy and variance.
+
+  The schedule is :func:`kvjax.budgets.cake`'s, with temperatures ``tau1`` and ``tau2`` 1.0.
+  """
 
   needs: ClassVar[frozenset[str]] = frozenset({"attn_window_LHWT"})
   tau1: float = 1.0
@@ -199,7 +253,19 @@ class CakeLayers(Allocator):
 
 
 def heads_like(x_LG: Array, num_heads: int) -> Array:
-  """A per-KV-head ``[L, G]`` table at the scores' granularity (repeated over GQA groups)."""
+  """A per-KV-head ``[L, G]`` table at the scores' granularity (repeated over GQA groups).
+
+  Args:
+    x_LG: the table, ``[L, G]``.
+    num_heads: the scores' heads (``G`` or a multiple of it).
+
+  Returns:
+    ``[L, num_heads]``: each KV head's entry repeated over its query heads (``x_LG`` itself
+    when ``num_heads == G``).
+
+  Raises:
+    ValueError: ``G`` does not divide ``num_heads``.
+  """
   G = x_LG.shape[1]
   if num_heads == G:
     return x_LG
@@ -210,8 +276,11 @@ def heads_like(x_LG: Array, num_heads: int) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class DuoSplit(Allocator):
-  """DuoAttention: retrieval heads keep all ``T``; the ``round(L * G * head_compression_ratio)``
-  lowest gates (``evidence.retrieval_heads_LG``) are streaming heads that keep ``budget``."""
+  """DuoAttention: retrieval heads keep all ``T``; the lowest gates are streaming heads.
+
+  The ``round(L * G * head_compression_ratio)`` lowest gates (``evidence.retrieval_heads_LG``)
+  are streaming heads that keep ``budget``.
+  """
 
   needs: ClassVar[frozenset[str]] = frozenset({"retrieval_heads_LG"})
   head_compression_ratio: float = 0.5
@@ -229,8 +298,10 @@ class DuoSplit(Allocator):
 
 @dataclasses.dataclass(frozen=True)
 class Pooled(Allocator):
-  """KVzip's selection pooled across heads: ``L * H * budget`` over every layer and head at once
-  (kvpress's default), or ``H * budget`` per layer with ``layerwise``."""
+  """KVzip's selection pooled across heads: ``L * H * budget`` over every layer and head at once.
+
+  That is kvpress's default; with ``layerwise``, ``H * budget`` per layer.
+  """
 
   layerwise: bool = False
 
@@ -260,10 +331,13 @@ class KeepAll(Allocator):
 
 @dataclasses.dataclass(frozen=True)
 class Layered(Allocator):
-  """A layer schedule, then a head allocation of each layer's budget: ``layers`` turns the total
-  budget into per-layer budgets (its ``budget_LH``'s first column), ``heads`` splits each layer's
-  among its heads (it must take a ``[L]`` budget, as :class:`AdaKV` does). CAKE's layer
-  preference with Ada-KV's head split is ``Layered(CakeLayers(), AdaKV())``."""
+  """A layer schedule, then a head allocation of each layer's budget.
+
+  ``layers`` turns the total budget into per-layer budgets (its ``budget_LH``'s first column),
+  ``heads`` splits each layer's among its heads (it must take a ``[L]`` budget, as
+  :class:`AdaKV` does). CAKE's layer preference with Ada-KV's head split is
+  ``Layered(CakeLayers(), AdaKV())``.
+  """
 
   layers: Allocator = Uniform()
   heads: Allocator = Uniform()
@@ -280,10 +354,12 @@ class Layered(Allocator):
 
   @property
   def needs(self) -> frozenset[str]:  # type: ignore[override]
+    """The evidence both allocators read."""
     return self.layers.needs | self.heads.needs
 
   @property
   def max_budget_ndim(self) -> int:
+    """The layer schedule's largest budget rank."""
     return self.layers.max_budget_ndim
 
   def __call__(self, evidence, scores_LHT, budget, window):

@@ -35,24 +35,61 @@ Array = jax.Array
 
 
 def check_int(key: str, value, low: int) -> None:
-  """``ValueError`` unless ``value`` is an int in ``[low, 2**31)``."""
+  """Checks that an option is an int in ``[low, 2**31)``.
+
+  Args:
+    key: the option's name, for the error.
+    value: the value given.
+    low: the smallest value accepted.
+
+  Raises:
+    ValueError: ``value`` is not an int (a bool is not one) or lies outside ``[low, 2**31)``.
+  """
   if isinstance(value, bool) or not isinstance(value, int) or not low <= value < select.INT32_LIMIT:
     raise ValueError(f"{key}: expected an int >= {low}, got {value!r}")
 
 
 def check_bool(key: str, value) -> None:
+  """Checks that an option is a bool.
+
+  Args:
+    key: the option's name, for the error.
+    value: the value given.
+
+  Raises:
+    ValueError: ``value`` is not a bool.
+  """
   if not isinstance(value, bool):
     raise ValueError(f"{key}: expected a bool, got {value!r}")
 
 
 def check_choice(key: str, value, choices, policy: str = "") -> None:
+  """Checks that an option is one of its choices.
+
+  Args:
+    key: the option's name, for the error.
+    value: the value given.
+    choices: the values accepted.
+    policy: the policy's label, named in the error (empty: none named).
+
+  Raises:
+    ValueError: ``value`` is not in ``choices``.
+  """
   if value not in choices:
     of = f" for {policy!r}" if policy else ""
     raise ValueError(f"{key}: unknown value {value!r}{of}; expected one of {choices}")
 
 
 def check_window(value, policy: str) -> None:
-  """``None`` (the rows' own ``W``) or an int in ``[1, 2**31)``."""
+  """Checks a ``window`` option: ``None`` (the rows' own ``W``) or an int in ``[1, 2**31)``.
+
+  Args:
+    value: the value given.
+    policy: the policy's label, named in the error.
+
+  Raises:
+    ValueError: ``value`` is neither ``None`` nor an int in ``[1, 2**31)``.
+  """
   if value is not None and (
     isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < select.INT32_LIMIT
   ):
@@ -99,13 +136,14 @@ class Policy:
       generated tokens (``None``: select once after the prompt; applied by the model).
     name: the registered name (a label for tables and errors; never dispatched on).
 
-  Class attributes:
-    needs: the :class:`Evidence` fields :meth:`score` reads.
-    windowed: it protects its observation window, so a budget must exceed the window.
-    window_field: the option holding its protected recent window (a sweep's ``window`` axis),
-      or ``None``.
-    data_options: options that stay traced data in a sweep (pytree leaves).
-    requires_budget: ``False`` for the full cache alone.
+  Class attributes, which a subclass sets:
+
+  * ``needs``: the :class:`Evidence` fields :meth:`score` reads.
+  * ``windowed``: it protects its observation window, so a budget must exceed the window.
+  * ``window_field``: the option holding its protected recent window (a sweep's ``window``
+    axis), or ``None``.
+  * ``data_options``: options that stay traced data in a sweep (pytree leaves).
+  * ``requires_budget``: ``False`` for the full cache alone.
   """
 
   needs: ClassVar[frozenset[str]] = frozenset({"attn_window_LHWT"})
@@ -144,11 +182,38 @@ class Policy:
   # ------------------------------------------------------------------ what a subclass writes
 
   def score(self, evidence: Evidence) -> Array:
-    """Evidence -> ``scores_LHT`` fp32 (higher keeps; ``+inf`` protects), before grouping."""
+    """Scores every prompt position of every head from the evidence, before grouping.
+
+    Higher scores keep; ``+inf`` protects a position. This is the method a subclass writes;
+    :meth:`scores` groups its result to KV heads.
+
+    Args:
+      evidence: what the policy observes; it reads the fields in ``needs``.
+
+    Returns:
+      ``scores_LHT`` fp32 ``[L, H, T]`` (``H``: the evidence's query heads).
+
+    Raises:
+      NotImplementedError: here; a subclass implements it.
+      ValueError: (in a subclass) a field the policy needs is ``None`` (:meth:`Evidence.need`).
+    """
     raise NotImplementedError(f"{type(self).__name__}.score")
 
   def rescore(self, evidence: Evidence, scores_LHT: Array, budget_LH: Array, capacity) -> Array:
-    """A budget-dependent last score stage (CriticalKV's first stage); the identity here."""
+    """Applies a budget-dependent last score stage (CriticalKV's first stage); identity here.
+
+    A subclass that overrides it makes :attr:`rescores` true, and :meth:`selection_scores` then
+    ranks its result.
+
+    Args:
+      evidence: the evidence the scores came from.
+      scores_LHT: the grouped scores ``[L, H, T]`` (:meth:`scores`).
+      budget_LH: each head's budget, int32 ``[L, H]`` (:meth:`budgets`).
+      capacity: the selection's static capacity (``None``: ``T``).
+
+    Returns:
+      The scores the selection ranks, ``[L, H, T]``; here ``scores_LHT`` itself.
+    """
     return scores_LHT
 
   # ------------------------------------------------------------------ what it declares
@@ -160,8 +225,10 @@ class Policy:
 
   @property
   def evidence_fields(self) -> frozenset[str]:
-    """Every :class:`Evidence` field the policy reads: its scorer's, its allocator's, and
-    ThinK's for ``channel_ratio``."""
+    """Every :class:`Evidence` field the policy reads.
+
+    Its scorer's (``needs``), its allocator's, and ThinK's for ``channel_ratio``.
+    """
     out = frozenset(self.needs) | self.allocator.needs
     if self.channel_ratio:
       out |= {"window_queries_LHWD", "keys_LGTD"}
@@ -169,8 +236,10 @@ class Policy:
 
   @property
   def observation_window(self) -> int:
-    """Observation queries the policy's evidence is formed from (its ``window`` option, else
-    :data:`DEFAULT_WINDOW`; 0 when it observes nothing)."""
+    """Observation queries the policy's evidence is formed from.
+
+    Its ``window`` option, else :data:`DEFAULT_WINDOW`; 0 when it observes nothing.
+    """
     return getattr(self, "window", None) or DEFAULT_WINDOW
 
   @property
@@ -211,15 +280,37 @@ class Policy:
     return out
 
   def evidence_request(self, T: int, *, reduce_rows: bool = False) -> EvidenceRequest:
-    """What a prefill of ``T`` prompt tokens computes for this policy (the one mapping from a
-    policy's needs to the prefill's work). ``reduce_rows``: a prefill serving this policy alone
-    keeps its :meth:`WindowPolicy.window_scorer`'s scores instead of the window rows."""
+    """What a prefill of ``T`` prompt tokens computes for this policy.
+
+    The one mapping from a policy's needs (:attr:`evidence_fields`) to the prefill's work.
+
+    Args:
+      T: the prompt's length; the observation window is cut to at most ``T`` queries.
+      reduce_rows: a prefill serving this policy alone keeps its
+        :meth:`WindowPolicy.window_scorer`'s scores instead of the window rows (a
+        :class:`WindowPolicy`'s; this base ignores it).
+
+    Returns:
+      The :class:`EvidenceRequest` for :attr:`evidence_fields` with
+      ``min(observation_window, T)`` window rows.
+
+    Raises:
+      ValueError: :attr:`evidence_fields` names a field :class:`Evidence` lacks.
+    """
     return EvidenceRequest.for_fields(self.evidence_fields, min(self.observation_window, T))
 
   def scores_row(self, evidence: Evidence) -> Array:
-    """:meth:`scores` of one left-padded row (``evidence.valid_T`` set). A policy that keeps
-    sinks counts them from the row's first real token: it scores the row with its padding
-    rolled to the end."""
+    """Scores one left-padded row (``evidence.valid_T`` set) as :meth:`scores` does.
+
+    A policy that keeps sinks counts them from the row's first real token: it scores the row
+    with its padding rolled to the end.
+
+    Args:
+      evidence: one row's evidence; ``valid_T`` marks its real positions (``None``: all).
+
+    Returns:
+      The row's ``scores_LHT``, grouped as :meth:`scores` groups them.
+    """
     if getattr(self, "sinks", None) is None or evidence.valid_T is None:
       return self.scores(evidence)
     pad = evidence.valid_T.shape[-1] - evidence.valid_T.sum()
@@ -228,19 +319,52 @@ class Policy:
   # ------------------------------------------------------------------ the pipeline
 
   def grouped(self, scores_LHT: Array) -> Array:
-    """Query-head scores grouped to ``num_kv_heads`` (when set)."""
+    """Groups query-head scores to ``num_kv_heads`` (when set).
+
+    Args:
+      scores_LHT: scores ``[L, Hq, T]``.
+
+    Returns:
+      ``[L, num_kv_heads, T]`` under the ``gqa`` reduction, or ``scores_LHT`` itself when
+      ``num_kv_heads`` is ``None`` or already its head count.
+
+    Raises:
+      ValueError: ``num_kv_heads`` does not divide the query heads.
+    """
     kv = self.num_kv_heads
     if kv is not None and scores_LHT.shape[1] != kv:
       return scores_lib.group(scores_LHT, kv, self.gqa)
     return scores_LHT
 
   def scores(self, evidence: Evidence) -> Array:
-    """Evidence -> ``scores_LHT`` (grouped to KV heads when ``num_kv_heads`` is set)."""
+    """Scores the evidence, grouped to KV heads when ``num_kv_heads`` is set.
+
+    :meth:`score`, then :meth:`grouped`.
+
+    Args:
+      evidence: what the policy observes.
+
+    Returns:
+      ``scores_LHT`` fp32 ``[L, H, T]`` (``H``: ``num_kv_heads`` when set, else the query heads).
+    """
     return self.grouped(self.score(evidence))
 
   def protected_window(self, evidence: Evidence) -> int:
-    """The window this policy protects (0 when it protects none): its ``window`` option, else
-    the observation rows' ``W``."""
+    """The window this policy protects (0 when it protects none).
+
+    Its ``window`` option, else the observation rows' ``W``.
+
+    Args:
+      evidence: read for the rows' ``W`` (``observation_window``, else the shape of
+        ``attn_window_LHWT``) when the ``window`` option is unset.
+
+    Returns:
+      The protected window, an int.
+
+    Raises:
+      ValueError: a windowed policy without a ``window`` option meets evidence without window
+        rows.
+    """
     if not self.windowed:
       return 0
     window = getattr(self, "window", None)
@@ -251,15 +375,38 @@ class Policy:
     return evidence.need("attn_window_LHWT", self.label).shape[2]
 
   def allocation_window(self, evidence: Evidence) -> int:
-    """The window the allocator reserves in every budget (the protected one)."""
+    """The window the allocator reserves in every budget (the protected one).
+
+    Args:
+      evidence: what the policy observes (:meth:`protected_window`).
+
+    Returns:
+      The window, an int (0 when the policy protects none).
+    """
     return self.protected_window(evidence)
 
   def budgets(self, evidence: Evidence, scores_LHT: Array, budget) -> Array:
-    """Total budget (scalar, ``[L]`` or ``[L, H]``) -> ``budget_LH`` int32 under the allocator.
+    """Turns a total budget into ``budget_LH`` int32 under the allocator.
 
     A concrete budget must keep something: ``>= 1``, and for a windowed policy
     ``>= window + 1``, since the protected window counts inside the budget (``ValueError``
     otherwise, instead of keeping fewer than the protected tokens or nothing).
+
+    Args:
+      evidence: what the policy observes (an allocator may read it: HeadKV's importances,
+        CAKE's rows).
+      scores_LHT: the grouped scores ``[L, H, T]`` (:meth:`scores`).
+      budget: the total budget, a scalar, ``[L]`` or ``[L, H]`` of token counts (an allocator
+        that allocates takes at most its ``max_budget_ndim``).
+
+    Returns:
+      ``budget_LH`` int32 ``[L, H]``.
+
+    Raises:
+      ValueError: a budget that is not integer, does not fit int32 or has the wrong shape;
+        one the allocator cannot take (rank above its ``max_budget_ndim``); a concrete one
+        below 1, below ``window + 1`` for a windowed policy, or below ``T`` for an allocator
+        that keeps every token.
     """
     self._check_budget(evidence, scores_LHT, budget)
     return self.allocator(evidence, scores_LHT, budget, self.allocation_window(evidence))
@@ -267,21 +414,49 @@ class Policy:
   def selection_scores(
     self, evidence: Evidence, scores_LHT: Array, budget_LH: Array, *, capacity: int | None = None
   ) -> Array:
-    """The scores the selection ranks under ``budget_LH``: :meth:`rescore`'s (CriticalKV),
-    ``scores_LHT`` itself for a budget-free scorer. ``capacity``: the selection's static
-    capacity (default ``T``)."""
+    """The scores the selection ranks under ``budget_LH``.
+
+    :meth:`rescore`'s (CriticalKV), ``scores_LHT`` itself for a budget-free scorer.
+
+    Args:
+      evidence: the evidence the scores came from.
+      scores_LHT: the grouped scores ``[L, H, T]`` (:meth:`scores`).
+      budget_LH: each head's budget, int32 ``[L, H]`` (:meth:`budgets`).
+      capacity: the selection's static capacity (default ``T``).
+
+    Returns:
+      Scores ``[L, H, T]`` for :mod:`kvjax.select`.
+    """
     if not self.rescores:
       return scores_LHT
     return self.rescore(evidence, scores_LHT, budget_LH, capacity)
 
   def min_budget(self, window: int) -> int:
-    """The smallest budget that keeps a selected token, with ``window`` the protected window."""
+    """The smallest budget that keeps a selected token.
+
+    Args:
+      window: the protected window.
+
+    Returns:
+      ``window + 1`` for a windowed policy, else 1.
+    """
     return window + 1 if self.windowed else 1
 
   def check_budget(self, budget, window: int, T: int | None = None) -> None:
-    """``ValueError`` for a concrete budget array that the policy cannot run with: non-integer,
-    beyond int32, below :meth:`min_budget`, or, for a policy that keeps every token, below the
-    ``T`` prompt positions (every entry point calls this one check before any ``jit``)."""
+    """Checks a concrete budget array that the policy must run with.
+
+    Every entry point calls this one check before any ``jit``.
+
+    Args:
+      budget: the budget, a concrete array or number of token counts (any shape).
+      window: the protected window (:meth:`min_budget`).
+      T: the prompt positions, checked for a policy that keeps every token (``None``: not
+        checked).
+
+    Raises:
+      ValueError: a budget that is non-integer, beyond int32, below :meth:`min_budget`, or, for
+        a policy that keeps every token, below the ``T`` prompt positions.
+    """
     arr = np.asarray(budget)
     if not np.issubdtype(arr.dtype, np.integer):
       raise ValueError(f"budget: expected integer token counts, got {arr.dtype}")
@@ -306,8 +481,16 @@ class Policy:
     )
 
   def check_allocation(self, budget_LH) -> None:
-    """``ValueError`` for a concrete allocation the policy cannot hold (TOVA: one index set per
-    layer); nothing here."""
+    """Checks a concrete allocation the policy can hold; nothing here.
+
+    TOVA overrides it: one index set per layer.
+
+    Args:
+      budget_LH: the allocation, ``[L, H]``.
+
+    Raises:
+      ValueError: (in an override) an allocation the policy cannot hold.
+    """
 
   def _low_budget_message(self, low: int, floor: int) -> str:
     return f"budget: {low} < {floor}; every row needs at least one slot"
@@ -341,56 +524,125 @@ class Policy:
         )
 
   def keep_mask(self, evidence: Evidence, budget, *, capacity: int | None = None) -> Array:
-    """Kept positions ``[L, H, T]`` bool under ``budget`` (scalar, ``[L]`` or ``[L, H]``)."""
+    """Kept positions under ``budget`` as a mask.
+
+    :meth:`scores`, :meth:`budgets`, :meth:`selection_scores`, then
+    :func:`kvjax.select.keep_mask`.
+
+    Args:
+      evidence: what the policy observes.
+      budget: the total budget (scalar, ``[L]`` or ``[L, H]``).
+      capacity: the selection's static capacity (``None``: ``T``).
+
+    Returns:
+      Kept positions ``[L, H, T]`` bool.
+
+    Raises:
+      ValueError: a budget :meth:`budgets` refuses, or evidence the policy needs is missing.
+    """
     scores_LHT = self.scores(evidence)
     budget_LH = self.budgets(evidence, scores_LHT, budget)
     scores_LHT = self.selection_scores(evidence, scores_LHT, budget_LH, capacity=capacity)
     return select.keep_mask(scores_LHT, budget_LH, capacity=capacity)
 
   def compact(self, evidence: Evidence, budget, capacity: int) -> tuple[Array, Array]:
-    """Kept positions as ``(idx_LHC, valid_LHC)`` for a real cache of capacity ``C``."""
+    """Kept positions as ``(idx_LHC, valid_LHC)`` for a real cache of capacity ``C``.
+
+    :meth:`scores`, :meth:`budgets`, :meth:`selection_scores`, then
+    :func:`kvjax.select.compact`.
+
+    Args:
+      evidence: what the policy observes.
+      budget: the total budget (scalar, ``[L]`` or ``[L, H]``).
+      capacity: ``C``, the cache's static slots per head.
+
+    Returns:
+      ``(idx_LHC, valid_LHC)``: the kept positions, int32 ``[L, H, C]``, ascending in the valid
+      slots that come first (0 in the others), and the valid slots, bool ``[L, H, C]``.
+
+    Raises:
+      ValueError: a budget :meth:`budgets` refuses, a concrete one that does not fit
+        ``capacity``, or evidence the policy needs is missing.
+    """
     scores_LHT = self.scores(evidence)
     budget_LH = self.budgets(evidence, scores_LHT, budget)
     scores_LHT = self.selection_scores(evidence, scores_LHT, budget_LH, capacity=capacity)
     return select.compact(scores_LHT, budget_LH, capacity)
 
   def window_scorer(self):
-    """A hashable callable reducing one layer's window rows to scores, for a prefill that keeps
-    the scores instead of the rows; ``None`` unless the policy reads the rows only through
-    :meth:`WindowPolicy.score_rows`."""
+    """A hashable callable reducing one layer's window rows to scores, or ``None``.
+
+    For a prefill that keeps the scores instead of the rows; ``None`` unless the policy reads the
+    rows only through :meth:`WindowPolicy.score_rows`.
+
+    Returns:
+      A :class:`WindowScorer`, or ``None`` here.
+    """
     return None
 
 
 @dataclasses.dataclass(frozen=True)
 class WindowScorer:
-  """:meth:`WindowPolicy.score_rows` bound to a policy: equal (and hashing equal) for equal
-  policies, so a jitted prefill that takes it as a static argument compiles once per policy."""
+  """A policy's :meth:`WindowPolicy.score_rows`, bound to the policy.
+
+  Equal (and hashing equal) for equal policies, so a jitted prefill that takes it as a static
+  argument compiles once per policy.
+  """
 
   policy: Policy
 
   def __call__(self, attn_LHWT: Array) -> Array:
+    """Reduces window rows to scores with the policy's :meth:`WindowPolicy.score_rows`.
+
+    Args:
+      attn_LHWT: window rows ``[., H, W, T]``.
+
+    Returns:
+      Scores ``[., H, T]``.
+    """
     return self.policy.score_rows(attn_LHWT)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WindowPolicy(Policy):
-  """A policy that reads the window rows through :meth:`score_rows` only (SnapKV's votes,
-  TOVA's last row): independent per layer, so a prefill may reduce each layer's rows to scores
-  as it forms them (``evidence.window_scores_LHT``)."""
+  """A policy that reads the window rows through :meth:`score_rows` only.
+
+  SnapKV's votes, TOVA's last row: independent per layer, so a prefill may reduce each layer's
+  rows to scores as it forms them (``evidence.window_scores_LHT``).
+  """
 
   def score_rows(self, attn_LHWT: Array) -> Array:
-    """Window rows ``[., H, W, T]`` -> scores ``[., H, T]`` (independent per leading index)."""
+    """Reduces window rows to scores, independently per leading index.
+
+    The method a subclass writes; :meth:`score` reads ``evidence.window_scores_LHT`` when a
+    prefill formed them already, else applies this to ``evidence.attn_window_LHWT``.
+
+    Args:
+      attn_LHWT: window rows ``[., H, W, T]``: causal softmax rows of the last ``W`` queries.
+
+    Returns:
+      Scores ``[., H, T]``.
+
+    Raises:
+      NotImplementedError: here; a subclass implements it.
+    """
     raise NotImplementedError(f"{type(self).__name__}.score_rows")
 
   def score(self, evidence: Evidence) -> Array:
+    """Scores from the prefill's reduced rows if present, else :meth:`score_rows` of the rows."""
     if evidence.window_scores_LHT is not None:
       return evidence.window_scores_LHT
     return self.score_rows(evidence.need("attn_window_LHWT", self.label))
 
   def window_scorer(self):
+    """This policy's :class:`WindowScorer`."""
     return WindowScorer(self)
 
   def evidence_request(self, T: int, *, reduce_rows: bool = False) -> EvidenceRequest:
+    """The request; with ``reduce_rows``, the scores in place of the window rows.
+
+    The rows stay when the allocator reads them too (CAKE's).
+    """
     request = super().evidence_request(T)
     # the rows are read by score_rows alone, unless the allocator reads them too (CAKE's)
     if reduce_rows and "attn_window_LHWT" not in self.allocator.needs:
@@ -400,8 +652,10 @@ class WindowPolicy(Policy):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodePolicy(Policy):
-  """A decode-time evictor: after the prompt's selection, every generated token joins the cache
-  and the cache is cut back to the budget by :meth:`keep_scores` (the new token always stays).
+  """A decode-time evictor: the cache is cut back to the budget after every generated token.
+
+  After the prompt's selection, every generated token joins the cache and the cache is cut back
+  to the budget by :meth:`keep_scores` (the new token always stays).
 
   A small state machine over the cache's slots, run alike by the model's cache
   (:mod:`kvjax.model.cache`) and the lab's online replay (:mod:`kvjax.lab.online`). Shapes are
@@ -417,29 +671,72 @@ class DecodePolicy(Policy):
 
   @property
   def evicts_each_step(self) -> bool:
+    """True: it evicts at every generated token."""
     return True
 
   def init_state(
     self, evidence: Evidence, scores_LHT: Array, idx_LHC: Array, kept_LHC: Array
   ) -> Array | None:
-    """The per-slot state ``[L, H, C]`` fp32 of the prompt's kept slots (``idx``: their
-    positions), or ``None`` for a policy without state."""
+    """The per-slot state of the prompt's kept slots, or ``None`` for a policy without state.
+
+    Args:
+      evidence: the prompt's evidence.
+      scores_LHT: the prompt's grouped scores ``[L, H, T]``.
+      idx_LHC: the kept slots' positions, int32 ``[L, H, C]``.
+      kept_LHC: which slots hold a kept position, bool ``[L, H, C]``.
+
+    Returns:
+      The state ``[L, H, C]`` fp32, or ``None`` (here).
+    """
     return None
 
   def observe(self, state_HC: Array, attn_HC: Array) -> Array:
-    """The state after a step whose query paid ``attn_HC`` (per cache head, mean over its
-    query heads) to each slot. A new slot's state starts at 0."""
+    """The state after a step whose query paid ``attn_HC`` to each slot.
+
+    A new slot's state starts at 0.
+
+    Args:
+      state_HC: the state before the step, ``[..., H, C]``.
+      attn_HC: the attention the step's query paid to each slot, per cache head (the mean over
+        its query heads), ``[..., H, C]``.
+
+    Returns:
+      The state after the step, ``[..., H, C]`` (here ``state_HC`` unchanged).
+    """
     return state_HC
 
   def keep_scores(self, state_HC: Array | None, positions_HC: Array, t, budget_H: Array) -> Array:
-    """Keep scores of the current slots before token ``t`` (its position, broadcastable to
-    ``[..., 1, 1]``) joins: higher keeps, ``+inf`` protects. ``budget_H``: each head's budget."""
+    """Keep scores of the current slots before token ``t`` joins.
+
+    Higher keeps, ``+inf`` protects; the cache keeps each head's ``budget_H`` best slots. Here
+    the positions themselves (the most recent tokens).
+
+    Args:
+      state_HC: the state (:meth:`observe`), or ``None`` for a policy without state.
+      positions_HC: the slots' positions, ``[..., H, C]``.
+      t: the joining token's position, broadcastable to ``[..., 1, 1]``.
+      budget_H: each head's budget, ``[..., H]``.
+
+    Returns:
+      Keep scores fp32 ``[..., H, C]``.
+    """
     return positions_HC.astype(jnp.float32)
 
 
 def gather_slots(x_LHT: Array, idx_LHC: Array, kept_LHC: Array, num_heads: int) -> Array:
-  """``x`` at the kept slots' positions (0 elsewhere), its heads first averaged down to
-  ``num_heads`` (query-head evidence for a KV-head cache)."""
+  """Reads ``x`` at the kept slots' positions (0 elsewhere).
+
+  Its heads are first averaged down to ``num_heads`` (query-head evidence for a KV-head cache).
+
+  Args:
+    x_LHT: per-position values ``[L, Hq, T]``.
+    idx_LHC: the slots' positions, int32 ``[L, H, C]``.
+    kept_LHC: which slots hold a kept position, bool ``[L, H, C]``.
+    num_heads: ``H``, the cache's heads (it must divide ``Hq``).
+
+  Returns:
+    ``[L, H, C]``: ``x`` at each kept slot's position, 0 in the other slots.
+  """
   if x_LHT.shape[1] != num_heads:
     x_LHT = x_LHT.reshape(x_LHT.shape[0], num_heads, -1, x_LHT.shape[-1]).mean(2)
   return jnp.where(kept_LHC, jnp.take_along_axis(x_LHT, idx_LHC, -1), 0.0)

@@ -86,14 +86,37 @@ class Evidence:
   observation_window: int | None = struct.field(pytree_node=False, default=None)
 
   def need(self, field: str, policy: str) -> Array:
-    """Field ``field``, or a ``ValueError`` naming ``policy`` when it is ``None``."""
+    """Reads a field that the policy needs.
+
+    Args:
+      field: the field's name.
+      policy: the policy's label, named in the error.
+
+    Returns:
+      The field's value.
+
+    Raises:
+      ValueError: the field is ``None``.
+    """
     value = getattr(self, field)
     if value is None:
       raise ValueError(f"evidence: policy {policy!r} needs evidence.{field}, which is None")
     return value
 
   def positions_shape(self, policy: str) -> tuple[int, int, int]:
-    """``(L, H, T)`` from whichever evidence is present (keys are ``[L, G, T, D]``)."""
+    """``(L, H, T)`` from whichever evidence is present.
+
+    Keys are ``[L, G, T, D]``, so from keys alone ``H`` is ``G``.
+
+    Args:
+      policy: the policy's label, named in the error.
+
+    Returns:
+      ``(L, H, T)``.
+
+    Raises:
+      ValueError: no field sizes ``[L, H, T]``.
+    """
     for field in ("attn_window_LHWT", "window_scores_LHT", "column_sums_LHT", "future_attn_LHST"):
       value = getattr(self, field)
       if value is not None:
@@ -105,8 +128,17 @@ class Evidence:
     )
 
   def rolled(self, shift) -> Evidence:
-    """Every per-position field rolled by ``shift`` (traced) along its key axis: a left-padded
-    row with its padding moved to the end, for scorers that count from the first real token."""
+    """Every per-position field rolled by ``shift`` (traced) along its key axis.
+
+    A left-padded row with its padding moved to the end, for scorers that count from the first
+    real token.
+
+    Args:
+      shift: the roll, an int or traced int (negative: towards the front).
+
+    Returns:
+      The rolled :class:`Evidence` (the other fields unchanged).
+    """
     fields = {
       k: jnp.roll(getattr(self, k), shift, axis=a)
       for k, a in KEY_AXIS.items()
@@ -134,10 +166,11 @@ FIELDS = frozenset(f.name for f in dataclasses.fields(Evidence)) - {"observation
 
 @dataclasses.dataclass(frozen=True)
 class EvidenceRequest:
-  """What a prefill computes besides logits, keys and values: one hashable object, static
-  under ``jit`` (:func:`kvjax.model.llama.prefill` takes it), built from a policy's needs by
-  :meth:`kvjax.policies.Policy.evidence_request` and merged with ``|`` for a prefill that
-  several policies share.
+  """What a prefill computes besides logits, keys and values.
+
+  One hashable object, static under ``jit`` (:func:`kvjax.model.llama.prefill` takes it), built
+  from a policy's needs by :meth:`kvjax.policies.Policy.evidence_request` and merged with ``|``
+  for a prefill that several policies share.
 
   Attributes:
     window: window rows of the last ``window`` queries over every key (0: none).
@@ -161,8 +194,19 @@ class EvidenceRequest:
   window_scores: Callable[[Array], Array] | None = None
 
   def __or__(self, other: EvidenceRequest) -> EvidenceRequest:
-    """Both requests at once (a prefill shared by several policies keeps the rows: no
-    ``window_scores``). ``ValueError`` when their query statistics disagree."""
+    """Both requests at once, for a prefill shared by several policies.
+
+    The shared prefill keeps the rows: the result has no ``window_scores``.
+
+    Args:
+      other: the other request.
+
+    Returns:
+      The request computing what either asks for.
+
+    Raises:
+      ValueError: both ask for query statistics with different ``n_sink`` or ``n_future``.
+    """
     if (self.query_stats and other.query_stats) and (
       (self.n_sink, self.n_future) != (other.n_sink, other.n_future)
     ):
@@ -183,9 +227,23 @@ class EvidenceRequest:
 
   @classmethod
   def for_fields(cls, needs, window: int, **settings) -> EvidenceRequest:
-    """The request that computes the :class:`Evidence` fields ``needs`` (a model computes the
-    others: keys and values always; the caller gives Q-Filters, DuoAttention's gates and
-    KVzip's reconstruction attention), with ``window`` rows and queries."""
+    """The request that computes the :class:`Evidence` fields ``needs``.
+
+    A model computes the others: keys and values always; the caller gives Q-Filters,
+    DuoAttention's gates and KVzip's reconstruction attention.
+
+    Args:
+      needs: :class:`Evidence` field names.
+      window: the window rows' and window queries' count.
+      **settings: other :class:`EvidenceRequest` fields (``n_sink``, ``n_future``,
+        ``window_scores``).
+
+    Returns:
+      The :class:`EvidenceRequest`.
+
+    Raises:
+      ValueError: ``needs`` names a field :class:`Evidence` lacks.
+    """
     needs = frozenset(needs)
     unknown = sorted(needs - FIELDS)
     if unknown:
@@ -223,6 +281,10 @@ def evidence_from_qk(
 
   Returns:
     An :class:`Evidence` with the window rows, the column sums, the keys and ``rng``.
+
+  Raises:
+    ValueError: queries or keys that are not rank-4 arrays, a ``window`` or ``legacy_window``
+      that is not an int in its range, or a ``column_sums`` that is not a bool.
   """
   for name, x, letters in (("queries", queries_LHTD, "LHTD"), ("keys", keys_LGTD, "LGTD")):
     if not hasattr(x, "ndim") or x.ndim != 4:

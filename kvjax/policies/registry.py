@@ -34,8 +34,16 @@ def _default_allocator(cls) -> alloc_lib.Allocator:
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-  """A policy class with reference defaults (and allocator) under a name: called with flat
-  options, it routes each one to the policy's field or its allocator's."""
+  """A policy class with reference defaults (and allocator) under a name.
+
+  Called with flat options, it routes each one to the policy's field or its allocator's.
+
+  Attributes:
+    cls: the :class:`Policy` subclass it builds.
+    defaults: the reference's options, which a call's options override.
+    allocator: the allocator (``None``: the class's default one).
+    doc: one line on the policy (:func:`doc`).
+  """
 
   cls: type
   defaults: dict = dataclasses.field(default_factory=dict)
@@ -47,9 +55,28 @@ class Preset:
     return self.allocator if self.allocator is not None else _default_allocator(self.cls)
 
   def accepted(self) -> set[str]:
+    """The options a call takes: the policy's fields and its allocator's.
+
+    Returns:
+      The option names.
+    """
     return _field_names(self.cls) | _field_names(type(self._allocator))
 
   def __call__(self, name: str | None = None, **options) -> Policy:
+    """Builds the policy, each option routed to the policy's field or its allocator's.
+
+    Args:
+      name: the policy's registered name (its ``name`` field; ``None``: unnamed).
+      **options: the options, overriding :attr:`defaults`; an option the allocator has goes to
+        the allocator.
+
+    Returns:
+      The frozen :class:`Policy`.
+
+    Raises:
+      ValueError: an option's value the policy or the allocator refuses.
+      TypeError: an option neither has.
+    """
     allocator = self._allocator
     alloc_fields = _field_names(type(allocator))
     own = {k: v for k, v in options.items() if k not in alloc_fields}
@@ -68,7 +95,15 @@ def _check_options(name: str, accepted: set[str], options: dict) -> None:
 
 
 def accepted(factory) -> set[str] | None:
-  """The options a factory takes (``None``: any, a ``**kwargs`` callable)."""
+  """The options a factory takes.
+
+  Args:
+    factory: a :class:`Preset`, a callable with an ``accepted`` set (the wrappers'), a
+      :class:`Policy` subclass, or any callable (its parameters).
+
+  Returns:
+    The option names, or ``None`` for a ``**kwargs`` callable, which takes any.
+  """
   if isinstance(factory, Preset):
     return factory.accepted()
   if isinstance(getattr(factory, "accepted", None), set):
@@ -92,6 +127,10 @@ def register(name: str, factory, *, overwrite: bool = False) -> None:
     factory: a :class:`Policy` subclass (its fields are the options) or a callable taking
       options and returning a :class:`Policy`.
     overwrite: replace an existing registration.
+
+  Raises:
+    ValueError: ``name`` is not an identifier or is registered already (without
+      ``overwrite``), or ``factory`` is neither a :class:`Policy` subclass nor callable.
   """
   if not isinstance(name, str) or not name.isidentifier():
     raise ValueError(f"name: expected an identifier such as 'my_policy', got {name!r}")
@@ -105,14 +144,28 @@ def register(name: str, factory, *, overwrite: bool = False) -> None:
 
 
 def unregister(name: str) -> None:
-  """Removes ``name`` (a user's registration; ``ValueError`` if unknown)."""
+  """Removes a user's registration.
+
+  Args:
+    name: the registered name.
+
+  Raises:
+    ValueError: ``name`` is not registered.
+  """
   if name not in REGISTRY:
     raise ValueError(f"name: {name!r} is not registered")
   del REGISTRY[name]
 
 
 def is_registered(name) -> bool:
-  """Whether ``name`` names a policy (registered, or a wrapper of a registered base)."""
+  """Whether ``name`` names a policy (registered, or a wrapper of a registered base).
+
+  Args:
+    name: the candidate name (any value; a non-string is not a name).
+
+  Returns:
+    ``True`` when :func:`factory` resolves it.
+  """
   try:
     factory(name)
   except ValueError:
@@ -121,8 +174,16 @@ def is_registered(name) -> bool:
 
 
 def names_where(predicate: Callable[[Policy], bool]) -> tuple[str, ...]:
-  """The registered names whose policy, built with its defaults, satisfies ``predicate`` (a
-  factory that cannot build without options is left out)."""
+  """The registered names whose policy, built with its defaults, satisfies ``predicate``.
+
+  A factory that cannot build without options is left out.
+
+  Args:
+    predicate: a test on a :class:`Policy`.
+
+  Returns:
+    The names, in registration order.
+  """
   out = []
   for name in REGISTRY:
     try:
@@ -135,8 +196,13 @@ def names_where(predicate: Callable[[Policy], bool]) -> tuple[str, ...]:
 
 
 def names() -> tuple[str, ...]:
-  """All registered policy names (wrappers of other bases, such as ``critical_knorm``, resolve on
-  demand and are not listed)."""
+  """All registered policy names.
+
+  Wrappers of other bases, such as ``critical_knorm``, resolve on demand and are not listed.
+
+  Returns:
+    The names, in registration order.
+  """
   return tuple(REGISTRY)
 
 
@@ -195,7 +261,18 @@ _WRAPPERS = (
 
 
 def factory(name: str):
-  """The factory registered (or resolved) for ``name``; ``ValueError`` for an unknown name."""
+  """The factory registered (or resolved) for ``name``.
+
+  Args:
+    name: a registered name, or a wrapper prefix (``critical_``, ``critical_adakv_``,
+      ``chunkkv_``, ``think_``) over a registered one.
+
+  Returns:
+    The factory: called with options, it returns a :class:`Policy`.
+
+  Raises:
+    ValueError: ``name`` is not a string, is unknown, or wraps an unknown policy.
+  """
   if not isinstance(name, str):
     raise ValueError(f"name: expected a policy name (str), got {name!r}")
   if name in REGISTRY:
@@ -207,9 +284,23 @@ def factory(name: str):
 
 
 def accepted_options(name: str, *, window=None, **candidates) -> dict:
-  """Of ``candidates`` (and the protected ``window``), the options that policy ``name`` takes:
-  what a sweep's static axes become for that policy. ``window`` goes to the policy's
-  ``window_field`` when it has one."""
+  """The options that policy ``name`` takes, of ``candidates`` and the protected ``window``.
+
+  What a sweep's static axes become for that policy.
+
+  Args:
+    name: a policy name (:func:`factory`).
+    window: the protected window; it goes to the policy's ``window_field`` when it has one
+      (``None``: none given).
+    **candidates: options to filter.
+
+  Returns:
+    The candidates the policy takes (all of them for a ``**kwargs`` factory), plus its
+    ``window_field`` set to ``window``.
+
+  Raises:
+    ValueError: ``name`` is unknown.
+  """
   known = accepted(factory(name))
   out = {k: v for k, v in candidates.items() if known is None or k in known}
   field = make(name).window_field
@@ -230,6 +321,10 @@ def make(name: str, **options) -> Policy:
 
   Returns:
     A frozen :class:`Policy` named ``name``.
+
+  Raises:
+    ValueError: an unknown name, an option the policy does not take, a value it refuses, or a
+      factory that returns something other than a :class:`Policy`.
   """
   f = factory(name)
   known = accepted(f)
@@ -250,6 +345,9 @@ def build(policy: Policy | str, **options) -> Policy:
 
   Returns:
     The policy.
+
+  Raises:
+    ValueError: options given with a policy object, or what :func:`make` refuses.
   """
   if isinstance(policy, Policy):
     if options:
@@ -356,7 +454,17 @@ for _name in ("critical_snapkv", "critical_adakv_snapkv", "chunkkv_snapkv"):
 
 
 def doc(name: str) -> str:
-  """One line on policy ``name`` (its preset's, or its class's docstring)."""
+  """One line on policy ``name`` (its preset's, or its class's docstring).
+
+  Args:
+    name: a policy name (:func:`factory`).
+
+  Returns:
+    The line (empty for a factory without a docstring).
+
+  Raises:
+    ValueError: ``name`` is unknown.
+  """
   f = factory(name)
   if isinstance(f, Preset):
     return f.doc or (f.cls.__doc__ or "").strip().split("\n")[0]
@@ -364,5 +472,15 @@ def doc(name: str) -> str:
 
 
 def describe(name: str) -> dict[str, Any]:
-  """Policy ``name``'s defaults as flat options."""
+  """Policy ``name``'s defaults as flat options.
+
+  Args:
+    name: a policy name (:func:`make`).
+
+  Returns:
+    The options :func:`make` takes to rebuild it (:attr:`Policy.options`).
+
+  Raises:
+    ValueError: ``name`` is unknown.
+  """
   return make(name).options

@@ -44,35 +44,58 @@ class Wrapper(Policy):
 
   @property
   def windowed(self) -> bool:
+    """Whether the base protects its observation window."""
     return self.base.windowed
 
   @property
   def window_field(self) -> str | None:
+    """The base's window option."""
     return self.base.window_field
 
   @property
   def data_options(self) -> tuple[str, ...]:
+    """``()``: a wrapper's options stay static (pytree aux data)."""
     return ()
 
   @property
   def evidence_fields(self) -> frozenset[str]:
+    """The wrapper's fields and the base's."""
     return super().evidence_fields | self.base.evidence_fields
 
   @property
   def options(self) -> dict:
+    """The base's options, then the wrapper's own."""
     own = super().options
     return {**self.base.options, **own}
 
   def score(self, evidence):
+    """The base's scores."""
     return self.base.score(evidence)
 
   def score_rows(self, attn_LHWT: Array) -> Array:
+    """Reduces window rows to scores as the base does.
+
+    Args:
+      attn_LHWT: window rows ``[., H, W, T]``.
+
+    Returns:
+      The base's :meth:`~kvjax.policies.WindowPolicy.score_rows` scores ``[., H, T]``.
+
+    Raises:
+      AttributeError: the base reads no window rows through ``score_rows``.
+    """
     return self.base.score_rows(attn_LHWT)
 
   def window_scorer(self):
+    """A :class:`WindowScorer` of the wrapper when the base has one, else ``None``."""
     return None if self.base.window_scorer() is None else WindowScorer(self)
 
   def evidence_request(self, T: int, *, reduce_rows: bool = False) -> EvidenceRequest:
+    """The request; with ``reduce_rows``, the scores in place of the window rows.
+
+    Only when the base reduces its rows (:meth:`window_scorer`) and the allocator does not read
+    them.
+    """
     request = super().evidence_request(T)
     scorer = self.window_scorer()
     if reduce_rows and scorer is not None and "attn_window_LHWT" not in self.allocator.needs:
@@ -81,8 +104,17 @@ class Wrapper(Policy):
 
 
 def check_base(base: Policy, wrapper: str, *, given_budget: bool = False) -> None:
-  """``ValueError`` unless ``base`` is a budget-free prefill scorer (and, with
-  ``given_budget``, takes its budget as given)."""
+  """Checks that ``base`` is a budget-free prefill scorer a wrapper can take.
+
+  Args:
+    base: the policy to wrap.
+    wrapper: the wrapper's name, for the error.
+    given_budget: also require a base that takes its budget as given (no allocator of its own).
+
+  Raises:
+    ValueError: ``base`` is a decode-time policy or rescores, or (with ``given_budget``)
+      allocates its own budgets.
+  """
   if isinstance(base, DecodePolicy) or base.rescores:
     raise ValueError(
       f"base: {wrapper} wraps {base.label!r}, which is not a budget-free prefill scorer; "
@@ -113,11 +145,13 @@ def _stage_one_count(budget_LH, ratio, floor_one):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Critical(Wrapper):
-  """kvpress ``CriticalKVPress`` over ``base``: stage 1 keeps the base scores' top
-  ``max(1, floor(first_stage_ratio * b))``; stage 2 ranks the rest by
-  ``(s + epsilon) * ||W_O v||_1``. Protected positions (``+inf``) stay in: kvpress pads
-  SnapKV's window with the max + 1, which stage 2 rescales, so with a first stage smaller than
-  the window kvpress can drop window tokens; kvjax never does."""
+  """kvpress ``CriticalKVPress`` over ``base``: two stages, the second weighted by ``||W_O v||_1``.
+
+  Stage 1 keeps the base scores' top ``max(1, floor(first_stage_ratio * b))``; stage 2 ranks
+  the rest by ``(s + epsilon) * ||W_O v||_1``. Protected positions (``+inf``) stay in: kvpress
+  pads SnapKV's window with the max + 1, which stage 2 rescales, so with a first stage smaller
+  than the window kvpress can drop window tokens; kvjax never does.
+  """
 
   epsilon: float = 1e-4
   first_stage_ratio: float = 0.5
@@ -130,9 +164,11 @@ class Critical(Wrapper):
 
   @property
   def evidence_fields(self):
+    """The base's fields plus ``value_out_norms_LHT``."""
     return super().evidence_fields | {"value_out_norms_LHT"}
 
   def rescore(self, evidence, scores_LHT, budget_LH, capacity):
+    """CriticalKV's two stages under ``budget_LH`` (kvpress ``CriticalKVPress``)."""
     norms = evidence.need("value_out_norms_LHT", self.label)
     count = _stage_one_count(budget_LH, self.first_stage_ratio, floor_one=True)
     first = _first_stage(scores_LHT, count, capacity)
@@ -141,9 +177,12 @@ class Critical(Wrapper):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CriticalAdaKV(Critical):
-  """kvpress ``CriticalAdaKVPress`` over ``base``: kvpress's Ada-KV split (``floor_alpha`` 0.2),
-  then each head's safeguard top ``max(1, int(b * floor_alpha))`` and stage-1 top
-  ``int(first_stage_ratio * b_h)`` forced, the rest ranked by ``(s + epsilon) * ||W_O v||_1``."""
+  """kvpress ``CriticalAdaKVPress`` over ``base``: kvpress's Ada-KV split, then CriticalKV's stages.
+
+  kvpress's Ada-KV split (``floor_alpha`` 0.2), then each head's safeguard top
+  ``max(1, int(b * floor_alpha))`` and stage-1 top ``int(first_stage_ratio * b_h)`` forced, the
+  rest ranked by ``(s + epsilon) * ||W_O v||_1``.
+  """
 
   floor_alpha: float = 0.2
 
@@ -156,12 +195,14 @@ class CriticalAdaKV(Critical):
 
   @property
   def options(self) -> dict:
+    """The options, without the Ada-KV split's (kvpress's, fixed)."""
     out = super().options
     for key in ("normalize", "adakv_mode", "pyramid_mode", "beta"):
       out.pop(key, None)  # the split is kvpress's, fixed
     return out
 
   def rescore(self, evidence, scores_LHT, budget_LH, capacity):
+    """The safeguard, stage-1 and stage-2 ranking (kvpress ``CriticalAdaKVPress``)."""
     norms = evidence.need("value_out_norms_LHT", self.label)
     L, H, T = scores_LHT.shape
     n_kept_L = budget_LH.sum(-1) // H  # kvpress's counts sum exactly to H * min(b, T)
@@ -182,8 +223,11 @@ class CriticalAdaKV(Critical):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChunkKV(Wrapper):
-  """kvpress ``ChunkKVPress`` over ``base``: whole chunks of ``chunk`` (20) positions ranked by
-  their summed (grouped) score; one kept set shared by every head of a layer."""
+  """kvpress ``ChunkKVPress`` over ``base``: whole chunks of ``chunk`` (20) positions kept.
+
+  Chunks are ranked by their summed (grouped) score; one kept set shared by every head of a
+  layer.
+  """
 
   chunk: int = 20
 
@@ -194,9 +238,11 @@ class ChunkKV(Wrapper):
 
   @property
   def windowed(self) -> bool:
+    """False: the window's chunk competes like any other (kvpress pads it max + 1)."""
     return False  # the window's chunk competes like any other (kvpress pads it max + 1)
 
   def score(self, evidence):
+    """The base's grouped scores summed per chunk (kvpress ``ChunkKVPress``)."""
     scores = self.grouped(self.base.score(evidence))
     return scores_lib.chunkkv(scores, chunk=self.chunk, valid_T=evidence.valid_T)
 
@@ -206,8 +252,11 @@ class ChunkKV(Wrapper):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SelectOnce(Wrapper):
-  """A decode-time policy's scores, selected once after the prompt (then appended to, as a
-  prefill scorer's cache): kvpress's StreamingLLMPress and TOVAPress act this way."""
+  """A decode-time policy's scores, selected once after the prompt.
+
+  The cache is then appended to, as a prefill scorer's: kvpress's StreamingLLMPress and
+  TOVAPress act this way.
+  """
 
   def __post_init__(self):
     super().__post_init__()
