@@ -58,9 +58,24 @@ def _check_count(name: str, value):
   return select.check_counts(name, value)
 
 
-def check_real(name: str, value, low: float, *, strict: bool = False, high: float | None = None):
-  """A real-valued option, concrete: finite and ``>= low`` (``> low`` when ``strict``), and
-  ``<= high`` when given; traced values pass through (they are data)."""
+def check_real(
+  name: str, value, low: float, *, strict: bool = False, high: float | None = None
+) -> None:
+  """Validates a real-valued option when it is concrete; traced values pass through (they are data).
+
+  A concrete value must be finite and ``>= low`` (``> low`` when ``strict``), and ``<= high``
+  when given.
+
+  Args:
+    name: the option's name, quoted in error messages.
+    value: a real number or array, concrete or traced.
+    low: the lower bound.
+    strict: excludes ``low`` itself.
+    high: an optional upper bound (inclusive).
+
+  Raises:
+    ValueError: for a concrete value that is not a real number, not finite, or out of bounds.
+  """
   if not select.is_concrete(value):
     return
   arr = np.asarray(value)
@@ -120,7 +135,20 @@ def _check_not_empty(name: str, budgets: Array, q_len) -> Array:
 
 
 def uniform(num_layers: int, num_heads: int, budget) -> Array:
-  """The same budget for every layer and head: ``budget_LH`` int32."""
+  """Gives every layer and head the same budget: ``budget_LH`` int32.
+
+  Args:
+    num_layers: the number of layers ``L``, a static int ``>= 1``.
+    num_heads: the number of heads ``H``, a static int ``>= 1``.
+    budget: the budget, an integer token count broadcastable to ``[L, H]``.
+
+  Returns:
+    int32 budgets ``[L, H]``.
+
+  Raises:
+    ValueError: for layer or head counts that are not static ints in ``[1, 2**31)``, and a
+      budget that is not an integer count or (when concrete) is negative or beyond int32.
+  """
   num_layers = _check_static_int("num_layers", num_layers)
   num_heads = _check_static_int("num_heads", num_heads)
   budget = _check_int_budget("budget", budget)
@@ -137,7 +165,20 @@ def _check_int_budget(name: str, value):
 
 
 def per_head(budget_L, num_heads: int) -> Array:
-  """Broadcast a per-layer budget ``[L]`` to every head: ``budget_LH`` int32."""
+  """Broadcasts a per-layer budget ``[L]`` to every head: ``budget_LH`` int32.
+
+  Args:
+    budget_L: integer token counts per layer ``[L]``.
+    num_heads: the number of heads ``H``, a static int ``>= 1``.
+
+  Returns:
+    int32 budgets ``[L, H]``.
+
+  Raises:
+    ValueError: for a budget that is not an integer count, (when concrete) is negative or
+      beyond int32, or is not ``[L]``, and a head count that is not a static int in
+      ``[1, 2**31)``.
+  """
   budget_L = _int32(_check_int_budget("budget", budget_L))
   if budget_L.ndim != 1:
     raise ValueError(f"budget: expected a per-layer budget [L], got shape {budget_L.shape}")
@@ -146,9 +187,20 @@ def per_head(budget_L, num_heads: int) -> Array:
 
 
 def from_table(table, num_layers: int, num_heads: int) -> Array:
-  """An explicit budget table from a config -> validated ``budget_LH`` int32.
+  """Validates an explicit budget table from a config as ``budget_LH`` int32.
 
-  Accepts a scalar, a per-layer list ``[L]`` or a full ``[L][H]`` table of non-negative ints.
+  Args:
+    table: a scalar, a per-layer list ``[L]`` or a full ``[L][H]`` table of non-negative ints
+      (integral floats are accepted).
+    num_layers: the number of layers ``L``, a static int ``>= 1``.
+    num_heads: the number of heads ``H``, a static int ``>= 1``.
+
+  Returns:
+    int32 budgets ``[L, H]``.
+
+  Raises:
+    ValueError: for layer or head counts that are not static ints in ``[1, 2**31)``, and a
+      table that is not integral, not of one of the shapes above, negative or beyond int32.
   """
   num_layers = _check_static_int("num_layers", num_layers)
   num_heads = _check_static_int("num_heads", num_heads)
@@ -174,10 +226,21 @@ def from_table(table, num_layers: int, num_heads: int) -> Array:
 
 
 def round_to_total(weights_L: Array, total) -> Array:
-  """Largest-remainder rounding: non-negative reals -> ints that sum to exactly ``total``.
+  """Rounds non-negative reals to ints that sum to exactly ``total`` (largest remainder).
 
   ``weights_L`` must already sum to ``total`` (up to float error). The leftover units go to the
   largest fractional parts, ties to the lower index (via :func:`kvjax.select.keep_mask`).
+
+  Args:
+    weights_L: non-negative floats ``[N]`` that sum to ``total``.
+    total: the integer target.
+
+  Returns:
+    int32 counts ``[N]``.
+
+  Raises:
+    ValueError: for a total that is not an integer count or (when concrete) is negative or
+      beyond int32.
   """
   total = _int32(_check_count("total", total))
   floors = jnp.floor(weights_L)
@@ -197,11 +260,10 @@ def pyramid(
   beta=20,
   mode: str = "legacy_floor",
 ) -> Array:
-  """PyramidKV's per-layer budgets ``[L]`` int32, **including** the window ``w``.
+  """Computes PyramidKV's per-layer budgets ``[L]`` int32, **including** the window ``w``.
 
-  ``budget`` is ``max_capacity_prompt`` (window included), ``q_len`` the prompt length. Layer 0
-  (bottom) gets the most, layer ``L - 1`` the least: an arithmetic sequence whose mean is the
-  uniform budget. ``beta=20`` is hard-coded upstream.
+  Layer 0 (bottom) gets the most, layer ``L - 1`` the least: an arithmetic sequence whose mean is
+  the uniform budget. ``mode``:
 
   * ``"legacy_floor"``: KVCache-Factory ``PyramidKVCluster.update_kv`` exactly: integer ``//``
     with divisor ``L - 1``; ``q_len < budget`` keeps everything (``q_len``); ``q_len <
@@ -215,8 +277,31 @@ def pyramid(
 
   One layer: the references divide the layer step by ``L - 1`` (KVCache-Factory raises
   ``ZeroDivisionError``, kvpress too once the schedule applies), so ``"legacy_floor"`` and
-  ``"kvpress"`` raise ``ValueError`` for ``num_layers < 2``; ``"exact_total"`` gives the single
-  layer the budget itself (its line's mean), or ``q_len`` when the prompt fits.
+  ``"kvpress"`` refuse ``num_layers < 2``; ``"exact_total"`` gives the single layer the budget
+  itself (its line's mean), or ``q_len`` when the prompt fits.
+
+  Args:
+    num_layers: the number of layers ``L``, a static int (``>= 2`` except for
+      ``"exact_total"``).
+    budget: ``max_capacity_prompt`` (window included): an integer token count, or a real number
+      ``>= 0`` for ``"kvpress"``.
+    window: the protected window ``w``, counted inside every budget.
+    q_len: the prompt length.
+    beta: the ratio of the uniform share to the smallest layer's, a real ``>= 1``; ``beta=20`` is
+      hard-coded upstream.
+    mode: ``"legacy_floor"``, ``"kvpress"`` or ``"exact_total"`` (above).
+
+  Returns:
+    int32 budgets ``[L]``, window included.
+
+  Raises:
+    ValueError: for a ``num_layers`` that is not a static int in ``[1, 2**31)``, or below 2
+      outside ``"exact_total"``; an unknown ``mode``; a budget, window or ``q_len`` that is not
+      a valid count (a real budget only for ``"kvpress"``); a budget below the window; a
+      ``beta`` below 1 or not finite; a concrete budget whose schedule arithmetic would leave
+      int32 (``(budget - window) * 2``, or ``* L`` for ``"exact_total"``, at ``2**31`` or above
+      when ``q_len >= budget``); and an allocation that leaves a row of a non-empty prompt with
+      no cache.
   """
   num_layers = _check_static_int("num_layers", num_layers)
   _check_choice("mode", mode, PYRAMID_MODES)
@@ -332,12 +417,9 @@ def adakv(
   capacity: int | None = None,
   table: Array | None = None,
 ) -> Array:
-  """Ada-KV head-adaptive budgets ``[L, H]`` int32 (window included) from per-head scores.
+  """Computes Ada-KV's head-adaptive budgets ``[L, H]`` int32 (window included) from head scores.
 
-  ``scores_LHT`` are the pooled SnapKV-style scores over all ``T`` positions (the last
-  ``window`` positions are the protected window; their values are ignored in ``"official"``).
-  ``budget`` is the per-head ``max_capacity_prompt`` (a scalar, or ``[L]`` for a layer schedule
-  such as Ada-KV's ``pyram_mode``), so the layer total is ``H * budget``.
+  The layer total is ``H * budget``. ``mode``:
 
   * ``"official"`` (Ada-KV ``AdaptiveSnapKVCluster``): ``b = budget - w``; global top ``H * b``
     of the layer's prefix scores (each head's scores scaled by ``sum(top-b) / sum(all)`` when
@@ -349,8 +431,31 @@ def adakv(
     then the layer keeps its best ``H * budget`` scores across heads: counts sum exactly to
     ``H * budget``. Window protection comes from the scores (``+inf``).
 
-  ``capacity``: static bound on ``budget`` for the top-k (default ``T``). ``table``: the
-  :func:`adakv_table` of these scores, to share one pooled selection across many budgets.
+  Args:
+    scores_LHT: the pooled SnapKV-style scores over all ``T`` positions ``[L, H, T]`` (the last
+      ``window`` positions are the protected window; their values are ignored in
+      ``"official"``).
+    budget: the per-head ``max_capacity_prompt``, an integer token count: a scalar, or ``[L]``
+      for a layer schedule such as Ada-KV's ``pyram_mode``.
+    window: the protected window ``w``, an int in ``[0, T]``.
+    floor_alpha: ``alpha``, the share of each head's budget it keeps whatever the pooling, in
+      ``[0, 1]``.
+    normalize: scales each head's scores as above (``"official"``).
+    mode: ``"official"`` or ``"kvpress"`` (above).
+    capacity: static bound on ``budget`` for the top-k (default ``T``).
+    table: the :func:`adakv_table` of these scores, to share one pooled selection across many
+      budgets.
+
+  Returns:
+    int32 budgets ``[L, H]``, window included.
+
+  Raises:
+    ValueError: for an unknown ``mode``; scores that are not ``[L, H, T]``; a window that is not
+      an int in ``[0, T]``; a ``floor_alpha`` outside ``[0, 1]``; a ``normalize`` that is not a
+      bool; a budget that is not an integer count, is negative, beyond int32 or below the
+      window; a capacity that is not a static int in ``[1, 2**31)``; a concrete budget above a
+      capacity below ``T``; and an allocation that leaves a head with no cache under a positive
+      budget.
   """
   _check_choice("mode", mode, ADAKV_MODES)
   if not hasattr(scores_LHT, "ndim") or scores_LHT.ndim != 3:
@@ -378,14 +483,26 @@ def adakv(
 
 
 def adakv_table(scores_LHT: Array, window: int, capacity: int) -> Array | None:
-  """The official Ada-KV allocation's pooled counts for every per-head budget up to
-  ``capacity``: int32 ``[L, cap + 1, H]``, row ``m`` the per-head counts among the layer's
-  ``m * H`` best prefix scores (the window excluded), ``cap = min(capacity, T - w)``.
+  """Tabulates official Ada-KV's pooled counts for every per-head budget up to ``capacity``.
 
-  Ada-KV pools ``H * b`` entries, a multiple of ``H``, so ``cap + 1`` rows answer every budget:
-  ``O(L H T)``, read from :func:`kvjax.select.pooled_rank_table` (one pooled sort) rather than
-  the ``O(L H^2 T)`` cumulative one-hot of every pooled rank. ``None`` when the rank codes would
-  not fit int32 (``H * (cap H + 1) >= 2**31``): :func:`adakv` then selects per budget."""
+  Row ``m`` holds the per-head counts among the layer's ``m * H`` best prefix scores (the window
+  excluded), ``cap = min(capacity, T - w)``. Ada-KV pools ``H * b`` entries, a multiple of
+  ``H``, so ``cap + 1`` rows answer every budget: ``O(L H T)``, read from
+  :func:`kvjax.select.pooled_rank_table` (one pooled sort) rather than the ``O(L H^2 T)``
+  cumulative one-hot of every pooled rank.
+
+  Args:
+    scores_LHT: the scores ``[L, H, T]``, the last ``window`` positions the protected window.
+    window: the protected window ``w``, a static int.
+    capacity: the largest per-head budget the table answers, a static int.
+
+  Returns:
+    int32 counts ``[L, cap + 1, H]``, or ``None`` when the rank codes would not fit int32
+    (``H * (cap H + 1) >= 2**31``): :func:`adakv` then selects per budget.
+
+  Raises:
+    ValueError: for NaN prefix scores (when concrete), and a window that leaves no prefix.
+  """
   L, H, T = scores_LHT.shape
   cap = max(min(capacity, T - window), 1)
   if H * (cap * H + 1) >= select.INT32_LIMIT:
@@ -401,16 +518,31 @@ def adakv_table(scores_LHT: Array, window: int, capacity: int) -> Array | None:
 def adakv_table_from_order(
   scores_LHP: Array, order_LHN: Array, window: int, capacity: int, depth: int
 ) -> tuple[Array, Array]:
-  """:func:`adakv_table` of ``scores_LHP`` from each head's order ``order_LHN``
-  (:func:`kvjax.select.descending_order`, at least ``depth`` deep): ``(table, exact)``.
+  """Computes :func:`adakv_table` of ``scores_LHP`` from each head's order: ``(table, exact)``.
 
   The layer's pooled order is taken over each head's ``depth`` best positions only (the window
   left out), a sort of ``[L, H * depth]`` instead of ``[L, H * (P - w)]``. That is exact when no
   head fills its share: if the ``cap H`` best of the union held a head's every kept entry, a
-  better entry of that head could lie past the depth. ``exact`` is false then (or when a
-  left-out window entry ranked among them: ``-inf`` or NaN scores), and the caller retries
-  deeper. Pooled ties go to the lower head, then the lower rank, which is the lower position
-  (the order breaks ties by position), as in :func:`kvjax.select.pooled_rank_table`.
+  better entry of that head could lie past the depth. Pooled ties go to the lower head, then the
+  lower rank, which is the lower position (the order breaks ties by position), as in
+  :func:`kvjax.select.pooled_rank_table`.
+
+  Args:
+    scores_LHP: the scores ``[L, H, P]``, the last ``window`` positions the protected window.
+    order_LHN: each head's positions, best first (:func:`kvjax.select.descending_order`), at
+      least ``depth`` deep.
+    window: the protected window ``w``, a static int.
+    capacity: the largest per-head budget the table answers, a static int.
+    depth: how many of each head's best positions are pooled, in ``[cap, N]`` with
+      ``cap = max(min(capacity, P - w), 1)``.
+
+  Returns:
+    ``(table, exact)``: the int32 counts ``[L, cap + 1, H]`` of :func:`adakv_table`, and a bool
+    scalar, false when some head fills its share (or when a left-out window entry ranked among
+    them: ``-inf`` or NaN scores); the caller then retries deeper.
+
+  Raises:
+    ValueError: for a ``depth`` outside ``[cap, N]``.
   """
   L, H, P = scores_LHP.shape
   cap = max(min(capacity, P - window), 1)
@@ -486,22 +618,39 @@ def headkv(
   mode: str = "official",
   q_len=None,
 ) -> Array:
-  """HeadKV static per-head budgets ``[L, H]`` int32 (window included) from head importance.
+  """Computes HeadKV's static per-head budgets ``[L, H]`` int32 (window included).
 
-  ``head_scores_LH``: one positive importance per (layer, query head), e.g. the mean of HeadKV's
-  retrieval(-reasoning) score lists (:func:`headkv_scores_from_json`). Normalised to sum 1,
-  raised to ``temp``, renormalised; with ``b`` the per-head base:
-  ``pool = (b // beta) * L * H``, ``cap = round(s * pool + b - b // beta) + w`` (float floor
-  division, half-to-even rounding), so budget moves across layers *and* heads.
+  The head importances are normalised to sum 1, raised to ``temp``, renormalised; with ``b`` the
+  per-head base: ``pool = (b // beta) * L * H``, ``cap = round(s * pool + b - b // beta) + w``
+  (float floor division, half-to-even rounding), so budget moves across layers *and* heads.
 
   * ``"official"`` (HeadKV ``ReasonSnapKVCluster``): ``b = budget - w``; CLI default
     ``beta=1.5``, ``temp=1``.
   * ``"kvfactory"`` (KVCache-Factory ``run_longbench.py``): ``b = budget`` (window included) and
     no ``temp`` step; default there ``beta=1.01``.
 
-  The total is ``L * H * budget`` up to rounding, as upstream. With ``q_len`` given, a prompt
-  no longer than the budget is not compressed (``q_len`` everywhere), HeadKV's
-  ``base_capacity > q_len - w`` guard.
+  The total is ``L * H * budget`` up to rounding, as upstream.
+
+  Args:
+    head_scores_LH: one importance per (layer, query head) ``[L, H]``, e.g. the mean of HeadKV's
+      retrieval(-reasoning) score lists (:func:`headkv_scores_from_json`): finite, non-negative,
+      at least one positive.
+    budget: the per-head budget, a scalar integer token count (window included).
+    window: the protected window ``w``, a scalar count.
+    beta: each head gives ``b // beta`` of its base ``b`` to the shared pool, a real ``> 1``.
+    temp: the exponent applied to the normalised importances (``"official"``), a real ``> 0``.
+    mode: ``"official"`` or ``"kvfactory"`` (above).
+    q_len: the prompt length, optional: with it, a prompt no longer than the budget is not
+      compressed (``q_len`` everywhere), HeadKV's ``base_capacity > q_len - w`` guard.
+
+  Returns:
+    int32 budgets ``[L, H]``, window included.
+
+  Raises:
+    ValueError: for an unknown ``mode``; head scores that are not real, not ``[L, H]``, not
+      finite, negative or all zero; a ``beta`` not above 1 or a ``temp`` not above 0; a budget
+      or window that is not a scalar count, or a budget below the window; a ``q_len`` that is
+      not a count; and a head budget beyond int32 (concrete inputs).
   """
   _check_choice("mode", mode, HEADKV_MODES)
   if select.is_concrete(head_scores_LH):
@@ -581,7 +730,22 @@ def _headkv_traced(scores, budget, window, beta, temp, mode) -> Array:
 
 
 def headkv_scores_from_json(path: str, num_layers: int, num_heads: int) -> np.ndarray:
-  """HeadKV's head-score file (one JSON dict ``"layer-head": [scores...]``) -> ``[L, H]`` means."""
+  """Reads HeadKV's head-score file into ``[L, H]`` mean scores.
+
+  The file holds one JSON dict ``"layer-head": [scores...]`` (on its first line); heads it does
+  not list score 0.
+
+  Args:
+    path: the head-score file.
+    num_layers: the number of layers ``L``.
+    num_heads: the number of heads ``H``.
+
+  Returns:
+    float64 mean scores ``[L, H]``.
+
+  Raises:
+    ValueError: for a head outside ``[L, H]``.
+  """
   with open(path) as f:
     head_lists = json.loads(f.readline())
   out = np.zeros((num_layers, num_heads), np.float64)
@@ -597,11 +761,24 @@ def headkv_scores_from_json(path: str, num_layers: int, num_heads: int) -> np.nd
 
 
 def cake_statistics(attn_LHWT: Array, window: int) -> tuple[Array, Array]:
-  """CAKE's per-layer entropy ``H_l`` and variance ``V_l`` ``([L], [L])`` on the window rows over
-  the prefix keys ``A = attn[..., -w:, :-w]`` (not renormalised): ``H_l = -sum A log(A + 1e-10)``
-  over every head, row and key; ``V_l`` = the unbiased variance over the window queries, summed
-  over heads and keys. Budget-free, so a sweep computes them once. Concrete attention must be
-  finite (NaN would silently turn the allocation uniform)."""
+  """Computes CAKE's per-layer entropy ``H_l`` and variance ``V_l``: ``([L], [L])``.
+
+  Both are taken on the window rows over the prefix keys ``A = attn[..., -w:, :-w]`` (not
+  renormalised): ``H_l = -sum A log(A + 1e-10)`` over every head, row and key; ``V_l`` = the
+  unbiased variance over the window queries, summed over heads and keys. Budget-free, so a sweep
+  computes them once.
+
+  Args:
+    attn_LHWT: the window attention ``[L, H, W, T]``.
+    window: the window ``w``.
+
+  Returns:
+    ``(entropy_L, var_L)``: fp32 ``[L]`` each.
+
+  Raises:
+    ValueError: for attention that is not ``[L, H, W, T]``, and concrete attention that is not
+      finite (NaN would silently turn the allocation uniform).
+  """
   if not hasattr(attn_LHWT, "ndim") or attn_LHWT.ndim != 4:
     raise ValueError(f"attn: expected [L, H, W, T], got {getattr(attn_LHWT, 'shape', attn_LHWT)}")
   _check_finite("attn", attn_LHWT)
@@ -613,16 +790,46 @@ def cake_statistics(attn_LHWT: Array, window: int) -> tuple[Array, Array]:
 
 
 def cake_preference(attn_LHWT: Array, window: int, tau1=1.0, tau2=1.0) -> Array:
-  """CAKE layer preference ``P_l = H_l^(1/tau1) * V_l^(1/tau2)`` ``[L]`` (:func:`cake_statistics`)."""
+  """Computes CAKE's layer preference ``P_l = H_l^(1/tau1) * V_l^(1/tau2)`` ``[L]``.
+
+  ``H_l`` and ``V_l`` are :func:`cake_statistics`'.
+
+  Args:
+    attn_LHWT: the window attention ``[L, H, W, T]``.
+    window: the window ``w``.
+    tau1: the entropy's temperature, a real ``> 0``.
+    tau2: the variance's temperature, a real ``> 0``.
+
+  Returns:
+    fp32 preferences ``[L]``.
+
+  Raises:
+    ValueError: for temperatures that are not finite and positive, and the attention
+      :func:`cake_statistics` refuses.
+  """
   _check_taus(tau1, tau2)
   entropy_L, var_L = cake_statistics(attn_LHWT, window)
   return entropy_L ** (1.0 / tau1) * var_L ** (1.0 / tau2)
 
 
 def adjust_budgets(budgets_L: Array, total, seq_len) -> Array:
-  """CAKE ``adjust_budgets``: truncate to int, cap at ``seq_len`` and hand the excess to the
-  uncapped layers (remainder to the lowest indices), then force the exact ``total`` by adding to
-  layers below ``seq_len`` (or removing from layers above 1), remainder to the lowest indices.
+  """Applies CAKE's ``adjust_budgets``: integer budgets capped at ``seq_len`` that sum to ``total``.
+
+  Truncates to int, caps at ``seq_len`` and hands the excess to the uncapped layers (remainder to
+  the lowest indices), then forces the exact ``total`` by adding to layers below ``seq_len`` (or
+  removing from layers above 1), remainder to the lowest indices.
+
+  Args:
+    budgets_L: real budgets per layer ``[L]``.
+    total: the integer target sum.
+    seq_len: the cap per layer, an integer count.
+
+  Returns:
+    int32 budgets ``[L]``.
+
+  Raises:
+    ValueError: for a ``total`` or ``seq_len`` that is not an integer count or (when concrete)
+      is negative or beyond int32, and concrete budgets that are not finite.
   """
   total = _int32(_check_count("total", total))
   seq_len = _int32(_check_count("seq_len", seq_len))
@@ -646,13 +853,30 @@ def _spread(b, amount, valid, sign=1):
 
 
 def cake(attn_LHWT: Array, budget, window: int, tau1=1.0, tau2=1.0) -> Array:
-  """CAKE preference-proportional layer budgets ``[L]`` int32, window included.
+  """Computes CAKE's preference-proportional layer budgets ``[L]`` int32, window included.
 
   ``total = (budget - w) * L`` is split in proportion to :func:`cake_preference`, passed through
   :func:`adjust_budgets` with ``seq_len = T - w``, capped at ``T - w``, plus ``w``. No
-  compression (``T``) while ``T <= budget + w`` (``CakeprefillKVCache``'s guard). Defaults
-  ``tau1 = tau2 = 1``; upstream tunes them per model (``config/model2tau.json``, e.g.
-  Llama-3.1-8B at budget 1024: ``(1.6, 0.4)``). This is the non-cascading mode.
+  compression (``T``) while ``T <= budget + w`` (``CakeprefillKVCache``'s guard). This is the
+  non-cascading mode.
+
+  Args:
+    attn_LHWT: the window attention ``[L, H, W, T]``.
+    budget: the per-layer budget (window included), an integer token count.
+    window: the window ``w``, an int in ``[2, min(W, T)]`` (CAKE's variance over window
+      queries).
+    tau1: the entropy's temperature, a real ``> 0``; default 1.
+    tau2: the variance's temperature, a real ``> 0``; default 1. Upstream tunes both per model
+      (``config/model2tau.json``, e.g. Llama-3.1-8B at budget 1024: ``(1.6, 0.4)``).
+
+  Returns:
+    int32 budgets ``[L]``, window included.
+
+  Raises:
+    ValueError: for attention that is not ``[L, H, W, T]`` or (when concrete) not finite; a
+      window outside ``[2, min(W, T)]``; a budget that is not an integer count or is below the
+      window; temperatures that are not finite and positive; and what
+      :func:`cake_from_statistics` refuses.
   """
   if not hasattr(attn_LHWT, "ndim") or attn_LHWT.ndim != 4:
     raise ValueError(f"attn: expected [L, H, W, T], got {getattr(attn_LHWT, 'shape', attn_LHWT)}")
@@ -673,8 +897,27 @@ def _check_taus(tau1, tau2) -> None:
 
 
 def cake_from_statistics(statistics, budget, window: int, q_len: int, tau1=1.0, tau2=1.0) -> Array:
-  """:func:`cake` from precomputed :func:`cake_statistics` (what a sweep over budgets and
-  temperatures shares). Concrete statistics must be finite."""
+  """Computes :func:`cake` from precomputed :func:`cake_statistics`.
+
+  What a sweep over budgets and temperatures shares.
+
+  Args:
+    statistics: ``(entropy_L, var_L)`` from :func:`cake_statistics`; finite when concrete.
+    budget: the per-layer budget (window included), an integer token count.
+    window: the window ``w``, a count.
+    q_len: the prompt length ``T``.
+    tau1: the entropy's temperature, a real ``> 0``.
+    tau2: the variance's temperature, a real ``> 0``.
+
+  Returns:
+    int32 budgets ``[L]``, window included.
+
+  Raises:
+    ValueError: for concrete statistics that are not finite; a budget, window or ``q_len`` that
+      is not a valid count; temperatures that are not finite and positive; concrete layer
+      preferences that are not finite or do not have a positive sum; and an allocation that
+      leaves a row with no cache.
+  """
   entropy_L, var_L = statistics
   _check_finite("statistics", entropy_L)
   _check_finite("statistics", var_L)

@@ -57,7 +57,18 @@ def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
 
 
 def check_kernel(kernel) -> int:
-  """Validates a pooling kernel: a positive odd int (the references pad with ``kernel // 2``)."""
+  """Validates a pooling kernel: a positive odd int (the references pad with ``kernel // 2``).
+
+  Args:
+    kernel: the pooling width.
+
+  Returns:
+    ``kernel`` unchanged.
+
+  Raises:
+    ValueError: for a bool, a value that is not an int, an even kernel, or one outside
+      ``[1, 2**31)``.
+  """
   if (
     isinstance(kernel, bool)
     or not isinstance(kernel, int)
@@ -69,8 +80,23 @@ def check_kernel(kernel) -> int:
 
 
 def check_count(name: str, value):
-  """A protection count (``sinks``, ``recent``, ``length``): an int or an int array, traced or
-  concrete; when concrete, in ``[0, 2**31)``. Floats are refused (``sinks=2.5`` is not 2 sinks)."""
+  """Validates a protection count (``sinks``, ``recent``, ``length``).
+
+  An int or an int array, traced or concrete; when concrete, in ``[0, 2**31)``. Floats are
+  refused (``sinks=2.5`` is not 2 sinks).
+
+  Args:
+    name: the argument's name, quoted in error messages.
+    value: the count: an int or an int array, traced or concrete.
+
+  Returns:
+    A numpy array (concrete ``value``) or the tracer unchanged, as
+    :func:`kvjax.select.check_counts` returns them.
+
+  Raises:
+    ValueError: for concrete counts that are negative, not integers or beyond int32, and traced
+      arrays of a non-integer dtype.
+  """
   if select.is_concrete(value):
     arr = np.asarray(value)
     if arr.dtype != object and np.issubdtype(arr.dtype, np.number) and np.any(arr < 0):
@@ -101,12 +127,19 @@ def _check_gqa(num_query_heads: int, num_kv_heads: int) -> int:
 
 
 def sum_rows(x: Array) -> Array:
-  """``x.sum(-2)`` (the window-row axis of ``[..., W, T]``) as a tree of adds over static row
-  slices: the same sum up to the order of float additions (within 1e-6 relative here).
+  """Sums the window-row axis of ``[..., W, T]`` as a tree of adds over static row slices.
+
+  The result is ``x.sum(-2)`` up to the order of float additions (within 1e-6 relative here).
 
   Why: XLA:CPU fuses a reduction over a non-minor axis badly when its input is a slice
   (``attn[..., -w:, :-w]``, every window-row reader): 118 ms for SnapKV's votes of
-  [32, 32, 8, 8184] against 11 ms for the adds, which fuse into one loop.
+  ``[32, 32, 8, 8184]`` against 11 ms for the adds, which fuse into one loop.
+
+  Args:
+    x: array ``[..., W, T]`` with ``W >= 1``.
+
+  Returns:
+    The row sums ``[..., T]``.
   """
   while x.shape[-2] > 1:
     n = x.shape[-2]
@@ -120,12 +153,29 @@ def sum_rows(x: Array) -> Array:
 
 
 def mean_rows(x: Array) -> Array:
-  """``x.mean(-2)`` by :func:`sum_rows`."""
+  """Averages the window-row axis of ``[..., W, T]`` (``x.mean(-2)``) by :func:`sum_rows`.
+
+  Args:
+    x: array ``[..., W, T]`` with ``W >= 1``.
+
+  Returns:
+    The row means ``[..., T]``.
+  """
   return sum_rows(x) / x.shape[-2]
 
 
 def var_rows(x: Array, ddof: int = 0) -> Array:
-  """``x.var(-2, ddof=ddof)`` (two-pass, as numpy and torch compute it) by :func:`sum_rows`."""
+  """Computes the variance over the window-row axis of ``[..., W, T]`` by :func:`sum_rows`.
+
+  ``x.var(-2, ddof=ddof)``, two-pass, as numpy and torch compute it.
+
+  Args:
+    x: array ``[..., W, T]`` with ``W >= 1``.
+    ddof: delta degrees of freedom: the sum of squared deviations is divided by ``W - ddof``.
+
+  Returns:
+    The row variances ``[..., T]``.
+  """
   centred = x - mean_rows(x)[..., None, :]
   return sum_rows(centred * centred) / (x.shape[-2] - ddof)
 
@@ -156,14 +206,26 @@ def _check_qk(queries, keys, q_name="queries", k_name="keys"):
 
 
 def window_attention(queries_LHWD: Array, keys_LGTD: Array, *, scale: float | None = None) -> Array:
-  """Causal fp32 softmax rows of the last ``W`` queries over all ``T`` keys: ``attn [L, Hq, W, T]``.
+  """Computes the causal fp32 softmax rows of the last ``W`` queries over all ``T`` keys.
 
   The observation-window evidence of SnapKV / PyramidKV / Ada-KV / CAKE / TOVA
   (``softmax_fp32(Q[..., -w:, :] @ K^T / sqrt(d) + causal mask on the last w x w block)``): window
   query ``w`` sits at position ``T - W + w`` and sees keys ``<= T - W + w``. The softmax runs over
   the full key axis (window keys included), as in the references; only ``[L, Hq, W, T]`` is built,
-  never ``T x T``. GQA: ``Hq`` must be a multiple of ``G``; query head ``h`` reads KV head
-  ``h // (Hq // G)``. ``scale`` defaults to ``1 / sqrt(D)``.
+  never ``T x T``. GQA: query head ``h`` reads KV head ``h // (Hq // G)``.
+
+  Args:
+    queries_LHWD: the last ``W`` prompt queries ``[L, Hq, W, D]``.
+    keys_LGTD: the prompt's keys ``[L, G, T, D]``; ``Hq`` must be a multiple of ``G``.
+    scale: the logit scale; defaults to ``1 / sqrt(D)``.
+
+  Returns:
+    ``attn [L, Hq, W, T]``, fp32.
+
+  Raises:
+    ValueError: for queries or keys that are not floating rank-4 arrays, or (when concrete)
+      contain NaN or inf; shapes that disagree in ``L`` or ``D``; ``Hq`` not a multiple of
+      ``G``; and ``W > T``.
   """
   _check_qk(queries_LHWD, keys_LGTD)
   W, D = queries_LHWD.shape[2:]
@@ -192,7 +254,7 @@ def attention_column_sums(
   block: int = 128,
   scale: float | None = None,
 ) -> Array:
-  """Attention received by each key, summed over all prompt queries: ``[L, Hq, T]`` fp32.
+  """Sums the attention each key receives over all prompt queries: ``[L, Hq, T]`` fp32.
 
   The H2O evidence (``attn_weights.sum over query rows``), computed in query blocks so memory
   stays ``O(T * block)`` per head. ``mask``:
@@ -202,6 +264,24 @@ def attention_column_sums(
   * ``"kvfactory_legacy"``: the KVCache-Factory ``H2OKVCluster`` behind the published PyramidKV
     table, whose causal mask was added only to the last ``window x window`` block, so queries
     before the window attend to *future* keys too.
+
+  Args:
+    queries_LHTD: every prompt query ``[L, Hq, T, D]``.
+    keys_LGTD: the prompt's keys ``[L, G, T, D]``, one per query; ``Hq`` must be a multiple of
+      ``G``.
+    mask: ``"causal"`` or ``"kvfactory_legacy"`` (above).
+    window: the size of ``"kvfactory_legacy"``'s causal block, an int in ``[0, T]``.
+    block: queries per block, a positive int.
+    scale: the logit scale; defaults to ``1 / sqrt(D)``.
+
+  Returns:
+    The column sums ``[L, Hq, T]``, fp32.
+
+  Raises:
+    ValueError: for queries or keys that are not floating rank-4 arrays, or (when concrete)
+      contain NaN or inf; shapes that disagree in ``L`` or ``D``, or keys that are not ``T``;
+      ``Hq`` not a multiple of ``G``; an unknown ``mask``; a window that is not an int in
+      ``[0, T]``; and a block that is not a positive int below ``2**31``.
   """
   _check_qk(queries_LHTD, keys_LGTD)
   _check_choice("mask", mask, COLUMN_SUM_MASKS)
@@ -247,9 +327,22 @@ def protect(scores: Array, *, sinks=0, recent=0, length=None) -> Array:
   """Forces the first ``sinks`` and the last ``recent`` positions in by scoring them ``+inf``.
 
   Protected tokens count inside the budget (every reference appends the window inside
-  ``max_capacity_prompt``). ``sinks``, ``recent`` and ``length`` (valid prefix per row, default
-  ``T``) may be ints or int arrays broadcastable to the rows, so they can be swept as data.
-  Among protected positions that exceed a budget, the lower positions win (the select tie rule).
+  ``max_capacity_prompt``). ``sinks``, ``recent`` and ``length`` may be ints or int arrays
+  broadcastable to the rows, so they can be swept as data. Among protected positions that exceed
+  a budget, the lower positions win (the select tie rule).
+
+  Args:
+    scores: scores ``[..., T]``.
+    sinks: the number of initial positions protected in each row.
+    recent: the number of last valid positions (those before ``length``) protected in each row.
+    length: the valid prefix per row; defaults to ``T``.
+
+  Returns:
+    ``scores`` with the protected positions set to ``+inf``, same shape.
+
+  Raises:
+    ValueError: for scores without a last axis; counts that are negative, not integers or
+      beyond int32 (when concrete); and a length above ``T``.
   """
   if not hasattr(scores, "ndim") or scores.ndim < 1:
     raise ValueError(f"scores: expected an array [..., T], got {scores!r}")
@@ -274,11 +367,22 @@ def protect(scores: Array, *, sinks=0, recent=0, length=None) -> Array:
 
 
 def pool1d(x: Array, kernel: int, how: str = "max") -> Array:
-  """Same-length 1-D pooling over the last axis, stride 1, padding ``kernel // 2``.
+  """Pools over the last axis in 1-D: same length, stride 1, padding ``kernel // 2``.
 
   ``"max"`` pads with ``-inf`` (torch ``max_pool1d``); ``"avg"`` pads with zeros and divides by
   ``kernel`` (torch ``avg_pool1d`` with its default ``count_include_pad=True``), as SnapKV,
   PyramidKV, Ada-KV, CAKE and kvpress call them.
+
+  Args:
+    x: array ``[..., T]``.
+    kernel: the window width, a positive odd int.
+    how: ``"max"`` or ``"avg"``.
+
+  Returns:
+    The pooled array ``[..., T]``.
+
+  Raises:
+    ValueError: for a kernel that is not a positive odd int, and an unknown ``how``.
   """
   check_kernel(kernel)
   _check_choice("pool", how, POOLS)
@@ -293,11 +397,22 @@ def pool1d(x: Array, kernel: int, how: str = "max") -> Array:
 
 
 def group(scores_LHT: Array, num_kv_heads: int, how: str = "mean") -> Array:
-  """Query-head scores ``[..., Hq, T]`` -> KV-head scores ``[..., G, T]``.
+  """Reduces query-head scores ``[..., Hq, T]`` to KV-head scores ``[..., G, T]``.
 
   Query head ``h`` belongs to KV head ``h // (Hq // G)``. ``"mean"`` is kvpress's and Ada-KV's
   ``--gqa_func`` default; ``"max"`` and ``"sum"`` are KVCache-Factory's ``--gqa_score_agg``
   alternatives. Skip this step to keep the query-head granularity of the published tables.
+
+  Args:
+    scores_LHT: query-head scores ``[..., Hq, T]``.
+    num_kv_heads: the number of KV heads ``G``; ``Hq`` must be a multiple of it.
+    how: ``"mean"``, ``"max"`` or ``"sum"``.
+
+  Returns:
+    KV-head scores ``[..., G, T]``.
+
+  Raises:
+    ValueError: for an unknown ``how``, and ``Hq`` not a multiple of ``G``.
   """
   _check_choice("how", how, GROUPINGS)
   Hq, T = scores_LHT.shape[-2:]
@@ -310,7 +425,20 @@ def group(scores_LHT: Array, num_kv_heads: int, how: str = "mean") -> Array:
 
 
 def recency(num_positions: int, batch_shape: tuple[int, ...] = ()) -> Array:
-  """Sliding window: the score is the position itself, so top-``b`` keeps the last ``b`` tokens."""
+  """Scores each position by its index, so that top-``b`` keeps the last ``b`` tokens.
+
+  The sliding-window policy's scores.
+
+  Args:
+    num_positions: the number of positions ``T``.
+    batch_shape: the leading shape of the rows.
+
+  Returns:
+    float32 scores ``[*batch_shape, T]``: ``0, 1, ..., T - 1`` in every row.
+
+  Raises:
+    ValueError: for a ``num_positions`` that is not an int in ``[1, 2**31)``.
+  """
   if (
     isinstance(num_positions, bool)
     or not isinstance(num_positions, int)
@@ -322,14 +450,25 @@ def recency(num_positions: int, batch_shape: tuple[int, ...] = ()) -> Array:
 
 
 def streaming(num_positions: int, batch_shape: tuple[int, ...] = (), *, sinks=4) -> Array:
-  """StreamingLLM: ``sinks`` initial tokens plus the most recent ones.
+  """Scores StreamingLLM's cache: ``sinks`` initial tokens plus the most recent ones.
 
   ``sinks=4`` is ``StartRecentKVCache``'s ``start_size`` and kvpress ``StreamingLLMPress``'s
   ``n_sink``. With a budget ``b`` the kept set is ``[0, sinks) + [T - (b - sinks), T)``, which is
   also KVCache-Factory's prefill "StreamingLLM" with ``w = B - 4``. Position re-indexing inside the
-  cache (the official pos-shift) is a cache option, not a score. ``sinks`` is an integer count
-  ``>= 0`` (or a traced int array, as sweeps pass it): a float such as ``2.5`` raises
-  ``ValueError`` instead of being truncated to 2.
+  cache (the official pos-shift) is a cache option, not a score.
+
+  Args:
+    num_positions: the number of positions ``T``.
+    batch_shape: the leading shape of the rows.
+    sinks: the number of initial tokens kept, an integer count ``>= 0`` (or a traced int array,
+      as sweeps pass it).
+
+  Returns:
+    float32 scores ``[*batch_shape, T]``: the positions (:func:`recency`), the sinks ``+inf``.
+
+  Raises:
+    ValueError: for a ``sinks`` that is negative or not an integer (a float such as ``2.5``
+      raises instead of being truncated to 2), and a ``num_positions`` :func:`recency` refuses.
   """
   sinks = check_count("sinks", sinks)
   return protect(recency(num_positions, batch_shape), sinks=sinks)
@@ -343,14 +482,29 @@ def snapkv(
   reduce: str = "sum",
   window: int | None = None,
 ) -> Array:
-  """SnapKV observation-window votes (``SnapKVCluster.update_kv``), window protected.
+  """Scores SnapKV's observation-window votes (``SnapKVCluster.update_kv``), window protected.
 
   ``votes = attn[..., -w:, :-w].sum(-2)``: each prefix key's attention from the ``w`` window
   queries, pooled over the non-window prefix only (length ``T - w``, padding ``kernel // 2``),
   then the window keys are appended as protected (``+inf``). Defaults are the SnapKV LongBench
   configs and KVCache-Factory runs (``k=7``, maxpool, sum); the ``init_snapkv`` defaults are
   ``k=5``, avgpool; kvpress ``SnapKVPress`` uses ``reduce="mean"``, ``k=5``, avgpool, then
-  :func:`group` with ``"mean"``. ``window`` defaults to the number of rows ``W``.
+  :func:`group` with ``"mean"``.
+
+  Args:
+    attn_LHWT: the window attention ``[L, H, W, T]`` (:func:`window_attention`).
+    kernel: the pooling width ``k``, a positive odd int.
+    pool: ``"max"`` or ``"avg"``.
+    reduce: ``"sum"`` or ``"mean"`` over the window rows.
+    window: the window ``w``, ``1 <= w <= W``; defaults to the number of rows ``W``.
+
+  Returns:
+    fp32 scores ``[L, H, T]``, the last ``window`` positions ``+inf``.
+
+  Raises:
+    ValueError: for attention that is not a floating rank-4 array, or (when concrete) contains
+      NaN or inf; a kernel that is not a positive odd int; an unknown ``pool`` or ``reduce``;
+      and a window outside ``[1, W]`` or above ``T``.
   """
   _check_array("attn", attn_LHWT, 4, "LHWT")
   check_kernel(kernel)
@@ -374,7 +528,7 @@ def _snapkv(attn_LHWT, kernel, pool, reduce, window):
 
 
 def h2o_from_column_sums(column_sums_LHT: Array, *, form: str = "causal", recent=None) -> Array:
-  """H2O heavy-hitter scores from accumulated attention (see :func:`attention_column_sums`).
+  """Scores H2O heavy hitters from accumulated attention (see :func:`attention_column_sums`).
 
   ``form``:
 
@@ -385,6 +539,20 @@ def h2o_from_column_sums(column_sums_LHT: Array, *, form: str = "causal", recent
   * ``"kvpress"``: ``ObservedAttentionPress``: each column sum divided by the number of queries
     that see the key (``T, T-1, ..., 1``), which removes the bias toward early tokens; no
     protection (``recent=0``).
+
+  Args:
+    column_sums_LHT: the column sums ``[L, H, T]``.
+    form: ``"causal"``, ``"kvfactory_legacy"`` or ``"kvpress"`` (above).
+    recent: the number of last positions protected (an int, or an int array broadcastable to the
+      rows); defaults to ``form``'s (above).
+
+  Returns:
+    fp32 scores ``[L, H, T]``.
+
+  Raises:
+    ValueError: for column sums that are not a floating rank-3 array, or (when concrete) contain
+      NaN or inf; an unknown ``form``; and a ``recent`` that is negative, not an integer, or (an
+      int) above ``T``.
   """
   _check_array("column_sums", column_sums_LHT, 3, "LHT")
   _check_choice("form", form, H2O_FORMS)
@@ -406,8 +574,25 @@ def h2o(
   recent=None,
   block: int = 128,
 ) -> Array:
-  """H2O scores from the prompt's queries and keys: column sums under ``form``'s mask, then
-  :func:`h2o_from_column_sums`. ``form`` is ``"causal"``, ``"kvfactory_legacy"`` or ``"kvpress"``.
+  """Scores H2O from the prompt's queries and keys.
+
+  Column sums under ``form``'s mask (:func:`attention_column_sums`), then
+  :func:`h2o_from_column_sums`.
+
+  Args:
+    queries_LHTD: every prompt query ``[L, Hq, T, D]``.
+    keys_LGTD: the prompt's keys ``[L, G, T, D]``; ``Hq`` must be a multiple of ``G``.
+    form: ``"causal"``, ``"kvfactory_legacy"`` or ``"kvpress"``.
+    recent: the number of last positions protected, an int (also the legacy mask's window);
+      defaults to 8, or 0 under ``"kvpress"``.
+    block: queries per block of the column sums, a positive int.
+
+  Returns:
+    fp32 scores ``[L, Hq, T]``.
+
+  Raises:
+    ValueError: for an unknown ``form``, and the inputs :func:`attention_column_sums` and
+      :func:`h2o_from_column_sums` refuse.
   """
   _check_choice("form", form, H2O_FORMS)
   mask = "kvfactory_legacy" if form == "kvfactory_legacy" else "causal"
@@ -417,10 +602,19 @@ def h2o(
 
 
 def tova(attn_last_LHT: Array) -> Array:
-  """TOVA (``TOVACache.reduce``): the last query's attention row averaged over all heads.
+  """Scores TOVA (``TOVACache.reduce``): the last query's attention row averaged over all heads.
 
-  Returns ``[L, H, T]`` with the same row for every head: TOVA is a layer-wise policy, one index
-  set serves every KV head. No sink or window protection.
+  TOVA is a layer-wise policy: one index set serves every KV head. No sink or window protection.
+
+  Args:
+    attn_last_LHT: the last query's attention ``[L, H, T]``.
+
+  Returns:
+    fp32 scores ``[L, H, T]``, the same row for every head.
+
+  Raises:
+    ValueError: for attention that is not a floating rank-3 array, or (when concrete) contains
+      NaN or inf.
   """
   _check_array("attn_last", attn_last_LHT, 3, "LHT")
   mean_L1T = attn_last_LHT.astype(jnp.float32).mean(-2, keepdims=True)
@@ -428,23 +622,57 @@ def tova(attn_last_LHT: Array) -> Array:
 
 
 def knorm(keys_LGTD: Array) -> Array:
-  """Key norm (kvpress ``KnormPress``): ``-||k||_2`` in fp32, so low-norm keys are kept."""
+  """Scores keys by their negated norm (kvpress ``KnormPress``), so low-norm keys are kept.
+
+  The score is ``-||k||_2`` in fp32.
+
+  Args:
+    keys_LGTD: the keys ``[L, G, T, D]``.
+
+  Returns:
+    fp32 scores ``[L, G, T]``.
+
+  Raises:
+    ValueError: for keys that are not a floating rank-4 array, or (when concrete) contain NaN
+      or inf.
+  """
   _check_array("keys", keys_LGTD, 4, "LGTD")
   return -jnp.linalg.norm(keys_LGTD.astype(jnp.float32), axis=-1)
 
 
 def random(key: Array, shape: tuple[int, ...]) -> Array:
-  """Uniform random scores (kvpress ``RandomPress``): the floor every policy must beat."""
+  """Draws uniform random scores (kvpress ``RandomPress``): the floor every policy must beat.
+
+  Args:
+    key: a ``jax.random`` key.
+    shape: the scores' shape ``[..., T]``.
+
+  Returns:
+    float32 scores in ``[0, 1)`` of ``shape``.
+
+  Raises:
+    ValueError: for an empty shape or a dimension below 1.
+  """
   if not shape or any(int(n) < 1 for n in shape):
     raise ValueError(f"shape: expected positive dimensions [..., T], got {shape!r}")
   return jax.random.uniform(key, tuple(shape), jnp.float32)
 
 
 def oracle(future_attn_LHST: Array) -> Array:
-  """Oracle upper bound: the attention the future queries will actually pay, summed over them.
+  """Scores the oracle upper bound: the attention future queries actually pay, summed over them.
 
   For a one-shot selection this is kvpress's "optimal pruning" (top-``b`` of ``sum_t a_{t,i}``);
   with a single future row it is the per-step oracle ``R*_t(b)`` (top-``b`` of ``a_t``).
+
+  Args:
+    future_attn_LHST: the attention of the ``S`` future queries ``[L, H, S, T]``.
+
+  Returns:
+    fp32 scores ``[L, H, T]``.
+
+  Raises:
+    ValueError: for attention that is not a floating rank-4 array, or (when concrete) contains
+      NaN or inf.
   """
   _check_array("future_attn", future_attn_LHST, 4, "LHST")
   return future_attn_LHST.astype(jnp.float32).sum(-2)
@@ -453,9 +681,25 @@ def oracle(future_attn_LHST: Array) -> Array:
 def cake(
   attn_LHWT: Array, *, gamma: float = 200.0, kernel: int = 5, window: int | None = None
 ) -> Array:
-  """CAKE eviction score (``CakeprefillKVCache``): ``mean_q(A) + gamma * var_q(A)`` over the window
-  queries for each prefix key, ``avg_pool1d(k=5)``, window protected. CAKE reduces over the GQA
-  group with the mean afterwards (:func:`group`). ``var`` is torch's default unbiased variance.
+  """Scores CAKE's eviction (``CakeprefillKVCache``): the window mean plus ``gamma`` times variance.
+
+  ``mean_q(A) + gamma * var_q(A)`` over the window queries for each prefix key,
+  ``avg_pool1d(k=5)``, window protected. CAKE reduces over the GQA group with the mean afterwards
+  (:func:`group`). ``var`` is torch's default unbiased variance.
+
+  Args:
+    attn_LHWT: the window attention ``[L, H, W, T]`` (:func:`window_attention`).
+    gamma: the variance's weight, finite and ``>= 0``.
+    kernel: the average pooling width, a positive odd int.
+    window: the window ``w``, ``1 <= w <= W``; defaults to the number of rows ``W``.
+
+  Returns:
+    fp32 scores ``[L, H, T]``, the last ``window`` positions ``+inf``.
+
+  Raises:
+    ValueError: for attention that is not a floating rank-4 array, or (when concrete) contains
+      NaN or inf; a kernel that is not a positive odd int; a concrete ``gamma`` that is negative
+      or not finite; and a window outside ``[1, W]`` or above ``T``.
   """
   _check_array("attn", attn_LHWT, 4, "LHWT")
   check_kernel(kernel)
@@ -507,14 +751,24 @@ def _check_valid(valid_T, T: int) -> Array:
 
 
 def keydiff(keys_LGTD: Array, valid_T: Array | None = None) -> Array:
-  """KeyDiff (kvpress ``KeyDiffPress.score``): ``-cos(k_t, anchor)`` per KV head ``[L, G, T]``.
+  """Scores KeyDiff (kvpress ``KeyDiffPress.score``): ``-cos(k_t, anchor)`` per KV head.
 
   ``anchor = mean_t(k_t / max(||k_t||, 1e-12))`` (``F.normalize`` then the mean over the
   prompt); the cosine is ``k . a / sqrt(max(||k||^2 ||a||^2, 1e-16))`` (torch
   ``cosine_similarity``, eps 1e-8). Keys least like the average key are kept. Attention-free, no
   protection. (The paper's block-wise iteration is kvpress ``BlockPress``, not this scorer.)
-  ``valid_T``: the row's real positions (a padded batch row); the anchor is their mean, as the
-  unpadded prompt's.
+
+  Args:
+    keys_LGTD: the keys ``[L, G, T, D]``.
+    valid_T: bool ``[T]``, the row's real positions (a padded batch row); the anchor is their
+      mean, as the unpadded prompt's. ``None``: every position.
+
+  Returns:
+    fp32 scores ``[L, G, T]``.
+
+  Raises:
+    ValueError: for keys that are not a floating rank-4 array, or (when concrete) contain NaN or
+      inf, and a ``valid_T`` that is not ``[T]``.
   """
   _check_array("keys", keys_LGTD, 4, "LGTD")
   return _keydiff(keys_LGTD, _check_valid(valid_T, keys_LGTD.shape[2]))
@@ -544,7 +798,7 @@ def _lag_state_scores(x_LGPRD: Array) -> Array:
 
 
 def lagkv(keys_LGTD: Array, values_LGTD: Array, *, lag: int = 128, sinks: int = 4) -> Array:
-  """LagKV (kvpress ``LagKVPress.score``, ``cross_scoring=False``): ``[L, G, T]`` per KV head.
+  """Scores LagKV per KV head (kvpress ``LagKVPress.score``, ``cross_scoring=False``).
 
   The prompt after the ``sinks`` is cut into ``P = (T - sinks) // lag`` chunks of ``lag``
   tokens; each chunk but the last is scored against the next one (its lag reference) by
@@ -555,6 +809,20 @@ def lagkv(keys_LGTD: Array, values_LGTD: Array, *, lag: int = 128, sinks: int = 
   ``sinks + 2 * lag`` is not compressed by LagKV: kvpress then scores the sinks 1 and the rest
   by recency, i.e. StreamingLLM's order, which this returns. Ranks repeat across chunks, so ties
   go to the lower position (the select rule, as torch's CPU ``topk``).
+
+  Args:
+    keys_LGTD: the keys ``[L, G, T, D]``.
+    values_LGTD: the values, ``[L, G, T, D]`` with the keys' ``L``, ``G`` and ``T``.
+    lag: the chunk length, a static int ``>= 1``.
+    sinks: the number of initial tokens protected, a static int ``>= 0``.
+
+  Returns:
+    fp32 scores ``[L, G, T]``.
+
+  Raises:
+    ValueError: for keys or values that are not floating rank-4 arrays, or (when concrete)
+      contain NaN or inf; values whose ``L``, ``G`` or ``T`` differ from the keys'; and a
+      ``lag`` or ``sinks`` that is not a static int in range.
   """
   _check_array("keys", keys_LGTD, 4, "LGTD")
   _check_array("values", values_LGTD, 4, "LGTD")
@@ -589,12 +857,24 @@ def _lagkv(keys_LGTD, values_LGTD, lag, sinks):
 def average_rope(
   inv_freq, start: int, n_future: int = 512, *, attention_scaling: float = 1.0
 ) -> Array:
-  """kvpress ``ExpectedAttentionPress.apply_avg_rope``'s matrix ``R [D, D]`` (fp32): the mean
-  over positions ``start .. start + n_future - 1`` of the RoPE rotation (HF ``rotate_half``
-  layout: ``R = cos I + sin P`` with ``P = [[0, -I], [I, 0]]``), so ``R @ q`` is the average
-  rotated query. ``inv_freq`` is the model's ``[D / 2]`` RoPE inverse frequencies (after any
-  rope scaling); ``attention_scaling`` multiplies cos and sin as HF's rotary embedding does.
-  ``start`` is the prompt length ``T`` (the first future position).
+  """Builds kvpress ``ExpectedAttentionPress.apply_avg_rope``'s matrix ``R [D, D]`` (fp32).
+
+  The mean over positions ``start .. start + n_future - 1`` of the RoPE rotation (HF
+  ``rotate_half`` layout: ``R = cos I + sin P`` with ``P = [[0, -I], [I, 0]]``), so ``R @ q`` is
+  the average rotated query.
+
+  Args:
+    inv_freq: the model's ``[D / 2]`` RoPE inverse frequencies (after any rope scaling).
+    start: the first future position: the prompt length ``T``.
+    n_future: the number of future positions averaged.
+    attention_scaling: multiplies cos and sin, as HF's rotary embedding does.
+
+  Returns:
+    The fp32 matrix ``R [D, D]``.
+
+  Raises:
+    ValueError: for frequencies that are not a finite non-empty ``[D / 2]`` vector, a ``start``
+      that is not a static int ``>= 0``, and an ``n_future`` that is not a static int ``>= 1``.
   """
   inv = np.asarray(inv_freq, np.float32)
   if inv.ndim != 1 or not inv.size or not np.isfinite(inv).all():
@@ -621,13 +901,25 @@ def _average_rope(inv, start, n_future, attention_scaling):
 def expected_query_stats(
   prerope_queries_LHTD: Array, avg_rope_DD: Array, n_sink: int = 4
 ) -> tuple[Array, Array]:
-  """ExpectedAttention's query statistics (kvpress ``get_query_statistics``):
-  ``(query_mean_LHD, query_cov_LHDD)`` fp32.
+  """Computes ExpectedAttention's query statistics (kvpress ``get_query_statistics``).
 
   The pre-RoPE prompt queries after the first ``n_sink`` tokens (outliers) give the mean ``mu``
   and the covariance ``sum (q - mu)(q - mu)^T / N`` (divided by the count ``N = T - n_sink``, not
   ``N - 1``), then both are rotated by the average RoPE ``R`` (:func:`average_rope` with
   ``start = T``): ``mu R^T`` and ``R cov R^T``.
+
+  Args:
+    prerope_queries_LHTD: the pre-RoPE prompt queries ``[L, Hq, T, D]``.
+    avg_rope_DD: the average RoPE ``R [D, D]`` (:func:`average_rope`).
+    n_sink: the number of initial tokens left out, a static int ``>= 0`` below ``T``.
+
+  Returns:
+    ``(query_mean_LHD, query_cov_LHDD)``: fp32 ``[L, Hq, D]`` and ``[L, Hq, D, D]``.
+
+  Raises:
+    ValueError: for queries or ``R`` that are not floating arrays of rank 4 and 2, or (when
+      concrete) contain NaN or inf; an ``R`` that is not ``[D, D]``; and an ``n_sink`` that is
+      not a static int in ``[0, T)``.
   """
   _check_array("prerope_queries", prerope_queries_LHTD, 4, "LHTD")
   _check_array("avg_rope", avg_rope_DD, 2, "DD")
@@ -659,15 +951,35 @@ def expected_attention(
   epsilon: float = 0.0,
   valid_T: Array | None = None,
 ) -> Array:
-  """Expected attention (kvpress ``ExpectedAttentionPress.score``): ``[L, G, T]`` per KV head.
+  """Scores expected attention (kvpress ``ExpectedAttentionPress.score``) per KV head ``[L, G, T]``.
 
   For the keys after the ``sinks``: ``z = mu . k / sqrt(D) + k^T cov k / (2 D)`` (the second term
   when ``use_covariance``), softmax over those positions per query head, mean over each GQA
   group, then ``(p + epsilon) * ||v||_2`` when ``use_vnorm``. The first ``sinks`` positions are
-  protected (``+inf``; kvpress pads them with the max + 1). ``query_mean_LHD`` and
-  ``query_cov_LHDD`` are :func:`expected_query_stats`' (the model's future-query statistics).
-  ``valid_T``: the row's real positions (a padded batch row): the softmax runs over them only,
-  as over the unpadded prompt, and padding scores 0.
+  protected (``+inf``; kvpress pads them with the max + 1).
+
+  Args:
+    query_mean_LHD: the future queries' mean ``[L, Hq, D]`` (:func:`expected_query_stats`, the
+      model's future-query statistics).
+    query_cov_LHDD: their covariance ``[L, Hq, D, D]`` (:func:`expected_query_stats`); may be
+      ``None`` without ``use_covariance``.
+    keys_LGTD: the keys ``[L, G, T, D]``; ``Hq`` must be a multiple of ``G``.
+    values_LGTD: the values ``[L, G, T, D]``; may be ``None`` without ``use_vnorm``.
+    sinks: the number of initial positions protected, a static int in ``[0, T)``.
+    use_covariance: adds the covariance term to ``z``.
+    use_vnorm: multiplies by the value norms.
+    epsilon: added to ``p`` before the value norms multiply it.
+    valid_T: bool ``[T]``, the row's real positions (a padded batch row): the softmax runs over
+      them only, as over the unpadded prompt, and padding scores 0. ``None``: every position.
+
+  Returns:
+    fp32 scores ``[L, G, T]``.
+
+  Raises:
+    ValueError: for arrays that are not floating of the expected rank, or (when concrete)
+      contain NaN or inf; shapes that disagree; ``Hq`` not a multiple of ``G``; a ``sinks``
+      that is not a static int in ``[0, T)``; a missing covariance (``use_covariance``) or
+      missing values (``use_vnorm``); and a ``valid_T`` that is not ``[T]``.
   """
   _check_array("query_mean", query_mean_LHD, 3, "LHD")
   _check_array("keys", keys_LGTD, 4, "LGTD")
@@ -725,8 +1037,22 @@ def _expected_attention(
 
 
 def group_norms(value_out_norms_LHT: Array, num_heads: int) -> Array:
-  """CriticalKV's ``||W_O v||_1`` at the scores' head granularity: query heads as given, or the
-  mean over each GQA group for KV-head scores (kvpress ``vwl1norm``)."""
+  """Brings CriticalKV's ``||W_O v||_1`` to the scores' head granularity.
+
+  Query heads as given, or the mean over each GQA group for KV-head scores (kvpress
+  ``vwl1norm``).
+
+  Args:
+    value_out_norms_LHT: the norms per query head ``[L, Hq, T]``.
+    num_heads: the scores' number of heads: ``Hq``, or ``G`` for KV-head scores.
+
+  Returns:
+    fp32 norms ``[L, num_heads, T]``.
+
+  Raises:
+    ValueError: for norms that are not a floating rank-3 array, or (when concrete) contain NaN
+      or inf, and ``Hq`` not a multiple of ``num_heads``.
+  """
   _check_array("value_out_norms", value_out_norms_LHT, 3, "LHT")
   if value_out_norms_LHT.shape[1] == num_heads:
     return value_out_norms_LHT.astype(jnp.float32)
@@ -736,13 +1062,27 @@ def group_norms(value_out_norms_LHT: Array, num_heads: int) -> Array:
 def critical(
   scores_LHT: Array, value_out_norms_LHT: Array, first_stage_LHT: Array, *, epsilon: float = 1e-4
 ) -> Array:
-  """CriticalKV's second stage (kvpress ``CriticalKVPress.score``): ``(s + epsilon) * ||W_O v||_1``
-  with the first-stage positions forced in (``+inf``; kvpress writes ``finfo.max``).
+  """Scores CriticalKV's second stage (kvpress ``CriticalKVPress.score``).
 
-  ``first_stage_LHT`` (bool) is the base scores' top ``max(1, floor(first_stage_ratio * b))`` per
-  row, chosen by the caller from the budget (:mod:`kvjax.policies`); ``value_out_norms_LHT`` is
-  per query head and is averaged over each GQA group for KV-head scores (:func:`group_norms`).
-  Positions the base scorer protected (``+inf``) stay protected.
+  ``(s + epsilon) * ||W_O v||_1`` with the first-stage positions forced in (``+inf``; kvpress
+  writes ``finfo.max``). Positions the base scorer protected (``+inf``) stay protected.
+
+  Args:
+    scores_LHT: the base scores ``[L, H, T]``.
+    value_out_norms_LHT: ``||W_O v||_1`` per query head ``[L, Hq, T]``, averaged over each GQA
+      group for KV-head scores (:func:`group_norms`).
+    first_stage_LHT: bool ``[L, H, T]``, the base scores' top
+      ``max(1, floor(first_stage_ratio * b))`` per row, chosen by the caller from the budget
+      (:mod:`kvjax.policies`).
+    epsilon: added to the scores before the norms multiply them.
+
+  Returns:
+    fp32 scores ``[L, H, T]``.
+
+  Raises:
+    ValueError: for scores that are not a floating ``[L, H, T]`` array; norms that are not a
+      floating rank-3 array, or (when concrete) contain NaN or inf; and norms whose grouped
+      shape differs from the scores'.
   """
   _check_scores_3d(scores_LHT)
   norms = group_norms(value_out_norms_LHT, scores_LHT.shape[1])
@@ -757,20 +1097,31 @@ def critical(
 
 
 def chunkkv(scores_LHT: Array, *, chunk: int = 20, valid_T: Array | None = None) -> Array:
-  """ChunkKV (kvpress ``ChunkKVPress.compress``): whole chunks ranked by their summed score, one
-  kept set shared by every head. Returns order scores ``[L, H, T]`` (higher = keep).
+  """Scores ChunkKV (kvpress ``ChunkKVPress.compress``): whole chunks ranked by their summed score.
 
-  Per layer the scores are summed over heads (``+inf`` protected positions enter as the layer's
-  largest finite score + 1, as kvpress's scorers pad them), each chunk of ``chunk`` tokens is
-  scored by its mean (the partial last chunk by the mean of its ``T % chunk`` tokens) and the
-  chunks are ranked (ties to the lower chunk). The returned order takes the best chunk, then the
-  next, and inside a chunk the tokens by their summed score, so a budget that is a sum of chunk
-  lengths keeps exactly kvpress's chunks, and any other budget keeps whole best chunks plus the
-  best tokens of the next one (kvpress rounds the kept count to whole chunks instead:
-  ``max(1, int(n_chunks * (1 - ratio)))`` chunks). ``T < chunk`` returns ``scores_LHT`` as is
-  (kvpress delegates to the base press). ``valid_T``: the row's real positions (a left-padded
-  batch row): chunks start at its first real token, as in the unpadded prompt, and the padding
-  forms a last chunk of its own.
+  One kept set is shared by every head. Per layer the scores are summed over heads (``+inf``
+  protected positions enter as the layer's largest finite score + 1, as kvpress's scorers pad
+  them), each chunk of ``chunk`` tokens is scored by its mean (the partial last chunk by the mean
+  of its ``T % chunk`` tokens) and the chunks are ranked (ties to the lower chunk). The returned
+  order takes the best chunk, then the next, and inside a chunk the tokens by their summed
+  score, so a budget that is a sum of chunk lengths keeps exactly kvpress's chunks, and any other
+  budget keeps whole best chunks plus the best tokens of the next one (kvpress rounds the kept
+  count to whole chunks instead: ``max(1, int(n_chunks * (1 - ratio)))`` chunks).
+
+  Args:
+    scores_LHT: the base scores ``[L, H, T]``.
+    chunk: the chunk length, a static int ``>= 1``.
+    valid_T: bool ``[T]``, the row's real positions (a left-padded batch row): chunks start at
+      its first real token, as in the unpadded prompt, and the padding forms a last chunk of its
+      own. ``None``: every position.
+
+  Returns:
+    fp32 order scores ``[L, H, T]`` (higher = keep). ``T < chunk`` returns ``scores_LHT`` as is,
+    in fp32 (kvpress delegates to the base press).
+
+  Raises:
+    ValueError: for scores that are not a floating ``[L, H, T]`` array, a ``chunk`` that is not
+      a static int ``>= 1``, and a ``valid_T`` that is not ``[T]``.
   """
   _check_scores_3d(scores_LHT)
   chunk = _check_static_int("chunk", chunk, 1)
@@ -826,8 +1177,21 @@ def _ranks_desc(x_LN: Array) -> Array:
 
 
 def qfilter(keys_LGTD: Array, qfilters_LGD: Array) -> Array:
-  """Q-Filters (kvpress ``QFilterPress.score``): ``-<k_t, f>`` per KV head ``[L, G, T]``, with
-  ``f`` the layer's filter direction for that KV head. No protection."""
+  """Scores Q-Filters (kvpress ``QFilterPress.score``): ``-<k_t, f>`` per KV head ``[L, G, T]``.
+
+  ``f`` is the layer's filter direction for that KV head. No protection.
+
+  Args:
+    keys_LGTD: the keys ``[L, G, T, D]``.
+    qfilters_LGD: the filter directions ``[L, G, D]``.
+
+  Returns:
+    fp32 scores ``[L, G, T]``.
+
+  Raises:
+    ValueError: for keys or filters that are not floating arrays of rank 4 and 3, or (when
+      concrete) contain NaN or inf, and filters that are not ``[L, G, D]``.
+  """
   _check_array("keys", keys_LGTD, 4, "LGTD")
   _check_array("qfilters", qfilters_LGD, 3, "LGD")
   L, G, _, D = keys_LGTD.shape
@@ -838,10 +1202,23 @@ def qfilter(keys_LGTD: Array, qfilters_LGD: Array) -> Array:
 
 
 def duo_streaming_heads(retrieval_heads_LG: Array, head_compression_ratio: float = 0.5) -> Array:
-  """DuoAttention's streaming heads ``[L, G]`` bool (kvpress ``DuoAttentionPress``
-  ``post_init_from_model``): the ``round(L * G * head_compression_ratio)`` (Python's half-to-even
-  round) lowest gates over all layers and heads, ties to the lower flat index (numpy's
-  ``argsort``). Retrieval heads (False) keep the whole cache."""
+  """Chooses DuoAttention's streaming heads ``[L, G]`` (kvpress ``DuoAttentionPress``).
+
+  As ``post_init_from_model``: the ``round(L * G * head_compression_ratio)`` (Python's
+  half-to-even round) lowest gates over all layers and heads, ties to the lower flat index
+  (numpy's ``argsort``). Retrieval heads (False) keep the whole cache.
+
+  Args:
+    retrieval_heads_LG: DuoAttention's gates per layer and KV head ``[L, G]``.
+    head_compression_ratio: the share of heads made streaming, a static float in ``[0, 1]``.
+
+  Returns:
+    bool ``[L, G]``, True for the streaming heads.
+
+  Raises:
+    ValueError: for gates that are not a floating rank-2 array, or (when concrete) contain NaN
+      or inf, and a ratio that is not a static float in ``[0, 1]``.
+  """
   _check_array("retrieval_heads", retrieval_heads_LG, 2, "LG")
   ratio = _check_ratio("head_compression_ratio", head_compression_ratio, high_open=False)
   L, G = retrieval_heads_LG.shape
@@ -857,21 +1234,47 @@ def _duo_streaming_heads(retrieval_heads_LG, n_pruned):
 
 
 def kvzip(reconstruction_attn_LGT: Array, *, sinks: int = 4) -> Array:
-  """KVzip (kvpress ``KVzipPress.compress_post``): the reconstruction attention (max over the
-  "repeat the context" queries and the GQA group, :mod:`kvjax.model.calibrate`), with the first
-  ``sinks`` positions protected (``+inf``; kvpress writes the global max + 1). The budget split
-  across layers and heads is the policy's (:mod:`kvjax.policies`, ``kvzip``)."""
+  """Scores KVzip (kvpress ``KVzipPress.compress_post``) from the reconstruction attention.
+
+  The reconstruction attention (max over the "repeat the context" queries and the GQA group,
+  :mod:`kvjax.model.calibrate`), with the first ``sinks`` positions protected (``+inf``; kvpress
+  writes the global max + 1). The budget split across layers and heads is the policy's
+  (:mod:`kvjax.policies`, ``kvzip``).
+
+  Args:
+    reconstruction_attn_LGT: the reconstruction attention ``[L, G, T]``.
+    sinks: the number of initial positions protected.
+
+  Returns:
+    fp32 scores ``[L, G, T]``.
+
+  Raises:
+    ValueError: for attention that is not a floating rank-3 array, or (when concrete) contains
+      NaN or inf, and a ``sinks`` that is negative, not an integer or beyond int32.
+  """
   _check_array("reconstruction_attn", reconstruction_attn_LGT, 3, "LGT")
   sinks = check_count("sinks", sinks)
   return protect(reconstruction_attn_LGT.astype(jnp.float32), sinks=sinks)
 
 
 def think_channel_scores(window_queries_LHWD: Array, keys_LGTD: Array) -> Array:
-  """ThinK's key-channel importance (kvpress ``ThinKPress.compress``): ``[L, G, D]`` fp32.
+  """Scores ThinK's key channels (kvpress ``ThinKPress.compress``): ``[L, G, D]`` fp32.
 
   ``mean_w(q^2)`` of the last ``W`` post-RoPE prompt queries (kvpress ``window_size=32``),
   averaged over each GQA group, times ``mean_t(k^2)`` of the keys (the cached keys the channels
   are pruned from; in ``ComposedPress([press, ThinKPress])`` those the sequence press kept).
+
+  Args:
+    window_queries_LHWD: the last ``W`` post-RoPE prompt queries ``[L, Hq, W, D]``.
+    keys_LGTD: the cached keys ``[L, G, T, D]``; ``Hq`` must be a multiple of ``G``.
+
+  Returns:
+    fp32 channel scores ``[L, G, D]``.
+
+  Raises:
+    ValueError: for queries or keys that are not floating rank-4 arrays, or (when concrete)
+      contain NaN or inf; shapes that disagree in ``L`` or ``D``; and ``Hq`` not a multiple of
+      ``G``.
   """
   _check_qk(window_queries_LHWD, keys_LGTD, "window_queries")
   L, Hq, _, D = window_queries_LHWD.shape
@@ -882,10 +1285,23 @@ def think_channel_scores(window_queries_LHWD: Array, keys_LGTD: Array) -> Array:
 
 
 def think_channel_mask(channel_scores_LGD: Array, channel_ratio: float) -> Array:
-  """ThinK's channel choice: kept channels ``[L, G, D]`` bool; the ``int(D * channel_ratio)``
-  lowest-scoring channels of each KV head are pruned (kvpress ``key_scores.topk(n_pruned,
-  largest=False)``), ties pruning the lower channel. Keys keep ``D - int(D * channel_ratio)``
-  channels (kvpress zeroes the others; the cache may drop them)."""
+  """Chooses ThinK's kept key channels: bool ``[L, G, D]``.
+
+  The ``int(D * channel_ratio)`` lowest-scoring channels of each KV head are pruned (kvpress
+  ``key_scores.topk(n_pruned, largest=False)``), ties pruning the lower channel. Keys keep
+  ``D - int(D * channel_ratio)`` channels (kvpress zeroes the others; the cache may drop them).
+
+  Args:
+    channel_scores_LGD: the channel scores ``[L, G, D]`` (:func:`think_channel_scores`).
+    channel_ratio: the share of channels pruned, a static float in ``[0, 1)``.
+
+  Returns:
+    bool ``[L, G, D]``, True for the kept channels.
+
+  Raises:
+    ValueError: for scores that are not a floating rank-3 array, or (when concrete) contain NaN
+      or inf, and a ratio that is not a static float in ``[0, 1)``.
+  """
   _check_array("channel_scores", channel_scores_LGD, 3, "LGD")
   ratio = _check_ratio("channel_ratio", channel_ratio)
   n_pruned = int(channel_scores_LGD.shape[-1] * ratio)
@@ -896,14 +1312,26 @@ def think_channel_mask(channel_scores_LGD: Array, channel_ratio: float) -> Array
 def key_similarity_redundancy(
   keys_LGTD: Array, *, threshold: float = 0.5, valid_T: Array | None = None
 ) -> Array:
-  """R-KV's redundancy ``[L, G, T]`` (official ``cal_similarity``, ``retain_direction="last"``).
+  """Scores R-KV's redundancy (official ``cal_similarity``, ``retain_direction="last"``).
 
   Cosine similarity between the keys (``k / (||k|| + 1e-8)``), diagonal zeroed; in each row
   ``i`` the last key ``j`` with similarity above ``threshold`` is exempted (its entry zeroed;
   with no such key, entry ``j = 0`` is zeroed, as upstream); then the mean over rows, softmax
-  over the keys. ``valid_T``: the row's real positions (a left-padded batch row): padding takes
-  no part (its rows and columns are dropped, upstream's ``j = 0`` is the first real key), so a
-  padded row scores its keys as the unpadded prompt does; padding scores 0.
+  over the keys.
+
+  Args:
+    keys_LGTD: the keys ``[L, G, T, D]``.
+    threshold: the cosine similarity above which a key can be a row's exempted key.
+    valid_T: bool ``[T]``, the row's real positions (a left-padded batch row): padding takes no
+      part (its rows and columns are dropped, upstream's ``j = 0`` is the first real key), so a
+      padded row scores its keys as the unpadded prompt does. ``None``: every position.
+
+  Returns:
+    fp32 redundancy ``[L, G, T]`` (higher = more redundant); padding scores 0.
+
+  Raises:
+    ValueError: for keys that are not a floating rank-4 array, or (when concrete) contain NaN or
+      inf, and a ``valid_T`` that is not ``[T]``.
   """
   _check_array("keys", keys_LGTD, 4, "LGTD")
   return _key_similarity_redundancy(keys_LGTD, threshold, _check_valid(valid_T, keys_LGTD.shape[2]))
@@ -939,17 +1367,36 @@ def rkv(
   threshold: float = 0.5,
   valid_T: Array | None = None,
 ) -> Array:
-  """R-KV (arXiv 2505.24133; official ``rkv/compression/r1_kv.py``, ported verbatim in
-  ``FlashInfer/rkv/algo.py``): ``lambda * importance - (1 - lambda) * redundancy``, ``[L, G, T]``.
+  """Scores R-KV: ``lambda * importance - (1 - lambda) * redundancy``, ``[L, G, T]``.
 
-  Importance: the logits of the last ``window`` queries (max over each GQA group, before the
-  softmax), softmax over the prefix keys ``[0, T - window)`` only, mean over the window queries,
-  ``max_pool1d(kernel, padding kernel // 2)``. Redundancy: :func:`key_similarity_redundancy` over
-  all ``T`` keys, restricted to the prefix. The last ``window`` positions are protected (upstream
-  keeps them on top of the ``budget - window`` best). Defaults ``mix_lambda=0.07``, ``window=8``,
-  ``kernel=7``, ``threshold=0.5``; upstream re-compresses every 128 generated tokens
-  (``divide_length``), which the registry's ``decode_every`` carries. ``valid_T``: the row's real
-  positions (a left-padded batch row): padding takes no part in either term and scores 0.
+  The reference is arXiv 2505.24133 (official ``rkv/compression/r1_kv.py``, ported verbatim in
+  ``FlashInfer/rkv/algo.py``). Importance: the logits of the last ``window`` queries (max over
+  each GQA group, before the softmax), softmax over the prefix keys ``[0, T - window)`` only,
+  mean over the window queries, ``max_pool1d(kernel, padding kernel // 2)``. Redundancy:
+  :func:`key_similarity_redundancy` over all ``T`` keys, restricted to the prefix. The last
+  ``window`` positions are protected (upstream keeps them on top of the ``budget - window``
+  best). Upstream re-compresses every 128 generated tokens (``divide_length``), which the
+  registry's ``decode_every`` carries.
+
+  Args:
+    window_queries_LHWD: the last ``W`` prompt queries ``[L, Hq, W, D]``.
+    keys_LGTD: the keys ``[L, G, T, D]``; ``Hq`` must be a multiple of ``G``.
+    window: the number of last queries read and of last positions protected, a static int with
+      ``window <= W`` and ``window < T``; default 8.
+    kernel: the max pooling width, a positive odd int; default 7.
+    mix_lambda: the importance's weight ``lambda``; default 0.07.
+    threshold: the similarity threshold of :func:`key_similarity_redundancy`; default 0.5.
+    valid_T: bool ``[T]``, the row's real positions (a left-padded batch row): padding takes no
+      part in either term and scores 0. ``None``: every position.
+
+  Returns:
+    fp32 scores ``[L, G, T]``, the last ``window`` positions ``+inf``.
+
+  Raises:
+    ValueError: for queries or keys that are not floating rank-4 arrays, or (when concrete)
+      contain NaN or inf; shapes that disagree in ``L`` or ``D``; ``Hq`` not a multiple of
+      ``G``; a kernel that is not a positive odd int; a window that is not a static int in
+      ``[1, min(W, T - 1)]``; and a ``valid_T`` that is not ``[T]``.
   """
   _check_qk(window_queries_LHWD, keys_LGTD, "window_queries")
   check_kernel(kernel)

@@ -52,7 +52,16 @@ INT32_LIMIT = 2**31  # counts must satisfy 0 <= x < INT32_LIMIT before they are 
 
 
 def is_concrete(*xs) -> bool:
-  """Whether every value is known in Python (not traced), so that it can be validated there."""
+  """Tells whether every value is known in Python (not traced).
+
+  A concrete value can be validated in Python; a traced one (under ``jit`` or ``vmap``) cannot.
+
+  Args:
+    *xs: the values to test (arrays, Python numbers or tracers).
+
+  Returns:
+    True when none of ``xs`` is a ``jax.core.Tracer``.
+  """
   return not any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
@@ -73,16 +82,15 @@ _EXACT_RANKS = 2**24
 
 
 def float32_scores(scores):
-  """Scores as floats whose float32 order is their own, for the float32 keys every selection
-  path orders by.
+  """Casts scores to floats whose float32 order is their own.
 
-  float16, bfloat16 and float32 scores convert exactly and are returned unchanged. float64
-  scores that convert exactly are cast. Others would not keep their order in float32: finite
-  values beyond float32's range become ``+inf`` (the always-keep marker) and values closer than
-  float32's precision become ties. Each row's scores are then replaced by their dense ranks
-  (0 for the row's lowest finite score, up), ``+/-inf`` kept: the same order, ties and
-  sentinels, so the selection is float64's own. Traced float64 scores (under ``jit`` with x64
-  enabled) are always ranked.
+  These are the float32 keys every selection path orders by. float16, bfloat16 and float32
+  scores convert exactly and are returned unchanged. float64 scores that convert exactly are
+  cast. Others would not keep their order in float32: finite values beyond float32's range
+  become ``+inf`` (the always-keep marker) and values closer than float32's precision become
+  ties. Each row's scores are then replaced by their dense ranks (0 for the row's lowest finite
+  score, up), ``+/-inf`` kept: the same order, ties and sentinels, so the selection is float64's
+  own. Traced float64 scores (under ``jit`` with x64 enabled) are always ranked.
 
   Args:
     scores: floating scores ``[..., T]`` (already checked: no NaN).
@@ -147,9 +155,20 @@ def check_counts(name: str, value, *, minimum: int = 0):
   """Validates integer counts (budgets, lengths, positions) before any cast to int32.
 
   The dtype must be an integer one (also for traced values: dtypes are static). Concrete values
-  must lie in ``[minimum, 2**31)``: ``ValueError`` naming ``name`` otherwise, so that
-  ``np.int64(2**32 + 12)`` never wraps to 12 and ``2**40`` never reaches JAX's converters.
-  Returns a numpy array (concrete) or the tracer unchanged.
+  must lie in ``[minimum, 2**31)``, so that ``np.int64(2**32 + 12)`` never wraps to 12 and
+  ``2**40`` never reaches JAX's converters.
+
+  Args:
+    name: the argument's name, quoted in error messages.
+    value: the counts: a Python int, a numpy or JAX integer array, or a tracer.
+    minimum: the smallest allowed count.
+
+  Returns:
+    A numpy array (concrete ``value``) or the tracer unchanged.
+
+  Raises:
+    ValueError: naming ``name``, for a non-integer dtype (traced or concrete), and for concrete
+      counts below ``minimum`` or not below ``2**31``.
   """
   if not is_concrete(value):
     if not jnp.issubdtype(value.dtype, jnp.integer):
@@ -171,7 +190,19 @@ def check_counts(name: str, value, *, minimum: int = 0):
 
 
 def check_static_count(name: str, value, *, minimum: int = 1) -> int:
-  """A static (Python or numpy) int in ``[minimum, 2**31)``, returned as ``int``."""
+  """Validates a static (Python or numpy) int in ``[minimum, 2**31)``.
+
+  Args:
+    name: the argument's name, quoted in error messages.
+    value: the count, a Python or numpy integer (not a bool, not traced).
+    minimum: the smallest allowed value.
+
+  Returns:
+    ``value`` as a Python ``int``.
+
+  Raises:
+    ValueError: for a bool, a value that is not an integer, or one outside ``[minimum, 2**31)``.
+  """
   if isinstance(value, bool) or not isinstance(value, int | np.integer):
     raise ValueError(f"{name}: expected a static int >= {minimum}, got {value!r}")
   if not minimum <= value < INT32_LIMIT:
@@ -221,11 +252,14 @@ def _iota(shape: tuple[int, ...]) -> Array:
 
 
 def uses_packed_sort() -> bool:
-  """Whether deep orders use the packed int64 sort: on XLA:CPU only, decided at trace time.
+  """Tells whether deep orders use the packed int64 sort: on XLA:CPU only, decided at trace time.
 
   That sort is a CPU workaround (float and multi-operand sorts take XLA:CPU's slow path).
   Elsewhere the portable two-key integer sort gives the same order. Tests patch this function
   to run the portable path on CPU.
+
+  Returns:
+    True when JAX's default backend is ``"cpu"``.
   """
   return jax.default_backend() == "cpu"
 
@@ -258,8 +292,17 @@ def _sortable_int32(x: Array) -> Array:
 
 
 def sortable_int32(x: Array) -> Array:
-  """int32 keys whose signed order is the float32 order of ``x`` (``-0.0 == +0.0``, subnormals
-  exact): the keys every selection path orders by. Invertible except for the zero's sign."""
+  """Maps values to int32 keys whose signed order is their float32 order.
+
+  ``-0.0 == +0.0`` and subnormals are exact: these are the keys every selection path orders by.
+  The map is invertible except for the zero's sign.
+
+  Args:
+    x: floating array, cast to float32.
+
+  Returns:
+    int32 keys of ``x``'s shape, within ``[-(2**31 - 1), 2**31 - 1]``.
+  """
   return _sortable_int32(x)
 
 
@@ -285,13 +328,20 @@ def _two_key_sort_order(key: Array, k: int) -> Array:
 
 
 def descending_order(scores: Array, k: int) -> Array:
-  """Positions of the ``k`` highest scores per row, best first, ties to the lower position.
+  """Finds the ``k`` best positions of each row, best first, ties to the lower position.
 
   ``-0.0`` and ``+0.0`` are equal scores. ``lax.top_k`` for shallow ``k``; past ``T / 8`` a sort
   of integer keys: on CPU a single-operand int64 sort of packed ``(score, position)`` keys,
-  exact and about 5x faster than a full-depth ``top_k`` (``docs/concepts.md``: float and multi-operand
-  sorts take XLA:CPU's slow path); elsewhere a two-key ``lax.sort``. Every path gives the same
-  order.
+  exact and about 5x faster than a full-depth ``top_k`` (``docs/concepts.md``: float and
+  multi-operand sorts take XLA:CPU's slow path); elsewhere a two-key ``lax.sort``. Every path
+  gives the same order.
+
+  Args:
+    scores: float scores ``[..., T]``, higher first.
+    k: static number of positions per row, at most ``T``.
+
+  Returns:
+    int32 positions ``[..., k]``, best first.
   """
   num_positions = scores.shape[-1]
   if k * 8 <= num_positions or num_positions <= 256:
@@ -303,10 +353,21 @@ def descending_order(scores: Array, k: int) -> Array:
 
 
 def descending_values(x: Array, k: int) -> Array:
-  """The ``k`` largest values of each row, largest first (an oracle's prefix sums read these):
-  no positions, so deep orders sort int32 keys (a single-operand sort) instead of packed
-  ``(key, position)`` pairs. Equal values are interchangeable in a sum, so prefix sums of these
-  equal those of the values gathered at :func:`descending_order`, bit for bit."""
+  """Returns the ``k`` largest values of each row, largest first.
+
+  An oracle's prefix sums read these. No positions, so deep orders sort int32 keys (a
+  single-operand sort) instead of packed ``(key, position)`` pairs. Equal values are
+  interchangeable in a sum, so prefix sums of these equal those of the values gathered at
+  :func:`descending_order`, bit for bit.
+
+  Args:
+    x: float values ``[..., T]``.
+    k: static number of values per row, at most ``T``.
+
+  Returns:
+    The values ``[..., k]``, largest first: float32 past ``T / 8`` (a sort of keys), the dtype of
+    ``x`` otherwise (``lax.top_k``).
+  """
   if k * 8 <= x.shape[-1] or x.shape[-1] <= 256:
     return lax.top_k(x, k)[0]
   key = _sortable_int32(x)
@@ -316,9 +377,19 @@ def descending_values(x: Array, k: int) -> Array:
 
 
 def descending_order_by_layer(scores: Array, k: int) -> Array:
-  """:func:`descending_order` of each leading index (a layer) as its own sort op: the rows are
-  independent, so the order is the same. XLA:CPU runs one sort op on one core but independent
-  ones side by side: 0.19 s against 0.30 s for [32, 32, 8192] on 2 cores (the same CPU time)."""
+  """Computes :func:`descending_order` with each leading index (a layer) as its own sort op.
+
+  The rows are independent, so the order is the same. XLA:CPU runs one sort op on one core but
+  independent ones side by side: 0.19 s against 0.30 s for ``[32, 32, 8192]`` on 2 cores (the
+  same CPU time).
+
+  Args:
+    scores: float scores ``[L, ..., T]``, split along the first axis.
+    k: static number of positions per row, at most ``T``.
+
+  Returns:
+    int32 positions ``[L, ..., k]``, best first, as :func:`descending_order` gives them.
+  """
   return jnp.concatenate([descending_order(x, k) for x in jnp.split(scores, len(scores))])
 
 
@@ -374,8 +445,18 @@ TAIL_ROWS = 32
 
 
 def order_keys(x: Array) -> Array:
-  """:func:`sortable_int32` as uint32 keys in the same order (the sign bit flipped): what
-  :func:`count_threshold` bisects and compares, unsigned so that its midpoints never overflow."""
+  """Maps values to uint32 keys in their float32 order.
+
+  These are :func:`sortable_int32`'s keys as uint32 in the same order (the sign bit flipped):
+  what :func:`count_threshold` bisects and compares, unsigned so that its midpoints never
+  overflow.
+
+  Args:
+    x: floating array, cast to float32.
+
+  Returns:
+    uint32 keys of ``x``'s shape.
+  """
   return lax.bitcast_convert_type(_sortable_int32(x), jnp.uint32) ^ jnp.uint32(0x80000000)
 
 
@@ -398,20 +479,31 @@ def _count_at_least(x_blocks: Array, probe: Array) -> Array:
 
 
 def count_threshold(masked: Array, n: Array) -> tuple[Array, Array]:
-  """Per row, a key with exactly ``n`` entries at or above it: ``(lo, ok)``, so that
-  ``order_keys(masked) >= lo[..., None]`` is each row's top ``n`` without ordering anything.
+  """Finds, per row, a key with exactly ``n`` entries at or above it.
+
+  The result ``(lo, ok)`` makes ``order_keys(masked) >= lo[..., None]`` each row's top ``n``
+  without ordering anything.
 
   A bisection on the keys (:func:`order_keys`) keeps ``count(u >= lo) >= n > count(u > hi)``
   and stops a row when ``count(u >= lo) == n``: one counting pass over the rows per step, until
   ``lo`` falls between the row's ``n``-th and ``(n + 1)``-th best keys (about 20 steps for 8192
   normal scores, 27 for the slowest of 1024 such rows; at most 32). Exact whenever it settles,
-  since the ``n`` entries at or above ``lo`` are then the top ``n`` in any tie order. ``ok`` is
-  False when some row (with ``n >= 1``) cannot settle: its ``n``-th and ``(n + 1)``-th best are
-  tied (ties must then go to the lower position), or ``lo`` reaches ``-inf`` (masked positions
-  would be kept). Rows with ``n = 0`` keep nothing and always settle.
+  since the ``n`` entries at or above ``lo`` are then the top ``n`` in any tie order. Rows with
+  ``n = 0`` keep nothing and always settle.
 
-  Raises ``ValueError`` for NaN or non-float scores (when concrete), and for counts that are
-  negative, above ``T`` or do not broadcast to the rows.
+  Args:
+    masked: float scores ``[..., T]``, the positions that are not candidates set to ``-inf``.
+    n: int counts per row, broadcastable to ``masked.shape[:-1]``, in ``[0, T]``.
+
+  Returns:
+    ``(lo, ok)``: the uint32 keys ``lo`` (the row shape), and a bool scalar ``ok``, False when
+    some row (with ``n >= 1``) cannot settle: its ``n``-th and ``(n + 1)``-th best are tied (ties
+    must then go to the lower position), or ``lo`` reaches ``-inf`` (masked positions would be
+    kept).
+
+  Raises:
+    ValueError: for NaN or non-float scores (when concrete), and for counts that are negative,
+      above ``T`` or do not broadcast to the rows.
   """
   _check_scores(masked)
   masked = float32_scores(masked)
@@ -564,7 +656,7 @@ def _prepare(scores, budget, length, capacity):
 
 
 def keep_mask(scores: Array, budget, *, length=None, capacity: int | None = None) -> Array:
-  """Bool mask [..., T] of the ``min(budget, length)`` highest scores of each row.
+  """Marks the ``min(budget, length)`` highest scores of each row in a bool mask ``[..., T]``.
 
   Exactly ``min(budget, length)`` entries are True per row; ties go to the lower position.
   float64 scores are selected in their own order (:func:`float32_scores`).
@@ -598,27 +690,56 @@ def keep_mask(scores: Array, budget, *, length=None, capacity: int | None = None
 
 
 def ranks(scores: Array, *, length=None, capacity: int | None = None) -> Array:
-  """Rank of every position in its row, best first (ties to the lower position): int32 [..., T].
+  """Ranks every position in its row, best first, ties to the lower position.
 
   Positions outside the top ``capacity`` (default ``T``) or beyond ``length`` get rank
   ``capacity`` (or more). ``keep_mask(scores, b) == ranks(scores) < min(b, length)`` for every
   ``b <= capacity``, so a sweep computes the ranks once and answers every budget with a
   comparison (or a prefix sum of the sorted metric).
+
+  Args:
+    scores: float ``[..., T]``, higher = keep.
+    length: optional int per row: only positions ``< length`` are candidates. Defaults to ``T``.
+    capacity: static number of ranks computed, the largest budget the ranks answer (default
+      ``T``).
+
+  Returns:
+    int32 ranks ``[..., T]``, 0 for the best position of each row.
+
+  Raises:
+    ValueError: for scores that are not floating, empty or NaN (when concrete); lengths that are
+      not integers, negative, beyond int32, above ``T`` or do not broadcast to the rows; and a
+      capacity that is not a positive static int.
   """
   scores, _, length, capacity = _prepare(scores, jnp.zeros((), jnp.int32), length, capacity)
   return _rank_jit(scores, length, capacity)
 
 
 def compact(scores: Array, budget, capacity: int, *, length=None) -> tuple[Array, Array]:
-  """Kept positions in ``C = capacity`` static slots: ``(idx [..., C] int32, valid [..., C] bool)``.
+  """Lists the kept positions of each row in ``C = capacity`` static slots.
 
-  For ``scores_LHT`` that is ``(idx_LHC, valid_LHC)``. The valid slots hold the kept positions in
-  ascending order and come first; invalid slots hold 0 (a safe gather index) and must be masked
-  by ``valid``. The set equals :func:`keep_mask`'s.
-  ``min(budget, length)`` must fit the ``capacity``: concrete inputs that do not raise
-  ``ValueError``; traced ones are not checked and keep the first ``capacity`` slots (the
+  For ``scores_LHT`` the result is ``(idx_LHC, valid_LHC)``. The valid slots hold the kept
+  positions in ascending order and come first; invalid slots hold 0 (a safe gather index) and
+  must be masked by ``valid``. The set equals :func:`keep_mask`'s. ``min(budget, length)`` must
+  fit the ``capacity``: traced inputs are not checked and keep the first ``capacity`` slots (the
   model cache flags it as ``overflow``; :func:`checked_compact` reports it). This is the layout
   of :mod:`kvjax.model.cache`.
+
+  Args:
+    scores: float ``[..., T]``, higher = keep.
+    budget: int, broadcastable to ``scores.shape[:-1]``.
+    capacity: static number of slots ``C``, at least the largest ``min(budget, length)``.
+    length: optional int per row: only positions ``< length`` are candidates. Defaults to ``T``.
+
+  Returns:
+    ``(idx, valid)``: int32 positions ``[..., C]`` and the bool ``[..., C]`` that marks the valid
+    slots.
+
+  Raises:
+    ValueError: for scores that are not floating, empty or NaN (when concrete); budgets or
+      lengths that are not integers, negative, beyond int32 or do not broadcast to the rows; a
+      length above ``T``; a capacity that is not a positive static int; and concrete inputs
+      whose ``min(budget, length)`` does not fit the ``capacity``.
   """
   scores, budget, length, capacity = _prepare(scores, budget, length, capacity)
   if is_concrete(budget) and is_concrete(length):
@@ -660,12 +781,26 @@ def _flatten_heads(scores_LHT: Array) -> Array:
 def keep_mask_pooled(
   scores_LHT: Array, budget_L, *, length=None, capacity: int | None = None
 ) -> Array:
-  """Selection pooled across the heads of a layer, under a per-layer total budget.
+  """Selects across the heads of each layer under a per-layer total budget.
 
   Flattens ``[..., H, T]`` to ``[..., H*T]`` and keeps the ``budget_L`` best entries of each
   layer, so heads receive data-dependent counts (the Ada-KV / kvpress ``AdaKVPress`` pooling).
-  Ties go to the lower head, then the lower position. ``length`` (per layer and head, optional)
-  excludes positions past each head's prefix. Returns bool ``[..., H, T]``.
+  Ties go to the lower head, then the lower position.
+
+  Args:
+    scores_LHT: float scores ``[..., H, T]``, higher = keep.
+    budget_L: int total per layer, broadcastable to ``scores_LHT.shape[:-2]``.
+    length: optional int per layer and head, broadcastable to ``scores_LHT.shape[:-1]``:
+      excludes positions past each head's prefix. Defaults to ``T``.
+    capacity: static upper bound on the pooled budgets below ``H*T``, as in :func:`keep_mask`.
+
+  Returns:
+    The kept positions, bool ``[..., H, T]``.
+
+  Raises:
+    ValueError: for scores with fewer than two axes, not floating, empty or NaN (when
+      concrete); budgets or lengths that are not integers, negative, beyond int32 or do not
+      broadcast to the rows; and the capacity errors of :func:`keep_mask`.
   """
   flat = _flatten_heads(scores_LHT)  # validates [..., H, T]
   _check_scores(flat)
@@ -688,22 +823,45 @@ def keep_mask_pooled(
 
 
 def pooled_budgets(scores_LHT: Array, budget_L, *, capacity: int | None = None) -> Array:
-  """Per-head counts [..., H] int32 of :func:`keep_mask_pooled`; they sum to ``budget_L``.
+  """Counts the entries each head keeps under :func:`keep_mask_pooled`: int32 ``[..., H]``.
 
-  Selecting each head's own top ``count_h`` reproduces the pooled set (up to exact ties across
-  heads), which is how a real per-head cache stores a pooled selection.
+  The counts sum to ``budget_L``. Selecting each head's own top ``count_h`` reproduces the
+  pooled set (up to exact ties across heads), which is how a real per-head cache stores a pooled
+  selection.
+
+  Args:
+    scores_LHT: float scores ``[..., H, T]``, higher = keep.
+    budget_L: int total per layer, broadcastable to ``scores_LHT.shape[:-2]``.
+    capacity: static upper bound on the pooled budgets below ``H*T``, as in :func:`keep_mask`.
+
+  Returns:
+    int32 per-head counts ``[..., H]``.
+
+  Raises:
+    ValueError: as :func:`keep_mask_pooled`.
   """
   return keep_mask_pooled(scores_LHT, budget_L, capacity=capacity).sum(-1, dtype=jnp.int32)
 
 
 def pooled_count_table(scores_LHT: Array, max_total: int) -> Array:
-  """Cumulative per-head counts along each layer's pooled order: int32 ``[..., n_max + 1, H]``.
+  """Tabulates each head's share of every pooled budget: int32 ``[..., n_max + 1, H]``.
 
   Row ``n`` holds how many of the layer's ``n`` best entries (flattened over heads, ties to the
   lower head then position) fall in each head, for ``n <= n_max = min(max_total, H*T)``. One
   ``top_k`` answers every pooled budget: ``table[..., n, :]`` equals
   ``pooled_budgets(scores, n)``. This is what lets a sweep over thousands of Ada-KV budgets
   share a single selection.
+
+  Args:
+    scores_LHT: float scores ``[..., H, T]``, higher = keep.
+    max_total: static largest pooled budget the table answers.
+
+  Returns:
+    The cumulative per-head counts, int32 ``[..., n_max + 1, H]``.
+
+  Raises:
+    ValueError: for scores that are not floating, empty, NaN (when concrete) or with fewer than
+      two axes, and a ``max_total`` that is not a static int in ``[1, 2**31)``.
   """
   _check_scores(scores_LHT)
   if scores_LHT.ndim < 2:
@@ -718,7 +876,18 @@ def pooled_count_table(scores_LHT: Array, max_total: int) -> Array:
 
 
 def pooled_counts_from_table(table: Array, total) -> Array:
-  """Per-head counts ``[..., H]`` for pooled budgets ``total`` ``[...]`` (clipped to ``n_max``)."""
+  """Reads per-head counts ``[..., H]`` of pooled budgets from a :func:`pooled_count_table`.
+
+  Args:
+    table: int32 ``[..., n_max + 1, H]`` from :func:`pooled_count_table`.
+    total: int pooled budgets ``[...]``, clipped to ``n_max``.
+
+  Returns:
+    int32 per-head counts ``[..., H]``.
+
+  Raises:
+    ValueError: for totals that are not integers, or (when concrete) negative or beyond int32.
+  """
   n_max = table.shape[-2] - 1
   total = check_counts("total", total)  # in int32 range (concrete); the clip is documented
   n = jnp.clip(jnp.asarray(total).astype(jnp.int32), 0, n_max)
@@ -726,14 +895,25 @@ def pooled_counts_from_table(table: Array, total) -> Array:
 
 
 def pooled_rank_table(scores_LHT: Array, max_total: int) -> Array:
-  """Each head's places in its layer's pooled order, grouped by head: int32 ``[..., n_max]``.
+  """Lists each head's places in its layer's pooled order, grouped by head: int32 ``[..., n_max]``.
 
   The layer's ``n_max = min(max_total, H*T)`` best entries (flattened over heads, ties to the
   lower head then position), entry ``r`` of head ``h`` coded ``h * (n_max + 1) + r`` and sorted
   ascending: ``O(H*T)`` per layer, where :func:`pooled_count_table` holds ``O(H^2 T)``. Answer a
   pooled budget with :func:`pooled_counts_from_ranks` (two ``searchsorted`` per head); the counts
-  equal ``pooled_budgets(scores, n)`` for every ``n <= n_max``. The codes must fit int32:
-  ``H * (n_max + 1) < 2**31`` (``ValueError`` otherwise).
+  equal ``pooled_budgets(scores, n)`` for every ``n <= n_max``.
+
+  Args:
+    scores_LHT: float scores ``[..., H, T]``, higher = keep.
+    max_total: static largest pooled budget the table answers.
+
+  Returns:
+    The sorted int32 codes ``[..., n_max]``.
+
+  Raises:
+    ValueError: for scores that are not floating, empty, NaN (when concrete) or with fewer than
+      two axes; a ``max_total`` that is not a static int in ``[1, 2**31)``; and codes that do
+      not fit int32: ``H * (n_max + 1) < 2**31`` is required.
   """
   _check_scores(scores_LHT)
   if scores_LHT.ndim < 2:
@@ -751,9 +931,24 @@ def pooled_rank_table(scores_LHT: Array, max_total: int) -> Array:
 
 
 def pooled_counts_from_ranks(table: Array, total, num_heads: int) -> Array:
-  """Per-head counts ``[..., H]`` of pooled budgets ``total`` ``[...]`` (clipped to ``n_max``)
-  from a :func:`pooled_rank_table`: head ``h`` holds the codes in ``[h (n_max + 1), h (n_max +
-  1) + n)`` among the layer's ``n`` best."""
+  """Reads per-head counts ``[..., H]`` of pooled budgets from a :func:`pooled_rank_table`.
+
+  Head ``h`` holds the codes in ``[h (n_max + 1), h (n_max + 1) + n)`` among the layer's ``n``
+  best.
+
+  Args:
+    table: the sorted int32 codes ``[..., n_max]`` of :func:`pooled_rank_table`.
+    total: int pooled budgets ``[...]``, broadcast to the table's leading shape and clipped to
+      ``n_max``.
+    num_heads: static number of heads ``H``.
+
+  Returns:
+    int32 per-head counts ``[..., H]``.
+
+  Raises:
+    ValueError: for a ``num_heads`` that is not a static int in ``[1, 2**31)``, and totals that
+      are not integers, or (when concrete) negative or beyond int32.
+  """
   n_max = table.shape[-1]
   num_heads = check_static_count("num_heads", num_heads)
   total = check_counts("total", total)  # in int32 range (concrete); the clip is documented
@@ -773,13 +968,21 @@ def pooled_counts_from_ranks(table: Array, total, num_heads: int) -> Array:
 # --------------------------------------------------------------------------- checked selection
 
 
-def check_selection(scores: Array, budget: Array, length: Array, capacity: int, *, slots: bool):
-  """``checkify`` checks of a selection's data under ``jit`` (inside a ``checkify.checkify``).
+def check_selection(
+  scores: Array, budget: Array, length: Array, capacity: int, *, slots: bool
+) -> None:
+  """Adds ``checkify`` checks of a selection's data, under ``jit`` inside a ``checkify.checkify``.
 
   Reports NaN scores, negative budgets, lengths outside ``[0, T]``, and budgets the capacity
   cannot honour: for a mask (``slots=False``) a budget in ``(capacity, length)``, for the compact
-  form (``slots=True``) ``min(budget, length) > capacity``. ``budget`` and ``length`` are the
-  int32 per-row arrays (:func:`keep_mask`'s validated arguments).
+  form (``slots=True``) ``min(budget, length) > capacity``.
+
+  Args:
+    scores: float scores ``[..., T]``.
+    budget: the int32 per-row budgets (:func:`keep_mask`'s validated argument).
+    length: the int32 per-row lengths (:func:`keep_mask`'s validated argument).
+    capacity: static capacity of the selection.
+    slots: True for the compact form (:func:`compact`), False for a mask.
   """
   num_positions = scores.shape[-1]
   nan = jnp.isnan(scores.astype(jnp.float32))
@@ -835,14 +1038,25 @@ _checked_compact_jit = jax.jit(checkify.checkify(_checked_compact_impl), static_
 def checked_keep_mask(
   scores: Array, budget, *, length=None, capacity: int | None = None
 ) -> tuple[checkify.Error, Array]:
-  """:func:`keep_mask` that also checks its traced data: ``(error, keep)``.
+  """Runs :func:`keep_mask` and also checks its traced data: ``(error, keep)``.
 
   Under ``jit`` a NaN score, a negative budget or a budget above the capacity cannot be seen in
   Python, and :func:`keep_mask` then answers with no signal (a NaN ranks above every number, a
   negative budget keeps nothing). This opt-in form runs the :func:`check_selection` checks with
   ``jax.experimental.checkify``: call ``error.throw()`` (or read ``error.get()``) outside
-  ``jit``. Concrete bad input still raises ``ValueError`` at once. It can be called inside
-  ``jit``; the error is a pytree to return from it.
+  ``jit``. It can be called inside ``jit``; the error is a pytree to return from it.
+
+  Args:
+    scores: float [..., T], higher = keep.
+    budget: int, broadcastable to ``scores.shape[:-1]``.
+    length: optional int per row: only positions ``< length`` are candidates. Defaults to ``T``.
+    capacity: static upper bound on the budgets below ``T`` (default ``T``).
+
+  Returns:
+    ``(error, keep)``: a ``checkify.Error`` and :func:`keep_mask`'s bool ``[..., T]``.
+
+  Raises:
+    ValueError: at once for concrete bad input, as :func:`keep_mask`.
   """
   scores, budget, length, capacity = _prepare(scores, budget, length, capacity)
   return _checked_mask_jit(scores, budget, length, capacity=capacity)
@@ -851,8 +1065,23 @@ def checked_keep_mask(
 def checked_compact(
   scores: Array, budget, capacity: int, *, length=None
 ) -> tuple[checkify.Error, tuple[Array, Array]]:
-  """:func:`compact` that also checks its traced data: ``(error, (idx, valid))``; see
-  :func:`checked_keep_mask`. Reports ``min(budget, length) > capacity`` (slots overflow)."""
+  """Runs :func:`compact` and also checks its traced data: ``(error, (idx, valid))``.
+
+  As :func:`checked_keep_mask`, and reports ``min(budget, length) > capacity`` (slots overflow).
+
+  Args:
+    scores: float ``[..., T]``, higher = keep.
+    budget: int, broadcastable to ``scores.shape[:-1]``.
+    capacity: static number of slots ``C``.
+    length: optional int per row: only positions ``< length`` are candidates. Defaults to ``T``.
+
+  Returns:
+    ``(error, (idx, valid))``: a ``checkify.Error`` and :func:`compact`'s int32 positions and
+    bool valid slots, both ``[..., C]``.
+
+  Raises:
+    ValueError: at once for concrete bad input, as :func:`compact`.
+  """
   scores, budget, length, capacity = _prepare(scores, budget, length, capacity)
   if is_concrete(budget) and is_concrete(length):
     _check_slots(budget, length, capacity)
@@ -860,5 +1089,12 @@ def checked_compact(
 
 
 def kept_count(keep: Array) -> Array:
-  """Number of kept positions per row, int32."""
+  """Counts the kept positions of each row.
+
+  Args:
+    keep: bool mask ``[..., T]``.
+
+  Returns:
+    int32 counts ``[...]``.
+  """
   return keep.sum(-1, dtype=jnp.int32)
