@@ -306,7 +306,7 @@ def attention_row(world: World, t: Array) -> Array:
 
 
 def window_rows(world: World) -> Array:
-  """The observation-window rows ``attn_LHWT`` (queries ``P - W .. P - 1``) over all ``T``."""
+  """The observation-window rows ``attn_LHWT``, queries ``P - W`` to ``P - 1``, over all ``T``."""
   cfg = world.dims
   ts = jnp.arange(cfg.prompt_len - cfg.window, cfg.prompt_len)
   rows = jax.lax.map(lambda t: attention_row(world, t), ts)

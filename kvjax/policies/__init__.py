@@ -17,7 +17,7 @@ of method is static Python (never ``lax.switch`` over policies under ``vmap``).
 * :mod:`~kvjax.policies.methods`: one class per method; :mod:`~kvjax.policies.wrappers`:
   :class:`Critical`, :class:`CriticalAdaKV`, :class:`ChunkKV`, :class:`SelectOnce` over any base.
 * :mod:`~kvjax.policies.registry`: names at the boundary: :func:`make`, :func:`register`,
-  :func:`build`; :mod:`~kvjax.policies.provenance`: each name's paper, reference code and
+  :func:`build`; :mod:`~kvjax.policies.papers`: each name's paper, reference code and
   named differences (:func:`provenance`).
 
 Budgets passed to a policy are per-(layer, head) ``max_capacity_prompt`` values: a scalar,
@@ -70,7 +70,7 @@ from kvjax.policies.methods import (
   StreamingLLM,
   ThinK,
 )
-from kvjax.policies.provenance import provenance
+from kvjax.policies.papers import provenance
 from kvjax.policies.registry import (
   BUILTIN,
   REGISTRY,
