@@ -34,10 +34,19 @@ class Answers:
 
 
 def decoding_spec(spec: cache_lib.CacheSpec) -> cache_lib.CacheSpec:
-  """The spec that decoding from a compressed cache actually depends on: a prefill-time policy
-  (no decode-time eviction, no ``decode_every``, no ThinK) only appends during decoding, so every
-  such policy decodes with one canonical spec and shares one compiled decoder per shape and
-  capacity; decode-time policies keep their own."""
+  """Returns the spec that decoding from a compressed cache actually depends on.
+
+  A prefill-time policy (no decode-time eviction, no ``decode_every``, no ThinK) only appends
+  during decoding, so every such policy decodes with one canonical spec and shares one compiled
+  decoder per shape and capacity; decode-time policies keep their own.
+
+  Args:
+    spec: the cache's static choices.
+
+  Returns:
+    ``spec`` with the policy replaced by :class:`kvjax.policies.Full` for a prefill-time policy,
+    else ``spec`` itself.
+  """
   if spec.decode_time or spec.decode_every or spec.channel_ratio:
     return spec
   return dataclasses.replace(spec, policy=policies.Full())
@@ -286,13 +295,35 @@ def prefill_answers(
   oracle: bool = True,
   needs: tuple[str, ...] = (),
 ) -> Prefilled:
-  """The one prefill that :func:`answer_prefilled` answers from under any policy and budget:
-  window rows of the last ``window`` queries, H2O's column sums, keys and values, and (with
-  ``oracle``) the full-cache attention of the fed queries. See :func:`answer_configs` for
-  ``question`` and ``answer_given``. ``needs`` names further :class:`kvjax.policies.Evidence`
-  fields to compute (``value_out_norms_LHT``, ``query_mean_LHD``/``query_cov_LHDD`` with
-  kvpress's defaults, ``window_queries_LHWD`` for ``window`` queries): the policies that will
-  answer list them in their :attr:`~kvjax.policies.Policy.evidence_fields`."""
+  """Runs the one prefill that :func:`answer_prefilled` answers from under any policy and budget.
+
+  It computes window rows of the last ``window`` queries, H2O's column sums, keys and values,
+  and (with ``oracle``) the full-cache attention of the fed queries.
+
+  Args:
+    model: the model (:class:`kvjax.model.llama.Llama`).
+    prompt_ids: token ids ``[B, T]``, the context then the question.
+    answer_ids: token ids ``[B, N]``.
+    question_len: the prompt's last tokens that are the question (:func:`answer_configs`).
+    question: what the compression sees (:func:`answer_configs`).
+    answer_given: bool ``[B, N]``, the answer positions fed from the answer in the greedy pass
+      (:func:`answer_configs`).
+    window: the window rows to hold (policies may use fewer).
+    oracle: whether to compute the full-cache attention of the fed queries (the oracle's
+      evidence).
+    needs: further :class:`kvjax.policies.Evidence` fields to compute (``value_out_norms_LHT``,
+      ``query_mean_LHD``/``query_cov_LHDD`` with kvpress's defaults, ``window_queries_LHWD`` for
+      ``window`` queries): the policies that will answer list them in their
+      :attr:`~kvjax.policies.Policy.evidence_fields`.
+
+  Returns:
+    A :class:`Prefilled`: the prefill's outputs cut to the context keys, what is fed through the
+    cache afterwards, and the oracle's evidence when asked for.
+
+  Raises:
+    ValueError: before any work, for an unknown field in ``needs``, or as
+      :func:`check_answer_inputs`.
+  """
   needs = tuple(needs)
   policies.EvidenceRequest.for_fields(needs, 0)  # unknown fields fail before any work
 
@@ -304,8 +335,9 @@ def prefill_answers(
 
 
 def check_answer_inputs(model, prompt_ids, answer_ids, shape):
-  """The prompts and answers of :func:`prefill_answers` and :func:`answer_configs`, checked
-  before any work.
+  """Checks the prompts and answers of :func:`prefill_answers` and :func:`answer_configs`.
+
+  The check runs before any work.
 
   Args:
     model: the model (its vocabulary and context).
@@ -350,8 +382,9 @@ def check_answer_inputs(model, prompt_ids, answer_ids, shape):
 
 
 def check_answer_memory(model, policy, budgets, layout: str, batch: int, Tc: int, M: int) -> None:
-  """Refuses ``K`` caches of a ``Tc``-token context plus ``M`` fed tokens above
-  :data:`kvjax.model.decoding.MAX_CACHE_BYTES`, before any work.
+  """Refuses, before any work, caches above :data:`kvjax.model.decoding.MAX_CACHE_BYTES`.
+
+  The estimate counts ``K`` caches of a ``Tc``-token context plus ``M`` fed tokens.
 
   Args:
     model: the model.
@@ -411,13 +444,25 @@ def answer_prefilled(
   token_loop: bool = False,
   **policy_options,
 ) -> Answers:
-  """Answers under ``K`` budget configurations of ``policy`` (an object, or a name built once
-  with ``policy_options``) from one :func:`prefill_answers` (every policy of an evaluation
-  shares it; nothing is prefilled here). ``layout`` and ``evidence`` as
-  :func:`kvjax.model.decoding.generate`'s, the evidence over the context's columns.
-  ``token_loop``: feed the answers token by token even where decoding only appends and they
-  could go at once (the reference, and the baseline of ``experiments/bench_answers.py``; the
-  results are the same).
+  """Answers under ``K`` budget configurations of ``policy`` from one :func:`prefill_answers`.
+
+  Every policy of an evaluation shares the prefill; nothing is prefilled here.
+
+  Args:
+    model: the model (:class:`kvjax.model.llama.Llama`).
+    prefilled: the shared prefill (:func:`prefill_answers`).
+    budgets: ``[K]``, ``[K, L]`` or ``[K, L, H]`` budgets.
+    policy: a policy object, or a name built once with ``policy_options``.
+    layout: as :func:`kvjax.model.decoding.generate`'s.
+    evidence: as :func:`kvjax.model.decoding.generate`'s, over the context's columns.
+    token_loop: feed the answers token by token even where decoding only appends and they
+      could go at once (the reference, and the baseline of ``experiments/bench_answers.py``; the
+      results are the same).
+    **policy_options: options of a registered policy name.
+
+  Returns:
+    The :class:`Answers`: greedy predictions ``[K, B, N]``, teacher-forced log-probabilities
+    ``[K, B, N, V]`` and the allocations ``[K, B, L, H]``.
 
   Raises:
     ValueError: before any work, for budgets, a policy or evidence it cannot run with, or
@@ -488,8 +533,7 @@ def answer_configs(
   evidence=None,
   **policy_options,
 ) -> Answers:
-  """Predicts ``answer_ids [B, N]`` after ``prompt_ids [B, T]`` under ``K`` budget configurations
-  (``budgets``: ``[K]``, ``[K, L]`` or ``[K, L, H]``) with one shared prefill.
+  """Predicts an answer after a prompt under ``K`` budget configurations with one shared prefill.
 
   The prompt's last ``question_len`` tokens are the question. The context (the rest) is
   compressed once per budget (vmapped); the question and then the answer are decoded through
@@ -510,13 +554,30 @@ def answer_configs(
   answer everywhere (for KL divergences). Prefill-time policies hold the question tokens beyond
   the budget, like generated ones; decode-time policies (sliding window, StreamingLLM, H2O, TOVA)
   spend their budget on them as on any decoded token. ``policy="oracle"`` uses the full-cache
-  attention of exactly the fed queries. ``policy`` (an object, or a name built once with
-  ``policy_options``), ``layout`` and ``evidence`` as :func:`kvjax.model.decoding.generate`'s.
+  attention of exactly the fed queries.
 
   In ``"in_window"`` mode the evidence is the full prompt's, cut to the context keys: window rows
   keep their original normalisation (their mass on question keys is not redistributed), and
   SnapKV-style policies protect the last ``window`` context positions (the question itself is
   re-fed, so it is always present).
+
+  Args:
+    model: the model (:class:`kvjax.model.llama.Llama`).
+    prompt_ids: token ids ``[B, T]``, the context then the question.
+    answer_ids: token ids ``[B, N]``.
+    budgets: ``[K]``, ``[K, L]`` or ``[K, L, H]`` budgets.
+    policy: a policy object, or a name built once with ``policy_options``.
+    question_len: the prompt's last tokens that are the question.
+    question: ``"in_window"``, ``"after"`` or ``"compressed"`` (:data:`QUESTION_MODES`).
+    answer_given: bool ``[B, N]``, the answer positions fed from the answer in the greedy pass
+      (``None``: none).
+    layout: as :func:`kvjax.model.decoding.generate`'s.
+    evidence: as :func:`kvjax.model.decoding.generate`'s.
+    **policy_options: options of a registered policy name.
+
+  Returns:
+    The :class:`Answers`: greedy predictions ``[K, B, N]``, teacher-forced log-probabilities
+    ``[K, B, N, V]`` and the allocations ``[K, B, L, H]``.
 
   Raises:
     ValueError: before any work, as :func:`check_answer_inputs` (a prompt plus its answer past

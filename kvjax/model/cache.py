@@ -44,6 +44,14 @@ LAYOUTS = ("kv", "query")
 
 
 def check_layout(layout: str) -> None:
+  """Checks that ``layout`` names a cache layout (one of :data:`LAYOUTS`).
+
+  Args:
+    layout: ``"kv"`` or ``"query"``.
+
+  Raises:
+    ValueError: for any other value, naming the expected ones.
+  """
   if layout not in LAYOUTS:
     raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
 
@@ -70,7 +78,17 @@ class Layout:
 
 
 def as_layout(layout: Layout | str) -> Layout:
-  """``layout`` as a :class:`Layout` (a string names its ``heads``); ``ValueError`` otherwise."""
+  """Converts ``layout`` to a :class:`Layout` (a string names its ``heads``).
+
+  Args:
+    layout: a :class:`Layout`, or ``"kv"`` or ``"query"``.
+
+  Returns:
+    The :class:`Layout`.
+
+  Raises:
+    ValueError: for anything else.
+  """
   if isinstance(layout, Layout):
     return layout
   if isinstance(layout, str):
@@ -80,6 +98,25 @@ def as_layout(layout: Layout | str) -> Layout:
 
 @struct.dataclass
 class KVCache:
+  """A compressed KV cache: a fixed-capacity slot table per (layer, batch row, head).
+
+  Attributes:
+    keys: ``[L, B, H, C, D]`` post-RoPE, at original positions (``D_keep`` channels with ThinK).
+    values: ``[L, B, H, C, D]``.
+    positions: ``[L, B, H, C]`` int32 original positions of the slots.
+    valid: ``[L, B, H, C]`` bool, the slots that hold a token.
+    budget: ``[B, L, H]`` int32, the slots each row may hold.
+    scores: ``[L, B, H, C]`` decode-time evidence (H2O's sums, TOVA's last row), or None.
+    overflow: ``[B]`` bool, set when a row needed more slots than the capacity (a budget above
+      it, or appends past it): callers raise on it instead of silently dropping tokens.
+    channels: ``[L, B, H, D_keep]`` int32, ThinK's kept key channels, or None.
+    new_keys: ``[L, B, H, N, D]`` ThinK's full keys of the generated tokens (generated token
+      ``i`` sits in slot ``C_prompt + i``), or None.
+    queries: ``[L, B, Hq, W, D]`` the last ``W`` generated queries (``decode_every``), or None.
+    query_pos: ``[B, W]`` int32 their RoPE positions (-1: none yet), or None.
+    evidence: caller-given model-level evidence a re-compression reuses, or None.
+  """
+
   keys: Array  # [L, B, H, C, D] post-RoPE, original positions
   values: Array  # [L, B, H, C, D]
   positions: Array  # [L, B, H, C] int32
@@ -150,9 +187,17 @@ DECODE_EVIDENCE = (
 
 
 def memory(cache: KVCache) -> dict:
-  """Bytes of the cache: allocated buffers, K/V actually held (ThinK's pruned keys hold
-  ``D_keep`` channels), bookkeeping (positions, validity, decode-time scores, channel indices,
-  the re-compression's query window)."""
+  """Counts the bytes of a cache: allocated buffers, K/V actually held and bookkeeping.
+
+  K/V held counts ThinK's pruned keys at their ``D_keep`` channels; bookkeeping counts positions,
+  validity, decode-time scores, channel indices and the re-compression's query window.
+
+  Args:
+    cache: the cache.
+
+  Returns:
+    ``{"kv_bytes_held": ..., "kv_bytes_allocated": ..., "bookkeeping_bytes": ...}`` (ints).
+  """
   kv_itemsize = cache.keys.dtype.itemsize
   Dk, Dv = cache.keys.shape[-1], cache.values.shape[-1]
   Cp = cache.keys.shape[3]  # the prompt's slots (all of them unless ThinK)
@@ -168,7 +213,17 @@ def memory(cache: KVCache) -> dict:
 
 
 def full_cache_bytes(cfg: ModelConfig, batch: int, length: int, itemsize: int) -> int:
-  """Bytes of an uncompressed cache of ``length`` tokens (K and V, every KV head)."""
+  """Counts the bytes of an uncompressed cache of ``length`` tokens (K and V, every KV head).
+
+  Args:
+    cfg: the model's config.
+    batch: rows.
+    length: tokens per row.
+    itemsize: bytes per element.
+
+  Returns:
+    The bytes of the keys and values.
+  """
   return cfg.num_layers * batch * cfg.num_kv_heads * length * cfg.head_dim * 2 * itemsize
 
 
@@ -177,7 +232,16 @@ def _batch_first(x):
 
 
 def check_spec(spec: CacheSpec) -> None:
-  """``ValueError`` for static choices that cannot work together."""
+  """Refuses static cache choices that cannot work together.
+
+  Args:
+    spec: the cache's static choices.
+
+  Raises:
+    ValueError: for an unknown layout, ThinK's ``channel_ratio`` with re-indexed positions or
+      with a policy that evicts or re-compresses while decoding, or a ``decode_every`` that
+      cannot run (:func:`check_decode_every`).
+  """
   check_layout(spec.layout)
   if spec.channel_ratio and spec.reindex:
     raise ValueError(
@@ -215,11 +279,28 @@ def _evidence_per_row(pre: llama.Prefill, evidence: dict | None = None) -> polic
 def check_evidence(
   evidence, *, L: int, B: int, G: int, T: int, D: int, Hq: int | None = None
 ) -> dict:
-  """The caller's evidence mapping (``{field: array}``), checked: only the data fields
-  (``qfilters_LGD [L, G, D]``, ``retrieval_heads_LG [L, G]`` in ``[0, 1]``,
-  ``reconstruction_attn_LGT [L, B, G, T]``, HeadKV's ``head_scores_LH`` ``[L, Hq]`` or
-  ``[L, G]``, the heads of the policy's scores), finite, with their shapes. ``ValueError`` names
-  the field, its shape and the expected one."""
+  """Checks the caller's evidence mapping (``{field: array}``) against the model's shapes.
+
+  Only the data fields are taken: ``qfilters_LGD [L, G, D]``, ``retrieval_heads_LG [L, G]`` in
+  ``[0, 1]``, ``reconstruction_attn_LGT [L, B, G, T]``, HeadKV's ``head_scores_LH`` ``[L, Hq]``
+  or ``[L, G]`` (the heads of the policy's scores); they must be finite, with their shapes.
+
+  Args:
+    evidence: the caller's mapping, or ``None``.
+    L: layers.
+    B: batch rows.
+    G: KV heads.
+    T: prompt tokens.
+    D: the head dimension.
+    Hq: query heads (``None``: only ``[L, G]`` head scores are accepted).
+
+  Returns:
+    The fields that are not ``None``, as fp32 arrays (``{}`` for ``None``).
+
+  Raises:
+    ValueError: naming the field, its shape and the expected one, for a field that is not
+      caller-given evidence, a wrong shape, non-finite values or gates outside ``[0, 1]``.
+  """
   if evidence is None:
     return {}
   if not isinstance(evidence, dict):
@@ -266,14 +347,28 @@ def compress(
   rng=None,
   evidence: dict | None = None,
 ) -> KVCache:
-  """A cache of capacity ``spec.capacity`` from prefill outputs ``pre`` under ``budget``
-  (scalar, ``[L]`` or ``[L, H]``), per batch row (allocations may differ between rows).
+  """Compresses prefill outputs into a cache of capacity ``spec.capacity`` under ``budget``.
 
-  ``evidence`` holds caller-given data fields (:func:`check_evidence`; HeadKV's importances as
-  ``head_scores_LH``). With the policy's
+  The budget is applied per batch row (allocations may differ between rows). With the policy's
   ``channel_ratio`` the keys keep ``D - int(D * ratio)`` channels per (layer, row, KV head)
   (:func:`think_channels`); with ``decode_every`` the cache carries the window of generated
   queries that :func:`recompress` scores with.
+
+  Args:
+    cfg: the model's config.
+    pre: the prefill's outputs (:func:`kvjax.model.llama.prefill`).
+    spec: the cache's static choices.
+    budget: slots per head, window included: a scalar, ``[L]`` or ``[L, H]``.
+    rng: a PRNG key for random policies (``None``: ``jax.random.key(0)``).
+    evidence: caller-given data fields (:func:`check_evidence`; HeadKV's importances as
+      ``head_scores_LH``).
+
+  Returns:
+    The compressed :class:`KVCache`.
+
+  Raises:
+    ValueError: for a spec :func:`check_spec` refuses, evidence :func:`check_evidence` refuses,
+      or ThinK's ``channel_ratio`` without the prefill's ``window_queries``.
   """
   L, B, G, T, D = pre.keys.shape
   check_spec(spec)
@@ -359,12 +454,22 @@ def _gather_slots(idx_LBHC: Array, t_LBGTD: Array) -> Array:
 
 
 def think_channels(window_queries_LBHWD: Array, keys_LBHCD: Array, ratio: float) -> Array:
-  """ThinK's kept key channels ``[L, B, H, D_keep]`` (ascending), ``D_keep = D - int(D * ratio)``,
-  per (layer, row, cache head): :func:`kvjax.scores.think_channel_scores` (kvpress
+  """Chooses ThinK's kept key channels per (layer, row, cache head), ascending.
+
+  ``D_keep = D - int(D * ratio)``. :func:`kvjax.scores.think_channel_scores` (kvpress
   ``ThinKPress``: ``mean_w(q^2)`` over the window queries, group-mean, times ``mean_t(k^2)``) over
   the kept keys, as ``ComposedPress([press, ThinKPress])`` scores the keys the sequence press
   kept (empty slots hold zero keys: a per-head constant factor, so the choice is unchanged), and
-  :func:`kvjax.scores.think_channel_mask`'s choice."""
+  :func:`kvjax.scores.think_channel_mask`'s choice.
+
+  Args:
+    window_queries_LBHWD: the prefill's last ``W`` post-RoPE queries ``[L, B, Hq, W, D]``.
+    keys_LBHCD: the kept keys ``[L, B, H, C, D]``.
+    ratio: the pruned fraction of channels.
+
+  Returns:
+    int32 channel indices ``[L, B, H, D_keep]``, ascending.
+  """
   D = keys_LBHCD.shape[-1]
   keep = D - int(D * ratio)
 
@@ -388,8 +493,17 @@ def _selection_scores(spec: CacheSpec, ev, scores_LHT, valid_T, budget_LH) -> Ar
 
 
 def prune_channels(keys_LBHCD: Array, channels_LBHK: Array) -> Array:
-  """Keys at their kept channels only, ``[..., C, D_keep]``: what kvpress's
-  ``keys.scatter_(-1, pruned, 0)`` leaves non-zero, without storing the zeros."""
+  """Keeps the keys at their kept channels only, without storing the zeros.
+
+  The result is what kvpress's ``keys.scatter_(-1, pruned, 0)`` leaves non-zero.
+
+  Args:
+    keys_LBHCD: keys ``[..., C, D]``.
+    channels_LBHK: the kept channels ``[..., D_keep]`` (:func:`think_channels`).
+
+  Returns:
+    Keys ``[..., C, D_keep]``.
+  """
   return jnp.take_along_axis(keys_LBHCD, channels_LBHK[..., None, :], axis=-1)
 
 
@@ -412,7 +526,7 @@ def _think_probs(cfg, q_BHq1D, keys_BHCK, new_keys_BHND, channels_BHK, visible_B
 
 
 def head_scores_to_layout(head_scores_LH: Array, H: int, cfg: ModelConfig) -> Array:
-  """HeadKV's head importances on the cache's ``H`` heads, the heads its budgets are for.
+  """Maps HeadKV's head importances onto the cache's ``H`` heads, the heads its budgets are for.
 
   Importances given per query head ``[L, Hq]`` are averaged over each KV head's group for a KV
   cache, as the scores are (a group's share of the total is the sum of its heads' shares:
@@ -481,14 +595,30 @@ def decode_step(
   t_B,
   step=None,
 ):
-  """One generated token through every layer: ``(logits [B, V], updated cache)``.
+  """Runs one generated token through every layer against the cache.
 
-  ``pos_B`` is the token's RoPE position (original positions), ``t_B`` its index in the
-  sequence. The K/V buffers ride in the layer loop's carry and only the new token's slot is
-  written (an in-place scatter), so a step reads the cache once and writes ``O(B H D)``.
-  ``step`` (a scalar: generated tokens before this one, the same for every row) drives
-  ``decode_every``: after the step that makes ``step + 1`` a multiple of ``N`` the cache is
-  re-compressed (:func:`recompress`, under a ``lax.cond``, so nothing retraces).
+  The K/V buffers ride in the layer loop's carry and only the new token's slot is written (an
+  in-place scatter), so a step reads the cache once and writes ``O(B H D)``. Prefill-time
+  policies append; decode-time policies admit the token and evict to stay within budget.
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    spec: the cache's static choices.
+    cache: the cache.
+    token_B: the token per row ``[B]``.
+    pos_B: the token's RoPE position per row ``[B]`` (original positions).
+    t_B: the token's index in the sequence (not read by the step: slots come from the cache).
+    step: a scalar, the generated tokens before this one (the same for every row); it drives
+      ``decode_every`` (after the step that makes ``step + 1`` a multiple of ``N`` the cache is
+      re-compressed by :func:`recompress`, under a ``lax.cond``, so nothing retraces) and
+      ThinK's slots.
+
+  Returns:
+    ``(logits [B, V], cache)``: fp32 logits and the updated cache.
+
+  Raises:
+    ValueError: when ``decode_every`` or ThinK needs ``step`` and it is ``None``.
   """
   B = token_B.shape[0]
   x = params["embed"][token_B][:, None, :]
@@ -563,9 +693,18 @@ def decode_step(
 
 
 def appends_only(spec: CacheSpec) -> bool:
-  """Whether decoding with ``spec`` only appends to the compressed cache (a prefill-time policy
-  or the full cache: no decode-time eviction, no re-compression, no ThinK, no re-indexing), so
-  that tokens fed one by one see exactly what :func:`extend_logits` feeds them at once."""
+  """Says whether decoding with ``spec`` only appends to the compressed cache.
+
+  That is a prefill-time policy or the full cache: no decode-time eviction, no re-compression,
+  no ThinK, no re-indexing, so that tokens fed one by one see exactly what
+  :func:`extend_logits` feeds them at once.
+
+  Args:
+    spec: the cache's static choices.
+
+  Returns:
+    ``True`` when decoding only appends.
+  """
   return not (spec.decode_time or spec.decode_every or spec.channel_ratio or spec.reindex)
 
 
@@ -586,9 +725,21 @@ _BATCH_AXIS = dict(
 
 
 def fold_configs(caches_K: KVCache) -> KVCache:
-  """``K`` caches stacked on a leading axis (as a vmapped compression returns them) as one cache
-  of ``K * B`` rows, configuration-major (row ``k * B + b``): what a batch-wide computation such
-  as :func:`extend` then runs over once, instead of vmapping over ``K``."""
+  """Folds ``K`` caches stacked on a leading axis into one cache of ``K * B`` rows.
+
+  The caches are stacked as a vmapped compression returns them; rows are configuration-major
+  (row ``k * B + b``): what a batch-wide computation such as :func:`extend` then runs over once,
+  instead of vmapping over ``K``.
+
+  Args:
+    caches_K: the stacked caches (every field with a leading ``K`` axis).
+
+  Returns:
+    One :class:`KVCache` of ``K * B`` rows.
+
+  Raises:
+    ValueError: for caches holding model-level evidence.
+  """
   if caches_K.evidence is not None:
     raise ValueError("caches: caches holding model-level evidence cannot be folded")
   K, _, B = caches_K.keys.shape[:3]
@@ -607,8 +758,21 @@ def fold_configs(caches_K: KVCache) -> KVCache:
 
 
 def held_kv(spec: CacheSpec, cache: KVCache) -> tuple:
-  """``(keys, values, valid, positions)`` of a cache that decoding only appends to
-  (:func:`appends_only`), the held keys :func:`extend` feeds tokens after."""
+  """Returns the held keys of a cache that decoding only appends to (:func:`appends_only`).
+
+  These are the keys :func:`extend` feeds tokens after.
+
+  Args:
+    spec: the cache's static choices.
+    cache: the cache.
+
+  Returns:
+    ``(keys, values, valid, positions)`` of the cache.
+
+  Raises:
+    ValueError: when decoding with ``spec`` does more than append, or the cache holds ThinK's
+      generated keys.
+  """
   if not appends_only(spec) or cache.new_keys is not None:
     raise ValueError(f"spec: feeding tokens at once needs a cache that only appends, got {spec}")
   return cache.keys, cache.values, cache.valid, cache.positions
@@ -617,12 +781,28 @@ def held_kv(spec: CacheSpec, cache: KVCache) -> tuple:
 def extend_logits(
   cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache, tokens_BM, pos_BM
 ):
-  """Logits ``[B, M, V]`` of ``M`` tokens fed after the cache *at once*: each token attends to
-  the cache's valid slots and causally to the fed tokens before it, which is what feeding them
-  one by one through :func:`decode_step` gives when decoding only appends
+  """Computes the logits of ``M`` tokens fed after the cache at once, without updating it.
+
+  Each token attends to the cache's valid slots and causally to the fed tokens before it, which
+  is what feeding them one by one through :func:`decode_step` gives when decoding only appends
   (:func:`appends_only`). One pass over the weights for all ``M`` tokens instead of ``M``
   passes: a decode step reads every weight to produce one row (memory-bound), this reads them
-  once for ``B * M`` rows. ``pos_BM``: the tokens' RoPE positions. The cache is not updated."""
+  once for ``B * M`` rows.
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    spec: the cache's static choices.
+    cache: the cache.
+    tokens_BM: the fed tokens ``[B, M]``.
+    pos_BM: the tokens' RoPE positions ``[B, M]``.
+
+  Returns:
+    fp32 logits ``[B, M, V]``.
+
+  Raises:
+    ValueError: as :func:`held_kv`.
+  """
   logits, _ = extend(cfg, params, (held_kv(spec, cache),), tokens_BM, pos_BM)
   return logits
 
@@ -638,23 +818,35 @@ def extend(
   appended=False,
   logits_from: int = 0,
 ):
-  """``M`` tokens fed at once after keys and values held per layer and head: ``(logits [B, M,
-  V], attention [L, B, Hq, M, C] over the first held segment or None)``. ``held``: the held
-  segments, attended in order, each ``(keys [L, B, H, C, D], values, valid [L, B, H, C],
-  positions [L, B, H, C])`` with keys post-RoPE at their original positions, per KV head or (the
-  query layout, ``H = Hq``) per query head; each fed token attends to the valid held keys and
-  causally to the fed tokens up to itself (Mistral's sliding window applies to both). With
-  ``probs`` the softmax over held and fed keys is returned cut to the first segment (the
-  oracle's full-cache attention of future queries). With ``appended`` a third output is the fed
-  tokens' own segment ``(keys [L, B, H, M, D], values, valid, positions)``, which later tokens
-  are fed after by holding it as a second segment. ``logits_from``: the logits of the fed tokens
-  from this one on only (the LM head is a fifth of a small model's work per token; a prefix fed
-  for its keys needs its last token's logits only).
+  """Feeds ``M`` tokens at once after keys and values held per layer and head.
 
-  The segments are never concatenated: each one's logits are formed against its own keys and
-  its values weighted by its part of the one softmax over all of them, so a call reads the held
-  cache once instead of copying it per layer (for an evaluation's ``K x B`` caches, gigabytes
-  per call)."""
+  Each fed token attends to the valid held keys and causally to the fed tokens up to itself
+  (Mistral's sliding window applies to both). The segments are never concatenated: each one's
+  logits are formed against its own keys and its values weighted by its part of the one softmax
+  over all of them, so a call reads the held cache once instead of copying it per layer (for an
+  evaluation's ``K x B`` caches, gigabytes per call).
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    held: the held segments, attended in order, each ``(keys [L, B, H, C, D], values, valid
+      [L, B, H, C], positions [L, B, H, C])`` with keys post-RoPE at their original positions,
+      per KV head or (the query layout, ``H = Hq``) per query head.
+    tokens_BM: the fed tokens ``[B, M]``.
+    pos_BM: their RoPE positions ``[B, M]``.
+    probs: whether to return the softmax over held and fed keys cut to the first segment (the
+      oracle's full-cache attention of future queries).
+    appended: whether to also return the fed tokens' own segment, which later tokens are fed
+      after by holding it as a second segment.
+    logits_from: the logits of the fed tokens from this one on only (the LM head is a fifth of a
+      small model's work per token; a prefix fed for its keys needs its last token's logits
+      only).
+
+  Returns:
+    ``(logits [B, M - logits_from, V], attention [L, B, Hq, M, C] over the first held segment or
+    None)``; with ``appended`` a third item, the fed tokens' segment ``(keys [L, B, H, M, D],
+    values, valid, positions)``.
+  """
   B, M = tokens_BM.shape
   x = params["embed"][tokens_BM]
   held = tuple(held)
@@ -740,8 +932,18 @@ def _remember_query(cache: KVCache, q_LBHD: Array, pos_B: Array, step) -> KVCach
 
 
 def check_decode_every(spec: CacheSpec) -> None:
-  """``ValueError`` unless ``spec``'s ``decode_every`` can run: a prefill scorer whose evidence
-  a re-compression can rebuild over the cache's own slots, original positions."""
+  """Refuses a ``decode_every`` that cannot run with ``spec``.
+
+  It runs with a prefill scorer whose evidence a re-compression can rebuild over the cache's own
+  slots, at original positions. Nothing is checked without ``decode_every``.
+
+  Args:
+    spec: the cache's static choices.
+
+  Raises:
+    ValueError: for a policy reading evidence a re-compression cannot rebuild, re-indexed
+      positions, or a ``decode_every`` shorter than the policy's observation window.
+  """
   if not spec.decode_every:
     return
   policy = spec.policy
@@ -783,10 +985,11 @@ def _slot_attention(cfg, cache: KVCache, keys_LBHCD, positions_LBHC, valid_LBHC)
 
 
 def recompress(cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache) -> KVCache:
-  """kvpress ``DecodingPress``'s compression step on the slot table: every (layer, row, head)
-  keeps its ``budget`` best slots under the policy's scorer, over everything it holds (prompt
-  and generated tokens), as ``DecodingPress.compress`` hands the whole cache to its base press
-  with the target size as budget.
+  """Re-compresses the cache to its budget, as kvpress ``DecodingPress``'s compression step.
+
+  Every (layer, row, head) keeps its ``budget`` best slots under the policy's scorer, over
+  everything it holds (prompt and generated tokens), as ``DecodingPress.compress`` hands the
+  whole cache to its base press with the target size as budget.
 
   The evidence is rebuilt over the slots in position order (right-aligned per head, so a
   scorer's protected recent window is the most recent tokens and empty slots play the part of
@@ -795,6 +998,15 @@ def recompress(cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache) 
   buffer of hidden states is cleared at each compression), causal by original position. Unlike
   kvpress (which rotates every buffered query by the current token's position embedding), each
   query keeps its own RoPE position. The allocation ``budget`` is the prefill's.
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    spec: the cache's static choices.
+    cache: the cache, with its window of generated queries.
+
+  Returns:
+    The re-compressed :class:`KVCache`.
   """
   L, B, H, C, _ = cache.keys.shape
   fill = cache.valid.sum(-1)

@@ -53,8 +53,7 @@ def _ids_2d(name: str, ids, cfg: ModelConfig) -> np.ndarray:
     arr = arr[None]
   if arr.ndim != 2 or arr.shape[1] == 0:
     raise ValueError(f"{name}: expected token ids [B, T] or [T], got shape {arr.shape}")
-  llama.check_ids(name, arr, cfg.vocab_size)
-  return arr.astype(np.int32)
+  return llama.check_token_ids(name, arr, cfg.vocab_size)
 
 
 def _rows(name: str, ids, cfg: ModelConfig) -> list[np.ndarray]:
@@ -96,9 +95,21 @@ def _pre_rope(cfg: ModelConfig, p: dict, h_BTd: Array):
 
 
 def sampled_queries(cfg: ModelConfig, params: dict, ids_BT: Array, idx_LN: Array) -> Array:
-  """Post-RoPE queries ``[L, Hq, N, D]`` fp32 at the flattened ``(row, position)`` indices
-  ``idx_LN`` (a different draw per layer), from a dense causal forward of all rows at once
-  (``[B, Hq, T, T]`` probabilities per layer: calibration rows are short)."""
+  """Gathers post-RoPE queries at sampled ``(row, position)`` indices, a different draw per layer.
+
+  The queries come from a dense causal forward of all rows at once (``[B, Hq, T, T]``
+  probabilities per layer: calibration rows are short). :data:`sampled_queries_jit` is this
+  function jitted with ``cfg`` static.
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    ids_BT: calibration token ids ``[B, T]``.
+    idx_LN: per layer, ``N`` indices into the flattened ``B * T`` positions (``row * T + t``).
+
+  Returns:
+    fp32 queries ``[L, Hq, N, D]``.
+  """
   B, T = ids_BT.shape
   pos = _positions(B, T)
   allowed = _causal_allowed(cfg, B, T)
@@ -121,7 +132,7 @@ sampled_queries_jit = jax.jit(sampled_queries, static_argnums=0)
 def qfilter_directions(
   cfg: ModelConfig, params: dict, calibration_ids, *, num_svd_samples: int = 3000, seed: int = 0
 ) -> Array:
-  """Q-Filters' direction per query head ``[L, Hq, D]`` fp32 (unit vectors).
+  """Computes Q-Filters' direction per query head (unit vectors).
 
   As the official ``make_filters.py``: the post-RoPE queries of the calibration rows (every
   position, the first included), ``num_svd_samples`` of them drawn at random per layer
@@ -130,6 +141,20 @@ def qfilter_directions(
   half of ``U[:, 0]`` is positive: most queries then project *negatively* on the filter, so that
   ``-<k, f>`` is large for the keys the queries favour. Differs: the model's own dtype (fp32 on
   CPU) instead of bf16 autocast, and numpy's generator for the draw.
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    calibration_ids: calibration token ids ``[B, T]`` (or one row ``[T]``).
+    num_svd_samples: queries drawn per layer for the SVD.
+    seed: the seed of the draw.
+
+  Returns:
+    fp32 directions ``[L, Hq, D]``.
+
+  Raises:
+    ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule, or a
+      ``num_svd_samples`` that is not an int ``>= 1``.
   """
   ids = _ids_2d("calibration_ids", calibration_ids, cfg)
   n = _check_int("num_svd_samples", num_svd_samples)
@@ -150,10 +175,25 @@ def _svd_filters(q_LHND: Array) -> Array:
 def qfilters(
   cfg: ModelConfig, params: dict, calibration_ids, *, num_svd_samples: int = 3000, seed: int = 0
 ) -> Array:
-  """``qfilters_LGD`` fp32: :func:`qfilter_directions` averaged over each KV head's GQA group
-  (query heads ``g * R .. g * R + R - 1``), not renormalised, exactly as ``make_filters.py``
-  (``reshape(num_k_heads, -1, D).mean(-2)``); with one query head per KV head they stay unit
-  vectors. The score is ``-<k, f>`` (kvpress's ``QFilterPress``)."""
+  """Computes ``qfilters_LGD``: :func:`qfilter_directions` averaged over each KV head's GQA group.
+
+  The query heads ``g * R .. g * R + R - 1`` are averaged, not renormalised, exactly as
+  ``make_filters.py`` (``reshape(num_k_heads, -1, D).mean(-2)``); with one query head per KV
+  head they stay unit vectors. The score is ``-<k, f>`` (kvpress's ``QFilterPress``).
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    calibration_ids: calibration token ids ``[B, T]`` (or one row ``[T]``).
+    num_svd_samples: queries drawn per layer for the SVD.
+    seed: the seed of the draw.
+
+  Returns:
+    fp32 filters ``[L, G, D]``.
+
+  Raises:
+    ValueError: as :func:`qfilter_directions`.
+  """
   dirs_LHD = qfilter_directions(
     cfg, params, calibration_ids, num_svd_samples=num_svd_samples, seed=seed
   )
@@ -162,10 +202,25 @@ def qfilters(
 
 
 def calibration_rows(tokenizer, text: str, num_rows: int, length: int) -> np.ndarray:
-  """``[num_rows, length]`` ids of consecutive stretches of ``text`` (``bos`` first in each row
-  when the tokenizer has one): calibration text that ships offline, e.g.
-  ``kvjax.eval.streaming.reference_text(6 * num_rows * length)`` (Python's pydoc topics; the
-  official Q-Filters script reads 2048-token rows of fineweb)."""
+  """Cuts ``text`` into ``[num_rows, length]`` ids of consecutive stretches.
+
+  Each row starts with ``bos`` when the tokenizer has one. Calibration text that ships offline:
+  for example ``kvjax.eval.streaming.reference_text(6 * num_rows * length)`` (Python's pydoc
+  topics; the official Q-Filters script reads 2048-token rows of fineweb).
+
+  Args:
+    tokenizer: a tokenizer with ``encode`` (and optionally ``bos_id``).
+    text: the calibration text.
+    num_rows: rows to return.
+    length: tokens per row, ``bos`` included.
+
+  Returns:
+    int32 ids ``[num_rows, length]``.
+
+  Raises:
+    ValueError: for a ``num_rows`` or ``length`` that is not an int ``>= 1``, or a text that
+      gives too few tokens.
+  """
   rows, length = _check_int("num_rows", num_rows), _check_int("length", length)
   bos = getattr(tokenizer, "bos_id", None)
   body = length - (bos is not None)
@@ -185,17 +240,39 @@ DUO_SINK, DUO_RECENT = 128, 256  # the official training script's sizes (scripts
 
 
 def streaming_mask(T: int, sink_size: int, recent_size: int) -> np.ndarray:
-  """``[T, T]`` bool: a streaming head's keys, as the official ``generate_streaming_mask``
-  (causal, and key ``j < sink_size`` or ``i - j < recent_size``)."""
+  """Builds a streaming head's mask, as the official ``generate_streaming_mask``.
+
+  A key ``j`` is seen by query ``i`` when causal and ``j < sink_size`` or
+  ``i - j < recent_size``.
+
+  Args:
+    T: the sequence length.
+    sink_size: the sink tokens every query sees.
+    recent_size: the recent tokens each query sees.
+
+  Returns:
+    A bool mask ``[T, T]``.
+  """
   i, j = np.arange(T)[:, None], np.arange(T)[None, :]
   return (j <= i) & ((j < sink_size) | (i - j < recent_size))
 
 
 def duo_sizes(T: int, sink_size: int = DUO_SINK, recent_size: int = DUO_RECENT) -> tuple[int, int]:
-  """Sink and recent sizes for prompts of ``T`` tokens: the official 128 + 256 when they fill at
-  most a quarter of the prompt (the official training prompts are 1k-32k tokens), else scaled by
-  the same factor down to a quarter (at least 1 each), so that streaming heads still lose most
-  of a short prompt. A named deviation for short CPU prompts."""
+  """Chooses the sink and recent sizes of the streaming pattern for prompts of ``T`` tokens.
+
+  The official 128 + 256 when they fill at most a quarter of the prompt (the official training
+  prompts are 1k-32k tokens), else scaled by the same factor down to a quarter (at least 1 each),
+  so that streaming heads still lose most of a short prompt. A named deviation for short CPU
+  prompts.
+
+  Args:
+    T: the prompt length.
+    sink_size: the full-size sink.
+    recent_size: the full-size recent window.
+
+  Returns:
+    ``(sink_size, recent_size)``.
+  """
   factor = min(1.0, T / (4 * (sink_size + recent_size)))
   return max(1, round(sink_size * factor)), max(1, round(recent_size * factor))
 
@@ -207,12 +284,23 @@ def _clamp01(x: Array) -> Array:
 
 
 def duo_two_way(cfg: ModelConfig, params: dict, alpha_LG: Array, ids_BT: Array, stream_TT):
-  """The official two-way forward (``llama_duo_attention_forward_two_way``): the unchanged model
-  (full attention, no gradient) beside the gated one, whose every head outputs
-  ``(1 - a) * streaming + a * full`` with ``a`` its KV head's clamped gate and ``full`` the
-  *unchanged* branch's full-attention output at that layer (as the official code mixes).
-  Returns both final hidden states ``[B, T, d]`` fp32 (after the final norm: ``model.model``'s
-  output)."""
+  """Runs the official two-way forward (``llama_duo_attention_forward_two_way``).
+
+  The unchanged model (full attention, no gradient) runs beside the gated one, whose every head
+  outputs ``(1 - a) * streaming + a * full`` with ``a`` its KV head's clamped gate and ``full``
+  the *unchanged* branch's full-attention output at that layer (as the official code mixes).
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    alpha_LG: the gates ``[L, G]`` (clamped to [0, 1] inside).
+    ids_BT: token ids ``[B, T]``.
+    stream_TT: the streaming heads' mask ``[T, T]`` (:func:`streaming_mask`).
+
+  Returns:
+    ``(full, gated)``: both final hidden states ``[B, T, d]`` fp32 (after the final norm:
+    ``model.model``'s output).
+  """
   B, T = ids_BT.shape
   pos = _positions(B, T)
   causal = _causal_allowed(cfg, B, T)
@@ -238,9 +326,24 @@ def duo_two_way(cfg: ModelConfig, params: dict, alpha_LG: Array, ids_BT: Array, 
 
 
 def duo_loss(alpha_LG, cfg, params, ids_BT, labels_BT, stream_TT, reg_weight):
-  """The official loss: hidden-state MSE (mean over the hidden size, summed over the label
-  positions, divided by their count) + ``reg_weight`` times the mean absolute gate
-  (``l1_loss``). Returns ``(loss, (distill, reg))``."""
+  """Computes the official DuoAttention loss: hidden-state distillation plus a gate penalty.
+
+  The distillation is the hidden-state MSE (mean over the hidden size, summed over the label
+  positions, divided by their count); the penalty is ``reg_weight`` times the mean absolute gate
+  (``l1_loss``).
+
+  Args:
+    alpha_LG: the gates ``[L, G]`` (differentiated).
+    cfg: the model's config.
+    params: the parameter pytree.
+    ids_BT: token ids ``[B, T]``.
+    labels_BT: the label mask ``[B, T]`` (positions distilled).
+    stream_TT: the streaming heads' mask ``[T, T]``.
+    reg_weight: the weight of the gate penalty.
+
+  Returns:
+    ``(loss, (distill, reg))``.
+  """
   h_f, h_s = duo_two_way(cfg, params, alpha_LG, ids_BT, stream_TT)
   mask = labels_BT.astype(jnp.float32)
   distill = (jnp.mean((h_f - h_s) ** 2, -1) * mask).sum() / jnp.maximum(mask.sum(), 1.0)
@@ -249,8 +352,18 @@ def duo_loss(alpha_LG, cfg, params, ids_BT, labels_BT, stream_TT, reg_weight):
 
 
 def duo_schedule(lr: float, num_steps: int):
-  """The official ``LambdaLR``: ``lr * min(1, max((s+1)/w, 0.1), max((N-s)/w, 0.1))`` with
-  ``w = N // 5`` (at least 1 here: the official divides by zero below 5 steps)."""
+  """Builds the official ``LambdaLR`` warm-up/decay schedule.
+
+  ``lr * min(1, max((s+1)/w, 0.1), max((N-s)/w, 0.1))`` with ``w = N // 5`` (at least 1 here: the
+  official divides by zero below 5 steps).
+
+  Args:
+    lr: the peak learning rate.
+    num_steps: the total steps ``N``.
+
+  Returns:
+    ``schedule(step)``, the learning rate at a step (a jnp scalar).
+  """
   w = max(num_steps // 5, 1)
 
   def schedule(step):
@@ -303,19 +416,36 @@ def train_duo_attention(
   initial_value: float = 1.0,
   sizes: tuple[int | None, int | None] = (None, None),
 ) -> DuoTraining:
-  """DuoAttention's optimisation of one gate per KV head, as ``duo_attn/train.py``.
+  """Trains DuoAttention's gate per KV head, as ``duo_attn/train.py``.
 
   Gates start at ``initial_value`` (1.0), are clamped to [0, 1] before every step and inside the
   forward, and are trained by AdamW (betas 0.9/0.999, eps 1e-8, no weight decay: optax's
-  ``scale_by_adam`` times the step's learning rate) at ``lr`` (0.02 in the released patterns) with the official warm-up/decay schedule
-  (:func:`duo_schedule`) on :func:`duo_loss` with ``reg_weight`` 0.05; batch size 1, the
-  ``examples`` cycled in order (the official shuffles a dataset of multi-passkey prompts).
-  ``examples``: ``(ids_T, label_mask_T)`` pairs (:func:`duo_examples`); the label mask marks
-  the question-and-answer tokens, where the hidden states are distilled. ``sizes``: the
-  streaming pattern's ``(sink_size, recent_size)``, each ``None`` for :func:`duo_sizes` of the
-  shortest example. Differs: a few steps on short prompts
-  (the official runs 2000 steps on 1k-32k tokens), fp32 instead of bf16 FSDP, no sequence
-  parallelism.
+  ``scale_by_adam`` times the step's learning rate) at ``lr`` (0.02 in the released patterns)
+  with the official warm-up/decay schedule (:func:`duo_schedule`) on :func:`duo_loss` with
+  ``reg_weight`` 0.05; batch size 1, the ``examples`` cycled in order (the official shuffles a
+  dataset of multi-passkey prompts). Differs: a few steps on short prompts (the official runs
+  2000 steps on 1k-32k tokens), fp32 instead of bf16 FSDP, no sequence parallelism.
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    examples: ``(ids_T, label_mask_T)`` pairs (:func:`duo_examples`); the label mask marks the
+      question-and-answer tokens, where the hidden states are distilled.
+    num_steps: optimisation steps.
+    lr: the peak learning rate.
+    reg_weight: the weight of the gate penalty.
+    initial_value: the gates' starting value.
+    sizes: the streaming pattern's ``(sink_size, recent_size)``, each ``None`` for
+      :func:`duo_sizes` of the shortest example.
+
+  Returns:
+    A :class:`DuoTraining` with the gates ``alpha_LG``, the loss history and the sizes used.
+
+  Raises:
+    ValueError: for malformed ``examples`` (ids breaking
+      :func:`kvjax.model.llama.check_token_ids`'s rule, a label mask of another length or with
+      no label), a ``num_steps`` that is not an int ``>= 1``, a non-positive ``lr``, a negative
+      ``reg_weight`` or malformed ``sizes``.
   """
   data = _examples(examples, cfg)
   steps = _check_int("num_steps", num_steps)
@@ -363,12 +493,24 @@ def _duo_step(cfg, params, alpha, state, ids, labels, stream, reg_weight, lr):
 
 
 def duo_examples(examples) -> list[tuple[np.ndarray, np.ndarray]]:
-  """``(ids_T, label_mask_T)`` pairs from retrieval examples (``kvjax.eval.tasks.Example``, e.g.
-  ``tasks.generate("multi_query", tok, length=..., seed=i)``: several keys hidden in a
-  haystack, several asked at once): the prompt then its answer, labels on the question and
+  """Builds ``(ids_T, label_mask_T)`` training pairs from retrieval examples.
+
+  The examples are ``kvjax.eval.tasks.Example`` objects, for instance
+  ``tasks.generate("multi_query", tok, length=..., seed=i)`` (several keys hidden in a haystack,
+  several asked at once): each pair is the prompt then its answer, labels on the question and
   answer tokens, as the official ``MultiplePasskeyRetrievalDataset`` labels its
   question-and-answer part. Differs from the official data: kvjax's task haystack instead of
-  BookSum, its values instead of 32-word passkeys."""
+  BookSum, its values instead of 32-word passkeys.
+
+  Args:
+    examples: ``tasks.Example`` objects (with ``prompt``, ``answer`` and ``question_len``).
+
+  Returns:
+    A list of ``(ids_T int32, label_mask_T bool)`` pairs.
+
+  Raises:
+    ValueError: for an example without ``prompt``, ``answer`` or ``question_len``.
+  """
   out = []
   for i, ex in enumerate(examples):
     for name in ("prompt", "answer", "question_len"):
@@ -462,20 +604,38 @@ def duo_attention_pattern(
   sizes: tuple[int | None, int | None] = (None, None),
   **train_options,
 ) -> np.ndarray:
-  """``retrieval_heads_LG`` in [0, 1] (higher: more of a retrieval head), by ``method``:
+  """Computes ``retrieval_heads_LG`` in [0, 1] (higher: more of a retrieval head), by ``method``.
 
   * ``"official"``: the trained gates of :func:`train_duo_attention` on ``examples``
     (``train_options``: ``num_steps``, ``lr``, ``reg_weight``, ``initial_value``).
   * ``"kvpress_on_the_fly"``: kvpress 0.5.5's ``duo_attention_on_the_fly`` (its "experimental"
     proxy), averaged over the rows of ``calibration_ids`` (kvpress: 50 BookSum chapters; here
-    any text, e.g. :func:`calibration_ids`), ``q_len`` 500. kvpress makes streaming heads of the
-    lowest scores, as the policy does.
+    any text, for example :func:`calibration_rows`), ``q_len`` 500. kvpress makes streaming
+    heads of the lowest scores, as the policy does.
   * ``"distant_mass"``: kvjax's cheap proxy, each KV head's attention mass outside sink +
     recent (:func:`duo_sizes`) paid by the question-and-answer queries of ``examples``,
     averaged over them and over the group, then over the examples.
 
-  ``sizes``: ``(sink_size, recent_size)`` of the streaming pattern (``"official"`` and
-  ``"distant_mass"``), each ``None`` for :func:`duo_sizes`.
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    examples: ``(ids_T, label_mask_T)`` pairs (:func:`duo_examples`), for ``"official"`` and
+      ``"distant_mass"``.
+    method: one of :data:`DUO_METHODS`.
+    calibration_ids: text ids (``[B, T]``, or a sequence of 1-D rows), for
+      ``"kvpress_on_the_fly"``.
+    q_len: the rotated positions of ``"kvpress_on_the_fly"``.
+    sizes: ``(sink_size, recent_size)`` of the streaming pattern (``"official"`` and
+      ``"distant_mass"``), each ``None`` for :func:`duo_sizes`.
+    **train_options: options of :func:`train_duo_attention` (``"official"`` only).
+
+  Returns:
+    fp32 scores ``[L, G]`` in [0, 1].
+
+  Raises:
+    ValueError: for an unknown ``method``, training options with another method, missing or
+      malformed ``calibration_ids`` or ``examples``, a ``q_len`` that is not an int ``>= 1``,
+      or malformed ``sizes`` (and as :func:`train_duo_attention` for ``"official"``).
   """
   if method not in DUO_METHODS:
     raise ValueError(f"method: expected one of {DUO_METHODS}, got {method!r}")
@@ -525,10 +685,22 @@ class KVzipTemplate:
 
 
 def kvzip_template(tokenizer, *, prefix_text: str = "", suffix_text: str = "\n") -> KVzipTemplate:
-  """:class:`KVzipTemplate` from a tokenizer (``encode`` without special tokens, as kvpress's
-  ``add_special_tokens=False``). kvpress splits the model's chat template around a dummy user
-  turn into ``prefix_text`` and ``suffix_text``; kvjax's tokenizers carry no chat template, so
-  pass them (defaults: kvpress's choice for models without one)."""
+  """Builds a :class:`KVzipTemplate` from a tokenizer.
+
+  The texts are encoded without special tokens, as kvpress's ``add_special_tokens=False``.
+  kvpress splits the model's chat template around a dummy user turn into ``prefix_text`` and
+  ``suffix_text``; kvjax's tokenizers carry no chat template, so pass them (defaults: kvpress's
+  choice for models without one).
+
+  Args:
+    tokenizer: a tokenizer with ``encode``.
+    prefix_text: the chat template's text before the user content (its length becomes
+      ``prefix_length``).
+    suffix_text: the chat template's text after the user turn.
+
+  Returns:
+    The template in token ids.
+  """
   enc = tokenizer.encode
   return KVzipTemplate(
     first_ids=tuple(enc(KVZIP_FIRST)),
@@ -541,9 +713,20 @@ def kvzip_template(tokenizer, *, prefix_text: str = "", suffix_text: str = "\n")
 def kvzip_chunks(
   context_BT: np.ndarray, template: KVzipTemplate, chunk_size: int, prev_postfix_size: int = 8
 ) -> list[tuple[int, int, np.ndarray]]:
-  """``(start, end, repeat_ids_BQ)`` per chunk: the context after the template's prefix cut into
-  ``chunk_size`` pieces, each asked back as ``prompt + suffix + chunk`` (``KVzipPress.prepare``
-  and ``_chunk_fn``)."""
+  """Cuts the context into KVzip's reconstruction chunks (``KVzipPress.prepare`` and ``_chunk_fn``).
+
+  The context after the template's prefix is cut into ``chunk_size`` pieces, each asked back as
+  ``prompt + suffix + chunk``.
+
+  Args:
+    context_BT: the context ids ``[B, T]``.
+    template: the reconstruction prompt (:func:`kvzip_template`).
+    chunk_size: context tokens per chunk.
+    prev_postfix_size: the previous chunk's last tokens that follow the later chunks' prompt.
+
+  Returns:
+    A list of ``(start, end, repeat_ids_BQ)``, one per chunk, the ids int32.
+  """
   B, T = context_BT.shape
   out, start, prev = [], template.prefix_length, None
   while start < T:
@@ -646,8 +829,7 @@ def kvzip_evidence(
   n_sink: int = 4,
   plus: bool = False,
 ) -> Array:
-  """KVzip's ``reconstruction_attn_LGT`` fp32 of a context ``[T]`` (``[L, B, G, T]`` for a
-  ``[B, T]`` batch of unpadded rows), as kvpress 0.5.5's ``KVzipPress``.
+  """Computes KVzip's ``reconstruction_attn_LGT`` of a context, as kvpress 0.5.5's ``KVzipPress``.
 
   The context is prefilled once (a dense causal pass); then, chunk by chunk
   (:func:`kvzip_chunks`, ``chunk_size`` 2048), the model reads ``prompt + suffix + chunk`` after
@@ -662,6 +844,24 @@ def kvzip_evidence(
   prefill costs about twice a plain one (the context plus its repetition).
   Differs: batches of several unpadded rows (kvpress: batch 1); the model's sliding window is
   applied to the forward pass (the score ignores it, as kvpress).
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    context_ids: the context ``[T]``, or a ``[B, T]`` batch of unpadded rows.
+    template: the reconstruction prompt (:func:`kvzip_template`).
+    chunk_size: context tokens per reconstruction chunk.
+    n_sink: the first context tokens every repeat query also attends to.
+    plus: whether to apply KVzip+'s normalisation.
+
+  Returns:
+    fp32 scores ``[L, G, T]`` for a context ``[T]``, ``[L, B, G, T]`` for a batch.
+
+  Raises:
+    ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule (in the
+      context or the template), a ``chunk_size`` below 1, a negative ``n_sink``, a ``template``
+      that is not a :class:`KVzipTemplate`, or a ``prefix_length`` that leaves nothing to
+      reconstruct.
   """
   ids = _ids_2d("context_ids", context_ids, cfg)
   single = np.ndim(context_ids) == 1
@@ -669,10 +869,9 @@ def kvzip_evidence(
   n_sink = _check_int("n_sink", n_sink, 0)
   if not isinstance(template, KVzipTemplate):
     raise ValueError(f"template: expected a KVzipTemplate, got {type(template).__name__}")
-  for name in ("first_ids", "later_ids", "suffix_ids"):
-    llama.check_ids(
-      f"template.{name}", np.asarray(getattr(template, name), np.int64), cfg.vocab_size
-    )
+  for name in ("first_ids", "later_ids", "suffix_ids"):  # one row, possibly empty
+    ids_1T = np.asarray(getattr(template, name), np.int64).reshape(1, -1)
+    llama.check_token_ids(f"template.{name}", ids_1T, cfg.vocab_size, min_len=0)
   B, T = ids.shape
   prefix = _check_int("template.prefix_length", template.prefix_length, 0)
   if prefix >= T:

@@ -22,13 +22,30 @@ Array = jax.Array
 
 @dataclasses.dataclass
 class Generation:
+  """What :func:`generate` and :func:`generate_configs` return.
+
+  Attributes:
+    tokens: the generated tokens ``[B, N]`` (``[K, B, N]`` for ``K`` configurations).
+    memory: the cache's bytes, and the full cache's for comparison.
+    budget_LH: the allocation actually used, per batch row.
+  """
+
   tokens: np.ndarray  # [B, N] (or [K, B, N] for K configurations)
   memory: dict  # cache bytes, and the full cache's for comparison
   budget_LH: np.ndarray  # the allocation actually used, per batch row
 
 
 def to_left_padding(input_ids: np.ndarray, attention_mask: np.ndarray, pad_id: int = 0):
-  """Right- (or mixed-) padded rows moved so every row's real tokens end at the last column."""
+  """Moves right- (or mixed-) padded rows so that every row's real tokens end at the last column.
+
+  Args:
+    input_ids: token ids ``[B, T]``.
+    attention_mask: the 0/1 (or bool) mask ``[B, T]`` of the real tokens.
+    pad_id: the id written at the padded positions.
+
+  Returns:
+    ``(ids, mask)``: the left-padded ids and the int32 0/1 mask, both ``[B, T]``.
+  """
   ids, mask = np.asarray(input_ids), np.asarray(attention_mask).astype(bool)
   out_ids, out_mask = np.full_like(ids, pad_id), np.zeros_like(mask)
   for r in range(ids.shape[0]):
@@ -39,25 +56,63 @@ def to_left_padding(input_ids: np.ndarray, attention_mask: np.ndarray, pad_id: i
 
 
 def check_policy(policy: policies.Policy | str, options: dict | None = None) -> policies.Policy:
-  """The policy that generating with ``policy`` (an object, or a registered name such as
-  ``"full"``) and ``options`` would use, or the ``ValueError`` it would raise, before any model
-  is loaded (:func:`kvjax.policies.build`)."""
+  """Builds the policy that generating with ``policy`` and ``options`` would use, before any model.
+
+  The policy is built as the entry points build it (:func:`kvjax.policies.build`), so a policy
+  they would refuse fails here before any model is loaded.
+
+  Args:
+    policy: a policy object, or a registered name such as ``"full"``.
+    options: options for a registered name.
+
+  Returns:
+    The policy object.
+
+  Raises:
+    ValueError: the error generating would raise for this policy and options.
+  """
   return policies.build(policy, **dict(options or {}))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "request"))
 def jit_prefill(cfg, params, ids, mask, request: policies.EvidenceRequest):
-  """The jitted :func:`kvjax.model.llama.prefill`: one compile per shape and (static, hashable)
-  evidence request."""
+  """Runs the jitted :func:`kvjax.model.llama.prefill`: one compile per shape and evidence request.
+
+  Args:
+    cfg: the model's config (static).
+    params: the parameter pytree.
+    ids: token ids ``[B, T]``.
+    mask: the 0/1 mask ``[B, T]`` of the real tokens.
+    request: the evidence to compute (static, hashable).
+
+  Returns:
+    The :class:`kvjax.model.llama.Prefill`.
+  """
   return llama.prefill(cfg, params, ids, mask, request)
 
 
 def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_ids, attention_mask):
-  """The caller's data evidence for ``policy`` on a batch (``qfilters_LGD``,
-  ``retrieval_heads_LG``, HeadKV's ``head_scores_LH``, ``reconstruction_attn_LGT`` as
-  ``[L, B, G, T]`` over the caller's columns, or ``[L, G, T]`` for every row), moved to the left
-  padding the model runs with; ``ValueError`` when a field the policy needs is missing or has
-  the wrong shape."""
+  """Checks the caller's data evidence for ``policy`` on a batch and moves it to left padding.
+
+  The data fields are ``qfilters_LGD``, ``retrieval_heads_LG``, HeadKV's ``head_scores_LH`` and
+  ``reconstruction_attn_LGT`` as ``[L, B, G, T]`` over the caller's columns, or ``[L, G, T]``
+  for every row; the latter is moved to the left padding the model runs with.
+
+  Args:
+    policy: the policy (an object).
+    evidence: the caller's ``{field: array}`` mapping, or ``None``.
+    cfg: the model's config.
+    input_ids: the prompt's token ids ``[B, T]``, as the caller gave them.
+    attention_mask: the caller's 0/1 mask ``[B, T]`` (``None``: every token is real).
+
+  Returns:
+    The checked evidence with ``reconstruction_attn_LGT`` left-padded, or ``None`` when empty.
+
+  Raises:
+    ValueError: when a field is not caller-given evidence, a field the policy needs is missing,
+      HeadKV's head scores are not finite, non-negative with a positive sum, or a field has the
+      wrong shape (:func:`kvjax.model.cache.check_evidence`).
+  """
   ids = np.asarray(input_ids)
   B, T = ids.shape
   given = {} if evidence is None else evidence
@@ -145,9 +200,17 @@ def _allocation(cfg, pre, spec0, budget, evidence=None):
 
 
 def capacity_bucket(n: int) -> int:
-  """``n`` slots rounded up to one of four sizes per octave (at least 8): a new largest budget
-  rarely changes the cache's static shape, so it rarely compiles the decoder again, and the
-  buffer is at most 25 % larger than needed."""
+  """Rounds ``n`` slots up to one of four sizes per octave (at least 8).
+
+  A new largest budget then rarely changes the cache's static shape, so it rarely compiles the
+  decoder again, and the buffer is at most 25 % larger than needed.
+
+  Args:
+    n: the slots needed.
+
+  Returns:
+    The bucketed capacity.
+  """
   if n <= 8:
     return 8
   quantum = 1 << max(int(n - 1).bit_length() - 3, 0)
@@ -173,7 +236,14 @@ def _check_head_scores(policy: policies.Policy, head_scores) -> None:
 
 
 def check_overflow(cache) -> None:
-  """``RuntimeError`` when a row of ``cache`` needed more slots than its capacity."""
+  """Refuses a cache in which a row needed more slots than its capacity.
+
+  Args:
+    cache: the cache (:class:`kvjax.model.cache.KVCache`).
+
+  Raises:
+    RuntimeError: when a row of ``cache`` overflowed (tokens would be lost).
+  """
   if cache.overflow is not None and bool(np.asarray(cache.overflow).any()):
     raise RuntimeError("cache: a row needed more slots than the capacity; tokens would be lost")
 
@@ -226,7 +296,7 @@ MAX_CACHE_BYTES = 64 * 2**30
 
 
 def check_new_tokens(name: str, value) -> int:
-  """A count of tokens to generate or feed: an int ``>= 1``.
+  """Checks a count of tokens to generate or feed: an int ``>= 1``.
 
   Args:
     name: the argument's name, for the error.
@@ -246,7 +316,7 @@ def check_new_tokens(name: str, value) -> int:
 
 
 def cache_bytes(cfg: ModelConfig, *, slots: int, batch: int, heads: int, itemsize: int) -> int:
-  """Bytes of the keys and values of one cache of ``slots`` slots per head.
+  """Counts the bytes of the keys and values of one cache of ``slots`` slots per head.
 
   Args:
     cfg: the model's config (layers, head dimension).
@@ -304,15 +374,33 @@ def check_cache_bytes(
 
 
 def cache_heads(cfg: ModelConfig, layout: str) -> int:
-  """The cache's heads in ``layout``: query heads for ``"query"``, else KV heads."""
+  """Counts the cache's heads in ``layout``: query heads for ``"query"``, else KV heads.
+
+  Args:
+    cfg: the model's config.
+    layout: ``"kv"`` or ``"query"``.
+
+  Returns:
+    The number of heads.
+  """
   return cfg.num_heads if layout == "query" else cfg.num_kv_heads
 
 
 def slots_bound(policy: policies.Policy, budget, T: int, new: int) -> int:
-  """An upper bound on the slots per head that decoding ``new`` tokens after a ``T``-token
-  prompt gives ``policy`` under ``budget`` (checked), known before any work: the cache's size
-  when the allocator keeps the budget as given, the full ``T`` otherwise (an allocator may give
-  a head up to the prompt)."""
+  """Bounds the slots per head that decoding after a prompt gives ``policy``, before any work.
+
+  The bound is the cache's size when the allocator keeps the budget as given, the full ``T``
+  otherwise (an allocator may give a head up to the prompt).
+
+  Args:
+    policy: the policy (an object).
+    budget: the budget (already checked).
+    T: the prompt's tokens.
+    new: the tokens decoded after it.
+
+  Returns:
+    An upper bound on the slots per head.
+  """
   known = policy.requires_budget and not policy.allocates
   budget_max = int(np.max(budget)) if known and np.size(budget) else T
   return _capacity(policy, budget_max, T, new)
@@ -379,26 +467,40 @@ def generate(
   evidence=None,
   **policy_options,
 ) -> Generation:
-  """Generates ``max_new_tokens`` per row with ``policy`` (a :class:`kvjax.policies.Policy`, or a
-  registered name built once with ``policy_options``) under ``budget`` (per head, window
-  included; a scalar, ``[L]`` or ``[L, H]``). ``policy="full"`` (:class:`kvjax.policies.Full`)
-  keeps everything.
+  """Generates ``max_new_tokens`` tokens per row through a cache compressed with ``policy``.
 
-  The prompt is compressed once after prefill; prefill-time policies then append (no eviction),
-  decode-time policies evict as they go within ``budget``. Greedy by default (``temperature``
-  0); ``rng`` seeds sampling and the random policy. ``attention_mask`` ``[B, T]`` marks each
-  row's real tokens, padded on either side (rows run left-padded). ``layout``: the cache's
-  heads (``"kv"`` or ``"query"``) or a :class:`kvjax.model.cache.Layout`; keys keep their
-  original positions unless ``Layout(reindex=True)`` numbers them by rank inside the cache
-  (official StreamingLLM's pos-shift).
+  ``policy="full"`` (:class:`kvjax.policies.Full`) keeps everything. The prompt is compressed
+  once after prefill; prefill-time policies then append (no eviction), decode-time policies
+  evict as they go within ``budget``. Greedy by default (``temperature`` 0); rows run
+  left-padded. Keys keep their original positions unless ``Layout(reindex=True)`` numbers them
+  by rank inside the cache (official StreamingLLM's pos-shift).
 
-  ``evidence`` holds the data a policy needs from outside the prompt: ``qfilters_LGD``
-  ``[L, G, D]`` (Q-Filters), ``retrieval_heads_LG`` ``[L, G]`` (DuoAttention),
-  ``reconstruction_attn_LGT`` ``[L, B, G, T]`` or ``[L, G, T]`` over the caller's columns
-  (KVzip), as :mod:`kvjax.model.calibrate` computes them, and HeadKV's head importances
-  ``head_scores_LH`` (``[L, Hq]``, or ``[L, G]`` at KV-head granularity). Policy options
-  ``channel_ratio`` (ThinK's key channels, stored pruned) and ``decode_every=N`` (re-compress
-  to the budget every ``N`` generated tokens) apply to any prefill scorer.
+  Policy options ``channel_ratio`` (ThinK's key channels, stored pruned) and ``decode_every=N``
+  (re-compress to the budget every ``N`` generated tokens) apply to any prefill scorer.
+
+  Args:
+    model: the model (:class:`kvjax.model.llama.Llama`).
+    prompt_ids: token ids ``[B, T]``.
+    policy: a :class:`kvjax.policies.Policy`, or a registered name built once with
+      ``policy_options``.
+    budget: slots per head, window included: a scalar, ``[L]`` or ``[L, H]`` (``None`` for the
+      full cache).
+    max_new_tokens: tokens to generate per row.
+    attention_mask: ``[B, T]`` 0/1 mask of each row's real tokens, padded on either side.
+    temperature: the sampling temperature (0: greedy).
+    rng: a PRNG key that seeds sampling and the random policy.
+    layout: the cache's heads (``"kv"`` or ``"query"``) or a
+      :class:`kvjax.model.cache.Layout`.
+    evidence: the data a policy needs from outside the prompt: ``qfilters_LGD`` ``[L, G, D]``
+      (Q-Filters), ``retrieval_heads_LG`` ``[L, G]`` (DuoAttention), ``reconstruction_attn_LGT``
+      ``[L, B, G, T]`` or ``[L, G, T]`` over the caller's columns (KVzip), as
+      :mod:`kvjax.model.calibrate` computes them, and HeadKV's head importances
+      ``head_scores_LH`` (``[L, Hq]``, or ``[L, G]`` at KV-head granularity).
+    **policy_options: options of a registered policy name.
+
+  Returns:
+    A :class:`Generation`: tokens ``[B, max_new_tokens]``, the cache's memory (with the full
+    cache's for comparison) and the allocation used per row.
 
   Raises:
     ValueError: before any work, for bad ids (:func:`kvjax.model.llama.check_token_ids`), a
@@ -463,7 +565,18 @@ def _check_budget_given(policy: policies.Policy, budget) -> None:
 
 
 def check_config_budgets(budgets) -> Array:
-  """A leading configuration axis of integer budgets (``[K]``, ``[K, L]`` or ``[K, L, H]``)."""
+  """Checks budgets with a leading configuration axis (``[K]``, ``[K, L]`` or ``[K, L, H]``).
+
+  Args:
+    budgets: integer budgets with a non-empty leading axis.
+
+  Returns:
+    The budgets as an int32 array.
+
+  Raises:
+    ValueError: for non-integer budgets, no (or an empty) leading axis, or values outside
+      ``[0, 2**31)``.
+  """
   arr = np.asarray(budgets)
   if not np.issubdtype(arr.dtype, np.integer) or arr.ndim < 1 or arr.shape[0] < 1:
     raise ValueError(
@@ -479,14 +592,23 @@ def check_config_budgets(budgets) -> Array:
 
 
 def shard_configs(budgets_K: Array, params: dict | None = None) -> tuple[Array, int]:
-  """The configuration axis spread over every device (a TPU slice, several GPUs, or forced host
-  devices): ``budgets_K`` padded to a multiple of the device count by repeating its last row and
-  placed with a ``NamedSharding`` over a one-axis ``Mesh``; the vmapped compress-and-decode then
-  runs each device's share (GSPMD partitions it). Returns the budgets and the real ``K``.
+  """Spreads the configuration axis over every device.
 
-  A model placed by :func:`kvjax.model.sharding.shard_model` already spreads its batch and
-  weights over the devices: its configurations are replicated on that mesh (one mesh per
-  program; GSPMD cannot mix two layouts of the same devices)."""
+  The devices are a TPU slice, several GPUs, or forced host devices. ``budgets_K`` is padded to
+  a multiple of the device count by repeating its last row and placed with a ``NamedSharding``
+  over a one-axis ``Mesh``; the vmapped compress-and-decode then runs each device's share
+  (GSPMD partitions it). A model placed by
+  :func:`kvjax.model.sharding.shard_model` already spreads its batch and weights over the
+  devices: its configurations are replicated on that mesh (one mesh per program; GSPMD cannot
+  mix two layouts of the same devices).
+
+  Args:
+    budgets_K: the budgets ``[K, ...]``.
+    params: the model's parameters, to find its mesh (``None``: no model mesh).
+
+  Returns:
+    ``(budgets, K)``: the placed (possibly padded) budgets and the real ``K``.
+  """
   devices = jax.devices()
   K = budgets_K.shape[0]
   model_mesh = sharding.model_mesh(params) if params is not None else None
@@ -503,9 +625,30 @@ def shard_configs(budgets_K: Array, params: dict | None = None) -> tuple[Array, 
 
 
 def configs_spec(cfg, pol, pre, budgets, window, layout, T, new, evidence):
-  """Checks the budgets, then the cache spec (``layout``: a :class:`cache_lib.Layout`) sized for
-  every configuration and their allocations ``[K, B, L, H]`` (shared by ``generate_configs``
-  and ``answer_configs``)."""
+  """Sizes the cache spec for every configuration and computes their allocations.
+
+  The budgets are checked first. Shared by :func:`generate_configs` and
+  :func:`kvjax.model.answers.answer_configs`.
+
+  Args:
+    cfg: the model's config.
+    pol: the policy (an object).
+    pre: the shared prefill's outputs.
+    budgets: the checked budgets ``[K, ...]``.
+    window: the observation window the budgets must hold.
+    layout: a :class:`kvjax.model.cache.Layout`.
+    T: the prompt's (context's) tokens.
+    new: tokens decoded or fed after it.
+    evidence: the checked caller-given evidence, or ``None``.
+
+  Returns:
+    ``(spec, alloc)``: the :class:`kvjax.model.cache.CacheSpec` sized for every configuration
+    and the allocations ``[K, B, L, H]``.
+
+  Raises:
+    ValueError: for budgets the policy refuses, or a spec
+      :func:`kvjax.model.cache.check_spec` refuses.
+  """
   if pol.requires_budget:
     pol.check_budget(budgets, window, T)
   spec = cache_lib.CacheSpec(pol, 1, layout.heads, reindex=layout.reindex)
@@ -527,10 +670,24 @@ def generate_configs(
   evidence=None,
   **policy_options,
 ) -> Generation:
-  """One prefill shared by ``K`` budget configurations (``budgets``: ``[K]``, ``[K, L]`` or
-  ``[K, L, H]``): compress + decode are vmapped over configurations, greedy. Tokens
-  ``[K, B, N]``. ``policy``, ``attention_mask``, ``layout`` and ``evidence`` as
-  :func:`generate`'s.
+  """Generates greedily under ``K`` budget configurations from one shared prefill.
+
+  Compress and decode are vmapped over the configurations.
+
+  Args:
+    model: the model (:class:`kvjax.model.llama.Llama`).
+    prompt_ids: token ids ``[B, T]``.
+    budgets: ``[K]``, ``[K, L]`` or ``[K, L, H]`` budgets.
+    policy: as :func:`generate`'s.
+    max_new_tokens: tokens to generate per row.
+    attention_mask: as :func:`generate`'s.
+    layout: as :func:`generate`'s.
+    evidence: as :func:`generate`'s.
+    **policy_options: options of a registered policy name.
+
+  Returns:
+    A :class:`Generation`: tokens ``[K, B, N]``, the K/V bytes held per configuration and the
+    allocations ``[K, B, L, H]``.
 
   Raises:
     ValueError: as :func:`generate`'s, before any work; the cache estimate counts the ``K``
@@ -585,19 +742,31 @@ def keep_mask(
   evidence=None,
   **options,
 ) -> np.ndarray:
-  """Which prompt positions ``policy`` (an object, or a name built once with ``options``) keeps
-  under ``budget`` on a real prompt: bool ``[L, B, H, T]``, per layer, batch row and head (for
-  plots, and parity with other libraries).
+  """Computes which prompt positions ``policy`` keeps under ``budget`` on a real prompt.
 
-  ``H`` is the policy's granularity: query heads by default (the published tables' layout), or
-  KV heads with ``num_kv_heads=G`` (scores averaged over each group, as kvpress does). The
-  window-based policies observe their ``window`` option's queries (default
+  The mask is per layer, batch row and head, for plots and parity with other libraries. ``H``
+  is the policy's granularity: query heads by default (the published tables' layout), or KV heads
+  with ``num_kv_heads=G`` (scores averaged over each group, as kvpress does). The window-based
+  policies observe their ``window`` option's queries (default
   :data:`kvjax.policies.DEFAULT_WINDOW`). Rows are left-padded internally; the mask is returned
-  in the caller's column order. ``evidence`` as :func:`generate`'s.
+  in the caller's column order.
+
+  Args:
+    model: the model (:class:`kvjax.model.llama.Llama`).
+    input_ids: token ids ``[B, T]``.
+    policy: a policy object, or a name built once with ``options``.
+    budget: slots per head: a scalar, ``[L]`` or ``[L, H]``.
+    attention_mask: optional ``[B, T]`` 0/1 mask of the real tokens.
+    evidence: as :func:`generate`'s.
+    **options: options of a registered policy name (``num_kv_heads``, ``window``, ...).
+
+  Returns:
+    A bool mask ``[L, B, H, T]``.
 
   Raises:
     ValueError: as :func:`generate`'s, before any work, for ``input_ids`` (a prompt longer than
       the model's context included).
+    RuntimeError: when a row needed more slots than its cache held.
   """
   pol = policies.build(policy, **options)
   check_model_evidence(pol)

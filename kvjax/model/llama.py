@@ -68,11 +68,15 @@ class Llama(nnx.Module):
       self.lm_head = normal(d, cfg.vocab_size)
 
   def params(self) -> dict:
-    """The parameter pytree the pure functions read."""
+    """Returns the parameter pytree that the pure functions of this module read.
+
+    Returns:
+      A dict of the module's parameters by name (``embed``, ``wq``, ...), as arrays.
+    """
     return {k: v[...] for k, v in nnx.to_pure_dict(nnx.state(self, nnx.Param)).items()}
 
   def __call__(self, input_ids: Array, attention_mask: Array | None = None) -> Array:
-    """Logits ``[batch, T, vocab]`` of a full causal forward pass.
+    """Computes the logits ``[batch, T, vocab]`` of a full causal forward pass.
 
     Args:
       input_ids: token ids ``[batch, T]`` (:func:`check_token_ids`'s rule; traced ids are checked
@@ -91,33 +95,13 @@ class Llama(nnx.Module):
     return forward(self.cfg, self.params(), input_ids, attention_mask)
 
 
-def check_ids(name: str, ids, vocab_size: int) -> None:
-  """Checks token ids of any shape: an integer dtype (bools are not token ids) and values in
-  ``[0, vocab_size)``, since an embedding gather would silently clamp anything else.
-
-  Args:
-    name: the argument's name, for the error.
-    ids: the ids (array-like, concrete).
-    vocab_size: the model's vocabulary size.
-
-  Raises:
-    ValueError: naming ``name``, for a non-integer dtype or an id outside the vocabulary.
-  """
-  arr = np.asarray(ids)
-  if not np.issubdtype(arr.dtype, np.integer):
-    raise ValueError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
-  if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
-    bad = int(arr.min() if arr.min() < 0 else arr.max())
-    raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
-
-
 def check_token_ids(name: str, ids, vocab_size: int, *, min_len: int = 1):
-  """The one rule for a batch of token ids, shared by every model entry point: an integer dtype
-  (bools refused), two axes ``[B, T]`` with ``B >= 1`` and ``T >= min_len``, values in
-  ``[0, vocab_size)``.
+  """Checks a batch of token ids against the one rule shared by every model entry point.
 
-  Shapes and dtypes are static, so traced ids are checked for them too; their values are not
-  known in Python and pass unchecked.
+  The rule: an integer dtype (bools refused), two axes ``[B, T]`` with ``B >= 1`` and
+  ``T >= min_len``, values in ``[0, vocab_size)`` (an embedding gather would silently clamp
+  anything else). Shapes and dtypes are static, so traced ids are checked for them too; their
+  values are not known in Python and pass unchecked.
 
   Args:
     name: the argument's name, for the error.
@@ -141,7 +125,9 @@ def check_token_ids(name: str, ids, vocab_size: int, *, min_len: int = 1):
     raise ValueError(f"{name}: expected integer token ids, got dtype {arr.dtype}")
   if traced:
     return ids
-  check_ids(name, arr, vocab_size)
+  if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+    bad = int(arr.min() if arr.min() < 0 else arr.max())
+    raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
   return arr.astype(np.int32)
 
 
@@ -153,9 +139,10 @@ def check_context(
   name: str = "input_ids",
   new_name: str = "max_new_tokens",
 ) -> None:
-  """Refuses a sequence longer than the model's context (``cfg.max_positions``): positions past
-  it were never trained and give answers without a warning. Nothing is checked when the
-  context is unknown (``None``).
+  """Refuses a sequence longer than the model's context (``cfg.max_positions``).
+
+  Positions past the context were never trained and give answers without a warning. Nothing is
+  checked when the context is unknown (``None``).
 
   Args:
     cfg: the model's config.
@@ -193,24 +180,57 @@ def check_context(
 
 
 def matmul(x: Array, w: Array) -> Array:
-  """``x @ w`` at :data:`kvjax.scores.PRECISION` (full fp32 on every backend)."""
+  """Multiplies ``x @ w`` at :data:`kvjax.scores.PRECISION` (full fp32 on every backend).
+
+  Args:
+    x: the left operand.
+    w: the right operand.
+
+  Returns:
+    The product ``x @ w``.
+  """
   return jnp.matmul(x, w, precision=PRECISION)
 
 
 def along_last(w: Array, ndim: int) -> Array:
-  """A vector over the last axis, shaped to broadcast explicitly against rank ``ndim``."""
+  """Reshapes a vector over the last axis to broadcast explicitly against rank ``ndim``.
+
+  Args:
+    w: a vector ``[N]``.
+    ndim: the rank of the array it will broadcast against.
+
+  Returns:
+    ``w`` shaped ``[1, ..., 1, N]`` with ``ndim`` axes.
+  """
   return w.reshape((1,) * (ndim - 1) + (-1,))
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
-  """HF ``LlamaRMSNorm``: normalise in fp32, cast back, then scale."""
+  """Applies HF ``LlamaRMSNorm``: normalise in fp32, cast back, then scale.
+
+  Args:
+    x: activations ``[..., d]``.
+    weight: the norm's scale ``[d]``.
+    eps: the epsilon added to the mean square.
+
+  Returns:
+    ``weight`` times the activations normalised in fp32 and cast back to ``x``'s dtype.
+  """
   h = x.astype(jnp.float32)
   h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
   return along_last(weight, x.ndim) * h.astype(x.dtype)
 
 
 def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
-  """RoPE inverse frequencies ``[D/2]`` (float64 on the host), with Llama 3 scaling."""
+  """Computes RoPE inverse frequencies ``[D/2]`` (float64 on the host), with Llama 3 scaling.
+
+  Args:
+    cfg: the model's config (``head_dim``, ``rope_theta`` and the ``rope_*`` scaling fields).
+
+  Returns:
+    The inverse frequencies ``[D/2]`` as a float64 numpy array (scaled when
+    ``cfg.rope_type == "llama3"``).
+  """
   D = cfg.head_dim
   inv = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
   if cfg.rope_type != "llama3":
@@ -229,13 +249,32 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
 
 
 def rope(x_BHTD: Array, positions_BT: Array, cfg: ModelConfig) -> Array:
-  """Rotary embedding of ``[B, N, T, D]`` heads at per-row positions ``[B, T]``."""
+  """Applies the rotary embedding to heads ``[B, N, T, D]`` at per-row positions ``[B, T]``.
+
+  Args:
+    x_BHTD: heads ``[B, N, T, D]``.
+    positions_BT: RoPE positions ``[B, T]``, shared by every head of a row.
+    cfg: the model's config.
+
+  Returns:
+    The rotated heads ``[B, N, T, D]``.
+  """
   return rope_at(x_BHTD, jnp.broadcast_to(positions_BT[:, None], x_BHTD.shape[:-1]), cfg)
 
 
 def rope_at(x: Array, positions: Array, cfg: ModelConfig) -> Array:
-  """Rotary embedding of ``x [..., C, D]`` at ``positions [..., C]`` (any leading axes; negative
-  positions undo a rotation: RoPE is a rotation, ``rope_at(rope_at(x, p), -p) == x``)."""
+  """Applies the rotary embedding to ``x [..., C, D]`` at ``positions [..., C]`` (any leading axes).
+
+  Negative positions undo a rotation: RoPE is a rotation, ``rope_at(rope_at(x, p), -p) == x``.
+
+  Args:
+    x: vectors ``[..., C, D]``.
+    positions: their positions ``[..., C]``.
+    cfg: the model's config.
+
+  Returns:
+    The rotated vectors ``[..., C, D]`` in ``x``'s dtype.
+  """
   inv = jnp.asarray(inv_frequencies(cfg), jnp.float32)
   angles = positions.astype(jnp.float32)[..., None] * inv.reshape((1,) * positions.ndim + (-1,))
   angles = jnp.concatenate([angles, angles], -1)
@@ -250,24 +289,60 @@ UNSTACKED = ("embed", "final_norm", "lm_head")
 
 
 def stacked(params: dict) -> dict:
-  """The per-layer parameters, each ``[L, ...]``: what the layer scan iterates over."""
+  """Selects the per-layer parameters, each ``[L, ...]``: what the layer scan iterates over.
+
+  Args:
+    params: the parameter pytree.
+
+  Returns:
+    The parameters other than :data:`UNSTACKED` (``embed``, ``final_norm``, ``lm_head``).
+  """
   return {k: v for k, v in params.items() if k not in UNSTACKED}
 
 
 def layer_params(params: dict, layer) -> dict:
-  """One layer's slice of the stacked parameters."""
+  """Slices one layer out of the stacked parameters.
+
+  Args:
+    params: the parameter pytree.
+    layer: the layer's index (an int or a traced scalar).
+
+  Returns:
+    The layer's parameters, each without the leading ``L`` axis.
+  """
   return {k: v[layer] for k, v in stacked(params).items()}
 
 
 def project_qkv(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array):
-  """Post-RoPE queries ``[B, Hq, T, D]``, keys ``[B, G, T, D]`` and values ``[B, G, T, D]``."""
+  """Projects hidden states to post-RoPE queries, keys and values.
+
+  Args:
+    cfg: the model's config.
+    p: one layer's parameters (:func:`layer_params`).
+    x_BTd: the residual stream ``[B, T, d]`` (before the attention norm).
+    positions_BT: RoPE positions ``[B, T]``.
+
+  Returns:
+    ``(queries [B, Hq, T, D], keys [B, G, T, D], values [B, G, T, D])``, queries and keys
+    post-RoPE.
+  """
   q, k, v = project_heads(cfg, p, x_BTd)
   return rope(q, positions_BT, cfg), rope(k, positions_BT, cfg), v
 
 
 def project_heads(cfg: ModelConfig, p: dict, x_BTd: Array):
-  """Pre-RoPE queries ``[B, Hq, T, D]``, keys and values ``[B, G, T, D]`` (after Qwen3's q/k
-  RMSNorm: kvpress's ``get_prerope_query_states``)."""
+  """Projects hidden states to pre-RoPE queries, keys and values.
+
+  Qwen3's q/k RMSNorm is applied (kvpress's ``get_prerope_query_states``).
+
+  Args:
+    cfg: the model's config.
+    p: one layer's parameters (:func:`layer_params`).
+    x_BTd: the residual stream ``[B, T, d]`` (before the attention norm).
+
+  Returns:
+    ``(queries [B, Hq, T, D], keys [B, G, T, D], values [B, G, T, D])``, pre-RoPE.
+  """
   B, T, _ = x_BTd.shape
   h = rms_norm(x_BTd, p["attn_norm"], cfg.rms_norm_eps)
   q, k, v = matmul(h, p["wq"]), matmul(h, p["wk"]), matmul(h, p["wv"])
@@ -285,18 +360,35 @@ def project_heads(cfg: ModelConfig, p: dict, x_BTd: Array):
 
 
 def attention_probs(q_BHQD, k_BGTD, allowed, *, head_dim: int | None = None) -> Array:
-  """fp32 softmax of ``q k^T / sqrt(D)`` over allowed keys: ``[B, Hq, Q, K]`` (GQA grouped).
+  """Computes the fp32 softmax of ``q k^T / sqrt(D)`` over allowed keys (GQA grouped).
 
-  ``allowed`` is ``[B, Q, K]`` (shared by every head: prefill) or ``[B, G, Q, K]`` (per KV head:
-  a compressed cache, whose rows hold different slots). Fully masked rows give zeros.
-  ``head_dim`` is the ``D`` of the scale when the channels given are fewer (ThinK's pruned
-  keys: the dropped channels add 0 to ``q k^T``, the scale stays the model's).
+  Fully masked rows give zeros.
+
+  Args:
+    q_BHQD: queries ``[B, Hq, Q, D]``.
+    k_BGTD: keys grouped by KV head ``[B, G, K, D]``.
+    allowed: ``[B, Q, K]`` (shared by every head: prefill) or ``[B, G, Q, K]`` (per KV head: a
+      compressed cache, whose rows hold different slots).
+    head_dim: the ``D`` of the scale when the channels given are fewer (ThinK's pruned keys: the
+      dropped channels add 0 to ``q k^T``, the scale stays the model's); ``None``: the keys'.
+
+  Returns:
+    fp32 probabilities ``[B, Hq, Q, K]``.
   """
   return masked_softmax(attention_logits(q_BHQD, k_BGTD, head_dim=head_dim), allowed)
 
 
 def attention_logits(q_BHQD, k_BGTD, *, head_dim: int | None = None) -> Array:
-  """fp32 ``q k^T / sqrt(head_dim or D)`` grouped by KV head: ``[B, G, Hq / G, Q, K]``."""
+  """Computes fp32 attention logits ``q k^T / sqrt(head_dim or D)`` grouped by KV head.
+
+  Args:
+    q_BHQD: queries ``[B, Hq, Q, D]``.
+    k_BGTD: keys ``[B, G, K, D]``.
+    head_dim: the ``D`` of the scale (``None``: the queries' last axis).
+
+  Returns:
+    fp32 logits ``[B, G, Hq / G, Q, K]``.
+  """
   B, Hq, Q, D = q_BHQD.shape
   G = k_BGTD.shape[1]
   q = q_BHQD.astype(jnp.float32).reshape(B, G, Hq // G, Q, D)
@@ -305,7 +397,15 @@ def attention_logits(q_BHQD, k_BGTD, *, head_dim: int | None = None) -> Array:
 
 
 def masked_softmax(logits_BGRQK: Array, allowed) -> Array:
-  """:func:`attention_probs`'s softmax of grouped logits over allowed keys, ``[B, Hq, Q, K]``."""
+  """Computes :func:`attention_probs`'s softmax of grouped logits over allowed keys.
+
+  Args:
+    logits_BGRQK: grouped logits ``[B, G, R, Q, K]`` (:func:`attention_logits`).
+    allowed: ``[B, Q, K]`` or ``[B, G, Q, K]`` bool mask of the keys each query may see.
+
+  Returns:
+    fp32 probabilities ``[B, Hq, Q, K]``; zeros for rows with no allowed key.
+  """
   B, G, R, Q, K = logits_BGRQK.shape
   allowed = allowed[:, None] if allowed.ndim == 3 else allowed
   allowed = allowed[:, :, None]  # [B, G or 1, 1, Q, K]
@@ -316,7 +416,15 @@ def masked_softmax(logits_BGRQK: Array, allowed) -> Array:
 
 
 def attend(probs_BHQT: Array, v_BGTD: Array) -> Array:
-  """Attention output ``[B, Hq, Q, D]`` from probabilities and grouped values."""
+  """Computes the attention output from probabilities and grouped values.
+
+  Args:
+    probs_BHQT: attention probabilities ``[B, Hq, Q, K]``.
+    v_BGTD: values grouped by KV head ``[B, G, K, D]``.
+
+  Returns:
+    fp32 attention output ``[B, Hq, Q, D]``.
+  """
   B, Hq, Q, K = probs_BHQT.shape
   G = v_BGTD.shape[1]
   p = probs_BHQT.reshape(B, G, Hq // G, Q, K)
@@ -325,20 +433,26 @@ def attend(probs_BHQT: Array, v_BGTD: Array) -> Array:
 
 
 def segments_attention(q_BHQD, segments, *, probs_of_first=False):
-  """Attention of ``Q`` queries over several key segments with one softmax over all of them:
-  ``(out [B, Hq, Q, D], probs [B, Hq, Q, C] over the first segment, or None)``.
+  """Attends ``Q`` queries over several key segments with one softmax over all of them.
 
-  ``segments``: ``(keys [B, G, C_i, D], values [B, G, C_i, D], allowed [B, G, Q, C_i])``,
-  grouped by KV head (query head ``h`` reads group ``h // (Hq / G)``). The same attention as
-  :func:`attention_logits`, :func:`masked_softmax` then :func:`attend` over the concatenated
-  segments (a query with no allowed key gives 0), up to float rounding, in 0.6x their time on
-  XLA:CPU with few queries (a question fed after a compressed cache: 27 vs 45 ms per layer for
-  4 x 8 caches of 1026 slots and 18 queries), because:
+  The same attention as :func:`attention_logits`, :func:`masked_softmax` then :func:`attend` over
+  the concatenated segments (a query with no allowed key gives 0), up to float rounding, in 0.6x
+  their time on XLA:CPU with few queries (a question fed after a compressed cache: 27 vs 45 ms
+  per layer for 4 x 8 caches of 1026 slots and 18 queries), because:
 
   * the logits are computed as ``k q^T`` (``[B, G, C, R Q]``; XLA:CPU's batched matmul runs it
     2.3x faster than ``q k^T`` when the queries are few), then transposed;
   * the segments are never concatenated: the softmax's maximum and normaliser are combined
     across them and each segment's values are weighted by its own part.
+
+  Args:
+    q_BHQD: queries ``[B, Hq, Q, D]``.
+    segments: a sequence of ``(keys [B, G, C_i, D], values [B, G, C_i, D], allowed
+      [B, G, Q, C_i])``, grouped by KV head (query head ``h`` reads group ``h // (Hq / G)``).
+    probs_of_first: whether to return the probabilities over the first segment.
+
+  Returns:
+    ``(out [B, Hq, Q, D], probs [B, Hq, Q, C] over the first segment, or None)``, fp32.
   """
   B, Hq, Q, D = q_BHQD.shape
   G = segments[0][0].shape[1]
@@ -364,7 +478,17 @@ def segments_attention(q_BHQD, segments, *, probs_of_first=False):
 
 
 def output_and_mlp(cfg: ModelConfig, p: dict, x_BTd: Array, attn_BHTD: Array) -> Array:
-  """Residual stream after ``o_proj`` and the SwiGLU MLP."""
+  """Applies ``o_proj`` and the SwiGLU MLP to give the layer's residual stream.
+
+  Args:
+    cfg: the model's config.
+    p: one layer's parameters (:func:`layer_params`).
+    x_BTd: the residual stream ``[B, T, d]`` entering the layer.
+    attn_BHTD: the attention output ``[B, Hq, T, D]``.
+
+  Returns:
+    The residual stream ``[B, T, d]`` after ``o_proj`` and the MLP.
+  """
   B, _, T, _ = attn_BHTD.shape
   o = matmul(attn_BHTD.transpose(0, 2, 1, 3).reshape(B, T, -1).astype(x_BTd.dtype), p["wo"])
   if cfg.o_bias:
@@ -375,7 +499,18 @@ def output_and_mlp(cfg: ModelConfig, p: dict, x_BTd: Array, attn_BHTD: Array) ->
 
 
 def logits_of(cfg: ModelConfig, params: dict, x_BTd: Array) -> Array:
-  """fp32 logits ``[B, T, V]`` (rounded through the model dtype, as the matmul gives them)."""
+  """Computes fp32 logits from the final residual stream.
+
+  The logits are rounded through the model dtype, as the matmul gives them.
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    x_BTd: the residual stream ``[B, T, d]`` after the last layer.
+
+  Returns:
+    fp32 logits ``[B, T, V]``.
+  """
   h = rms_norm(x_BTd, params["final_norm"], cfg.rms_norm_eps)
   tied = cfg.tie_word_embeddings
   head = params["embed"] if tied else params["lm_head"]
@@ -409,20 +544,50 @@ def _logits_by_vocab_chunk(h_BTd: Array, head: Array, tied: bool, size: int = 81
 
 
 def dense_layer(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array, allowed) -> tuple:
-  """One decoder layer with one dense mask ``allowed`` (``[B, T, T]``): the new residual stream
-  and the layer's attention probabilities ``[B, Hq, T, T]`` (training and attention maps)."""
+  """Runs one decoder layer with one dense mask (training and attention maps).
+
+  Args:
+    cfg: the model's config.
+    p: one layer's parameters (:func:`layer_params`).
+    x_BTd: the residual stream ``[B, T, d]``.
+    positions_BT: RoPE positions ``[B, T]``.
+    allowed: the dense ``[B, T, T]`` mask of the keys each query may see.
+
+  Returns:
+    ``(x, probs)``: the new residual stream ``[B, T, d]`` and the layer's attention
+    probabilities ``[B, Hq, T, T]``.
+  """
   q, k, v = project_qkv(cfg, p, x_BTd, positions_BT)
   probs = attention_probs(q, k, allowed)
   return output_and_mlp(cfg, p, x_BTd, attend(probs, v)), probs
 
 
 def positions_from_mask(attention_mask_BT: Array) -> Array:
-  """HF-style positions of a (left-)padded batch: ``cumsum(mask) - 1``, 0 on padding."""
+  """Computes HF-style positions of a (left-)padded batch: ``cumsum(mask) - 1``, 0 on padding.
+
+  Args:
+    attention_mask_BT: the 0/1 mask ``[B, T]`` of the real tokens.
+
+  Returns:
+    int32 positions ``[B, T]``.
+  """
   return jnp.maximum(jnp.cumsum(attention_mask_BT, -1) - 1, 0).astype(jnp.int32)
 
 
 def causal_allowed(q_pos_BQ, k_pos_BT, k_valid_BT, q_index_BQ, k_index_BT, sliding_window=None):
-  """Which keys each query may see: valid, not in the future (by index), within the window."""
+  """Says which keys each query may see: valid, not in the future (by index), within the window.
+
+  Args:
+    q_pos_BQ: the queries' RoPE positions ``[B, Q]``.
+    k_pos_BT: the keys' RoPE positions ``[B, T]``.
+    k_valid_BT: the keys' validity ``[B, T]``.
+    q_index_BQ: the queries' indices in the sequence ``[B, Q]``.
+    k_index_BT: the keys' indices in the sequence ``[B, T]``.
+    sliding_window: the model's sliding window (``None``: none).
+
+  Returns:
+    A bool mask ``[B, Q, T]``.
+  """
   allowed = k_valid_BT[:, None, :] & (k_index_BT[:, None, :] <= q_index_BQ[:, :, None])
   if sliding_window is not None:
     allowed = allowed & (q_pos_BQ[:, :, None] - k_pos_BT[:, None, :] < sliding_window)
@@ -440,7 +605,21 @@ def forward(
   *,
   block: int = 256,
 ) -> Array:
-  """Full causal forward: logits ``[B, T, V]`` (queries processed in blocks of ``block``)."""
+  """Runs a full causal forward pass, queries processed in blocks of ``block``.
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    input_ids: token ids ``[B, T]``.
+    attention_mask: optional ``[B, T]`` 0/1 mask of the real tokens.
+    block: queries (and keys) per attention tile.
+
+  Returns:
+    fp32 logits ``[B, T, V]``.
+
+  Raises:
+    ValueError: as :func:`prefill`.
+  """
   return prefill(
     cfg, params, input_ids, attention_mask, plan=PrefillPlan(block), logits="all"
   ).logits
@@ -525,7 +704,7 @@ def prefill(
   logits: str = "last",
   plan: PrefillPlan = PrefillPlan(),
 ) -> Prefill:
-  """One pass over the prompt: a :class:`Prefill` with logits, K/V and the requested evidence.
+  """Runs one pass over the prompt, giving logits, K/V and the requested evidence.
 
   ``request`` (a :class:`kvjax.policies.EvidenceRequest`, static under ``jit``: what
   :meth:`kvjax.policies.Policy.evidence_request` asks for, or several policies' requests merged
@@ -549,11 +728,12 @@ def prefill(
   ``[L, B, Hq, W, T]`` output, in ``window_dtype`` (fp32 by default; ``jnp.bfloat16`` halves
   the largest output, 8 GiB at 128k tokens for a 1B model, after an fp32 softmax).
 
-  ``request.window_scores`` (a hashable callable, e.g.
-  :meth:`kvjax.policies.Policy.window_scorer`) reduces each layer's window rows ``[B, Hq, W, T]``
-  (fp32, whatever ``window_dtype``) to scores ``[B, Hq, T]`` inside the layer scan, when the
-  caller needs only a policy's scores: the output is ``window_scores`` ``[L, B, Hq, T]`` and no
-  ``attn_window`` (``W`` times smaller; the rows of one layer are the largest temporary).
+  ``request.window_scores`` (a hashable callable, for example
+  :meth:`kvjax.policies.Policy.window_scorer`) reduces each layer's window rows
+  ``[B, Hq, W, T]`` (fp32, whatever ``window_dtype``) to scores ``[B, Hq, T]`` inside the layer
+  scan, when the caller needs only a policy's scores: the output is ``window_scores``
+  ``[L, B, Hq, T]`` and no ``attn_window`` (``W`` times smaller; the rows of one layer are the
+  largest temporary).
 
   ``attention`` picks the kernel of the attention *output* when no column sums are asked for
   (with them, the exact second pass forms the output anyway): ``"blocked"`` (the tiles above),
@@ -571,9 +751,26 @@ def prefill(
   ``request.window_queries`` (the last ``window_queries`` post-RoPE queries, ThinK's channel
   evidence).
 
-  Raises ``ValueError`` for ids breaking :func:`check_token_ids`'s rule (traced ids: their shape
-  and dtype), a prompt longer than the model's context (:func:`check_context`), and arguments
-  of the wrong kind.
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    input_ids: token ids ``[B, T]``.
+    attention_mask: optional ``[B, T]`` 0/1 mask of the real tokens (left padding); ``None``:
+      every token is real.
+    request: the evidence to compute besides logits, keys and values.
+    full_attention_layers: layers whose full ``[B, Hq, T, T]`` attention maps to return.
+    logits: ``"last"`` or ``"all"`` positions' logits (:data:`LOGITS`).
+    plan: the memory plan and kernels (:class:`PrefillPlan`: ``block``, ``chunk``,
+      ``attention``, ``window_dtype``).
+
+  Returns:
+    A :class:`Prefill` with the logits, the post-RoPE keys and values, positions, validity and
+    the requested evidence.
+
+  Raises:
+    ValueError: for ids breaking :func:`check_token_ids`'s rule (traced ids: their shape and
+      dtype), a prompt longer than the model's context (:func:`check_context`), and arguments
+      of the wrong kind.
   """
   if logits not in LOGITS:
     raise ValueError(f"logits: expected one of {LOGITS}, got {logits!r}")
@@ -683,7 +880,7 @@ def _check_count(name: str, value, expected: str = "a positive int") -> None:
 
 
 def kv_itemsize(cfg: ModelConfig, params: dict) -> int:
-  """Bytes per element of the keys and values the model caches (its projections' dtype).
+  """Returns the bytes per element of the keys and values the model caches (its projections' dtype).
 
   Args:
     cfg: the model's config.
@@ -833,9 +1030,20 @@ def _chunk_step(cfg, p, l, positions, valid, block, attention, n_sink=None):
 
 
 def value_out_norms(cfg: ModelConfig, p: dict, v_BGTD: Array) -> Array:
-  """CriticalKV's ``||W_O^h v_j||_1`` ``[B, Hq, T]`` fp32: each query head's slice of ``o_proj``
-  applied to the values of its KV head (kvpress ``CriticalKVPress.vwl1norm`` before its group
-  mean; no ``o_proj`` bias), one head at a time so no ``[B, Hq, T, d]`` is formed."""
+  """Computes CriticalKV's ``||W_O^h v_j||_1`` per query head, fp32.
+
+  Each query head's slice of ``o_proj`` is applied to the values of its KV head (kvpress
+  ``CriticalKVPress.vwl1norm`` before its group mean; no ``o_proj`` bias), one head at a time so
+  no ``[B, Hq, T, d]`` is formed.
+
+  Args:
+    cfg: the model's config.
+    p: one layer's parameters (``wo`` is read).
+    v_BGTD: the layer's values ``[B, G, T, D]``.
+
+  Returns:
+    fp32 norms ``[B, Hq, T]``.
+  """
   Hq, D = cfg.num_heads, cfg.head_dim
   wo = p["wo"].reshape(Hq, D, -1)
   groups = Hq // v_BGTD.shape[1]
@@ -849,16 +1057,35 @@ def value_out_norms(cfg: ModelConfig, p: dict, v_BGTD: Array) -> Array:
 
 
 def empty_moments(B: int, H: int, D: int) -> tuple:
-  """No queries seen yet: ``(count [B], mean [B, H, D], m2 [B, H, D, D])`` fp32."""
+  """Returns the query moments before any query is seen.
+
+  Args:
+    B: rows.
+    H: query heads.
+    D: the head dimension.
+
+  Returns:
+    ``(count [B], mean [B, H, D], m2 [B, H, D, D])``, fp32 zeros.
+  """
   f32 = jnp.float32
   return jnp.zeros((B,), f32), jnp.zeros((B, H, D), f32), jnp.zeros((B, H, D, D), f32)
 
 
 def update_moments(moments: tuple, q_BHND: Array, weight_BN: Array) -> tuple:
-  """The running count, mean and centred second moment with the queries ``q_BHND`` where
-  ``weight_BN`` is set added (Chan et al.'s parallel update: each chunk's own mean and centred
-  moment, then the correction ``delta delta^T n_a n_b / n``; stable where ``E[qq^T] - mu mu^T``
-  cancels, and never a per-token ``[D, D]``)."""
+  """Adds the queries where ``weight_BN`` is set to the running count, mean and centred moment.
+
+  Chan et al.'s parallel update: each chunk's own mean and centred moment, then the correction
+  ``delta delta^T n_a n_b / n``; stable where ``E[qq^T] - mu mu^T`` cancels, and never a
+  per-token ``[D, D]``.
+
+  Args:
+    moments: ``(count [B], mean [B, H, D], m2 [B, H, D, D])`` so far (:func:`empty_moments`).
+    q_BHND: the chunk's queries ``[B, H, N, D]``.
+    weight_BN: which of them count ``[B, N]`` (bool or 0/1).
+
+  Returns:
+    The updated ``(count, mean, m2)``, fp32.
+  """
   count, mean, m2 = moments
   w = weight_BN.astype(jnp.float32)
   q = q_BHND.astype(jnp.float32)
@@ -880,16 +1107,34 @@ def update_moments(moments: tuple, q_BHND: Array, weight_BN: Array) -> tuple:
 
 
 def moments_mean_cov(moments: tuple) -> tuple[Array, Array]:
-  """Mean ``[B, H, D]`` and covariance ``[B, H, D, D]`` dividing by the count (kvpress's
-  ``einsum(...) / h.shape[1]``, not ``count - 1``); zeros for a row with no query counted."""
+  """Computes the mean and covariance of the counted queries, dividing by the count.
+
+  kvpress divides by the count too (``einsum(...) / h.shape[1]``, not ``count - 1``).
+
+  Args:
+    moments: ``(count [B], mean [B, H, D], m2 [B, H, D, D])`` (:func:`update_moments`).
+
+  Returns:
+    ``(mean [B, H, D], cov [B, H, D, D])``; zeros for a row with no query counted.
+  """
   count, mean, m2 = moments
   return mean, m2 / jnp.maximum(count, 1.0).reshape(-1, 1, 1, 1)
 
 
 def average_rope(cfg: ModelConfig, start_B: Array, n_future: int) -> Array:
-  """The mean RoPE matrix ``R [B, D, D]`` over positions ``start .. start + n_future - 1`` of each
-  row: kvpress ``ExpectedAttentionPress.apply_avg_rope`` (``R = mean(cos I + sin P)`` with ``P``
-  the ``rotate_half`` matrix, ``cos``/``sin`` indexed by the column, as its broadcast does)."""
+  """Computes the mean RoPE matrix over each row's next ``n_future`` positions.
+
+  kvpress ``ExpectedAttentionPress.apply_avg_rope``: ``R = mean(cos I + sin P)`` with ``P`` the
+  ``rotate_half`` matrix, ``cos``/``sin`` indexed by the column, as its broadcast does.
+
+  Args:
+    cfg: the model's config.
+    start_B: each row's first future position ``[B]``.
+    n_future: how many positions to average over (``start .. start + n_future - 1``).
+
+  Returns:
+    fp32 matrices ``R [B, D, D]``.
+  """
   D = cfg.head_dim
   inv = jnp.asarray(inv_frequencies(cfg), jnp.float32)
   pos = (start_B[:, None] + jnp.arange(n_future)[None]).astype(jnp.float32)  # [B, F]
@@ -904,7 +1149,18 @@ def average_rope(cfg: ModelConfig, start_B: Array, n_future: int) -> Array:
 
 
 def rotate_moments(R_BDD: Array, mean_BHD: Array, cov_BHDD: Array) -> tuple[Array, Array]:
-  """``mu R^T`` and ``R cov R^T`` (kvpress's ``matmul(mu, R.T)``, ``R @ cov @ R.T``)."""
+  """Rotates a mean and covariance by ``R``: ``mu R^T`` and ``R cov R^T``.
+
+  As kvpress's ``matmul(mu, R.T)`` and ``R @ cov @ R.T``.
+
+  Args:
+    R_BDD: rotation matrices ``[B, D, D]`` (:func:`average_rope`).
+    mean_BHD: means ``[B, H, D]``.
+    cov_BHDD: covariances ``[B, H, D, D]``.
+
+  Returns:
+    ``(mean [B, H, D], cov [B, H, D, D])``, rotated.
+  """
   mean = jnp.einsum("bhj,bij->bhi", mean_BHD, R_BDD, precision=PRECISION)
   cov = jnp.einsum("bij,bhjk,blk->bhil", R_BDD, cov_BHDD, R_BDD, precision=PRECISION)
   return mean, cov
@@ -1107,7 +1363,18 @@ def _window_rows(cfg, q_BHWD, out, l, win, at, positions, valid, block) -> Array
 
 
 def full_attention_maps(cfg, params, input_ids, attention_mask, layers) -> dict:
-  """``{layer: [B, Hq, T, T]}`` post-softmax attention of the requested layers (for plots)."""
+  """Computes the post-softmax attention of the requested layers (for plots).
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    input_ids: token ids ``[B, T]``.
+    attention_mask: the 0/1 mask ``[B, T]`` of the real tokens.
+    layers: the layers to return maps of.
+
+  Returns:
+    ``{layer: [B, Hq, T, T]}`` attention probabilities.
+  """
   B, T = input_ids.shape
   valid = attention_mask.astype(bool)
   positions = positions_from_mask(attention_mask)

@@ -51,10 +51,18 @@ def _teacher_forced_logprobs(cfg, params, ids_BT):
 
 
 def teacher_forced_logprobs(model, input_ids) -> np.ndarray:
-  """``[B, T - 1]`` log-probabilities of tokens ``1..T-1`` given the tokens before them, from one
-  causal forward: what :func:`stream_logprobs` with ``policy="full"`` reads token by token (an
-  uncompressed cache evicts nothing, so the two agree; ``tests/test_decoding.py`` checks it),
-  in one pass instead of ``T - 1`` decode steps.
+  """Computes the log-probabilities of tokens ``1..T-1`` given the tokens before them in one pass.
+
+  One causal forward gives what :func:`stream_logprobs` with ``policy="full"`` reads token by
+  token (an uncompressed cache evicts nothing, so the two agree; ``tests/test_decoding.py``
+  checks it), in one pass instead of ``T - 1`` decode steps.
+
+  Args:
+    model: the model (:class:`kvjax.model.llama.Llama`).
+    input_ids: token ids ``[B, T]``, ``T >= 2``.
+
+  Returns:
+    fp32 log-probabilities ``[B, T - 1]``.
 
   Raises:
     ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule (``T >= 2``)
@@ -77,23 +85,35 @@ def stream_logprobs(
   budgets=None,
   **policy_options,
 ) -> np.ndarray:
-  """Teacher-forced log-probabilities of a long text read token by token through a cache:
-  ``[B, T - prefix]``, the log-probability of token ``t`` given tokens ``< t`` as the cache
-  holds them (StreamingLLM's perplexity experiment, Xiao et al. 2023, Fig. 3).
+  """Computes teacher-forced log-probabilities of a long text read token by token through a cache.
 
-  The first ``prefix`` tokens are prefilled (and compressed under ``budget``); every later token
-  goes through the jitted decode step, where a policy that acts while decoding (a
-  :class:`kvjax.policies.DecodePolicy` such as ``sliding_window``, ``streaming_llm``, ``h2o``,
-  ``tova``, or one with ``decode_every``) keeps within ``budget`` per head. ``policy`` is an
-  object or a name built once with ``policy_options``; ``policy="full"`` keeps every token
-  (``budget`` must then be ``None``). ``budgets`` (``[K]``,
-  ``[K, L]`` or ``[K, L, H]``, instead of ``budget``) reads the text under ``K`` budgets in one
-  scan (vmapped, one compile) and returns ``[K, B, T - prefix]``.
+  The log-probability of token ``t`` is given tokens ``< t`` as the cache holds them
+  (StreamingLLM's perplexity experiment, Xiao et al. 2023, Fig. 3). The first ``prefix`` tokens
+  are prefilled (and compressed under ``budget``); every later token goes through the jitted
+  decode step, where a policy that acts while decoding (a :class:`kvjax.policies.DecodePolicy`
+  such as ``sliding_window``, ``streaming_llm``, ``h2o``, ``tova``, or one with
+  ``decode_every``) keeps within ``budget`` per head.
+
+  Args:
+    model: the model (:class:`kvjax.model.llama.Llama`).
+    input_ids: token ids ``[B, T]``, ``T >= 2``.
+    policy: a policy object or a name built once with ``policy_options``; ``"full"`` keeps every
+      token.
+    budget: slots per head (``None`` for ``policy="full"``).
+    prefix: the tokens prefilled before the stream, in ``[1, T)``.
+    budgets: ``[K]``, ``[K, L]`` or ``[K, L, H]`` budgets, instead of ``budget``: the text is
+      read under ``K`` budgets in one scan (vmapped, one compile).
+    **policy_options: options of a registered policy name.
+
+  Returns:
+    Log-probabilities ``[B, T - prefix]``, or ``[K, B, T - prefix]`` with ``budgets``.
 
   Raises:
     ValueError: before any work, for ids breaking :func:`kvjax.model.llama.check_token_ids`'s
       rule (``T >= 2``) or longer than the model's context, a prefix, policy or budget it cannot
-      run with, or caches above :data:`kvjax.model.decoding.MAX_CACHE_BYTES`.
+      run with, both ``budget`` and ``budgets``, or caches above
+      :data:`kvjax.model.decoding.MAX_CACHE_BYTES`.
+    RuntimeError: when the full cache overflows its capacity.
   """
   if budgets is not None and budget is not None:
     raise ValueError(f"budget: give budget or budgets, not both; got budget={budget!r}")
