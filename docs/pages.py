@@ -8,6 +8,7 @@ hands its executed notebooks over through :func:`adopt`) executes nothing again.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import tempfile
 
@@ -19,6 +20,9 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 EXECUTED = DOCS / "notebooks"
 LAB_PAGE = DOCS / "_static" / "lab.html"
 LIMIT_S = 600
+# The kernel's matplotlib backend: figures become image outputs, as Jupyter shows them (a
+# headless MPLBACKEND=Agg in the environment would leave the pages without figures).
+INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
 
 def executed_path(source: pathlib.Path) -> pathlib.Path:
@@ -50,6 +54,18 @@ def adopt(executed: str | pathlib.Path, source: pathlib.Path) -> pathlib.Path:
 def execute(source: pathlib.Path) -> pathlib.Path:
   """Runs ``source`` in QUICK mode under papermill (from the notebooks folder, as a user would)
   and adopts the result."""
+  backend = os.environ.get("MPLBACKEND")
+  os.environ["MPLBACKEND"] = INLINE_BACKEND  # the kernel inherits it
+  try:
+    return _execute(source)
+  finally:
+    if backend is None:
+      del os.environ["MPLBACKEND"]
+    else:
+      os.environ["MPLBACKEND"] = backend
+
+
+def _execute(source: pathlib.Path) -> pathlib.Path:
   import papermill  # noqa: PLC0415  (only a build that executes needs it)
 
   with tempfile.TemporaryDirectory() as tmp:

@@ -200,7 +200,8 @@ def test_papermill_runs_it_from_the_notebooks_folder(path, tmp_path, monkeypatch
   notebook's folder as the working directory; the run above starts from the repository root):
   the language comes from the metadata, the install cell is skipped, parameters are injected."""
   papermill = pytest.importorskip("papermill")
-  monkeypatch.setenv("MPLBACKEND", "Agg")
+  # figures inline, as Jupyter shows them: the documentation renders this run (pages.adopt)
+  monkeypatch.setenv("MPLBACKEND", pages.INLINE_BACKEND)
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(jax_cache))
   inferred = papermill.inspect_notebook(str(path))  # what `papermill --help-notebook` lists
   assert "QUICK" in inferred and "PRESET" in inferred, path.name
@@ -246,6 +247,8 @@ def test_docs_build_with_the_executed_notebooks(tmp_path):
   for path in NOTEBOOKS:
     html = (out / "notebooks" / f"{path.stem}.html").read_text()
     assert "<img" in html and "_images/" in html, f"{path.name}: no figure on its page"
+    executed = nbformat.read(pages.executed_path(path), as_version=4)
+    assert "papermill" in executed.metadata, f"{path.name}: the page is not an executed run"
   assert (out / "_static" / "lab.html").exists()
   methods = (out / "methods.html").read_text()
   for name in policies.names():
