@@ -673,6 +673,9 @@ class Prefill:
     query_mean, query_cov: ``[L, B, Hq, D]``, ``[L, B, Hq, D, D]`` fp32 ExpectedAttention's
       statistics of the pre-RoPE prompt queries, on request (:func:`query_statistics`).
     window_queries: ``[L, B, Hq, W, D]`` the last ``W`` post-RoPE queries (ThinK), on request.
+    prerope_keys: ``[L, B, G, T, D]`` the keys before RoPE (leverage scores), on request.
+    queries: ``[L, B, Hq, T, D]`` every position's post-RoPE queries (non-causal attention), on
+      request.
   """
 
   logits: Array
@@ -691,6 +694,8 @@ class Prefill:
   query_mean: Array | None = None
   query_cov: Array | None = None
   window_queries: Array | None = None
+  prerope_keys: Array | None = None
+  queries: Array | None = None
 
 
 def prefill(
@@ -749,7 +754,9 @@ def prefill(
   accumulated chunk by chunk: :func:`query_statistics`; ``request.n_sink`` and
   ``request.n_future`` as kvpress's ``n_sink`` and ``n_future_positions``) and
   ``request.window_queries`` (the last ``window_queries`` post-RoPE queries, ThinK's channel
-  evidence).
+  evidence), ``request.prerope_keys`` (the keys before RoPE, ``[L, B, G, T, D]``) and
+  ``request.queries`` (every position's post-RoPE queries, ``[L, B, Hq, T, D]``: as large as
+  the keys times ``Hq / G``).
 
   Args:
     cfg: the model's config.
@@ -806,7 +813,7 @@ def prefill(
     or not 0 <= window_queries <= T
   ):
     raise ValueError(f"window_queries: expected an int in [0, T={T}], got {window_queries!r}")
-  for name in ("column_sums", "value_out_norms", "query_stats"):
+  for name in ("column_sums", "value_out_norms", "query_stats", "prerope_keys", "queries"):
     if not isinstance(getattr(request, name), bool):
       raise ValueError(f"{name}: expected a bool, got {getattr(request, name)!r}")
   n_sink, n_future = request.n_sink, request.n_future
@@ -847,6 +854,10 @@ def prefill(
     out["attn_window"] = jnp.zeros((L, B, Hq, window, T), window_dtype)
   if window_queries:
     out["window_queries"] = jnp.zeros((L, B, Hq, window_queries, D), q_dtype)
+  if request.prerope_keys:
+    out["prerope_keys"] = jnp.zeros((L, B, G, T, D), kv_dtype)
+  if request.queries:
+    out["queries"] = jnp.zeros((L, B, Hq, T, D), q_dtype)
   if request.value_out_norms:
     out["value_out_norms"] = jnp.zeros((L, B, Hq, T), jnp.float32)
   if query_stats:
@@ -990,8 +1001,8 @@ def _chunk_step(cfg, p, l, positions, valid, block, attention, n_sink=None):
     x, out, sums, q_win, moments = state
     x_c = jax.lax.dynamic_slice_in_dim(x, c0, n, 1)
     pos_c = jax.lax.dynamic_slice_in_dim(positions, c0, n, 1)
-    q_pre, k, v = project_heads(cfg, p, x_c)
-    q, k = rope(q_pre, pos_c, cfg), rope(k, pos_c, cfg)
+    q_pre, k_pre, v = project_heads(cfg, p, x_c)
+    q, k = rope(q_pre, pos_c, cfg), rope(k_pre, pos_c, cfg)
     k, v = k.astype(out["keys"].dtype), v.astype(out["values"].dtype)
     at = (l, 0, 0, c0, 0)
     out = dict(
@@ -1002,6 +1013,12 @@ def _chunk_step(cfg, p, l, positions, valid, block, attention, n_sink=None):
         out["key_norms"], jnp.linalg.norm(k.astype(jnp.float32), axis=-1)[None], at[:4]
       ),
     )
+    if "prerope_keys" in out:
+      k_pre = k_pre.astype(out["prerope_keys"].dtype)[None]
+      out = dict(out, prerope_keys=jax.lax.dynamic_update_slice(out["prerope_keys"], k_pre, at))
+    if "queries" in out:
+      q_all = q.astype(out["queries"].dtype)[None]
+      out = dict(out, queries=jax.lax.dynamic_update_slice(out["queries"], q_all, at))
     real_c = jax.lax.dynamic_slice_in_dim(valid, c0, n, 1)
     if "value_out_norms" in out:
       norms = jnp.where(real_c[:, None], value_out_norms(cfg, p, v), 0.0)

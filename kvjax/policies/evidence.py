@@ -54,6 +54,13 @@ class Evidence:
     reconstruction_attn_LGT: KVzip's importance ``[L, G, T]`` fp32: max over the reconstruction
       queries (and the GQA group) of the attention they pay to each context key in the "repeat
       the context" pass (kvpress ``KVzipPress``).
+    prerope_keys_LGTD: keys before RoPE ``[L, G, T, D]`` (after Qwen3's k-norm; kvpress
+      ``get_prerope_key_states``), for the leverage scores.
+    queries_LHTD: the post-RoPE queries of every prompt position ``[L, Hq, T, D]`` (non-causal
+      attention).
+    sketch_LGDK: standard normal draws for a randomised sketch, ``[L, G, D, K]`` (``G`` may be
+      1: one draw per layer shared by its heads); ``None``: the policy draws its own from its
+      ``seed`` option.
     valid_T: the row's real positions, bool ``[T]`` (``None``: all of them).
     window_scores_LHT: the window rows already reduced by the policy's own
       :meth:`~kvjax.policies.WindowPolicy.score_rows` (fp32 ``[L, H, T]``, before GQA
@@ -78,6 +85,9 @@ class Evidence:
   qfilters_LGD: Array | None = None
   retrieval_heads_LG: Array | None = None
   reconstruction_attn_LGT: Array | None = None
+  prerope_keys_LGTD: Array | None = None
+  queries_LHTD: Array | None = None
+  sketch_LGDK: Array | None = None
   # the row's real positions, bool [T] (a padded batch row; None: every position): the scorers
   # that aggregate over keys (KeyDiff's anchor, R-KV, ExpectedAttention's softmax, ChunkKV's
   # chunks) skip padding
@@ -158,6 +168,8 @@ KEY_AXIS = {
   "values_LGTD": -2,
   "value_out_norms_LHT": -1,
   "reconstruction_attn_LGT": -1,
+  "prerope_keys_LGTD": -2,
+  "queries_LHTD": -2,
   "valid_T": -1,
 }
 
@@ -179,6 +191,8 @@ class EvidenceRequest:
     query_stats: ExpectedAttention's query mean and covariance, with kvpress's ``n_sink`` and
       ``n_future`` (``n_future_positions``).
     window_queries: the last ``window_queries`` post-RoPE queries (ThinK, R-KV; 0: none).
+    prerope_keys: the keys before RoPE (leverage scores).
+    queries: every prompt position's post-RoPE queries (non-causal attention).
     window_scores: a hashable callable reducing one layer's window rows ``[B, H, W, T]`` to
       scores ``[B, H, T]`` inside the layer scan, so the prefill keeps the scores instead of the
       rows (:meth:`kvjax.policies.WindowPolicy.window_scorer`); ``None`` keeps the rows.
@@ -191,6 +205,8 @@ class EvidenceRequest:
   n_sink: int = N_SINK
   n_future: int = N_FUTURE
   window_queries: int = 0
+  prerope_keys: bool = False
+  queries: bool = False
   window_scores: Callable[[Array], Array] | None = None
 
   def __or__(self, other: EvidenceRequest) -> EvidenceRequest:
@@ -223,6 +239,8 @@ class EvidenceRequest:
       n_sink=stats.n_sink,
       n_future=stats.n_future,
       window_queries=max(self.window_queries, other.window_queries),
+      prerope_keys=self.prerope_keys or other.prerope_keys,
+      queries=self.queries or other.queries,
     )
 
   @classmethod
@@ -256,6 +274,8 @@ class EvidenceRequest:
       value_out_norms="value_out_norms_LHT" in needs,
       query_stats=bool({"query_mean_LHD", "query_cov_LHDD"} & needs),
       window_queries=window if "window_queries_LHWD" in needs else 0,
+      prerope_keys="prerope_keys_LGTD" in needs,
+      queries="queries_LHTD" in needs,
       **settings,
     )
 
