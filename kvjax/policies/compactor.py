@@ -62,7 +62,7 @@ def compactor_scores(
   s = jnp.roll(blending * lev + attn, left, axis=-1)
   t = jnp.arange(T)
   protected = (t < left) | ((t >= n - right) & (t < n))
-  return jnp.where(protected, jnp.inf, s).astype(jnp.float32)
+  return jnp.where(protected[None, None], jnp.inf, s).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

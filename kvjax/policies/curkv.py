@@ -25,11 +25,11 @@ def local_normalised(x_LGT: Array, window: int, n: Array) -> Array:
   L, G, T = x_LGT.shape
   real_T = jnp.arange(T) < n
   chunks = -(-T // window)
-  x = jnp.pad(jnp.where(real_T, x_LGT, 0.0), ((0, 0), (0, 0), (0, chunks * window - T)))
+  x = jnp.pad(jnp.where(real_T[None, None], x_LGT, 0.0), ((0, 0), (0, 0), (0, chunks * window - T)))
   x = x.reshape(L, G, chunks, window)
   total = x.sum(-1, keepdims=True)
   out = (x / jnp.where(total > 0, total, 1.0)).reshape(L, G, -1)[..., :T]
-  return jnp.where(real_T, out, 0.0)
+  return jnp.where(real_T[None, None], out, 0.0)
 
 
 def cur_scores(
@@ -68,8 +68,8 @@ def cur_scores(
     k, v = jnp.matmul(k, g, precision=HIGHEST), jnp.matmul(v, g, precision=HIGHEST)
   T = k.shape[2]
   real_T = jnp.arange(T) < n
-  k2 = jnp.where(real_T, (k * k).sum(-1), 0.0)
-  v2 = jnp.where(real_T, (v * v).sum(-1), 0.0)
+  k2 = jnp.where(real_T[None, None], (k * k).sum(-1), 0.0)
+  v2 = jnp.where(real_T[None, None], (v * v).sum(-1), 0.0)
   if local_window is not None:
     k2, v2 = local_normalised(k2, local_window, n), local_normalised(v2, local_window, n)
   s = {
@@ -80,7 +80,7 @@ def cur_scores(
   }[leverage_type]()
   total = s.sum(-1, keepdims=True)
   s = s / jnp.where(total > 0, total, 1.0)
-  return jnp.where(jnp.arange(T) < sinks, jnp.inf, s)
+  return jnp.where((jnp.arange(T) < sinks)[None, None], jnp.inf, s)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

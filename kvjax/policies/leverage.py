@@ -64,7 +64,9 @@ def _cholesky_with_jitter(gram_LGKK: Array) -> Array:
   """kvpress ``chol_with_jitter``: the first jitter in :data:`JITTERS` whose factor succeeds for
   every head of the layer (one jitter per layer, as kvpress's per-call ``info.all()``)."""
   eye = jnp.eye(gram_LGKK.shape[-1], dtype=gram_LGKK.dtype)
-  tries = jnp.stack([jnp.linalg.cholesky(gram_LGKK + j * eye) for j in JITTERS])  # [J, L, G, K, K]
+  tries = jnp.stack(
+    [jnp.linalg.cholesky(gram_LGKK + j * eye[None, None]) for j in JITTERS]
+  )  # [J, L, G, K, K]
   ok_JL = jnp.isfinite(tries).all((2, 3, 4))
   first_L = jnp.where(ok_JL.any(0), jnp.argmax(ok_JL, axis=0), len(JITTERS) - 1)
   return jnp.take_along_axis(tries, first_L[None, :, None, None, None], axis=0)[0]

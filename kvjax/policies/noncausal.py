@@ -50,8 +50,8 @@ def chunked_column_sums(q_LHTD: Array, k_LGTD: Array, chunk: int, n: Array) -> A
   pos = jnp.arange(chunks * chunk).reshape(chunks, chunk)
   last = (pos // chunk) == (n - 1) // chunk
   padded = last & (pos >= n)  # [chunks, chunk]
-  dots = jnp.where(padded[:, :, None], 0.0, dots)
-  dots = jnp.where(padded[:, None, :], PAD_LOGIT, dots)
+  dots = jnp.where(padded[None, None, :, :, None], 0.0, dots)
+  dots = jnp.where(padded[None, None, :, None, :], PAD_LOGIT, dots)
   attn = jax.nn.softmax(dots, axis=-1)
   return attn.sum(-2).reshape(L, Hq, chunks * chunk)[..., :T]
 
@@ -75,7 +75,9 @@ def noncausal_zscores(q_LHTD: Array, k_LGTD: Array, v_LGTD: Array, chunk: int, n
   sums = chunked_column_sums(q_LHTD, k_LGTD, chunk, n)
   attn_LGT = sums.reshape(L, G, -1, T).mean(2)
   real_T = jnp.arange(T) < n
-  s = jnp.where(real_T, attn_LGT * jnp.linalg.norm(v_LGTD.astype(jnp.float32), axis=-1), 0.0)
+  s = jnp.where(
+    real_T[None, None], attn_LGT * jnp.linalg.norm(v_LGTD.astype(jnp.float32), axis=-1), 0.0
+  )
   padded = jnp.pad(s, ((0, 0), (0, 0), (1, 1)))
   pooled = (padded[..., :-2] + padded[..., 1:-1] + padded[..., 2:]) / 3.0
   return znorm(pooled, real_T)
