@@ -141,6 +141,7 @@ def test_simlayerkv_jit_family_and_short_prompts(fx):
   assert SimLayerKV(lazy_threshold="qwen").threshold == LAZY_THRESHOLDS["qwen"] == 0.85
   assert not np.asarray(SimLayerKV(lazy_threshold=1.0).lazy_layers(ev, SIM_BUDGET)).any()
   assert not np.asarray(policy.lazy_layers(ev, T - 2)).any()  # T <= budget + 2 n_last: kept
+  assert policy.allocates  # a layer may keep all T: a real cache sizes its rows for T
 
 
 @pytest.mark.parametrize(

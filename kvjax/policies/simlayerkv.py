@@ -86,6 +86,11 @@ class SimLayerKV(Policy):
     return LAZY_THRESHOLDS[t] if isinstance(t, str) else t
 
   @property
+  def allocates(self) -> bool:
+    """True: a layer that is not lazy keeps all ``T`` (a cache sizes its rows for ``T``)."""
+    return True
+
+  @property
   def observation_window(self) -> int:
     """``n_last``: the rows laziness reads."""
     return self.n_last
