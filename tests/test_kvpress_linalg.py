@@ -20,7 +20,7 @@ import kvjax.model as km
 from kvjax import policies
 from kvjax.policies.compactor import Compactor
 from kvjax.policies.curkv import CurDKV
-from kvjax.policies.leverage import LeverageScore
+from kvjax.policies.leverage import LeverageScore, cholesky_with_jitter
 from kvjax.policies.noncausal import NonCausalAttention
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -248,3 +248,14 @@ def test_short_prompts_keep_their_protected_positions():
   assert np.isinf(s).all()
   keep = np.asarray(Compactor().keep_mask(ev, 4))
   assert (keep.sum(-1) == 4).all()
+
+
+def test_cholesky_jitter_escalates_per_layer():
+  """kvpress ``chol_with_jitter``: 1e-2, then x10, until every head of the layer factors."""
+  gram = np.zeros((2, 2, 2, 2), np.float32)
+  gram[:] = np.eye(2, dtype=np.float32)
+  gram[0, 1, 0, 0] = -0.5  # layer 0 needs jitter 1.0 for all its heads; layer 1 takes 1e-2
+  chol = np.asarray(cholesky_with_jitter(jnp.asarray(gram)))
+  np.testing.assert_allclose(chol[0, 0], np.sqrt(2.0) * np.eye(2), rtol=1e-6)
+  np.testing.assert_allclose(chol[0, 1], np.diag([np.sqrt(0.5), np.sqrt(2.0)]), rtol=1e-6)
+  np.testing.assert_allclose(chol[1, 0], np.sqrt(1.01) * np.eye(2), rtol=1e-6)

@@ -60,7 +60,7 @@ def sketch_of(evidence: Evidence, seed: int, shape: tuple[int, ...], policy: str
   return sketch.astype(jnp.float32)
 
 
-def _cholesky_with_jitter(gram_LGKK: Array) -> Array:
+def cholesky_with_jitter(gram_LGKK: Array) -> Array:
   """kvpress ``chol_with_jitter``: the first jitter in :data:`JITTERS` whose factor succeeds for
   every head of the layer (one jitter per layer, as kvpress's per-call ``info.all()``)."""
   eye = jnp.eye(gram_LGKK.shape[-1], dtype=gram_LGKK.dtype)
@@ -95,7 +95,7 @@ def leverage_scores(prerope_keys_LGTD: Array, sketch_LGDK: Array, valid_T: Array
   x = jnp.where(w, jnp.matmul(k - mean, phi, precision=HIGHEST), 0.0)  # [L, G, T, k]
   xt = jnp.swapaxes(x, -1, -2)
   gram = jnp.matmul(xt, x, precision=HIGHEST)
-  chol = _cholesky_with_jitter(0.5 * (gram + jnp.swapaxes(gram, -1, -2)))
+  chol = cholesky_with_jitter(0.5 * (gram + jnp.swapaxes(gram, -1, -2)))
   solved = jax.scipy.linalg.cho_solve((chol, True), xt)  # [L, G, k, T]
   scores = (x * jnp.swapaxes(solved, -1, -2)).sum(-1)
   return jnp.where(valid_T[None, None], jnp.maximum(scores, 0.0), 0.0)
