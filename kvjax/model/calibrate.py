@@ -1,5 +1,6 @@
 """Evidence that needs the model itself: Q-Filters' directions, DuoAttention's head gates and
-KVzip's reconstruction attention, as data the policies read (``kvjax.policies.Evidence``).
+KVzip's and KVCompose's reconstruction attention, as data the policies read
+(``kvjax.policies.Evidence``).
 
 * :func:`qfilters` -> ``qfilters_LGD``: Q-Filters (Godey et al., 2025, arXiv 2503.02812), the
   official ``make_filters.py`` of ``NathanGodey/qfilters``.
@@ -9,6 +10,8 @@ KVzip's reconstruction attention, as data the policies read (``kvjax.policies.Ev
   kvpress 0.5.5's ``duo_attention_on_the_fly`` and each head's distant attention mass.
 * :func:`kvzip_evidence` -> ``reconstruction_attn_LGT``: KVzip (Kim et al., 2025, arXiv
   2505.23416) as kvpress 0.5.5's ``KVzipPress`` computes it.
+* :func:`kvcompose_evidence` -> ``reconstruction_attn_LHT``: KVCompose (arXiv 2509.05165) as
+  kvpress 0.5.5's ``KVComposePress`` computes it (the context read again after itself).
 
 Every pass here is a plain layer loop (``lax.scan`` over the stacked layers) built on the
 public functions of :mod:`kvjax.model.llama`, with dense attention: calibration prompts are
@@ -890,4 +893,84 @@ def kvzip_evidence(
       cfg, params, keys, values, jnp.asarray(repeat), start, end - start, sink, bool(plus)
     )
     out = out.at[..., start:end].set(s)
+  return out[:, 0] if single else out
+
+
+# --------------------------------------------------------------------------- KVCompose
+
+
+def _repeat_attention(cfg, params, keys_LBGTD, values_LBGTD, repeat_BQ):
+  """The second pass of KVCompose: ``repeat_BQ`` at positions ``T .. T+Q-1`` after the cached
+  context (full causal softmax over the context and themselves, the model's forward); per layer
+  the max over those queries of the attention each context key receives, per query head
+  ``[L, B, Hq, T]``."""
+  B, Q = repeat_BQ.shape
+  T = keys_LBGTD.shape[3]
+  pos_q = _positions(B, Q, T)
+  pos_k = _positions(B, T + Q)
+  allowed = llama.causal_allowed(
+    pos_q, pos_k, jnp.ones((B, T + Q), bool), pos_q, pos_k, cfg.sliding_window
+  )
+
+  def layer(x, inputs):
+    p, k_ctx, v_ctx = inputs
+    q, k, v = llama.project_qkv(cfg, p, x, pos_q)
+    k_all = jnp.concatenate([k_ctx, k.astype(k_ctx.dtype)], 2)
+    v_all = jnp.concatenate([v_ctx, v.astype(v_ctx.dtype)], 2)
+    probs = llama.attention_probs(q, k_all, allowed)  # [B, Hq, Q, T + Q]
+    score = probs[..., :T].astype(jnp.float32).max(2)
+    x = llama.output_and_mlp(cfg, p, x, llama.attend(probs, v_all))
+    return x, score
+
+  stacks = (llama.stacked(params), keys_LBGTD, values_LBGTD)
+  _, scores = jax.lax.scan(layer, params["embed"][repeat_BQ], stacks)
+  return scores
+
+
+_repeat_attention_jit = jax.jit(_repeat_attention, static_argnums=0)
+
+
+def kvcompose_evidence(cfg: ModelConfig, params: dict, context_ids, prompt_ids=None) -> Array:
+  """Computes KVCompose's ``reconstruction_attn_LHT`` of a context, as kvpress 0.5.5's
+  ``KVComposePress``.
+
+  The context is prefilled once (a dense causal pass); then ``prompt_ids`` (default: the
+  context itself) is read after the cached context (positions ``T ..``) with the model's plain
+  causal attention over the context and itself. The evidence of each context key is the maximum
+  over those queries of the attention it receives, per query head (kvpress ``agg_task="max"``;
+  the GQA group's reduction belongs to the scorer). The prefill costs about twice a plain one,
+  and the second pass forms its attention rows ``[B, Hq, Q, T + Q]`` densely.
+  Differs: batches of several unpadded rows (kvpress: batch 1); one prompt (kvpress reads a
+  list of prompts one after another, the cache growing).
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    context_ids: the context ``[T]``, or a ``[B, T]`` batch of unpadded rows.
+    prompt_ids: the second pass's ids ``[Q]`` or ``[B, Q]`` (``None``: the context).
+
+  Returns:
+    fp32 evidence ``[L, Hq, T]`` for a context ``[T]``, ``[L, B, Hq, T]`` for a batch.
+
+  Raises:
+    ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule, or prompt
+      rows that do not match the context's.
+  """
+  ids = _ids_2d("context_ids", context_ids, cfg)
+  single = np.ndim(context_ids) == 1
+  B, T = ids.shape
+  if prompt_ids is None:
+    repeat = ids
+  else:
+    repeat = _ids_2d("prompt_ids", prompt_ids, cfg)
+    if repeat.shape[0] == 1 and B > 1:
+      repeat = np.broadcast_to(repeat, (B, repeat.shape[1]))
+    if repeat.shape[0] != B:
+      raise ValueError(f"prompt_ids: {repeat.shape[0]} rows, expected 1 or the context's {B}")
+  if T <= DENSE_CONTEXT:
+    keys, values = _context_kv_jit(cfg, params, jnp.asarray(ids))
+  else:  # the memory-bounded prefill (tiled attention) for long contexts
+    pre = llama.prefill(cfg, params, jnp.asarray(ids), jnp.ones((B, T), jnp.int32))
+    keys, values = pre.keys, pre.values
+  out = _repeat_attention_jit(cfg, params, keys, values, jnp.asarray(repeat, jnp.int32))
   return out[:, 0] if single else out

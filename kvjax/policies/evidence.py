@@ -54,6 +54,10 @@ class Evidence:
     reconstruction_attn_LGT: KVzip's importance ``[L, G, T]`` fp32: max over the reconstruction
       queries (and the GQA group) of the attention they pay to each context key in the "repeat
       the context" pass (kvpress ``KVzipPress``).
+    reconstruction_attn_LHT: KVCompose's evidence ``[L, Hq, T]`` fp32, per query head: max over
+      the queries of a second pass that reads the context again after itself (plain causal
+      attention) of the attention each context key receives (kvpress ``KVComposePress``;
+      :func:`kvjax.model.calibrate.kvcompose_evidence`).
     prerope_keys_LGTD: keys before RoPE ``[L, G, T, D]`` (after Qwen3's k-norm; kvpress
       ``get_prerope_key_states``), for the leverage scores.
     queries_LHTD: the post-RoPE queries of every prompt position ``[L, Hq, T, D]`` (non-causal
@@ -94,6 +98,7 @@ class Evidence:
   valid_T: Array | None = None
   window_scores_LHT: Array | None = None
   observation_window: int | None = struct.field(pytree_node=False, default=None)
+  reconstruction_attn_LHT: Array | None = None
 
   def need(self, field: str, policy: str) -> Array:
     """Reads a field that the policy needs.
@@ -168,6 +173,7 @@ KEY_AXIS = {
   "values_LGTD": -2,
   "value_out_norms_LHT": -1,
   "reconstruction_attn_LGT": -1,
+  "reconstruction_attn_LHT": -1,
   "prerope_keys_LGTD": -2,
   "queries_LHTD": -2,
   "valid_T": -1,
@@ -248,7 +254,7 @@ class EvidenceRequest:
     """The request that computes the :class:`Evidence` fields ``needs``.
 
     A model computes the others: keys and values always; the caller gives Q-Filters,
-    DuoAttention's gates and KVzip's reconstruction attention.
+    DuoAttention's gates and KVzip's and KVCompose's reconstruction attention.
 
     Args:
       needs: :class:`Evidence` field names.
