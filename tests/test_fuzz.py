@@ -477,16 +477,21 @@ def evidence():
     query_mean_LHD=mean,
     query_cov_LHDD=cov,
     window_queries_LHWD=q[:, :, -8:],
+    queries_LHTD=q,
+    prerope_keys_LGTD=jnp.asarray(rng.normal(size=k.shape), jnp.float32),
     qfilters_LGD=jnp.asarray(rng.normal(size=(PL, PG, PD)), jnp.float32),
     retrieval_heads_LG=jnp.asarray(rng.random((PL, PG)), jnp.float32),
     reconstruction_attn_LGT=jnp.asarray(rng.random((PL, PG, PT)), jnp.float32),
+    reconstruction_attn_LHT=jnp.asarray(rng.random((PL, PHQ, PT)), jnp.float32),
   )
 
 
 @fuzz(120)
 @given(st.sampled_from(policies.names()), st.data())
 def test_policy_keeps_its_count_and_protection_or_a_value_error(evidence, name, data):
-  policy = policies.make(name)
+  # LU-KV cannot run without its budget curve: each head prunes the curve row's ratio
+  curve = np.broadcast_to(np.arange(1, 100)[:, None, None] / 100, (99, PL, PG))
+  policy = policies.make(name, **({"curve": curve} if name == "lukv" else {}))
   budget, b = data.draw(counts((PL,), boundary(PW, PT, 2**30), PT + 4))
   b = b.astype(np.int64) if all(-(2**63) <= int(v) < 2**63 for v in b) else b
   call = functools.partial(policy.keep_mask, evidence, budget)
@@ -495,8 +500,9 @@ def test_policy_keeps_its_count_and_protection_or_a_value_error(evidence, name, 
   window = policy.protected_window(evidence)  # R-KV protects its own window of 8
   if (
     any(not 1 <= int(v) < LIMIT for v in b)
-    or (policy.windowed and min(b) < window + 1)
+    or min(b) < policy.min_budget(window)
     or (np.ndim(budget) > 0 and not per_layer_ok)
+    or (np.ndim(budget) > 0 and name == "simlayerkv")  # one budget: a lazy layer's count
     or (policy.allocator.keeps_all and min(b) < PT)  # ThinK keeps every token
   ):
     expect_value_error(call, "budget")

@@ -219,9 +219,12 @@ def test_finch_bad_options(options, key):
     Finch(**options)
 
 
-def test_finch_needs_question_len(fx):
-  with pytest.raises(ValueError, match="question_len"):
-    Finch().scores(evidence(fx, window=16))
+def test_finch_question_len(fx):
+  """Without ``question_len`` the whole observation window is the question."""
+  ev = evidence(fx, window=16)
+  np.testing.assert_array_equal(
+    np.asarray(Finch().scores(ev)), np.asarray(Finch(question_len=16).scores(ev))
+  )
   with pytest.raises(ValueError, match="question_len"):
     Finch(question_len=12).scores(evidence(fx, window=8))  # more than the window rows
 

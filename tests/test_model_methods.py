@@ -101,6 +101,7 @@ PADDED_POLICIES = [
     "duo_attention",
     "kvzip",
     "think",
+    "lukv",  # its budget curve is data for a given model
   )
 ]
 # CI's quick mode: the scorers that aggregate over a row's keys, and one windowed and one sink

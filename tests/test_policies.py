@@ -36,16 +36,27 @@ def new_method_evidence(rng, q, k) -> dict:
     query_mean_LHD=mean,
     query_cov_LHDD=cov,
     window_queries_LHWD=q[:, :, -W:],
+    queries_LHTD=q,
+    prerope_keys_LGTD=jnp.asarray(rng.normal(size=k.shape), jnp.float32),
     qfilters_LGD=jnp.asarray(rng.normal(size=(L, G, D)), jnp.float32),
     retrieval_heads_LG=jnp.asarray(rng.random((L, G)), jnp.float32),
     reconstruction_attn_LGT=jnp.asarray(rng.random((L, G, T)), jnp.float32),
+    reconstruction_attn_LHT=jnp.asarray(rng.random((L, q.shape[1], T)), jnp.float32),
   )
+
+
+def required_options(name: str, L: int, G: int) -> dict:
+  """The options a registered policy cannot run without: LU-KV's budget curve (here each head
+  prunes the curve row's ratio)."""
+  if name == "lukv":
+    return {"curve": np.broadcast_to(np.arange(1, 100)[:, None, None] / 100, (99, L, G))}
+  return {}
 
 
 @pytest.mark.parametrize("name", policies.names())
 @pytest.mark.parametrize("budget", [W + 4, 24, T, T + 10])
 def test_every_policy_keeps_its_allocation(evidence, name, budget):
-  policy = policies.make(name)
+  policy = policies.make(name, **required_options(name, L, G))
   if policy.allocator.keeps_all and budget < T:  # ThinK and the full cache keep every token
     with pytest.raises(ValueError, match="keeps every token"):
       policy.keep_mask(evidence, budget)

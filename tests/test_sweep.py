@@ -23,8 +23,8 @@ from conftest import forced_devices_env, full_mode  # noqa: E402
 
 from configs import sweep_lab  # noqa: E402
 from kvjax import budgets, policies, rundir, select  # noqa: E402
+from kvjax.lab import grid, online, sweep, synthetic  # noqa: E402
 from kvjax.lab import keys as keys_lib  # noqa: E402
-from kvjax.lab import online, sweep, synthetic  # noqa: E402
 
 
 def quick(**product):
@@ -452,10 +452,17 @@ def test_the_builtin_sweepable_policies():
   assert set(sweep.sweepable()) == {
     *("snapkv", "snapkv_kvpress", "h2o", "h2o_kvpress", "tova", "streaming_llm"),
     *("sliding_window", "random", "oracle", "chunkkv_snapkv", "knorm", "keydiff", "lagkv"),
+    *("curkv", "chunk_keydiff"),
   }
-  # every policy the lab replays and that takes its budget as given (the axes allocate)
-  takes_budget = {n for n in online.replayable() if not policies.make(n).allocates}
-  assert takes_budget == set(sweep.sweepable())
+
+  # every policy the lab replays, that takes its budget as given (the axes allocate), scores
+  # independently of the budget and has no data option beyond the sweep's axes
+  def fits(name):
+    policy = policies.make(name)
+    extra = set(policy.data_options) - set(grid.DATA_FIELDS)
+    return not (policy.allocates or policy.rescores or extra)
+
+  assert {n for n in online.replayable() if fits(n)} == set(sweep.sweepable())
   assert online.LAB_EVIDENCE <= sweep.SWEEP_EVIDENCE
 
 

@@ -212,6 +212,8 @@ def _check_prefilled_evidence(pol: policies.Policy, prefilled: Prefilled) -> Non
     "value_out_norms": "value_out_norms_LHT",
     "query_stats": "query_mean_LHD",
     "window_queries": "window_queries_LHWD",
+    "prerope_keys": "prerope_keys_LGTD",
+    "queries": "queries_LHTD",
   }
   for arg, field in fields.items():
     if getattr(wanted, arg) and not getattr(held, arg):

@@ -173,7 +173,7 @@ class CacheSpec:
 # caller-given evidence (kvjax.model.calibrate; HeadKV's head importances): per model, or per
 # batch row (B at axis 1)
 SHARED_EVIDENCE = {"qfilters_LGD": 3, "retrieval_heads_LG": 2, "head_scores_LH": 2}
-ROW_EVIDENCE = {"reconstruction_attn_LGT": 4}
+ROW_EVIDENCE = {"reconstruction_attn_LGT": 4, "reconstruction_attn_LHT": 4}
 # what a re-compression during decoding can provide (over the cache's own slots)
 DECODE_EVIDENCE = (
   "attn_window_LHWT",
@@ -271,6 +271,8 @@ def _evidence_per_row(pre: llama.Prefill, evidence: dict | None = None) -> polic
     query_cov_LHDD=_batch_first(pre.query_cov),
     window_queries_LHWD=_batch_first(pre.window_queries),
     window_scores_LHT=_batch_first(pre.window_scores),
+    prerope_keys_LGTD=_batch_first(pre.prerope_keys),
+    queries_LHTD=_batch_first(pre.queries),
     observation_window=pre.window if pre.window_scores is not None else None,
     **rows,
   )
@@ -282,7 +284,8 @@ def check_evidence(
   """Checks the caller's evidence mapping (``{field: array}``) against the model's shapes.
 
   Only the data fields are taken: ``qfilters_LGD [L, G, D]``, ``retrieval_heads_LG [L, G]`` in
-  ``[0, 1]``, ``reconstruction_attn_LGT [L, B, G, T]``, HeadKV's ``head_scores_LH`` ``[L, Hq]``
+  ``[0, 1]``, ``reconstruction_attn_LGT [L, B, G, T]``, ``reconstruction_attn_LHT
+  [L, B, Hq, T]`` (KVCompose's), HeadKV's ``head_scores_LH`` ``[L, Hq]``
   or ``[L, G]`` (the heads of the policy's scores); they must be finite, with their shapes.
 
   Args:
@@ -309,6 +312,7 @@ def check_evidence(
     "qfilters_LGD": [(L, G, D)],
     "retrieval_heads_LG": [(L, G)],
     "reconstruction_attn_LGT": [(L, B, G, T)],
+    "reconstruction_attn_LHT": [(L, B, G if Hq is None else Hq, T)],
     # at the policy's head granularity: query heads, or KV heads (num_kv_heads, the kv layout)
     "head_scores_LH": [(L, G)] if Hq is None or Hq == G else [(L, Hq), (L, G)],
   }

@@ -96,7 +96,8 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
 
   The data fields are ``qfilters_LGD``, ``retrieval_heads_LG``, HeadKV's ``head_scores_LH`` and
   ``reconstruction_attn_LGT`` as ``[L, B, G, T]`` over the caller's columns, or ``[L, G, T]``
-  for every row; the latter is moved to the left padding the model runs with.
+  for every row (KVCompose's ``reconstruction_attn_LHT`` the same over query heads); these are
+  moved to the left padding the model runs with.
 
   Args:
     policy: the policy (an object).
@@ -106,7 +107,7 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
     attention_mask: the caller's 0/1 mask ``[B, T]`` (``None``: every token is real).
 
   Returns:
-    The checked evidence with ``reconstruction_attn_LGT`` left-padded, or ``None`` when empty.
+    The checked evidence with the per-row fields left-padded, or ``None`` when empty.
 
   Raises:
     ValueError: when a field is not caller-given evidence, a field the policy needs is missing,
@@ -134,27 +135,34 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
       "(kvjax.model.calibrate computes them from the model)"
     )
   out = dict(given)
-  recon = out.get("reconstruction_attn_LGT")
-  if recon is not None:
-    arr = np.asarray(recon, np.float32)
-    L, G = cfg.num_layers, cfg.num_kv_heads
-    if arr.shape == (L, G, T):
-      arr = np.broadcast_to(arr[:, None], (L, B, G, T))
-    if arr.shape != (L, B, G, T):
-      raise ValueError(
-        f"evidence: reconstruction_attn_LGT has shape {arr.shape}, expected [L, B, G, T] = "
-        f"{(L, B, G, T)} or [L, G, T] = {(L, G, T)}"
-      )
-    mask = np.ones((B, T), bool) if attention_mask is None else np.asarray(attention_mask, bool)
-    moved = np.zeros_like(arr)
-    for r in range(B):  # the columns to_left_padding moves
-      real = np.flatnonzero(mask[r])
-      if real.size:
-        moved[:, r, :, T - real.size :] = arr[:, r][..., real]
-    out["reconstruction_attn_LGT"] = moved
+  mask = np.ones((B, T), bool) if attention_mask is None else np.asarray(attention_mask, bool)
+  heads = {"reconstruction_attn_LGT": cfg.num_kv_heads, "reconstruction_attn_LHT": cfg.num_heads}
+  for field, H in heads.items():
+    if out.get(field) is not None:
+      out[field] = _row_evidence_left_padded(field, out[field], cfg.num_layers, H, mask)
   L, G, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
   cache_lib.check_evidence(out, L=L, B=B, G=G, T=T, D=D, Hq=cfg.num_heads)
   return out or None
+
+
+def _row_evidence_left_padded(field: str, value, L: int, H: int, mask: np.ndarray) -> np.ndarray:
+  """A per-row evidence field ``[L, B, H, T]`` (or ``[L, H, T]`` for every row) with each row's
+  real columns moved to the left padding the model runs with."""
+  B, T = mask.shape
+  arr = np.asarray(value, np.float32)
+  if arr.shape == (L, H, T):
+    arr = np.broadcast_to(arr[:, None], (L, B, H, T))
+  if arr.shape != (L, B, H, T):
+    raise ValueError(
+      f"evidence: {field} has shape {arr.shape}, expected [L, B, H, T] = {(L, B, H, T)} or "
+      f"[L, H, T] = {(L, H, T)}"
+    )
+  moved = np.zeros_like(arr)
+  for r in range(B):  # the columns to_left_padding moves
+    real = np.flatnonzero(mask[r])
+    if real.size:
+      moved[:, r, :, T - real.size :] = arr[:, r][..., real]
+  return moved
 
 
 # Evidence that no model entry point can give a policy: the prefill does not compute it and

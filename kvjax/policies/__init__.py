@@ -16,6 +16,12 @@ of method is static Python (never ``lax.switch`` over policies under ``vmap``).
   :class:`Pooled`, :class:`KeepAll`.
 * :mod:`~kvjax.policies.methods`: one class per method; :mod:`~kvjax.policies.wrappers`:
   :class:`Critical`, :class:`CriticalAdaKV`, :class:`ChunkKV`, :class:`SelectOnce` over any base.
+* One module per later method: :mod:`~kvjax.policies.leverage`, ``noncausal``, ``compactor``,
+  ``curkv``, ``capkv``, ``kvcompose``, ``simlayerkv``, ``finch``, ``dms``, ``entropy_chunkkv``,
+  ``lukv``;
+  :mod:`~kvjax.policies.combinators` (:class:`Composed`, :class:`Chunked`, :class:`Blockwise`,
+  :class:`PrefillDecoding`, :class:`RatioDecoding`) and :mod:`~kvjax.policies.per_layer`
+  (:class:`PerLayer`).
 * :mod:`~kvjax.policies.registry`: names at the boundary: :func:`make`, :func:`register`,
   :func:`build`; :mod:`~kvjax.policies.papers`: each name's paper, reference code and
   named differences (:func:`provenance`).
@@ -39,6 +45,12 @@ from kvjax.policies.allocators import (
   check_budget_counts,
 )
 from kvjax.policies.base import DecodePolicy, Policy, WindowPolicy, WindowScorer, gather_slots
+from kvjax.policies.capkv import CapKV
+from kvjax.policies.combinators import Blockwise, Chunked, Composed, PrefillDecoding, RatioDecoding
+from kvjax.policies.compactor import Compactor
+from kvjax.policies.curkv import CurDKV
+from kvjax.policies.dms import DMS
+from kvjax.policies.entropy_chunkkv import EntropyGatedChunkKV
 from kvjax.policies.evidence import (
   DEFAULT_WINDOW,
   KEY_AXIS,
@@ -48,6 +60,10 @@ from kvjax.policies.evidence import (
   EvidenceRequest,
   evidence_from_qk,
 )
+from kvjax.policies.finch import Finch
+from kvjax.policies.kvcompose import Composite, KVCompose
+from kvjax.policies.leverage import LeverageScore
+from kvjax.policies.lukv import LUKV, BudgetCurve
 from kvjax.policies.methods import (
   CAKE,
   H2O,
@@ -70,7 +86,9 @@ from kvjax.policies.methods import (
   StreamingLLM,
   ThinK,
 )
+from kvjax.policies.noncausal import NonCausalAttention
 from kvjax.policies.papers import provenance
+from kvjax.policies.per_layer import PerLayer
 from kvjax.policies.registry import (
   BUILTIN,
   REGISTRY,
@@ -86,14 +104,18 @@ from kvjax.policies.registry import (
   register,
   unregister,
 )
+from kvjax.policies.simlayerkv import LAZY_THRESHOLDS, SimLayerKV
 from kvjax.policies.wrappers import ChunkKV, Critical, CriticalAdaKV, SelectOnce, Wrapper
 
 __all__ = [
   "BUILTIN",
   "CAKE",
   "DEFAULT_WINDOW",
+  "DMS",
   "H2O",
   "KEY_AXIS",
+  "LAZY_THRESHOLDS",
+  "LUKV",
   "N_FUTURE",
   "N_SINK",
   "REGISTRY",
@@ -101,16 +123,27 @@ __all__ = [
   "TOVA",
   "AdaKV",
   "Allocator",
+  "Blockwise",
+  "CapKV",
+  "Composite",
+  "KVCompose",
+  "BudgetCurve",
   "CakeLayers",
   "ChunkKV",
+  "Chunked",
+  "Compactor",
+  "Composed",
   "Critical",
   "CriticalAdaKV",
+  "CurDKV",
   "DecodePolicy",
   "DuoAttention",
   "DuoSplit",
+  "EntropyGatedChunkKV",
   "Evidence",
   "EvidenceRequest",
   "ExpectedAttention",
+  "Finch",
   "Full",
   "HeadKV",
   "HeavyHitters",
@@ -118,17 +151,23 @@ __all__ = [
   "KVzip",
   "KeepAll",
   "KeyDiff",
-  "Layered",
   "LagKV",
+  "Layered",
+  "LeverageScore",
+  "NonCausalAttention",
   "ObservedAttention",
   "Oracle",
+  "PerLayer",
   "Policy",
   "Pooled",
+  "PrefillDecoding",
   "Preset",
   "Pyramid",
   "QFilter",
   "Random",
+  "RatioDecoding",
   "SelectOnce",
+  "SimLayerKV",
   "SlidingWindow",
   "SnapKV",
   "StreamingLLM",

@@ -48,7 +48,8 @@ class Finch(Policy):
   * A left-padded row's positions count from its first real token.
 
   Attributes:
-    question_len: the question's length in tokens (the window); ``None`` fails at scoring.
+    question_len: the question's length in tokens (the window); ``None``: the whole observation
+      window is the question (the prompt's last ``window`` tokens, as SnapKV's window).
     window: the window rows the prefill computes, a static upper bound of ``question_len``
       (``None``: ``question_len`` when it is a concrete int, else 32).
     normalize_scores: multiply each row by its query's position (kvpress ``normalize_scores``).
@@ -83,14 +84,9 @@ class Finch(Policy):
 
   def score(self, evidence):
     """The question rows' position-weighted mean attention, the question protected."""
-    if self.question_len is None:
-      raise ValueError(
-        f"question_len: policy {self.label!r} needs the question's length (the tokens after the "
-        "context/question delimiter), got None"
-      )
     attn = evidence.need("attn_window_LHWT", self.label)
     W, T = attn.shape[2:]
-    q = self.question_len
+    q = min(W, T - 1) if self.question_len is None else self.question_len
     if select.is_concrete(q) and not 1 <= int(q) <= min(W, T - 1):
       raise ValueError(
         f"question_len: expected 1 <= question_len <= min(W={W}, T - 1={T - 1}), got {int(q)}"

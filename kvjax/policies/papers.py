@@ -12,6 +12,10 @@ from kvjax.policies import registry
 
 _KVPRESS = "kvpress 0.5.5 `{}`"
 _SAME = "none: kept sets equal the reference's in the golden tests"
+_COMPACTOR = (
+  "Chari & Van Durme, Compactor: Calibrated Query-Agnostic KV Cache Compression with "
+  "Approximate Leverage Scores (arXiv 2507.08143)"
+)
 
 # name -> (paper, reference code followed, named differences)
 _BUILTIN: dict[str, tuple[str, str, str]] = {
@@ -143,6 +147,75 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
     _KVPRESS.format("ThinKPress"),
     "a real memory saving: pruned key channels are not stored (kvpress zeroes them)",
   ),
+  "leverage": (
+    _COMPACTOR,
+    _KVPRESS.format("LeverageScorePress"),
+    "the Gaussian sketch comes from `evidence.sketch_LGDK` or `seed` (kvpress draws a fresh "
+    "`torch.randn` per call); when every Cholesky jitter fails the layer's scores may be NaN "
+    "where kvpress raises; z-scores per prompt (kvpress: over the batch)",
+  ),
+  "noncausal_attn": (
+    _COMPACTOR,
+    _KVPRESS.format("NonCausalAttnPress"),
+    "z-scores per prompt (kvpress: over the batch); a left-padded row is scored as its unpadded "
+    "prompt",
+  ),
+  "compactor": (
+    _COMPACTOR,
+    _KVPRESS.format("CompactorPress"),
+    "`blending` is a number (default 0.5) since kvjax scores do not depend on the budget "
+    "(kvpress's `None` means the compression ratio); protected positions score +inf (kvpress: "
+    "the layer's maximum); `sinks`/`recent` are kvpress's `sink_size_start`/`sink_size_end`",
+  ),
+  "curkv": (
+    "CurDKV: Value-Guided KV Compression for LLMs via Approximated CUR "
+    "Decomposition (arXiv 2509.15038)",
+    _KVPRESS.format("CURPress"),
+    "the random projection (off by default) reads `sketch_LGDK` or draws from `seed`; sinks "
+    "score +inf (kvpress: 1.0); options `sinks`, `random_projection`, `local_window` are "
+    "kvpress's `num_sinks`, `use_random_leverage`, `local_window_size`",
+  ),
+  "capkv": (
+    "CAPKV (arXiv 2604.25975)",
+    _KVPRESS.format("CapPress"),
+    "sinks score +inf (kvpress: the maximum + 1, the same selection); one prompt is scored "
+    "(kvpress shifts by the batch's maximum); padding is left out of the capacity matrix",
+  ),
+  "kvcompose": (
+    "KVCompose: Efficient Structured KV Cache Compression with Composite Tokens (arXiv 2509.05165)",
+    _KVPRESS.format("KVComposePress"),
+    "the budget is per head (pooled as L x min(b, T) composite tokens; kvpress: int(L*T*(1-r))); "
+    "`agg_task` is always max; the second pass takes one prompt "
+    "(`calibrate.kvcompose_evidence`)",
+  ),
+  "kvcompose_unstructured": (
+    "KVCompose (arXiv 2509.05165), unstructured",
+    _KVPRESS.format("KVComposePress") + " with `structured=False`",
+    "the budget is per head (pooled as L x G x min(b, T)); `agg_task` is always max",
+  ),
+  "simlayerkv": (
+    "Zhang et al., SimLayerKV: A Simple Framework for Layer-Level KV Cache Reduction "
+    "(arXiv 2410.13846)",
+    _KVPRESS.format("SimLayerKVPress"),
+    "the budget stands for kvpress's `n_recent` (a lazy layer keeps `budget` tokens); "
+    "`lazy_threshold` also takes a family name (the preset: Llama 3's 0.9; kvpress's default "
+    "1.0 never compresses); laziness reads the prefill's window rows",
+  ),
+  "finch": (
+    "Corallo & Papotti, FINCH: Prompt-guided Key-Value Cache Compression (TACL 2024, "
+    "doi 10.1162/tacl_a_00716)",
+    _KVPRESS.format("FinchPress"),
+    "the question's length is given per call (`question_len`, traced data), not found from a "
+    "delimiter token; kvpress's `chunk_length` mode is not offered; key re-rotation belongs to "
+    "the cache layout (`Layout(reindex=True)`)",
+  ),
+  "lukv": (
+    "Predicting Future Utility: Global Combinatorial Optimization for Task-Agnostic KV Cache "
+    "Eviction (LU-KV, arXiv 2602.08585)",
+    _KVPRESS.format("LUKVPress"),
+    "the budget curve is given as data (`curve=`), not downloaded, and not computed by the "
+    "paper's offline optimisation; kvpress's `sink`/`window` are `sinks`/`recent`",
+  ),
   "rkv": (
     "Cai et al., R-KV: Redundancy-aware KV Cache Compression for Reasoning Models "
     "(arXiv 2505.24133)",
@@ -164,6 +237,31 @@ _WRAPPERS: dict[str, tuple[str, str, str]] = {
     "Perspective (arXiv 2502.03805)",
     _KVPRESS.format("CriticalKVPress"),
     "the first stage counts from the budget; the window is never dropped",
+  ),
+  "entropy_chunkkv_": (
+    "Liu et al., ChunkKV (arXiv 2502.00299), with kvpress's entropy gate",
+    _KVPRESS.format("EntropyGatedChunkKVPress"),
+    "the budget is the kept count; ties go to the lower position; a left-padded row's chunks "
+    "start at its first real token",
+  ),
+  "chunk_": (
+    "Corallo & Papotti, FINCH (TACL 2024): the context compressed chunk by chunk",
+    _KVPRESS.format("ChunkPress"),
+    "exactly the budget in total, spread over chunks by their length (kvpress sums a "
+    "rounded-down count per chunk); a base that reads window attention is refused",
+  ),
+  "block_": (
+    "Park et al., KeyDiff (arXiv 2504.15364): block-wise iterative compression",
+    _KVPRESS.format("BlockPress"),
+    "the base sees the candidates as a set (kvpress passes them in top-k order); a base that "
+    "reads window attention is refused",
+  ),
+  "dms_": (
+    "Łańcucki et al., Inference-Time Hyper-Scaling with KV Cache Compression (DMS, arXiv "
+    "2506.05345), the dense-prefill version over a given scorer",
+    _KVPRESS.format("DMSPress"),
+    "prefill only; positions the base protects are always kept; the kept count is capped by "
+    "the budget",
   ),
   "chunkkv_": (
     "Liu et al., ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context "

@@ -16,9 +16,21 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvjax.policies import allocators as alloc_lib
+from kvjax.policies import combinators as comb
 from kvjax.policies import methods as m
 from kvjax.policies import wrappers as w
 from kvjax.policies.base import Policy
+from kvjax.policies.capkv import CapKV
+from kvjax.policies.compactor import Compactor
+from kvjax.policies.curkv import CurDKV
+from kvjax.policies.dms import DMS
+from kvjax.policies.entropy_chunkkv import EntropyGatedChunkKV
+from kvjax.policies.finch import Finch
+from kvjax.policies.kvcompose import Composite, KVCompose
+from kvjax.policies.leverage import LeverageScore
+from kvjax.policies.lukv import LUKV
+from kvjax.policies.noncausal import NonCausalAttention
+from kvjax.policies.simlayerkv import SimLayerKV
 
 _NOT_OPTIONS = ("allocator", "name", "base")
 
@@ -255,7 +267,11 @@ def _call(f, name: str, options: dict) -> Policy:
 _WRAPPERS = (
   ("critical_adakv_", w.CriticalAdaKV),
   ("critical_", w.Critical),
+  ("entropy_chunkkv_", EntropyGatedChunkKV),
   ("chunkkv_", w.ChunkKV),
+  ("chunk_", comb.Chunked),
+  ("block_", comb.Blockwise),
+  ("dms_", DMS),
   ("think_", None),
 )
 
@@ -445,11 +461,86 @@ _BUILTIN = {
     "window 8 kept; re-compresses every 128 generated tokens",
   ),
 }
+_BUILTIN.update(
+  {
+    "leverage": _preset(
+      LeverageScore,
+      "kvpress LeverageScorePress: approximate leverage of the pre-RoPE keys (Gaussian right "
+      "sketch of 48, Cholesky solve), z-scored per layer",
+      sketch_dimension=48,
+    ),
+    "noncausal_attn": _preset(
+      NonCausalAttention,
+      "kvpress NonCausalAttnPress: non-causal chunked attention each key receives times ||v||, "
+      "avg-pooled over 3, z-scored per layer",
+      chunk_size=256,
+    ),
+    "compactor": _preset(
+      Compactor,
+      "Compactor (kvpress CompactorPress): blending x leverage + non-causal attention, 8 sinks "
+      "and 4 recent tokens kept",
+      sinks=8,
+      recent=4,
+      chunk_size=256,
+      sketch_dimension=48,
+      blending=0.5,
+    ),
+    "curkv": _preset(
+      CurDKV,
+      "CurDKV (kvpress CURPress): locally normalised ||k||^2 x ||v||^2 leverage, 4 sinks kept",
+      sinks=4,
+      leverage_type="kv_product",
+      local_window=16,
+    ),
+    "simlayerkv": _preset(
+      SimLayerKV,
+      "kvpress SimLayerKVPress: a layer whose last queries put more than lazy_threshold of their "
+      "attention on 4 initial + recent keys keeps only those (the budget), the others keep all",
+      lazy_threshold="llama3",
+    ),
+    "finch": _preset(
+      Finch,
+      "kvpress FinchPress: the question's queries vote for the context keys (question_len tokens "
+      "after the context, given per call); the question kept",
+    ),
+    "capkv": _preset(
+      CapKV,
+      "CAPKV (kvpress CapPress): w_i v_i^T A^-1 v_i with A = I + sum (w + eps) v v^T and "
+      "w = exp(tau cos(k, the mean future query)); 4 sinks kept",
+      sinks=4,
+      tau=5.0,
+      epsilon=1e-6,
+    ),
+    "kvcompose": _preset(
+      KVCompose,
+      "KVCompose (kvpress KVComposePress): max attention of a second pass over the context, "
+      "group mean + mean across heads; structured composite counts per layer",
+      Composite(),
+    ),
+    "kvcompose_unstructured": _preset(
+      KVCompose,
+      "KVCompose unstructured: per-head counts pooled over all layers and heads",
+      Composite(structured=False),
+    ),
+    "lukv": _preset(
+      LUKV,
+      "LU-KV (kvpress LUKVPress): ExpectedAttention under a precomputed per-layer, per-KV-head "
+      "budget curve (curve=, [99, L, G]); 4 sinks and the last token kept",
+    ),
+  }
+)
 REGISTRY.update(_BUILTIN)
 # The built-in factories, read-only (a user may re-register a name with overwrite=True; this
 # still tells the built-in apart).
 BUILTIN: Mapping[str, Callable[..., Policy]] = types.MappingProxyType(dict(_BUILTIN))
-for _name in ("critical_snapkv", "critical_adakv_snapkv", "chunkkv_snapkv"):
+for _name in (
+  "critical_snapkv",
+  "critical_adakv_snapkv",
+  "chunkkv_snapkv",
+  "entropy_chunkkv_snapkv_kvpress",
+  "chunk_keydiff",
+  "block_keydiff",
+):
   REGISTRY[_name] = _wrapped(_name)
 
 
