@@ -50,6 +50,26 @@ METHODS = (
 )
 CALIBRATED = ("duo_attention", "qfilter")
 
+# kvpress 0.5.5's other presses (issue 31) beside SnapKV, KVzip and KeyDiff. Not here: LU-KV
+# (its budget curve is data for a given model), DMS (its threshold is on its scorer's scale),
+# KVCompose (its second pass, calibrate.kvcompose_evidence, is not an evaluation stage yet),
+# the combinators (objects over a chosen base; see docs/methods.md).
+PRESSES = (
+  dict(label="snapkv", policy="snapkv"),
+  dict(label="kvzip", policy="kvzip"),
+  dict(label="keydiff", policy="keydiff"),
+  dict(label="leverage", policy="leverage"),
+  dict(label="noncausal_attn", policy="noncausal_attn"),
+  dict(label="compactor", policy="compactor"),
+  dict(label="curkv", policy="curkv"),
+  dict(label="capkv", policy="capkv"),
+  dict(label="simlayerkv", policy="simlayerkv"),
+  dict(label="finch", policy="finch"),
+  dict(label="entropy_chunkkv", policy="entropy_chunkkv_snapkv_kvpress"),
+  dict(label="chunk_keydiff", policy="chunk_keydiff", chunk=256),
+  dict(label="block_keydiff", policy="block_keydiff", block=128),
+)
+
 
 PRESETS = (
   "full",
@@ -59,6 +79,8 @@ PRESETS = (
   "smollm2_quick",
   "smollm2_full",
   "smollm2_methods",
+  "presses_quick",
+  "smollm2_presses",
 )
 
 
@@ -86,7 +108,11 @@ def smollm2(c: ml_collections.ConfigDict, preset: str) -> None:
     depths=(0.0, 0.25, 0.5, 0.75, 1.0),
     examples=2,
   )
-  if preset == "smollm2_methods":  # issue 15's methods beside SnapKV, both question modes
+  if preset == "smollm2_presses":  # kvpress's other presses beside SnapKV, KVzip, KeyDiff
+    c.tasks = ml_collections.ConfigDict({"single_needle": {}, "multi_key": {"num_distractors": 3}})
+    c.policies = PRESSES
+    c.heatmap.update(policies=())
+  elif preset == "smollm2_methods":  # issue 15's methods beside SnapKV, both question modes
     c.tasks = ml_collections.ConfigDict({"single_needle": {}, "multi_key": {"num_distractors": 3}})
     c.policies = METHODS
     c.calibration = "/tmp/kvjax_calibrate/calibration.npz"  # experiments.calibrate's default
@@ -169,6 +195,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
   elif preset.startswith("smollm2"):
     smollm2(c, preset)
+  elif preset == "presses_quick":  # the tiny model through kvpress's other presses
+    c.tasks = ml_collections.ConfigDict(dict(single_needle={}))
+    c.lengths = (256,)
+    c.examples = 2
+    c.budgets = (64, 128)
+    c.question = "in_window,after"
+    c.policies = PRESSES
+    c.heatmap.update(policies=())
   elif preset == "methods_quick":  # the tiny model through every uncalibrated new method
     c.tasks = ml_collections.ConfigDict(dict(single_needle={}))
     c.lengths = (256,)

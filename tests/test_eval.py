@@ -315,6 +315,19 @@ def test_new_methods_run_through_the_evaluation(tmp_path):
   assert (rows["kl"] >= 0).all()
 
 
+def test_kvpress_presses_run_through_the_evaluation(tmp_path):
+  """configs/eval.py's PRESSES (issue 31) answer through the compressed cache, both question
+  modes (one budget, two examples: a smoke run of every preset entry)."""
+  c = eval_config.get_config("presses_quick")
+  c.budgets, c.examples = (64,), 1
+  table = evaluate.run(c, tmp_path, log=lambda *_: None)
+  labels = {p["label"] for p in c.policies}
+  assert labels <= set(table["policy"])
+  rows = table[table["policy"].isin(labels)]
+  assert rows["accuracy"].between(0, 1).all() and (rows["kl"] >= 0).all()
+  assert set(rows["question"]) == {"in_window", "after"}
+
+
 def test_calibrated_methods_need_a_calibration_file(tmp_path):
   c = eval_config.get_config("methods_quick")
   c.policies = (dict(label="qfilter", policy="qfilter"),)

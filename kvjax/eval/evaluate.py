@@ -213,6 +213,8 @@ PREFILL_EVIDENCE = (
   "query_mean_LHD",
   "query_cov_LHDD",
   "window_queries_LHWD",
+  "prerope_keys_LGTD",
+  "queries_LHTD",
 )
 CALIBRATION_EVIDENCE = ("qfilters_LGD", "retrieval_heads_LG")
 CONTEXT_EVIDENCE = ("reconstruction_attn_LGT",)

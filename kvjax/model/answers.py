@@ -252,10 +252,13 @@ def _future_attention_jit(cfg, params, kv, inputs_BM, pos_BM):
 
 def _restrict(pre: llama.Prefill, Tc: int) -> llama.Prefill:
   """Prefill outputs with the key axis cut to the first ``Tc`` positions (the context): the
-  question's window rows and attention sums stay as evidence, its keys and values go."""
+  question's window rows and attention sums stay as evidence, its keys, values and queries go."""
 
   def keys_axis(x):
     return None if x is None else x[..., :Tc]
+
+  def positions_axis(x):  # [..., T, D] fields: the context's keys and queries
+    return None if x is None else x[..., :Tc, :]
 
   return pre.replace(
     keys=pre.keys[..., :Tc, :],
@@ -266,6 +269,8 @@ def _restrict(pre: llama.Prefill, Tc: int) -> llama.Prefill:
     column_sums=keys_axis(pre.column_sums),
     key_norms=keys_axis(pre.key_norms),
     value_out_norms=keys_axis(pre.value_out_norms),
+    prerope_keys=positions_axis(pre.prerope_keys),
+    queries=positions_axis(pre.queries),
   )
 
 
