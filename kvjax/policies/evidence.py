@@ -72,6 +72,11 @@ class Evidence:
       scorer then reads these instead of the rows.
     observation_window: ``W``, the observation queries behind ``attn_window_LHWT`` or
       ``window_scores_LHT`` (static; ``None``: the rows' own ``W``).
+    kvgrad_LGT: KVgrad's attribution ``[L, G, T]`` fp32: max over the reconstruction queries
+      ``p`` (and the GQA group) of KVzip's reconstruction attention times ``||W_O v||_2`` times
+      ``||d Phi / d a_p||_2`` (``Phi = sum_p ||h^L_p||^2``, ``a_p`` the layer's attention
+      output) in the "repeat the context" pass (kvpress ``KVgradPress``;
+      :func:`kvjax.model.kvgrad.kvgrad_evidence`).
   """
 
   attn_window_LHWT: Array | None = None
@@ -99,6 +104,7 @@ class Evidence:
   window_scores_LHT: Array | None = None
   observation_window: int | None = struct.field(pytree_node=False, default=None)
   reconstruction_attn_LHT: Array | None = None
+  kvgrad_LGT: Array | None = None
 
   def need(self, field: str, policy: str) -> Array:
     """Reads a field that the policy needs.
@@ -177,6 +183,7 @@ KEY_AXIS = {
   "prerope_keys_LGTD": -2,
   "queries_LHTD": -2,
   "valid_T": -1,
+  "kvgrad_LGT": -1,
 }
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(Evidence)) - {"observation_window"}
@@ -254,7 +261,8 @@ class EvidenceRequest:
     """The request that computes the :class:`Evidence` fields ``needs``.
 
     A model computes the others: keys and values always; the caller gives Q-Filters,
-    DuoAttention's gates and KVzip's and KVCompose's reconstruction attention.
+    DuoAttention's gates, KVzip's and KVCompose's reconstruction attention and KVgrad's
+    attribution.
 
     Args:
       needs: :class:`Evidence` field names.
