@@ -17,6 +17,10 @@ gone. Per-layer and per-head budgets decode correctly because every row is its o
 * ``decode_every=N`` (a policy option) re-compresses a prefill scorer's cache to its budget
   every ``N`` generated tokens (kvpress ``DecodingPress``; R-KV's buffer of 128), inside the
   jitted decode with a fixed capacity ``budget + N``: :func:`recompress`.
+  :class:`kvjax.policies.PrefillDecoding` and :class:`kvjax.policies.RatioDecoding` (kvpress
+  ``PrefillDecodingPress``, ``CompressionRatioDecodingPress``) re-compress there with their
+  decoding scorer to their own decode budgets (``Policy.decode_scores``,
+  ``Policy.decode_budgets``, ``Policy.decode_capacity``).
 * ``channel_ratio`` (a policy option) prunes key channels as ThinK does, with a real saving:
   the prompt's kept keys are stored ``[L, B, H, C, D_keep]`` with their channel indices
   ``[L, B, H, D_keep]``; generated tokens keep full keys (``new_keys [L, B, H, N, D]``), as
@@ -157,7 +161,7 @@ class CacheSpec:
     ``decode_every`` (kvpress clears its buffer of hidden states at every compression)."""
     if not self.decode_every:
       return 0
-    return min(self.policy.observation_window, self.decode_every)
+    return min(self.policy.decode_policy.observation_window, self.decode_every)
 
   @property
   def channel_ratio(self) -> float | None:
@@ -939,7 +943,9 @@ def check_decode_every(spec: CacheSpec) -> None:
   """Refuses a ``decode_every`` that cannot run with ``spec``.
 
   It runs with a prefill scorer whose evidence a re-compression can rebuild over the cache's own
-  slots, at original positions. Nothing is checked without ``decode_every``.
+  slots, at original positions: the policy's :attr:`~kvjax.policies.Policy.decode_policy` (the
+  decoding scorer of :class:`~kvjax.policies.PrefillDecoding`; the prompt's policy may read
+  anything a prefill provides). Nothing is checked without ``decode_every``.
 
   Args:
     spec: the cache's static choices.
@@ -950,7 +956,7 @@ def check_decode_every(spec: CacheSpec) -> None:
   """
   if not spec.decode_every:
     return
-  policy = spec.policy
+  policy = spec.policy.decode_policy
   needs = set(policy.evidence_fields) - set(DECODE_EVIDENCE)
   if needs:
     raise ValueError(
@@ -991,9 +997,15 @@ def _slot_attention(cfg, cache: KVCache, keys_LBHCD, positions_LBHC, valid_LBHC)
 def recompress(cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache) -> KVCache:
   """Re-compresses the cache to its budget, as kvpress ``DecodingPress``'s compression step.
 
-  Every (layer, row, head) keeps its ``budget`` best slots under the policy's scorer, over
-  everything it holds (prompt and generated tokens), as ``DecodingPress.compress`` hands the
-  whole cache to its base press with the target size as budget.
+  Every (layer, row, head) keeps its ``min(decode budget, filled)`` best slots under the
+  policy's :meth:`~kvjax.policies.Policy.decode_scores`, over everything it holds (prompt and
+  generated tokens), as ``DecodingPress.compress`` hands the whole cache to its base press with
+  the target size as budget. The decode budget is
+  :meth:`~kvjax.policies.Policy.decode_budgets` of the prompt's budgets and the row's tokens
+  seen (its last RoPE position + 1): the prompt's budgets for a plain policy, ``decode_budget``
+  or a fraction of the tokens seen for :class:`~kvjax.policies.PrefillDecoding` and
+  :class:`~kvjax.policies.RatioDecoding` (the caller sizes the capacity for it:
+  :meth:`~kvjax.policies.Policy.decode_capacity`; appends past it flag overflow).
 
   The evidence is rebuilt over the slots in position order (right-aligned per head, so a
   scorer's protected recent window is the most recent tokens and empty slots play the part of
@@ -1001,7 +1013,9 @@ def recompress(cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache) 
   attention of the last ``W`` generated queries (``W = min(window, decode_every)``: kvpress's
   buffer of hidden states is cleared at each compression), causal by original position. Unlike
   kvpress (which rotates every buffered query by the current token's position embedding), each
-  query keeps its own RoPE position. The allocation ``budget`` is the prefill's.
+  query keeps its own RoPE position. The evidence fields and window are the
+  :attr:`~kvjax.policies.Policy.decode_policy`'s; a budget-dependent last stage (CriticalKV)
+  applies when the policy re-compresses with its own scorer.
 
   Args:
     cfg: the model's config.
@@ -1018,7 +1032,8 @@ def recompress(cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache) 
   order = (jnp.arange(C)[None, None, None] + fill[..., None]) % C
   keys, values = _right_aligned(cache.keys, order), _right_aligned(cache.values, order)
   positions, valid = _right_aligned(cache.positions, order), _right_aligned(cache.valid, order)
-  needs = spec.policy.evidence_fields
+  decoder = spec.policy.decode_policy
+  needs = decoder.evidence_fields
   # the window of generated queries oldest first (a ring: slot = step % W)
   chrono = jnp.argsort(cache.query_pos[0])
   win = cache.replace(
@@ -1038,15 +1053,21 @@ def recompress(cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache) 
   shared = {} if cache.evidence is None else cache.evidence
   rngs = jax.random.split(jax.random.fold_in(jax.random.key(1), cache.query_pos.max()), B)
 
-  def one(row, valid_HC, budget_LH, rng):
+  seen_B = cache.query_pos.max(-1) + 1  # each row's tokens seen: its last RoPE position + 1
+
+  def one(row, valid_HC, budget_LH, rng, seen):
     ev = policies.Evidence(rng=rng, **row, **shared)
-    scores = spec.policy.scores(ev)
+    scores = spec.policy.decode_scores(ev)
     if scores.shape[1] != H:
       scores = _to_layout(scores, H, cfg)
-    scores = _selection_scores(spec, ev, scores, valid_HC, budget_LH)
-    return select.compact(scores, jnp.minimum(budget_LH, valid_HC.sum(-1)), C)
+    if decoder is spec.policy:  # its own scorer: its budget-dependent last stage (CriticalKV)
+      scores = _selection_scores(spec, ev, scores, valid_HC, budget_LH)
+    else:
+      scores = jnp.where(valid_HC, scores, -jnp.inf)
+    count = jnp.minimum(spec.policy.decode_budgets(budget_LH, seen), valid_HC.sum(-1))
+    return select.compact(scores, count, C)
 
-  idx, kept = jax.vmap(one)(rows, jnp.moveaxis(valid, 1, 0), cache.budget, rngs)
+  idx, kept = jax.vmap(one)(rows, jnp.moveaxis(valid, 1, 0), cache.budget, rngs, seen_B)
   idx, kept = jnp.moveaxis(idx, 0, 1), jnp.moveaxis(kept, 0, 1)
   return cache.replace(
     keys=jnp.where(kept[..., None], _right_aligned(keys, idx), 0).astype(keys.dtype),

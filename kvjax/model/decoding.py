@@ -258,12 +258,17 @@ def check_overflow(cache) -> None:
 
 def _capacity(policy: policies.Policy, budget_max: int, T: int, new: int) -> int:
   """Slots per row: the largest budget rounded up to a :func:`capacity_bucket` (never past what
-  the sequence can fill), plus the generated tokens for prefill-time policies."""
+  the sequence can fill), plus the generated tokens for prefill-time policies.
+
+  A policy that re-compresses every ``decode_every`` tokens holds at most its
+  :meth:`~kvjax.policies.Policy.decode_capacity` (the largest budget kept across
+  re-compressions, plus ``decode_every``)."""
+  every = policy.decode_every
+  if every:  # re-compressed every `every` tokens: at most the largest kept count + every
+    held = policy.decode_capacity(budget_max, T, new) - every
+    return min(min(capacity_bucket(held), T + new) + min(every, new), T + new)
   if not policy.requires_budget:  # the full cache
     return T + new
-  every = policy.decode_every
-  if every:  # re-compressed to the budget every `every` tokens: at most budget + every
-    return min(min(capacity_bucket(budget_max), T + new) + min(every, new), T + new)
   if policy.evicts_each_step:
     return max(min(capacity_bucket(budget_max), T + new), 1)
   return min(capacity_bucket(budget_max), T) + new
@@ -526,6 +531,7 @@ def generate(
   cfg = model.cfg
   ids, mask = _checked_prompt(model, prompt_ids, attention_mask, new)
   B, T = ids.shape
+  budget = _budget_free(pol, budget, T)
   if pol.requires_budget:
     pol.check_budget(budget, pol.evidence_request(T).window, T)
   ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
@@ -562,9 +568,20 @@ def generate(
   return Generation(np.asarray(tokens), mem, np.asarray(cache.budget))
 
 
+def _budget_free(policy: policies.Policy, budget, T: int):
+  """A budget given to a policy that takes none but re-compresses while decoding
+  (:class:`kvjax.policies.RatioDecoding` over the full prompt): checked to keep every prompt
+  token, then dropped (``None``: the same selection); any other budget as given."""
+  if policy.requires_budget or budget is None or not policy.decode_every:
+    return budget
+  policy.check_budget(budget, policy.evidence_request(T).window, T)
+  return None
+
+
 def _check_budget_given(policy: policies.Policy, budget) -> None:
-  """A budget for a compressing policy, none for the full cache."""
-  if not policy.requires_budget and budget is not None:
+  """A budget for a compressing policy, none for the full cache (one that keeps every prompt
+  token for a budget-free policy re-compressing while decoding: :func:`_budget_free`)."""
+  if not policy.requires_budget and budget is not None and not policy.decode_every:
     raise ValueError(
       f"budget: the full cache keeps everything; got budget={budget!r}, expected None"
     )
@@ -711,7 +728,7 @@ def generate_configs(
   B, T = ids.shape
   budgets = check_config_budgets(budgets)
   window = pol.evidence_request(T).window
-  if pol.requires_budget:
+  if pol.requires_budget or pol.decode_every:  # a budget-free one's must keep every token
     pol.check_budget(budgets, window, T)
   ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
   check_cache_bytes(

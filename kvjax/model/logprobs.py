@@ -122,6 +122,11 @@ def stream_logprobs(
   if isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix < ids.shape[1]:
     raise ValueError(f"prefix: expected an int in [1, T={ids.shape[1]}), got {prefix!r}")
   pol = policies.build(policy, **policy_options)
+  if not pol.requires_budget and budget is not None and pol.decode_every:
+    # a budget-free policy re-compressing while decoding (RatioDecoding over the full prompt):
+    # a budget keeping every prefix token selects the same; it is checked, then dropped
+    pol.check_budget(budget, pol.evidence_request(prefix).window, prefix)
+    budget = None
   if not pol.requires_budget and budget is not None:
     raise ValueError(f"budget: the full cache keeps everything; got budget={budget!r}")
   if pol.requires_budget and not pol.acts_at_decode:
@@ -140,10 +145,14 @@ def stream_logprobs(
     budget = decoding.check_config_budgets(budgets)
   if not pol.requires_budget:
     capacity, budget = T, T
+    if pol.decode_every:  # the prefix kept whole, then re-compressed (RatioDecoding)
+      capacity = min(pol.decode_capacity(prefix, prefix, T - prefix), T)
   else:
     pol.check_budget(budget, request.window)
-    # decode_every (R-KV): the budget, plus the tokens read between two re-compressions
-    capacity = int(np.max(budget)) + (pol.decode_every or 0)
+    # decode_every (R-KV): the largest budget kept across re-compressions (the prompt's, a
+    # PrefillDecoding's decode_budget, a RatioDecoding's last target), plus the tokens read
+    # between two re-compressions
+    capacity = pol.decode_capacity(int(np.max(budget)), prefix, T - prefix)
   decoding.check_cache_bytes(
     cfg,
     slots=capacity,

@@ -569,6 +569,55 @@ class Policy:
     scores_LHT = self.selection_scores(evidence, scores_LHT, budget_LH, capacity=capacity)
     return select.compact(scores_LHT, budget_LH, capacity)
 
+  # ------------------------------------------------------------------ while decoding
+
+  @property
+  def decode_policy(self) -> Policy:
+    """The policy whose scorer re-compresses the cache while decoding (``decode_every``): this
+    one. The model's cache rebuilds its evidence fields and observation window over the slots."""
+    return self
+
+  def decode_scores(self, evidence: Evidence) -> Array:
+    """Scores of the cache's slots at a re-compression (``decode_every``).
+
+    The model's cache (:func:`kvjax.model.cache.recompress`) calls it on the evidence it rebuilds
+    over its own slots; here the prompt's scorer, :meth:`scores`. A policy with another scorer
+    for the re-compressions (:class:`~kvjax.policies.combinators.PrefillDecoding`) overrides it.
+
+    Args:
+      evidence: the cache's evidence, its slots as positions.
+
+    Returns:
+      fp32 scores ``[L, H, T]``.
+    """
+    return self.scores(evidence)
+
+  def decode_budgets(self, budget_LH: Array, seen) -> Array:
+    """Each head's slots after a re-compression; here the prompt's budgets.
+
+    Args:
+      budget_LH: the prompt's budgets, int32 ``[L, H]``.
+      seen: the tokens seen so far by the row, prompt and generated (an int or traced int).
+
+    Returns:
+      int32 ``[L, H]``: ``budget_LH`` here.
+    """
+    return budget_LH
+
+  def decode_capacity(self, max_budget: int, T: int, new_tokens: int) -> int:
+    """The most slots a row holds while decoding: after a re-compression, plus the tokens
+    between two of them.
+
+    Args:
+      max_budget: the largest prompt budget of any head.
+      T: the prompt's tokens.
+      new_tokens: the tokens decoded after it.
+
+    Returns:
+      ``max_budget + decode_every`` here (``max_budget`` without ``decode_every``).
+    """
+    return max_budget + (self.decode_every or 0)
+
   def window_scorer(self):
     """A hashable callable reducing one layer's window rows to scores, or ``None``.
 

@@ -445,13 +445,19 @@ class PrefillDecoding(Policy):
   every token it holds, as ``DecodingPress.compress`` hands its base press the whole cache.
   :meth:`recompress_keep` is that step on a cache's evidence.
 
+  In the model's cache (``km.generate``, ``generate_configs``, ``stream_logprobs``) the
+  re-compression (:func:`kvjax.model.cache.recompress`) reads :meth:`decode_scores` and
+  :meth:`decode_budgets` over the evidence it rebuilds on its own slots (the fields and window
+  of :attr:`decode_policy`, ``decoding``), keeps ``min(decode budget, filled)`` per head, and
+  the cache holds :meth:`decode_capacity`, ``max(prompt budget, decode budget) +
+  decode_every`` slots.
+
   Differences from kvpress: the budgets are tokens (kvpress's ``target_size`` is
   ``decode_budget``); ``DecodingPress`` also compresses when a step's query length reaches
   ``target_size`` (a multi-token decode step), which one-token decoding never meets; the
-  model's cache (:func:`kvjax.model.cache.recompress`) re-compresses with ``spec.policy``'s own
-  scores and the prompt's budgets, so this policy runs there once that step reads
-  :meth:`decode_scores` and :meth:`decode_budgets`, and sizes its capacity for
-  ``max(prompt budget, decode budget) + decode_every`` slots.
+  decoding scorer ranks at the prompt policy's granularity (query heads unless its
+  ``num_kv_heads``; the model's KV cache then takes each group's mean, as kvpress), ties to the
+  lower position.
 
   Attributes:
     prefill: the prompt's policy (a prefill scorer, any allocator).
@@ -473,10 +479,30 @@ class PrefillDecoding(Policy):
     check_base(self.decoding, "decoding", given_budget=True)
     if self.decode_every is None:
       raise ValueError("decode_every: expected an int >= 1 (kvpress compression_interval)")
+    if self.prefill.channel_ratio is not None:
+      raise ValueError(
+        "prefill: ThinK's channel_ratio prunes the prompt's keys once, which a re-compression "
+        "while decoding cannot follow; expected a prefill policy without channel_ratio"
+      )
     object.__setattr__(self, "allocator", self.prefill.allocator)
     super().__post_init__()
     if self.decode_budget is not None:
       check_int("decode_budget", self.decode_budget, 1)
+
+  @property
+  def requires_budget(self) -> bool:  # type: ignore[override]
+    """Whether the prompt's policy takes a budget (not :class:`~kvjax.policies.Full`)."""
+    return self.prefill.requires_budget
+
+  @property
+  def rescores(self) -> bool:
+    """Whether the prompt's policy rescores under its budget (CriticalKV)."""
+    return self.prefill.rescores
+
+  @property
+  def decode_policy(self) -> Policy:
+    """``decoding``: its evidence and window are what a re-compression rebuilds."""
+    return self.decoding
 
   @property
   def windowed(self) -> bool:
@@ -490,8 +516,9 @@ class PrefillDecoding(Policy):
 
   @property
   def observation_window(self) -> int:
-    """The larger observation window of the two."""
-    return max(self.prefill.observation_window, self.decoding.observation_window)
+    """The prompt's policy's: the prefill observes for it alone (a re-compression rebuilds the
+    decoding scorer's window over the cache, :attr:`decode_policy`)."""
+    return self.prefill.observation_window
 
   @property
   def options(self) -> dict:
@@ -509,6 +536,11 @@ class PrefillDecoding(Policy):
   def score(self, evidence):
     """The prompt's policy's scores (kvpress's ``prefilling_press``)."""
     return self.prefill.score(evidence)
+
+  def scores_row(self, evidence):
+    """The prompt's policy's scores of one left-padded row (its sinks count from the row's
+    first real token)."""
+    return self.prefill.scores_row(evidence)
 
   def scores(self, evidence):
     """The prompt's policy's grouped scores."""
@@ -547,6 +579,19 @@ class PrefillDecoding(Policy):
       return budget_LH
     return jnp.full_like(budget_LH, self.decode_budget)
 
+  def decode_capacity(self, max_budget: int, T: int, new_tokens: int) -> int:
+    """``max(max_budget, decode_budget) + decode_every``: the most slots a row holds.
+
+    Args:
+      max_budget: the largest prompt budget of any head.
+      T: the prompt's tokens.
+      new_tokens: the tokens decoded after it.
+
+    Returns:
+      The slots.
+    """
+    return max(max_budget, self.decode_budget or 0) + self.decode_every
+
   def recompress_keep(self, evidence: Evidence, budget_LH: Array, seen) -> Array:
     """The slots a re-compression keeps (kvpress ``DecodingPress.compress``).
 
@@ -580,9 +625,12 @@ class RatioDecoding(PrefillDecoding):
   alone); every ``decode_every`` generated tokens the cache is re-compressed by ``decoding``'s
   scores to :meth:`decode_budgets`.
 
-  Differences from kvpress: as :class:`PrefillDecoding`'s; the target grows with ``seen``, so
-  the model's cache would size its capacity for the longest generation's target plus
-  ``decode_every`` (its re-compression reads the prompt's fixed budgets today).
+  ``seen`` is each row's own count (its last RoPE position + 1, padding excluded). The default
+  :class:`~kvjax.policies.Full` prompt policy takes no budget: pass ``budget=None`` (or one
+  ``>= T``, which keeps the same). The target grows with ``seen``, so the model's cache holds
+  :meth:`decode_capacity` slots: the longest generation's target plus ``decode_every``.
+
+  Differences from kvpress: as :class:`PrefillDecoding`'s.
 
   Attributes:
     compression_ratio: kvpress ``target_compression_ratio``, the fraction of the tokens seen
@@ -612,3 +660,18 @@ class RatioDecoding(PrefillDecoding):
     return jnp.broadcast_to(
       jnp.asarray(n_kept(seen, self.compression_ratio), jnp.int32), budget_LH.shape
     )
+
+  def decode_capacity(self, max_budget: int, T: int, new_tokens: int) -> int:
+    """``max(max_budget, n_kept(T + new_tokens)) + decode_every``: the largest target of the
+    generation (the targets grow with the tokens seen) plus the tokens between two
+    re-compressions.
+
+    Args:
+      max_budget: the largest prompt budget of any head.
+      T: the prompt's tokens.
+      new_tokens: the tokens decoded after it.
+
+    Returns:
+      The slots.
+    """
+    return max(max_budget, n_kept(int(T + new_tokens), self.compression_ratio)) + self.decode_every
