@@ -483,6 +483,7 @@ def evidence():
     retrieval_heads_LG=jnp.asarray(rng.random((PL, PG)), jnp.float32),
     reconstruction_attn_LGT=jnp.asarray(rng.random((PL, PG, PT)), jnp.float32),
     reconstruction_attn_LHT=jnp.asarray(rng.random((PL, PHQ, PT)), jnp.float32),
+    kvgrad_LGT=jnp.asarray(rng.random((PL, PG, PT)), jnp.float32),
   )
 
 

@@ -42,6 +42,7 @@ def new_method_evidence(rng, q, k) -> dict:
     retrieval_heads_LG=jnp.asarray(rng.random((L, G)), jnp.float32),
     reconstruction_attn_LGT=jnp.asarray(rng.random((L, G, T)), jnp.float32),
     reconstruction_attn_LHT=jnp.asarray(rng.random((L, q.shape[1], T)), jnp.float32),
+    kvgrad_LGT=jnp.asarray(rng.random((L, G, T)), jnp.float32),
   )
 
 

@@ -177,7 +177,7 @@ class CacheSpec:
 # caller-given evidence (kvjax.model.calibrate; HeadKV's head importances): per model, or per
 # batch row (B at axis 1)
 SHARED_EVIDENCE = {"qfilters_LGD": 3, "retrieval_heads_LG": 2, "head_scores_LH": 2}
-ROW_EVIDENCE = {"reconstruction_attn_LGT": 4, "reconstruction_attn_LHT": 4}
+ROW_EVIDENCE = {"reconstruction_attn_LGT": 4, "reconstruction_attn_LHT": 4, "kvgrad_LGT": 4}
 # what a re-compression during decoding can provide (over the cache's own slots)
 DECODE_EVIDENCE = (
   "attn_window_LHWT",
@@ -289,7 +289,7 @@ def check_evidence(
 
   Only the data fields are taken: ``qfilters_LGD [L, G, D]``, ``retrieval_heads_LG [L, G]`` in
   ``[0, 1]``, ``reconstruction_attn_LGT [L, B, G, T]``, ``reconstruction_attn_LHT
-  [L, B, Hq, T]`` (KVCompose's), HeadKV's ``head_scores_LH`` ``[L, Hq]``
+  [L, B, Hq, T]`` (KVCompose's), ``kvgrad_LGT [L, B, G, T]`` (KVgrad's), HeadKV's ``head_scores_LH`` ``[L, Hq]``
   or ``[L, G]`` (the heads of the policy's scores); they must be finite, with their shapes.
 
   Args:
@@ -317,6 +317,7 @@ def check_evidence(
     "retrieval_heads_LG": [(L, G)],
     "reconstruction_attn_LGT": [(L, B, G, T)],
     "reconstruction_attn_LHT": [(L, B, G if Hq is None else Hq, T)],
+    "kvgrad_LGT": [(L, B, G, T)],
     # at the policy's head granularity: query heads, or KV heads (num_kv_heads, the kv layout)
     "head_scores_LH": [(L, G)] if Hq is None or Hq == G else [(L, Hq), (L, G)],
   }

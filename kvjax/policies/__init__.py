@@ -17,7 +17,7 @@ of method is static Python (never ``lax.switch`` over policies under ``vmap``).
 * :mod:`~kvjax.policies.methods`: one class per method; :mod:`~kvjax.policies.wrappers`:
   :class:`Critical`, :class:`CriticalAdaKV`, :class:`ChunkKV`, :class:`SelectOnce` over any base.
 * One module per later method: :mod:`~kvjax.policies.leverage`, ``noncausal``, ``compactor``,
-  ``curkv``, ``capkv``, ``kvcompose``, ``simlayerkv``, ``finch``, ``dms``, ``entropy_chunkkv``,
+  ``curkv``, ``capkv``, ``kvcompose``, ``kvgrad``, ``simlayerkv``, ``finch``, ``dms``, ``entropy_chunkkv``,
   ``lukv``;
   :mod:`~kvjax.policies.combinators` (:class:`Composed`, :class:`Chunked`, :class:`Blockwise`,
   :class:`PrefillDecoding`, :class:`RatioDecoding`) and :mod:`~kvjax.policies.per_layer`
@@ -62,6 +62,7 @@ from kvjax.policies.evidence import (
 )
 from kvjax.policies.finch import Finch
 from kvjax.policies.kvcompose import Composite, KVCompose
+from kvjax.policies.kvgrad import KVgrad
 from kvjax.policies.leverage import LeverageScore
 from kvjax.policies.lukv import LUKV, BudgetCurve
 from kvjax.policies.methods import (
@@ -127,6 +128,7 @@ __all__ = [
   "CapKV",
   "Composite",
   "KVCompose",
+  "KVgrad",
   "BudgetCurve",
   "CakeLayers",
   "ChunkKV",

@@ -209,6 +209,14 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
     "delimiter token; kvpress's `chunk_length` mode is not offered; key re-rotation belongs to "
     "the cache layout (`Layout(reindex=True)`)",
   ),
+  "kvgrad": (
+    "KVgrad (OpenReview cg1wTCJjjk)",
+    _KVPRESS.format("KVgradPress"),
+    "the budget is per head (pooled as L x G x min(b, T); kvpress prunes int(L*G*T*ratio)); "
+    "sinks score +inf; the gradient is taken through a zero offset on each layer's attention "
+    "output (kvpress: retain_grad); the template is given tokenised "
+    "(`kvjax.model.kvgrad.kvgrad_evidence`)",
+  ),
   "lukv": (
     "Predicting Future Utility: Global Combinatorial Optimization for Task-Agnostic KV Cache "
     "Eviction (LU-KV, arXiv 2602.08585)",

@@ -27,6 +27,7 @@ from kvjax.policies.dms import DMS
 from kvjax.policies.entropy_chunkkv import EntropyGatedChunkKV
 from kvjax.policies.finch import Finch
 from kvjax.policies.kvcompose import Composite, KVCompose
+from kvjax.policies.kvgrad import KVgrad
 from kvjax.policies.leverage import LeverageScore
 from kvjax.policies.lukv import LUKV
 from kvjax.policies.noncausal import NonCausalAttention
@@ -521,6 +522,12 @@ _BUILTIN.update(
       KVCompose,
       "KVCompose unstructured: per-head counts pooled over all layers and heads",
       Composite(structured=False),
+    ),
+    "kvgrad": _preset(
+      KVgrad,
+      "kvpress KVgradPress: input x gradient attribution over KVzip's context reconstruction "
+      "(reconstruction attention x ||W_O v|| x ||dPhi/da||, Phi = sum ||h^L||^2), 4 sinks kept, "
+      "one pooled selection of L*H*budget across layers and heads (layerwise=True: per layer)",
     ),
     "lukv": _preset(
       LUKV,
