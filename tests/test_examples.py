@@ -1,8 +1,9 @@
 """The code examples of the README and the documentation run as written: every fenced ```python
 block of a page, in order, in one shared namespace (as a reader pastes them one after another
 into one session), from the repository root, with matplotlib on the Agg backend. One test per
-page; ``docs/methods_catalogue.md`` is generated and holds no examples. A block that cannot run
-here (a checkpoint path, a TPU mesh) is a ```bash or plain ``` block on its page.
+page with python blocks; ``docs/methods_catalogue.md`` is generated. What cannot run here (a
+checkpoint's path, an 8-device mesh) is a comment beside the runnable default, or a ```bash or
+plain ``` block.
 """
 
 import os
