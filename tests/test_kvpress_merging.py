@@ -1,0 +1,83 @@
+"""kvpress 0.5.5's KeyRerotationPress, MergingPress and CAMPress against kvjax on the tiny fixture
+Llama (tests/make_kvpress_fixtures_merging.py records the golden caches and logits)."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import model as km
+from kvjax import policies
+from kvjax.model import cache as cache_lib
+from kvjax.model import decoding, llama
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def golden():
+  z = np.load(FIXTURES / "kvpress_0_5_5_merging.npz")
+  model, cfg = km.load(FIXTURES / "kvpress_tiny_llama")
+  return z, cfg, model.params()
+
+
+def _compress(cfg, params, ids, pol, budget, capacity, reindex=False):
+  T = ids.shape[1]
+  pre = decoding.jit_prefill(
+    cfg, params, jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32), pol.evidence_request(T)
+  )
+  spec = cache_lib.CacheSpec(pol, capacity, reindex=reindex)
+  return spec, cache_lib.compress(cfg, pre, spec, budget)
+
+
+def _feed(cfg, params, spec, cache, tokens, start):
+  step = jax.jit(cache_lib.decode_step, static_argnums=(0, 2))
+  logits = []
+  for i, tok in enumerate(tokens):
+    pos = jnp.full((1,), start + i, jnp.int32)
+    out, cache = step(cfg, params, spec, cache, jnp.asarray([tok]), pos, pos, i)
+    logits.append(np.asarray(out[0]))
+  return np.stack(logits), cache
+
+
+def _by_position(cache, field):
+  """A cache field's valid slots of row 0 in position order, ``[L, G, n, ...]``, and the
+  positions ``[L, G, n]``."""
+  pos, valid = np.asarray(cache.positions[:, 0]), np.asarray(cache.valid[:, 0])
+  x = np.asarray(getattr(cache, field)[:, 0])
+  L, G, _ = pos.shape
+  n = int(valid[0, 0].sum())
+  out_x, out_p = np.zeros((L, G, n) + x.shape[3:], x.dtype), np.zeros((L, G, n), np.int64)
+  for l in range(L):
+    for g in range(G):
+      slots = np.nonzero(valid[l, g])[0]
+      slots = slots[np.argsort(pos[l, g, slots])]
+      out_x[l, g], out_p[l, g] = x[l, g, slots], pos[l, g, slots]
+  return out_x, out_p
+
+
+def test_key_rerotation_is_the_reindexed_layout(golden):
+  """``KeyRerotationPress(KnormPress(0.5))`` is ``Layout(reindex=True)`` with KNorm: the same
+  kept positions, the kept (pre-RoPE) keys rotated by their rank equal kvpress's re-rotated
+  cached keys, and the fed tokens' logits agree (kvpress feeds them at ``n_kept + i``, the
+  pipeline's ``context_length = cache.get_seq_length()``; kvjax rotates each query by its rank
+  in the cache, which is the same number)."""
+  z, cfg, params = golden
+  ids = z["input_ids_T"][None]
+  T = ids.shape[1]
+  n = int(T * (1 - float(z["ratio"])))
+  fed = z["fed_S"]
+  spec, cache = _compress(cfg, params, ids, policies.KNorm(), n, n + len(fed), reindex=True)
+  keys, pos = _by_position(cache, "keys")
+  np.testing.assert_array_equal(pos, np.sort(z["rerotation_kept_LGn"], -1))
+  rank = jnp.broadcast_to(jnp.arange(n), keys.shape[:-1])
+  rotated = np.asarray(llama.rope_at(jnp.asarray(keys), rank, cfg))
+  np.testing.assert_allclose(rotated, z["rerotation_keys_LGnD"], atol=1e-5, rtol=0)
+  logits, _ = _feed(cfg, params, spec, cache, fed, T)
+  np.testing.assert_allclose(logits, z["rerotation_logits_SV"], atol=1e-5, rtol=0)
+  # the comparison tells the layouts apart: original positions give other logits
+  spec, cache = _compress(cfg, params, ids, policies.KNorm(), n, n + len(fed))
+  plain, _ = _feed(cfg, params, spec, cache, fed, T)
+  assert np.abs(plain - z["rerotation_logits_SV"]).max() > 1e-3
