@@ -9,7 +9,9 @@ the same token ids go to both, and budgets are matched exactly (kvpress's ratio 
    SnapKV, StreamingLLM, TOVA, Knorm, ObservedAttention, PyramidKV and AdaKV(SnapKV), and issue
    15's ExpectedAttention, KeyDiff, LagKV, CriticalKV(SnapKV), CriticalAdaKV(SnapKV),
    ChunkKV(SnapKV) and QFilter (its filters calibrated by kvjax on shipped prose,
-   ``kvjax.model.calibrate.qfilters``, and injected into both sides): the fraction of (layer,
+   ``kvjax.model.calibrate.qfilters``, and injected into both sides), and issue 31's
+   NonCausalAttn, CURPress, CapPress, EntropyGatedChunkKV(SnapKV), ChunkPress(KeyDiff) and
+   BlockPress(KeyDiff): the fraction of (layer,
    KV head, position) keep decisions on which the two libraries agree (kvpress's kept set
    recovered from its compressed cache, AdaKV's and CriticalAdaKV's from their masked indices;
    ChunkKV's budget is the count kvpress kept per layer, whole chunks);
@@ -184,6 +186,43 @@ def agreement_pairs(kp, torch=None, qfilters_LGD=None, dtype=None) -> list[Pair]
       kept_budget=True,
     ),
   ]
+  # kvpress's other presses (issue 31) whose kept set the prompt alone decides (no random
+  # sketch: Leverage and Compactor draw a fresh torch.randn per call; no delimiter: Finch)
+  issue31 = [
+    Pair(
+      "NonCausalAttn",
+      lambda r: kp.NonCausalAttnPress(r),
+      "noncausal_attn",
+      dict(chunk_size=256),
+      "eager",
+    ),
+    Pair("CURPress", lambda r: kp.CURPress(r), "curkv", {}, "eager"),
+    Pair("CapPress", lambda r: kp.CapPress(r), "capkv", {}, "eager"),
+    Pair(
+      "EntropyGatedChunkKV(SnapKV)",
+      lambda r: kp.EntropyGatedChunkKVPress(snap(r)),
+      "entropy_chunkkv_snapkv_kvpress",
+      dict(win),
+      "sdpa",  # a ChunkKVPress: no attention maps
+      wraps=True,
+    ),
+    Pair(
+      "ChunkPress(KeyDiff)",
+      lambda r: kp.ChunkPress(kp.KeyDiffPress(r), chunk_length=256),
+      "chunk_keydiff",
+      dict(chunk=256),
+      "sdpa",  # asserts that it gets no attention maps
+      wraps=True,
+    ),
+    Pair(
+      "BlockPress(KeyDiff)",
+      lambda r: kp.BlockPress(kp.KeyDiffPress(r), block_size=128),
+      "block_keydiff",
+      dict(block=128),
+      "sdpa",  # asserts that it gets no attention maps
+      wraps=True,
+    ),
+  ]
   if qfilters_LGD is not None:
     issue15.append(
       Pair(
@@ -225,6 +264,7 @@ def agreement_pairs(kp, torch=None, qfilters_LGD=None, dtype=None) -> list[Pair]
       masks=True,
     ),
     *issue15,
+    *issue31,
   ]
 
 
@@ -432,12 +472,14 @@ def chunk_view(scores_LGT, keep_LGT, wrong_LGT, chunk: int):
   return cs[:, None], ck[:, None], cw[:, None]
 
 
-def agreement(torch, kp, hf, model, cfg, ids_1T, qfilters_LGD=None) -> list[dict]:
+def agreement(torch, kp, hf, model, cfg, ids_1T, qfilters_LGD=None, only=()) -> list[dict]:
   T, L, G = ids_1T.shape[1], cfg.num_layers, cfg.num_kv_heads
   n_kept = kp.utils.compute_n_kept(T, RATIO)
   ids_t = torch.from_numpy(ids_1T).long()
   rows = []
   for pair in agreement_pairs(kp, torch, qfilters_LGD, hf.dtype):
+    if only and pair.label not in only:
+      continue
     set_attn(hf, pair.attn)
     press = pair.make_press(RATIO)
     rec = Recorder(press.press if pair.wraps else press)
@@ -669,6 +711,9 @@ def main() -> int:
   parser.add_argument(
     "--grid-only", action="store_true", help="sections 2 and 3 only (skip parity and agreement)"
   )
+  parser.add_argument(
+    "--presses", default="", help="section 1 for these press labels only (comma-separated)"
+  )
   args = parser.parse_args()
   why = missing_requirement()
   if why:
@@ -721,7 +766,8 @@ def main() -> int:
     f"({time.perf_counter() - t0:.0f} s), injected into both sides",
     flush=True,
   )
-  rows = agreement(torch, kvpress, hf, model, cfg, ids_1T, qf)
+  only = tuple(filter(None, args.presses.split(",")))
+  rows = agreement(torch, kvpress, hf, model, cfg, ids_1T, qf, only=only)
   low = [r["press"] for r in rows if r["agreement"] < 0.99]
   print(f"  all presses >= 0.99: {not low}" + (f" (below: {low})" if low else ""))
 
