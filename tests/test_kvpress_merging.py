@@ -12,6 +12,7 @@ from kvjax import model as km
 from kvjax import policies
 from kvjax.model import cache as cache_lib
 from kvjax.model import decoding, llama
+from kvjax.policies.merging import Merging
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -81,3 +82,30 @@ def test_key_rerotation_is_the_reindexed_layout(golden):
   spec, cache = _compress(cfg, params, ids, policies.KNorm(), n, n + len(fed))
   plain, _ = _feed(cfg, params, spec, cache, fed, T)
   assert np.abs(plain - z["rerotation_logits_SV"]).max() > 1e-3
+
+
+@pytest.mark.parametrize(
+  ("kind", "options"),
+  [("merging", {}), ("merging_gated", dict(similarity_threshold=0.1, merge_fraction=0.75))],
+)
+def test_merging_matches_kvpress(golden, kind, options):
+  """``MergingPress(KnormPress(0.5), ...)`` is ``Merging(base=KNorm(), ...)``: the same kept
+  positions per layer and KV head, the merged values within 1e-5, and the fed tokens' logits
+  (at original positions) within 1e-5."""
+  z, cfg, params = golden
+  ids = z["input_ids_T"][None]
+  T = ids.shape[1]
+  n = int(T * (1 - float(z["ratio"])))
+  fed = z["fed_S"]
+  pol = Merging(base=policies.KNorm(), **options)
+  spec, cache = _compress(cfg, params, ids, pol, n, n + len(fed))
+  values, pos = _by_position(cache, "values")
+  order = np.argsort(z[f"{kind}_kept_LGn"], -1)
+  np.testing.assert_array_equal(pos, np.take_along_axis(z[f"{kind}_kept_LGn"], order, -1))
+  want = np.take_along_axis(z[f"{kind}_values_LGnD"], order[..., None], 2)
+  np.testing.assert_allclose(values, want, atol=1e-5, rtol=0)
+  logits, _ = _feed(cfg, params, spec, cache, fed, T)
+  np.testing.assert_allclose(logits, z[f"{kind}_logits_SV"], atol=1e-5, rtol=0)
+  # the merge changed values: the base alone keeps the prompt's own
+  _, plain = _compress(cfg, params, ids, policies.KNorm(), n, n + len(fed))
+  assert np.abs(_by_position(plain, "values")[0] - want).max() > 1e-3

@@ -416,6 +416,8 @@ def compress(
     jnp.broadcast_to(pre.positions[None, :, None, :], (L, B, H, T)), idx_L, axis=3
   )
   kept_keys = gather(keys)
+  if spec.policy.merges:  # kvpress MergingPress: evicted values folded into kept ones
+    values = _merged_values(spec, pre, idx_L, kept_L)
   if spec.reindex:  # store pre-RoPE keys: undo each key's rotation at its original position
     kept_keys = llama.rope_at(kept_keys, -positions, cfg)
   kept_keys = jnp.where(kept_L[..., None], kept_keys, 0).astype(keys.dtype)
@@ -445,6 +447,24 @@ def compress(
     queries=jnp.zeros((L, B, cfg.num_heads, window, D), keys.dtype) if window else None,
     query_pos=jnp.full((B, window), -1, jnp.int32) if window else None,
     evidence=(shared or None) if window else None,
+  )
+
+
+def _merged_values(spec: CacheSpec, pre: llama.Prefill, idx_LBHC, kept_LBHC) -> Array:
+  """The prompt's values ``[L, B, H, T, D]`` at the cache's heads after the policy's
+  :meth:`~kvjax.policies.Policy.merge` of each head's evicted positions into its kept ones
+  (one layer at a time: a merge may hold a ``[B, H, T, T]`` similarity)."""
+  L, B, H, _ = idx_LBHC.shape
+  T = pre.keys.shape[3]
+  keys, values = pre.keys, pre.values
+  if keys.shape[2] != H:  # the query layout: each query head reads its KV head
+    keys, values = (jnp.repeat(t, H // keys.shape[2], axis=2) for t in (keys, values))
+  at = lambda n, axis: jnp.arange(n).reshape([-1 if a == axis else 1 for a in range(4)])  # noqa: E731
+  keep = jnp.zeros((L, B, H, T + 1), bool)
+  keep = keep.at[at(L, 0), at(B, 1), at(H, 2), jnp.where(kept_LBHC, idx_LBHC, T)].set(True)
+  valid = pre.valid[:, None, :]  # [B, 1, T]
+  return jax.lax.map(
+    lambda x: spec.policy.merge(x[0], x[1], x[2], valid), (keys, values, keep[..., :T])
   )
 
 

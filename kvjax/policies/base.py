@@ -216,6 +216,25 @@ class Policy:
     """
     return scores_LHT
 
+  def merge(self, keys_LHTD: Array, values_LHTD: Array, keep_LHT: Array, valid_LHT: Array) -> Array:
+    """Folds the evicted positions' values into the kept ones at compression; identity here.
+
+    The model's cache (:func:`kvjax.model.cache.compress`) calls it after the selection, on the
+    prompt's keys and values at the cache's heads, before it gathers the kept values; a subclass
+    that overrides it makes :attr:`merges` true (:class:`~kvjax.policies.merging.Merging`,
+    kvpress ``MergingPress``). Only the kept positions' values are read back.
+
+    Args:
+      keys_LHTD: post-RoPE keys ``[..., H, T, D]`` (any leading axes: layers, batch rows).
+      values_LHTD: values ``[..., H, T, D]``.
+      keep_LHT: bool ``[..., H, T]``, the kept positions.
+      valid_LHT: bool, broadcastable to ``keep_LHT``: the real (not padded) positions.
+
+    Returns:
+      The values ``[..., H, T, D]``; here ``values_LHTD`` itself.
+    """
+    return values_LHTD
+
   # ------------------------------------------------------------------ what it declares
 
   @property
@@ -251,6 +270,11 @@ class Policy:
   def rescores(self) -> bool:
     """Whether the selection's scores depend on the budget (:meth:`rescore` overridden)."""
     return type(self).rescore is not Policy.rescore
+
+  @property
+  def merges(self) -> bool:
+    """Whether the cache folds evicted values into kept ones (:meth:`merge` overridden)."""
+    return type(self).merge is not Policy.merge
 
   @property
   def evicts_each_step(self) -> bool:
