@@ -88,3 +88,37 @@ def test_no_file_cites_a_design_document_the_repository_lacks():
       f"{path.relative_to(ROOT)} cites ALGORITHMS.md (docs/methods.md)"
     )
     assert "../shared/" not in text, f"{path.relative_to(ROOT)} points outside the repository"
+
+
+def _public_functions(package_names):
+  import importlib
+  import inspect
+  import pkgutil
+
+  modules = []
+  for name in package_names:
+    module = importlib.import_module(name)
+    modules.append(module)
+    if hasattr(module, "__path__"):
+      modules += [
+        importlib.import_module(f"{name}.{m.name}") for m in pkgutil.iter_modules(module.__path__)
+      ]
+  for module in modules:
+    for fname, f in vars(module).items():
+      if not fname.startswith("_") and inspect.isfunction(f) and f.__module__ == module.__name__:
+        yield f"{module.__name__}.{fname}", f, inspect.signature(f)
+
+
+def test_public_functions_of_the_core_and_the_model_have_args_and_returns():
+  """Google style, as optax: every public function of ``select``, ``scores``, ``budgets``,
+  ``policies`` and ``kvjax.model`` has ``Args:`` (when it takes any) and ``Returns:`` (unless it
+  returns ``None``)."""
+  packages = ["kvjax.select", "kvjax.scores", "kvjax.budgets", "kvjax.policies", "kvjax.model"]
+  missing = []
+  for name, f, sig in _public_functions(packages):
+    doc = f.__doc__ or ""
+    if sig.parameters and "Args:" not in doc:
+      missing.append(f"{name} (Args)")
+    if sig.return_annotation not in (None, "None") and not ("Returns:" in doc or "Yields:" in doc):
+      missing.append(f"{name} (Returns)")
+  assert not missing, missing

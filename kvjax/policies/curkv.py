@@ -20,8 +20,18 @@ PROJECTION = 20  # kvpress CURPress's random projection width r
 
 
 def local_normalised(x_LGT: Array, window: int, n: Array) -> Array:
-  """Each value over the sum of its window of ``window`` positions (windows from position 0,
-  the positions ``>= n`` counted as 0, as kvpress's zero padding); 0 at positions ``>= n``."""
+  """Divides each value by the sum of its window of ``window`` positions.
+
+  Windows start at position 0; the positions ``>= n`` count as 0 (kvpress's zero padding).
+
+  Args:
+    x_LGT: the values ``[L, G, T]``.
+    window: the window's length in positions.
+    n: the row's real positions (traced int).
+
+  Returns:
+    fp32 ``[L, G, T]``: the locally normalised values, 0 at positions ``>= n``.
+  """
   L, G, T = x_LGT.shape
   real_T = jnp.arange(T) < n
   chunks = -(-T // window)

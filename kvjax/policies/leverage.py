@@ -19,13 +19,31 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def valid_mask(valid_T: Array | None, T: int) -> Array:
-  """The row's real positions, bool ``[T]`` (every position for ``None``)."""
+  """Returns a row's real positions as a mask.
+
+  Args:
+    valid_T: bool ``[T]`` or ``None`` (every position is real).
+    T: the positions.
+
+  Returns:
+    bool ``[T]``.
+  """
   return jnp.ones((T,), bool) if valid_T is None else valid_T.astype(bool)
 
 
 def znorm(scores_LGT: Array, valid_T: Array) -> Array:
-  """Z-scores per layer over its heads and real positions (kvpress: ``(s - s.mean()) /
-  s.std().clamp_min(1e-6)``, the unbiased std over every head and position of the layer)."""
+  """Z-scores per layer over its heads and real positions.
+
+  kvpress: ``(s - s.mean()) / s.std().clamp_min(1e-6)``, the unbiased std over every head and
+  position of the layer.
+
+  Args:
+    scores_LGT: the scores ``[L, G, T]``.
+    valid_T: bool ``[T]``, the real positions (padding enters no statistic).
+
+  Returns:
+    fp32 ``[L, G, T]``: the z-scores, 0 at padding.
+  """
   G = scores_LGT.shape[1]
   w = jnp.broadcast_to(valid_T[None, None], scores_LGT.shape)
   count = jnp.maximum(G * valid_T.sum(), 2).astype(jnp.float32)
@@ -36,13 +54,33 @@ def znorm(scores_LGT: Array, valid_T: Array) -> Array:
 
 
 def draw_sketch(seed: int, shape: tuple[int, ...]) -> Array:
-  """Standard normal draws ``shape`` from ``jax.random.key(seed)`` (fp32)."""
+  """Draws standard normal numbers from ``jax.random.key(seed)``.
+
+  Args:
+    seed: the seed.
+    shape: the shape drawn.
+
+  Returns:
+    fp32 draws of ``shape``.
+  """
   return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
 
 def sketch_of(evidence: Evidence, seed: int, shape: tuple[int, ...], policy: str) -> Array:
-  """``evidence.sketch_LGDK`` if given (checked against ``shape``, its ``G`` may be 1), else
-  :func:`draw_sketch`."""
+  """Returns the Gaussian sketch: ``evidence.sketch_LGDK`` if given, else seeded draws.
+
+  Args:
+    evidence: the evidence (its ``sketch_LGDK`` may be ``None``).
+    seed: the seed of :func:`draw_sketch` when the evidence has no sketch.
+    shape: ``(L, G, D, K)``; a given sketch's ``G`` may be 1 (shared by the heads).
+    policy: the policy's label, named in the error.
+
+  Returns:
+    fp32 ``[L, G or 1, D, K]`` raw N(0, 1) draws.
+
+  Raises:
+    ValueError: a given sketch whose shape does not fit ``shape``.
+  """
   sketch = evidence.sketch_LGDK
   if sketch is None:
     return draw_sketch(seed, shape)
@@ -61,8 +99,17 @@ def sketch_of(evidence: Evidence, seed: int, shape: tuple[int, ...], policy: str
 
 
 def cholesky_with_jitter(gram_LGKK: Array) -> Array:
-  """kvpress ``chol_with_jitter``: the first jitter in :data:`JITTERS` whose factor succeeds for
-  every head of the layer (one jitter per layer, as kvpress's per-call ``info.all()``)."""
+  """Factors Gram matrices with kvpress's adaptive jitter (``chol_with_jitter``).
+
+  The first jitter in :data:`JITTERS` whose factor succeeds for every head of the layer is used
+  (one jitter per layer, as kvpress's per-call ``info.all()``); when none succeeds, the last.
+
+  Args:
+    gram_LGKK: symmetric Gram matrices ``[L, G, K, K]``.
+
+  Returns:
+    The lower Cholesky factors ``[L, G, K, K]`` (NaN where even the last jitter fails).
+  """
   eye = jnp.eye(gram_LGKK.shape[-1], dtype=gram_LGKK.dtype)
   tries = jnp.stack(
     [jnp.linalg.cholesky(gram_LGKK + j * eye[None, None]) for j in JITTERS]
@@ -102,13 +149,28 @@ def leverage_scores(prerope_keys_LGTD: Array, sketch_LGDK: Array, valid_T: Array
 
 
 def leverage_zscores(prerope_keys_LGTD: Array, sketch_LGDK: Array, valid_T: Array) -> Array:
-  """:func:`leverage_scores` z-normalised per layer (:func:`znorm`), kvpress
-  ``LeverageScorePress.score``."""
+  """Computes kvpress ``LeverageScorePress.score``: leverage scores z-normalised per layer.
+
+  Args:
+    prerope_keys_LGTD: the keys before RoPE ``[L, G, T, D]``.
+    sketch_LGDK: raw N(0, 1) sketch draws ``[L, G or 1, D, K]``.
+    valid_T: bool ``[T]``, the real positions.
+
+  Returns:
+    fp32 ``[L, G, T]``: :func:`leverage_scores` through :func:`znorm`.
+  """
   return znorm(leverage_scores(prerope_keys_LGTD, sketch_LGDK, valid_T), valid_T)
 
 
 def check_sketch_dimension(value) -> None:
-  """Checks ``sketch_dimension``: an int ``>= 1``."""
+  """Checks ``sketch_dimension``, the sketch's width.
+
+  Args:
+    value: the option's value.
+
+  Raises:
+    ValueError: unless it is an int ``>= 1``.
+  """
   check_int("sketch_dimension", value, 1)
 
 

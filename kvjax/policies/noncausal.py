@@ -17,8 +17,14 @@ PAD_LOGIT = -1e-9  # kvpress's fill for padded key columns (not -inf: padded key
 
 
 def row_span(valid_T: Array) -> tuple[Array, Array]:
-  """``(first, count)``: the first real position and the number of real positions of a row
-  whose real positions are one contiguous block (left or right padding)."""
+  """Locates a row's real positions, one contiguous block (left or right padding).
+
+  Args:
+    valid_T: bool ``[T]``, the row's real positions.
+
+  Returns:
+    ``(first, count)``: the first real position and the number of real positions (int32).
+  """
   return jnp.argmax(valid_T).astype(jnp.int32), valid_T.sum().astype(jnp.int32)
 
 
@@ -84,8 +90,18 @@ def noncausal_zscores(q_LHTD: Array, k_LGTD: Array, v_LGTD: Array, chunk: int, n
 
 
 def aligned(fn, valid_T: Array | None, T: int, *xs_T: Array) -> Array:
-  """Runs ``fn(n, *xs)`` with the row's real positions moved to the front (``xs`` rolled along
-  their key axis, -2), and rolls its ``[..., T]`` result back; ``n`` is the real count."""
+  """Runs ``fn`` on a row's real positions moved to the front, and moves the result back.
+
+  Args:
+    fn: called as ``fn(n, *xs)`` with ``n`` the real count and each ``x`` rolled along its
+      key axis (-2); returns ``[..., T]``.
+    valid_T: bool ``[T]``, the row's real positions (``None``: every position).
+    T: the positions.
+    *xs_T: the per-position arrays, key axis -2.
+
+  Returns:
+    ``fn``'s result rolled back along its last axis to the row's own positions.
+  """
   first, n = row_span(valid_mask(valid_T, T))
   if valid_T is None:
     return fn(jnp.int32(T), *xs_T)
@@ -139,7 +155,16 @@ class NonCausalAttention(Policy):
 
 
 def check_heads(q_LHTD: Array, k_LGTD: Array, policy: str) -> None:
-  """Checks that the queries' heads are a multiple of the keys' and their ``T``, ``D`` agree."""
+  """Checks that the queries fit the keys: ``Hq`` a multiple of ``G``, the same ``L, T, D``.
+
+  Args:
+    q_LHTD: the queries ``[L, Hq, T, D]``.
+    k_LGTD: the keys ``[L, G, T, D]``.
+    policy: the policy's label, named in the error.
+
+  Raises:
+    ValueError: naming both shapes when they do not fit.
+  """
   if (
     q_LHTD.ndim != 4
     or q_LHTD.shape[1] % k_LGTD.shape[1]
