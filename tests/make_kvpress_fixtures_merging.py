@@ -22,7 +22,7 @@ tokens (one forward each, explicit positions) it records
 * ``cam_*``: ``CAMPress(KnormPress(), compression_interval=N, target_size=TARGET,
   merge_budget=MB)`` while decoding, with ``torch.bernoulli`` replaced by ``u < p`` on uniforms
   drawn from a seeded generator, recorded per compression (``cam_uniform_{c}_L`` ``[G, k]``) with
-  the compression's inputs (values ``[G, n, D]``, running attention ``[G, n]``, positions) and its
+  the compression's inputs (keys and values ``[G, n, D]``, running attention ``[G, n]``, positions) and its
   outputs (kept positions, values), and the final cache's positions.
 """
 
@@ -145,6 +145,7 @@ def cam(model, ids, fed, out):
     out[pre + "k"] = np.int32(call["k"])
     out[pre + "positions_in_Gn"] = match(call["keys_in"], seen[l])
     out[pre + "values_in_GnD"] = call["values_in"].numpy()
+    out[pre + "keys_in_GnD"] = call["keys_in"].numpy()
     out[pre + "attn_Gn"] = call["attn"].numpy()
     out[pre + "uniform_Gk"] = call["uniform"].numpy()
     out[pre + "prob_Gk"] = call["prob"].numpy()
@@ -167,8 +168,10 @@ def main():
   model.eval()
   rng = np.random.default_rng(5)
   vocab = model.config.vocab_size
-  ids = rng.integers(5, vocab, (1, T))
-  fed = rng.integers(5, vocab, max(S, CAM_S))
+  # distinct tokens: a repeated token has layer 0's key norm twice, an exact tie that torch's
+  # topk breaks its own way (kvjax: to the lower position)
+  tokens = rng.choice(np.arange(5, vocab), T + max(S, CAM_S), replace=False)
+  ids, fed = tokens[None, :T], tokens[T:]
   tids = torch.tensor(ids)
   full_keys, full_values = full_kv(model, tids)
   out = dict(

@@ -12,6 +12,7 @@ from kvjax import model as km
 from kvjax import policies
 from kvjax.model import cache as cache_lib
 from kvjax.model import decoding, llama
+from kvjax.policies.cam import cam_compress
 from kvjax.policies.merging import Merging
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -109,3 +110,32 @@ def test_merging_matches_kvpress(golden, kind, options):
   # the merge changed values: the base alone keeps the prompt's own
   _, plain = _compress(cfg, params, ids, policies.KNorm(), n, n + len(fed))
   assert np.abs(_by_position(plain, "values")[0] - want).max() > 1e-3
+
+
+def test_cam_compression_step_matches_kvpress_with_its_draws(golden):
+  """Each of kvpress's ``CAMPress(KnormPress(), compression_interval=4, target_size=14,
+  merge_budget=3)`` compressions over 12 decoded tokens (2 layers x 3), its
+  ``torch.bernoulli`` replaced by ``u < p`` on recorded uniforms: :func:`cam_compress` on the
+  same inputs and uniforms keeps the same positions and gives the same values within 1e-5."""
+  z = golden[0]
+  _, target, mb = (int(x) for x in z["cam_constants"])
+  assert int(z["cam_calls"]) == 6
+  for c in range(int(z["cam_calls"])):
+    f = lambda name, c=c: z[f"cam_{c}_{name}"]  # noqa: E731
+    scores = -np.linalg.norm(f("keys_in_GnD").astype(np.float64), axis=-1)  # KnormPress
+    kept, values = cam_compress(
+      jnp.asarray(f("values_in_GnD")),
+      jnp.asarray(f("attn_Gn")),
+      jnp.asarray(scores, jnp.float32),
+      jnp.asarray(f("uniform_Gk")),
+      target_size=target,
+      merge_budget=mb,
+    )
+    assert f("uniform_Gk").shape[-1] == int(f("k"))
+    pos_in = f("positions_in_Gn")
+    np.testing.assert_array_equal(pos_in[:, np.asarray(kept)], f("positions_out_Gn"))
+    np.testing.assert_allclose(np.asarray(values), f("values_out_GnD"), atol=1e-5, rtol=0)
+  # the draws mattered: some merges were refused (u >= p), some made
+  u = np.concatenate([z[f"cam_{c}_uniform_Gk"].ravel() for c in range(6)])
+  p = np.concatenate([z[f"cam_{c}_prob_Gk"].ravel() for c in range(6)])
+  assert (u < p).any() and (u >= p).any()
