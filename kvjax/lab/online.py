@@ -73,6 +73,8 @@ def replay_problem(policy: policies.Policy) -> str | None:
     return "it prunes key channels (channel_ratio), which the lab's cache does not model"
   if policy.decode_every is not None:
     return "it re-compresses every decode_every tokens, which the lab's cache does not model"
+  if policy.merges:
+    return "it merges evicted values into kept ones, which the lab's cache does not model"
   missing = sorted(policy.evidence_fields - LAB_EVIDENCE)
   if missing:
     fields = ", ".join(f"evidence.{f}" for f in missing)

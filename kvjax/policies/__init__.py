@@ -17,7 +17,7 @@ of method is static Python (never ``lax.switch`` over policies under ``vmap``).
 * :mod:`~kvjax.policies.methods`: one class per method; :mod:`~kvjax.policies.wrappers`:
   :class:`Critical`, :class:`CriticalAdaKV`, :class:`ChunkKV`, :class:`SelectOnce` over any base.
 * One module per later method: :mod:`~kvjax.policies.leverage`, ``noncausal``, ``compactor``,
-  ``curkv``, ``capkv``, ``kvcompose``, ``kvgrad``, ``simlayerkv``, ``finch``, ``dms``, ``entropy_chunkkv``,
+  ``curkv``, ``capkv``, ``kvcompose``, ``kvgrad``, ``merging``, ``cam``, ``simlayerkv``, ``finch``, ``dms``, ``entropy_chunkkv``,
   ``lukv``;
   :mod:`~kvjax.policies.combinators` (:class:`Composed`, :class:`Chunked`, :class:`Blockwise`,
   :class:`PrefillDecoding`, :class:`RatioDecoding`) and :mod:`~kvjax.policies.per_layer`
@@ -65,6 +65,7 @@ from kvjax.policies.kvcompose import Composite, KVCompose
 from kvjax.policies.kvgrad import KVgrad
 from kvjax.policies.leverage import LeverageScore
 from kvjax.policies.lukv import LUKV, BudgetCurve
+from kvjax.policies.merging import Merging, merge_values
 from kvjax.policies.methods import (
   CAKE,
   H2O,
@@ -117,6 +118,7 @@ __all__ = [
   "KEY_AXIS",
   "LAZY_THRESHOLDS",
   "LUKV",
+  "Merging",
   "N_FUTURE",
   "N_SINK",
   "REGISTRY",
@@ -188,6 +190,7 @@ __all__ = [
   "gather_slots",
   "is_registered",
   "make",
+  "merge_values",
   "names",
   "names_where",
   "provenance",

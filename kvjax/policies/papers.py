@@ -271,6 +271,12 @@ _WRAPPERS: dict[str, tuple[str, str, str]] = {
     "prefill only; positions the base protects are always kept; the kept count is capped by "
     "the budget",
   ),
+  "merging_": (
+    "Bolya et al., Token Merging (arXiv 2210.09461); Wan et al., D2O (arXiv 2406.13035)",
+    _KVPRESS.format("MergingPress"),
+    "merged in the model's cache at compression (keep_mask and the lab see the kept set only); "
+    "padding is neither evicted nor kept; similarity ties go to the lower position",
+  ),
   "chunkkv_": (
     "Liu et al., ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context "
     "LLM Inference (arXiv 2502.00299)",

@@ -30,6 +30,7 @@ from kvjax.policies.kvcompose import Composite, KVCompose
 from kvjax.policies.kvgrad import KVgrad
 from kvjax.policies.leverage import LeverageScore
 from kvjax.policies.lukv import LUKV
+from kvjax.policies.merging import Merging
 from kvjax.policies.noncausal import NonCausalAttention
 from kvjax.policies.simlayerkv import SimLayerKV
 
@@ -273,6 +274,7 @@ _WRAPPERS = (
   ("chunk_", comb.Chunked),
   ("block_", comb.Blockwise),
   ("dms_", DMS),
+  ("merging_", Merging),
   ("think_", None),
 )
 
@@ -547,6 +549,7 @@ for _name in (
   "entropy_chunkkv_snapkv_kvpress",
   "chunk_keydiff",
   "block_keydiff",
+  "merging_knorm",
 ):
   REGISTRY[_name] = _wrapped(_name)
 
