@@ -70,9 +70,9 @@ def check_workdir(workdir, name: str = "workdir") -> pathlib.Path:
   ``ValueError`` naming ``name`` for a value that is not a path, an empty (or blank) path and a
   path that exists but is not a directory. An empty workdir is refused, the same way by every
   entry point (evaluation, sweep, lab, training, calibration): ``pathlib.Path("")`` is the
-  current directory, so the evaluation used to write there while the sweep and the lab read ""
-  as "their default"; neither reading is what every user meant, so none is guessed. Leave the
-  field unset for an entry point's default, or pass ``"."`` for the current directory.
+  current directory, while an empty field could as well mean "the default"; neither reading is
+  what every user means, so none is guessed. Leave the field unset for an entry point's
+  default, or pass ``"."`` for the current directory.
   """
   if isinstance(workdir, bool) or not isinstance(workdir, str | os.PathLike):
     raise ValueError(f"{name}: expected a directory path, got {workdir!r}")
