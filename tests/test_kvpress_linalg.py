@@ -259,3 +259,22 @@ def test_cholesky_jitter_escalates_per_layer():
   np.testing.assert_allclose(chol[0, 0], np.sqrt(2.0) * np.eye(2), rtol=1e-6)
   np.testing.assert_allclose(chol[0, 1], np.diag([np.sqrt(0.5), np.sqrt(2.0)]), rtol=1e-6)
   np.testing.assert_allclose(chol[1, 0], np.sqrt(1.01) * np.eye(2), rtol=1e-6)
+
+
+def test_many_layers_factor_in_one_call_without_hanging():
+  """Separate Cholesky calls of SmolLM2's 30 x 3 Gram matrices, one per jitter, run side by side
+  on XLA:CPU and could hang in LAPACK; the jitters are one batched call (checked in a subprocess
+  with a timeout, so a hang fails instead of stalling the suite)."""
+  import subprocess
+  import sys
+
+  code = (
+    "import numpy as np, jax.numpy as jnp, jax\n"
+    "from kvjax.policies import leverage\n"
+    "x = np.random.default_rng(0).normal(size=(30, 3, 48, 64)).astype(np.float32)\n"
+    "g = jnp.asarray(x @ np.swapaxes(x, -1, -2))\n"
+    "print(np.asarray(jax.jit(leverage.cholesky_with_jitter)(g)).shape)\n"
+  )
+  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert "(30, 3, 48, 48)" in run.stdout

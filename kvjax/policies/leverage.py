@@ -111,9 +111,12 @@ def cholesky_with_jitter(gram_LGKK: Array) -> Array:
     The lower Cholesky factors ``[L, G, K, K]`` (NaN where even the last jitter fails).
   """
   eye = jnp.eye(gram_LGKK.shape[-1], dtype=gram_LGKK.dtype)
-  tries = jnp.stack(
-    [jnp.linalg.cholesky(gram_LGKK + j * eye[None, None]) for j in JITTERS]
-  )  # [J, L, G, K, K]
+  jitter_J = jnp.asarray(JITTERS, gram_LGKK.dtype)
+  # One batched factorisation of every jittered matrix: separate Cholesky calls run side by side
+  # on XLA:CPU's threads, and concurrent LAPACK calls can hang the process.
+  tries = jnp.linalg.cholesky(
+    gram_LGKK[None] + jitter_J[:, None, None, None, None] * eye[None, None, None]
+  )
   ok_JL = jnp.isfinite(tries).all((2, 3, 4))
   first_L = jnp.where(ok_JL.any(0), jnp.argmax(ok_JL, axis=0), len(JITTERS) - 1)
   return jnp.take_along_axis(tries, first_L[None, :, None, None, None], axis=0)[0]
