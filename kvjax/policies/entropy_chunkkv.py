@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kvjax import select
 from kvjax.policies.base import check_int
 from kvjax.policies.wrappers import Wrapper, check_base
 
@@ -100,12 +101,6 @@ def _lower_median(x_C: Array, real_C: Array) -> Array:
   return jnp.sort(jnp.where(real_C, x_C, jnp.inf))[jnp.maximum(n - 1, 0) // 2]
 
 
-def _ranks(key_T: Array) -> Array:
-  """Each entry's rank, best (largest) first, ties to the lower index."""
-  order = jnp.argsort(-key_T, stable=True)
-  return jnp.zeros_like(order).at[order].set(jnp.arange(key_T.shape[-1]))
-
-
 @functools.partial(jax.jit, static_argnames=("chunk", "low"))
 def gated_keep(scores_RT: Array, budget_R: Array, valid_T: Array, *, chunk: int, low: int):
   """The entropy gate's kept positions per row (kvpress ``EntropyGatedChunkKVPress.compress``).
@@ -154,7 +149,7 @@ def gated_keep(scores_RT: Array, budget_R: Array, valid_T: Array, *, chunk: int,
     inner = inner - jnp.append(chunk_start_C, 0)[chunk_T]
     keep = valid_T & (inner < jnp.append(alloc_C, 0)[chunk_T])
     left = b - keep.sum()  # what the spiky chunks left unspent: the best remaining tokens
-    rest = _ranks(jnp.where(valid_T & ~keep, s_T, -jnp.inf))
+    rest = select.ranks(jnp.where(valid_T & ~keep, s_T, -jnp.inf))
     return keep | (valid_T & ~keep & (rest < left))
 
   return jax.vmap(row)(scores_RT.astype(jnp.float32), budget_R)
