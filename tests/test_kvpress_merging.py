@@ -12,7 +12,8 @@ from kvjax import model as km
 from kvjax import policies
 from kvjax.model import cache as cache_lib
 from kvjax.model import decoding, llama
-from kvjax.policies.cam import cam_compress
+from kvjax.policies import cam as cam_lib
+from kvjax.policies.cam import CaM, cam_compress, cam_merge
 from kvjax.policies.merging import Merging
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -139,3 +140,107 @@ def test_cam_compression_step_matches_kvpress_with_its_draws(golden):
   u = np.concatenate([z[f"cam_{c}_uniform_Gk"].ravel() for c in range(6)])
   p = np.concatenate([z[f"cam_{c}_prob_Gk"].ravel() for c in range(6)])
   assert (u < p).any() and (u >= p).any()
+
+
+def _cam_draws(z, T):
+  """kvpress's recorded uniforms as a ``merge_uniforms`` replacement: compression ``c`` (after
+  ``(c + 1) N`` fed tokens) of layer ``l`` reads ``cam_{c L + l}_uniform_Gk``."""
+  N = int(z["cam_constants"][0])
+  calls = int(z["cam_calls"])
+  L = int(max(z[f"cam_{c}_layer"] for c in range(calls))) + 1
+  table = np.stack(
+    [np.stack([z[f"cam_{c * L + l}_uniform_Gk"] for l in range(L)]) for c in range(calls // L)]
+  )  # [compressions, L, G, N]
+  for c in range(calls):
+    assert int(z[f"cam_{c}_layer"]) == c % L
+
+  def draws(seed, row, seen, shape):
+    assert tuple(shape) == table.shape[1:]
+    return jnp.asarray(table, jnp.float32)[(seen - T) // N - 1]
+
+  return draws
+
+
+def test_cam_in_the_models_cache_matches_kvpress(golden, monkeypatch):
+  """``CAMPress(KnormPress(), compression_interval=4, target_size=14, merge_budget=3)`` while
+  decoding 12 tokens is ``CaM(base=KNorm(), decode_every=4, decode_budget=14,
+  merge_budget=3)`` in the model's cache: with kvpress's recorded Bernoulli uniforms in place
+  of kvjax's draws (both sides' randomness fixed), the final cache holds the same positions per
+  layer and KV head, with the merged values within 1e-5."""
+  z, cfg, params = golden
+  ids = z["input_ids_T"][None]
+  T = ids.shape[1]
+  N, target, mb = (int(x) for x in z["cam_constants"])
+  fed = z["cam_fed_S"]
+  monkeypatch.setattr(cam_lib, "merge_uniforms", _cam_draws(z, T))
+  # a seed of its own: a decode step compiled with kvjax's own draws is not reused
+  pol = CaM(base=policies.KNorm(), decode_every=N, decode_budget=target, merge_budget=mb, seed=7)
+  assert pol.merges_while_decoding and not pol.requires_budget
+  spec, cache = _compress(cfg, params, ids, pol, None, pol.decode_capacity(T, T, len(fed)))
+  _, cache = _feed(cfg, params, spec, cache, fed, T)
+  values, pos = _by_position(cache, "values")
+  np.testing.assert_array_equal(pos, np.sort(z["cam_final_positions_LGn"], -1))
+  order = np.argsort(z["cam_final_positions_LGn"], -1)
+  want = np.take_along_axis(z["cam_final_values_LGnD"], order[..., None], 2)
+  np.testing.assert_allclose(values, want, atol=1e-5, rtol=0)
+  # the merges changed values: the fed run's own values differ at some kept slots
+  _, full = _compress(cfg, params, ids, policies.Full(), None, T + len(fed))
+  _, full = _feed(cfg, params, cache_lib.CacheSpec(policies.Full(), T + len(fed)), full, fed, T)
+  plain = np.asarray(full.values[:, 0])
+  own = np.take_along_axis(plain, pos[..., None], 2)
+  assert np.abs(own - want).max() > 1e-3
+
+
+def test_cam_merge_is_cam_compress_on_a_slot_table():
+  """:func:`cam_merge` over a padded slot table (empty slots first, a dynamic count) keeps what
+  :func:`cam_compress` keeps on the filled slots and gives the same values."""
+  rng = np.random.default_rng(0)
+  G, n, D, pad, k, target, mb = 2, 19, 4, 5, 4, 9, 3
+  values = rng.normal(size=(G, n, D)).astype(np.float32)
+  attn = rng.uniform(0, 2, size=(G, n)).astype(np.float32)
+  attn[:, 3] = 0.0  # a zero sum: probability 0 or nan -> 0
+  scores = rng.normal(size=(G, n)).astype(np.float32)
+  uniform = rng.uniform(size=(G, k)).astype(np.float32)
+  kept, want = cam_compress(
+    jnp.asarray(values),
+    jnp.asarray(attn),
+    jnp.asarray(scores),
+    jnp.asarray(uniform),
+    target_size=target,
+    merge_budget=mb,
+  )
+
+  def padded(x, fill=0):
+    return np.concatenate([np.full((G, pad) + x.shape[2:], fill, x.dtype), x], 1)
+
+  valid = padded(np.ones((G, n), bool), False)
+  got_kept, got = jax.jit(lambda *a: cam_merge(*a, merge_budget=mb))(
+    jnp.asarray(padded(values)),
+    jnp.asarray(padded(attn)),
+    jnp.asarray(padded(scores, -np.inf)),
+    jnp.asarray(valid),
+    jnp.int32(target),
+    jnp.asarray(uniform),
+  )
+  np.testing.assert_array_equal(np.nonzero(np.asarray(got_kept))[0] - pad, np.asarray(kept))
+  np.testing.assert_allclose(np.asarray(got)[:, np.asarray(got_kept)], want, atol=1e-6)
+  # uniforms at 0: every candidate with p > 0 merges, so values change
+  _, merged = cam_merge(
+    jnp.asarray(values),
+    jnp.asarray(attn),
+    jnp.asarray(scores),
+    jnp.ones((n,), bool)[None].repeat(G, 0),
+    target,
+    jnp.full((G, k), 0.0),
+    merge_budget=mb,
+  )
+  assert np.abs(np.asarray(merged) - values).max() > 0
+
+
+def test_cam_options_are_checked():
+  with pytest.raises(ValueError, match="merge_budget"):
+    CaM(base=policies.KNorm(), merge_budget=0)
+  with pytest.raises(ValueError, match="decode_budget"):
+    CaM(base=policies.KNorm(), decode_budget=None)
+  with pytest.raises(ValueError, match="decoding"):
+    CaM(base=policies.KNorm(), decoding=policies.SnapKV())

@@ -193,6 +193,8 @@ def sweep_problem(policy: policies.Policy) -> str | None:
   """Why the sweep cannot score ``policy``, or ``None`` when it can (:func:`sweepable`)."""
   if policy.merges:
     return "it merges evicted values into kept ones, which the sweep's cache does not model"
+  if policy.merges_while_decoding:
+    return "it merges evicted values while decoding, which the sweep's cache does not model"
   missing = sorted(policy.evidence_fields - SWEEP_EVIDENCE)
   if missing:
     fields = ", ".join(f"evidence.{f}" for f in missing)

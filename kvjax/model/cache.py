@@ -119,6 +119,8 @@ class KVCache:
     queries: ``[L, B, Hq, W, D]`` the last ``W`` generated queries (``decode_every``), or None.
     query_pos: ``[B, W]`` int32 their RoPE positions (-1: none yet), or None.
     evidence: caller-given model-level evidence a re-compression reuses, or None.
+    attn_sums: ``[L, B, H, C]`` fp32 each slot's attention summed over the generated queries,
+      for a policy that merges while decoding (CaM), or None.
   """
 
   keys: Array  # [L, B, H, C, D] post-RoPE, original positions
@@ -136,6 +138,7 @@ class KVCache:
   queries: Array | None = None  # [L, B, Hq, W, D] the last W generated queries (decode_every)
   query_pos: Array | None = None  # [B, W] int32 their RoPE positions (-1: none yet)
   evidence: dict | None = None  # caller-given model-level evidence a re-compression reuses
+  attn_sums: Array | None = None  # [L, B, H, C] fp32 attention summed over generated queries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +197,8 @@ def memory(cache: KVCache) -> dict:
   """Counts the bytes of a cache: allocated buffers, K/V actually held and bookkeeping.
 
   K/V held counts ThinK's pruned keys at their ``D_keep`` channels; bookkeeping counts positions,
-  validity, decode-time scores, channel indices and the re-compression's query window.
+  validity, decode-time scores, channel indices, the re-compression's query window and CaM's
+  attention sums.
 
   Args:
     cache: the cache.
@@ -211,7 +215,7 @@ def memory(cache: KVCache) -> dict:
   if cache.new_keys is not None:
     allocated += cache.new_keys.size * kv_itemsize
   book = cache.positions.size * 4 + cache.valid.size
-  for extra in (cache.scores, cache.channels, cache.queries, cache.query_pos):
+  for extra in (cache.scores, cache.channels, cache.queries, cache.query_pos, cache.attn_sums):
     book += 0 if extra is None else extra.size * extra.dtype.itemsize
   return {"kv_bytes_held": held, "kv_bytes_allocated": allocated, "bookkeeping_bytes": book}
 
@@ -447,6 +451,7 @@ def compress(
     queries=jnp.zeros((L, B, cfg.num_heads, window, D), keys.dtype) if window else None,
     query_pos=jnp.full((B, window), -1, jnp.int32) if window else None,
     evidence=(shared or None) if window else None,
+    attn_sums=jnp.zeros(kept_L.shape, jnp.float32) if spec.policy.merges_while_decoding else None,
   )
 
 
@@ -655,6 +660,8 @@ def decode_step(
   slots = {"positions": cache.positions, "valid": cache.valid}
   if cache.scores is not None:
     slots["scores"] = cache.scores
+  if cache.attn_sums is not None:
+    slots["attn_sums"] = cache.attn_sums
   overflow = jnp.zeros((B,), bool) if cache.overflow is None else cache.overflow
   budget_LBH = jnp.moveaxis(cache.budget, 0, 1)
   H = cache.keys.shape[2]
@@ -696,6 +703,8 @@ def decode_step(
     out = llama.attend(probs, values)  # the query layout is the case G = Hq
     if spec.decode_time and "scores" in lslots:  # the policy's state after this step
       lslots = dict(lslots, scores=spec.policy.observe(lslots["scores"], _per_cache_head(probs, H)))
+    if "attn_sums" in lslots:  # CaM: the new token's own slot included (it was empty, zero)
+      lslots = dict(lslots, attn_sums=lslots["attn_sums"] + _per_cache_head(probs, H))
     carry = (llama.output_and_mlp(cfg, p, x, out), keys_all, values_all, new_all)
     return carry, (lslots, layer_overflow, q[:, :, 0] if spec.decode_every else None)
 
@@ -750,6 +759,7 @@ _BATCH_AXIS = dict(
   new_keys=1,
   queries=1,
   query_pos=0,
+  attn_sums=1,
 )
 
 
@@ -1075,8 +1085,10 @@ def recompress(cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache) 
   rngs = jax.random.split(jax.random.fold_in(jax.random.key(1), cache.query_pos.max()), B)
 
   seen_B = cache.query_pos.max(-1) + 1  # each row's tokens seen: its last RoPE position + 1
+  merges = spec.policy.merges_while_decoding
+  attn = _right_aligned(cache.attn_sums, order) if merges else jnp.zeros((L, B, H, C))
 
-  def one(row, valid_HC, budget_LH, rng, seen):
+  def one(row, valid_HC, budget_LH, rng, seen, attn_HC, b):
     ev = policies.Evidence(rng=rng, **row, **shared)
     scores = spec.policy.decode_scores(ev)
     if scores.shape[1] != H:
@@ -1086,16 +1098,34 @@ def recompress(cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache) 
     else:
       scores = jnp.where(valid_HC, scores, -jnp.inf)
     count = jnp.minimum(spec.policy.decode_budgets(budget_LH, seen), valid_HC.sum(-1))
-    return select.compact(scores, count, C)
+    vals = row["values_LGTD"]
+    if merges:  # CaM: one kept set (the finite scores), evicted values merged into it
+      scores, vals = spec.policy.decode_merge(
+        vals, attn_HC, scores, valid_HC, count, row=b, seen=seen
+      )
+      count = jnp.minimum(count, jnp.isfinite(scores).sum(-1))
+    idx, kept = select.compact(scores, count, C)
+    return idx, kept, vals
 
-  idx, kept = jax.vmap(one)(rows, jnp.moveaxis(valid, 1, 0), cache.budget, rngs, seen_B)
-  idx, kept = jnp.moveaxis(idx, 0, 1), jnp.moveaxis(kept, 0, 1)
-  return cache.replace(
+  idx, kept, values = jax.vmap(one)(
+    rows,
+    jnp.moveaxis(valid, 1, 0),
+    cache.budget,
+    rngs,
+    seen_B,
+    jnp.moveaxis(attn, 1, 0),
+    jnp.arange(B),
+  )
+  idx, kept, values = jnp.moveaxis(idx, 0, 1), jnp.moveaxis(kept, 0, 1), jnp.moveaxis(values, 0, 1)
+  out = cache.replace(
     keys=jnp.where(kept[..., None], _right_aligned(keys, idx), 0).astype(keys.dtype),
-    values=jnp.where(kept[..., None], _right_aligned(values, idx), 0).astype(values.dtype),
+    values=jnp.where(kept[..., None], _right_aligned(values, idx), 0).astype(cache.values.dtype),
     positions=jnp.where(kept, _right_aligned(positions, idx), 0),
     valid=kept,
   )
+  if merges:
+    out = out.replace(attn_sums=jnp.where(kept, _right_aligned(attn, idx), 0.0))
+  return out
 
 
 def _reindexed(cfg, q_BHq1D, keys_BHCD, positions_BHC, valid_BHC, pos_B):

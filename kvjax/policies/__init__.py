@@ -45,6 +45,7 @@ from kvjax.policies.allocators import (
   check_budget_counts,
 )
 from kvjax.policies.base import DecodePolicy, Policy, WindowPolicy, WindowScorer, gather_slots
+from kvjax.policies.cam import CaM, cam_compress, cam_merge, merge_uniforms
 from kvjax.policies.capkv import CapKV
 from kvjax.policies.combinators import Blockwise, Chunked, Composed, PrefillDecoding, RatioDecoding
 from kvjax.policies.compactor import Compactor
@@ -119,6 +120,7 @@ __all__ = [
   "LAZY_THRESHOLDS",
   "LUKV",
   "Merging",
+  "CaM",
   "N_FUTURE",
   "N_SINK",
   "REGISTRY",
@@ -191,6 +193,9 @@ __all__ = [
   "is_registered",
   "make",
   "merge_values",
+  "cam_compress",
+  "cam_merge",
+  "merge_uniforms",
   "names",
   "names_where",
   "provenance",

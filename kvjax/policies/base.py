@@ -235,6 +235,41 @@ class Policy:
     """
     return values_LHTD
 
+  def decode_merge(
+    self,
+    values_LHCD: Array,
+    attn_sums_LHC: Array,
+    scores_LHC: Array,
+    valid_LHC: Array,
+    count_LH: Array,
+    *,
+    row,
+    seen,
+  ) -> tuple[Array, Array]:
+    """Folds a re-compression's evicted values into kept ones while decoding; identity here.
+
+    The model's cache (:func:`kvjax.model.cache.recompress`) calls it on one batch row's slots
+    in position order, after :meth:`decode_scores` and before the selection, when
+    :attr:`merges_while_decoding` (kvpress ``CAMPress``: :class:`~kvjax.policies.cam.CaM`).
+    The cache then keeps the ``count_LH`` best slots under the scores it returns and gathers
+    the values it returns.
+
+    Args:
+      values_LHCD: the slots' values ``[L, H, C, D]``.
+      attn_sums_LHC: fp32 ``[L, H, C]``: each slot's attention summed over the generated
+        queries (the mean over the query heads reading the cache head), zero for empty slots.
+      scores_LHC: the decoding scorer's scores ``[L, H, C]``, ``-inf`` on empty slots.
+      valid_LHC: bool ``[L, H, C]``, the filled slots.
+      count_LH: int32 ``[L, H]``, the slots each head keeps.
+      row: the batch row (a traced int), for reproducible random draws.
+      seen: the row's tokens seen, prompt and generated (a traced int).
+
+    Returns:
+      ``(scores_LHC, values_LHCD)``: the scores the selection ranks and the values it gathers;
+      here the inputs.
+    """
+    return scores_LHC, values_LHCD
+
   # ------------------------------------------------------------------ what it declares
 
   @property
@@ -275,6 +310,12 @@ class Policy:
   def merges(self) -> bool:
     """Whether the cache folds evicted values into kept ones (:meth:`merge` overridden)."""
     return type(self).merge is not Policy.merge
+
+  @property
+  def merges_while_decoding(self) -> bool:
+    """Whether a re-compression folds evicted values into kept ones (:meth:`decode_merge`
+    overridden); the model's cache then carries each slot's attention sums."""
+    return type(self).decode_merge is not Policy.decode_merge
 
   @property
   def evicts_each_step(self) -> bool:

@@ -277,6 +277,13 @@ _WRAPPERS: dict[str, tuple[str, str, str]] = {
     "merged in the model's cache at compression (keep_mask and the lab see the kept set only); "
     "padding is neither evicted nor kept; similarity ties go to the lower position",
   ),
+  "cam_": (
+    "Zhang et al., CaM: Cache Merging for Memory-efficient LLMs Inference (ICML 2024, "
+    "OpenReview LCTmppB165)",
+    _KVPRESS.format("CAMPress"),
+    "the Bernoulli draws are jax's, keyed by seed, row and tokens seen; the merge candidates "
+    "are the decode_every best evicted slots; score ties go to the lower slot",
+  ),
   "chunkkv_": (
     "Liu et al., ChunkKV: Semantic-Preserving KV Cache Compression for Efficient Long-Context "
     "LLM Inference (arXiv 2502.00299)",

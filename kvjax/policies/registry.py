@@ -20,6 +20,7 @@ from kvjax.policies import combinators as comb
 from kvjax.policies import methods as m
 from kvjax.policies import wrappers as w
 from kvjax.policies.base import Policy
+from kvjax.policies.cam import CaM
 from kvjax.policies.capkv import CapKV
 from kvjax.policies.compactor import Compactor
 from kvjax.policies.curkv import CurDKV
@@ -275,6 +276,7 @@ _WRAPPERS = (
   ("block_", comb.Blockwise),
   ("dms_", DMS),
   ("merging_", Merging),
+  ("cam_", CaM),
   ("think_", None),
 )
 
@@ -550,6 +552,7 @@ for _name in (
   "chunk_keydiff",
   "block_keydiff",
   "merging_knorm",
+  "cam_knorm",
 ):
   REGISTRY[_name] = _wrapped(_name)
 
