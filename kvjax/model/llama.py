@@ -1,4 +1,5 @@
-"""A Llama-family decoder in flax nnx (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3).
+"""A Llama-family decoder in flax nnx (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3, Gemma 2,
+Gemma 3 text, Phi-3).
 
 Parameters are stacked over layers (``[L, ...]``) so the forward pass is a ``lax.scan`` over
 layers (one compiled layer, fast compiles). The math lives in pure functions over the
@@ -8,7 +9,12 @@ and ``vmap`` over cache configurations all share; :class:`Llama` is the nnx modu
 Conventions follow Hugging Face ``transformers``: RMSNorm in fp32 then cast, RoPE with
 ``rotate_half`` (non-interleaved halves) and Llama 3 frequency scaling, GQA query head ``h``
 reading KV head ``h // (Hq // G)``, SwiGLU MLP, Qwen2 q/k/v bias, Qwen3 per-head q/k RMSNorm
-before RoPE, tied or untied embeddings. Softmax is always fp32.
+before RoPE, tied or untied embeddings. Softmax is always fp32. Gemma 2/3 add sliding and
+global layers (``cfg.layer_types``: a layer's window and RoPE come from its index), attention
+and final soft-capping, ``query_pre_attn_scalar``, GeGLU, norms after attention and MLP, RMSNorm
+scaled in fp32 by ``1 + w`` (stored with the 1 added) and embeddings times ``sqrt(d)``; Phi-3's
+fused projections are split when loaded. RoPE scalings are transformers'
+``ROPE_INIT_FUNCTIONS`` (:func:`inv_frequencies`).
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ class Llama(nnx.Module):
     if cfg.qk_norm:
       self.q_norm, self.k_norm = ones(L, cfg.head_dim), ones(L, cfg.head_dim)
     self.mlp_norm = ones(L, d)
+    if cfg.sandwich_norms:
+      self.post_attn_norm, self.post_mlp_norm = ones(L, d), ones(L, d)
     self.w_gate, self.w_up, self.w_down = normal(L, d, F), normal(L, d, F), normal(L, F, d)
     self.final_norm = ones(d)
     if not cfg.tie_word_embeddings:
@@ -205,36 +213,161 @@ def along_last(w: Array, ndim: int) -> Array:
   return w.reshape((1,) * (ndim - 1) + (-1,))
 
 
-def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+def rms_norm(x: Array, weight: Array, eps: float, *, scale_in_fp32: bool = False) -> Array:
   """Applies HF ``LlamaRMSNorm``: normalise in fp32, cast back, then scale.
+
+  With ``scale_in_fp32`` it is HF ``Gemma2RMSNorm`` instead: scaled in fp32, then cast (the
+  weight given is the effective scale, ``1 + w``, as llama.cpp stores Gemma's norms).
 
   Args:
     x: activations ``[..., d]``.
     weight: the norm's scale ``[d]``.
     eps: the epsilon added to the mean square.
+    scale_in_fp32: whether to scale before the cast back (Gemma) rather than after (Llama).
 
   Returns:
-    ``weight`` times the activations normalised in fp32 and cast back to ``x``'s dtype.
+    ``weight`` times the activations normalised in fp32, in ``x``'s dtype.
   """
   h = x.astype(jnp.float32)
   h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+  if scale_in_fp32:
+    return (along_last(weight, x.ndim).astype(jnp.float32) * h).astype(x.dtype)
   return along_last(weight, x.ndim) * h.astype(x.dtype)
 
 
-def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
-  """Computes RoPE inverse frequencies ``[D/2]`` (float64 on the host), with Llama 3 scaling.
+def norm(cfg: ModelConfig, x: Array, weight: Array) -> Array:
+  """Applies the model's RMSNorm (:func:`rms_norm`, Gemma's order when ``cfg.norm_scale_fp32``).
 
   Args:
-    cfg: the model's config (``head_dim``, ``rope_theta`` and the ``rope_*`` scaling fields).
+    cfg: the model's config.
+    x: activations ``[..., d]``.
+    weight: the norm's scale ``[d]``.
 
   Returns:
-    The inverse frequencies ``[D/2]`` as a float64 numpy array (scaled when
-    ``cfg.rope_type == "llama3"``).
+    The normalised, scaled activations in ``x``'s dtype.
+  """
+  return rms_norm(x, weight, cfg.rms_norm_eps, scale_in_fp32=cfg.norm_scale_fp32)
+
+
+FULL_WINDOW = 2**30  # a global layer's window where a traced layer picks one: never binding
+
+
+def is_sliding(cfg: ModelConfig) -> np.ndarray:
+  """Says which layers attend within ``cfg.sliding_window`` only.
+
+  Args:
+    cfg: the model's config.
+
+  Returns:
+    bool ``[L]``: every layer when the window is uniform (Mistral, Phi-3), the
+    ``"sliding_attention"`` layers of ``cfg.layer_types`` (Gemma 2/3), none without a window.
+  """
+  if cfg.sliding_window is None:
+    return np.zeros(cfg.num_layers, bool)
+  if cfg.layer_types is None:
+    return np.ones(cfg.num_layers, bool)
+  return np.array([t == "sliding_attention" for t in cfg.layer_types])
+
+
+def layer_window(cfg: ModelConfig, layer=None):
+  """Returns the sliding window of one layer, as :func:`causal_allowed` takes it.
+
+  Args:
+    cfg: the model's config.
+    layer: the layer's index: an int, a traced scalar, or ``None`` when the layers are alike.
+
+  Returns:
+    ``None`` (no window), an int, or, for a traced layer of a model whose layers differ, a
+    traced int32 that is :data:`FULL_WINDOW` on global layers.
+
+  Raises:
+    ValueError: when the layers differ (``cfg.layer_types``) and ``layer`` is ``None``.
+  """
+  if not cfg.per_layer or cfg.sliding_window is None:
+    return cfg.sliding_window
+  if layer is None:
+    raise ValueError(
+      f"layer: the {cfg.family} layers differ in their window (layer_types); pass the layer index"
+    )
+  sliding = is_sliding(cfg)
+  if isinstance(layer, (int, np.integer)):
+    return cfg.sliding_window if sliding[layer] else None
+  return jnp.where(jnp.asarray(sliding)[layer], cfg.sliding_window, FULL_WINDOW).astype(jnp.int32)
+
+
+def _default_inv(theta: float, D: int) -> np.ndarray:
+  return 1.0 / (theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+
+
+def inv_frequencies(cfg: ModelConfig, seq_len: int | None = None, *, local: bool = False):
+  """Computes RoPE inverse frequencies ``[D/2]`` (float64 on the host) as transformers does.
+
+  ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` per ``cfg.rope_type``: ``default``;
+  ``linear`` (divided by the factor); ``dynamic`` (NTK: the base grows as
+  ``(factor * seq_len / max_positions - factor + 1) ** (D / (D - 2))`` once ``seq_len`` passes
+  ``max_position_embeddings``); ``yarn`` (interpolated below ``beta_slow`` rotations,
+  extrapolated above ``beta_fast``, a linear ramp between); ``longrope`` (divided per frequency
+  by ``long_factor`` when ``seq_len`` passes the pretraining context, else ``short_factor``);
+  ``llama3`` (Llama 3.1's smoothed band). Gemma 3's sliding layers (``local``) use default
+  RoPE at ``cfg.rope_local_theta``.
+
+  Args:
+    cfg: the model's config (``head_dim``, ``rope_theta`` and the ``rope_*`` fields).
+    seq_len: the sequence length ``dynamic`` and ``longrope`` choose by (``None``: as at
+      transformers' init, the unscaled or short set); the other types ignore it.
+    local: the sliding layers' frequencies (Gemma 3) rather than the global layers'.
+
+  Returns:
+    The inverse frequencies ``[D/2]`` as a float64 numpy array.
   """
   D = cfg.head_dim
-  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
-  if cfg.rope_type != "llama3":
-    return inv
+  if local and cfg.rope_local_theta is not None:
+    return _default_inv(cfg.rope_local_theta, D)
+  inv = _default_inv(cfg.rope_theta, D)
+  kind = cfg.rope_type
+  if kind == "linear":
+    return inv / cfg.rope_factor
+  if kind == "dynamic":
+    return _dynamic_inv(cfg, np, np.float64(max(seq_len or 0, cfg.rope_original_max_positions)))
+  if kind == "yarn":
+    return _yarn_inv(cfg, inv)
+  if kind == "longrope":
+    long = seq_len is not None and seq_len > cfg.rope_original_max_positions
+    factors = cfg.rope_long_factor if long else cfg.rope_short_factor
+    return inv / np.asarray(factors, np.float64)
+  if kind == "llama3":
+    return _llama3_inv(cfg, inv)
+  return inv
+
+
+def _dynamic_inv(cfg: ModelConfig, xp, seq_len):
+  """Dynamic NTK's frequencies at ``seq_len`` (already at least ``max_position_embeddings``),
+  with numpy or jax.numpy (``xp``): transformers ``_compute_dynamic_ntk_parameters``."""
+  D, factor, old = cfg.head_dim, cfg.rope_factor, cfg.rope_original_max_positions
+  base = cfg.rope_theta * ((factor * seq_len / old) - (factor - 1)) ** (D / (D - 2))
+  return 1.0 / (base ** (xp.arange(0, D, 2, dtype=seq_len.dtype) / D))
+
+
+def _yarn_inv(cfg: ModelConfig, inv: np.ndarray) -> np.ndarray:
+  """YaRN's frequencies: transformers ``_compute_yarn_parameters``."""
+  D, base, old = cfg.head_dim, cfg.rope_theta, cfg.rope_original_max_positions
+
+  def correction_dim(rotations):
+    return (D * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+  low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+  if cfg.rope_truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, D - 1)
+  if low == high:
+    high += 0.001  # transformers' guard against a zero-width ramp
+  ramp = np.clip((np.arange(D // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+  extrapolation = 1 - ramp
+  return inv / cfg.rope_factor * (1 - extrapolation) + inv * extrapolation
+
+
+def _llama3_inv(cfg: ModelConfig, inv: np.ndarray) -> np.ndarray:
+  """Llama 3.1's frequencies: transformers ``_compute_llama3_parameters``."""
   old = cfg.rope_original_max_positions
   low_wavelen = old / cfg.rope_low_freq_factor
   high_wavelen = old / cfg.rope_high_freq_factor
@@ -248,37 +381,103 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled)
 
 
-def rope(x_BHTD: Array, positions_BT: Array, cfg: ModelConfig) -> Array:
+def rope_tables(cfg: ModelConfig, *, layer=None, seq_len=None) -> tuple[Array, Array | float]:
+  """Returns the inverse frequencies and the cos/sin scale one layer rotates with, inside ``jit``.
+
+  ``dynamic`` and ``longrope`` choose by ``seq_len`` (transformers' ``dynamic_rope_update``:
+  ``max(position_ids) + 1`` of the forward pass); yarn and longrope scale cos and sin by
+  ``cfg.rope_attention_factor``. A model whose layers differ (Gemma 3) picks the sliding or
+  global layers' tables by ``layer``.
+
+  Args:
+    cfg: the model's config.
+    layer: the layer's index (int or traced); needed when ``cfg.layer_types`` is set.
+    seq_len: a scalar (int or traced), the sequence length the frequencies are chosen for;
+      ``None`` where the type does not read it.
+
+  Returns:
+    ``(inv_freq [D/2] fp32, scale)``: ``scale`` a Python float unless layers differ in it.
+
+  Raises:
+    ValueError: when the layers differ and ``layer`` is ``None``.
+  """
+  if cfg.per_layer and layer is None:
+    raise ValueError(
+      f"layer: the {cfg.family} layers differ in RoPE or window (layer_types); pass the layer index"
+    )
+  inv, scale = _global_tables(cfg, seq_len)
+  if cfg.rope_local_theta is None:
+    return inv, scale
+  local = jnp.asarray(inv_frequencies(cfg, local=True), jnp.float32)
+  sliding = np.array([t == "sliding_attention" for t in cfg.layer_types])  # whatever the window
+  if isinstance(layer, (int, np.integer)):
+    return (local, 1.0) if sliding[layer] else (inv, scale)
+  pick = jnp.asarray(sliding)[layer]
+  return jnp.where(pick, local, inv), jnp.where(pick, 1.0, scale)
+
+
+def _global_tables(cfg: ModelConfig, seq_len) -> tuple[Array, float]:
+  scale = cfg.rope_attention_factor
+  if cfg.rope_type == "dynamic" and seq_len is not None:
+    n = jnp.maximum(jnp.asarray(seq_len, jnp.float32), cfg.rope_original_max_positions)
+    return _dynamic_inv(cfg, jnp, n).astype(jnp.float32), scale
+  if cfg.rope_type == "longrope" and seq_len is not None:
+    short = jnp.asarray(inv_frequencies(cfg), jnp.float32)
+    long = jnp.asarray(inv_frequencies(cfg, cfg.rope_original_max_positions + 1), jnp.float32)
+    return jnp.where(seq_len > cfg.rope_original_max_positions, long, short), scale
+  return jnp.asarray(inv_frequencies(cfg), jnp.float32), scale
+
+
+def rope(
+  x_BHTD: Array, positions_BT: Array, cfg: ModelConfig, *, layer=None, seq_len=None
+) -> Array:
   """Applies the rotary embedding to heads ``[B, N, T, D]`` at per-row positions ``[B, T]``.
 
   Args:
     x_BHTD: heads ``[B, N, T, D]``.
     positions_BT: RoPE positions ``[B, T]``, shared by every head of a row.
     cfg: the model's config.
+    layer: the layer's index (:func:`rope_tables`).
+    seq_len: the length ``dynamic`` and ``longrope`` choose by (``None``:
+      ``max(positions) + 1``, as transformers does per forward pass).
 
   Returns:
     The rotated heads ``[B, N, T, D]``.
   """
-  return rope_at(x_BHTD, jnp.broadcast_to(positions_BT[:, None], x_BHTD.shape[:-1]), cfg)
+  positions = jnp.broadcast_to(positions_BT[:, None], x_BHTD.shape[:-1])
+  return rope_at(x_BHTD, positions, cfg, layer=layer, seq_len=seq_len)
 
 
-def rope_at(x: Array, positions: Array, cfg: ModelConfig) -> Array:
+def rope_at(
+  x: Array, positions: Array, cfg: ModelConfig, *, layer=None, seq_len=None, scaled: bool = True
+) -> Array:
   """Applies the rotary embedding to ``x [..., C, D]`` at ``positions [..., C]`` (any leading axes).
 
-  Negative positions undo a rotation: RoPE is a rotation, ``rope_at(rope_at(x, p), -p) == x``.
+  Negative positions undo a rotation: RoPE is a rotation, ``rope_at(rope_at(x, p), -p) == x``
+  when cos and sin are unscaled (yarn and longrope scale both by their attention factor: undo
+  with ``scaled=False`` after dividing by it, or rotate with ``scaled=False`` throughout).
 
   Args:
     x: vectors ``[..., C, D]``.
     positions: their positions ``[..., C]``.
     cfg: the model's config.
+    layer: the layer's index (:func:`rope_tables`; needed when ``cfg.layer_types`` is set).
+    seq_len: the length ``dynamic`` and ``longrope`` choose by (``None``:
+      ``max(positions) + 1``).
+    scaled: whether cos and sin carry the attention factor (transformers' ``attention_scaling``).
 
   Returns:
     The rotated vectors ``[..., C, D]`` in ``x``'s dtype.
   """
-  inv = jnp.asarray(inv_frequencies(cfg), jnp.float32)
+  if seq_len is None and cfg.rope_type in ("dynamic", "longrope"):
+    seq_len = jnp.max(positions) + 1
+  inv, scale = rope_tables(cfg, layer=layer, seq_len=seq_len)
   angles = positions.astype(jnp.float32)[..., None] * inv.reshape((1,) * positions.ndim + (-1,))
   angles = jnp.concatenate([angles, angles], -1)
-  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  if scaled and not (isinstance(scale, float) and scale == 1.0):
+    cos, sin = cos * scale, sin * scale
+  cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
   return x * cos + rotated * sin
@@ -313,7 +512,9 @@ def layer_params(params: dict, layer) -> dict:
   return {k: v[layer] for k, v in stacked(params).items()}
 
 
-def project_qkv(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array):
+def project_qkv(
+  cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array, *, layer=None, seq_len=None
+):
   """Projects hidden states to post-RoPE queries, keys and values.
 
   Args:
@@ -321,19 +522,43 @@ def project_qkv(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array):
     p: one layer's parameters (:func:`layer_params`).
     x_BTd: the residual stream ``[B, T, d]`` (before the attention norm).
     positions_BT: RoPE positions ``[B, T]``.
+    layer: the layer's index (int or traced), needed when layers differ (``cfg.layer_types``:
+      Gemma 2/3), so that no caller applies one layer's RoPE or window to all.
+    seq_len: the length ``dynamic`` and ``longrope`` RoPE choose by (:func:`rope`).
 
   Returns:
     ``(queries [B, Hq, T, D], keys [B, G, T, D], values [B, G, T, D])``, queries and keys
     post-RoPE.
+
+  Raises:
+    ValueError: when layers differ and ``layer`` is ``None``.
   """
   q, k, v = project_heads(cfg, p, x_BTd)
-  return rope(q, positions_BT, cfg), rope(k, positions_BT, cfg), v
+  at = dict(layer=layer, seq_len=seq_len)
+  return rope(q, positions_BT, cfg, **at), rope(k, positions_BT, cfg, **at), v
+
+
+def query_scale(cfg: ModelConfig) -> float:
+  """Returns the factor queries are multiplied by so that ``q k^T / sqrt(D)`` is the model's
+  attention logit (Gemma scales by ``query_pre_attn_scalar ** -0.5``; 1 elsewhere).
+
+  Args:
+    cfg: the model's config.
+
+  Returns:
+    ``sqrt(D / query_pre_attn_scalar)``, or 1.0.
+  """
+  if cfg.query_pre_attn_scalar is None:
+    return 1.0
+  return math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar)
 
 
 def project_heads(cfg: ModelConfig, p: dict, x_BTd: Array):
   """Projects hidden states to pre-RoPE queries, keys and values.
 
-  Qwen3's q/k RMSNorm is applied (kvpress's ``get_prerope_query_states``).
+  Qwen3's and Gemma 3's q/k RMSNorm is applied (kvpress's ``get_prerope_query_states``), and
+  Gemma's queries carry :func:`query_scale`, so every attention computed from them is the
+  model's.
 
   Args:
     cfg: the model's config.
@@ -344,7 +569,7 @@ def project_heads(cfg: ModelConfig, p: dict, x_BTd: Array):
     ``(queries [B, Hq, T, D], keys [B, G, T, D], values [B, G, T, D])``, pre-RoPE.
   """
   B, T, _ = x_BTd.shape
-  h = rms_norm(x_BTd, p["attn_norm"], cfg.rms_norm_eps)
+  h = norm(cfg, x_BTd, p["attn_norm"])
   q, k, v = matmul(h, p["wq"]), matmul(h, p["wk"]), matmul(h, p["wv"])
   if cfg.qkv_bias:
     q, k, v = q + along_last(p["bq"], 3), k + along_last(p["bk"], 3), v + along_last(p["bv"], 3)
@@ -354,12 +579,16 @@ def project_heads(cfg: ModelConfig, p: dict, x_BTd: Array):
 
   q, k, v = heads(q, cfg.num_heads), heads(k, cfg.num_kv_heads), heads(v, cfg.num_kv_heads)
   if cfg.qk_norm:
-    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = norm(cfg, q, p["q_norm"])
+    k = norm(cfg, k, p["k_norm"])
+  if query_scale(cfg) != 1.0:
+    q = q * jnp.asarray(query_scale(cfg), q.dtype)
   return q, k, v
 
 
-def attention_probs(q_BHQD, k_BGTD, allowed, *, head_dim: int | None = None) -> Array:
+def attention_probs(
+  q_BHQD, k_BGTD, allowed, *, head_dim: int | None = None, softcap: float | None = None
+) -> Array:
   """Computes the fp32 softmax of ``q k^T / sqrt(D)`` over allowed keys (GQA grouped).
 
   Fully masked rows give zeros.
@@ -371,20 +600,25 @@ def attention_probs(q_BHQD, k_BGTD, allowed, *, head_dim: int | None = None) -> 
       compressed cache, whose rows hold different slots).
     head_dim: the ``D`` of the scale when the channels given are fewer (ThinK's pruned keys: the
       dropped channels add 0 to ``q k^T``, the scale stays the model's); ``None``: the keys'.
+    softcap: Gemma 2's attention soft-capping (``cfg.attn_softcap``; :func:`softcap_logits`).
 
   Returns:
     fp32 probabilities ``[B, Hq, Q, K]``.
   """
-  return masked_softmax(attention_logits(q_BHQD, k_BGTD, head_dim=head_dim), allowed)
+  logits = attention_logits(q_BHQD, k_BGTD, head_dim=head_dim, softcap=softcap)
+  return masked_softmax(logits, allowed)
 
 
-def attention_logits(q_BHQD, k_BGTD, *, head_dim: int | None = None) -> Array:
+def attention_logits(
+  q_BHQD, k_BGTD, *, head_dim: int | None = None, softcap: float | None = None
+) -> Array:
   """Computes fp32 attention logits ``q k^T / sqrt(head_dim or D)`` grouped by KV head.
 
   Args:
     q_BHQD: queries ``[B, Hq, Q, D]``.
     k_BGTD: keys ``[B, G, K, D]``.
     head_dim: the ``D`` of the scale (``None``: the queries' last axis).
+    softcap: Gemma 2's attention soft-capping (:func:`softcap_logits`); ``None``: none.
 
   Returns:
     fp32 logits ``[B, G, Hq / G, Q, K]``.
@@ -393,7 +627,23 @@ def attention_logits(q_BHQD, k_BGTD, *, head_dim: int | None = None) -> Array:
   G = k_BGTD.shape[1]
   q = q_BHQD.astype(jnp.float32).reshape(B, G, Hq // G, Q, D)
   logits = jnp.einsum("bgrqd,bgkd->bgrqk", q, k_BGTD.astype(jnp.float32), precision=PRECISION)
-  return logits / math.sqrt(D if head_dim is None else head_dim)
+  return softcap_logits(logits / math.sqrt(D if head_dim is None else head_dim), softcap)
+
+
+def softcap_logits(logits: Array, cap: float | None) -> Array:
+  """Soft-caps logits to ``(-cap, cap)``: ``cap * tanh(logits / cap)`` (HF Gemma 2's
+  ``attn_logit_softcapping`` and ``final_logit_softcapping``).
+
+  Args:
+    logits: fp32 logits, any shape.
+    cap: the cap; ``None`` leaves the logits unchanged.
+
+  Returns:
+    The capped logits.
+  """
+  if cap is None:
+    return logits
+  return jnp.tanh(logits / cap) * cap
 
 
 def masked_softmax(logits_BGRQK: Array, allowed) -> Array:
@@ -432,7 +682,7 @@ def attend(probs_BHQT: Array, v_BGTD: Array) -> Array:
   return out.reshape(B, Hq, Q, -1)
 
 
-def segments_attention(q_BHQD, segments, *, probs_of_first=False):
+def segments_attention(q_BHQD, segments, *, probs_of_first=False, softcap=None):
   """Attends ``Q`` queries over several key segments with one softmax over all of them.
 
   The same attention as :func:`attention_logits`, :func:`masked_softmax` then :func:`attend` over
@@ -450,6 +700,7 @@ def segments_attention(q_BHQD, segments, *, probs_of_first=False):
     segments: a sequence of ``(keys [B, G, C_i, D], values [B, G, C_i, D], allowed
       [B, G, Q, C_i])``, grouped by KV head (query head ``h`` reads group ``h // (Hq / G)``).
     probs_of_first: whether to return the probabilities over the first segment.
+    softcap: Gemma 2's attention soft-capping (:func:`softcap_logits`); ``None``: none.
 
   Returns:
     ``(out [B, Hq, Q, D], probs [B, Hq, Q, C] over the first segment, or None)``, fp32.
@@ -461,6 +712,7 @@ def segments_attention(q_BHQD, segments, *, probs_of_first=False):
   logits = []
   for k, _, allowed in segments:
     k_logits = jnp.einsum("bgnd,bgkd->bgkn", q, k.astype(jnp.float32), precision=PRECISION)
+    k_logits = softcap_logits(k_logits, softcap)
     C = k.shape[2]
     allowed = jnp.broadcast_to(allowed[:, :, None], (B, G, R, Q, C)).reshape(B, G, R * Q, C)
     logits.append(jnp.where(allowed, jnp.swapaxes(k_logits, 2, 3), -jnp.inf))
@@ -478,7 +730,11 @@ def segments_attention(q_BHQD, segments, *, probs_of_first=False):
 
 
 def output_and_mlp(cfg: ModelConfig, p: dict, x_BTd: Array, attn_BHTD: Array) -> Array:
-  """Applies ``o_proj`` and the SwiGLU MLP to give the layer's residual stream.
+  """Applies ``o_proj`` and the gated MLP to give the layer's residual stream.
+
+  SwiGLU (Llama) or GeGLU with tanh GELU (Gemma); with ``cfg.sandwich_norms`` (Gemma 2/3,
+  HF ``Gemma2DecoderLayer``) the attention and MLP outputs are normalised again
+  (``post_attn_norm``, ``post_mlp_norm``) before each is added to the residual stream.
 
   Args:
     cfg: the model's config.
@@ -493,15 +749,45 @@ def output_and_mlp(cfg: ModelConfig, p: dict, x_BTd: Array, attn_BHTD: Array) ->
   o = matmul(attn_BHTD.transpose(0, 2, 1, 3).reshape(B, T, -1).astype(x_BTd.dtype), p["wo"])
   if cfg.o_bias:
     o = o + along_last(p["bo"], 3)
+  if cfg.sandwich_norms:
+    o = norm(cfg, o, p["post_attn_norm"])
   x = x_BTd + o
-  h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-  return x + matmul(jax.nn.silu(matmul(h, p["w_gate"])) * matmul(h, p["w_up"]), p["w_down"])
+  h = norm(cfg, x, p["mlp_norm"])
+  gate = matmul(h, p["w_gate"])
+  gate = (
+    jax.nn.gelu(gate, approximate=True) if cfg.mlp_activation == "gelu_tanh" else jax.nn.silu(gate)
+  )
+  out = matmul(gate * matmul(h, p["w_up"]), p["w_down"])
+  if cfg.sandwich_norms:
+    out = norm(cfg, out, p["post_mlp_norm"])
+  return x + out
+
+
+def embed_tokens(cfg: ModelConfig, params: dict, ids: Array) -> Array:
+  """Looks up the residual stream's input: the token embeddings, Gemma's scaled.
+
+  Gemma multiplies by ``sqrt(hidden_size)`` rounded to the weights' dtype (HF
+  ``Gemma2TextScaledWordEmbedding``), so bf16 weights scale by the bf16 value.
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree (``embed`` is read).
+    ids: token ids, any shape.
+
+  Returns:
+    The embeddings ``[*ids.shape, d]`` in the weights' dtype.
+  """
+  x = params["embed"][ids]
+  if cfg.embed_scale:
+    x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
+  return x
 
 
 def logits_of(cfg: ModelConfig, params: dict, x_BTd: Array) -> Array:
   """Computes fp32 logits from the final residual stream.
 
-  The logits are rounded through the model dtype, as the matmul gives them.
+  The logits are rounded through the model dtype, as the matmul gives them; Gemma 2's are then
+  soft-capped (``cfg.final_softcap``, :func:`softcap_logits`).
 
   Args:
     cfg: the model's config.
@@ -511,12 +797,14 @@ def logits_of(cfg: ModelConfig, params: dict, x_BTd: Array) -> Array:
   Returns:
     fp32 logits ``[B, T, V]``.
   """
-  h = rms_norm(x_BTd, params["final_norm"], cfg.rms_norm_eps)
+  h = norm(cfg, x_BTd, params["final_norm"])
   tied = cfg.tie_word_embeddings
   head = params["embed"] if tied else params["lm_head"]
   if jax.default_backend() == "cpu" and _is_16bit_float(head):
-    return _logits_by_vocab_chunk(h, head, tied).astype(jnp.float32)
-  return _head_matmul(h, head, tied).astype(jnp.float32)
+    logits = _logits_by_vocab_chunk(h, head, tied)
+  else:
+    logits = _head_matmul(h, head, tied)
+  return softcap_logits(logits.astype(jnp.float32), cfg.final_softcap)
 
 
 def _head_matmul(h_BTd: Array, head: Array, tied: bool) -> Array:
@@ -543,7 +831,9 @@ def _logits_by_vocab_chunk(h_BTd: Array, head: Array, tied: bool, size: int = 81
   return jax.lax.fori_loop(0, -(-V // size), chunk, out)
 
 
-def dense_layer(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array, allowed) -> tuple:
+def dense_layer(
+  cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array, allowed, *, layer=None
+) -> tuple:
   """Runs one decoder layer with one dense mask (training and attention maps).
 
   Args:
@@ -551,14 +841,16 @@ def dense_layer(cfg: ModelConfig, p: dict, x_BTd: Array, positions_BT: Array, al
     p: one layer's parameters (:func:`layer_params`).
     x_BTd: the residual stream ``[B, T, d]``.
     positions_BT: RoPE positions ``[B, T]``.
-    allowed: the dense ``[B, T, T]`` mask of the keys each query may see.
+    allowed: the dense ``[B, T, T]`` mask of the keys each query may see (the layer's window
+      applied: :func:`layer_window`).
+    layer: the layer's index, needed when layers differ (:func:`project_qkv`).
 
   Returns:
     ``(x, probs)``: the new residual stream ``[B, T, d]`` and the layer's attention
     probabilities ``[B, Hq, T, T]``.
   """
-  q, k, v = project_qkv(cfg, p, x_BTd, positions_BT)
-  probs = attention_probs(q, k, allowed)
+  q, k, v = project_qkv(cfg, p, x_BTd, positions_BT, layer=layer)
+  probs = attention_probs(q, k, allowed, softcap=cfg.attn_softcap)
   return output_and_mlp(cfg, p, x_BTd, attend(probs, v)), probs
 
 
@@ -825,7 +1117,7 @@ def prefill(
     attention_mask = jnp.ones((B, T), jnp.int32)
   valid = attention_mask.astype(bool)
   positions = positions_from_mask(attention_mask)
-  x = params["embed"][input_ids]
+  x = embed_tokens(cfg, params, input_ids)
   sizes = dict(
     block=min(block, T),
     chunk=T if chunk is None else min(chunk, T),
@@ -839,6 +1131,8 @@ def prefill(
     jax.default_backend() != "gpu" or q_dtype not in (jnp.bfloat16, jnp.float16)
   ):
     attention = "blocked"  # cuDNN's flash attention runs on NVIDIA GPUs in fp16/bf16 only
+  if cfg.attn_softcap is not None:
+    attention = "blocked"  # jax.nn.dot_product_attention has no soft-capping
   sizes["attention"] = attention
   L, G, Hq, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
   out = {
@@ -863,12 +1157,17 @@ def prefill(
   if query_stats:
     out["query_mean"] = jnp.zeros((L, B, Hq, D), jnp.float32)
     out["query_cov"] = jnp.zeros((L, B, Hq, D, D), jnp.float32)
-    out["rope_mean"] = average_rope(cfg, valid.sum(-1), n_future)
+    if not cfg.per_layer:  # else each layer's own (Gemma 3's sliding layers rotate differently)
+      out["rope_mean"] = average_rope(cfg, valid.sum(-1), n_future)
+  if query_stats and cfg.per_layer:
+    sizes["n_future"] = n_future
+  # dynamic and longrope RoPE choose by the longest row, as transformers' forward pass does
+  seq_len = jnp.max(positions) + 1 if cfg.rope_type in ("dynamic", "longrope") else None
 
   def layer(carry, l):
     layers, l = _sliced_in_loop(stacked(params), l)
     p = {k: v[l] for k, v in layers.items()}
-    return _layer(cfg, p, l, *carry, positions, valid, q_dtype, **sizes), None
+    return _layer(cfg, p, l, *carry, positions, valid, q_dtype, seq_len, **sizes), None
 
   (x, out), _ = jax.lax.scan(layer, (x, out), jnp.arange(L))
   out.pop("rope_mean", None)
@@ -909,7 +1208,10 @@ def _qkv_dtypes(cfg: ModelConfig, params: dict, x_BTd: Array, positions_BT: Arra
   spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
   p = {k: spec(v[0]) for k, v in stacked(params).items()}
   q, k, _ = jax.eval_shape(
-    lambda p, x, pos: project_qkv(cfg, p, x, pos), p, spec(x_BTd[:, :1]), spec(positions_BT[:, :1])
+    lambda p, x, pos: project_qkv(cfg, p, x, pos, layer=0),
+    p,
+    spec(x_BTd[:, :1]),
+    spec(positions_BT[:, :1]),
   )
   return q.dtype, k.dtype
 
@@ -948,6 +1250,7 @@ def _layer(
   positions,
   valid,
   q_dtype,
+  seq_len,
   *,
   block,
   chunk,
@@ -956,6 +1259,7 @@ def _layer(
   n_sink,
   attention,
   window_scores,
+  n_future=None,
 ):
   """One decoder layer over the whole prompt, ``chunk`` tokens at a time (residual stream, K/V
   and the per-token evidence updated in place), then its window rows (or their scores) and
@@ -966,7 +1270,7 @@ def _layer(
   wq = max(window, window_queries)
   q_win = jnp.zeros((B, Hq, wq, D), q_dtype) if wq else None
   moments = empty_moments(B, Hq, D) if n_sink is not None else None
-  step = _chunk_step(cfg, p, l, positions, valid, block, attention, n_sink)
+  step = _chunk_step(cfg, p, l, positions, valid, block, attention, n_sink, seq_len)
   full, tail = divmod(T, chunk)
   state = (x, out, sums, q_win, moments)
   state = jax.lax.fori_loop(0, full, lambda i, s: step(i * chunk, chunk, s), state)
@@ -979,7 +1283,8 @@ def _layer(
   if window_queries:
     out = dict(out, window_queries=put("window_queries", q_win[:, :, wq - window_queries :]))
   if moments is not None:
-    mean, cov = rotate_moments(out["rope_mean"], *moments_mean_cov(moments))
+    R = out["rope_mean"] if n_future is None else average_rope(cfg, valid.sum(-1), n_future, l)
+    mean, cov = rotate_moments(R, *moments_mean_cov(moments))
     out = dict(out, query_mean=put("query_mean", mean), query_cov=put("query_cov", cov))
   if window:
     q = q_win[:, :, wq - window :]
@@ -993,16 +1298,18 @@ def _layer(
   return x, out
 
 
-def _chunk_step(cfg, p, l, positions, valid, block, attention, n_sink=None):
+def _chunk_step(cfg, p, l, positions, valid, block, attention, n_sink=None, seq_len=None):
   """``step(c0, n, state)``: tokens ``[c0, c0 + n)`` of one layer (``n`` static)."""
   T = positions.shape[1]
+  window = layer_window(cfg, l)
 
   def step(c0, n, state):
     x, out, sums, q_win, moments = state
     x_c = jax.lax.dynamic_slice_in_dim(x, c0, n, 1)
     pos_c = jax.lax.dynamic_slice_in_dim(positions, c0, n, 1)
     q_pre, k_pre, v = project_heads(cfg, p, x_c)
-    q, k = rope(q_pre, pos_c, cfg), rope(k_pre, pos_c, cfg)
+    at = dict(layer=l, seq_len=seq_len)
+    q, k = rope(q_pre, pos_c, cfg, **at), rope(k_pre, pos_c, cfg, **at)
     k, v = k.astype(out["keys"].dtype), v.astype(out["values"].dtype)
     at = (l, 0, 0, c0, 0)
     out = dict(
@@ -1030,9 +1337,9 @@ def _chunk_step(cfg, p, l, positions, valid, block, attention, n_sink=None):
       moments = update_moments(moments, q_pre, real_c & (pos_c >= n_sink))
     keys = _Keys(out["keys"], out["values"], positions, valid, l, min(block, T))
     if attention == "blocked" or sums is not None:
-      o, sums = _attend_chunk(q, c0, n, keys, sums, block, cfg.sliding_window)
+      o, sums = _attend_chunk(q, c0, n, keys, sums, block, window, cfg.attn_softcap)
     else:
-      o = _fused_chunk(q, c0, n, keys, cfg.sliding_window, attention)
+      o = _fused_chunk(q, c0, n, keys, window, attention)
     x = jax.lax.dynamic_update_slice_in_dim(x, output_and_mlp(cfg, p, x_c, o), c0, 1)
     if q_win is not None:  # the window's queries, wherever they fall in this chunk
       rows = T - q_win.shape[2] + jnp.arange(q_win.shape[2]) - c0
@@ -1138,7 +1445,7 @@ def moments_mean_cov(moments: tuple) -> tuple[Array, Array]:
   return mean, m2 / jnp.maximum(count, 1.0).reshape(-1, 1, 1, 1)
 
 
-def average_rope(cfg: ModelConfig, start_B: Array, n_future: int) -> Array:
+def average_rope(cfg: ModelConfig, start_B: Array, n_future: int, layer=None) -> Array:
   """Computes the mean RoPE matrix over each row's next ``n_future`` positions.
 
   kvpress ``ExpectedAttentionPress.apply_avg_rope``: ``R = mean(cos I + sin P)`` with ``P`` the
@@ -1148,12 +1455,13 @@ def average_rope(cfg: ModelConfig, start_B: Array, n_future: int) -> Array:
     cfg: the model's config.
     start_B: each row's first future position ``[B]``.
     n_future: how many positions to average over (``start .. start + n_future - 1``).
+    layer: the layer's index, needed when layers differ (:func:`rope_tables`).
 
   Returns:
     fp32 matrices ``R [B, D, D]``.
   """
   D = cfg.head_dim
-  inv = jnp.asarray(inv_frequencies(cfg), jnp.float32)
+  inv, _ = rope_tables(cfg, layer=layer)
   pos = (start_B[:, None] + jnp.arange(n_future)[None]).astype(jnp.float32)  # [B, F]
   angles = pos[..., None] * inv.reshape(1, 1, -1)
   angles = jnp.concatenate([angles, angles], -1)
@@ -1236,7 +1544,9 @@ def _first_key(positions_BT: Array, q_pos_B: Array, sliding_window: int | None):
   return first.min().astype(jnp.int32)
 
 
-def _tile_logits(q_BGRQD, rows: _Rows, keys: _Keys, s, sliding_window, fresh_only=True):
+def _tile_logits(
+  q_BGRQD, rows: _Rows, keys: _Keys, s, sliding_window, fresh_only=True, softcap=None
+):
   """fp32 ``q k^T / sqrt(D)`` of the key tile from ``s`` (``-inf`` where not allowed).
 
   The tile is read from ``min(s, T - size)`` so that it stays inside the prompt; with
@@ -1256,6 +1566,7 @@ def _tile_logits(q_BGRQD, rows: _Rows, keys: _Keys, s, sliding_window, fresh_onl
   logits = jnp.einsum(
     "bgrqd,bgkd->bgrqk", q_BGRQD, k.astype(jnp.float32), precision=PRECISION
   ) / math.sqrt(q_BGRQD.shape[-1])
+  logits = softcap_logits(logits, softcap)
   return start, allowed, jnp.where(allowed[:, None, None], logits, -jnp.inf), v
 
 
@@ -1324,7 +1635,7 @@ def _attend_block(q_BGRQD, tile, lo, count, size, sums_BHT):
   return jax.lax.fori_loop(0, count, second, (o0, sums_BHT))
 
 
-def _attend_chunk(q_BHQD, c0, n, keys: _Keys, sums_BHT, block, sliding_window):
+def _attend_chunk(q_BHQD, c0, n, keys: _Keys, sums_BHT, block, sliding_window, softcap=None):
   """Attention output ``[B, Hq, n, D]`` of the queries ``[c0, c0 + n)``, ``block`` at a time,
   over the keys before them (tiles above the diagonal or behind the window are never read),
   and the column sums with their rows added (unless None)."""
@@ -1348,7 +1659,9 @@ def _attend_chunk(q_BHQD, c0, n, keys: _Keys, sums_BHT, block, sliding_window):
     )
     lo = _first_key(keys.positions, rows.pos[:, 0], sliding_window)
     count = (jnp.minimum(q0 + size, end) - lo + keys.size - 1) // keys.size
-    tile = functools.partial(_tile_logits, q_b, rows, keys, sliding_window=sliding_window)
+    tile = functools.partial(
+      _tile_logits, q_b, rows, keys, sliding_window=sliding_window, softcap=softcap
+    )
     o, sums = _attend_block(q_b, tile, lo, count, keys.size, sums)
     return sums, o
 
@@ -1366,9 +1679,12 @@ def _window_rows(cfg, q_BHWD, out, l, win, at, positions, valid, block) -> Array
   keys = _Keys(out["keys"], out["values"], positions, valid, l, min(block, T))
   rows = _Rows(jnp.broadcast_to(jnp.arange(T - W, T), (B, W)), positions[:, T - W :], None)
   q = q_BHWD.astype(jnp.float32).reshape(B, G, Hq // G, W, D)
-  lo = _first_key(positions, rows.pos[:, 0], cfg.sliding_window)
+  window = layer_window(cfg, l)
+  lo = _first_key(positions, rows.pos[:, 0], window)
   count = (T - lo + keys.size - 1) // keys.size
-  tile = functools.partial(_tile_logits, q, rows, keys, sliding_window=cfg.sliding_window)
+  tile = functools.partial(
+    _tile_logits, q, rows, keys, sliding_window=window, softcap=cfg.attn_softcap
+  )
   m, norm = _softmax_stats(tile, lo, count, keys.size, (B, G, Hq // G, W))
 
   def body(j, win):  # a clamped last tile rewrites its overlap with the same probabilities
@@ -1396,11 +1712,12 @@ def full_attention_maps(cfg, params, input_ids, attention_mask, layers) -> dict:
   valid = attention_mask.astype(bool)
   positions = positions_from_mask(attention_mask)
   index = jnp.broadcast_to(jnp.arange(T), (B, T))
-  x = params["embed"][input_ids]
+  x = embed_tokens(cfg, params, input_ids)
   maps = {}
   for layer in range(cfg.num_layers):
-    allowed = causal_allowed(positions, positions, valid, index, index, cfg.sliding_window)
-    x, probs = dense_layer(cfg, layer_params(params, layer), x, positions, allowed)
+    window = layer_window(cfg, layer)
+    allowed = causal_allowed(positions, positions, valid, index, index, window)
+    x, probs = dense_layer(cfg, layer_params(params, layer), x, positions, allowed, layer=layer)
     if layer in layers:
       maps[layer] = probs
     if layer >= max(layers):

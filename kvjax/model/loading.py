@@ -56,7 +56,13 @@ def _shard_names(index: pathlib.Path) -> list[str]:
 def _check_layers(cfg: config_lib.ModelConfig, tensors: dict, source) -> None:
   """The checkpoint's layer count must be the config's: fewer layers in the config would load a
   truncated model silently."""
-  found = {int(k.split(".")[2]) for k in tensors if k.startswith("model.layers.")}
+  found = {
+    int(k.split("layers.")[1].split(".")[0])
+    for k in tensors
+    if k.startswith(
+      ("model.layers.", "model.language_model.layers.", "language_model.model.layers.")
+    )
+  }
   if found and max(found) + 1 != cfg.num_layers:
     raise ValueError(
       f"checkpoint: {source} holds {max(found) + 1} layers, its config says num_hidden_layers="
@@ -77,8 +83,15 @@ def _expected(cfg: config_lib.ModelConfig) -> dict[str, tuple[str, tuple[int, ..
     "mlp.up_proj.weight": ("w_up", (F, d), True),
     "mlp.down_proj.weight": ("w_down", (d, F), True),
     "input_layernorm.weight": ("attn_norm", (d,), False),
-    "post_attention_layernorm.weight": ("mlp_norm", (d,), False),
   }
+  if cfg.sandwich_norms:  # Gemma: post_attention_layernorm follows attention, not the MLP's
+    spec |= {
+      "post_attention_layernorm.weight": ("post_attn_norm", (d,), False),
+      "pre_feedforward_layernorm.weight": ("mlp_norm", (d,), False),
+      "post_feedforward_layernorm.weight": ("post_mlp_norm", (d,), False),
+    }
+  else:
+    spec["post_attention_layernorm.weight"] = ("mlp_norm", (d,), False)
   if cfg.qkv_bias:
     spec |= {
       "self_attn.q_proj.bias": ("bq", (q,), False),
@@ -107,11 +120,80 @@ def _take(tensors: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
   return t
 
 
+def _norm_offset(cfg: config_lib.ModelConfig, name: str) -> float:
+  """What kvjax adds to a checkpoint's tensor: Gemma's RMSNorms scale by ``1 + w``, kvjax's by
+  the weight, which holds the 1 already (as llama.cpp's Gemma GGUF files do)."""
+  return 1.0 if cfg.norm_scale_fp32 and name.endswith("norm.weight") else 0.0
+
+
+def split_fused(cfg: config_lib.ModelConfig, tensors: dict) -> dict:
+  """Splits Phi-3's fused projections into Llama's: ``qkv_proj`` (rows: queries, keys, values)
+  and ``gate_up_proj`` (rows: gate, then up), as HF ``Phi3Attention`` and ``Phi3MLP`` slice them.
+
+  Args:
+    cfg: the model configuration.
+    tensors: Hugging Face tensor name -> array.
+
+  Returns:
+    The tensors with every fused projection replaced by its parts (others unchanged).
+
+  Raises:
+    ValueError: naming the tensor, when a fused projection has the wrong number of rows.
+  """
+  q, kv, F = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+  out = dict(tensors)
+  for name in tensors:
+    for fused, parts in (
+      ("self_attn.qkv_proj.weight", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
+      ("mlp.gate_up_proj.weight", (("gate_proj", F), ("up_proj", F))),
+    ):
+      if not name.endswith(fused):
+        continue
+      w = out.pop(name)
+      rows = sum(n for _, n in parts)
+      if w.shape[0] != rows:
+        raise ValueError(
+          f"checkpoint: tensor {name!r} has shape {tuple(w.shape)}, expected {rows} rows"
+        )
+      prefix, kind = name[: -len(fused)], fused.split(".")[0]
+      starts = np.cumsum([0] + [n for _, n in parts])[:-1]
+      for (part, n), start in zip(parts, starts, strict=True):
+        out[f"{prefix}{kind}.{part}.weight"] = w[start : start + n]
+  return out
+
+
+def text_decoder_tensors(tensors: dict) -> dict:
+  """Renames a ``Gemma3ForConditionalGeneration`` checkpoint's text decoder to
+  ``Gemma3ForCausalLM``'s names and drops the vision tower (transformers 5 writes
+  ``model.language_model.*``, earlier versions ``language_model.model.*``).
+
+  Args:
+    tensors: Hugging Face tensor name -> array.
+
+  Returns:
+    The decoder's tensors under ``model.*`` (and ``lm_head.weight`` when present).
+  """
+  prefixes = ("model.language_model.", "language_model.model.")
+  if not any(k.startswith(prefixes) for k in tensors):
+    return tensors
+  out = {}
+  for name, w in tensors.items():
+    for prefix in prefixes:
+      if name.startswith(prefix):
+        out["model." + name[len(prefix) :]] = w
+    if name in ("lm_head.weight", "language_model.lm_head.weight"):
+      out["lm_head.weight"] = w
+  return out
+
+
 def params_from_tensors(cfg: config_lib.ModelConfig, tensors: dict, dtype=jnp.float32) -> dict:
   """Builds kvjax's stacked parameter dict from Hugging Face-named tensors.
 
   Each layer's tensors are stacked over layers first, and weights are transposed from torch's
-  ``[out, in]`` to ``[in, out]``.
+  ``[out, in]`` to ``[in, out]``. Phi-3's fused projections are split (:func:`split_fused`),
+  Gemma 3's multimodal checkpoints read for their text decoder (:func:`text_decoder_tensors`),
+  and Gemma's RMSNorm weights get their ``1 +`` (HF ``Gemma2RMSNorm``), so kvjax's norms scale
+  by the weight as for every family.
 
   Args:
     cfg: the model configuration.
@@ -126,12 +208,17 @@ def params_from_tensors(cfg: config_lib.ModelConfig, tensors: dict, dtype=jnp.fl
     ValueError: naming the tensor, when one is missing, has a shape other than the
       configuration's or holds NaN or inf values.
   """
+  if cfg.family == "phi3":
+    tensors = split_fused(cfg, tensors)
+  if cfg.family == "gemma3":
+    tensors = text_decoder_tensors(tensors)
   out: dict[str, np.ndarray] = {}
   for suffix, (name, shape, transpose) in _expected(cfg).items():
     layers = [_take(tensors, f"model.layers.{i}.{suffix}", shape) for i in range(cfg.num_layers)]
-    out[name] = np.stack([w.T if transpose else w for w in layers])
+    out[name] = np.stack([w.T if transpose else w for w in layers]) + _norm_offset(cfg, suffix)
   out["embed"] = _take(tensors, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
   out["final_norm"] = _take(tensors, "model.norm.weight", (cfg.hidden_size,))
+  out["final_norm"] = out["final_norm"] + _norm_offset(cfg, "model.norm.weight")
   if not cfg.tie_word_embeddings:
     out["lm_head"] = _take(tensors, "lm_head.weight", (cfg.vocab_size, cfg.hidden_size)).T
   return {k: jnp.asarray(v, dtype) for k, v in out.items()}
@@ -145,16 +232,18 @@ def tensors_from_params(cfg: config_lib.ModelConfig, params: dict) -> dict[str, 
     params: kvjax parameter name -> array, stacked over layers first.
 
   Returns:
-    Hugging Face tensor name -> float32 numpy array, ``[out, in]`` weights, one per layer.
+    Hugging Face tensor name -> float32 numpy array, ``[out, in]`` weights, one per layer
+    (Gemma's norms without the ``1 +``; Phi-3's projections unfused).
   """
   out: dict[str, np.ndarray] = {}
   for suffix, (name, _, transpose) in _expected(cfg).items():
-    stacked = np.asarray(params[name], np.float32)
+    stacked = np.asarray(params[name], np.float32) - _norm_offset(cfg, suffix)
     for i in range(cfg.num_layers):
       w = stacked[i]
       out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(w.T if transpose else w)
   out["model.embed_tokens.weight"] = np.asarray(params["embed"], np.float32)
-  out["model.norm.weight"] = np.asarray(params["final_norm"], np.float32)
+  final = np.asarray(params["final_norm"], np.float32) - _norm_offset(cfg, "model.norm.weight")
+  out["model.norm.weight"] = final
   if not cfg.tie_word_embeddings:
     out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"], np.float32).T)
   return out

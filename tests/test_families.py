@@ -1,0 +1,144 @@
+"""Gemma 2, Gemma 3 (text) and Phi-3 against transformers: logits, greedy tokens, sliding and
+global layers, the prefill's blocking and evidence on layers that differ."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_models import NEW, family_checkpoint, hf_generate, prompt, torch
+
+from kvjax import model as km
+from kvjax import policies
+
+FAMILIES = ("gemma2", "gemma3", "phi3")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def loaded(request):
+  hf, path = family_checkpoint(request.param)
+  model, cfg = km.load(path)
+  return request.param, hf, model, cfg
+
+
+def greedy_by_forward(cfg, params, ids, new):
+  """Greedy tokens from full forward passes over one fixed-size buffer (one compile): the model
+  alone, without the compressed cache."""
+  T = ids.shape[1]
+  buf = np.zeros((ids.shape[0], T + new), np.int32)
+  buf[:, :T] = ids
+  step = jax.jit(lambda b: km.llama.forward(cfg, params, b))
+  for t in range(new):
+    buf[:, T + t] = np.asarray(step(jnp.asarray(buf)))[:, T + t - 1].argmax(-1)
+  return buf[:, T:]
+
+
+def test_logits_match_transformers_with_a_padded_row(loaded):
+  name, hf, model, cfg = loaded
+  ids = prompt(T=40, B=2)
+  mask = np.ones_like(ids)
+  mask[1, :6] = 0
+  with torch.no_grad():
+    ref = hf(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+  ours = np.asarray(km.llama.forward(cfg, model.params(), jnp.asarray(ids), jnp.asarray(mask)))
+  real = mask.astype(bool)
+  assert np.abs(ours - ref)[real].max() <= 1e-4, name
+
+
+def test_32_greedy_tokens_match_transformers(loaded):
+  name, hf, model, cfg = loaded
+  ids = prompt(T=40, B=1, seed=1)
+  ref = hf_generate(hf, ids)
+  np.testing.assert_array_equal(greedy_by_forward(cfg, model.params(), ids, NEW), ref)
+  if name == "phi3":  # layers alike: the compressed cache's decode runs it as it is
+    np.testing.assert_array_equal(km.generate(model, ids, max_new_tokens=NEW).tokens, ref)
+
+
+def test_the_sliding_layers_really_slide():
+  for name in ("gemma2", "gemma3"):
+    _, path = family_checkpoint(name)
+    model, cfg = km.load(path)
+    assert cfg.sliding_window < 40 and "full_attention" in cfg.layer_types
+    ids = jnp.asarray(prompt(T=40))
+    ours = np.asarray(km.llama.forward(cfg, model.params(), ids))
+    unwindowed = dataclasses.replace(cfg, sliding_window=10**6)
+    other = np.asarray(km.llama.forward(unwindowed, model.params(), ids))
+    assert np.abs(ours[:, :8] - other[:, :8]).max() < 1e-5, "inside the window: the same"
+    assert np.abs(ours[:, 20:] - other[:, 20:]).max() > 1e-2, "past it: the window binds"
+
+
+def test_layer_windows_and_rope_follow_the_layer_types():
+  _, path = family_checkpoint("gemma3")
+  _, cfg = km.load(path)
+  np.testing.assert_array_equal(km.llama.is_sliding(cfg), [True, False, True])
+  assert km.llama.layer_window(cfg, 0) == 8 and km.llama.layer_window(cfg, 1) is None
+  traced = jax.jit(lambda l: km.llama.layer_window(cfg, l))
+  assert [int(traced(i)) for i in range(3)] == [8, km.llama.FULL_WINDOW, 8]
+  local, _ = km.llama.rope_tables(cfg, layer=0)
+  glob, _ = km.llama.rope_tables(cfg, layer=1)
+  np.testing.assert_allclose(local, km.llama.inv_frequencies(cfg, local=True), rtol=1e-6)
+  np.testing.assert_allclose(glob, 1e6 ** -(np.arange(0, 16, 2) / 16) / 8.0, rtol=1e-6)
+  for call in (
+    lambda: km.llama.layer_window(cfg),
+    lambda: km.llama.rope_tables(cfg),
+  ):
+    with pytest.raises(ValueError, match="layer: the gemma3 layers differ"):
+      call()
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_blocked_prefill_and_its_evidence_on_sliding_and_global_layers(name):
+  _, path = family_checkpoint(name)
+  model, cfg = km.load(path)
+  params = model.params()
+  ids = prompt(T=37, B=2)
+  mask = np.ones_like(ids)
+  mask[1, :5] = 0
+  ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+  whole = km.llama.forward(cfg, params, ids, mask)
+  pre = km.prefill(
+    cfg,
+    params,
+    ids,
+    mask,
+    request=policies.EvidenceRequest(window=6, column_sums=True),
+    full_attention_layers=(0, 1, 2),
+    logits="all",
+    plan=km.llama.PrefillPlan(block=4, chunk=16),
+  )
+  real = np.asarray(mask).astype(bool)
+  np.testing.assert_allclose(np.asarray(pre.logits)[real], np.asarray(whole)[real], atol=1e-5)
+  for layer in range(3):
+    maps = np.asarray(pre.full_attention[layer])
+    np.testing.assert_allclose(np.asarray(pre.attn_window[layer]), maps[:, :, -6:], atol=1e-6)
+    sums = (maps * real[:, None, :, None]).sum(-2)
+    np.testing.assert_allclose(np.asarray(pre.column_sums[layer]), sums, atol=1e-5)
+    behind = maps[0, :, -1, : 37 - 8]  # keys the last query's window leaves out
+    assert (behind == 0).all() == bool(km.llama.is_sliding(cfg)[layer]), layer
+
+
+def test_gemma_norms_are_stored_with_the_one_added_and_written_back_without():
+  hf, path = family_checkpoint("gemma2")
+  model, cfg = km.load(path)
+  params = model.params()
+  w = hf.model.layers[1].pre_feedforward_layernorm.weight.detach().numpy()
+  np.testing.assert_allclose(np.asarray(params["mlp_norm"][1]), 1.0 + w, rtol=1e-6)
+  tensors = km.loading.tensors_from_params(cfg, params)
+  np.testing.assert_allclose(
+    tensors["model.layers.1.pre_feedforward_layernorm.weight"], w, atol=1e-6
+  )
+  with pytest.raises(ValueError, match="cfg: writing family 'gemma2' is not supported"):
+    km.config.to_hf_dict(cfg)
+
+
+def test_phi3_fused_projections_are_split_and_checked():
+  hf, path = family_checkpoint("phi3")
+  model, cfg = km.load(path)
+  fused = hf.model.layers[0].self_attn.qkv_proj.weight.detach().numpy()
+  np.testing.assert_allclose(np.asarray(model.params()["wk"][0]).T, fused[64:96], rtol=1e-6)
+  gate_up = hf.model.layers[0].mlp.gate_up_proj.weight.detach().numpy()
+  np.testing.assert_allclose(np.asarray(model.params()["w_up"][0]).T, gate_up[128:], rtol=1e-6)
+  bad = {"model.layers.0.self_attn.qkv_proj.weight": np.zeros((100, 64), np.float32)}
+  with pytest.raises(ValueError, match=r"qkv_proj.weight' has shape \(100, 64\), expected 128"):
+    km.loading.split_fused(cfg, bad)
