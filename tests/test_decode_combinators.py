@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvjax import model as km
-from kvjax import policies
+from kvjax import policies, select
 from kvjax.model import cache as cache_lib
 from kvjax.model import decoding, llama, logprobs
 from kvjax.policies import combinators as comb
@@ -264,3 +264,41 @@ def test_kept_sets_match_kvpress_decoding_presses(kind):
   for l, g, c in zip(*np.nonzero(valid), strict=True):
     got[l, g, pos[l, g, c]] = True
   np.testing.assert_array_equal(got, z[f"{kind}_kept_LGP"])
+
+
+@pytest.mark.parametrize("scorer", ["keydiff", "curkv"])
+def test_a_recompression_scores_only_the_held_slots(tiny, scorer):
+  """In a cache with empty slots (capacity above what it holds) a re-compression keeps what the
+  decoding scorer keeps over the held slots alone: KeyDiff's anchor is the held keys' mean, and
+  CurDKV's sinks are the first held tokens (not empty slots)."""
+  _, cfg, params, ids = tiny
+  decoder = policies.KeyDiff() if scorer == "keydiff" else policies.CurDKV(sinks=3)
+  pre = policies.SnapKV(window=4)
+  pol = comb.PrefillDecoding(prefill=pre, decoding=decoder, decode_every=N, decode_budget=9)
+  late = comb.PrefillDecoding(prefill=pre, decoding=decoder, decode_every=1000)
+  cap = pol.decode_capacity(12, T, N) + 8  # 8 slots never filled
+  spec, c0 = _setup(cfg, params, ids, pol, 12, cap)
+  late_spec, late_c0 = _setup(cfg, params, ids, late, 12, cap)
+  toks, start = _tokens(cfg, N, 2, seed=4), jnp.full((2,), T, jnp.int32)
+  held, _ = _run(cfg, params, late_spec, late_c0, toks, start)
+  compressed, _ = _run(cfg, params, spec, c0, toks, start)
+  L, B, G, C = held.valid.shape
+  for b in range(B):
+    pos, valid = np.asarray(held.positions[:, b]), np.asarray(held.valid[:, b])
+    order = [[np.nonzero(valid[l, g])[0] for g in range(G)] for l in range(L)]
+    order = [[o[np.argsort(pos[l, g, o])] for g, o in enumerate(r)] for l, r in enumerate(order)]
+
+    def in_order(t, b=b, order=order):  # [L, G, n, D]: held slots by position, none empty
+      t = np.asarray(t[:, b])
+      return np.stack([np.stack([t[l, g][order[l][g]] for g in range(G)]) for l in range(L)])
+
+    ev = policies.Evidence(
+      keys_LGTD=jnp.asarray(in_order(held.keys)), values_LGTD=jnp.asarray(in_order(held.values))
+    )
+    scores = decoder.scores(ev)
+    keep = np.asarray(select.keep_mask(scores, 9))
+    for l in range(L):
+      for g in range(G):
+        want = np.sort(pos[l, g, order[l][g]][keep[l, g]])
+        got = np.asarray(compressed.positions[l, b, g])[np.asarray(compressed.valid[l, b, g])]
+        np.testing.assert_array_equal(got, want)

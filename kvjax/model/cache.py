@@ -1089,7 +1089,9 @@ def recompress(cfg: ModelConfig, params: dict, spec: CacheSpec, cache: KVCache) 
   attn = _right_aligned(cache.attn_sums, order) if merges else jnp.zeros((L, B, H, C))
 
   def one(row, valid_HC, budget_LH, rng, seen, attn_HC, b):
-    ev = policies.Evidence(rng=rng, **row, **shared)
+    # the slots any layer and head holds: exact when every head holds the same count (a uniform prompt
+    # budget, CaM), as kvpress's caches always do; empty slots play the part of left padding
+    ev = policies.Evidence(rng=rng, valid_T=valid_HC.any((0, 1)), **row, **shared)
     scores = spec.policy.decode_scores(ev)
     if scores.shape[1] != H:
       scores = _to_layout(scores, H, cfg)

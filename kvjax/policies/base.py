@@ -646,8 +646,10 @@ class Policy:
     """Scores of the cache's slots at a re-compression (``decode_every``).
 
     The model's cache (:func:`kvjax.model.cache.recompress`) calls it on the evidence it rebuilds
-    over its own slots; here the prompt's scorer, :meth:`scores`. A policy with another scorer
-    for the re-compressions (:class:`~kvjax.policies.combinators.PrefillDecoding`) overrides it.
+    over its own slots; here the prompt's scorer on one row, :meth:`scores_row` (the empty slots
+    come first and play the part of left padding, ``valid_T`` false: sinks count from the first
+    held token). A policy with another scorer for the re-compressions
+    (:class:`~kvjax.policies.combinators.PrefillDecoding`) overrides it.
 
     Args:
       evidence: the cache's evidence, its slots as positions.
@@ -655,7 +657,7 @@ class Policy:
     Returns:
       fp32 scores ``[L, H, T]``.
     """
-    return self.scores(evidence)
+    return self.scores_row(evidence)
 
   def decode_budgets(self, budget_LH: Array, seen) -> Array:
     """Each head's slots after a re-compression; here the prompt's budgets.

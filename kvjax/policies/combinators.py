@@ -557,13 +557,16 @@ class PrefillDecoding(Policy):
   def decode_scores(self, evidence: Evidence) -> Array:
     """The re-compression's scores over the cache's tokens (kvpress's ``decoding_press``).
 
+    ``decoding`` scores the held slots as one row (:meth:`~kvjax.policies.Policy.scores_row`:
+    the empty slots first, as left padding, so sinks count from the first held token).
+
     Args:
-      evidence: the cache's evidence, its slots as positions.
+      evidence: the cache's evidence, its slots as positions (``valid_T``: the held slots).
 
     Returns:
       fp32 scores ``[L, H, T]`` at the prompt policy's granularity.
     """
-    return self.prefill.grouped(self.decoding.score(evidence))
+    return self.prefill.grouped(self.decoding.scores_row(evidence))
 
   def decode_budgets(self, budget_LH: Array, seen) -> Array:
     """Each head's slots after a re-compression.
