@@ -11,7 +11,7 @@ import tomllib
 import numpy as np
 import pytest
 
-from kvjax.eval import ruler, tasks
+from kvjax.eval import ruler, tasks, vocab
 from kvjax.model import assets, tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -359,6 +359,11 @@ def test_bad_input_names_the_argument():
     (lambda: ruler.string_match_part(["a", "b"], [["a"]]), "refs"),
     (lambda: ruler.score("qa_1", ["a"], [["a"]]), "task"),
     (lambda: ruler.postprocess_pred(3), "predict_str"),
+    # the tiny model's own word vocabulary cannot spell RULER's English
+    (
+      lambda: ruler.sample("niah_single_1", vocab.tiny_tokenizer(), length=500, seed=0),
+      "tokenizer",
+    ),
   ]
   for call, name in cases:
     with pytest.raises(ValueError, match=name):

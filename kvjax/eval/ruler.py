@@ -28,9 +28,9 @@ The differences from RULER:
 
 * The essay haystack is not Paul Graham's essays, which may not be redistributed, but the prose
   paragraphs of the Python Language Reference (CPython 3.11.7's ``pydoc_data.topics``, PSF
-  License), shipped in ``kvjax/assets/ruler/essay.txt`` (``SOURCES.md`` beside it); about 30k
-  tokens, repeated from its start past that (RULER repeats its essays too, past about 100k
-  words). Its sentences are split by a full stop, question or exclamation mark followed by a
+  License), shipped in ``kvjax/assets/ruler/essay.txt`` (``SOURCES.md`` beside it): about 29k
+  tokens of SmolLM2's, repeated from its start past that (RULER repeats its essays too when a
+  length needs more). Its sentences are split by a full stop, question or exclamation mark followed by a
   space and a capital, quote or parenthesis, not by NLTK's punkt.
 * Lengths are exact: the prompt is ``length`` tokens (``bos`` included), where RULER fits its
   prompt plus the tokens to generate under ``max_seq_length`` by a search over the haystack's
@@ -249,7 +249,7 @@ class _Needle:
 
 
 # (number of units, their token boundaries [units + 1]) -> one slot (a boundary) per needle
-Place = Callable[[int, np.ndarray], list[int]]
+_Place = Callable[[int, np.ndarray], list[int]]
 
 
 class _Encoder:
@@ -262,7 +262,13 @@ class _Encoder:
     if isinstance(text, tuple):  # a piece already in ids (a worked example's context)
       return list(text)
     if text not in self.memo:
-      self.memo[text] = list(self.tokenizer.encode(text))
+      try:
+        self.memo[text] = list(self.tokenizer.encode(text))
+      except ValueError as e:  # a word vocabulary (the tiny model's) cannot spell RULER's text
+        raise ValueError(
+          f"tokenizer: cannot encode RULER's text {text!r:.50} ({e}); RULER's tasks need a "
+          "tokenizer that spells English, such as a real model's"
+        ) from None
     return self.memo[text]
 
   def total(self, pieces: Sequence) -> int:
@@ -278,7 +284,7 @@ def _fill(
   room: int,
   units: Iterator[str],
   needles: Sequence[_Needle],
-  place: Place,
+  place: _Place,
   *,
   whole: bool = False,
 ) -> tuple[list[int], list[int], float]:
@@ -381,7 +387,7 @@ class _Task:
   before: list[str]  # pieces before the context: worked examples, the header
   units: Iterator[str]
   needles: list[_Needle]
-  place: Place
+  place: _Place
   header: str
   question: str
   answer_prefix: str
