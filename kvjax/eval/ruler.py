@@ -26,12 +26,12 @@ every synthetic task scored with ``string_match_all``) after ``scripts/eval/eval
 
 The differences from RULER:
 
-* The essay haystack is not Paul Graham's essays, which may not be redistributed, but the prose
-  paragraphs of the Python Language Reference (CPython 3.11.7's ``pydoc_data.topics``, PSF
-  License), shipped in ``kvjax/assets/ruler/essay.txt`` (``SOURCES.md`` beside it): about 29k
-  tokens of SmolLM2's, repeated from its start past that (RULER repeats its essays too when a
-  length needs more). Its sentences are split by a full stop, question or exclamation mark followed by a
-  space and a capital, quote or parenthesis, not by NLTK's punkt.
+* The essay haystack is not Paul Graham's essays (RULER downloads them; kvjax may not
+  redistribute them) but the prose paragraphs of the Python Language Reference (CPython 3.11.7's
+  ``pydoc_data.topics``, PSF License), shipped in ``kvjax/assets/ruler/essay.txt`` (``SOURCES.md``
+  beside it): about 29k tokens of SmolLM2's, repeated from its start past that (RULER repeats its
+  essays too when a length needs more). Its sentences are split by a full stop, question or
+  exclamation mark followed by a space and a capital, quote or parenthesis, not by NLTK's punkt.
 * Lengths are exact: the prompt is ``length`` tokens (``bos`` included), where RULER fits its
   prompt plus the tokens to generate under ``max_seq_length`` by a search over the haystack's
   size. Text pieces (the template's parts, each haystack unit, each needle) are tokenised one at a
@@ -61,6 +61,10 @@ The differences from RULER:
   tokenised as a piece: ``niah``'s values, ``vt``'s variables and ``fwe``'s words scored as a
   set, ``cwe``'s words after their given ``1.``, ``2.``... The text metrics score generated text
   as RULER does.
+
+Kept as RULER has them: ``cwe``'s question says "10 most common words" whatever ``num_cw`` is,
+and below 4096 tokens its counts are the short regime's (6 and 1, after a worked example of 20
+words) whatever ``freq_cw`` and ``freq_ucw`` are.
 """
 
 from __future__ import annotations
@@ -164,6 +168,7 @@ KIND = {t: "niah" for t in TASKS[:8]} | {
   "cwe": "common_words_extraction",
   "fwe": "freq_words_extraction",
 }
+DEPTHLESS = ("cwe", "fwe")  # no needle: they take no depth
 HAYSTACKS = {"niah": ("noise", "essay", "needle"), "variable_tracking": ("noise", "essay")}
 NEEDLE_TYPES = ("numbers", "words", "uuids")
 ICL_LENGTH = 500  # variable_tracking.py: its worked example fits in 500 tokens
@@ -637,8 +642,8 @@ def _fwe(opts: dict, rng: random.Random, depth: float | None, enc, length: int) 
   text = [w for w, c in zip(words, counts, strict=True) for _ in range(c)]
   rng.shuffle(text)
   return _Task(
-    [header.rstrip(" ")], iter(text), [], lambda n, b: [], header, question, answer_prefix, words[1:4],
-    [""] * 3, "set",
+    [header.rstrip(" ")], iter(text), [], lambda n, b: [], header, question, answer_prefix,
+    words[1:4], [""] * 3, "set",
   )  # fmt: skip
 
 
@@ -720,7 +725,7 @@ def sample(
   if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
     raise ValueError(f"seed: expected an int, got {seed!r}")
   if depth is not None:
-    if KIND[task] in ("common_words_extraction", "freq_words_extraction"):
+    if task in DEPTHLESS:
       raise ValueError(f"depth: {task!r} has no needle to place; expected None, got {depth!r}")
     if isinstance(depth, bool) or not isinstance(depth, int | float) or not 0 <= depth <= 1:
       raise ValueError(f"depth: expected a fraction in [0, 1], got {depth!r}")
