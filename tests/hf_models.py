@@ -132,13 +132,14 @@ NEW_FAMILIES = {
 CAUSAL_LM = {"Gemma3Text": "Gemma3ForCausalLM"}
 
 
-def tiny_family(name: str):
-  """A seeded tiny transformers model of one of :data:`NEW_FAMILIES` (weights ~ N(0, 0.2^2))."""
+def tiny_family(name: str, **overrides):
+  """A seeded tiny transformers model of one of :data:`NEW_FAMILIES` (weights ~ N(0, 0.2^2));
+  ``overrides`` replace config entries."""
   family, extra, kv_heads = NEW_FAMILIES[name]
   torch.manual_seed(0)
-  extra = dict(extra)
+  extra = dict(extra, **overrides)
   cfg = getattr(transformers, f"{family}Config")(
-    vocab_size=128,
+    vocab_size=extra.pop("vocab_size", 128),
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=extra.pop("num_hidden_layers", 2),

@@ -371,8 +371,8 @@ def test_corrupt_header(good):
 
 
 def test_unknown_architecture(tmp_path):
-  write_model(tmp_path / "arch.gguf", "llama", file_arch="gemma2")
-  with pytest.raises(ValueError, match=r"arch\.gguf.*'gemma2'.*supported: llama"):
+  write_model(tmp_path / "arch.gguf", "llama", file_arch="falcon")
+  with pytest.raises(ValueError, match=r"arch\.gguf.*'falcon'.*supported: llama"):
     km.load(tmp_path / "arch.gguf")
 
 
@@ -631,3 +631,153 @@ def test_a_file_that_is_not_gguf_is_named(tmp_path):
   (tmp_path / "zero.gguf").write_bytes(b"")
   with pytest.raises(ValueError, match=r"path: .*zero\.gguf is empty, not a GGUF file"):
     km.load(tmp_path / "zero.gguf")
+
+
+# --------------------------------------------------------------------------- gemma2, gemma3, phi3
+
+GGUF_VOCAB = 330  # sentencepiece_vocab's size: the file's tokenizer fits the embeddings
+
+
+def llamacpp_tensors(hf, arch: str) -> dict:
+  """A transformers model's weights as llama.cpp's converters name and store them: Gemma's norms
+  with 1 added (``Gemma2Model.modify_tensors``), Phi-3's fused projections as they are."""
+  from gguf import constants  # noqa: PLC0415
+
+  names = {
+    **kgguf.GLOBAL_NAMES,
+    **{
+      f"blk.{{i}}.{g}": f"model.layers.{{i}}.{h}"
+      for g, h in {**kgguf.LAYER_NAMES, **kgguf.ARCH_LAYER_NAMES.get(arch, {})}.items()
+    },
+  }
+  hf_to_gguf = {}
+  for g, h in names.items():
+    for i in range(hf.config.num_hidden_layers):
+      hf_to_gguf[h.format(i=i)] = g.format(i=i)
+  out = {}
+  for name, w in hf.state_dict().items():
+    if name == "lm_head.weight" and hf.config.tie_word_embeddings:
+      continue
+    w = w.detach().numpy().astype(np.float32)
+    if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+      w = w + np.float32(1.0)
+    out[hf_to_gguf[name]] = w
+  # the names are gguf-py's own
+  assert (
+    constants.TENSOR_NAMES[constants.MODEL_TENSOR.ATTN_POST_NORM] == "blk.{bid}.post_attention_norm"
+  )
+  return out
+
+
+def write_family(path: pathlib.Path, arch: str, hf, qtype="F32", drop=(), **meta) -> None:
+  """A tiny gemma2, gemma3 or phi3 GGUF from a transformers model, metadata as llama.cpp's
+  converters write it (``drop``: tensors left out)."""
+  c = hf.config
+  head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+  writer = gguf.GGUFWriter(str(path), arch)
+  writer.add_name(f"tiny-{arch}")
+  writer.add_block_count(c.num_hidden_layers)
+  writer.add_context_length(c.max_position_embeddings)
+  writer.add_embedding_length(c.hidden_size)
+  writer.add_feed_forward_length(c.intermediate_size)
+  writer.add_head_count(c.num_attention_heads)
+  writer.add_head_count_kv(c.num_key_value_heads)
+  writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+  writer.add_key_length(head_dim)
+  writer.add_value_length(head_dim)
+  writer.add_rope_dimension_count(head_dim)
+  rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+  writer.add_rope_freq_base(rope["rope_theta"])
+  if arch in ("gemma2", "gemma3"):
+    writer.add_sliding_window(c.sliding_window)
+  if arch == "gemma2":
+    writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    writer.add_final_logit_softcapping(c.final_logit_softcapping)
+  if arch == "gemma3" and rope.get("rope_type") == "linear":
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(rope["factor"])
+  tensors = llamacpp_tensors(hf, arch)
+  if arch == "phi3":
+    writer.add_sliding_window(c.sliding_window or 0)
+    original = c.rope_parameters["original_max_position_embeddings"]
+    scale = c.max_position_embeddings / original
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+    tensors["rope_factors_long.weight"] = np.asarray(c.rope_parameters["long_factor"], np.float32)
+    tensors["rope_factors_short.weight"] = np.asarray(c.rope_parameters["short_factor"], np.float32)
+  for key, value in meta.items():
+    getattr(writer, f"add_{key}")(value)
+  add_tokenizer(writer, "llama", sentencepiece_vocab())
+  rng = np.random.default_rng(0)
+  for name, w in tensors.items():
+    if name in drop:
+      continue
+    data, raw_dtype = encode(w, qtype if w.ndim == 2 else "F32", rng)
+    writer.add_tensor(name, data, raw_dtype=raw_dtype)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+def family_pair(arch: str):
+  from hf_models import tiny_family  # noqa: PLC0415
+
+  # llama.cpp scales attention by head_dim ** -0.5 below 27B: the tiny models do too
+  extra = dict(vocab_size=GGUF_VOCAB)
+  if arch != "phi3":
+    extra["query_pre_attn_scalar"] = 16
+  return tiny_family(arch, **extra)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
+def test_gemma_and_phi3_files_match_transformers_and_the_safetensors_path(tmp_path, arch):
+  torch = pytest.importorskip("torch")
+  hf = family_pair(arch)
+  path = tmp_path / f"{arch}.gguf"
+  meta = {}
+  if arch == "gemma3":  # not llama.cpp's period of 6: the pattern given per layer
+    meta["sliding_window_pattern"] = [t == "sliding_attention" for t in hf.config.layer_types]
+  write_family(path, arch, hf, **meta)
+  model, cfg = km.load(path)
+  hf.save_pretrained(tmp_path / "hf")
+  model_st, cfg_st = km.load(tmp_path / "hf")
+  assert cfg.layer_types == cfg_st.layer_types and cfg.sliding_window == cfg_st.sliding_window
+  for key, value in model_st.params().items():
+    np.testing.assert_allclose(np.asarray(model.params()[key]), np.asarray(value), atol=1e-6)
+  ids = np.random.default_rng(0).integers(0, GGUF_VOCAB, size=(1, 40)).astype(np.int32)
+  with torch.no_grad():
+    ref = hf(torch.tensor(ids)).logits.numpy()
+  assert np.abs(np.asarray(model(jnp.asarray(ids))) - ref).max() <= LOGIT_TOL
+  from kvjax.model import tokenizer as tok_lib  # noqa: PLC0415
+
+  assert tok_lib.load_tokenizer(path).vocab_size == cfg.vocab_size
+
+
+def test_gemma_files_take_llama_cpps_layer_pattern_and_attention_scale(tmp_path):
+  hf = family_pair("gemma2")
+  write_family(tmp_path / "g2.gguf", "gemma2", hf)
+  cfg = kgguf.config_from_header(kgguf.read_header(tmp_path / "g2.gguf"))
+  assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+  assert cfg.query_pre_attn_scalar == 16 and cfg.attn_softcap == 4.0 and cfg.final_softcap == 6.0
+  hf3 = family_pair("gemma3")
+  write_family(tmp_path / "g3.gguf", "gemma3", hf3, rope_freq_base_swa=20000.0)
+  cfg3 = kgguf.config_from_header(kgguf.read_header(tmp_path / "g3.gguf"))
+  assert cfg3.layer_types == ("sliding_attention",) * 3  # 3 layers of a period of 6
+  assert (cfg3.rope_local_theta, cfg3.rope_theta) == (20000.0, 1e6)
+  assert (cfg3.rope_type, cfg3.rope_factor) == ("linear", 8.0)
+  write_family(tmp_path / "bad.gguf", "gemma3", hf3, sliding_window_pattern=[True, False])
+  with pytest.raises(ValueError, match="sliding_window_pattern is .*expected 3 bools"):
+    km.load(tmp_path / "bad.gguf")
+
+
+def test_phi3_needs_both_longrope_factor_tensors(tmp_path):
+  hf = family_pair("phi3")
+  path = tmp_path / "phi3.gguf"
+  write_family(path, "phi3", hf)
+  cfg, _ = kgguf.read(path)
+  assert cfg.rope_type == "longrope" and cfg.rope_original_max_positions == 32
+  np.testing.assert_allclose(cfg.rope_long_factor, hf.config.rope_parameters["long_factor"])
+  write_family(tmp_path / "one.gguf", "phi3", hf, drop=("rope_factors_short.weight",))
+  with pytest.raises(ValueError, match=r"has only one of the tensors \['rope_factors_long"):
+    km.load(tmp_path / "one.gguf")

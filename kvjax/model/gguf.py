@@ -13,7 +13,17 @@ references that write and read these files:
   is matched back to the ``llama3`` RoPE scaling parameters that produced it;
 * ``transformers``' GGUF loader (``modeling_gguf_pytorch_utils.py``), against which the tests
   check the logits: tied embeddings when ``output.weight`` is absent, Mistral as a ``llama`` file
-  whose ``general.name`` says so.
+  whose ``general.name`` says so;
+* llama.cpp's ``Gemma2Model``, ``Gemma3Model`` and ``Phi3MiniModel`` converters and its
+  ``llama-model.cpp`` hyperparameters: Gemma's norm weights are stored with the ``+ 1`` of
+  ``Gemma2RMSNorm`` added (subtracted here, so the tensors are Hugging Face's), its sliding
+  layers follow llama.cpp's fixed pattern (every 2nd layer global in ``gemma2``, every 6th in
+  ``gemma3``, unless ``attention.sliding_window_pattern`` says otherwise), Gemma 3's sliding
+  layers rotate at base 10000 (``rope.freq_base_swa`` when present), its global layers take
+  ``rope.scaling`` (linear), the attention scale is ``head_dim ** -0.5`` except for the 27B
+  models (46 layers in ``gemma2``, 62 in ``gemma3``: ``(hidden / heads) ** -0.5``); Phi-3's
+  ``attn_qkv`` and ``ffn_up`` (gate and up) stay fused, as its Hugging Face checkpoints, and
+  its LongRoPE factors are the tensors ``rope_factors_long`` and ``rope_factors_short``.
 
 The header (metadata and tensor table) is parsed here with bounds checks before ``gguf`` sees the
 file, so a wrong magic number, a truncated file, a corrupt header, an unsupported architecture or
@@ -40,8 +50,19 @@ import numpy as np
 from kvjax.model import llama
 from kvjax.model.config import ModelConfig
 
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-SUPPORTED_ARCHITECTURES = "llama (Llama, Mistral), qwen2, qwen3"
+ARCHITECTURES = {
+  "llama": "llama",
+  "qwen2": "qwen2",
+  "qwen3": "qwen3",
+  "gemma2": "gemma2",
+  "gemma3": "gemma3",
+  "phi3": "phi3",
+}
+SUPPORTED_ARCHITECTURES = "llama (Llama, Mistral), qwen2, qwen3, gemma2, gemma3, phi3"
+GEMMA = ("gemma2", "gemma3")
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp's hparams.set_swa_pattern per architecture
+LARGE_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's LLM_TYPE_27B by block count
+LOCAL_ROPE_BASE = 10000.0  # llama.cpp's rope_freq_base_train_swa for gemma3
 
 # ggml type id -> (name, elements per block, bytes per block): ggml.h / gguf-py GGML_QUANT_SIZES
 TYPES = {
@@ -106,14 +127,29 @@ LAYER_NAMES = {
   "ffn_up.weight": "mlp.up_proj.weight",
   "ffn_down.weight": "mlp.down_proj.weight",
 }
+# the same GGUF names that mean other Hugging Face tensors in some architectures
+ARCH_LAYER_NAMES = {
+  "gemma2": {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+  },
+  "phi3": {
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+  },
+}
+ARCH_LAYER_NAMES["gemma3"] = ARCH_LAYER_NAMES["gemma2"]
 ROPE_FREQS = "rope_freqs.weight"
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
   """Maps a GGUF tensor name to its Hugging Face tensor name.
 
   Args:
     gguf_name: the GGUF name, e.g. ``"blk.3.attn_q.weight"``.
+    arch: the file's architecture (Gemma's and Phi-3's layers name some tensors otherwise).
 
   Returns:
     The Hugging Face name, e.g. ``"model.layers.3.self_attn.q_proj.weight"``, or ``None`` for a
@@ -121,9 +157,10 @@ def hf_name(gguf_name: str) -> str | None:
   """
   if gguf_name in GLOBAL_NAMES:
     return GLOBAL_NAMES[gguf_name]
+  names = {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}
   parts = gguf_name.split(".", 2)
-  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-    return f"model.layers.{int(parts[1])}.{LAYER_NAMES[parts[2]]}"
+  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+    return f"model.layers.{int(parts[1])}.{names[parts[2]]}"
   return None
 
 
@@ -590,7 +627,7 @@ def architecture(header: Header) -> str:
     header: the file's header (:func:`read_header`).
 
   Returns:
-    The architecture, one of :data:`ARCHITECTURES` (``"llama"``, ``"qwen2"`` or ``"qwen3"``).
+    The architecture, one of :data:`ARCHITECTURES`.
 
   Raises:
     ValueError: naming the file, when the key is missing, is not a string or names an
@@ -605,19 +642,73 @@ def architecture(header: Header) -> str:
   return arch
 
 
-def _rope_scaling(header: Header, arch: str) -> None:
+def _rope_scaling(header: Header, arch: str) -> dict:
+  """The ``rope_*`` fields of the metadata's scaling: none, or (``gemma3``'s global layers)
+  linear; Llama 3's comes from a ``rope_freqs`` tensor and Phi-3's from its factor tensors."""
   where = f"path: GGUF file {header.path}"
   kind = metadata_str(header.metadata, f"{arch}.rope.scaling.type", where, "none")
   factor = metadata_float(header.metadata, f"{arch}.rope.scaling.factor", where, 1.0)
-  if kind not in ("none", "") and not (kind == "linear" and factor == 1.0):
-    raise ValueError(
-      f"path: GGUF file {header.path} has RoPE scaling {kind!r} (factor {factor}); supported: "
-      "none, or Llama 3 scaling given by a rope_freqs tensor"
+  if kind in ("none", "") or (kind == "linear" and factor == 1.0):
+    return {}
+  if kind == "linear" and arch == "gemma3":
+    return dict(rope_type="linear", rope_factor=factor)
+  raise ValueError(
+    f"path: GGUF file {header.path} has RoPE scaling {kind!r} (factor {factor}); supported: "
+    "none, linear (gemma3), Llama 3 scaling given by a rope_freqs tensor, or Phi-3's LongRoPE "
+    "given by rope_factors tensors"
+  )
+
+
+def _family_fields(header: Header, arch: str, num_layers: int, hidden: int, heads: int) -> dict:
+  """The ``ModelConfig`` fields of Gemma 2/3 and Phi-3 files (llama.cpp's hyperparameters)."""
+  where, meta = f"path: GGUF file {header.path}", header.metadata
+  window = metadata_int(meta, f"{arch}.attention.sliding_window", where, 0, minimum=0)
+  if arch == "phi3":  # llama.cpp's converter writes 0 for no window (Phi-4)
+    return dict(sliding_window=window or None)
+  if arch not in GEMMA:
+    return {}
+  head_dim = metadata_int(meta, f"{arch}.attention.key_length", where, hidden // heads)
+  large = num_layers == LARGE_LAYERS[arch]
+  softcap = lambda key: metadata_float(meta, f"{arch}.{key}", where, None, positive=True)  # noqa: E731
+  fields = dict(
+    sliding_window=window or None,
+    layer_types=_gguf_layer_types(header, arch, num_layers),
+    query_pre_attn_scalar=float(hidden // heads if large else head_dim),
+    attn_softcap=softcap("attn_logit_softcapping") if arch == "gemma2" else None,
+    final_softcap=softcap("final_logit_softcapping") if arch == "gemma2" else None,
+    sandwich_norms=True,
+    mlp_activation="gelu_tanh",
+    embed_scale=True,
+    norm_scale_fp32=True,
+  )
+  if arch == "gemma3":
+    fields["rope_local_theta"] = metadata_float(
+      meta, f"{arch}.rope.freq_base_swa", where, LOCAL_ROPE_BASE, positive=True
     )
+  return fields
+
+
+def _gguf_layer_types(header: Header, arch: str, num_layers: int) -> tuple[str, ...]:
+  """Sliding or global per layer: ``attention.sliding_window_pattern`` (a period, or one bool per
+  layer, true for sliding) when present, else llama.cpp's fixed period (a layer is sliding
+  unless it ends a period)."""
+  key = f"{arch}.attention.sliding_window_pattern"
+  value = header.metadata.get(key, SWA_PATTERN[arch])
+  if isinstance(value, (list, np.ndarray)):
+    if len(value) != num_layers or np.asarray(value).dtype.kind not in "biu":
+      raise ValueError(
+        f"path: GGUF file {header.path}: {key} is {describe(value)}, expected {num_layers} bools"
+      )
+    sliding = [bool(v) for v in value]
+  else:
+    period = metadata_int(header.metadata, key, f"path: GGUF file {header.path}", SWA_PATTERN[arch])
+    sliding = [i % period < period - 1 for i in range(num_layers)]
+  return tuple("sliding_attention" if s else "full_attention" for s in sliding)
 
 
 def config_from_header(header: Header) -> ModelConfig:
-  """Builds the :class:`ModelConfig` of a ``llama``, ``qwen2`` or ``qwen3`` GGUF file.
+  """Builds the :class:`ModelConfig` of a ``llama``, ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``
+  or ``phi3`` GGUF file (Gemma's and Phi-3's fields as llama.cpp sets them: the module's notes).
 
   The configuration is the one before any ``rope_freqs`` tensor (Llama 3 RoPE scaling, see
   :func:`llama3_rope`) is applied. Every metadata value is type-checked;
@@ -656,7 +747,7 @@ def config_from_header(header: Header) -> ModelConfig:
       f"path: GGUF file {header.path} has key length {head_dim}, value length {value_dim} and "
       f"RoPE dimension {rotary}; kvjax supports equal ones (full rotary heads)"
     )
-  _rope_scaling(header, arch)
+  scaling = _rope_scaling(header, arch)
   if "token_embd.weight" not in header.tensors:
     raise ValueError(f"path: GGUF file {header.path} lacks the tensor 'token_embd.weight'")
   vocab = header.tensors["token_embd.weight"].shape[0]
@@ -669,11 +760,18 @@ def config_from_header(header: Header) -> ModelConfig:
   name = metadata_str(meta, "general.name", where, "").lower()
   family = "mistral" if arch == "llama" and "mistral" in name else ARCHITECTURES[arch]
   names = header.tensors
+  num_layers = integer("block_count")
+  # llama.cpp attends to every key for llama, qwen2 and qwen3
+  fields = {
+    "sliding_window": None,
+    **scaling,
+    **_family_fields(header, arch, num_layers, hidden, heads),
+  }
   return ModelConfig(
     vocab_size=vocab,
     hidden_size=hidden,
     intermediate_size=_uniform(header, f"{arch}.feed_forward_length"),
-    num_layers=integer("block_count"),
+    num_layers=num_layers,
     num_heads=heads,
     num_kv_heads=kv_heads,
     head_dim=head_dim,
@@ -682,10 +780,10 @@ def config_from_header(header: Header) -> ModelConfig:
     tie_word_embeddings="output.weight" not in names,
     qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
     o_bias=arch != "qwen2" and "blk.0.attn_output.bias" in names,
-    qk_norm=arch == "qwen3",
-    sliding_window=None,  # llama.cpp attends to every key for these architectures
+    qk_norm=arch in ("qwen3", "gemma3"),
     family=family,
     max_positions=integer("context_length", None),
+    **fields,
   )
 
 
@@ -718,6 +816,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     layer["attn_output.bias"] = (d,)
   if cfg.qk_norm:
     layer |= {"attn_q_norm.weight": (D,), "attn_k_norm.weight": (D,)}
+  if cfg.sandwich_norms:
+    layer |= {"post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)}
+  if cfg.family == "phi3":  # fused, as llama.cpp's Phi3MiniModel writes them
+    for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight"):
+      del layer[name]
+    layer |= {"attn_qkv.weight": (q + 2 * kv, d), "ffn_up.weight": (2 * F, d)}
   out = {"token_embd.weight": (V, d), "output_norm.weight": (d,)}
   if not cfg.tie_word_embeddings:
     out["output.weight"] = (V, d)
@@ -766,7 +870,14 @@ def check_tensors(header: Header, cfg: ModelConfig) -> dict[str, tuple[int, ...]
       f"path: GGUF file {path}: tensor {ROPE_FREQS!r} has shape "
       f"{list(header.tensors[ROPE_FREQS].shape)}, expected {[cfg.head_dim // 2]}"
     )
-  extra = sorted(set(header.tensors) - set(expected) - {ROPE_FREQS})
+  for name in ROPE_FACTORS:
+    if name in header.tensors and header.tensors[name].shape != (cfg.head_dim // 2,):
+      raise ValueError(
+        f"path: GGUF file {path}: tensor {name!r} has shape "
+        f"{list(header.tensors[name].shape)}, expected {[cfg.head_dim // 2]}"
+      )
+  allowed = {ROPE_FREQS, *(ROPE_FACTORS if cfg.family == "phi3" else ())}
+  extra = sorted(set(header.tensors) - set(expected) - allowed)
   if extra:
     raise ValueError(
       f"path: GGUF file {path} has tensors a {cfg.family} model of this configuration does not "
@@ -917,6 +1028,8 @@ def read(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
   if ROPE_FREQS in found:
     freqs = _dequantize(found[ROPE_FREQS], (cfg.head_dim // 2,), header.path)
     cfg = llama3_rope(cfg, freqs, header.path)
+  if cfg.family == "phi3":
+    cfg = phi3_longrope(header, cfg, found)
   tensors: dict[str, np.ndarray] = {}
   for name, shape in expected.items():
     w = _dequantize(found[name], shape, header.path)
@@ -925,5 +1038,48 @@ def read(path: str | pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         w = unpermute(w, cfg.num_heads)
       elif name.endswith(("attn_k.weight", "attn_k.bias")):
         w = unpermute(w, cfg.num_kv_heads)
-    tensors[hf_name(name)] = w
+    if cfg.family in GEMMA and name.endswith("norm.weight"):
+      w = w - np.float32(1.0)  # llama.cpp stores Gemma2RMSNorm's 1 + w
+    tensors[hf_name(name, architecture(header))] = w
   return cfg, tensors
+
+
+def phi3_longrope(header: Header, cfg: ModelConfig, found: dict) -> ModelConfig:
+  """Returns ``cfg`` with the LongRoPE scaling a Phi-3 file's factor tensors encode.
+
+  llama.cpp's ``Phi3MiniModel`` writes ``rope_factors_long`` and ``rope_factors_short``, the
+  pretraining context as ``rope.scaling.original_context_length`` and the cos/sin scale as
+  ``rope.scaling.attn_factor``; the extended context is ``context_length``.
+
+  Args:
+    header: the file's header.
+    cfg: the configuration read from the metadata.
+    found: GGUF tensor name -> the reader's tensor.
+
+  Returns:
+    ``cfg`` itself without both factor tensors, else a copy with ``rope_type="longrope"``.
+
+  Raises:
+    ValueError: naming the file, for one factor tensor without the other, or a missing
+      original context length.
+  """
+  present = [n in found for n in ROPE_FACTORS]
+  if not any(present):
+    return cfg
+  where = f"path: GGUF file {header.path}"
+  if not all(present):
+    raise ValueError(f"{where} has only one of the tensors {list(ROPE_FACTORS)}")
+  long, short = (_dequantize(found[n], (cfg.head_dim // 2,), header.path) for n in ROPE_FACTORS)
+  original = metadata_int(header.metadata, "phi3.rope.scaling.original_context_length", where)
+  factor = (cfg.max_positions or original) / original
+  default = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+  attention = metadata_float(header.metadata, "phi3.rope.scaling.attn_factor", where, default)
+  return dataclasses.replace(
+    cfg,
+    rope_type="longrope",
+    rope_factor=factor,
+    rope_original_max_positions=original,
+    rope_attention_factor=attention,
+    rope_long_factor=tuple(float(f) for f in long),
+    rope_short_factor=tuple(float(f) for f in short),
+  )
