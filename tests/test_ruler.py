@@ -224,7 +224,10 @@ def test_the_outputs_do_not_depend_on_the_tokenizer(bpe):
     ), task
 
 
-@pytest.mark.parametrize("task", ["niah_single_1", "niah_single_2", "niah_multikey_2"])
+@pytest.mark.parametrize(
+  "task",
+  ["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "niah_multivalue"],
+)
 @pytest.mark.parametrize("depth", [0.0, 0.3, 0.7, 1.0])
 def test_depth_places_the_asked_needle(task, depth, bpe):
   s = ruler.sample(task, bpe, length=2000, seed=4, depth=depth)
@@ -236,7 +239,7 @@ def test_depth_places_the_asked_needle(task, depth, bpe):
   frac = (at[0] - len(bpe.encode(s.header)) - 1) / context
   # the nearest unit boundary: a noise line or an essay sentence away at most
   assert abs(frac - depth) < 0.06, (frac, depth)
-  assert e.depth == depth and at[0] in range(e.needle_at[0] - 40, e.needle_at[0] + 1)
+  assert e.depth == depth and at[0] in e.needle_at  # needle_at: each value's start, in order
 
 
 def test_random_depths_follow_rulers_grid_for_essays(bpe):
@@ -275,6 +278,14 @@ def test_variable_tracking_chain_and_worked_example(bpe):
   shown = re.search(r"they are: ([A-Z]{3}(?: [A-Z]{3}){4})\n\n", worked)
   assert shown, worked[-300:]
   assert len(bpe.encode("Memorize and track" + worked)) <= ruler.ICL_LENGTH + 30
+  # two chains in the essay haystack (variable_tracking.py's other haystack): each in its order
+  s = ruler.sample("vt", bpe, length=2500, seed=2, num_chains=2, type_haystack="essay", depth=0.4)
+  assert s.example.prompt.size == 2500 and len(s.needles) == 10
+  task = bpe.decode(s.example.prompt).split("Memorize and track")[-1]
+  for line in [n for n in s.needles if n.split()[1] in s.outputs]:
+    assert line in task
+  at = [task.index(f"VAR {n} =") for n in s.outputs]
+  assert at == sorted(at)
 
 
 def test_common_words_counts_in_both_regimes(bpe):

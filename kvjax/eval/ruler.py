@@ -743,7 +743,7 @@ def sample(
   needle_tokens = sum(len(enc(n.text)) for n in t.needles)
   if room < needle_tokens:
     raise ValueError(
-      f"length: {length} tokens cannot hold {task!r}'s text and needles "
+      f"length: {length} tokens cannot hold the text and needles of {task!r} "
       f"({length - room + needle_tokens} tokens)"
     )
   context, starts, first = _fill(enc, room, t.units, t.needles, t.place)
