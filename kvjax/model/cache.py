@@ -179,8 +179,19 @@ class CacheSpec:
 
 # caller-given evidence (kvjax.model.calibrate; HeadKV's head importances): per model, or per
 # batch row (B at axis 1)
-SHARED_EVIDENCE = {"qfilters_LGD": 3, "retrieval_heads_LG": 2, "head_scores_LH": 2}
-ROW_EVIDENCE = {"reconstruction_attn_LGT": 4, "reconstruction_attn_LHT": 4, "kvgrad_LGT": 4}
+SHARED_EVIDENCE = {
+  "qfilters_LGD": 3,
+  "retrieval_heads_LG": 2,
+  "head_scores_LH": 2,
+  "stats_query_mean_LHD": 3,
+  "stats_query_cov_LHDD": 4,
+}
+ROW_EVIDENCE = {
+  "reconstruction_attn_LGT": 4,
+  "reconstruction_attn_LHT": 4,
+  "kvgrad_LGT": 4,
+  "kvzap_LGT": 4,
+}
 # what a re-compression during decoding can provide (over the cache's own slots)
 DECODE_EVIDENCE = (
   "attn_window_LHWT",
@@ -293,7 +304,9 @@ def check_evidence(
 
   Only the data fields are taken: ``qfilters_LGD [L, G, D]``, ``retrieval_heads_LG [L, G]`` in
   ``[0, 1]``, ``reconstruction_attn_LGT [L, B, G, T]``, ``reconstruction_attn_LHT
-  [L, B, Hq, T]`` (KVCompose's), ``kvgrad_LGT [L, B, G, T]`` (KVgrad's), HeadKV's ``head_scores_LH`` ``[L, Hq]``
+  [L, B, Hq, T]`` (KVCompose's), ``kvgrad_LGT [L, B, G, T]`` (KVgrad's), ``kvzap_LGT
+  [L, B, G, T]`` (KVzap's), ``stats_query_mean_LHD [L, Hq, D]`` and ``stats_query_cov_LHDD
+  [L, Hq, D, D]`` (ExpectedAttentionStats'), HeadKV's ``head_scores_LH`` ``[L, Hq]``
   or ``[L, G]`` (the heads of the policy's scores); they must be finite, with their shapes.
 
   Args:
@@ -322,6 +335,9 @@ def check_evidence(
     "reconstruction_attn_LGT": [(L, B, G, T)],
     "reconstruction_attn_LHT": [(L, B, G if Hq is None else Hq, T)],
     "kvgrad_LGT": [(L, B, G, T)],
+    "kvzap_LGT": [(L, B, G, T)],
+    "stats_query_mean_LHD": [(L, G if Hq is None else Hq, D)],
+    "stats_query_cov_LHDD": [(L, G if Hq is None else Hq, D, D)],
     # at the policy's head granularity: query heads, or KV heads (num_kv_heads, the kv layout)
     "head_scores_LH": [(L, G)] if Hq is None or Hq == G else [(L, Hq), (L, G)],
   }
@@ -413,6 +429,11 @@ def compress(
     return idx, kept, budget_LH, state, overflow
 
   rows = _evidence_per_row(pre, evidence)
+  if "stats_query_mean_LHD" in shared:  # ExpectedAttentionStats: the corpus's moments, rotated
+    mean, cov = rotated_query_stats(
+      cfg, shared, pre.valid.sum(-1), spec.policy.evidence_request(T).n_future
+    )
+    rows = rows.replace(query_mean_LHD=mean, query_cov_LHDD=cov)
   idx, kept, budget_LH, state, overflow = jax.vmap(one)(rows, pre.valid, jax.random.split(rng, B))
   idx_L, kept_L = jnp.moveaxis(idx, 0, 1), jnp.moveaxis(kept, 0, 1)  # [L, B, H, C]
   gather = functools.partial(_gather_slots, idx_L)
@@ -453,6 +474,35 @@ def compress(
     evidence=(shared or None) if window else None,
     attn_sums=jnp.zeros(kept_L.shape, jnp.float32) if spec.policy.merges_while_decoding else None,
   )
+
+
+def rotated_query_stats(cfg: ModelConfig, stats: dict, start_B: Array, n_future: int) -> tuple:
+  """Query statistics measured on a corpus, rotated for each row as the prefill rotates a
+  prompt's own (kvpress ``ExpectedAttentionStatsPress.get_query_statistics``: ``apply_avg_rope``
+  with the row's length).
+
+  Args:
+    cfg: the model's config.
+    stats: ``stats_query_mean_LHD [L, Hq, D]`` and ``stats_query_cov_LHDD [L, Hq, D, D]``.
+    start_B: each row's real tokens, its first future position ``[B]``.
+    n_future: the future positions averaged over.
+
+  Returns:
+    ``(query_mean [B, L, Hq, D], query_cov [B, L, Hq, D, D])`` fp32.
+  """
+  mean_LHD, cov_LHDD = stats["stats_query_mean_LHD"], stats["stats_query_cov_LHDD"]
+  B = start_B.shape[0]
+  means, covs = [], []
+  for layer in range(mean_LHD.shape[0]):  # layers may rotate differently (Gemma's local ones)
+    R = llama.average_rope(cfg, start_B, n_future, layer=layer)
+    m, c = llama.rotate_moments(
+      R,
+      jnp.broadcast_to(mean_LHD[layer], (B,) + mean_LHD.shape[1:]),
+      jnp.broadcast_to(cov_LHDD[layer], (B,) + cov_LHDD.shape[1:]),
+    )
+    means.append(m)
+    covs.append(c)
+  return jnp.stack(means, 1), jnp.stack(covs, 1)
 
 
 def _merged_values(spec: CacheSpec, pre: llama.Prefill, idx_LBHC, kept_LBHC) -> Array:

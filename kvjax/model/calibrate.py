@@ -236,6 +236,98 @@ def calibration_rows(tokenizer, text: str, num_rows: int, length: int) -> np.nda
   return out
 
 
+# --------------------------------------------------------------------------- query statistics
+
+
+def _query_moments(cfg: ModelConfig, params: dict, ids_BT: Array, n_sink: int):
+  B, T = ids_BT.shape
+  pos = _positions(B, T)
+  allowed = _causal_allowed(cfg, B, T)
+
+  def layer(x, p):
+    q_pre, _, _ = llama.project_heads(cfg, p, x)
+    q, k, v = llama.project_qkv(cfg, p, x, pos)
+    x = llama.output_and_mlp(cfg, p, x, llama.attend(llama.attention_probs(q, k, allowed), v))
+    # every row's queries after its first n_sink, pooled: [Hq, B * (T - n_sink), D]
+    flat = q_pre[:, :, n_sink:].astype(jnp.float32).transpose(1, 0, 2, 3)
+    flat = flat.reshape(cfg.num_heads, -1, cfg.head_dim)
+    return x, flat.sum(1)
+
+  _, sums = jax.lax.scan(layer, params["embed"][ids_BT], llama.stacked(params))
+  return sums
+
+
+def _query_scatter(cfg: ModelConfig, params: dict, ids_BT: Array, mean_LHD: Array, n_sink: int):
+  B, T = ids_BT.shape
+  pos = _positions(B, T)
+  allowed = _causal_allowed(cfg, B, T)
+
+  def layer(x, inputs):
+    p, mean = inputs
+    q_pre, _, _ = llama.project_heads(cfg, p, x)
+    q, k, v = llama.project_qkv(cfg, p, x, pos)
+    x = llama.output_and_mlp(cfg, p, x, llama.attend(llama.attention_probs(q, k, allowed), v))
+    flat = q_pre[:, :, n_sink:].astype(jnp.float32).transpose(1, 0, 2, 3)
+    c = flat.reshape(cfg.num_heads, -1, cfg.head_dim) - mean[:, None]
+    return x, jnp.einsum("hnd,hne->hde", c, c, precision=jax.lax.Precision.HIGHEST)
+
+  _, scatter = jax.lax.scan(layer, params["embed"][ids_BT], (llama.stacked(params), mean_LHD))
+  return scatter
+
+
+_query_moments_jit = jax.jit(_query_moments, static_argnums=(0, 3))
+_query_scatter_jit = jax.jit(_query_scatter, static_argnums=(0, 4))
+
+
+def query_stats(
+  cfg: ModelConfig, params: dict, ids_BT, *, n_sink: int = 4, batch: int = 4
+) -> tuple[np.ndarray, np.ndarray]:
+  """Measures ExpectedAttention's query statistics on calibration rows.
+
+  kvpress 0.5.5 ``presses/expected_attention_with_stats.py::collect_queries``: the pre-RoPE
+  queries (after Qwen3's q-norm) of every row's positions from ``n_sink`` on, pooled over the
+  rows; their mean and covariance (divided by ``N - 1``) per layer and query head. Two passes
+  (the mean, then the centred scatter) over ``batch`` rows at a time keep memory at one batch's
+  activations.
+
+  Differences from kvpress: rows of equal token length (:func:`calibration_rows`; kvpress cuts
+  each text to 1,000 characters, so its rows differ in length).
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    ids_BT: calibration token ids ``[B, T]`` (:func:`calibration_rows`).
+    n_sink: the first positions of each row left out (kvpress ``n_sink``, 4).
+    batch: rows per forward.
+
+  Returns:
+    ``(mean [L, Hq, D], cov [L, Hq, D, D])`` float32 numpy arrays: the
+    ``stats_query_mean_LHD`` / ``stats_query_cov_LHDD`` evidence of
+    :class:`~kvjax.policies.ExpectedAttentionStats`.
+
+  Raises:
+    ValueError: for ids that are not ``[B, T]`` ints in the vocabulary, an ``n_sink`` that
+      leaves fewer than 2 queries, or a ``batch`` that is not an int ``>= 1``.
+  """
+  ids = _ids_2d("ids_BT", ids_BT, cfg)
+  B, T = ids.shape
+  n_sink = _check_int("n_sink", n_sink, 0)
+  batch = _check_int("batch", batch)
+  N = B * (T - n_sink)
+  if N < 2:
+    raise ValueError(
+      f"n_sink: {n_sink} leaves {N} queries of {B} rows of {T} tokens; expected at least 2"
+    )
+  chunks = [jnp.asarray(ids[i : i + batch]) for i in range(0, B, batch)]
+  total = sum(np.asarray(_query_moments_jit(cfg, params, c, n_sink), np.float64) for c in chunks)
+  mean = (total / N).astype(np.float32)
+  scatter = sum(
+    np.asarray(_query_scatter_jit(cfg, params, c, jnp.asarray(mean), n_sink), np.float64)
+    for c in chunks
+  )
+  return mean, (scatter / (N - 1)).astype(np.float32)
+
+
 # --------------------------------------------------------------------------- DuoAttention
 
 DUO_METHODS = ("official", "kvpress_on_the_fly", "distant_mass")

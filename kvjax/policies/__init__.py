@@ -61,6 +61,7 @@ from kvjax.policies.evidence import (
   EvidenceRequest,
   evidence_from_qk,
 )
+from kvjax.policies.expected_stats import ExpectedAttentionStats
 from kvjax.policies.finch import Finch
 from kvjax.policies.kvcompose import Composite, KVCompose
 from kvjax.policies.kvgrad import KVgrad
@@ -120,6 +121,7 @@ __all__ = [
   "LAZY_THRESHOLDS",
   "LUKV",
   "Merging",
+  "ExpectedAttentionStats",
   "CaM",
   "N_FUTURE",
   "N_SINK",

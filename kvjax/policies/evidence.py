@@ -77,6 +77,13 @@ class Evidence:
       ``||d Phi / d a_p||_2`` (``Phi = sum_p ||h^L_p||^2``, ``a_p`` the layer's attention
       output) in the "repeat the context" pass (kvpress ``KVgradPress``;
       :func:`kvjax.model.kvgrad.kvgrad_evidence`).
+    kvzap_LGT: KVzap's surrogate scores ``[L, G, T]`` fp32: a trained per-layer model applied to
+      each position's attention input (kvpress ``KVzapPress``;
+      :func:`kvjax.model.kvzap.kvzap_evidence`).
+    stats_query_mean_LHD: pre-RoPE query means measured on a corpus ``[L, Hq, D]`` fp32
+      (kvpress ``ExpectedAttentionStatsPress``; :func:`kvjax.model.calibrate.query_stats`); the
+      model's cache rotates them into ``query_mean_LHD`` for each row.
+    stats_query_cov_LHDD: the matching covariances ``[L, Hq, D, D]`` (divided by ``N - 1``).
   """
 
   attn_window_LHWT: Array | None = None
@@ -105,6 +112,9 @@ class Evidence:
   observation_window: int | None = struct.field(pytree_node=False, default=None)
   reconstruction_attn_LHT: Array | None = None
   kvgrad_LGT: Array | None = None
+  kvzap_LGT: Array | None = None
+  stats_query_mean_LHD: Array | None = None
+  stats_query_cov_LHDD: Array | None = None
 
   def need(self, field: str, policy: str) -> Array:
     """Reads a field that the policy needs.
@@ -184,6 +194,7 @@ KEY_AXIS = {
   "queries_LHTD": -2,
   "valid_T": -1,
   "kvgrad_LGT": -1,
+  "kvzap_LGT": -1,
 }
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(Evidence)) - {"observation_window"}

@@ -121,6 +121,13 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
     _KVPRESS.format("ExpectedAttentionPress"),
     "the averaged RoPE matrix is computed in float32",
   ),
+  "expected_attention_stats": (
+    "Devoto et al., Expected Attention: KV Cache Compression by Estimating Attention from "
+    "Future Queries Distribution (arXiv 2510.00636)",
+    _KVPRESS.format("ExpectedAttentionStatsPress"),
+    "statistics measured on Python's pydoc topics in equal-length rows (kvpress: kmfoda/booksum "
+    "chapters cut to 1,000 characters, from the hub); no re-compression while decoding",
+  ),
   "qfilter": (
     "Godey et al., Q-Filters: Leveraging QK Geometry for Efficient KV Cache Compression "
     "(arXiv 2503.02812)",

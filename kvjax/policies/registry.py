@@ -26,6 +26,7 @@ from kvjax.policies.compactor import Compactor
 from kvjax.policies.curkv import CurDKV
 from kvjax.policies.dms import DMS
 from kvjax.policies.entropy_chunkkv import EntropyGatedChunkKV
+from kvjax.policies.expected_stats import ExpectedAttentionStats
 from kvjax.policies.finch import Finch
 from kvjax.policies.kvcompose import Composite, KVCompose
 from kvjax.policies.kvgrad import KVgrad
@@ -438,6 +439,12 @@ _BUILTIN = {
     "kvpress ExpectedAttentionPress: softmax of the expected logits of future queries "
     "(mean + covariance of the pre-RoPE prompt queries, averaged RoPE over the next 512 "
     "positions, computed by the model), times ||v||; 4 sinks kept",
+  ),
+  "expected_attention_stats": _preset(
+    ExpectedAttentionStats,
+    "kvpress ExpectedAttentionStatsPress: ExpectedAttention with the query mean and covariance "
+    "measured once on a corpus (evidence stats_query_mean_LHD / stats_query_cov_LHDD from "
+    "kvjax.model.calibrate.query_stats), rotated for each prompt by the model's cache",
   ),
   "qfilter": _preset(
     m.QFilter,
