@@ -1,6 +1,7 @@
 """Model-made evidence for issue 15's methods: ``python -m experiments.calibrate``.
 
-Q-Filters' directions (``qfilters_LGD``), DuoAttention's gates (``retrieval_heads_LG``: the
+Q-Filters' directions (``qfilters_LGD``), ExpectedAttentionStats' query statistics
+(``stats_query_mean_LHD``, ``stats_query_cov_LHDD``), DuoAttention's gates (``retrieval_heads_LG``: the
 official distillation and the two proxies) and KVzip's reconstruction attention
 (``reconstruction_attn_LGT``) of SmolLM2-135M-Instruct on shipped text, saved as
 ``calibration.npz`` with their timings in ``timings.json``. ``:quick`` is the shipped tiny model
@@ -21,6 +22,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.qfilter_rows = 4
   c.qfilter_length = 512
   c.num_svd_samples = 3000
+  c.stats_n_sink = 4  # ExpectedAttentionStats: kvpress's n_sink, on the Q-Filters rows
   # DuoAttention: multi-key retrieval prompts (kvjax.eval.tasks), official training + proxies
   c.duo_methods = ("official", "kvpress_on_the_fly", "distant_mass")
   c.duo_task = "multi_query"

@@ -29,12 +29,13 @@ POLICIES = (
   dict(label="oracle", policy="oracle"),
 )
 
-# the methods the field runs as baselines since 2025 (issue 15), beside SnapKV; qfilter and
-# duo_attention read a calibration (`python -m experiments.calibrate`, then
+# the methods the field runs as baselines since 2025, beside SnapKV; qfilter, duo_attention and
+# expected_attention_stats read a calibration (`python -m experiments.calibrate`, then
 # --config.calibration=DIR/calibration.npz)
 METHODS = (
   dict(label="snapkv", policy="snapkv"),
   dict(label="expected_attention", policy="expected_attention"),
+  dict(label="expected_attention_stats", policy="expected_attention_stats"),
   dict(label="keydiff", policy="keydiff"),
   dict(label="lagkv", policy="lagkv"),
   dict(label="critical_snapkv", policy="critical_snapkv"),
@@ -48,7 +49,7 @@ METHODS = (
   dict(label="rkv", policy="rkv"),
   dict(label="oracle", policy="oracle"),
 )
-CALIBRATED = ("duo_attention", "qfilter")
+CALIBRATED = ("duo_attention", "qfilter", "expected_attention_stats")
 
 # kvpress 0.5.5's other presses (issue 31) beside SnapKV, KVzip and KeyDiff. Not here: LU-KV
 # (its budget curve is data for a given model), DMS (its threshold is on its scorer's scale),

@@ -1,8 +1,9 @@
 """Model-made evidence: ``python -m experiments.calibrate --config=configs/calibrate.py[:quick]``
-computes Q-Filters' directions, DuoAttention's gates (each ``duo_methods``) and KVzip's
-reconstruction attention with :mod:`kvjax.model.calibrate`, and writes ``calibration.npz``
-(``qfilters_LGD``, ``retrieval_heads_LG_<method>``, ``reconstruction_attn_LGT``, the DuoAttention
-loss curve) and ``timings.json`` into the workdir."""
+computes Q-Filters' directions, ExpectedAttentionStats' query statistics, DuoAttention's gates
+(each ``duo_methods``) and KVzip's reconstruction attention with :mod:`kvjax.model.calibrate`,
+and writes ``calibration.npz`` (``qfilters_LGD``, ``stats_query_mean_LHD``,
+``stats_query_cov_LHDD``, ``retrieval_heads_LG_<method>``, ``reconstruction_attn_LGT``, the
+DuoAttention loss curve) and ``timings.json`` into the workdir."""
 
 import json
 import os
@@ -56,6 +57,10 @@ def main(argv):
     timings,
     "qfilters",
     lambda: calibrate.qfilters(cfg, params, rows, num_svd_samples=c.num_svd_samples, seed=c.seed),
+  )
+  # ExpectedAttentionStats: the query moments of the same rows (kvpress: 100 BookSum chapters)
+  out["stats_query_mean_LHD"], out["stats_query_cov_LHDD"] = _timed(
+    timings, "query_stats", lambda: calibrate.query_stats(cfg, params, rows, n_sink=c.stats_n_sink)
   )
 
   exs = [

@@ -216,7 +216,12 @@ PREFILL_EVIDENCE = (
   "prerope_keys_LGTD",
   "queries_LHTD",
 )
-CALIBRATION_EVIDENCE = ("qfilters_LGD", "retrieval_heads_LG")
+CALIBRATION_EVIDENCE = (
+  "qfilters_LGD",
+  "retrieval_heads_LG",
+  "stats_query_mean_LHD",
+  "stats_query_cov_LHDD",
+)
 CONTEXT_EVIDENCE = ("reconstruction_attn_LGT",)
 
 
@@ -226,9 +231,10 @@ def policy_needs(entries) -> set[str]:
 
 
 def load_calibration(config, needs) -> dict:
-  """``qfilters_LGD`` / ``retrieval_heads_LG`` from ``config.calibration`` (the
-  ``calibration.npz`` that ``python -m experiments.calibrate`` writes; DuoAttention's gates of
-  ``config.duo_method``), for the policies that read them; ``{}`` when none does."""
+  """``qfilters_LGD`` / ``retrieval_heads_LG`` / ExpectedAttentionStats' query statistics from
+  ``config.calibration`` (the ``calibration.npz`` that ``python -m experiments.calibrate``
+  writes; DuoAttention's gates of ``config.duo_method``), for the policies that read them; ``{}``
+  when none does."""
   wanted = sorted(set(needs) & set(CALIBRATION_EVIDENCE))
   if not wanted:
     return {}
@@ -242,6 +248,8 @@ def load_calibration(config, needs) -> dict:
   names = {
     "qfilters_LGD": "qfilters_LGD",
     "retrieval_heads_LG": f"retrieval_heads_LG_{config.get('duo_method', 'official')}",
+    "stats_query_mean_LHD": "stats_query_mean_LHD",
+    "stats_query_cov_LHDD": "stats_query_cov_LHDD",
   }
   try:
     data = np.load(path)
@@ -256,15 +264,27 @@ def load_calibration(config, needs) -> dict:
 
 def check_calibration(calibration: dict, cfg, path) -> None:
   """``ValueError`` naming ``calibration`` when its arrays (:func:`load_calibration`) were
-  measured on another model: ``qfilters_LGD`` must be ``[layers, KV heads, head_dim]`` and
-  ``retrieval_heads_LG`` ``[layers, KV heads]`` of ``cfg``."""
-  L, G, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-  shapes = {"qfilters_LGD": (L, G, D), "retrieval_heads_LG": (L, G)}
+  measured on another model: ``qfilters_LGD`` must be ``[layers, KV heads, head_dim]``,
+  ``retrieval_heads_LG`` ``[layers, KV heads]`` and the query statistics ``[layers, query
+  heads, head_dim(, head_dim)]`` of ``cfg``."""
+  L, G, D, Hq = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
+  shapes = {
+    "qfilters_LGD": (L, G, D),
+    "retrieval_heads_LG": (L, G),
+    "stats_query_mean_LHD": (L, Hq, D),
+    "stats_query_cov_LHDD": (L, Hq, D, D),
+  }
+  heads = {
+    "qfilters_LGD": "layers, KV heads, head_dim",
+    "retrieval_heads_LG": "layers, KV heads",
+    "stats_query_mean_LHD": "layers, query heads, head_dim",
+    "stats_query_cov_LHDD": "layers, query heads, head_dim, head_dim",
+  }
   for name, value in calibration.items():
     if name in shapes and tuple(np.shape(value)) != shapes[name]:
       raise ValueError(
         f"calibration: {path} holds {name} of shape {tuple(np.shape(value))}, expected "
-        f"{shapes[name]} (layers, KV heads{', head_dim' if name == 'qfilters_LGD' else ''}) of "
+        f"{shapes[name]} ({heads[name]}) of "
         "the evaluated model; calibrate this model (python -m experiments.calibrate)"
       )
 
