@@ -325,5 +325,8 @@ def test_experiment_entry_point(tmp_path):
   cfg = km.load_tiny()[1]
   assert saved["qfilters_LGD"].shape == (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
   assert saved["retrieval_heads_LG_distant_mass"].shape == (cfg.num_layers, cfg.num_kv_heads)
+  L, Hq, D = cfg.num_layers, cfg.num_heads, cfg.head_dim
+  assert saved["stats_query_mean_LHD"].shape == (L, Hq, D)
+  assert saved["stats_query_cov_LHDD"].shape == (L, Hq, D, D)
   assert saved["reconstruction_attn_LGT"].shape[:2] == (cfg.num_layers, cfg.num_kv_heads)
   assert "kvzip" in json.loads((tmp_path / "timings.json").read_text())["timings_s"]
