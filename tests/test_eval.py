@@ -452,3 +452,44 @@ def test_the_entry_point_refuses_an_empty_workdir_and_writes_nothing(tmp_path):
   )
   assert out.returncode != 0 and "workdir: got the empty path ''" in out.stderr, out.stderr[-2000:]
   assert not any(tmp_path.iterdir())
+
+
+def test_rulers_tasks_are_evaluation_tasks(tmp_path):
+  """RULER's synthetic tasks are accepted as evaluation tasks, their examples come from
+  ``kvjax.eval.ruler``, and a heatmap refuses the tasks that have no needle to place."""
+  from kvjax.eval import ruler
+
+  c = tiny_eval(tasks=ml_collections.ConfigDict({"niah_single_1": {}, "cwe": {}}))
+  evaluate.validate_config(c)
+  c = tiny_eval()
+  c.heatmap.update(task="cwe", policies=("streaming_llm",))
+  with pytest.raises(ValueError, match="heatmap.task: 'cwe' has no needle"):
+    evaluate.validate_config(c)
+  with pytest.raises(ValueError, match="tasks: 'niah_single_9'"):
+    evaluate.validate_config(tiny_eval(tasks=ml_collections.ConfigDict({"niah_single_9": {}})))
+  tok = _trained_bpe(tmp_path)
+  exs = evaluate.examples("niah_multikey_2", tok, 300, 2, {}, depth=0.5)
+  want = [ruler.generate("niah_multikey_2", tok, length=300, seed=s, depth=0.5) for s in (0, 1)]
+  assert [len(e.prompt) for e in exs] == [300, 300]
+  assert all(e.task == "niah_multikey_2" for e in exs)
+  # held-out seeds: other examples than the generator's first seeds
+  assert [e.prompt.tolist() for e in exs] != [w.prompt.tolist() for w in want]
+
+
+def _trained_bpe(tmp_path):
+  """A byte-level BPE tokenizer trained offline on RULER's prose (the tiny model's word
+  vocabulary cannot spell RULER's words)."""
+  tk = pytest.importorskip("tokenizers")
+  from kvjax.eval import ruler
+  from kvjax.model import tokenizer as tok_lib
+
+  bpe = tk.Tokenizer(tk.models.BPE(unk_token=None))
+  bpe.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  bpe.decoder = tk.decoders.ByteLevel()
+  trainer = tk.trainers.BpeTrainer(
+    vocab_size=1000, special_tokens=["<s>"], initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet()
+  )
+  bpe.train_from_iterator([ruler.NOISE, *ruler.essay_sentences()[:200]], trainer)
+  path = tmp_path / "tokenizer.json"
+  bpe.save(str(path))
+  return tok_lib.HFTokenizer(path, bos_token="<s>")

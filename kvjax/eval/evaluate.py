@@ -27,7 +27,7 @@ import pandas as pd
 
 from kvjax import model as km
 from kvjax import plotting, policies, rundir
-from kvjax.eval import report, tasks
+from kvjax.eval import report, ruler, tasks
 from kvjax.model import answers as answers_lib
 from kvjax.model import assets, calibrate
 from kvjax.model.tokenizer import HFTokenizer, PieceTokenizer
@@ -88,10 +88,16 @@ def _hub_snapshot(name: str) -> pathlib.Path:
     ) from e
 
 
+# kvjax's own generators, then RULER's synthetic tasks
+ALL_TASKS = tuple(tasks.TASKS) + tuple(ruler.TASKS)
+
+
 def examples(task: str, tokenizer, length: int, count: int, options: dict, *, depth=None, seed=0):
-  """``count`` held-out examples of one task (seeds above every training seed)."""
+  """``count`` held-out examples of one task (seeds above every training seed): kvjax's own
+  generators (:mod:`kvjax.eval.tasks`) or RULER's synthetic tasks (:mod:`kvjax.eval.ruler`)."""
+  make = ruler.generate if task in ruler.TASKS else tasks.generate
   return [
-    tasks.generate(
+    make(
       task, tokenizer, length=length, seed=EVAL_SEED + seed * 100_003 + i, depth=depth, **options
     )
     for i in range(count)
@@ -504,8 +510,8 @@ def validate_config(config) -> None:
   question_modes(config)
   rundir.compilation_cache_dir(config.get("compilation_cache", None))
   for task in config.tasks:
-    if task not in tasks.TASKS:
-      raise ValueError(f"tasks: {task!r} is not one of {tasks.TASKS}")
+    if task not in ALL_TASKS:
+      raise ValueError(f"tasks: {task!r} is not one of {ALL_TASKS}")
   for name in ("lengths", "budgets"):
     values = tuple(config[name])
     if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
@@ -546,8 +552,13 @@ def validate_config(config) -> None:
       f"heatmap.policies: {unknown} are not policy labels; expected some of {labels}"
     )
   if h.policies:
-    if h.task not in tasks.TASKS:
-      raise ValueError(f"heatmap.task: {h.task!r} is not one of {tasks.TASKS}")
+    if h.task not in ALL_TASKS:
+      raise ValueError(f"heatmap.task: {h.task!r} is not one of {ALL_TASKS}")
+    if h.task in ruler.DEPTHLESS:
+      raise ValueError(
+        f"heatmap.task: {h.task!r} has no needle to place at a depth; expected one of "
+        f"{tuple(t for t in ALL_TASKS if t not in ruler.DEPTHLESS)}"
+      )
     if h.budget >= min(h.lengths):
       raise ValueError(
         f"heatmap.budget: {h.budget} must be below every heatmap length {list(h.lengths)}"
