@@ -191,6 +191,7 @@ ROW_EVIDENCE = {
   "reconstruction_attn_LHT": 4,
   "kvgrad_LGT": 4,
   "kvzap_LGT": 4,
+  "fastkvzip_LGT": 4,
 }
 # what a re-compression during decoding can provide (over the cache's own slots)
 DECODE_EVIDENCE = (
@@ -305,7 +306,7 @@ def check_evidence(
   Only the data fields are taken: ``qfilters_LGD [L, G, D]``, ``retrieval_heads_LG [L, G]`` in
   ``[0, 1]``, ``reconstruction_attn_LGT [L, B, G, T]``, ``reconstruction_attn_LHT
   [L, B, Hq, T]`` (KVCompose's), ``kvgrad_LGT [L, B, G, T]`` (KVgrad's), ``kvzap_LGT
-  [L, B, G, T]`` (KVzap's), ``stats_query_mean_LHD [L, Hq, D]`` and ``stats_query_cov_LHDD
+  [L, B, G, T]`` (KVzap's), ``fastkvzip_LGT [L, B, G, T]`` (Fast KVzip's), ``stats_query_mean_LHD [L, Hq, D]`` and ``stats_query_cov_LHDD
   [L, Hq, D, D]`` (ExpectedAttentionStats'), HeadKV's ``head_scores_LH`` ``[L, Hq]``
   or ``[L, G]`` (the heads of the policy's scores); they must be finite, with their shapes.
 
@@ -336,6 +337,7 @@ def check_evidence(
     "reconstruction_attn_LHT": [(L, B, G if Hq is None else Hq, T)],
     "kvgrad_LGT": [(L, B, G, T)],
     "kvzap_LGT": [(L, B, G, T)],
+    "fastkvzip_LGT": [(L, B, G, T)],
     "stats_query_mean_LHD": [(L, G if Hq is None else Hq, D)],
     "stats_query_cov_LHDD": [(L, G if Hq is None else Hq, D, D)],
     # at the policy's head granularity: query heads, or KV heads (num_kv_heads, the kv layout)

@@ -97,7 +97,7 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
   The data fields are ``qfilters_LGD``, ``retrieval_heads_LG``, HeadKV's ``head_scores_LH`` and
   ``reconstruction_attn_LGT`` as ``[L, B, G, T]`` over the caller's columns, or ``[L, G, T]``
   for every row (KVCompose's ``reconstruction_attn_LHT`` the same over query heads, KVgrad's
-  ``kvgrad_LGT`` and KVzap's ``kvzap_LGT`` over KV heads); these are
+  ``kvgrad_LGT``, KVzap's ``kvzap_LGT`` and Fast KVzip's ``fastkvzip_LGT`` over KV heads); these are
   moved to the left padding the model runs with.
 
   Args:
@@ -142,6 +142,7 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
     "reconstruction_attn_LHT": cfg.num_heads,
     "kvgrad_LGT": cfg.num_kv_heads,
     "kvzap_LGT": cfg.num_kv_heads,
+    "fastkvzip_LGT": cfg.num_kv_heads,
   }
   for field, H in heads.items():
     if out.get(field) is not None:

@@ -80,6 +80,9 @@ class Evidence:
     kvzap_LGT: KVzap's surrogate scores ``[L, G, T]`` fp32: a trained per-layer model applied to
       each position's attention input (kvpress ``KVzapPress``;
       :func:`kvjax.model.kvzap.kvzap_evidence`).
+    fastkvzip_LGT: Fast KVzip's gate scores ``[L, G, T]`` fp32: trained per-layer gates applied
+      to each position's attention input (kvpress ``FastKVzipPress``;
+      :func:`kvjax.model.fastkvzip.fastkvzip_evidence`).
     stats_query_mean_LHD: pre-RoPE query means measured on a corpus ``[L, Hq, D]`` fp32
       (kvpress ``ExpectedAttentionStatsPress``; :func:`kvjax.model.calibrate.query_stats`); the
       model's cache rotates them into ``query_mean_LHD`` for each row.
@@ -113,6 +116,7 @@ class Evidence:
   reconstruction_attn_LHT: Array | None = None
   kvgrad_LGT: Array | None = None
   kvzap_LGT: Array | None = None
+  fastkvzip_LGT: Array | None = None
   stats_query_mean_LHD: Array | None = None
   stats_query_cov_LHDD: Array | None = None
 
@@ -195,6 +199,7 @@ KEY_AXIS = {
   "valid_T": -1,
   "kvgrad_LGT": -1,
   "kvzap_LGT": -1,
+  "fastkvzip_LGT": -1,
 }
 
 FIELDS = frozenset(f.name for f in dataclasses.fields(Evidence)) - {"observation_window"}
