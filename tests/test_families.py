@@ -142,3 +142,76 @@ def test_phi3_fused_projections_are_split_and_checked():
   bad = {"model.layers.0.self_attn.qkv_proj.weight": np.zeros((100, 64), np.float32)}
   with pytest.raises(ValueError, match=r"qkv_proj.weight' has shape \(100, 64\), expected 128"):
     km.loading.split_fused(cfg, bad)
+
+
+QUICK_POLICIES = ("snapkv", "pyramidkv", "knorm", "expected_attention", "streaming_llm", "h2o")
+
+
+def _matrix():
+  """Quick mode: :data:`QUICK_POLICIES`; ``KVJAX_FULL=1``: every policy the Llama tests pad
+  (``test_model_methods.PADDED_POLICIES``)."""
+  from conftest import full_mode  # noqa: PLC0415
+
+  if not full_mode():
+    return QUICK_POLICIES
+  from test_model_methods import PADDED_POLICIES  # noqa: PLC0415
+
+  return PADDED_POLICIES
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_policies_select_on_each_family_and_a_padded_row_keeps_what_it_alone_keeps(name):
+  """Every layer is compressed today, sliding ones included (issue 33's item 4 will leave them
+  whole by default); a left-padded row keeps what the prompt alone keeps."""
+  _, path = family_checkpoint(name)
+  model, cfg = km.load(path)
+  rng = np.random.default_rng(0)
+  ids = (3 + rng.permutation(125)[None, :48]).astype(np.int32)  # distinct: no tied key norms
+  both = np.concatenate([np.concatenate([np.zeros((1, 7), np.int32), ids], 1)] * 2, 0)
+  mask = np.ones_like(both)
+  mask[0, :7] = 0
+  for policy in _matrix() if name == "phi3" else QUICK_POLICIES[:3]:
+    try:
+      alone = km.keep_mask(model, ids, policy, 40)
+    except ValueError as e:  # a policy whose evidence needs more than a bare prompt
+      if "budget" in str(e) or "evidence" in str(e):
+        continue
+      raise
+    assert alone.any(-1).all(), policy
+    padded = km.keep_mask(model, both, policy, 40, attention_mask=mask)
+    np.testing.assert_array_equal(padded[:, 0, :, 7:], alone[:, 0], err_msg=policy)
+
+
+def test_prefill_and_decode_time_policies_generate_on_phi3():
+  _, path = family_checkpoint("phi3")
+  model, _ = km.load(path)
+  ids = prompt(T=48, B=1, seed=2)
+  full = km.generate(model, ids, max_new_tokens=8).tokens
+  for policy in QUICK_POLICIES:
+    out = km.generate(model, ids, max_new_tokens=8, policy=policy, budget=64)
+    np.testing.assert_array_equal(out.tokens, full, err_msg=f"{policy}: a budget above T")
+
+
+def test_gemma3_multimodal_checkpoints_load_their_text_decoder(tmp_path):
+  import json  # noqa: PLC0415
+
+  from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+
+  _, path = family_checkpoint("gemma3")
+  text = json.loads((path / "config.json").read_text())
+  tensors = load_file(str(path / "model.safetensors"))
+  for prefix in ("model.language_model.", "language_model.model."):  # transformers 5, then 4
+    out = tmp_path / prefix.strip(".")
+    out.mkdir()
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": text}
+    (out / "config.json").write_text(json.dumps(config | {"vision_config": {"hidden_size": 8}}))
+    renamed = {prefix + k[len("model.") :]: v for k, v in tensors.items()}
+    renamed["vision_tower.patch_embedding.weight"] = np.zeros((8, 3), np.float32)
+    save_file(renamed, str(out / "model.safetensors"))
+    model, cfg = km.load(out)
+    ref, ref_cfg = km.load(path)
+    assert cfg == ref_cfg
+    for k, v in ref.params().items():
+      np.testing.assert_array_equal(np.asarray(model.params()[k]), np.asarray(v))
+  with pytest.raises(ValueError, match="text_config: a Gemma3ForConditionalGeneration"):
+    km.config.from_hf_dict({"architectures": ["Gemma3ForConditionalGeneration"]})
