@@ -10,7 +10,10 @@ scores and kept pairs; and the KVzip+ targets by ``kvzap/data.py``'s hook formul
 
 import dataclasses
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -292,3 +295,32 @@ def test_policy_scores_and_refusals():
   with pytest.raises(ValueError, match="kvzap_LGT"):
     kvzap_scores(jnp.zeros((2, 2, 30), jnp.int32))
   jax.clear_caches()
+
+
+# --------------------------------------------------------------------------- the entry point
+
+
+def test_experiment_entry_point_and_resume(tmp_path):
+  """``:quick`` trains both surrogates on the shipped tiny model; a second run reuses the saved
+  targets and the last MLP checkpoint, and writes the same files."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  cmd = [
+    sys.executable,
+    "-m",
+    "experiments.kvzap",
+    "--config=configs/kvzap.py:quick",
+    f"--config.workdir={tmp_path}",
+  ]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  runs = [subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env, timeout=300)]
+  assert runs[0].returncode == 0, runs[0].stderr[-2000:]
+  assert f"run directory: {tmp_path}" in runs[0].stdout and "targets: contexts" in runs[0].stdout
+  first = json.loads((tmp_path / "results.json").read_text())
+  runs.append(subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env, timeout=300))
+  assert runs[1].returncode == 0, runs[1].stderr[-2000:]
+  assert "targets: contexts" not in runs[1].stdout and "epoch" not in runs[1].stdout
+  assert json.loads((tmp_path / "results.json").read_text())["test_mse"] == first["test_mse"]
+  cfg = km.load_tiny()[1]
+  for kind in kvzap.KINDS:
+    s, meta = kvzap.load(tmp_path / f"kvzap_{kind}.npz", cfg)
+    assert s.kind == kind and meta["model"] == "tiny"

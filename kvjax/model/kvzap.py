@@ -224,8 +224,18 @@ PARAM_KEYS = {"linear": ("w", "b"), "mlp": ("w1", "b1", "w2", "b2")}
 
 
 def expected_shapes(kind: str, L: int, d: int, G: int, hidden: int = HIDDEN_DIM) -> dict:
-  """The weights' shapes of a ``kind`` surrogate for ``L`` layers, model dim ``d`` and ``G`` KV
-  heads (``hidden``: the MLP's width)."""
+  """The weights' shapes of a surrogate.
+
+  Args:
+    kind: ``"linear"`` or ``"mlp"``.
+    L: layers.
+    d: the model dim.
+    G: KV heads.
+    hidden: the MLP's width.
+
+  Returns:
+    ``{name: shape}``, in :class:`Surrogate`'s layout.
+  """
   if kind == "linear":
     return {"w": (L, d, G), "b": (L, G)}
   return {"w1": (L, d, hidden), "b1": (L, hidden), "w2": (L, hidden, G), "b2": (L, G)}
@@ -355,7 +365,16 @@ def valid_split(N: int, fraction: float = 0.05, seed: int = 42) -> tuple[np.ndar
 def epoch_schedule(lr: float, max_epochs: int, steps_per_epoch: int) -> Callable:
   """Cosine annealing stepped per epoch (torch ``CosineAnnealingLR(T_max=max_epochs)`` stepped
   once an epoch, as skorch's ``LRScheduler``): epoch ``e`` trains at
-  ``lr * (1 + cos(pi * e / max_epochs)) / 2``."""
+  ``lr * (1 + cos(pi * e / max_epochs)) / 2``.
+
+  Args:
+    lr: the first epoch's rate.
+    max_epochs: the annealing period ``T_max``.
+    steps_per_epoch: optimiser steps per epoch.
+
+  Returns:
+    An optax schedule (step -> rate).
+  """
 
   def schedule(step):
     epoch = step // steps_per_epoch
@@ -364,10 +383,22 @@ def epoch_schedule(lr: float, max_epochs: int, steps_per_epoch: int) -> Callable
   return schedule
 
 
-def mlp_optimizer(lr: float, max_epochs: int, steps_per_epoch: int, weight_decay: float = 0.01):
+def mlp_optimizer(
+  lr: float, max_epochs: int, steps_per_epoch: int, weight_decay: float = 0.01
+) -> optax.GradientTransformation:
   """``kvzap/train.py``'s optimiser: global-norm clipping at 1.0 (skorch
   ``GradientNormClipping``), then AdamW (torch defaults: betas 0.9/0.999, eps 1e-8, weight decay
-  0.01 on every weight) at :func:`epoch_schedule`'s rate."""
+  0.01 on every weight) at :func:`epoch_schedule`'s rate.
+
+  Args:
+    lr: the peak rate.
+    max_epochs: the schedule's period.
+    steps_per_epoch: optimiser steps per epoch.
+    weight_decay: AdamW's decoupled weight decay.
+
+  Returns:
+    The optax transformation.
+  """
   return optax.chain(
     optax.clip_by_global_norm(1.0),
     optax.adamw(
@@ -381,7 +412,16 @@ def mlp_optimizer(lr: float, max_epochs: int, steps_per_epoch: int, weight_decay
 
 
 def mse(surrogate: Surrogate, X_NLd: Array, y_NLG: Array) -> Array:
-  """The mean squared error over every example, layer and head (torch ``nn.MSELoss()``)."""
+  """The mean squared error over every example, layer and head (torch ``nn.MSELoss()``).
+
+  Args:
+    surrogate: the surrogate.
+    X_NLd: attention inputs ``[N, L, d]``.
+    y_NLG: targets ``[N, L, G]``.
+
+  Returns:
+    The fp32 scalar loss.
+  """
   pred = jnp.moveaxis(apply(surrogate, jnp.moveaxis(X_NLd, 1, 0)), (0, 1), (1, 2))  # [N, L, G]
   return jnp.mean(jnp.square(pred - y_NLG))
 
