@@ -215,3 +215,17 @@ def test_gemma3_multimodal_checkpoints_load_their_text_decoder(tmp_path):
       np.testing.assert_array_equal(np.asarray(model.params()[k]), np.asarray(v))
   with pytest.raises(ValueError, match="text_config: a Gemma3ForConditionalGeneration"):
     km.config.from_hf_dict({"architectures": ["Gemma3ForConditionalGeneration"]})
+
+
+def test_bfloat16_gemma_tracks_float32():
+  """Gemma's norms scale in fp32 before the cast and its embedding scale is the bf16 value."""
+  _, path = family_checkpoint("gemma3")
+  m32, _ = km.load(path)
+  m16, cfg = km.load(path, dtype=jnp.bfloat16)
+  ids = jnp.asarray(prompt(T=24))
+  l32, l16 = np.asarray(m32(ids)), np.asarray(m16(ids))
+  assert l16.dtype == np.float32 and np.abs(l32 - l16).max() < 0.1 * np.abs(l32).max()
+  x = km.llama.embed_tokens(cfg, m16.params(), ids)
+  assert x.dtype == jnp.bfloat16
+  scale = jnp.asarray(8.0, jnp.bfloat16)  # sqrt(64)
+  np.testing.assert_array_equal(np.asarray(x), np.asarray(m16.params()["embed"][ids] * scale))
