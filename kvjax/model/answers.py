@@ -25,12 +25,19 @@ class Answers:
 
   ``predicted [K, B, N]``: greedy tokens at the answer positions (given positions fed from the
   answer); ``logprobs [K, B, N, V]``: teacher-forced log-probabilities there (for KL
-  divergences); ``budget_LH [K, B, L, H]``: the allocations.
+  divergences); ``budget_LH [K, B, L, H]``: the allocations. ``kv_bytes_held [K]``: the keys
+  and values each configuration's compressed context cache held over the ``B`` rows, counted
+  from the cache (:func:`kvjax.model.cache.memory`), before the question and answer are fed;
+  ``full_cache_bytes``: those of the uncompressed context's cache (every KV head, the same
+  rows), so that ``kv_bytes_held / full_cache_bytes`` is the fraction of the full cache held.
+  A policy keeping whole heads or layers counts what they really held, not its nominal budget.
   """
 
   predicted: np.ndarray
   logprobs: np.ndarray
   budget_LH: np.ndarray
+  kv_bytes_held: np.ndarray | None = None
+  full_cache_bytes: int | None = None
 
 
 def decoding_spec(spec: cache_lib.CacheSpec) -> cache_lib.CacheSpec:
@@ -509,6 +516,7 @@ def answer_prefilled(
   spec, alloc = decoding.configs_spec(cfg, pol, pre, budgets, window, layout, Tc, M, ev)
   sharded, K = decoding.shard_configs(budgets, params)
   caches = _compress_configs(cfg, pre, spec, sharded, ev)
+  held_K = _held_bytes(caches, K)
   pred, logp, caches = _answer_configs(
     cfg,
     params,
@@ -523,7 +531,18 @@ def answer_prefilled(
   # predictions from the last question token on (the answer's; _answer_configs returns those)
   pred, logp, caches = jax.tree.map(lambda x: x[:K], (pred, logp, caches))
   decoding.check_overflow(caches)
-  return Answers(np.asarray(pred), np.asarray(logp), np.asarray(alloc))
+  full = cache_lib.full_cache_bytes(cfg, B, Tc, llama.kv_itemsize(cfg, params))
+  return Answers(np.asarray(pred), np.asarray(logp), np.asarray(alloc), held_K, full)
+
+
+def _held_bytes(caches_K: cache_lib.KVCache, K: int) -> np.ndarray:
+  """The K/V bytes each of the first ``K`` stacked compressed caches holds (int64 ``[K]``, over
+  every row): :func:`kvjax.model.cache.memory` of each, so the count is the cache's own."""
+  stacked = dataclasses.replace(caches_K, evidence=None)  # model-level evidence has no K axis
+  held = [
+    cache_lib.memory(jax.tree.map(lambda x, k=k: x[k], stacked))["kv_bytes_held"] for k in range(K)
+  ]
+  return np.asarray(held, np.int64)
 
 
 def answer_configs(
