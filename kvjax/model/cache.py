@@ -152,6 +152,8 @@ class CacheSpec:
   reindex: bool = False  # StreamingLLM's positions: keys stored pre-RoPE, rotated by cache rank
   # ThinK: the slots (of the capacity) for generated tokens, whose keys keep every channel
   new_tokens: int = 0
+  # the budget has a leading batch axis (one per row: a compression ratio of each row's length)
+  row_budgets: bool = False
 
   @property
   def decode_every(self) -> int | None:
@@ -389,7 +391,8 @@ def compress(
     cfg: the model's config.
     pre: the prefill's outputs (:func:`kvjax.model.llama.prefill`).
     spec: the cache's static choices.
-    budget: slots per head, window included: a scalar, ``[L]`` or ``[L, H]``.
+    budget: slots per head, window included: a scalar, ``[L]`` or ``[L, H]``; with
+      ``spec.row_budgets`` a leading ``[B]`` axis, one per row.
     rng: a PRNG key for random policies (``None``: ``jax.random.key(0)``).
     evidence: caller-given data fields (:func:`check_evidence`; HeadKV's importances as
       ``head_scores_LH``).
@@ -403,6 +406,7 @@ def compress(
   """
   L, B, G, T, D = pre.keys.shape
   check_spec(spec)
+  budget_axis = 0 if spec.row_budgets else None
   rng = jax.random.key(0) if rng is None else rng
   evidence = check_evidence(evidence, L=L, B=B, G=G, T=T, D=D, Hq=cfg.num_heads)
   H = cfg.num_heads if spec.layout == "query" else G
@@ -413,7 +417,7 @@ def compress(
   new = spec.new_tokens if spec.channel_ratio else 0
   prompt_slots = spec.capacity - new
 
-  def one(ev, valid_T, rng_b):
+  def one(ev, valid_T, rng_b, budget):
     ev = ev.replace(rng=rng_b, valid_T=valid_T, **shared)
     # a left-padded row: sinks count from its first *real* token (Policy.scores_row)
     scores = spec.policy.scores_row(ev)
@@ -436,7 +440,9 @@ def compress(
       cfg, shared, pre.valid.sum(-1), spec.policy.evidence_request(T).n_future
     )
     rows = rows.replace(query_mean_LHD=mean, query_cov_LHDD=cov)
-  idx, kept, budget_LH, state, overflow = jax.vmap(one)(rows, pre.valid, jax.random.split(rng, B))
+  idx, kept, budget_LH, state, overflow = jax.vmap(one, in_axes=(0, 0, 0, budget_axis))(
+    rows, pre.valid, jax.random.split(rng, B), budget
+  )
   idx_L, kept_L = jnp.moveaxis(idx, 0, 1), jnp.moveaxis(kept, 0, 1)  # [L, B, H, C]
   gather = functools.partial(_gather_slots, idx_L)
   positions = jnp.take_along_axis(

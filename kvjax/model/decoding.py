@@ -485,6 +485,7 @@ def generate(
   rng=None,
   layout: cache_lib.Layout | str = "kv",
   evidence=None,
+  ratio=None,
   **policy_options,
 ) -> Generation:
   """Generates ``max_new_tokens`` tokens per row through a cache compressed with ``policy``.
@@ -516,6 +517,9 @@ def generate(
       ``[L, B, G, T]`` or ``[L, G, T]`` over the caller's columns (KVzip), as
       :mod:`kvjax.model.calibrate` computes them, and HeadKV's head importances
       ``head_scores_LH`` (``[L, Hq]``, or ``[L, G]`` at KV-head granularity).
+    ratio: instead of ``budget``, kvpress's ``compression_ratio``: the fraction of each row's
+      prompt tokens removed, each head keeping ``int(T_row * (1 - ratio))`` slots
+      (:func:`ratio_budgets`; traced data like a budget).
     **policy_options: options of a registered policy name.
 
   Returns:
@@ -533,16 +537,20 @@ def generate(
   temperature = _check_temperature(temperature)
   new = check_new_tokens("max_new_tokens", max_new_tokens)
   pol = policies.build(policy, **policy_options)
-  _check_budget_given(pol, budget)
   check_model_evidence(pol)
   cfg = model.cfg
   ids, mask = _checked_prompt(model, prompt_ids, attention_mask, new)
   B, T = ids.shape
-  budget = _budget_free(pol, budget, T)
+  budget = _ratio_or_budget(pol, budget, ratio, mask)
+  _check_budget_given(pol, budget)
+  if ratio is None:
+    budget = _budget_free(pol, budget, T)
   if pol.requires_budget:
-    pol.check_budget(budget, pol.evidence_request(T).window, T)
+    _check_row_budgets(pol, budget, mask, ratio is not None)
   ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
-  spec = cache_lib.CacheSpec(pol, 1, layout.heads, reindex=layout.reindex)
+  spec = cache_lib.CacheSpec(
+    pol, 1, layout.heads, reindex=layout.reindex, row_budgets=ratio is not None
+  )
   cache_lib.check_spec(spec)
   params = model.params()
   itemsize = llama.kv_itemsize(cfg, params)
@@ -573,6 +581,54 @@ def generate(
     "full_cache_bytes": cache_lib.full_cache_bytes(cfg, tokens.shape[0], T + new, itemsize)
   }
   return Generation(np.asarray(tokens), mem, np.asarray(cache.budget))
+
+
+def ratio_budgets(ratio, lengths_B) -> np.ndarray:
+  """Each row's budget under kvpress's ``compression_ratio``: ``int(T_row * (1 - ratio))``.
+
+  kvpress 0.5.5 ``kvpress/utils.py::compute_n_kept`` (in float64, as Python computes it), with
+  each row's own real tokens as its ``T``.
+
+  Args:
+    ratio: the fraction of the prompt removed, a float in ``[0, 1)``.
+    lengths_B: each row's real prompt tokens ``[B]``.
+
+  Returns:
+    int32 budgets ``[B]``.
+
+  Raises:
+    ValueError: for a ratio that is not a real number in ``[0, 1)``.
+  """
+  expected = "expected a float in [0, 1) (kvpress compression_ratio)"
+  if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating, np.integer)):
+    raise ValueError(f"ratio: {expected}, got {ratio!r}")
+  r = float(ratio)
+  if not 0.0 <= r < 1.0:
+    raise ValueError(f"ratio: {expected}, got {r!r}")
+  return np.asarray([int(int(n) * (1 - r)) for n in np.asarray(lengths_B)], np.int32)
+
+
+def _ratio_or_budget(pol: policies.Policy, budget, ratio, mask):
+  """The budget a call runs with: ``budget``, or the rows' budgets under ``ratio``."""
+  if ratio is None:
+    return budget
+  if budget is not None:
+    raise ValueError(
+      f"ratio: {ratio!r} given with budget {budget!r}; expected a budget or a ratio, not both"
+    )
+  if not pol.requires_budget:
+    raise ValueError(f"ratio: policy {pol.label!r} takes no budget; expected ratio=None")
+  return ratio_budgets(ratio, np.asarray(mask).sum(-1))
+
+
+def _check_row_budgets(pol: policies.Policy, budget, mask, per_row: bool) -> None:
+  """The budget check of every entry point; per-row budgets against each row's length."""
+  T = np.asarray(mask).shape[-1]
+  if not per_row:
+    pol.check_budget(budget, pol.evidence_request(T).window, T)
+    return
+  for n, b in zip(np.asarray(mask).sum(-1), np.asarray(budget), strict=True):
+    pol.check_budget(np.asarray(b), pol.evidence_request(int(n)).window, int(n))
 
 
 def _budget_free(policy: policies.Policy, budget, T: int):
@@ -772,6 +828,7 @@ def keep_mask(
   *,
   attention_mask=None,
   evidence=None,
+  ratio=None,
   **options,
 ) -> np.ndarray:
   """Computes which prompt positions ``policy`` keeps under ``budget`` on a real prompt.
@@ -787,9 +844,10 @@ def keep_mask(
     model: the model (:class:`kvjax.model.llama.Llama`).
     input_ids: token ids ``[B, T]``.
     policy: a policy object, or a name built once with ``options``.
-    budget: slots per head: a scalar, ``[L]`` or ``[L, H]``.
+    budget: slots per head: a scalar, ``[L]`` or ``[L, H]`` (``None`` with ``ratio``).
     attention_mask: optional ``[B, T]`` 0/1 mask of the real tokens.
     evidence: as :func:`generate`'s.
+    ratio: instead of ``budget``, kvpress's ``compression_ratio`` (:func:`ratio_budgets`).
     **options: options of a registered policy name (``num_kv_heads``, ``window``, ...).
 
   Returns:
@@ -809,15 +867,15 @@ def keep_mask(
   layout = "kv" if kv is not None else "query"
   ids, mask = _checked_prompt(model, input_ids, attention_mask, 0, "input_ids")
   B, T = ids.shape
-  obs_window = pol.evidence_request(T).window
+  budget = _ratio_or_budget(pol, budget, ratio, mask)
   if pol.requires_budget:
-    pol.check_budget(budget, obs_window, T)
+    _check_row_budgets(pol, budget, mask, ratio is not None)
   ev = check_evidence(pol, evidence, cfg, input_ids, attention_mask)
   heads = cache_heads(cfg, layout)
   itemsize = llama.kv_itemsize(cfg, model.params())
   check_cache_bytes(cfg, slots=T, batch=B, heads=heads, itemsize=itemsize, prompt_len=T)
   cfg, params, pre = _prefill(model, ids, mask, pol)
-  spec = cache_lib.CacheSpec(pol, T, layout)
+  spec = cache_lib.CacheSpec(pol, T, layout, row_budgets=ratio is not None)
   cache = cache_lib.compress(cfg, pre, spec, budget, evidence=ev)
   check_overflow(cache)
   return _to_caller_columns(

@@ -1,0 +1,70 @@
+"""Budgets as kvpress compression ratios (``ratio=``): the same kept sets as the equivalent token
+budgets, each row's own length for padded rows, no retrace across ratios, and clear errors."""
+
+import numpy as np
+import pytest
+
+from kvjax import model as km
+from kvjax.model import decoding
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  model, cfg, _ = km.load_tiny()
+  ids = np.random.default_rng(0).integers(5, cfg.vocab_size, (2, 40)).astype(np.int32)
+  return model, cfg, ids
+
+
+def test_ratio_budgets_are_kvpress_compute_n_kept():
+  # kvpress: int(T * (1 - ratio)) in Python floats
+  for T in (1, 7, 40, 1000, 4096):
+    for r in (0.0, 0.1, 0.25, 0.3, 0.5, 0.7, 0.875, 0.9, 0.99):
+      assert decoding.ratio_budgets(r, [T])[0] == int(T * (1 - r))
+  np.testing.assert_array_equal(decoding.ratio_budgets(0.5, [40, 31]), [20, 15])
+
+
+@pytest.mark.parametrize(
+  ("policy", "options"), [("snapkv", dict(window=4)), ("knorm", {}), ("pyramidkv", dict(window=4))]
+)
+def test_a_ratio_keeps_what_its_budget_keeps(tiny, policy, options):
+  model, _, ids = tiny
+  for r in (0.25, 0.5, 0.8):
+    got = km.keep_mask(model, ids, policy, None, ratio=r, **options)
+    want = km.keep_mask(model, ids, policy, int(40 * (1 - r)), **options)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_padded_rows_take_their_own_length(tiny):
+  model, _, ids = tiny
+  mask = np.ones_like(ids)
+  mask[1, :10] = 0  # row 1: 30 real tokens
+  got = km.keep_mask(model, ids, "knorm", None, ratio=0.5, attention_mask=mask)
+  per_row = got.sum(-1)  # [L, B, H]
+  assert (per_row[:, 0] == 20).all() and (per_row[:, 1] == 15).all()
+  alone = km.keep_mask(model, ids[1:, 10:], "knorm", 15)
+  np.testing.assert_array_equal(got[:, 1:, :, 10:], alone)
+
+
+def test_generate_with_a_ratio_matches_the_budget_and_does_not_retrace(tiny):
+  model, _, ids = tiny
+  a = km.generate(model, ids, policy="snapkv", ratio=0.5, max_new_tokens=4, window=4)
+  b = km.generate(model, ids, policy="snapkv", budget=20, max_new_tokens=4, window=4)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert a.memory == b.memory
+  before = decoding._compress_and_decode._cache_size()
+  km.generate(model, ids, policy="snapkv", ratio=0.52, max_new_tokens=4, window=4)
+  km.generate(model, ids, policy="snapkv", ratio=0.55, max_new_tokens=4, window=4)
+  assert decoding._compress_and_decode._cache_size() == before  # ratios are data
+
+
+def test_bad_ratios_are_refused(tiny):
+  model, _, ids = tiny
+  for bad in (1.0, -0.1, "0.5", True, float("nan")):
+    with pytest.raises(ValueError, match="ratio: expected a float in \\[0, 1\\)"):
+      km.generate(model, ids, policy="knorm", ratio=bad, max_new_tokens=1)
+  with pytest.raises(ValueError, match="not both"):
+    km.generate(model, ids, policy="knorm", budget=8, ratio=0.5, max_new_tokens=1)
+  with pytest.raises(ValueError, match="takes no budget"):
+    km.generate(model, ids, policy="full", ratio=0.5, max_new_tokens=1)
+  with pytest.raises(ValueError, match="budget"):  # a ratio that leaves less than the window
+    km.keep_mask(model, ids, "snapkv", None, ratio=0.99, window=4)
