@@ -7,7 +7,8 @@ prefill), ``assets`` (the offline models), ``gguf`` (llama.cpp checkpoints), ``t
 per-layer, per-head slot table, with ThinK's pruned key channels and ``decode_every``
 re-compression), ``decoding`` (generation through the cache; caller-given evidence as
 ``evidence={...}``), ``answers`` (answers decoded through the compressed cache from one shared
-prefill) and ``logprobs`` (a text's log-probabilities read token by token through the cache).
+prefill) ``logprobs`` (a text's log-probabilities read token by token through the cache) and
+``stored`` (a compressed context saved and loaded, answered later by ``answer_context``).
 This package re-exports the calls a user needs.
 """
 
@@ -21,12 +22,19 @@ from kvjax.model import (
   llama,
   loading,
   logprobs,
+  stored,
   tokenizer,
 )
 from kvjax.model.answers import answer_configs
 from kvjax.model.assets import smollm2_path
 from kvjax.model.config import ModelConfig, from_hf_dict
-from kvjax.model.decoding import generate, generate_configs, keep_mask
+from kvjax.model.decoding import (
+  answer_context,
+  compress_context,
+  generate,
+  generate_configs,
+  keep_mask,
+)
 from kvjax.model.llama import Llama, Prefill, forward, prefill
 from kvjax.model.loading import load, load_tiny, save
 from kvjax.model.tokenizer import load_tokenizer
@@ -40,6 +48,9 @@ __all__ = [
   "load_tokenizer",
   "smollm2_path",
   "answer_configs",
+  "answer_context",
+  "compress_context",
+  "stored",
   "answers",
   "cache",
   "config",

@@ -788,6 +788,41 @@ def decode_step(
   return logits, cache
 
 
+def with_room(cache: KVCache, n: int) -> KVCache:
+  """The cache with ``n`` more empty slots per (layer, row, head), for tokens fed after it.
+
+  Args:
+    cache: the cache (not ThinK's: its generated tokens have slots of their own).
+    n: the slots to add, an int ``>= 0``.
+
+  Returns:
+    The cache, its slot axis ``C + n`` long (the new slots empty, after the old ones).
+
+  Raises:
+    ValueError: for a negative or non-int ``n``, or a ThinK cache.
+  """
+  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+    raise ValueError(f"n: expected an int >= 0 of slots to add, got {n!r}")
+  if cache.new_keys is not None:
+    raise ValueError("cache: ThinK's cache sizes its generated slots at compression; no room added")
+
+  def pad(t, value=0):
+    if t is None:
+      return None
+    widths = [(0, 0)] * t.ndim
+    widths[3] = (0, int(n))
+    return jnp.pad(t, widths, constant_values=value)
+
+  return cache.replace(
+    keys=pad(cache.keys),
+    values=pad(cache.values),
+    positions=pad(cache.positions),
+    valid=pad(cache.valid, False),
+    scores=pad(cache.scores),
+    attn_sums=pad(cache.attn_sums),
+  )
+
+
 def appends_only(spec: CacheSpec) -> bool:
   """Says whether decoding with ``spec`` only appends to the compressed cache.
 

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvjax import policies
 from kvjax.model import cache as cache_lib
-from kvjax.model import llama, sharding
+from kvjax.model import llama, sharding, stored
 from kvjax.model.config import ModelConfig
 
 Array = jax.Array
@@ -629,6 +629,187 @@ def _check_row_budgets(pol: policies.Policy, budget, mask, per_row: bool) -> Non
     return
   for n, b in zip(np.asarray(mask).sum(-1), np.asarray(budget), strict=True):
     pol.check_budget(np.asarray(b), pol.evidence_request(int(n)).window, int(n))
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+  """What :func:`answer_context` returns.
+
+  Attributes:
+    tokens: the generated tokens ``[B, N]`` (greedy).
+    logprobs: each generated token's log-probability ``[B, N]`` (fp32).
+  """
+
+  tokens: np.ndarray
+  logprobs: np.ndarray
+
+
+_compress_jit = jax.jit(cache_lib.compress, static_argnames=("cfg", "spec"))
+
+
+def compress_context(
+  model,
+  context_ids,
+  *,
+  policy: policies.Policy | str = "full",
+  budget=None,
+  ratio=None,
+  attention_mask=None,
+  layout: cache_lib.Layout | str = "kv",
+  evidence=None,
+  rng=None,
+  **policy_options,
+) -> stored.CompressedContext:
+  """Prefills and compresses a context once, for questions asked later (kvpress's
+  query-agnostic use: the context is compressed before any question is known).
+
+  The result answers any number of questions (:func:`answer_context`), in this process or after
+  :meth:`~kvjax.model.stored.CompressedContext.save` and
+  :func:`~kvjax.model.stored.load` in another.
+
+  Args:
+    model: the model (:class:`kvjax.model.llama.Llama`).
+    context_ids: token ids ``[B, T]``, one context per row.
+    policy: a policy object, or a registered name built once with ``policy_options``.
+    budget: slots per head, window included (``None``: the full cache, or with ``ratio``).
+    ratio: instead of ``budget``, kvpress's ``compression_ratio`` (:func:`ratio_budgets`).
+    attention_mask: ``[B, T]`` 0/1 mask of each row's real tokens.
+    layout: the cache's heads or a :class:`kvjax.model.cache.Layout`.
+    evidence: caller-given evidence, as :func:`generate`'s.
+    rng: a PRNG key for random policies.
+    **policy_options: options of a registered policy name.
+
+  Returns:
+    The :class:`kvjax.model.stored.CompressedContext`.
+
+  Raises:
+    ValueError: before any work, as :func:`generate`'s, and for ThinK's ``channel_ratio``
+      (its generated keys need slots sized at compression).
+    RuntimeError: when a row needed more slots than its cache held.
+  """
+  layout = cache_lib.as_layout(layout)
+  pol = policies.build(policy, **policy_options)
+  check_model_evidence(pol)
+  if pol.channel_ratio:
+    raise ValueError(
+      f"policy: {pol.label!r} prunes key channels (ThinK), whose generated keys need slots "
+      "sized at compression; expected a policy without channel_ratio"
+    )
+  cfg = model.cfg
+  ids, mask = _checked_prompt(model, context_ids, attention_mask, 0, "context_ids")
+  B, T = ids.shape
+  budget = _ratio_or_budget(pol, budget, ratio, mask)
+  _check_budget_given(pol, budget)
+  if ratio is None:
+    budget = _budget_free(pol, budget, T)
+  if pol.requires_budget:
+    _check_row_budgets(pol, budget, mask, ratio is not None)
+  ev = check_evidence(pol, evidence, cfg, context_ids, attention_mask)
+  spec = cache_lib.CacheSpec(
+    pol, 1, layout.heads, reindex=layout.reindex, row_budgets=ratio is not None
+  )
+  cache_lib.check_spec(spec)
+  params = model.params()
+  check_cache_bytes(
+    cfg,
+    slots=slots_bound(pol, budget, T, 0),
+    batch=B,
+    heads=cache_heads(cfg, layout.heads),
+    itemsize=llama.kv_itemsize(cfg, params),
+    prompt_len=T,
+  )
+  cfg, params, pre = _prefill(model, ids, mask, pol)
+  budget_max = T
+  if pol.requires_budget:
+    budget_LH = np.asarray(_allocation(cfg, pre, spec, budget, ev))
+    pol.check_allocation(budget_LH)
+    budget_max = int(budget_LH.max())
+  spec = dataclasses.replace(spec, capacity=max(_capacity(pol, budget_max, T, 0), 1))
+  rng = jax.random.key(0) if rng is None else rng
+  cache = _compress_jit(cfg, pre, spec, budget, rng=rng, evidence=ev)
+  check_overflow(cache)
+  return stored.CompressedContext(
+    cache,
+    dataclasses.replace(spec, row_budgets=False),
+    mask.sum(-1).astype(np.int32),
+    stored.model_fingerprint(cfg, params),
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "new"))
+def _answer(cfg, params, spec, cache, question_BQ, next_pos_B, new):
+  Q = question_BQ.shape[1]
+
+  def feed(cache, i):
+    pos = next_pos_B + i
+    logits, cache = cache_lib.decode_step(
+      cfg, params, spec, cache, question_BQ[:, i], pos, pos, step=i
+    )
+    return cache, logits
+
+  cache, logits_QBV = jax.lax.scan(feed, cache, jnp.arange(Q))
+
+  def gen(carry, i):
+    cache, logits = carry
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    token = jnp.argmax(logp, -1).astype(jnp.int32)
+    chosen = jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
+    pos = next_pos_B + Q + i
+    logits, cache = cache_lib.decode_step(cfg, params, spec, cache, token, pos, pos, step=Q + i)
+    return (cache, logits), (token, chosen)
+
+  (cache, _), (tokens, logps) = jax.lax.scan(gen, (cache, logits_QBV[-1]), jnp.arange(new))
+  return tokens.T, logps.T, cache
+
+
+def answer_context(
+  model, context: stored.CompressedContext, question_ids, *, max_new_tokens: int = 32
+) -> Answer:
+  """Answers a question from a compressed context, without reading the context again.
+
+  The question's tokens are fed one by one through the compressed cache at the positions that
+  continue each row's context (as :func:`generate` feeds generated tokens: a prefill-time
+  policy appends, a decode-time one evicts within its budget), then ``max_new_tokens`` are
+  decoded greedily. ``context`` is not changed: it answers the next question from the same
+  compressed state.
+
+  Args:
+    model: the model the context was compressed with.
+    context: the :class:`kvjax.model.stored.CompressedContext`.
+    question_ids: token ids ``[B, Q]``, one question per context row (no padding).
+    max_new_tokens: tokens to generate per row.
+
+  Returns:
+    An :class:`Answer`: tokens and their log-probabilities ``[B, max_new_tokens]``.
+
+  Raises:
+    ValueError: for question ids that are not ``[B, Q]`` in the vocabulary with the context's
+      ``B`` rows, a context made by another model, or a question plus answer past the model's
+      context length.
+    RuntimeError: when a row needed more slots than its cache held.
+  """
+  cfg = model.cfg
+  new = check_new_tokens("max_new_tokens", max_new_tokens)
+  q = llama.check_token_ids("question_ids", question_ids, cfg.vocab_size)
+  B = context.cache.keys.shape[1]
+  if q.shape[0] != B:
+    raise ValueError(
+      f"question_ids: {q.shape[0]} rows for a context of {B}; expected one question per row"
+    )
+  params = model.params()
+  mine = stored.model_fingerprint(cfg, params)
+  if mine != context.model:
+    differs = {k: (context.model.get(k), v) for k, v in mine.items() if context.model.get(k) != v}
+    raise ValueError(f"context: compressed by another model; differs (context, model): {differs}")
+  Q = q.shape[1]
+  llama.check_context(cfg, int(np.max(context.next_pos_B)) + Q, new, name="question_ids")
+  cache = cache_lib.with_room(context.cache, Q + new)
+  spec = dataclasses.replace(context.spec, capacity=context.spec.capacity + Q + new)
+  tokens, logps, cache = _answer(
+    cfg, params, spec, cache, jnp.asarray(q), jnp.asarray(context.next_pos_B), new
+  )
+  check_overflow(cache)
+  return Answer(np.asarray(tokens), np.asarray(logps))
 
 
 def _budget_free(policy: policies.Policy, budget, T: int):
