@@ -128,3 +128,14 @@ def test_bad_rope_parameters_name_the_argument():
   for params, match in cases:
     with pytest.raises(ValueError, match=match):
       config_lib.from_hf_dict(base | {"rope_parameters": {"rope_theta": 1e4, **params}})
+
+
+@pytest.mark.parametrize("name", ["yarn_mscale", "longrope", "dynamic"])
+def test_inverse_undoes_a_rotation_whatever_the_scaling(name):
+  cfg = ours(hf_config(SCALINGS[name], max_positions=64))
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 300, D)), jnp.float32)
+  positions = jnp.broadcast_to(jnp.arange(300), (2, 300))
+  rotated = km.llama.rope_at(x, positions, cfg)
+  assert np.abs(np.asarray(rotated - x)).max() > 0.1
+  back = km.llama.rope_at(rotated, positions, cfg, inverse=True)
+  np.testing.assert_allclose(np.asarray(back), np.asarray(x), atol=2e-4)

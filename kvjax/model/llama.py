@@ -449,13 +449,21 @@ def rope(
 
 
 def rope_at(
-  x: Array, positions: Array, cfg: ModelConfig, *, layer=None, seq_len=None, scaled: bool = True
+  x: Array,
+  positions: Array,
+  cfg: ModelConfig,
+  *,
+  layer=None,
+  seq_len=None,
+  scaled: bool = True,
+  inverse: bool = False,
 ) -> Array:
   """Applies the rotary embedding to ``x [..., C, D]`` at ``positions [..., C]`` (any leading axes).
 
-  Negative positions undo a rotation: RoPE is a rotation, ``rope_at(rope_at(x, p), -p) == x``
-  when cos and sin are unscaled (yarn and longrope scale both by their attention factor: undo
-  with ``scaled=False`` after dividing by it, or rotate with ``scaled=False`` throughout).
+  Negative positions rotate back: ``rope_at(rope_at(x, p), -p) == x`` when cos and sin are
+  unscaled. yarn and longrope scale both by ``cfg.rope_attention_factor``; ``inverse=True``
+  undoes ``rope_at(x, p)`` exactly for every type (rotates by ``-p`` with the frequencies ``p``
+  was rotated with, and divides the scale out).
 
   Args:
     x: vectors ``[..., C, D]``.
@@ -463,20 +471,24 @@ def rope_at(
     cfg: the model's config.
     layer: the layer's index (:func:`rope_tables`; needed when ``cfg.layer_types`` is set).
     seq_len: the length ``dynamic`` and ``longrope`` choose by (``None``:
-      ``max(positions) + 1``).
+      ``max(|positions|) + 1``, the forward pass's choice for those positions).
     scaled: whether cos and sin carry the attention factor (transformers' ``attention_scaling``).
+    inverse: undo the rotation at ``positions`` instead of applying it.
 
   Returns:
     The rotated vectors ``[..., C, D]`` in ``x``'s dtype.
   """
   if seq_len is None and cfg.rope_type in ("dynamic", "longrope"):
-    seq_len = jnp.max(positions) + 1
+    seq_len = jnp.max(jnp.abs(positions)) + 1
   inv, scale = rope_tables(cfg, layer=layer, seq_len=seq_len)
   angles = positions.astype(jnp.float32)[..., None] * inv.reshape((1,) * positions.ndim + (-1,))
+  if inverse:
+    angles = -angles
   angles = jnp.concatenate([angles, angles], -1)
   cos, sin = jnp.cos(angles), jnp.sin(angles)
   if scaled and not (isinstance(scale, float) and scale == 1.0):
-    cos, sin = cos * scale, sin * scale
+    factor = 1.0 / scale if inverse else scale
+    cos, sin = cos * factor, sin * factor
   cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
