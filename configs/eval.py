@@ -162,6 +162,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.batch = ml_collections.config_dict.placeholder(int)
   c.budgets = (48, 64, 128, 256)
   c.policies = POLICIES
+  # the policy label every other is tested against in tables.md (paired tests on the shared
+  # examples; "full" for the full cache); unset: "snapkv" when it runs
+  c.reference = ml_collections.config_dict.placeholder(str)
   # Q-Filters' and DuoAttention's measured evidence (qfilter, duo_attention): the calibration.npz
   # of `python -m experiments.calibrate`, and which of its DuoAttention gates to use
   c.calibration = ml_collections.config_dict.placeholder(str)

@@ -139,29 +139,99 @@ def pareto(table, metric: str = "retained_mass"):
 # --------------------------------------------------------------------------- task accuracy
 
 
+def _interval(frame, metric: str):
+  """``(low, high)`` columns of ``metric``'s interval, or ``None`` when ``frame`` has none."""
+  lo, hi = f"{metric}_lo", f"{metric}_hi"
+  if lo in frame.columns and hi in frame.columns and frame[lo].notna().any():
+    return lo, hi
+  return None
+
+
 def accuracy_vs_budget(table, metric: str = "accuracy"):
   """One panel per task: ``metric`` against the per-head budget, a line per policy (mean over
-  context lengths); the full cache as a dashed line."""
-  table = table[table["kind"] == "budget"]
+  context lengths); the full cache as a dashed line. A table with ``{metric}_lo`` and
+  ``{metric}_hi`` columns (one row per task, policy and budget: an evaluation's summary) also
+  gets each interval drawn, a band around each line and around the full cache's."""
+  if "kind" in table.columns:
+    table = table[table["kind"] == "budget"]
+  band = _interval(table, metric)
   task_names = list(dict.fromkeys(table["task"]))
   cols = min(len(task_names), 4)
   rows = -(-len(task_names) // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
   for ax, task in zip(axes.flat, task_names, strict=False):
     sub = table[table["task"] == task]
-    full = sub[sub["policy"] == "full"][metric].mean()
-    for i, (policy, line) in enumerate(sub[sub["policy"] != "full"].groupby("policy")):
-      line = line.groupby("budget")[metric].mean()
+    full_rows = sub[sub["policy"] == "full"]
+    full = full_rows[metric].mean()
+    for i, (policy, rows) in enumerate(sub[sub["policy"] != "full"].groupby("policy")):
+      line = rows.groupby("budget")[metric].mean()
       # 12+ policies: tab20 colours and alternating markers keep every line distinguishable
       style = dict(color=plt.cm.tab20(i % 20), marker="osD^v<>"[i % 7], ms=3)
       ax.plot(line.index, line.values, label=policy, **style)
+      if band:
+        ends = rows.groupby("budget")[list(band)].mean()
+        ax.fill_between(ends.index, ends[band[0]], ends[band[1]], color=style["color"], alpha=0.12)
     ax.axhline(full, color="k", ls="--", lw=1, label="full")
+    if band and len(full_rows):
+      ax.axhspan(full_rows[band[0]].mean(), full_rows[band[1]].mean(), color="k", alpha=0.06)
     ax.set(xscale="log", xlabel="budget per head (tokens)", ylabel=metric, title=task)
   for ax in list(axes.flat)[len(task_names) :]:
     ax.axis("off")
   handles, labels = axes.flat[0].get_legend_handles_labels()
   fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), fontsize=8)
   fig.tight_layout(rect=(0, 0.08, 1, 1))
+  return fig
+
+
+def accuracy_vs_memory(summary, metric: str = "accuracy"):
+  """One panel per context length: ``metric`` against the K/V bytes each policy's compressed
+  cache held per example (log scale), a line per policy over its budgets, the full cache as a
+  star; the intervals (``{metric}_lo``/``{metric}_hi``) as error bars when given.
+
+  Args:
+    summary: one row per (length, policy, budget) with ``kv_bytes_held`` and ``metric`` (the
+      full cache's row without a budget): an evaluation's summary.
+    metric: the column drawn.
+
+  Returns:
+    The figure.
+  """
+  band = _interval(summary, metric)
+  lengths = list(dict.fromkeys(summary["length"]))
+  fig, axes = plt.subplots(
+    1, len(lengths), figsize=(4.6 * len(lengths), 3.8), squeeze=False, sharey=True
+  )
+  for ax, length in zip(axes[0], lengths, strict=True):
+    sub = summary[summary["length"] == length]
+    # the policies in accuracy_vs_budget's order and colours, the full cache last
+    lines = [
+      *sub[sub["policy"] != "full"].groupby("policy"),
+      ("full", sub[sub["policy"] == "full"]),
+    ]
+    for i, (policy, line) in enumerate(lines):
+      if line.empty:
+        continue
+      line = line.sort_values("kv_bytes_held")
+      y = line[metric].to_numpy(float)
+      err = None
+      if band:  # error bars: distances from the mean to each end
+        err = np.clip(
+          [y - line[band[0]].to_numpy(float), line[band[1]].to_numpy(float) - y], 0, None
+        )
+      if policy == "full":
+        style = dict(color="k", marker="*", ms=10, ls="none")
+      else:
+        style = dict(color=plt.cm.tab20(i % 20), marker="osD^v<>"[i % 7], ms=3, capsize=2)
+      ax.errorbar(line["kv_bytes_held"], y, yerr=err, label=policy, lw=1, **style)
+    ax.set(
+      xscale="log",
+      xlabel="K/V bytes held per example",
+      ylabel=metric if ax is axes[0][0] else None,
+      title=f"context {length}",
+    )
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), fontsize=8)
+  fig.tight_layout(rect=(0, 0.1, 1, 1))
   return fig
 
 
@@ -181,18 +251,40 @@ def needle_heatmap(table, policy: str):
   return fig
 
 
-def accuracy_figures(table, out_dir, suffix: str = "") -> list[str]:
-  """Writes ``accuracy_vs_budget.png``, ``recall_vs_budget.png`` (RULER's partial credit, when the
-  table has it), ``kl_vs_budget.png`` and one ``needle_heatmap_*.png`` per heatmap policy into
-  ``out_dir`` (each name ending in ``suffix``); returns the file names."""
+def accuracy_figures(table, out_dir, suffix: str = "", summaries: dict | None = None) -> list[str]:
+  """Writes the figures of one question mode into ``out_dir``, each name ending in ``suffix``.
+
+  ``accuracy_vs_budget.png``, ``recall_vs_budget.png`` (RULER's partial credit, when the table
+  has it), ``kl_vs_budget.png``, ``accuracy_vs_memory.png`` (when ``summaries`` has
+  ``"memory"``) and one ``needle_heatmap_*.png`` per heatmap policy.
+
+  Args:
+    table: the results rows of one question mode.
+    out_dir: the directory.
+    suffix: the end of every file name (before ``.png``).
+    summaries: what the figures with intervals draw instead of ``table``'s plain means:
+      ``{"accuracy": ..., "recall": ...}`` (one row per task, policy and budget) and
+      ``"memory"`` (one row per length, policy and budget), as
+      :func:`kvjax.eval.report.plot_summaries` makes them.
+
+  Returns:
+    The file names written.
+  """
   out_dir = pathlib.Path(out_dir)
+  summaries = summaries or {}
   written = []
   if (table["kind"] == "budget").any():
     for metric in [m for m in ("accuracy", "recall", "kl") if m in table.columns]:
-      fig = accuracy_vs_budget(table, metric)
+      fig = accuracy_vs_budget(summaries.get(metric, table), metric)
       fig.savefig(out_dir / f"{metric}_vs_budget{suffix}.png", dpi=110)
       close(fig)
       written.append(f"{metric}_vs_budget{suffix}.png")
+    memory = summaries.get("memory")
+    if memory is not None and "kv_bytes_held" in memory.columns:
+      fig = accuracy_vs_memory(memory)
+      fig.savefig(out_dir / f"accuracy_vs_memory{suffix}.png", dpi=110)
+      close(fig)
+      written.append(f"accuracy_vs_memory{suffix}.png")
   heat = table[table["kind"].astype(str).str.startswith("heatmap")]
   for policy in dict.fromkeys(heat["policy"]):
     fig = needle_heatmap(table, policy)

@@ -231,11 +231,53 @@ def test_eval_quick_writes_results_resumes_and_plots(tmp_path):
   c.budgets = (64,)
   with pytest.raises(ValueError, match="different configuration"):
     evaluate.run(c, tmp_path, log=lambda *_: None)
-  # a results file of another layout is refused, never appended to
+  # rows carry what each cache held, intervals around their accuracy and every example's outcome
+  assert (full["kv_fraction"] == 1).all() and (budget_rows["kv_fraction"] <= 1).all()
+  assert (table["accuracy_lo"] <= table["accuracy"]).all()
+  assert (table["accuracy"] <= table["accuracy_hi"]).all()
+  outcomes = table["example_correct"].map(report.per_example)
+  assert [o.mean() for o in outcomes] == pytest.approx(table["accuracy"].tolist())
+  assert (tmp_path / "accuracy_vs_memory.png").exists()
+  assert "K/V held as a fraction of the full cache" in md and "exact McNemar" in md
+  # a results file of another layout (an older one without the memory and outcome columns) is
+  # refused before the claim is touched, never appended to
   c = eval_config.get_config("quick")
+  claim = (tmp_path / "eval.json").read_bytes()
+  old = table.drop(columns=[*evaluate.MEMORY_COLUMNS, *evaluate.INTERVAL_COLUMNS])
+  old.drop(columns=evaluate.EXAMPLE_COLUMNS).to_csv(tmp_path / "results.csv", index=False)
+  written = (tmp_path / "results.csv").read_bytes()
+  with pytest.raises(ValueError, match=r"workdir: .* lacks the columns \['kv_bytes_held'"):
+    evaluate.run(c, tmp_path, log=lambda *_: None)
+  assert (tmp_path / "results.csv").read_bytes() == written
+  assert (tmp_path / "eval.json").read_bytes() == claim
   table.drop(columns=["recall"]).to_csv(tmp_path / "results.csv", index=False)
   with pytest.raises(ValueError, match="columns"):
     evaluate.run(c, tmp_path, log=lambda *_: None)
+
+
+def test_rows_count_what_each_cache_really_held(random_model):
+  exs, *_ = _batch("single_needle", length=128, n=2)
+  cfg = random_model.cfg
+  Tc = 128 - max(e.question_len for e in exs)
+  duo = policies.make("duo_attention", sinks=4)
+  pre = evaluate.prefill_examples(
+    random_model, exs, oracle=False, needs=evaluate.policy_needs([("duo", duo)])
+  )
+  per_token = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * 4  # K and V, float32
+
+  def row(budget, policy, **kw):
+    (r,) = evaluate.evaluate_group(random_model, exs, [budget], policy, prefilled=pre, **kw)["rows"]
+    return r
+
+  full = row(Tc, evaluate.FULL)
+  assert full["kv_bytes_held"] == Tc * per_token and full["kv_fraction"] == 1.0
+  assert row(40, policies.make("snapkv"))["kv_fraction"] == pytest.approx(40 / Tc)
+  # DuoAttention's two retrieval heads (the highest gates) keep the whole context, its two
+  # streaming heads the budget: it holds far more than the nominal 32 tokens per head
+  gates = np.asarray([[0.9, 0.1], [0.2, 0.8]], np.float32)
+  held = row(32, duo, evidence={"retrieval_heads_LG": gates})
+  assert held["kv_fraction"] == pytest.approx((2 * 32 + 2 * Tc) / (4 * Tc))
+  assert held["kv_bytes_held"] == (2 * 32 + 2 * Tc) * per_token // 4
 
 
 def test_example_batches_merge_to_the_rows_of_one_batch(random_model):
@@ -289,6 +331,7 @@ def test_a_group_cut_mid_write_is_dropped_and_rerun(tmp_path):
     ("lengths", (256, 256), r"lengths: 256 appear more than once"),
     ("budgets", (48, 48), r"budgets: 48 appear more than once"),
     ("heatmap.depths", (0.0, 0.0), r"heatmap.depths: 0.0 appear more than once"),
+    ("reference", "snapkvv", r"reference: 'snapkvv' is not a policy label"),
   ],
 )
 def test_a_bad_eval_config_fails_before_any_work(tmp_path, field, value, match):
@@ -360,6 +403,47 @@ def test_report_tables_by_hand():
   assert frame.loc["snapkv"].tolist() == [0.75, 0.25]  # full's mean, then budget 8's
   md = report.markdown(table)
   assert "| snapkv | 0.75 | 0.25 |" in md and "| snapkv | 0.050 | 0.250 |" in md
+
+
+def test_report_intervals_and_paired_marks_by_hand():
+  import pandas as pd
+
+  base = dict(task="a", length=64, kind="budget", question="after", depth=np.nan, kl=0.0)
+  outcomes = {"full": [1] * 8, "snapkv": [1] * 8, "h2o": [0] * 8, "tova": [1] * 7 + [0]}
+  rows = []
+  for policy, correct in outcomes.items():
+    text = " ".join(map(str, correct))
+    rows.append(
+      dict(
+        base,
+        policy=policy,
+        budget=64 if policy == "full" else 8,
+        accuracy=np.mean(correct),
+        recall=np.mean(correct),
+        n=8,
+        kv_fraction=1.0 if policy == "full" else 0.125,
+        example_correct=text,
+        example_recall=text,
+      )
+    )
+  table = pd.DataFrame(rows)
+  frame, note = report.interval_table(table, "after", "accuracy")
+  # Wilson at 0 of 8: [0, z^2 / (8 + z^2)]; h2o against snapkv: 8 discordant pairs one way,
+  # exact McNemar p = 2 / 2^8 (significant after Holm too); tova: one pair, p = 1
+  assert frame.loc["h2o", 8] == "0.00 [0.00, 0.32]**"
+  assert frame.loc["tova", 8] == "0.88 [0.53, 0.98]"
+  assert frame.loc["snapkv", 8] == "1.00 [0.68, 1.00]"  # the reference is not tested
+  assert "n = 8 examples per cell" in note and "`snapkv`" in note and "2 comparisons" in note
+  assert (
+    report.paired_pvalue(table[table["policy"] == "h2o"], table[table["policy"] == "snapkv"])
+    == 2 / 2**8
+  )
+  # against the full cache instead (its rows at the context length pair with every budget)
+  frame, note = report.interval_table(table, "after", "accuracy", reference="full")
+  assert frame.loc["snapkv", 8] == "1.00 [0.68, 1.00]" and frame.loc["h2o", 8].endswith("**")
+  md = report.markdown(table)
+  assert "paired bootstrap" in md and "| h2o | 0.125 | 0.125 |" not in md
+  assert "| tova | 1.000 | 0.125 |" in md  # the fraction of the full cache held
 
 
 def test_question_modes_parse():

@@ -7,7 +7,12 @@ budgets).
 Each (task, length, policy) group appends its rows to ``results.csv`` as soon as its last batch
 is done; a rerun skips the groups already there (like sweeps).
 Besides accuracy, each row carries the teacher-forced next-token KL divergence between the full and
-the compressed cache, ``KL(p_full || p_compressed)`` averaged over the scored answer tokens.
+the compressed cache, ``KL(p_full || p_compressed)`` averaged over the scored answer tokens; the
+K/V bytes the compressed context cache really held (counted from the cache, so a policy keeping
+whole heads or layers shows what it kept, not its nominal budget) and their fraction of the full
+cache's; 95 % intervals of accuracy (Wilson) and recall (seeded bootstrap,
+:mod:`kvjax.eval.stats`); and every example's outcome, in order, so that the tables can pair
+policies on the same examples.
 
 The needle heatmap (accuracy over depth x context length, the PyramidKV and SnapKV papers'
 figure) comes from the same machinery with ``depth`` fixed per cell. ``tables.md`` beside the
@@ -16,6 +21,7 @@ results holds their markdown tables (:mod:`kvjax.eval.report`).
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import hashlib
 import json
@@ -27,7 +33,7 @@ import pandas as pd
 
 from kvjax import model as km
 from kvjax import plotting, policies, rundir
-from kvjax.eval import report, ruler, tasks
+from kvjax.eval import report, ruler, stats, tasks
 from kvjax.model import answers as answers_lib
 from kvjax.model import assets, calibrate
 from kvjax.model.tokenizer import HFTokenizer, PieceTokenizer
@@ -387,24 +393,62 @@ def evaluate_group(
         token_accuracy=tokens,
         kl=kl,
         n=len(exs),
+        # per example: every example of a group has the same context, so the same full cache
+        kv_bytes_held=float(out.kv_bytes_held[c]) / len(exs),
+        kv_fraction=float(out.kv_bytes_held[c]) / out.full_cache_bytes,
+        example_correct=np.asarray(ok, bool),
+        example_recall=np.asarray(found, float),
       )
     )
   return {"rows": rows, "answers": out, "scored": int(scored.sum())}
 
 
 def merge_batches(parts: list[dict]) -> list[dict]:
-  """One group's rows from its example batches (:func:`evaluate_group` results): accuracy and
-  recall weighted by examples, token accuracy and KL by scored answer tokens, so the rows equal
-  those of one batch of all the examples."""
+  """One group's rows from its example batches (:func:`evaluate_group` results): accuracy,
+  recall and memory weighted by examples, token accuracy and KL by scored answer tokens, the
+  per-example outcomes concatenated in order, so the rows equal those of one batch of all the
+  examples."""
   tokens = np.asarray([p["scored"] for p in parts], float)
+  by_examples = ("accuracy", "recall", "kv_bytes_held", "kv_fraction")
   rows = []
   for per_batch in zip(*(p["rows"] for p in parts), strict=True):
     n = np.asarray([r["n"] for r in per_batch], float)
     row = dict(per_batch[0], n=int(n.sum()))
-    for key, weight in (("accuracy", n), ("recall", n), ("token_accuracy", tokens), ("kl", tokens)):
+    weights = [(key, n) for key in by_examples] + [("token_accuracy", tokens), ("kl", tokens)]
+    for key, weight in weights:
       row[key] = float(np.dot([r[key] for r in per_batch], weight) / weight.sum())
+    for key in ("example_correct", "example_recall"):
+      row[key] = np.concatenate([r[key] for r in per_batch])
     rows.append(row)
   return rows
+
+
+def finish_row(row: dict) -> dict:
+  """A merged row as ``results.csv`` holds it: accuracy's Wilson interval and recall's seeded
+  bootstrap interval (:mod:`kvjax.eval.stats`) from the per-example outcomes, which are written
+  as space-separated values in example order (:func:`kvjax.eval.report.per_example` reads
+  them back).
+
+  Args:
+    row: a row of :func:`merge_batches` (its ``example_correct`` and ``example_recall`` arrays).
+
+  Returns:
+    The row with ``accuracy_lo``/``accuracy_hi``, ``recall_lo``/``recall_hi`` and the outcomes
+    as text.
+  """
+  correct = np.asarray(row["example_correct"], bool)
+  found = np.asarray(row["example_recall"], float)
+  acc_lo, acc_hi = stats.wilson_interval(int(correct.sum()), correct.size)
+  rec_lo, rec_hi = stats.bootstrap_interval([found])
+  return row | dict(
+    accuracy_lo=acc_lo,
+    accuracy_hi=acc_hi,
+    recall_lo=rec_lo,
+    recall_hi=rec_hi,
+    example_correct=" ".join("1" if c else "0" for c in correct),
+    # string_match_all's fractions k / needles: 6 significant digits hold them exactly enough
+    example_recall=" ".join(f"{v:.6g}" for v in found),
+  )
 
 
 def example_batches(exs: list, size: int | None) -> list[list]:
@@ -440,6 +484,10 @@ def complete_groups(table: pd.DataFrame, path: pathlib.Path, expected: dict) -> 
 
 
 GROUP_COLUMNS = ["task", "length", "policy", "kind", "question"]
+# what each row adds to a plain accuracy: memory held, intervals and per-example outcomes
+MEMORY_COLUMNS = ["kv_bytes_held", "kv_fraction"]
+INTERVAL_COLUMNS = ["accuracy_lo", "accuracy_hi", "recall_lo", "recall_hi"]
+EXAMPLE_COLUMNS = ["example_correct", "example_recall"]
 COLUMNS = [
   *GROUP_COLUMNS,
   "depth",
@@ -449,8 +497,41 @@ COLUMNS = [
   "token_accuracy",
   "kl",
   "n",
+  *MEMORY_COLUMNS,
+  *INTERVAL_COLUMNS,
+  *EXAMPLE_COLUMNS,
   "seconds",
 ]
+
+
+def check_results_columns(path: pathlib.Path) -> None:
+  """Refuses, before the workdir's claim is touched, a ``results.csv`` whose header is not
+  :data:`COLUMNS` (in any order): its rows cannot be resumed beside new ones (an older file
+  lacks the memory held and the per-example outcomes, which only a rerun measures), so they are
+  never mixed.
+
+  Args:
+    path: the results file (absent or empty: nothing to check).
+
+  Raises:
+    ValueError: naming ``workdir``, the columns missing and those unexpected.
+  """
+  if not rundir.holds_data(path):
+    return
+  with path.open(errors="replace") as f:
+    header = f.readline()
+  if not header.endswith("\n"):  # a header cut by a kill: rundir's readers judge it
+    return
+  found = next(csv.reader([header.rstrip("\r\n")]), [])
+  missing = [c for c in COLUMNS if c not in found]
+  extra = [c for c in found if c not in COLUMNS]
+  if missing or extra:
+    raise ValueError(
+      f"workdir: {path} lacks the columns {missing}"
+      + (f" and has {extra}" if extra else "")
+      + f"; expected {COLUMNS} (written by another kvjax version: memory held and per-example "
+      "outcomes need a rerun, so its rows are not resumed beside new ones); use a fresh workdir"
+    )
 
 
 def question_modes(config) -> tuple[str, ...]:
@@ -488,8 +569,8 @@ CONFIG_FIELDS = (
 
 # Config fields that change no result, so a resume may change them (rundir.claim): the example
 # batch size bounds memory (merged rows agree to float rounding, merge_batches), the compilation
-# cache holds compiled programs. Everything else, model weights included, is the run's identity.
-NOT_IDENTITY = ("batch", "compilation_cache")
+# cache holds compiled programs, the reference policy only marks the tables. Everything else, model weights included, is the run's identity.
+NOT_IDENTITY = ("batch", "compilation_cache", "reference")
 
 
 def _distinct(name: str, values) -> None:
@@ -538,6 +619,12 @@ def validate_config(config) -> None:
   load_calibration(config, policy_needs(entries))
   if len(set(labels)) < len(labels) or report.FULL in labels:
     raise ValueError(f"policies: labels must be distinct and not {report.FULL!r}, got {labels}")
+  reference = config.get("reference")
+  if reference is not None and reference not in (report.FULL, *labels):
+    raise ValueError(
+      f"reference: {reference!r} is not a policy label; expected one of "
+      f"{[report.FULL, *labels]} (or None: {report.REFERENCE!r} when it runs)"
+    )
   for length in config.lengths:
     if not [b for b in config.budgets if b < length]:
       raise ValueError(
@@ -627,11 +714,13 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
 
 def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
   path = pathlib.Path(workdir) / "results.csv"
+  check_results_columns(path)
   record = {k: config[k] for k in config if k != "workdir"}  # where is not what
   sig = rundir.signature(record | {"weights": _model_fingerprint(config.model)})
   has_results = rundir.holds_data(path)
   out = rundir.claim(workdir, "eval.json", sig, has_results=has_results, not_identity=NOT_IDENTITY)
-  table = rundir.read_rows(path, columns=COLUMNS)
+  # the outcomes as written (one example's "1" is no number to round-trip)
+  table = rundir.read_rows(path, dtype=dict.fromkeys(EXAMPLE_COLUMNS, str), columns=COLUMNS)
   if not table.empty and list(table.columns) != COLUMNS:
     raise ValueError(
       f"workdir: {path} has the columns {list(table.columns)}, expected {COLUMNS} (written by "
@@ -705,20 +794,26 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
               _append_group(path, (task, length, label, q), parts[label], seconds[label], log)
   evidence = dict(calibration=calibration, template=template)
   head = _heatmap(config, prepared, path, done, head, log, evidence)
-  table = rundir.read_rows(path)
+  table = rundir.read_rows(path, dtype=dict.fromkeys(EXAMPLE_COLUMNS, str))
   for q in modes:
     suffix = "" if len(modes) == 1 else f"_{q}"
-    plotting.accuracy_figures(table[table["question"] == q], out, suffix=suffix)
-  (out / "tables.md").write_text(report.markdown(table))
+    rows = table[table["question"] == q]
+    plotting.accuracy_figures(rows, out, suffix=suffix, summaries=report.plot_summaries(rows))
+  (out / "tables.md").write_text(report.markdown(table, reference=config.get("reference")))
   return table
+
+
+def _ordered(row: dict) -> dict:
+  """A row's fields in :data:`COLUMNS`' order (a file's header is its first rows')."""
+  return {c: row[c] for c in COLUMNS}
 
 
 def _append_group(path, key, parts: list[dict], seconds: float, log) -> None:
   """Appends one complete (task, length, policy, question) group's rows and logs them."""
   task, length, label, q = key
-  rows = merge_batches(parts)
+  rows = [finish_row(r) for r in merge_batches(parts)]
   meta = dict(task=task, length=length, policy=label, kind="budget", question=q, depth=np.nan)
-  rundir.append_rows(path, [meta | r | {"seconds": round(seconds, 2)} for r in rows])
+  rundir.append_rows(path, [_ordered(meta | r | {"seconds": round(seconds, 2)}) for r in rows])
   log(
     f"{task:18s} {length:5d} {q:9s} {label:16s} "
     + " ".join(f"{r['budget']}:{r['accuracy']:.2f}" for r in rows)
@@ -769,7 +864,8 @@ def _heatmap(config, prepared: Prepared, path, done, head, log, data):
           evidence=evidence | _head_evidence(head),
         )
         (r,) = res["rows"]
-        row = dict(task=h.task, length=length, policy=label, kind=kind, question=q, depth=d) | r
-        rundir.append_rows(path, [row | {"seconds": 0.0}])
+        meta = dict(task=h.task, length=length, policy=label, kind=kind, question=q, depth=d)
+        row = meta | finish_row(r)
+        rundir.append_rows(path, [_ordered(row | {"seconds": 0.0})])
       log(f"heatmap length {length} depth {d:g}: done")
   return head
