@@ -55,6 +55,18 @@ def extract(c, cfg, params, rows, template, workdir):
   """The targets, batch by batch, each batch saved (a killed run skips the saved ones)."""
   parts = workdir / "targets"
   parts.mkdir(exist_ok=True)
+  # saved parts are reused only by a run that would compute the same ones
+  identity = {
+    k: c[k] for k in ("model", "dtype", "rows", "length", "n_tokens", "batch_rows", "seed")
+  }
+  identity.update(prefix=c.prefix, suffix=c.suffix, rows_sum=int(rows.sum()))
+  record = parts / "targets.json"
+  if record.exists() and json.loads(record.read_text()) != identity:
+    raise ValueError(
+      f"workdir: {parts} holds targets of other settings ({record.read_text()}); use a fresh "
+      "workdir"
+    )
+  record.write_text(json.dumps(identity))
   Xs, ys = [], []
   for i in range(0, len(rows), c.batch_rows):
     path = parts / f"part_{i:05d}.npz"

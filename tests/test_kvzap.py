@@ -218,6 +218,8 @@ def test_resume_gives_the_uninterrupted_params(data, tmp_path):
   for k, v in whole.surrogate.params.items():
     np.testing.assert_array_equal(np.asarray(resumed.surrogate.params[k]), np.asarray(v))
   assert resumed.train_loss == whole.train_loss and resumed.valid_loss == whole.valid_loss
+  with pytest.raises(ValueError, match=r"checkpoint_dir: .*hidden_dim 8 -> 4"):
+    kvzap.train_mlp(X, y, checkpoint_dir=tmp_path / "b", **{**kw, "hidden_dim": 4})
 
 
 def test_schedule_is_cosine_per_epoch():

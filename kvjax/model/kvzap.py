@@ -468,6 +468,23 @@ def _batched_mse(surrogate, X, y, batch):
   return total / X.shape[0]
 
 
+def _check_run(path: pathlib.Path, args: dict) -> None:
+  """Records a checkpointed run's arguments; a resume with others is refused (its checkpoints
+  belong to another run)."""
+  record = path / "kvzap_run.json"
+  if record.exists():
+    saved = json.loads(record.read_text())
+    differ = {k: (saved.get(k), v) for k, v in args.items() if saved.get(k) != v}
+    if differ:
+      said = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in differ.items())
+      raise ValueError(
+        f"checkpoint_dir: {path} holds a run with other arguments ({said}); use a fresh directory"
+      )
+  else:
+    path.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(args, sort_keys=True))
+
+
 def train_mlp(
   X_NLd,
   y_NLG,
@@ -515,7 +532,8 @@ def train_mlp(
     The :class:`MLPTraining`.
 
   Raises:
-    ValueError: for bad shapes or options.
+    ValueError: for bad shapes or options, or a ``checkpoint_dir`` holding a run with other
+      arguments or data shapes.
   """
   X, y = _check_xy(X_NLd, y_NLG)
   hidden_dim = _check_int("hidden_dim", hidden_dim)
@@ -541,6 +559,19 @@ def train_mlp(
     import orbax.checkpoint as ocp  # only checkpointed runs pay for orbax's import
 
     path = pathlib.Path(checkpoint_dir).absolute()
+    _check_run(
+      path,
+      {
+        "hidden_dim": hidden_dim,
+        "max_epochs": max_epochs,
+        "lr": lr,
+        "batch_size": batch_size,
+        "weight_decay": weight_decay,
+        "valid_fraction": valid_fraction,
+        "seed": seed,
+        "data_shape": [list(X.shape), list(y.shape)],
+      },
+    )
     mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=2))
     last = mngr.latest_step()
     if last is not None:
