@@ -150,8 +150,10 @@ def _interval(frame, metric: str):
 def accuracy_vs_budget(table, metric: str = "accuracy"):
   """One panel per task: ``metric`` against the per-head budget, a line per policy (mean over
   context lengths); the full cache as a dashed line. A table with ``{metric}_lo`` and
-  ``{metric}_hi`` columns (one row per task, policy and budget: an evaluation's summary) also
-  gets each interval drawn, a band around each line and around the full cache's."""
+  ``{metric}_hi`` columns also gets each interval drawn, a band around each line and around the
+  full cache's, where a point is one row (an evaluation's summary,
+  :func:`kvjax.eval.report.plot_summaries`): the interval of a mean over several rows is not
+  the mean of theirs, so none is drawn there."""
   if "kind" in table.columns:
     table = table[table["kind"] == "budget"]
   band = _interval(table, metric)
@@ -168,11 +170,11 @@ def accuracy_vs_budget(table, metric: str = "accuracy"):
       # 12+ policies: tab20 colours and alternating markers keep every line distinguishable
       style = dict(color=plt.cm.tab20(i % 20), marker="osD^v<>"[i % 7], ms=3)
       ax.plot(line.index, line.values, label=policy, **style)
-      if band:
+      if band and rows.groupby("budget").size().max() == 1:
         ends = rows.groupby("budget")[list(band)].mean()
         ax.fill_between(ends.index, ends[band[0]], ends[band[1]], color=style["color"], alpha=0.12)
     ax.axhline(full, color="k", ls="--", lw=1, label="full")
-    if band and len(full_rows):
+    if band and len(full_rows) == 1:
       ax.axhspan(full_rows[band[0]].mean(), full_rows[band[1]].mean(), color="k", alpha=0.06)
     ax.set(xscale="log", xlabel="budget per head (tokens)", ylabel=metric, title=task)
   for ax in list(axes.flat)[len(task_names) :]:

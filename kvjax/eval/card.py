@@ -13,7 +13,7 @@ import pathlib
 import ml_collections
 
 from kvjax import rundir
-from kvjax.eval import evaluate, funnel, tasks, train, vocab
+from kvjax.eval import evaluate, funnel, stats, tasks, train, vocab
 from kvjax.model import loading
 from kvjax.model.config import ModelConfig
 from kvjax.model.tokenizer import WordTokenizer
@@ -63,15 +63,24 @@ def describe(cfg: ModelConfig) -> str:
 
 def measure(path: str | pathlib.Path, *, count: int = 50, lengths=(1024, 2048)) -> dict:
   """The card's measurements of an exported model: full-cache accuracy per task at each length
-  (``count`` held-out examples at :data:`kvjax.eval.tasks.EVAL_OPTIONS` sizes) and the layer funnel
-  on a multi-document prompt (attention sinks: first-token mass; funneling: entropy per layer)."""
+  (``count`` held-out examples at :data:`kvjax.eval.tasks.EVAL_OPTIONS` sizes) with its 95 %
+  Wilson interval, and the layer funnel on a multi-document prompt (attention sinks: first-token
+  mass; funneling: entropy per layer)."""
   model, _ = loading.load(path)
   tok = WordTokenizer.load(pathlib.Path(path) / "tokenizer.json")
   scores = evaluate.full_cache_scores(model, tok, lengths, count, tasks.EVAL_OPTIONS)
   ids, doc = funnel.multi_document_prompt(tok, num_docs=4, doc_len=128)
   layers = funnel.model_funnel(model, ids, doc).round(4)
+  # accuracy is a proportion of the count examples: Wilson's interval of its successes
+  intervals = {
+    length: {
+      task: list(stats.wilson_interval(round(acc * count), count)) for task, acc in cells.items()
+    }
+    for length, cells in scores["accuracy"].items()
+  }
   return {
     "full_cache_accuracy": scores["accuracy"],
+    "full_cache_accuracy_95": intervals,
     "full_cache_ruler_recall": scores["recall"],
     "examples_per_cell": count,
     "funnel": layers.to_dict(orient="list"),
