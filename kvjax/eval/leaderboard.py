@@ -1,0 +1,269 @@
+"""kvpress's leaderboard protocol: RULER's synthetic tasks answered by generation under
+compression ratios, in the query-agnostic and the query-aware loop, scored as RULER scores.
+
+Reference: kvpress 0.5.5's evaluation (``evaluation/evaluate.py`` and its leaderboard: RULER at
+4k tokens, compression ratios 0.25 / 0.5 / 0.75 / 0.875, the mean score per method and ratio)
+and RULER's scoring (:func:`kvjax.eval.ruler.score`).
+
+* **query-agnostic** (kvpress's default): the context is compressed before the question is seen
+  (:func:`kvjax.model.decoding.compress_context` at the ratio), then the question and answer
+  prefix are fed through the compressed cache and the answer is decoded greedily
+  (:func:`kvjax.model.decoding.answer_context`);
+* **query-aware**: the context and the question (with the answer prefix) are compressed
+  together, the question observed by the policy's window, then the prompt's last token is fed
+  through the compressed cache and the answer decoded (the ratio counts every prompt token but
+  that last one).
+
+Each row is one (task, example, method, ratio, loop): RULER's per-example score (in percent),
+the cache's held K/V bytes and their fraction of the full cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pandas as pd
+
+from kvjax import model as km
+from kvjax import policies, rundir
+from kvjax.eval import ruler
+from kvjax.model import cache as cache_lib
+from kvjax.model import llama
+
+LOOPS = ("agnostic", "aware")
+COLUMNS = (
+  "task",
+  "example",
+  "method",
+  "ratio",
+  "loop",
+  "score",
+  "kv_bytes_held",
+  "kv_fraction",
+  "seconds",
+)
+KEY = ("task", "example", "method", "ratio", "loop")
+# fields that change no result: a resume may change them
+NOT_IDENTITY = ("workdir",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """A leaderboard entry: a label, a registered policy with its options, and the loops it runs.
+
+  Attributes:
+    label: the row's ``method``.
+    policy: a registered policy name.
+    options: its options.
+    loops: the loops it runs (kvpress runs the question-window presses query-aware too).
+  """
+
+  label: str
+  policy: str
+  options: tuple = ()
+  loops: tuple[str, ...] = ("agnostic",)
+
+  def build(self) -> policies.Policy:
+    """The policy object."""
+    return policies.make(self.policy, **dict(self.options))
+
+
+def methods_of(config) -> tuple[Method, ...]:
+  """The config's ``methods`` as :class:`Method` objects, each built once to check it.
+
+  Args:
+    config: the leaderboard config.
+
+  Returns:
+    The methods.
+
+  Raises:
+    ValueError: for a method that is not a dict with ``label`` and ``policy``, a duplicate
+      label, an unknown loop, or a policy that cannot be built.
+  """
+  out, seen = [], set()
+  for m in config.methods:
+    m = dict(m)
+    if "label" not in m or "policy" not in m:
+      raise ValueError(f"methods: {m!r} needs 'label' and 'policy'")
+    label, name = m.pop("label"), m.pop("policy")
+    loops = tuple(m.pop("loops", ("agnostic",)))
+    bad = [x for x in loops if x not in LOOPS]
+    if bad:
+      raise ValueError(f"methods: {label!r} has loops {bad}; expected some of {LOOPS}")
+    if label in seen:
+      raise ValueError(f"methods: the label {label!r} is given twice")
+    seen.add(label)
+    method = Method(label, name, tuple(sorted(m.items())), loops)
+    method.build()
+    out.append(method)
+  return tuple(out)
+
+
+def check_config(config) -> None:
+  """Refuses a config the run cannot do, before any work.
+
+  Args:
+    config: the leaderboard config.
+
+  Raises:
+    ValueError: naming the field: an unknown task, a ratio outside ``[0, 1)``, a length or
+      example count that is not a positive int, or a bad method.
+  """
+  rundir.require_fields(
+    config,
+    ("model", "tasks", "length", "examples", "ratios", "methods", "workdir", "seed"),
+    "configs/leaderboard.py",
+  )
+  for task in config.tasks:
+    if task not in ruler.TASKS:
+      raise ValueError(f"tasks: {task!r} is not one of {ruler.TASKS}")
+  for name in ("length", "examples"):
+    v = config[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"{name}: expected a positive int, got {v!r}")
+  for r in config.ratios:
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+      raise ValueError(f"ratios: {r!r} is not a compression ratio in [0, 1)")
+  methods_of(config)
+
+
+def _text(tokenizer, ids) -> str:
+  """Decoded tokens, cut at the first end of sequence (kvpress stops generating there)."""
+  ids = [int(t) for t in ids]
+  eos = getattr(tokenizer, "eos_id", None)
+  if eos is not None and eos in ids:
+    ids = ids[: ids.index(eos)]
+  return tokenizer.decode(ids)
+
+
+def answer(
+  model,
+  tokenizer,
+  sample: ruler.RulerSample,
+  policy,
+  ratio: float,
+  loop: str,
+  max_new_tokens: int | None = None,
+):
+  """One example's generated answer under ``policy`` at ``ratio`` in ``loop``.
+
+  Args:
+    model: the model.
+    tokenizer: its tokenizer.
+    sample: the RULER example (:func:`kvjax.eval.ruler.sample`).
+    policy: the policy object (``full``: ratio 0, the uncompressed cache).
+    ratio: kvpress's compression ratio.
+    loop: ``"agnostic"`` or ``"aware"``.
+    max_new_tokens: tokens to generate (``None``: RULER's for the task).
+
+  Returns:
+    ``(text, kv_bytes_held, kv_fraction)``.
+  """
+  ex = sample.example
+  new = max_new_tokens or ruler.TOKENS_TO_GENERATE[ruler.KIND[sample.task]]
+  prompt = ex.prompt[None].astype(np.int32)
+  budget_kw = {} if not policy.requires_budget else {"ratio": float(ratio)}
+  # agnostic: the question and answer prefix come after the compression; aware: only the last
+  # prompt token does (the compressed prompt holds the question, its window observes it)
+  q = ex.question_len if loop == "agnostic" else 1
+  ctx = km.compress_context(model, prompt[:, :-q], policy=policy, **budget_kw)
+  out = km.answer_context(model, ctx, prompt[:, -q:], max_new_tokens=new)
+  held = cache_lib.memory(ctx.cache)["kv_bytes_held"]
+  itemsize = llama.kv_itemsize(model.cfg, model.params())
+  full = cache_lib.full_cache_bytes(model.cfg, 1, prompt.shape[1] - q, itemsize)
+  return _text(tokenizer, out.tokens[0]), int(held), float(held / full)
+
+
+def run(config, workdir, *, model=None, tokenizer=None, log=print) -> pd.DataFrame:
+  """Runs (or resumes) the leaderboard grid into ``workdir``.
+
+  Rows already in ``results.csv`` are skipped; every finished row is appended at once, so a
+  killed run resumes with nothing lost or repeated. The directory is locked while the run holds
+  it and claimed by its configuration (``leaderboard.json``).
+
+  Args:
+    config: the leaderboard config (``configs/leaderboard.py``).
+    workdir: the run directory.
+    model: the loaded model (``None``: loaded from ``config.model``).
+    tokenizer: its tokenizer.
+    log: a print-like callable for progress.
+
+  Returns:
+    Every row (resumed and new).
+
+  Raises:
+    ValueError: for a config :func:`check_config` refuses, or a workdir holding another run.
+  """
+  from kvjax.eval import evaluate
+
+  check_config(config)
+  rundir.check_workdir(workdir)
+  methods = methods_of(config)
+  if model is None:
+    model, _, tokenizer = evaluate.load_model(config.model)
+  with rundir.lock(workdir):
+    path = rundir.check_workdir(workdir) / "results.csv"
+    sig = rundir.signature(rundir.plain(config.to_dict()))
+    out = rundir.claim(
+      workdir,
+      "leaderboard.json",
+      sig,
+      has_results=rundir.holds_data(path),
+      not_identity=NOT_IDENTITY,
+    )
+    path = out / "results.csv"
+    table = rundir.read_rows(path, dtype={"task": str, "method": str, "loop": str}, columns=COLUMNS)
+    done = {
+      (r.task, int(r.example), r.method, round(float(r.ratio), 6), r.loop)
+      for r in table.itertuples()
+    }
+    for task in config.tasks:
+      for i in range(config.examples):
+        sample = ruler.sample(task, tokenizer, length=config.length, seed=config.seed + i)
+        for m in methods:
+          pol = m.build()
+          ratios = config.ratios if pol.requires_budget else (0.0,)
+          for r in ratios:
+            for loop in m.loops:
+              key = (task, i, m.label, round(float(r), 6), loop)
+              if key in done:
+                continue
+              t0 = time.perf_counter()
+              text, held, frac = answer(
+                model, tokenizer, sample, pol, r, loop, config.get("max_new_tokens")
+              )
+              score = ruler.score(task, [text], [sample.outputs])
+              row = dict(
+                task=task,
+                example=i,
+                method=m.label,
+                ratio=float(r),
+                loop=loop,
+                score=score,
+                kv_bytes_held=held,
+                kv_fraction=round(frac, 6),
+                seconds=round(time.perf_counter() - t0, 2),
+              )
+              rundir.append_rows(path, [row])
+              log(f"{task} #{i} {m.label} r={r} {loop}: {score:.1f} ({frac:.3f} of the cache)")
+    return rundir.read_rows(path, dtype={"task": str, "method": str, "loop": str}, columns=COLUMNS)
+
+
+def table(rows: pd.DataFrame) -> pd.DataFrame:
+  """kvpress's leaderboard table: the mean score (over tasks and examples) per method, loop and
+  ratio, with the mean fraction of the cache held.
+
+  Args:
+    rows: the run's rows.
+
+  Returns:
+    One row per (loop, method, ratio): ``score`` (mean, percent), ``n`` (examples) and
+    ``kv_fraction``.
+  """
+  g = rows.groupby(["loop", "method", "ratio"], sort=True)
+  return g.agg(
+    score=("score", "mean"), n=("score", "size"), kv_fraction=("kv_fraction", "mean")
+  ).reset_index()
