@@ -141,13 +141,14 @@ def model_dims(cfg: ModelConfig) -> tuple[int, int, int, int]:
   return cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.num_groups
 
 
-def init_gates(key: Array, L: int, d: int, G: int, R: int, *, dim: int = DIM, sink: int = SINK):
+def init_gates(seed: int, L: int, d: int, G: int, R: int, *, dim: int = DIM, sink: int = SINK):
   """Untrained gates, as ``optim.py``'s ``Weight`` starts: torch ``nn.Linear``'s default
   initialisation (``U(-1/sqrt(d), 1/sqrt(d))`` for ``q_proj``'s weight and bias and
-  ``k_proj``'s weight), norm scales 1, sink keys and bias 0.
+  ``k_proj``'s weight), norm scales 1, sink keys and bias 0. The draws come from numpy's
+  generator (torch's in the official code): the same distribution, other numbers.
 
   Args:
-    key: the PRNG key.
+    seed: the generator's seed.
     L: layers.
     d: the model dim.
     G: KV heads.
@@ -159,21 +160,12 @@ def init_gates(key: Array, L: int, d: int, G: int, R: int, *, dim: int = DIM, si
     The gates, a dict of fp32 arrays.
   """
   shapes = expected_shapes(L, d, G, R, dim, sink)
-  k = jax.random.split(key, 3)
+  rng = np.random.default_rng(seed)
   bound = 1.0 / math.sqrt(d)
-
-  def u(key, name):
-    return jax.random.uniform(key, shapes[name], jnp.float32, -bound, bound)
-
-  return {
-    "wq": u(k[0], "wq"),
-    "bq": u(k[1], "bq"),
-    "wk": u(k[2], "wk"),
-    "q_norm": jnp.ones(shapes["q_norm"], jnp.float32),
-    "k_norm": jnp.ones(shapes["k_norm"], jnp.float32),
-    "k_base": jnp.zeros(shapes["k_base"], jnp.float32),
-    "b": jnp.zeros(shapes["b"], jnp.float32),
-  }
+  out = {k: rng.uniform(-bound, bound, shapes[k]) for k in ("wq", "bq", "wk")}
+  out |= {k: np.ones(shapes[k]) for k in ("q_norm", "k_norm")}
+  out |= {k: np.zeros(shapes[k]) for k in ("k_base", "b")}
+  return {k: jnp.asarray(out[k], jnp.float32) for k in PARAM_KEYS}
 
 
 def _head_norm(x: Array, scale_LD: Array) -> Array:
@@ -182,6 +174,7 @@ def _head_norm(x: Array, scale_LD: Array) -> Array:
   return scale_LD.reshape(scale_LD.shape[:1] + (1,) * (x.ndim - 2) + scale_LD.shape[1:]) * x
 
 
+@jax.jit
 def gate_scores(gates: dict, h_LTd) -> Array:
   """The gates' scores of attention inputs (kvpress ``FastKVzipGate.forward``).
 
@@ -519,8 +512,8 @@ def train_gates(
   resumes from the last checkpoint: the result equals an uninterrupted run's (each pass's
   shuffle depends only on ``seed`` and the pass).
 
-  Differs from the official code: the initialisation and shuffles use JAX's and numpy's
-  generators (torch's there), so the same data gives a different but equally distributed run;
+  Differs from the official code: the initialisation and shuffles use numpy's generator
+  (torch's there), so the same data gives a different but equally distributed run;
   fp32 (the official features are bfloat16); ``optim.py``'s forward adds the bias ``b`` twice
   (``logit += self.b.unsqueeze(2)`` twice) while every inference path (its own
   ``prefill/attention/gate.py``, kvpress's ``FastKVzipGate``) adds it once: here training and
@@ -568,7 +561,7 @@ def train_gates(
   _, L, d = X.shape
   G = y.shape[2]
   opt = optimizer(lr, max_steps)
-  gates = init_gates(jax.random.PRNGKey(seed), L, d, G, R, dim=dim, sink=sink)
+  gates = init_gates(seed, L, d, G, R, dim=dim, sink=sink)
   state = opt.init(gates)
   step_fn = jax.jit(lambda g, st, xb, yb: _step(opt, g, st, xb, yb))
   initial = _evaluate(gates, Xv, yv, batch_size)[0]

@@ -1,0 +1,135 @@
+"""Fast KVzip's gates: ``python -m experiments.fastkvzip --config=configs/fastkvzip.py[:quick]``
+extracts KVzip scores and attention inputs from shipped text with
+:func:`kvjax.model.fastkvzip.gate_targets`, trains the gates as the official ``optim.py``
+(:func:`kvjax.model.fastkvzip.train_gates`), and writes ``fastkvzip_gates.npz``
+(:func:`kvjax.model.fastkvzip.save`) and ``results.json`` into the workdir. Killed, it resumes:
+the targets are saved per batch of contexts (``targets/part_*.npz``) and the training is
+checkpointed with orbax every ``checkpoint_every`` steps (``gate_checkpoints/``).
+
+The text is Python's own reference prose (``pydoc_data.topics``, shipped with CPython:
+:func:`kvjax.eval.streaming.reference_text`, which Q-Filters' calibration also reads); the tiny
+model's word vocabulary reads the task filler (:func:`kvjax.eval.tasks.haystack_ids`).
+"""
+
+import json
+import os
+import pathlib
+import time
+
+import jax.numpy as jnp
+import numpy as np
+from absl import app
+
+from configs import common
+from kvjax import rundir
+from kvjax.eval import evaluate, streaming, tasks
+from kvjax.model import calibrate, fastkvzip
+
+_CONFIG = common.config_flag(
+  str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "fastkvzip.py"),
+  "Fast KVzip gate training configuration.",
+  lock_config=True,
+)
+
+COLUMNS = ("step", "train_loss", "test_loss", "train_acc", "test_acc")  # a history row
+SOURCE = "pydoc_data.topics (CPython's reference prose) via kvjax.eval.streaming.reference_text"
+
+
+def contexts_and_template(c, tokenizer):
+  """``[rows, T]`` contexts (the chat template's header first), KVzip's template, the source."""
+  tok = getattr(tokenizer, "tok", tokenizer)  # raw ids for the template (no leading space)
+  if c.model == "tiny":  # the word vocabulary cannot spell KVzip's prompt: filler words instead
+    first = tuple(tasks.haystack_ids(tok, 6, seed=105))
+    later = tuple(tasks.haystack_ids(tok, 7, seed=106))
+    rows = np.stack([tasks.haystack_ids(tok, c.length, seed=s) for s in range(c.rows)])
+    return rows.astype(np.int32), calibrate.KVzipTemplate(first, later, ()), "task filler"
+  template = calibrate.kvzip_template(tok, prefix_text=c.prefix, suffix_text=c.suffix)
+  head = np.asarray(tok.encode(c.prefix) if c.prefix else [], np.int32)
+  ids = np.asarray(tok.encode(streaming.reference_text(6 * c.rows * c.length)), np.int32)
+  if ids.size < c.rows * c.length:
+    raise ValueError(f"rows: the text gives {ids.size} tokens, fewer than {c.rows} x {c.length}")
+  body = ids[: c.rows * c.length].reshape(c.rows, c.length)
+  rows = np.concatenate([np.broadcast_to(head, (c.rows, head.size)), body], 1)
+  return rows, template, SOURCE
+
+
+def extract(c, cfg, params, rows, template, workdir):
+  """The training pairs, batch by batch, each batch saved (a killed run skips the saved ones)."""
+  parts = workdir / "targets"
+  parts.mkdir(exist_ok=True)
+  Xs, ys = [], []
+  for i in range(0, len(rows), c.batch_rows):
+    path = parts / f"part_{i:05d}.npz"
+    if path.exists():
+      with np.load(path) as f:
+        X, y = f["X"], f["y"]
+    else:
+      t0 = time.perf_counter()
+      X, y = fastkvzip.gate_targets(
+        cfg, params, rows[i : i + c.batch_rows], template, chunk_size=c.chunk_size, n_sink=c.n_sink
+      )
+      np.savez(path.with_suffix(".tmp.npz"), X=X, y=y)
+      os.replace(path.with_suffix(".tmp.npz"), path)  # a part is whole or absent
+      done = min(i + c.batch_rows, len(rows))
+      print(f"targets: contexts {done}/{len(rows)} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    Xs.append(X)
+    ys.append(y)
+  return np.concatenate(Xs), np.concatenate(ys)
+
+
+def main(argv):
+  del argv
+  c = _CONFIG.value
+  workdir = rundir.check_workdir(c.workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  model, cfg, tokenizer = evaluate.load_model(c.model, dtype=jnp.dtype(c.dtype))
+  params = model.params()
+  rows, template, source = contexts_and_template(c, tokenizer)
+  t0 = time.perf_counter()
+  X, y = extract(c, cfg, params, rows, template, workdir)
+  timings = {"targets": round(time.perf_counter() - t0, 2)}
+  print(f"positions: {len(X)}; X {X.shape[1:]}, y {y.shape[1:]}, mean KVzip score {y.mean():.4f}")
+
+  t0 = time.perf_counter()
+  run = fastkvzip.train_gates(
+    X,
+    y,
+    cfg.num_groups,
+    dim=c.dim,
+    sink=c.sink,
+    lr=c.lr,
+    max_steps=c.max_steps,
+    batch_size=c.batch_size,
+    test_freq=c.test_freq,
+    test_every=c.test_every,
+    seed=c.seed,
+    checkpoint_dir=workdir / "gate_checkpoints",
+    checkpoint_every=c.checkpoint_every,
+  )
+  timings["training"] = round(time.perf_counter() - t0, 2)
+  history = np.asarray(run.history)
+  results = {
+    "model": c.model,
+    "source": source,
+    "positions": len(X),
+    "initial_test_loss": run.initial_test_loss,
+    "final": dict(zip(COLUMNS, run.history[-1], strict=True)),
+    "history": history.tolist(),
+    "timings_s": timings,
+  }
+  meta = {
+    "model": c.model,
+    "source": source,
+    "rows": c.rows,
+    "length": c.length,
+    "max_steps": c.max_steps,
+    "test_loss": results["final"]["test_loss"],
+  }
+  fastkvzip.save(workdir / "fastkvzip_gates.npz", run.gates, meta)
+  (workdir / "results.json").write_text(json.dumps(results, indent=1))
+  print(json.dumps({"initial_test_loss": run.initial_test_loss, **results["final"]}))
+  print(f"run directory: {workdir.absolute()}")
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=common.parse_flags)
