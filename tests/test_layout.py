@@ -3,7 +3,7 @@
 Walks kvjax/ (and the entry points and notebooks) with ``ast`` and fails on an upward or sideways
 import between layers, a private name used across modules, a kvjax import inside a function, or a
 ``sys.path`` edit in an entry point. The layers, lowest first (``kvjax/__init__.py``'s docstring):
-the core (select, scores, budgets, policies), the leaves (rundir, plotting), then ``kvjax.lab``
+the core (select, scores, budgets, policies), the leaves (rundir, plotting, distributed), then ``kvjax.lab``
 and ``kvjax.model`` (which never import each other), then ``kvjax.eval``.
 """
 
@@ -12,7 +12,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORE = {"kvjax.select", "kvjax.scores", "kvjax.budgets", "kvjax.policies"}
-LEAVES = {"kvjax.rundir", "kvjax.plotting"}
+LEAVES = {"kvjax.rundir", "kvjax.plotting", "kvjax.distributed"}
 
 
 def _module(path: pathlib.Path) -> str:

@@ -28,7 +28,7 @@ import pandas as pd
 
 from kvjax import model as km
 from kvjax import policies, rundir
-from kvjax.eval import ruler
+from kvjax.eval import evaluate, ruler
 from kvjax.model import cache as cache_lib
 from kvjax.model import llama
 
@@ -197,8 +197,6 @@ def run(config, workdir, *, model=None, tokenizer=None, log=print) -> pd.DataFra
   Raises:
     ValueError: for a config :func:`check_config` refuses, or a workdir holding another run.
   """
-  from kvjax.eval import evaluate
-
   check_config(config)
   rundir.check_workdir(workdir)
   methods = methods_of(config)

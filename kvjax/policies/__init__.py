@@ -17,8 +17,9 @@ of method is static Python (never ``lax.switch`` over policies under ``vmap``).
 * :mod:`~kvjax.policies.methods`: one class per method; :mod:`~kvjax.policies.wrappers`:
   :class:`Critical`, :class:`CriticalAdaKV`, :class:`ChunkKV`, :class:`SelectOnce` over any base.
 * One module per later method: :mod:`~kvjax.policies.leverage`, ``noncausal``, ``compactor``,
-  ``curkv``, ``capkv``, ``kvcompose``, ``kvgrad``, ``merging``, ``cam``, ``simlayerkv``, ``finch``, ``dms``, ``entropy_chunkkv``,
-  ``lukv``;
+  ``curkv``, ``capkv``, ``kvcompose``, ``kvgrad``, ``merging``, ``cam``, ``simlayerkv``,
+  ``finch``, ``dms``, ``entropy_chunkkv``, ``lukv``, ``expected_stats``, ``kvzap``,
+  ``fastkvzip``;
   :mod:`~kvjax.policies.combinators` (:class:`Composed`, :class:`Chunked`, :class:`Blockwise`,
   :class:`PrefillDecoding`, :class:`RatioDecoding`) and :mod:`~kvjax.policies.per_layer`
   (:class:`PerLayer`).
@@ -65,6 +66,7 @@ from kvjax.policies.expected_stats import ExpectedAttentionStats
 from kvjax.policies.finch import Finch
 from kvjax.policies.kvcompose import Composite, KVCompose
 from kvjax.policies.kvgrad import KVgrad
+from kvjax.policies.kvzap import KVzap
 from kvjax.policies.leverage import LeverageScore
 from kvjax.policies.lukv import LUKV, BudgetCurve
 from kvjax.policies.merging import Merging, merge_values
@@ -122,6 +124,7 @@ __all__ = [
   "LUKV",
   "Merging",
   "ExpectedAttentionStats",
+  "KVzap",
   "CaM",
   "N_FUTURE",
   "N_SINK",

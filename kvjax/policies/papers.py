@@ -121,6 +121,13 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
     _KVPRESS.format("ExpectedAttentionPress"),
     "the averaged RoPE matrix is computed in float32",
   ),
+  "kvzap": (
+    "KVzap (arXiv 2601.07891)",
+    _KVPRESS.format("KVzapPress") + " and its training code `kvzap/train.py`, `kvzap/data.py`",
+    "the surrogate is trained on shipped prose (kvpress downloads nvidia/KVzap-* trained on "
+    "Nemotron samples) and loaded by path; fp32; the repeat prompt is tokenised in pieces; "
+    "prefill only (kvpress's DMSPress(decoding=True) also scores generated tokens)",
+  ),
   "expected_attention_stats": (
     "Devoto et al., Expected Attention: KV Cache Compression by Estimating Attention from "
     "Future Queries Distribution (arXiv 2510.00636)",

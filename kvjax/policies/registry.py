@@ -30,6 +30,7 @@ from kvjax.policies.expected_stats import ExpectedAttentionStats
 from kvjax.policies.finch import Finch
 from kvjax.policies.kvcompose import Composite, KVCompose
 from kvjax.policies.kvgrad import KVgrad
+from kvjax.policies.kvzap import KVzap
 from kvjax.policies.leverage import LeverageScore
 from kvjax.policies.lukv import LUKV
 from kvjax.policies.merging import Merging
@@ -439,6 +440,12 @@ _BUILTIN = {
     "kvpress ExpectedAttentionPress: softmax of the expected logits of future queries "
     "(mean + covariance of the pre-RoPE prompt queries, averaged RoPE over the next 512 "
     "positions, computed by the model), times ||v||; 4 sinks kept",
+  ),
+  "kvzap": _preset(
+    KVzap,
+    "kvpress KVzapPress: a trained per-layer surrogate (ridge or 2-layer MLP) of KVzip+'s log "
+    "scores from each position's attention input (evidence kvzap_LGT, "
+    "kvjax.model.kvzap.kvzap_evidence); top-k per KV head; dms_kvzap: the threshold",
   ),
   "expected_attention_stats": _preset(
     ExpectedAttentionStats,
