@@ -298,8 +298,10 @@ def test_example_batches_merge_to_the_rows_of_one_batch(random_model):
   merged = evaluate.merge_batches(parts)
   for a, b in zip(merged, whole, strict=True):
     assert a["n"] == b["n"] == 4 and a["budget"] == b["budget"]
-    for key in ("accuracy", "recall", "token_accuracy", "kl"):
+    for key in ("accuracy", "recall", "token_accuracy", "kl", "kv_bytes_held", "kv_fraction"):
       np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    for key in ("example_correct", "example_recall"):  # concatenated in example order
+      np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
 def test_a_group_cut_mid_write_is_dropped_and_rerun(tmp_path):

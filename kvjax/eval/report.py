@@ -45,8 +45,15 @@ def frame_markdown(frame: pd.DataFrame, digits: int = 2, index_name: str | None 
 
 
 def per_example(value) -> np.ndarray | None:
-  """One row's per-example outcomes (``results.csv``'s space-separated ``example_*`` text, or a
-  lone number as a CSV reader parses one example) as floats; ``None`` when the row has none."""
+  """Reads one row's per-example outcomes.
+
+  Args:
+    value: ``results.csv``'s space-separated ``example_*`` text, or a lone number as a CSV
+      reader parses one example.
+
+  Returns:
+    The outcomes as floats, in example order; ``None`` when the row has none (NaN, empty).
+  """
   if value is None or (not isinstance(value, str) and pd.isna(value)):
     return None
   text = str(value).split()
@@ -54,7 +61,15 @@ def per_example(value) -> np.ndarray | None:
 
 
 def has_examples(table: pd.DataFrame, metric: str) -> bool:
-  """Whether ``table`` holds the per-example outcomes behind ``metric``'s intervals."""
+  """Says whether ``table`` holds the per-example outcomes behind ``metric``'s intervals.
+
+  Args:
+    table: results rows.
+    metric: a column name (only ``accuracy`` and ``recall`` have outcomes).
+
+  Returns:
+    Whether the outcome column is there (results written before it existed have none).
+  """
   column = EXAMPLES.get(metric)
   return column is not None and column in table.columns
 
@@ -142,8 +157,15 @@ def by_budget(table: pd.DataFrame, question: str, value: str = "accuracy") -> pd
 
 
 def resolve_reference(table: pd.DataFrame, reference: str | None) -> str | None:
-  """The reference policy of the tables: ``reference`` when given, else :data:`REFERENCE` when
-  the table has its rows, else none."""
+  """Chooses the policy the tables test the others against.
+
+  Args:
+    table: results rows.
+    reference: the config's choice (``None``: none made).
+
+  Returns:
+    ``reference`` when given, else :data:`REFERENCE` when the table has its rows, else ``None``.
+  """
   if reference is not None:
     return reference
   return REFERENCE if (table["policy"] == REFERENCE).any() else None
@@ -223,8 +245,16 @@ def interval_table(
 
 
 def grid_intervals(rows: pd.DataFrame, index: str, columns: str) -> tuple[pd.DataFrame, str]:
-  """Accuracy over ``index`` x ``columns`` (full cache: task x length; heatmap: depth x length)
-  with each cell's Wilson interval: ``(frame of text cells, note)``."""
+  """Accuracy over ``index`` x ``columns`` with each cell's Wilson interval.
+
+  Args:
+    rows: one policy's rows (the full cache's; a heatmap policy's).
+    index: the rows' column (``"task"``, ``"depth"``).
+    columns: the columns' column (``"length"``).
+
+  Returns:
+    ``(frame, note)``: text cells ``mean [low, high]``, and what the intervals are over.
+  """
   means = rows.pivot_table(index=index, columns=columns, values="accuracy", aggfunc="mean")
   frame, ns = means.astype(object), set()
   for i in means.index:
@@ -278,10 +308,17 @@ def summary(table: pd.DataFrame, keys: list[str], metric: str = "accuracy") -> p
 
 
 def plot_summaries(rows: pd.DataFrame) -> dict[str, pd.DataFrame]:
-  """The summaries the figures of one question mode draw (:func:`kvjax.plotting.accuracy_figures`):
-  ``{metric}`` per (task, policy, budget) over lengths for accuracy and recall (the full cache
-  per (task, policy), over every length), and ``"memory"``: accuracy and memory held per
-  (length, policy, budget) over tasks. Empty without budget rows."""
+  """The summaries the figures of one question mode draw (:func:`kvjax.plotting.accuracy_figures`).
+
+  Args:
+    rows: one question mode's results rows.
+
+  Returns:
+    ``{"accuracy": ..., "recall": ...}``: each metric per (task, policy, budget) over lengths
+    (the full cache per (task, policy), over every length), and ``"memory"``: accuracy and the
+    memory held per (length, policy, budget) over tasks (:func:`summary`); empty without budget
+    rows.
+  """
   budget = rows[rows["kind"] == "budget"]
   if budget.empty:
     return {}
