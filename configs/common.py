@@ -98,3 +98,32 @@ def parse_flags(argv: list[str]) -> list[str]:
     return app.parse_flags_with_usage(argv)
   except (AttributeError, KeyError) as e:
     raise _unknown_field(e) from None
+
+
+def define_distributed_flags():
+  """Defines the flags of a run of several processes (once per program) and returns absl's
+  ``flags.FLAGS``, which ``kvjax.distributed.maybe_initialize`` reads: ``--distributed``
+  (auto | on | off), ``--coordinator`` (host:port of process 0), ``--num_processes``,
+  ``--process_id``, ``--heartbeat_timeout`` and ``--initialization_timeout`` (seconds). Each
+  left unset falls back to its environment variable (``KVJAX_COORDINATOR``, ...), then its
+  default (``kvjax.distributed.settings``)."""
+  from absl import flags  # noqa: PLC0415
+
+  if "coordinator" not in flags.FLAGS:
+    flags.DEFINE_enum(
+      "distributed",
+      None,
+      ["auto", "on", "off"],
+      "Several processes: auto (initialise under SLURM, a multi-host TPU slice, mpirun or an "
+      "explicit --coordinator), on (always; JAX detects the cluster), off (one process).",
+    )
+    flags.DEFINE_string("coordinator", None, "host:port of process 0 (with the two below).")
+    flags.DEFINE_integer("num_processes", None, "Number of processes of the run.")
+    flags.DEFINE_integer("process_id", None, "This process's index, 0 <= id < num_processes.")
+    flags.DEFINE_integer(
+      "heartbeat_timeout", None, "Seconds of missed heartbeats before a peer counts as dead."
+    )
+    flags.DEFINE_integer(
+      "initialization_timeout", None, "Seconds to wait for every process to connect."
+    )
+  return flags.FLAGS

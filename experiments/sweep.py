@@ -3,6 +3,9 @@
   python -m experiments.sweep --config=configs/sweep_lab.py [--config.workdir=DIR]
 
 Rerunning the same command with the same workdir resumes: only missing configurations run.
+Several processes (one per host of a TPU slice or a SLURM job, or local ones with
+``--coordinator=localhost:PORT --num_processes=N --process_id=I``) run one sweep together;
+process 0 writes the run directory (``docs/multihost.md``).
 """
 
 import datetime
@@ -14,7 +17,7 @@ import pandas as pd
 from absl import app, flags
 
 from configs import common
-from kvjax import plotting
+from kvjax import distributed, plotting
 from kvjax.lab import sweep
 
 _CONFIG = common.config_flag(
@@ -23,10 +26,17 @@ _CONFIG = common.config_flag(
   lock_config=True,
 )
 _PLOTS = flags.DEFINE_bool("plots", True, "Write the PNG figures into the run directory.")
+_FLAGS = common.define_distributed_flags()
 
 
 def main(argv):
   del argv
+  distributed.maybe_initialize(_FLAGS)  # first: before anything runs on a device
+  with distributed.fail_fast():
+    _sweep()
+
+
+def _sweep():
   matplotlib.use("Agg")  # figures go to files
   config = _CONFIG.value
   # unset: a fresh timestamped directory; "" is refused like everywhere (rundir.check_workdir)
@@ -34,6 +44,8 @@ def main(argv):
   if workdir is None:
     workdir = os.path.join("runs", "sweep-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
   table = sweep.run(config, workdir)
+  if not distributed.is_primary():  # process 0 owns the run directory and reports
+    return
   if _PLOTS.value:
     for name, fig in (
       ("metric_vs_budget.png", plotting.sweep_metric_vs_budget(table)),

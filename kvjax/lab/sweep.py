@@ -24,14 +24,17 @@ table (built from that sort) are computed once per score set (the groups of one 
 scorer and scorer options share them); CAKE's statistics and the oracle's order depend on the
 world alone and are computed once per world; budgets are data, and a group of thousands of
 configurations is one ``jit(vmap(...))`` compile evaluated chunk by chunk (bounded memory). With
-several devices the configuration axis is sharded over a ``Mesh`` with ``NamedSharding``.
-Results are appended to ``results.csv`` chunk by chunk; rerunning computes only the missing
-``config_id``\\ s.
+several devices the configuration axis is sharded over a ``Mesh`` with ``NamedSharding``; with
+several processes (:mod:`kvjax.distributed`) that mesh spans every device of every process, each
+chunk's rows are gathered, and process 0 alone writes the run directory. Results are appended to
+``results.csv`` chunk by chunk; rerunning computes only the missing ``config_id``\\ s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import pathlib
 from collections.abc import Callable
@@ -43,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from kvjax import budgets as budgets_lib
-from kvjax import policies, rundir, select
+from kvjax import distributed, policies, rundir, select
 from kvjax.lab.grid import (
   ALLOCATOR_AXES,
   ALLOCATOR_DATA_AXES,
@@ -193,8 +196,8 @@ def check_engine_options(*, capacity, chunk_size, bytes_per_value) -> None:
 
 
 def _sharding():
-  """``(configuration axis sharding, replicated sharding, devices)`` over every device (``None``
-  shardings on one device)."""
+  """``(configuration axis sharding, replicated sharding, devices)`` over every device, of every
+  process in a multi-process run (``None`` shardings on one device)."""
   devices = jax.devices()
   if len(devices) == 1:
     return None, None, 1
@@ -277,7 +280,7 @@ class Engine:
       return arrays
     for name, a in arrays.items():
       if (key.scenario, name) not in self._placed:
-        self._placed[(key.scenario, name)] = jax.device_put(a, self.replicated)
+        self._placed[(key.scenario, name)] = distributed.put(a, self.replicated)
     return {name: self._placed[(key.scenario, name)] for name in arrays}
 
   def cake_statistics(self, key: GroupKey) -> tuple[Array, Array]:
@@ -356,10 +359,7 @@ class Engine:
     size = self.chunk_shape(len(members))
     for start in range(0, len(members), self.chunk_size):
       chunk = members[start : start + self.chunk_size]
-      data = stack_data(chunk, size)
-      if self.sharding is not None:
-        data = jax.device_put(data, self.sharding)
-      yield chunk, data
+      yield chunk, distributed.put(stack_data(chunk, size), self.sharding)
 
   def pooled_table(
     self, shared: ScoreSet, window: int, capacity: int, depth: int | None = None
@@ -417,7 +417,8 @@ class Engine:
       for _, data in chunks[key]:  # dispatched now, read once every group is dispatched
         tops.setdefault(skey, []).append(fns["max_budget"](states[key], data))
     del tables
-    deepest = {skey: max(int(np.asarray(t).max()) for t in ts) for skey, ts in tops.items()}
+    tops = distributed.to_host(tops, "gathering the largest budgets")
+    deepest = {skey: max(int(t.max()) for t in ts) for skey, ts in tops.items()}
     ordered_cache, oracle = {}, {}
     last = {scores_key(key): key for key in groups}  # each score set's last group
     pending = None  # the chunk dispatched last: its rows are built while the next one runs
@@ -445,7 +446,7 @@ class Engine:
 
   def _finished(self, key: GroupKey, cap: int, chunk: list[dict], out: dict) -> list[dict]:
     """The rows of one evaluated chunk (waits for its metrics)."""
-    out = jax.device_get(out)
+    out = distributed.to_host(out, f"gathering the rows of group {key}")
     if np.any(out["overflow"][: len(chunk)]):
       raise RuntimeError(f"sweep: a budget exceeded the sort depth {cap} in group {key}")
     return self._rows(chunk, out)
@@ -552,6 +553,35 @@ def _check_finite(rows: list[dict]) -> None:
       )
 
 
+def _claim_and_read(config, out: pathlib.Path, ids: list[str], log) -> list[int]:
+  """Process 0's part of a run's start, holding the lock: claims ``out``, repairs its
+  ``results.csv`` and returns the indices (into ``ids``) of the configurations left to run."""
+  path = out / "results.csv"
+  # chunk_size and compilation_cache are outside the signature: they change no result
+  rundir.claim(out, "sweep.json", grid_signature(config), has_results=rundir.holds_data(path))
+  (out / "config.json").write_text(config.to_json_best_effort(indent=2))
+  table, dropped = rundir.repair_rows(
+    path,
+    dtype=RESULT_DTYPE,
+    required=RESULT_TEXT,
+    numeric=RESULT_NUMBERS,
+    key="config_id",
+    columns=RESULT_COLUMNS,
+  )
+  if dropped:
+    log(f"sweep: dropped {dropped} invalid or repeated lines of {path}")
+  done = set(table.get("config_id", pd.Series(dtype=str)))
+  todo = [i for i, cid in enumerate(ids) if cid not in done]
+  log(
+    f"sweep: {len(ids)} configurations, {len(ids) - len(todo)} already in {path}, {len(todo)} to run"
+  )
+  return todo
+
+
+def _table_text(path: pathlib.Path) -> str:
+  return read_results(path).to_csv(index=False)
+
+
 def run(
   config, workdir, *, log=print, progress: bool = True, lock_timeout: float = 0.0
 ) -> pd.DataFrame:
@@ -565,40 +595,44 @@ def run(
   refused (:func:`kvjax.rundir.claim`). On resume the invalid lines of ``results.csv`` (cut
   short, non-finite metrics, repeated headers or configurations) are removed and their
   configurations run again.
+
+  In a run of several processes (:func:`kvjax.distributed.maybe_initialize`) every process calls
+  this with the same arguments: the configurations are sharded over the devices of every
+  process, each chunk's rows are gathered, and process 0 alone touches ``workdir`` (lock, claim,
+  rows); it reads what is done and tells the others what is left. The rows equal a one-process
+  run's on the same number of devices, and every process returns the whole table. A process that
+  dies makes the others raise :class:`kvjax.distributed.PeerFailedError` at their next gather;
+  the rows written so far stay, and the same command resumes.
   """
   rundir.check_workdir(workdir)
   configs, engine = prepare(config)
   ids = [config_id(c) for c in configs]
-  with rundir.lock(workdir, timeout=lock_timeout) as out:
-    path = out / "results.csv"
-    # chunk_size and compilation_cache are outside the signature: they change no result
-    rundir.claim(out, "sweep.json", grid_signature(config), has_results=rundir.holds_data(path))
-    (out / "config.json").write_text(config.to_json_best_effort(indent=2))
-    table, dropped = rundir.repair_rows(
-      path,
-      dtype=RESULT_DTYPE,
-      required=RESULT_TEXT,
-      numeric=RESULT_NUMBERS,
-      key="config_id",
-      columns=RESULT_COLUMNS,
-    )
-    if dropped:
-      log(f"sweep: dropped {dropped} invalid or repeated lines of {path}")
-    done = set(table.get("config_id", pd.Series(dtype=str)))
-    todo = [c for c in configs if config_id(c) not in done]
-    log(
-      f"sweep: {len(configs)} configurations, {len(configs) - len(todo)} already in {path}, "
-      f"{len(todo)} to run"
-    )
+  primary = distributed.is_primary()
+  if not primary:  # one log, one progress bar: process 0's
+    log, progress = (lambda *a, **k: None), False
+  with contextlib.ExitStack() as stack:
+
+    def start() -> list[int]:
+      out = stack.enter_context(rundir.lock(workdir, timeout=lock_timeout))
+      return _claim_and_read(config, out, ids, log)
+
+    todo = [configs[i] for i in distributed.on_primary(start, "claiming the run directory")]
+    path = pathlib.Path(workdir) / "results.csv"
     groups: dict[GroupKey, list[dict]] = {}
     for cfg in todo:
       groups.setdefault(group_key(cfg), []).append(cfg)
     with tqdm(total=len(todo), unit="cfg", disable=not progress, smoothing=0.1) as bar:
       for rows in engine.evaluate_groups(groups):
         _check_finite(rows)
-        rundir.append_rows(path, rows)
+        if primary:
+          rundir.append_rows(path, rows)
         bar.update(len(rows))
-    table = read_results(path)
+        distributed.fault_point()
+    if distributed.process_count() == 1:
+      table = read_results(path)
+    else:  # process 0's table, read under the lock, is every process's
+      text = distributed.on_primary(lambda: _table_text(path), "reading results.csv")
+      table = pd.read_csv(io.StringIO(text), dtype=RESULT_DTYPE)
   return table[table["config_id"].isin(set(ids))]
 
 

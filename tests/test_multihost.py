@@ -1,0 +1,266 @@
+"""Several JAX processes, one sweep: local CPU processes joined by ``jax.distributed`` (gloo).
+
+The quick form (CI) launches two processes of two CPU devices each on a one-group sweep, compares
+its ``results.csv`` with a one-process run on four devices (byte for byte), kills one process
+mid-sweep (``KVJAX_FAULT_EXIT``, the test-only fault injection of ``kvjax.distributed``), times
+the survivor's exit and resumes. ``KVJAX_FULL=1`` adds the quick config's whole grid (several
+groups) and the process-0 death.
+"""
+
+import contextlib
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pandas as pd
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from conftest import full_mode  # noqa: E402
+
+from kvjax import distributed, rundir  # noqa: E402
+
+slow = pytest.mark.skipif(not full_mode(), reason="KVJAX_FULL=1 runs the larger form")
+
+# one group (one compile), three chunks of four on four devices
+SMALL = (
+  "--config.grid.product.policy=('snapkv',)",
+  "--config.grid.product.schedule=('uniform',)",
+  "--config.grid.product.budget=(12,16,20,24,28,32,36,40,44,48,56,64)",
+)
+
+
+def _free_port() -> int:
+  with contextlib.closing(socket.socket()) as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _env(devices: int, **extra) -> dict:
+  env = {k: v for k, v in os.environ.items() if not k.startswith("KVJAX_FAULT")}
+  env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices), **extra)
+  return env
+
+
+def _command(workdir, grid) -> list[str]:
+  return [
+    sys.executable,
+    "-m",
+    "experiments.sweep",
+    "--config=configs/sweep_lab.py:quick",
+    f"--config.workdir={workdir}",
+    "--noplots",
+    *grid,
+  ]
+
+
+def one_process(workdir, grid=SMALL, devices=4):
+  out = subprocess.run(
+    _command(workdir, grid), cwd=ROOT, env=_env(devices), capture_output=True, text=True
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out
+
+
+def processes(workdir, grid=SMALL, count=2, devices=2, timeout=300, **env):
+  """Launches ``count`` processes of one sweep; returns ``[(returncode, stdout, stderr, end
+  time)]`` in process order."""
+  port = _free_port()
+  procs = []
+  for i in range(count):
+    flags = [f"--coordinator=localhost:{port}", f"--num_processes={count}", f"--process_id={i}"]
+    procs.append(
+      subprocess.Popen(
+        _command(workdir, grid) + flags,
+        cwd=ROOT,
+        env=_env(devices, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+      )
+    )
+  ends = [None] * count
+  deadline = time.monotonic() + timeout
+  while None in ends and time.monotonic() < deadline:
+    for i, p in enumerate(procs):
+      if ends[i] is None and p.poll() is not None:
+        ends[i] = time.monotonic()
+    time.sleep(0.05)
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+  return [(p.returncode, *p.communicate(), end) for p, end in zip(procs, ends, strict=True)]
+
+
+def _rows(workdir) -> pd.DataFrame:
+  table = pd.read_csv(pathlib.Path(workdir) / "results.csv", dtype={"config_id": str})
+  return table.set_index("config_id").sort_index()
+
+
+def _check_death_and_resume(tmp_path, grid, reference, dead: int):
+  workdir = tmp_path / f"killed_{dead}"
+  runs = processes(workdir, grid, KVJAX_FAULT_EXIT=f"{dead}:1")
+  (rc_dead, _, err_dead, end_dead) = runs[dead]
+  (rc_alive, _, err_alive, end_alive) = runs[1 - dead]
+  assert rc_dead == distributed.FAULT_EXIT_CODE, err_dead[-3000:]
+  assert rc_alive != 0 and end_alive is not None, err_alive[-3000:]
+  if dead == 1:  # the survivor owns the directory: it names the failure itself
+    assert rc_alive == distributed.PEER_FAILED_EXIT_CODE, err_alive[-3000:]
+    assert "PeerFailedError" in err_alive and "rerun the same command" in err_alive
+  else:  # the coordinator died: JAX's runtime stops the survivor, naming the dead task
+    assert "another task died" in err_alive, err_alive[-3000:]
+  survived = end_alive - end_dead
+  print(f"process {1 - dead} exited {survived:.1f} s after process {dead} died")
+  assert survived < 120
+  partial = _rows(workdir)
+  assert 0 < len(partial) < len(reference) and partial.index.is_unique
+  pd.testing.assert_frame_equal(partial, reference.loc[partial.index])
+  again = processes(workdir, grid)
+  assert [r[0] for r in again] == [0, 0], again[0][2][-3000:] + again[1][2][-3000:]
+  assert f"{len(partial)} already in" in again[0][1]
+  resumed = _rows(workdir)
+  assert resumed.index.is_unique
+  pd.testing.assert_frame_equal(resumed, reference)
+
+
+CLUSTER_ENV = (
+  *distributed.ENV.values(),
+  "SLURM_JOB_ID",
+  "SLURM_STEP_NODELIST",
+  "SLURM_PROCID",
+  "SLURM_LOCALID",
+  "SLURM_NTASKS",
+  "TPU_WORKER_HOSTNAMES",
+  "TPU_PROCESS_ADDRESSES",
+  "OMPI_COMM_WORLD_SIZE",
+)
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+  for name in CLUSTER_ENV:
+    monkeypatch.delenv(name, raising=False)
+  return monkeypatch
+
+
+def test_settings_come_from_flags_then_the_environment_then_defaults(no_cluster):
+  assert distributed.settings() == {
+    "distributed": "auto",
+    "coordinator": None,
+    "num_processes": None,
+    "process_id": None,
+    "heartbeat_timeout": 60,
+    "initialization_timeout": 120,
+  }
+  no_cluster.setenv("KVJAX_COORDINATOR", "host:1234")
+  no_cluster.setenv("KVJAX_NUM_PROCESSES", "4")
+  no_cluster.setenv("KVJAX_PROCESS_ID", "3")
+  no_cluster.setenv("KVJAX_HEARTBEAT_TIMEOUT", "30")
+  s = distributed.settings({"process_id": 2, "coordinator": None})
+  assert (s["coordinator"], s["num_processes"], s["process_id"]) == ("host:1234", 4, 2)
+  assert s["heartbeat_timeout"] == 30
+  assert distributed.cluster() == "explicit"
+  assert distributed.cluster({"distributed": "off"}) is None
+
+
+@pytest.mark.parametrize(
+  "given, match",
+  [
+    ({"distributed": "maybe"}, "distributed: expected one of"),
+    ({"coordinator": "nohost"}, "coordinator: expected host:port"),
+    ({"coordinator": "h:1", "num_processes": 2}, "expected all three"),
+    ({"coordinator": "h:1", "num_processes": 2, "process_id": 2}, "process_id: 2 is not below"),
+    ({"num_processes": 0}, "num_processes: expected an int >= 1"),
+    ({"heartbeat_timeout": "soon"}, "heartbeat_timeout: expected an int >= 1"),
+    ({"process_id": True}, "process_id: expected an int >= 0"),
+  ],
+)
+def test_bad_settings_are_named(no_cluster, given, match):
+  with pytest.raises(ValueError, match=match):
+    distributed.settings(given)
+
+
+def test_clusters_are_detected_from_their_environment(no_cluster):
+  assert distributed.cluster() is None and distributed.cluster({"distributed": "on"}) == "on"
+  slurm = dict(SLURM_JOB_ID="7", SLURM_STEP_NODELIST="n[1-2]", SLURM_PROCID="0", SLURM_LOCALID="0")
+  for k, v in slurm.items():
+    no_cluster.setenv(k, v)
+  no_cluster.setenv("SLURM_NTASKS", "1")  # one task: a one-process run
+  assert distributed.cluster() is None
+  no_cluster.setenv("SLURM_NTASKS", "2")
+  assert distributed.cluster() == "slurm"
+  for k in (*slurm, "SLURM_NTASKS"):
+    no_cluster.delenv(k)
+  no_cluster.setenv("TPU_WORKER_HOSTNAMES", "w0")
+  assert distributed.cluster() is None  # one worker
+  no_cluster.setenv("TPU_WORKER_HOSTNAMES", "w0,w1,w2,w3")
+  assert distributed.cluster() == "tpu"
+  no_cluster.delenv("TPU_WORKER_HOSTNAMES")
+  no_cluster.setenv("OMPI_COMM_WORLD_SIZE", "2")
+  assert distributed.cluster() == "mpi"
+
+
+def test_in_one_process_every_helper_is_the_plain_operation(no_cluster, monkeypatch):
+  assert not distributed.maybe_initialize()  # no cluster: nothing to initialise
+  assert distributed.is_primary() and distributed.process_count() == 1
+  assert distributed.on_primary(lambda: [1, 2], "listing") == [1, 2]
+  assert distributed.broadcast_json({"a": 1}) == {"a": 1}
+  x = jax.numpy.arange(4.0)
+  np.testing.assert_array_equal(distributed.to_host({"x": x})["x"], np.arange(4.0))
+  assert distributed.put({"x": np.ones(2)}, None)["x"].shape == (2,)
+  with pytest.raises(KeyError), distributed.fail_fast():  # one process: errors propagate
+    raise KeyError("k")
+  distributed.fault_point()  # unset: nothing
+  monkeypatch.setenv(distributed.FAULT_ENV, "one:2")
+  with pytest.raises(ValueError, match="KVJAX_FAULT_EXIT: expected PROCESS:CALLS"):
+    distributed.fault_point()
+  monkeypatch.setenv(distributed.FAULT_ENV, "1:1")  # another process's fault: nothing here
+  distributed.fault_point()
+
+
+def test_two_processes_match_one_and_a_death_is_bounded_and_resumed(tmp_path):
+  start = time.monotonic()
+  one_process(tmp_path / "one")
+  one_s = time.monotonic() - start
+  start = time.monotonic()
+  runs = processes(tmp_path / "two")
+  two_s = time.monotonic() - start
+  print(f"one process of 4 devices: {one_s:.1f} s; two processes of 2 devices: {two_s:.1f} s")
+  assert [r[0] for r in runs] == [0, 0], runs[0][2][-3000:] + runs[1][2][-3000:]
+  one_csv = (tmp_path / "one" / "results.csv").read_bytes()
+  assert (tmp_path / "two" / "results.csv").read_bytes() == one_csv  # same rows, same order
+  assert "run directory:" in runs[0][1] and "run directory:" not in runs[1][1]
+  _check_death_and_resume(tmp_path, SMALL, _rows(tmp_path / "one"), dead=1)
+
+
+@slow
+@pytest.mark.slow
+def test_a_directory_a_live_run_holds_is_refused_by_every_process(tmp_path):
+  workdir = tmp_path / "held"
+  with rundir.lock(workdir):
+    runs = processes(workdir, timeout=120)
+  assert all(r[0] not in (0, None) for r in runs), [r[2][-2000:] for r in runs]
+  assert "is in use by another run" in runs[0][2]
+  assert "process 0 failed claiming the run directory" in runs[1][2]
+  assert not (workdir / "results.csv").exists()
+
+
+@slow
+@pytest.mark.slow
+def test_the_quick_grid_over_two_processes_and_the_coordinators_death(tmp_path):
+  one_process(tmp_path / "one", grid=())
+  runs = processes(tmp_path / "two", grid=())
+  assert [r[0] for r in runs] == [0, 0], runs[0][2][-3000:] + runs[1][2][-3000:]
+  assert (tmp_path / "two" / "results.csv").read_bytes() == (
+    tmp_path / "one" / "results.csv"
+  ).read_bytes()
+  reference = _rows(tmp_path / "one")
+  _check_death_and_resume(tmp_path, (), reference, dead=0)
+  _check_death_and_resume(tmp_path, (), reference, dead=1)
