@@ -452,7 +452,12 @@ def compress(
   if spec.policy.merges:  # kvpress MergingPress: evicted values folded into kept ones
     values = _merged_values(spec, pre, idx_L, kept_L)
   if spec.reindex:  # store pre-RoPE keys: undo each key's rotation at its original position
-    kept_keys = llama.rope_at(kept_keys, -positions, cfg)
+    if cfg.per_layer:
+      raise ValueError(
+        f"layout: re-indexed positions rotate every layer alike; the {cfg.family} layers differ "
+        "in their RoPE (layer_types); expected reindex off"
+      )
+    kept_keys = llama.rope_at(kept_keys, positions, cfg, inverse=True)
   kept_keys = jnp.where(kept_L[..., None], kept_keys, 0).astype(keys.dtype)
   kept_values = jnp.where(kept_L[..., None], gather(values), 0).astype(values.dtype)
   positions = jnp.where(kept_L, positions, 0)
@@ -713,7 +718,7 @@ def decode_step(
     ValueError: when ``decode_every`` or ThinK needs ``step`` and it is ``None``.
   """
   B = token_B.shape[0]
-  x = params["embed"][token_B][:, None, :]
+  x = llama.embed_tokens(cfg, params, token_B)[:, None, :]
   stacked = llama.stacked(params)
   slots = {"positions": cache.positions, "valid": cache.valid}
   if cache.scores is not None:
@@ -732,11 +737,13 @@ def decode_step(
   def layer(carry, inputs):
     x, keys_all, values_all, new_all = carry
     p, lslots, budget_BH, l, ch = inputs
-    q, k, v = llama.project_qkv(cfg, p, x, pos_B[:, None])
+    q, k, v = llama.project_qkv(cfg, p, x, pos_B[:, None], layer=l)
     if spec.layout == "query":
       k, v = jnp.repeat(k, cfg.num_groups, 1), jnp.repeat(v, cfg.num_groups, 1)
     if spec.reindex:
-      k = llama.rope_at(k, -jnp.broadcast_to(pos_B[:, None, None], k.shape[:-1]), cfg)
+      k = llama.rope_at(
+        k, jnp.broadcast_to(pos_B[:, None, None], k.shape[:-1]), cfg, layer=l, inverse=True
+      )
     lslots = dict(lslots, overflow=jnp.zeros((B,), bool))
     if think:  # generated token `step` in slot C_prompt + step, its full key in new_keys
       slot, lslots = _admit_generated(cache, lslots, pos_B, step)
@@ -752,12 +759,15 @@ def decode_step(
     if spec.reindex:
       q_att, keys = _reindexed(cfg, q, keys, lslots["positions"], lslots["valid"], pos_B)
     visible = lslots["valid"]
-    if cfg.sliding_window is not None:  # Mistral: keys older than the window are not attended
-      visible = visible & (pos_B[:, None, None] - lslots["positions"] < cfg.sliding_window)
+    window = llama.layer_window(cfg, l)  # Mistral's, or a Gemma sliding layer's (traced)
+    if window is not None:  # keys older than the window are not attended
+      visible = visible & (pos_B[:, None, None] - lslots["positions"] < window)
     if think:
       probs = _think_probs(cfg, q_att, keys, new_all[l], ch, visible)
     else:
-      probs = llama.attention_probs(q_att, keys, visible[:, :, None, :])  # [B, Hq, 1, C]
+      probs = llama.attention_probs(
+        q_att, keys, visible[:, :, None, :], softcap=cfg.attn_softcap
+      )  # [B, Hq, 1, C]
     out = llama.attend(probs, values)  # the query layout is the case G = Hq
     if spec.decode_time and "scores" in lslots:  # the policy's state after this step
       lslots = dict(lslots, scores=spec.policy.observe(lslots["scores"], _per_cache_head(probs, H)))
@@ -980,13 +990,13 @@ def extend(
     values, valid, positions)``.
   """
   B, M = tokens_BM.shape
-  x = params["embed"][tokens_BM]
+  x = llama.embed_tokens(cfg, params, tokens_BM)
   held = tuple(held)
   repeat_kv = held[0][0].shape[2] != cfg.num_kv_heads  # the query layout: one slot table per Hq
 
   def layer(x, inputs):
-    p, segments = inputs  # per held segment: [B, H, C, D] keys and values, [B, H, C] masks
-    q, k, v = llama.project_qkv(cfg, p, x, pos_BM)
+    p, segments, l = inputs  # per held segment: [B, H, C, D] keys and values, [B, H, C] masks
+    q, k, v = llama.project_qkv(cfg, p, x, pos_BM, layer=l)
     if repeat_kv:
       k, v = jnp.repeat(k, cfg.num_groups, 1), jnp.repeat(v, cfg.num_groups, 1)
     H = segments[0][0].shape[1]
@@ -1008,7 +1018,7 @@ def extend(
       k_valid.reshape(B * H, -1),
       jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), (B * H, M)),
       jnp.broadcast_to(k_index, (B * H, held_len + M)),
-      cfg.sliding_window,
+      llama.layer_window(cfg, l),
     ).reshape(B, H, M, held_len + M)
     bounds = np.cumsum([0] + [s[0].shape[2] for s in parts])
     out, attn = llama.segments_attention(
@@ -1018,11 +1028,14 @@ def extend(
         for s, a, b in zip(parts, bounds[:-1], bounds[1:], strict=True)
       ],
       probs_of_first=probs,
+      softcap=cfg.attn_softcap,
     )  # attn: [B, Hq, M, C], the first segment's part of the one softmax
     x = llama.output_and_mlp(cfg, p, x, out)
     return x, (attn, fed[:2] if appended else None)
 
-  x, (attn_LBHMC, fed) = jax.lax.scan(layer, x, (llama.stacked(params), held))
+  x, (attn_LBHMC, fed) = jax.lax.scan(
+    layer, x, (llama.stacked(params), held, jnp.arange(cfg.num_layers))
+  )
   logits = llama.logits_of(cfg, params, x[:, logits_from:])
   if not appended:
     return logits, attn_LBHMC

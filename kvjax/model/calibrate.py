@@ -125,7 +125,9 @@ def sampled_queries(cfg: ModelConfig, params: dict, ids_BT: Array, idx_LN: Array
     flat = q.astype(jnp.float32).transpose(1, 0, 2, 3).reshape(cfg.num_heads, B * T, -1)
     return x, jnp.take(flat, idx, axis=1)
 
-  _, q_LHND = jax.lax.scan(layer, params["embed"][ids_BT], (llama.stacked(params), idx_LN))
+  _, q_LHND = jax.lax.scan(
+    layer, llama.embed_tokens(cfg, params, ids_BT), (llama.stacked(params), idx_LN)
+  )
   return q_LHND
 
 
@@ -253,7 +255,7 @@ def _query_moments(cfg: ModelConfig, params: dict, ids_BT: Array, n_sink: int):
     flat = flat.reshape(cfg.num_heads, -1, cfg.head_dim)
     return x, flat.sum(1)
 
-  _, sums = jax.lax.scan(layer, params["embed"][ids_BT], llama.stacked(params))
+  _, sums = jax.lax.scan(layer, llama.embed_tokens(cfg, params, ids_BT), llama.stacked(params))
   return sums
 
 
@@ -271,7 +273,9 @@ def _query_scatter(cfg: ModelConfig, params: dict, ids_BT: Array, mean_LHD: Arra
     c = flat.reshape(cfg.num_heads, -1, cfg.head_dim) - mean[:, None]
     return x, jnp.einsum("hnd,hne->hde", c, c, precision=jax.lax.Precision.HIGHEST)
 
-  _, scatter = jax.lax.scan(layer, params["embed"][ids_BT], (llama.stacked(params), mean_LHD))
+  _, scatter = jax.lax.scan(
+    layer, llama.embed_tokens(cfg, params, ids_BT), (llama.stacked(params), mean_LHD)
+  )
   return scatter
 
 
@@ -414,7 +418,7 @@ def duo_two_way(cfg: ModelConfig, params: dict, alpha_LG: Array, ids_BT: Array, 
     x_f = jax.lax.stop_gradient(llama.output_and_mlp(cfg, p, x_f, o_f))
     return (x_f, llama.output_and_mlp(cfg, p, x_s, mixed)), None
 
-  x = params["embed"][ids_BT]
+  x = llama.embed_tokens(cfg, params, ids_BT)
   (x_f, x_s), _ = jax.lax.scan(layer, (x, x), (llama.stacked(params), alpha_LG))
   norm = lambda h: llama.rms_norm(h, params["final_norm"], cfg.rms_norm_eps).astype(jnp.float32)  # noqa: E731
   return norm(x_f), norm(x_s)
@@ -645,7 +649,7 @@ def _on_the_fly_scores(cfg, params, ids_BT, q_len: int):
     x = llama.output_and_mlp(cfg, p, x, llama.attend(llama.attention_probs(q, k, allowed), v))
     return x, s
 
-  _, s_LG = jax.lax.scan(layer, params["embed"][ids_BT], llama.stacked(params))
+  _, s_LG = jax.lax.scan(layer, llama.embed_tokens(cfg, params, ids_BT), llama.stacked(params))
   return s_LG
 
 
@@ -669,7 +673,7 @@ def _distant_mass(cfg, params, ids_BT, labels_BT, stream_TT):
     x = llama.output_and_mlp(cfg, p, x, llama.attend(probs, v))
     return x, per_head.reshape(cfg.num_kv_heads, -1).mean(-1)
 
-  _, m_LG = jax.lax.scan(layer, params["embed"][ids_BT], llama.stacked(params))
+  _, m_LG = jax.lax.scan(layer, llama.embed_tokens(cfg, params, ids_BT), llama.stacked(params))
   return m_LG
 
 
@@ -890,7 +894,7 @@ def _reconstruct(cfg, params, keys_LBGTD, values_LBGTD, repeat_BQ, start, n, sin
     return x, score
 
   stacks = (llama.stacked(params), keys_LBGTD, values_LBGTD)
-  _, scores = jax.lax.scan(layer, params["embed"][repeat_BQ], stacks)
+  _, scores = jax.lax.scan(layer, llama.embed_tokens(cfg, params, repeat_BQ), stacks)
   return scores
 
 
@@ -906,7 +910,7 @@ def _context_kv(cfg: ModelConfig, params: dict, ids_BT: Array):
     x = llama.output_and_mlp(cfg, p, x, llama.attend(llama.attention_probs(q, k, allowed), v))
     return x, (k, v)
 
-  _, (k, v) = jax.lax.scan(layer, params["embed"][ids_BT], llama.stacked(params))
+  _, (k, v) = jax.lax.scan(layer, llama.embed_tokens(cfg, params, ids_BT), llama.stacked(params))
   return k, v
 
 
@@ -1015,7 +1019,7 @@ def _repeat_attention(cfg, params, keys_LBGTD, values_LBGTD, repeat_BQ):
     return x, score
 
   stacks = (llama.stacked(params), keys_LBGTD, values_LBGTD)
-  _, scores = jax.lax.scan(layer, params["embed"][repeat_BQ], stacks)
+  _, scores = jax.lax.scan(layer, llama.embed_tokens(cfg, params, repeat_BQ), stacks)
   return scores
 
 

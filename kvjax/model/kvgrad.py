@@ -106,7 +106,7 @@ def replay(cfg: ModelConfig, params: dict, keys_LBGTD, values_LBGTD, repeat_BQ, 
     return llama.output_and_mlp(cfg, p, x + offset.astype(x.dtype), attn), x
 
   stacks = (llama.stacked(params), keys_LBGTD, values_LBGTD, offsets_LBQd)
-  h, xs = jax.lax.scan(layer, params["embed"][repeat_BQ], stacks)
+  h, xs = jax.lax.scan(layer, llama.embed_tokens(cfg, params, repeat_BQ), stacks)
   return jnp.square(h.astype(jnp.float32)).sum(), xs
 
 
