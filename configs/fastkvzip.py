@@ -23,6 +23,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model = "smollm2"
   c.dtype = "float32"
   c.rows = 32  # contexts cut from the reference prose (about 16k of its 35k SmolLM2 tokens)
+  c.eval_rows = 2  # held-out contexts after them: overlap with KVzip's kept pairs, timings
   c.length = 512  # tokens of prose per context (official: 10k-100k-token documents)
   c.batch_rows = 4  # contexts per pass of the target extraction
   c.chunk_size = 2048  # KVzip's reconstruction chunk (kvpress's; the official scoring: 2000)
@@ -46,7 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.workdir = "/tmp/kvjax_fastkvzip"
   if common.parse_arg(arg, quick=False).quick:
     c.model = "tiny"
-    c.rows, c.length, c.batch_rows, c.chunk_size = 8, 40, 8, 16
+    c.rows, c.eval_rows, c.length, c.batch_rows, c.chunk_size = 8, 1, 40, 8, 16
     c.max_steps, c.batch_size, c.test_freq, c.test_every, c.checkpoint_every = 30, 64, 10, 10, 10
     c.prefix, c.suffix = "", ""  # the word vocabulary has no chat template
   return c

@@ -2,7 +2,8 @@
 extracts KVzip scores and attention inputs from shipped text with
 :func:`kvjax.model.fastkvzip.gate_targets`, trains the gates as the official ``optim.py``
 (:func:`kvjax.model.fastkvzip.train_gates`), and writes ``fastkvzip_gates.npz``
-(:func:`kvjax.model.fastkvzip.save`) and ``results.json`` into the workdir. Killed, it resumes:
+(:func:`kvjax.model.fastkvzip.save`) and ``results.json`` into the workdir, with the share of KVzip's kept pairs that the gates keep on
+held-out contexts and the time of both evidences. Killed, it resumes:
 the targets are saved per batch of contexts (``targets/part_*.npz``) and the training is
 checkpointed with orbax every ``checkpoint_every`` steps (``gate_checkpoints/``).
 
@@ -16,14 +17,16 @@ import os
 import pathlib
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app
 
 from configs import common
-from kvjax import rundir
+from kvjax import policies, rundir
 from kvjax.eval import evaluate, streaming, tasks
 from kvjax.model import calibrate, fastkvzip
+from kvjax.policies.fastkvzip import FastKVzip
 
 _CONFIG = common.config_flag(
   str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "fastkvzip.py"),
@@ -41,16 +44,59 @@ def contexts_and_template(c, tokenizer):
   if c.model == "tiny":  # the word vocabulary cannot spell KVzip's prompt: filler words instead
     first = tuple(tasks.haystack_ids(tok, 6, seed=105))
     later = tuple(tasks.haystack_ids(tok, 7, seed=106))
-    rows = np.stack([tasks.haystack_ids(tok, c.length, seed=s) for s in range(c.rows)])
+    n = c.rows + c.eval_rows
+    rows = np.stack([tasks.haystack_ids(tok, c.length, seed=s) for s in range(n)])
     return rows.astype(np.int32), calibrate.KVzipTemplate(first, later, ()), "task filler"
   template = calibrate.kvzip_template(tok, prefix_text=c.prefix, suffix_text=c.suffix)
   head = np.asarray(tok.encode(c.prefix) if c.prefix else [], np.int32)
-  ids = np.asarray(tok.encode(streaming.reference_text(6 * c.rows * c.length)), np.int32)
-  if ids.size < c.rows * c.length:
-    raise ValueError(f"rows: the text gives {ids.size} tokens, fewer than {c.rows} x {c.length}")
-  body = ids[: c.rows * c.length].reshape(c.rows, c.length)
-  rows = np.concatenate([np.broadcast_to(head, (c.rows, head.size)), body], 1)
+  n = c.rows + c.eval_rows
+  # a longer reference adds whole topics at its end: the first rows' tokens stay the same
+  ids = np.asarray(tok.encode(streaming.reference_text(6 * n * c.length)), np.int32)
+  if ids.size < n * c.length:
+    raise ValueError(
+      f"rows: the text gives {ids.size} tokens, fewer than ({c.rows} + {c.eval_rows}) x {c.length}"
+    )
+  body = ids[: n * c.length].reshape(n, c.length)
+  rows = np.concatenate([np.broadcast_to(head, (n, head.size)), body], 1)
   return rows, template, SOURCE
+
+
+def _timed(fn):
+  """``(result, seconds)`` of a second call (the first one compiles)."""
+  jax.block_until_ready(fn())
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn())
+  return out, time.perf_counter() - t0
+
+
+def compare_with_kvzip(c, cfg, params, gates, rows, template):
+  """On held-out contexts: the share of KVzip's kept pairs (pooled, half the context per head)
+  that Fast KVzip's policy also keeps, and the time of each one's evidence."""
+  out = []
+  for row in rows:
+    kv, t_kvzip = _timed(
+      lambda row=row: calibrate.kvzip_evidence(
+        cfg, params, row, template, chunk_size=c.chunk_size, n_sink=c.n_sink
+      )
+    )
+    ev, t_fast = _timed(
+      lambda row=row: fastkvzip.fastkvzip_evidence(cfg, params, gates, row[None])[:, 0]
+    )
+    budget = row.size // 2
+    ref = np.asarray(
+      policies.KVzip().keep_mask(policies.Evidence(reconstruction_attn_LGT=kv), budget)
+    )
+    ours = np.asarray(FastKVzip().keep_mask(policies.Evidence(fastkvzip_LGT=ev), budget))
+    overlap = float((ref & ours).sum() / ref.sum())
+    out.append(
+      {"tokens": int(row.size), "overlap": overlap, "kvzip_s": t_kvzip, "fastkvzip_s": t_fast}
+    )
+    print(
+      f"held-out context ({row.size} tokens): {overlap:.3f} of KVzip's kept pairs kept; "
+      f"evidence {t_fast:.2f} s (KVzip's reconstruction {t_kvzip:.2f} s)",
+      flush=True,
+    )
+  return out
 
 
 def extract(c, cfg, params, rows, template, workdir):
@@ -85,6 +131,7 @@ def main(argv):
   model, cfg, tokenizer = evaluate.load_model(c.model, dtype=jnp.dtype(c.dtype))
   params = model.params()
   rows, template, source = contexts_and_template(c, tokenizer)
+  rows, held_out = rows[: c.rows], rows[c.rows :]
   t0 = time.perf_counter()
   X, y = extract(c, cfg, params, rows, template, workdir)
   timings = {"targets": round(time.perf_counter() - t0, 2)}
@@ -108,6 +155,7 @@ def main(argv):
   )
   timings["training"] = round(time.perf_counter() - t0, 2)
   history = np.asarray(run.history)
+  comparison = compare_with_kvzip(c, cfg, params, run.gates, held_out, template)
   results = {
     "model": c.model,
     "source": source,
@@ -115,6 +163,7 @@ def main(argv):
     "initial_test_loss": run.initial_test_loss,
     "final": dict(zip(COLUMNS, run.history[-1], strict=True)),
     "history": history.tolist(),
+    "held_out": comparison,
     "timings_s": timings,
   }
   meta = {

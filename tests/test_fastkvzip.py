@@ -19,6 +19,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import full_mode
 
 import kvjax.model as km
 from kvjax import policies
@@ -392,3 +393,40 @@ def test_experiment_entry_point_and_resume(tmp_path):
   assert json.loads((tmp_path / "results.json").read_text())["history"] == first["history"]
   gates, meta = fastkvzip.load(tmp_path / "fastkvzip_gates.npz", km.load_tiny()[1])
   assert meta["model"] == "tiny" and meta["source"] == "task filler"
+
+
+# --------------------------------------------------------------------------- SmolLM2
+
+
+def seeded_gates(L: int, d: int, G: int, R: int, seed: int = 7) -> dict:
+  """``tests/make_kvpress_fixtures_fastkvzip.py``'s seeded gates (checked by their sums)."""
+  shapes = fastkvzip.expected_shapes(L, d, G, R)
+  rng = np.random.default_rng(seed)
+  out = {}
+  for k in fastkvzip.PARAM_KEYS:
+    if k in ("q_norm", "k_norm"):
+      out[k] = rng.uniform(0.5, 2.0, shapes[k])
+    else:
+      out[k] = rng.standard_normal(shapes[k]) / (np.sqrt(d) if k in ("wq", "wk") else 1.0)
+  return {k: v.astype(np.float32) for k, v in out.items()}
+
+
+@pytest.mark.skipif(not full_mode(), reason="SmolLM2's GGUF takes ~20 s to load (KVJAX_FULL=1)")
+def test_smollm2_kept_set_agrees_with_kvpress(fx):
+  """SmolLM2-135M-Instruct with seeded gates: kvpress's gate outputs (on the same dequantised
+  weights) within 1e-4 and >= 0.99 of its kept pairs at compression_ratio 0.5, pooled and
+  layerwise."""
+  from kvjax.model import assets
+
+  model, cfg = km.load(assets.SMOLLM2, dtype=np.float32)
+  gates = seeded_gates(cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.num_groups)
+  for k, total in fx["meta"]["smollm2"]["gate_sums"].items():
+    assert float(gates[k].astype(np.float64).sum()) == pytest.approx(total, rel=1e-9), k
+  ids = fx["smollm2_input_ids_T"][None]
+  ev = fastkvzip.fastkvzip_evidence(cfg, model.params(), gates, ids)[:, 0]
+  np.testing.assert_allclose(np.asarray(ev), fx["smollm2_gates_LGT"], atol=1e-4)
+  for run, layerwise in (("smollm2", False), ("smollm2_layerwise", True)):
+    policy = FastKVzip(allocator=policies.Pooled(layerwise=layerwise))
+    keep = np.asarray(policy.keep_mask(policies.Evidence(fastkvzip_LGT=ev), ids.shape[1] // 2))
+    agree = (keep == fx[f"{run}_keep_LGT"]).mean()
+    assert agree >= 0.99, (run, agree)
