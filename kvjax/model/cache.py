@@ -70,15 +70,20 @@ class Layout:
       tables' granularity: K/V repeated over each group, 4x the memory for Llama 3).
     reindex: StreamingLLM's pos-shift: keys stored pre-RoPE and rotated by their rank inside
       the cache, so positions never exceed its size (default: original positions).
+    compress_sliding: on a model whose layers differ (Gemma 2/3), compress the sliding layers
+      too (default: each keeps its window's most recent tokens, as kvpress leaves them;
+      :func:`sliding_layers`).
   """
 
   heads: str = "kv"
   reindex: bool = False
+  compress_sliding: bool = False
 
   def __post_init__(self):
     check_layout(self.heads)
-    if not isinstance(self.reindex, bool):
-      raise ValueError(f"reindex: expected a bool, got {self.reindex!r}")
+    for name in ("reindex", "compress_sliding"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
 
 def as_layout(layout: Layout | str) -> Layout:
@@ -154,6 +159,10 @@ class CacheSpec:
   new_tokens: int = 0
   # the budget has a leading batch axis (one per row: a compression ratio of each row's length)
   row_budgets: bool = False
+  # models whose layers differ (Gemma 2/3): compress the sliding layers too (True), or keep each
+  # its window's most recent tokens, as kvpress skips them, with budgets counting the global
+  # layers only (False)
+  compress_sliding: bool = False
 
   @property
   def decode_every(self) -> int | None:
@@ -207,7 +216,7 @@ DECODE_EVIDENCE = (
 )
 
 
-def memory(cache: KVCache) -> dict:
+def memory(cache: KVCache, sliding: np.ndarray | None = None) -> dict:
   """Counts the bytes of a cache: allocated buffers, K/V actually held and bookkeeping.
 
   K/V held counts ThinK's pruned keys at their ``D_keep`` channels; bookkeeping counts positions,
@@ -216,6 +225,8 @@ def memory(cache: KVCache) -> dict:
 
   Args:
     cache: the cache.
+    sliding: bool ``[L]``, a model's sliding layers (:func:`sliding_layers`); when given, the
+      K/V held is also split into ``kv_bytes_held_sliding`` and ``kv_bytes_held_global``.
 
   Returns:
     ``{"kv_bytes_held": ..., "kv_bytes_allocated": ..., "bookkeeping_bytes": ...}`` (ints).
@@ -231,7 +242,13 @@ def memory(cache: KVCache) -> dict:
   book = cache.positions.size * 4 + cache.valid.size
   for extra in (cache.scores, cache.channels, cache.queries, cache.query_pos, cache.attn_sums):
     book += 0 if extra is None else extra.size * extra.dtype.itemsize
-  return {"kv_bytes_held": held, "kv_bytes_allocated": allocated, "bookkeeping_bytes": book}
+  out = {"kv_bytes_held": held, "kv_bytes_allocated": allocated, "bookkeeping_bytes": book}
+  if sliding is not None:
+    per_layer = np.asarray(cache.valid).reshape(cache.valid.shape[0], -1).sum(-1)
+    slot = (Dk + Dv) * kv_itemsize  # ThinK's caches are not split (its layers are alike)
+    out["kv_bytes_held_sliding"] = int(per_layer[np.asarray(sliding)].sum()) * slot
+    out["kv_bytes_held_global"] = int(per_layer[~np.asarray(sliding)].sum()) * slot
+  return out
 
 
 def full_cache_bytes(cfg: ModelConfig, batch: int, length: int, itemsize: int) -> int:
@@ -417,8 +434,9 @@ def compress(
   new = spec.new_tokens if spec.channel_ratio else 0
   prompt_slots = spec.capacity - new
 
-  def one(ev, valid_T, rng_b, budget):
-    ev = ev.replace(rng=rng_b, valid_T=valid_T, **shared)
+  sliding = sliding_layers(cfg, spec)
+
+  def policy_selection(ev, valid_T, budget):
     # a left-padded row: sinks count from its first *real* token (Policy.scores_row)
     scores = spec.policy.scores_row(ev)
     if scores.shape[1] != H:
@@ -426,7 +444,21 @@ def compress(
     # allocators see padding as zero evidence (Ada-KV's normalisation sums rows); only the
     # selection sees it as never-keep
     budget_LH = spec.policy.budgets(ev, jnp.where(valid_T, scores, 0.0), budget)
-    scores = _selection_scores(spec, ev, scores, valid_T, budget_LH)
+    return _selection_scores(spec, ev, scores, valid_T, budget_LH), budget_LH
+
+  def one(ev, valid_T, rng_b, budget):
+    ev = ev.replace(rng=rng_b, valid_T=valid_T, **shared)
+    if sliding is None:
+      scores, budget_LH = policy_selection(ev, valid_T, budget)
+    else:  # the policy over the global layers; each sliding layer keeps its window's tokens
+      glob, slide = np.flatnonzero(~sliding), np.flatnonzero(sliding)
+      budget_g = budget if jnp.ndim(budget) == 0 else jnp.asarray(budget)[glob]
+      scores_g, budget_g = policy_selection(_layer_subset(ev, glob), valid_T, budget_g)
+      recency = jnp.where(valid_T, jnp.arange(T, dtype=jnp.float32), -jnp.inf)
+      scores = jnp.zeros((L, H, T), jnp.float32).at[glob].set(scores_g)
+      scores = scores.at[slide].set(jnp.broadcast_to(recency, (len(slide), H, T)))
+      window = jnp.full((len(slide), H), cfg.sliding_window, jnp.int32)
+      budget_LH = jnp.zeros((L, H), jnp.int32).at[glob].set(budget_g).at[slide].set(window)
     count = jnp.minimum(budget_LH, valid_T.sum())
     idx, kept = select.compact(scores, count, prompt_slots)
     # a decode-time policy's per-slot state (H2O's sums, TOVA's last row) of the kept slots
@@ -487,6 +519,42 @@ def compress(
     evidence=(shared or None) if window else None,
     attn_sums=jnp.zeros(kept_L.shape, jnp.float32) if spec.policy.merges_while_decoding else None,
   )
+
+
+def sliding_layers(cfg: ModelConfig, spec: CacheSpec) -> np.ndarray | None:
+  """The layers a compression leaves to their sliding window, or ``None`` when it compresses
+  every layer alike.
+
+  A model whose layers differ (Gemma 2/3: ``cfg.layer_types``) has sliding layers that attend to
+  their window only; kvpress (``presses/base_press.py``) skips them, so by default each keeps
+  the most recent ``sliding_window`` tokens of the prompt and the policy (its scores, budgets,
+  PyramidKV's schedule, Ada-KV's pooling) runs over the global layers alone.
+  ``spec.compress_sliding`` compresses them too. Models whose every layer slides (Mistral,
+  Phi-3) compress every layer.
+
+  Args:
+    cfg: the model's config.
+    spec: the cache's static choices.
+
+  Returns:
+    bool ``[L]``, the sliding layers, or ``None``.
+  """
+  if spec.compress_sliding or not cfg.per_layer or cfg.sliding_window is None:
+    return None
+  sliding = llama.is_sliding(cfg)
+  return sliding if sliding.any() else None
+
+
+def _layer_subset(ev: policies.Evidence, layers: np.ndarray) -> policies.Evidence:
+  """The evidence of some layers: every per-layer field (all but ``valid_T`` and ``rng``) cut
+  on its leading layer axis."""
+  out = {}
+  for f in dataclasses.fields(ev):
+    value = getattr(ev, f.name)
+    if f.name in ("valid_T", "rng", "observation_window") or value is None:
+      continue
+    out[f.name] = value[layers]
+  return ev.replace(**out)
 
 
 def rotated_query_stats(cfg: ModelConfig, stats: dict, start_B: Array, n_future: int) -> tuple:

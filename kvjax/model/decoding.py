@@ -549,7 +549,12 @@ def generate(
     _check_row_budgets(pol, budget, mask, ratio is not None)
   ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
   spec = cache_lib.CacheSpec(
-    pol, 1, layout.heads, reindex=layout.reindex, row_budgets=ratio is not None
+    pol,
+    1,
+    layout.heads,
+    reindex=layout.reindex,
+    row_budgets=ratio is not None,
+    compress_sliding=layout.compress_sliding,
   )
   cache_lib.check_spec(spec)
   params = model.params()
@@ -577,7 +582,8 @@ def generate(
     cfg, params, pre, spec, budget, first, new, float(temperature), rng, ev
   )
   check_overflow(cache)
-  mem = cache_lib.memory(cache) | {
+  sliding = llama.is_sliding(cfg) if cfg.per_layer else None
+  mem = cache_lib.memory(cache, sliding) | {
     "full_cache_bytes": cache_lib.full_cache_bytes(cfg, tokens.shape[0], T + new, itemsize)
   }
   return Generation(np.asarray(tokens), mem, np.asarray(cache.budget))
@@ -706,7 +712,12 @@ def compress_context(
     _check_row_budgets(pol, budget, mask, ratio is not None)
   ev = check_evidence(pol, evidence, cfg, context_ids, attention_mask)
   spec = cache_lib.CacheSpec(
-    pol, 1, layout.heads, reindex=layout.reindex, row_budgets=ratio is not None
+    pol,
+    1,
+    layout.heads,
+    reindex=layout.reindex,
+    row_budgets=ratio is not None,
+    compress_sliding=layout.compress_sliding,
   )
   cache_lib.check_spec(spec)
   params = model.params()
@@ -920,7 +931,9 @@ def configs_spec(cfg, pol, pre, budgets, window, layout, T, new, evidence):
   """
   if pol.requires_budget:
     pol.check_budget(budgets, window, T)
-  spec = cache_lib.CacheSpec(pol, 1, layout.heads, reindex=layout.reindex)
+  spec = cache_lib.CacheSpec(
+    pol, 1, layout.heads, reindex=layout.reindex, compress_sliding=layout.compress_sliding
+  )
   cache_lib.check_spec(spec)
   alloc = jax.vmap(lambda b: _allocation(cfg, pre, spec, b, evidence))(budgets)
   cap = _capacity(pol, int(np.asarray(alloc).max()), T, new)

@@ -79,6 +79,7 @@ class CompressedContext:
       capacity=self.spec.capacity,
       layout=self.spec.layout,
       reindex=self.spec.reindex,
+      compress_sliding=self.spec.compress_sliding,
       next_pos=[int(p) for p in np.asarray(self.next_pos_B)],
     )
 
@@ -159,7 +160,11 @@ def load(path, cfg: ModelConfig, params: dict, policy: policies.Policy) -> Compr
   evidence = {k.split("/", 1)[1]: jnp.asarray(v) for k, v in arrays.items() if "/" in k}
   cache = cache_lib.KVCache(**fields, evidence=evidence or None)
   spec = cache_lib.CacheSpec(
-    policy, int(header["capacity"]), header["layout"], reindex=bool(header["reindex"])
+    policy,
+    int(header["capacity"]),
+    header["layout"],
+    reindex=bool(header["reindex"]),
+    compress_sliding=bool(header.get("compress_sliding", False)),
   )
   return CompressedContext(
     jax.device_put(cache), spec, np.asarray(header["next_pos"], np.int32), header["model"]
