@@ -131,6 +131,9 @@ class Pair:
   masks: bool = False  # kvpress masks (AdaKV-style ``masked_key_indices``) instead of evicting
   kept_budget: bool = False  # ChunkKV: kvjax's budget is the per-layer count kvpress kept
   evidence: dict | None = None  # caller-given kvjax evidence (QFilter's filters)
+  # ChunkPress and BlockPress score one chunk or block per call: the compressed cache is matched
+  # against a plain prefill's keys (no scores recorded, so no margin)
+  originals: bool = False
 
 
 def qfilter_press(kp, torch, ratio: float, qfilters_LGD: np.ndarray, dtype):
@@ -141,7 +144,15 @@ def qfilter_press(kp, torch, ratio: float, qfilters_LGD: np.ndarray, dtype):
   return press
 
 
-def agreement_pairs(kp, torch=None, qfilters_LGD=None, dtype=None) -> list[Pair]:
+def stats_press(kp, torch, ratio: float, stats: dict, dtype):
+  """kvpress's ExpectedAttentionStatsPress with injected statistics (no hub download)."""
+  press = kp.ExpectedAttentionStatsPress(compression_ratio=ratio)
+  press.mu = torch.from_numpy(np.array(stats["stats_query_mean_LHD"], np.float32)).to(dtype)
+  press.cov = torch.from_numpy(np.array(stats["stats_query_cov_LHDD"], np.float32)).to(dtype)
+  return press
+
+
+def agreement_pairs(kp, torch=None, qfilters_LGD=None, dtype=None, stats=None) -> list[Pair]:
   """Section 1: kvpress defaults (SnapKV window 64, avgpool k=5, n_sink 4, beta 20, alpha 0.2;
   LagKV lag 128 and 4 sinks; ExpectedAttention 4 sinks, 512 future positions, covariance and
   value norms; CriticalKV epsilon 1e-4, first stage 0.5; ChunkKV chunks of 20). QFilter is
@@ -185,10 +196,8 @@ def agreement_pairs(kp, torch=None, qfilters_LGD=None, dtype=None) -> list[Pair]
       kept_budget=True,
     ),
   ]
-  # kvpress's other presses (issue 31) whose kept set the prompt alone decides (no random
-  # sketch: Leverage and Compactor draw a fresh torch.randn per call; no delimiter: Finch).
-  # ChunkPress and BlockPress score one chunk or block per call, so the recorder's keys do not
-  # cover the prompt; their parity is the tiny-model fixture's (tests/test_kvpress_combinators)
+  # kvpress's other presses whose kept set the prompt alone decides (no random sketch:
+  # Leverage and Compactor draw a fresh torch.randn per call; no delimiter: Finch)
   issue31 = [
     Pair(
       "NonCausalAttn",
@@ -207,7 +216,34 @@ def agreement_pairs(kp, torch=None, qfilters_LGD=None, dtype=None) -> list[Pair]
       "sdpa",  # a ChunkKVPress: no attention maps
       wraps=True,
     ),
+    Pair(
+      "ChunkPress(KeyDiff)",
+      lambda r: kp.ChunkPress(kp.KeyDiffPress(r), chunk_length=256),
+      "chunk_keydiff",
+      dict(chunk=256),
+      "sdpa",  # ChunkPress and BlockPress refuse attention maps
+      originals=True,
+    ),
+    Pair(
+      "BlockPress(KeyDiff)",
+      lambda r: kp.BlockPress(kp.KeyDiffPress(r), block_size=128),
+      "block_keydiff",
+      dict(block=128),
+      "sdpa",  # ChunkPress and BlockPress refuse attention maps
+      originals=True,
+    ),
   ]
+  if stats is not None:
+    issue31.append(
+      Pair(
+        "ExpectedAttentionStats",
+        lambda r: stats_press(kp, torch, r, stats, dtype),
+        "expected_attention_stats",
+        {},
+        "eager",
+        evidence=stats,
+      )
+    )
   if qfilters_LGD is not None:
     issue15.append(
       Pair(
@@ -457,17 +493,48 @@ def chunk_view(scores_LGT, keep_LGT, wrong_LGT, chunk: int):
   return cs[:, None], ck[:, None], cw[:, None]
 
 
-def agreement(torch, kp, hf, model, cfg, ids_1T, qfilters_LGD=None, only=()) -> list[dict]:
+def plain_keys(torch, hf, ids_BT) -> dict:
+  """Every layer's keys ``{layer: [G, T, D]}`` of a prefill without a press."""
+  from transformers import DynamicCache
+
+  cache = DynamicCache()
+  with torch.inference_mode():
+    hf.model(input_ids=ids_BT, past_key_values=cache)
+  return {i: layer.keys[0].clone() for i, layer in enumerate(cache.layers)}
+
+
+def _margin(pair: Pair, rec: Recorder, keep_kp, wrong, L: int, G: int, T: int) -> float:
+  """The worst disagreement's distance to the cut, in row standard deviations (0 when none;
+  ``nan`` when the scores were not recorded)."""
+  if not wrong.any():
+    return 0.0
+  if rec.scores is None:
+    return float("nan")
+  scores = np.stack([rec.scores[i].numpy() for i in range(L)])
+  if pair.masks:  # AdaKV's cut is over the layer's flattened heads (CriticalAdaKV: base scores)
+    flat = lambda x: x.reshape(L, 1, G * T)  # noqa: E731
+    return cut_margins(flat(scores), flat(keep_kp), flat(wrong))
+  if pair.kept_budget:
+    return cut_margins(*chunk_view(scores, keep_kp, wrong, CHUNK))
+  return cut_margins(scores, keep_kp, wrong)
+
+
+def agreement(
+  torch, kp, hf, model, cfg, ids_1T, qfilters_LGD=None, only=(), stats=None
+) -> list[dict]:
   T, L, G = ids_1T.shape[1], cfg.num_layers, cfg.num_kv_heads
   n_kept = kp.utils.compute_n_kept(T, RATIO)
   ids_t = torch.from_numpy(ids_1T).long()
   rows = []
-  for pair in agreement_pairs(kp, torch, qfilters_LGD, hf.dtype):
+  for pair in agreement_pairs(kp, torch, qfilters_LGD, hf.dtype, stats):
     if only and pair.label not in only:
       continue
     set_attn(hf, pair.attn)
     press = pair.make_press(RATIO)
-    rec = Recorder(press.press if pair.wraps else press)
+    if pair.originals:  # a ChunkPress / BlockPress has no score of its own to record
+      rec = types.SimpleNamespace(keys=plain_keys(torch, hf, ids_t), scores=None)
+    else:
+      rec = Recorder(press.press if pair.wraps else press)
     cache = kvpress_prefill(torch, hf, press, ids_t)
     keep_kp = kept_from_masks(hf, L, G, T) if pair.masks else kept_from_cache(torch, cache, rec, L)
     budget = n_kept + pair.extra_budget
@@ -478,16 +545,7 @@ def agreement(torch, kp, hf, model, cfg, ids_1T, qfilters_LGD=None, only=()) -> 
       model, ids_1T, pair.policy, budget, num_kv_heads=G, evidence=pair.evidence, **pair.options
     )[:, 0]
     wrong = keep_kp != keep_kj
-    scores = np.stack([rec.scores[i].numpy() for i in range(L)])
-    if not wrong.any():
-      margin = 0.0
-    elif pair.masks:  # AdaKV's cut is over the layer's flattened heads (CriticalAdaKV: base scores)
-      flat = lambda x: x.reshape(L, 1, G * T)  # noqa: E731
-      margin = cut_margins(flat(scores), flat(keep_kp), flat(wrong))
-    elif pair.kept_budget:
-      margin = cut_margins(*chunk_view(scores, keep_kp, wrong, CHUNK))
-    else:
-      margin = cut_margins(scores, keep_kp, wrong)
+    margin = _margin(pair, rec, keep_kp, wrong, L, G, T)
     rows.append(
       dict(
         press=pair.label,
@@ -509,6 +567,110 @@ def agreement(torch, kp, hf, model, cfg, ids_1T, qfilters_LGD=None, only=()) -> 
       flush=True,
     )
   return rows
+
+
+DECODE_EVERY, DECODE_FED = 16, 48  # DecodingPress's compression_interval; tokens fed after
+
+
+def decoding_agreement(torch, kp, hf, model, cfg, ids_1T, fed_S) -> dict:
+  """Section 1b: kvpress ``PrefillDecodingPress(None, DecodingPress(KnormPress(),
+  compression_interval=16, target_size=T // 2))`` against kvjax ``PrefillDecoding(prefill=Full,
+  decoding=KNorm, decode_every=16, decode_budget=T // 2)`` in the model's cache: the prompt, then
+  ``fed_S`` teacher-forced one token at a time at positions ``T + i``; the fraction of (layer,
+  KV head, position) keep decisions that agree after the last token (kvpress's kept set
+  recovered by matching its cached keys against every key its run appended)."""
+  import jax
+  import jax.numpy as jnp
+  from transformers import DynamicCache
+
+  from kvjax.model import cache as cache_lib
+  from kvjax.model import decoding
+
+  set_attn(hf, "eager")
+  T, L, G = ids_1T.shape[1], cfg.num_layers, cfg.num_kv_heads
+  target = T // 2
+  press = kp.PrefillDecodingPress(
+    prefilling_press=None,
+    decoding_press=kp.DecodingPress(
+      base_press=kp.KnormPress(), compression_interval=DECODE_EVERY, target_size=target
+    ),
+  )
+  cache, seen = DynamicCache(), {}
+
+  def record(module, args, kwargs, output):  # runs before the press's hook: uncompressed keys
+    q_len = kwargs["hidden_states"].shape[1]
+    new = cache.layers[module.layer_idx].keys[0, :, -q_len:].clone()
+    i = module.layer_idx
+    seen[i] = new if i not in seen else torch.cat([seen[i], new], 1)
+
+  hooks = [
+    layer.self_attn.register_forward_hook(record, with_kwargs=True) for layer in hf.model.layers
+  ]
+  try:
+    with torch.inference_mode(), press(hf):
+      pos = torch.arange(T)[None]
+      hf.model(
+        input_ids=torch.from_numpy(ids_1T).long(),
+        past_key_values=cache,
+        position_ids=pos,
+        cache_position=pos[0],
+      )
+      for i, tok in enumerate(fed_S):
+        p = torch.tensor([[T + i]])
+        hf.model(
+          input_ids=torch.tensor([[int(tok)]]),
+          past_key_values=cache,
+          position_ids=p,
+          cache_position=p[0],
+        )
+  finally:
+    for h in hooks:
+      h.remove()
+  P = T + len(fed_S)
+  keep_kp = np.zeros((L, G, P), bool)
+  for layer in range(L):
+    comp, orig = cache.layers[layer].keys[0].double(), seen[layer].double()
+    best = torch.cdist(comp, orig, compute_mode="donot_use_mm_for_euclid_dist").min(-1)
+    assert float(best.values.max()) == 0.0, "a cached key matches no appended key"
+    for g in range(G):
+      keep_kp[layer, g, best.indices[g].numpy()] = True
+
+  pol = policies.PrefillDecoding(
+    prefill=policies.Full(),
+    decoding=policies.KNorm(),
+    decode_every=DECODE_EVERY,
+    decode_budget=target,
+  )
+  params = model.params()
+  pre = decoding.jit_prefill(
+    cfg, params, jnp.asarray(ids_1T), jnp.ones(ids_1T.shape, jnp.int32), pol.evidence_request(T)
+  )
+  spec = cache_lib.CacheSpec(pol, pol.decode_capacity(T, T, len(fed_S)))
+  kv = cache_lib.compress(cfg, pre, spec, None)
+  step = jax.jit(cache_lib.decode_step, static_argnums=(0, 2))
+  for i, tok in enumerate(fed_S):
+    at = jnp.full((1,), T + i, jnp.int32)
+    _, kv = step(cfg, params, spec, kv, jnp.asarray([int(tok)], jnp.int32), at, at, i)
+  positions, valid = np.asarray(kv.positions[:, 0]), np.asarray(kv.valid[:, 0])
+  keep_kj = np.zeros((L, G, P), bool)
+  for layer in range(L):
+    for g in range(G):
+      keep_kj[layer, g, positions[layer, g][valid[layer, g]]] = True
+  wrong = keep_kp != keep_kj
+  return dict(
+    agreement=float(1 - wrong.mean()),
+    wrong=int(wrong.sum()),
+    held_kvpress=int(keep_kp[0, 0].sum()),
+    held_kvjax=int(keep_kj[0, 0].sum()),
+  )
+
+
+def query_stats(model, cfg, tokenizer) -> dict:
+  """ExpectedAttentionStats' statistics measured by kvjax on the Q-Filter rows of shipped prose."""
+  text = streaming.reference_text(6 * QF_ROWS * QF_LENGTH)
+  rows = calibrate.calibration_rows(getattr(tokenizer, "tok", tokenizer), text, QF_ROWS, QF_LENGTH)
+  mean, cov = calibrate.query_stats(cfg, model.params(), rows)
+  return {"stats_query_mean_LHD": mean, "stats_query_cov_LHDD": cov}
 
 
 def pyramid_budget_check(kp, cfg, Tc: int, budgets: tuple[int, ...]) -> list[str]:
@@ -751,10 +913,26 @@ def main() -> int:
     f"({time.perf_counter() - t0:.0f} s), injected into both sides",
     flush=True,
   )
+  stats = query_stats(model, cfg, ptok)
+  print(
+    "  ExpectedAttentionStats: statistics measured by kvjax on the same rows, injected into both"
+  )
   only = tuple(filter(None, args.presses.split(",")))
-  rows = agreement(torch, kvpress, hf, model, cfg, ids_1T, qf, only=only)
+  rows = agreement(torch, kvpress, hf, model, cfg, ids_1T, qf, only=only, stats=stats)
   low = [r["press"] for r in rows if r["agreement"] < 0.99]
   print(f"  all presses >= 0.99: {not low}" + (f" (below: {low})" if low else ""))
+  fed = np.random.default_rng(1).integers(5, cfg.vocab_size, DECODE_FED)
+  print(
+    f"\n[1b] DecodingPress(KnormPress) every {DECODE_EVERY} tokens to {LENGTH // 2}, "
+    f"{DECODE_FED} tokens fed after the {LENGTH}-token prompt",
+    flush=True,
+  )
+  dec = decoding_agreement(torch, kvpress, hf, model, cfg, ids_1T, fed)
+  print(
+    f"  agreement {dec['agreement']:.5f}: {dec['wrong']} decisions differ; slots held per head "
+    f"kvpress {dec['held_kvpress']}, kvjax {dec['held_kvjax']}",
+    flush=True,
+  )
 
   return 0 if grid is None else _print_grid_ratio(grid)
 
