@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import full_mode
 from hf_models import NEW, family_checkpoint, hf_generate, prompt, torch
 
 from kvjax import model as km
@@ -66,7 +67,9 @@ def test_generation_through_the_compressed_cache_matches_transformers(loaded):
       raise
     pytest.skip(f"{name}: the cache's decode step computes layers without their index ({e})")
   np.testing.assert_array_equal(got, ref)
-  layouts = {"snapkv": "kv", "h2o": "kv", "streaming_llm": km.cache.Layout(reindex=True)}
+  layouts = {"streaming_llm": km.cache.Layout(reindex=True)}
+  if full_mode():
+    layouts |= {"snapkv": "kv", "h2o": "kv"}
   for policy, layout in layouts.items():
     try:
       out = km.generate(model, ids, max_new_tokens=8, policy=policy, budget=200, layout=layout)
@@ -111,6 +114,8 @@ def test_layer_windows_and_rope_follow_the_layer_types():
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_blocked_prefill_and_its_evidence_on_sliding_and_global_layers(name):
+  if name != "gemma3" and not full_mode():
+    pytest.skip("quick mode checks Gemma 3's blocking; KVJAX_FULL=1 both")
   _, path = family_checkpoint(name)
   model, cfg = km.load(path)
   params = model.params()
@@ -166,14 +171,12 @@ def test_phi3_fused_projections_are_split_and_checked():
     km.loading.split_fused(cfg, bad)
 
 
-QUICK_POLICIES = ("snapkv", "pyramidkv", "knorm", "expected_attention", "streaming_llm", "h2o")
+QUICK_POLICIES = ("snapkv", "knorm")
 
 
 def _matrix():
   """Quick mode: :data:`QUICK_POLICIES`; ``KVJAX_FULL=1``: every policy the Llama tests pad
   (``test_model_methods.PADDED_POLICIES``)."""
-  from conftest import full_mode  # noqa: PLC0415
-
   if not full_mode():
     return QUICK_POLICIES
   from test_model_methods import PADDED_POLICIES  # noqa: PLC0415
@@ -183,8 +186,11 @@ def _matrix():
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_policies_select_on_each_family_and_a_padded_row_keeps_what_it_alone_keeps(name):
-  """Every layer is compressed today, sliding ones included (issue 33's item 4 will leave them
-  whole by default); a left-padded row keeps what the prompt alone keeps."""
+  """A kept set on every layer, sliding ones included, and a left-padded row keeps what the
+  prompt alone keeps. Quick mode: Gemma 3
+  (the family kvpress tests) and two policies; ``KVJAX_FULL=1``: every family and policy."""
+  if name != "gemma3" and not full_mode():
+    pytest.skip("quick mode runs the policy matrix on Gemma 3; KVJAX_FULL=1 on every family")
   _, path = family_checkpoint(name)
   model, cfg = km.load(path)
   rng = np.random.default_rng(0)
@@ -192,7 +198,7 @@ def test_policies_select_on_each_family_and_a_padded_row_keeps_what_it_alone_kee
   both = np.concatenate([np.concatenate([np.zeros((1, 7), np.int32), ids], 1)] * 2, 0)
   mask = np.ones_like(both)
   mask[0, :7] = 0
-  for policy in _matrix() if name == "phi3" else QUICK_POLICIES[:3]:
+  for policy in _matrix():
     try:
       alone = km.keep_mask(model, ids, policy, 40)
     except ValueError as e:  # a policy whose evidence needs more than a bare prompt
@@ -204,12 +210,13 @@ def test_policies_select_on_each_family_and_a_padded_row_keeps_what_it_alone_kee
     np.testing.assert_array_equal(padded[:, 0, :, 7:], alone[:, 0], err_msg=policy)
 
 
+@pytest.mark.skipif(not full_mode(), reason="heavy: runs with KVJAX_FULL=1")
 def test_prefill_and_decode_time_policies_generate_on_phi3():
   _, path = family_checkpoint("phi3")
   model, _ = km.load(path)
   ids = prompt(T=48, B=1, seed=2)
   full = km.generate(model, ids, max_new_tokens=8).tokens
-  for policy in QUICK_POLICIES:
+  for policy in ("snapkv", "pyramidkv", "knorm", "expected_attention", "streaming_llm", "h2o"):
     out = km.generate(model, ids, max_new_tokens=8, policy=policy, budget=64)
     np.testing.assert_array_equal(out.tokens, full, err_msg=f"{policy}: a budget above T")
 
