@@ -14,6 +14,8 @@ so a one-process run is as before. Then:
 * :func:`on_primary` runs a step on process 0 alone (taking the lock, reading what is done) and
   hands its JSON-able result, or its error, to every process; :func:`broadcast_json` is the
   plain broadcast under it;
+* :func:`share` splits a list of work (examples, batches) among the processes and
+  :func:`gather_json` brings each process's JSON-able results (rows) to every process;
 * :func:`peers` turns a collective that failed because a peer died into
   :class:`PeerFailedError`, and :func:`fail_fast` makes an entry point exit at once on any error
   in a multi-process run instead of waiting on its peers;
@@ -50,6 +52,7 @@ __all__ = [
   "cluster",
   "fail_fast",
   "fault_point",
+  "gather_json",
   "is_primary",
   "maybe_initialize",
   "on_primary",
@@ -58,6 +61,7 @@ __all__ = [
   "process_index",
   "put",
   "settings",
+  "share",
   "to_host",
 ]
 
@@ -357,6 +361,44 @@ def broadcast_json(value, what: str = "broadcasting from process 0"):
       buffer[:] = np.frombuffer(data, np.uint8)
     buffer = multihost_utils.broadcast_one_to_all(buffer)
   return json.loads(np.asarray(buffer, np.uint8).tobytes().decode())
+
+
+def gather_json(value, what: str = "gathering from every process") -> list:
+  """Every process's ``value``, on every process (a collective: every process calls it).
+
+  Args:
+    value: a JSON-able value (rows as dicts, say), different on each process.
+    what: what is gathered, for :class:`PeerFailedError`'s message.
+
+  Returns:
+    The list of the values in process order (``[value]`` in a one-process run).
+  """
+  if process_count() == 1:
+    return [value]
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  with peers(what):
+    sizes = multihost_utils.process_allgather(np.int64(len(data)))
+    buffer = np.zeros(int(np.max(sizes)), np.uint8)
+    buffer[: len(data)] = data
+    everyone = multihost_utils.process_allgather(buffer)
+  return [
+    json.loads(np.asarray(row[: int(size)], np.uint8).tobytes().decode())
+    for row, size in zip(everyone, np.ravel(sizes), strict=True)
+  ]
+
+
+def share(items) -> list[int]:
+  """The indices of ``items`` this process takes when the processes split them (round robin:
+  process ``i`` of ``n`` takes ``i, i + n, ...``); :func:`gather_json` then brings the results
+  back in process order, and sorting them by index restores the one-process order.
+
+  Args:
+    items: a sequence (examples, batches, configurations), the same on every process.
+
+  Returns:
+    This process's indices (every index in a one-process run).
+  """
+  return list(range(process_index(), len(items), process_count()))
 
 
 def on_primary(fn: Callable[[], object], what: str):

@@ -8,8 +8,10 @@ groups) and the process-0 death.
 """
 
 import contextlib
+import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -69,9 +71,8 @@ def one_process(workdir, grid=SMALL, devices=4):
   return out
 
 
-def processes(workdir, grid=SMALL, count=2, devices=2, timeout=300, **env):
-  """Launches ``count`` processes of one sweep; returns ``[(returncode, stdout, stderr, end
-  time)]`` in process order."""
+def start(workdir, grid=SMALL, count=2, devices=2, **env) -> list[subprocess.Popen]:
+  """Starts ``count`` processes of one sweep (a free port for their coordinator)."""
   port = _free_port()
   procs = []
   for i in range(count):
@@ -86,17 +87,30 @@ def processes(workdir, grid=SMALL, count=2, devices=2, timeout=300, **env):
         text=True,
       )
     )
-  ends = [None] * count
+  return procs
+
+
+def finish(procs, timeout=300, until=None) -> list[tuple]:
+  """Waits for ``procs`` (all of them, or the one at index ``until``; the others are killed
+  then): ``[(returncode, stdout, stderr, end time)]`` in process order."""
+  ends = [None] * len(procs)
   deadline = time.monotonic() + timeout
-  while None in ends and time.monotonic() < deadline:
+  while time.monotonic() < deadline:
     for i, p in enumerate(procs):
       if ends[i] is None and p.poll() is not None:
         ends[i] = time.monotonic()
+    if (None not in ends) if until is None else ends[until] is not None:
+      break
     time.sleep(0.05)
   for p in procs:
     if p.poll() is None:
       p.kill()
   return [(p.returncode, *p.communicate(), end) for p, end in zip(procs, ends, strict=True)]
+
+
+def processes(workdir, grid=SMALL, count=2, devices=2, timeout=300, **env) -> list[tuple]:
+  """Runs ``count`` processes of one sweep to the end (:func:`finish`)."""
+  return finish(start(workdir, grid, count, devices, **env), timeout)
 
 
 def _rows(workdir) -> pd.DataFrame:
@@ -225,6 +239,63 @@ def test_in_one_process_every_helper_is_the_plain_operation(no_cluster, monkeypa
   distributed.fault_point()
 
 
+HELPERS_PROBE = """
+import json, sys
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from kvjax import distributed
+assert distributed.maybe_initialize()  # from KVJAX_COORDINATOR, KVJAX_NUM_PROCESSES, ...
+import jax
+me = distributed.process_index()
+out = dict(primary=distributed.is_primary(), count=distributed.process_count())
+out["broadcast"] = distributed.broadcast_json({"from": me})
+out["gathered"] = distributed.gather_json({"rows": list(range(me + 1))})
+out["share"] = distributed.share(list("abcde"))
+out["on_primary"] = distributed.on_primary(lambda: [me, "done"], "a step")
+try:
+  distributed.on_primary(lambda: 1 / 0, "dividing")
+except Exception as e:
+  out["error"] = f"{type(e).__name__}: {e}"
+mesh = Mesh(np.asarray(jax.devices()), ("c",))
+x = distributed.put(np.arange(8.0), NamedSharding(mesh, PartitionSpec("c")))
+y = jax.jit(lambda v: 2 * v)(x)
+out["addressable"] = y.is_fully_addressable
+out["to_host"] = distributed.to_host(y).tolist()
+print("PROBE " + json.dumps(out))
+"""
+
+
+def test_the_helpers_across_two_processes():
+  port = _free_port()
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", HELPERS_PROBE],
+      cwd=ROOT,
+      env=_env(
+        1,
+        KVJAX_COORDINATOR=f"localhost:{port}",
+        KVJAX_NUM_PROCESSES="2",
+        KVJAX_PROCESS_ID=str(i),
+      ),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  outs = [p.communicate(timeout=180) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+  got = [json.loads(o.split("PROBE ", 1)[1]) for o, _ in outs]
+  assert [g["primary"] for g in got] == [True, False] and {g["count"] for g in got} == {2}
+  assert all(g["broadcast"] == {"from": 0} for g in got)
+  assert all(g["gathered"] == [{"rows": [0]}, {"rows": [0, 1]}] for g in got)
+  assert [g["share"] for g in got] == [[0, 2, 4], [1, 3]]
+  assert all(g["on_primary"] == [0, "done"] for g in got)
+  assert got[0]["error"] == "ZeroDivisionError: division by zero"
+  assert got[1]["error"].startswith("RuntimeError: process 1: process 0 failed dividing")
+  assert all(not g["addressable"] and g["to_host"] == [2.0 * i for i in range(8)] for g in got)
+
+
 def test_two_processes_match_one_and_a_death_is_bounded_and_resumed(tmp_path):
   start = time.monotonic()
   one_process(tmp_path / "one")
@@ -264,3 +335,31 @@ def test_the_quick_grid_over_two_processes_and_the_coordinators_death(tmp_path):
   reference = _rows(tmp_path / "one")
   _check_death_and_resume(tmp_path, (), reference, dead=0)
   _check_death_and_resume(tmp_path, (), reference, dead=1)
+
+
+@slow
+@pytest.mark.slow
+def test_a_hung_peer_stops_the_survivor_within_two_minutes(tmp_path):
+  """A peer that stops answering without dying (SIGSTOP) is caught by JAX's heartbeats
+  (``--heartbeat_timeout``, 60 s by default) or by gloo's connection timeout."""
+  workdir = tmp_path / "hung"
+  procs = start(workdir)
+  results = workdir / "results.csv"
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline and procs[1].poll() is None:
+    if results.exists() and results.read_text().count("\n") >= 5:
+      break
+    time.sleep(0.05)
+  procs[1].send_signal(signal.SIGSTOP)
+  stopped = time.monotonic()
+  runs = finish(procs, timeout=180, until=0)
+  rc, _, err, end = runs[0]
+  assert rc not in (0, None) and end is not None, err[-3000:]
+  print(f"process 0 exited {end - stopped:.1f} s after process 1 stopped")
+  assert end - stopped < 120
+  assert "another task died" in err or "PeerFailedError" in err, err[-3000:]
+  partial = _rows(workdir)
+  assert len(partial) >= 4 and partial.index.is_unique
+  again = processes(workdir)
+  assert [r[0] for r in again] == [0, 0], again[0][2][-3000:] + again[1][2][-3000:]
+  assert len(_rows(workdir)) == 12 and _rows(workdir).index.is_unique
