@@ -233,6 +233,16 @@ def maybe_initialize(config_or_flags=None) -> bool:
       num_processes=s["num_processes"],
       process_id=s["process_id"],
     )
+  # said first: a peer that never joins makes JAX's runtime abort this process after the
+  # timeout with only "Deadline Exceeded"
+  where = f" at {s['coordinator']}" if found == "explicit" else ""
+  who = f"process {s['process_id']} of {s['num_processes']}" if found == "explicit" else "a process"
+  print(
+    f"kvjax.distributed: {who} joining the {found} cluster{where}; waiting up to "
+    f"{s['initialization_timeout']} s for every process",
+    file=sys.stderr,
+    flush=True,
+  )
   jax.distributed.initialize(**kwargs)
   return True
 
@@ -355,7 +365,7 @@ def broadcast_json(value, what: str = "broadcasting from process 0"):
     return value
   data = json.dumps(value).encode() if is_primary() else b""
   with peers(what):
-    size = int(multihost_utils.broadcast_one_to_all(np.int64(len(data))))
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
     buffer = np.zeros(size, np.uint8)
     if is_primary():
       buffer[:] = np.frombuffer(data, np.uint8)
@@ -377,7 +387,7 @@ def gather_json(value, what: str = "gathering from every process") -> list:
     return [value]
   data = np.frombuffer(json.dumps(value).encode(), np.uint8)
   with peers(what):
-    sizes = multihost_utils.process_allgather(np.int64(len(data)))
+    sizes = multihost_utils.process_allgather(np.int32(len(data)))
     buffer = np.zeros(int(np.max(sizes)), np.uint8)
     buffer[: len(data)] = data
     everyone = multihost_utils.process_allgather(buffer)
