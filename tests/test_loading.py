@@ -158,3 +158,70 @@ def test_a_file_that_is_neither_gguf_nor_a_checkpoint_is_named(tmp_path):
   (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
   with pytest.raises(ValueError, match=r"model\.safetensors is a file but not a \.gguf file"):
     km.load(tmp_path / "model.safetensors")
+
+
+def test_gemma_and_phi3_configs_as_the_hub_writes_them():
+  base = dict(
+    vocab_size=10,
+    hidden_size=8,
+    intermediate_size=16,
+    num_hidden_layers=12,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=4,
+  )
+  # a Gemma 3 file of transformers 4: the local base and the global scaling at the top level
+  legacy = config_lib.from_hf_dict(
+    base
+    | {
+      "architectures": ["Gemma3ForCausalLM"],
+      "rope_theta": 1e6,
+      "rope_local_base_freq": 1e4,
+      "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+      "sliding_window_pattern": 6,
+      "query_pre_attn_scalar": 4,
+    }
+  )
+  assert legacy.layer_types == (("sliding_attention",) * 5 + ("full_attention",)) * 2
+  assert (legacy.rope_theta, legacy.rope_local_theta) == (1e6, 1e4)
+  assert (legacy.rope_type, legacy.rope_factor, legacy.qk_norm) == ("linear", 8.0, True)
+  nested = config_lib.from_hf_dict(
+    base
+    | {
+      "architectures": ["Gemma3ForCausalLM"],
+      "layer_types": list(legacy.layer_types),
+      "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+      },
+      "query_pre_attn_scalar": 4,
+    }
+  )
+  assert nested == legacy
+  # Gemma 2's defaults (transformers' Gemma2Config) for the keys a file leaves out
+  g2 = config_lib.from_hf_dict(base | {"architectures": ["Gemma2ForCausalLM"]})
+  assert (g2.attn_softcap, g2.final_softcap, g2.query_pre_attn_scalar) == (50.0, 30.0, 256.0)
+  assert g2.layer_types[:2] == ("sliding_attention", "full_attention") and g2.tie_word_embeddings
+  assert g2.mlp_activation == "gelu_tanh" and g2.sliding_window == 4096
+  # Phi-3 128k: 'su' is LongRoPE, the pretraining context outside the RoPE dict
+  phi = config_lib.from_hf_dict(
+    base
+    | {
+      "architectures": ["Phi3ForCausalLM"],
+      "max_position_embeddings": 131072,
+      "original_max_position_embeddings": 4096,
+      "rope_scaling": {"type": "su", "short_factor": [1.0, 1.0], "long_factor": [2.0, 4.0]},
+    }
+  )
+  assert (phi.rope_type, phi.rope_original_max_positions, phi.rope_factor) == (
+    "longrope",
+    4096,
+    32.0,
+  )
+  assert phi.rope_attention_factor == pytest.approx(1.1902380714238083)
+  for bad, match in (
+    ({"layer_types": ["sliding_attention"]}, "layer_types: .*expected 12 entries"),
+    ({"hidden_activation": "relu"}, "hidden_act: 'relu' is not supported"),
+  ):
+    with pytest.raises(ValueError, match=match):
+      config_lib.from_hf_dict(base | {"architectures": ["Gemma2ForCausalLM"]} | bad)
