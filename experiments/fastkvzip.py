@@ -155,12 +155,24 @@ def main(argv):
   )
   timings["training"] = round(time.perf_counter() - t0, 2)
   history = np.asarray(run.history)
+  _, test_idx = fastkvzip.holdout_split(len(X), c.test_every)
+  train_mean = np.delete(y, test_idx, 0).mean(0)  # [L, G]
+  baseline = {  # a constant gate at each head's mean KVzip score, and "always below 0.05"
+    "mean_predictor_test_loss": float(
+      np.asarray(fastkvzip.bce(jnp.asarray(train_mean), jnp.asarray(y[test_idx])))
+      .mean(0)
+      .sum(-1)
+      .mean()
+    ),
+    "majority_test_acc": float((y[test_idx] < fastkvzip.ACC_THRESHOLD).mean()),
+  }
   comparison = compare_with_kvzip(c, cfg, params, run.gates, held_out, template)
   results = {
     "model": c.model,
     "source": source,
     "positions": len(X),
     "initial_test_loss": run.initial_test_loss,
+    **baseline,
     "final": dict(zip(COLUMNS, run.history[-1], strict=True)),
     "history": history.tolist(),
     "held_out": comparison,
@@ -176,7 +188,7 @@ def main(argv):
   }
   fastkvzip.save(workdir / "fastkvzip_gates.npz", run.gates, meta)
   (workdir / "results.json").write_text(json.dumps(results, indent=1))
-  print(json.dumps({"initial_test_loss": run.initial_test_loss, **results["final"]}))
+  print(json.dumps({"initial_test_loss": run.initial_test_loss, **baseline, **results["final"]}))
   print(f"run directory: {workdir.absolute()}")
 
 
