@@ -34,7 +34,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model = "smollm2"
   c.tasks = ruler.TASKS
   c.length = 1024
-  c.examples = 2
+  c.examples = 1
   c.ratios = RATIOS
   c.methods = METHODS
   c.max_new_tokens = ml_collections.FieldReference(None, field_type=int)  # None: RULER's
