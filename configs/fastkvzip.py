@@ -47,7 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.workdir = "/tmp/kvjax_fastkvzip"
   if common.parse_arg(arg, quick=False).quick:
     c.model = "tiny"
-    c.rows, c.eval_rows, c.length, c.batch_rows, c.chunk_size = 8, 1, 40, 8, 16
+    c.rows, c.eval_rows, c.length, c.batch_rows, c.chunk_size = 8, 1, 40, 8, 40
     c.max_steps, c.batch_size, c.test_freq, c.test_every, c.checkpoint_every = 30, 64, 10, 10, 10
     c.prefix, c.suffix = "", ""  # the word vocabulary has no chat template
   return c
