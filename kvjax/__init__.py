@@ -15,8 +15,7 @@ and the package is laid out in layers whose imports point one way (down this lis
 * ``kvjax.lab``: the synthetic attention world, online replay of every policy, metrics, the
   policy x scenario suite and budget sweeps;
 * ``kvjax.model``: a flax nnx decoder (Llama, Mistral, Qwen, Gemma 2/3, Phi-3), checkpoint
-  loading, tokenizers, the
-  compressed cache and decoding through it;
+  loading, tokenizers, the compressed cache and decoding through it;
 * ``kvjax.eval``: long-context tasks, accuracy against budget on a real model, attention funnel
   statistics, training of the tiny model and its card (it may use ``lab`` and ``model``).
 
