@@ -682,8 +682,10 @@ def _think_probs(cfg, q_BHq1D, keys_BHCK, new_keys_BHND, channels_BHK, visible_B
   q_kept = jnp.take_along_axis(q, channels_BHK[:, :, None, None, :], axis=-1)
   logits = jnp.concatenate(
     [
-      llama.attention_logits(q_kept.reshape(B, Hq, 1, -1), keys_BHCK, head_dim=D),
-      llama.attention_logits(q_BHq1D, new_keys_BHND),
+      llama.attention_logits(
+        q_kept.reshape(B, Hq, 1, -1), keys_BHCK, head_dim=D, softcap=cfg.attn_softcap
+      ),
+      llama.attention_logits(q_BHq1D, new_keys_BHND, softcap=cfg.attn_softcap),
     ],
     axis=-1,
   )
@@ -1194,8 +1196,14 @@ def _slot_attention(cfg, cache: KVCache, keys_LBHCD, positions_LBHC, valid_LBHC)
     & (positions_LBHC[:, :, :, None, :] <= q_pos[None, :, None, :, None])
     & (q_pos >= 0)[None, :, None, :, None]
   )  # [L, B, H, W, C]
+  if cfg.sliding_window is not None:  # each layer's window (Mistral's every layer, Gemma's sliding)
+    window_L = jnp.asarray(
+      np.where(llama.is_sliding(cfg), cfg.sliding_window, llama.FULL_WINDOW), jnp.int32
+    )
+    behind = q_pos[None, :, None, :, None] - positions_LBHC[:, :, :, None, :]
+    allowed = allowed & (behind < window_L[:, None, None, None, None])
   flat = lambda t: t.reshape((L * B,) + t.shape[2:])  # noqa: E731
-  probs = llama.attention_probs(flat(q), flat(keys_LBHCD), flat(allowed))
+  probs = llama.attention_probs(flat(q), flat(keys_LBHCD), flat(allowed), softcap=cfg.attn_softcap)
   return probs.reshape((L, B) + probs.shape[1:])
 
 
