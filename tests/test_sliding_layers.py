@@ -55,12 +55,12 @@ def test_sliding_layers_keep_their_window_and_global_layers_the_policys_choice(g
     for h in range(cfg.num_kv_heads):
       for l in range(cfg.num_layers):
         got = _kept(pos, valid, l, b, h)
-        if sliding[l]:  # the window's most recent (real) tokens
-          np.testing.assert_array_equal(got, np.arange(n - 8, n))
+        if sliding[l]:  # the (real) tokens the next one attends to: the window's last 7
+          np.testing.assert_array_equal(got, np.arange(n - 7, n))
         else:  # SnapKV selects per layer: the same as when every layer is compressed
           np.testing.assert_array_equal(got, _kept(all_pos, all_valid, l, b, h))
           assert len(got) == 12
-  # compressing every layer: the sliding layers hold the policy's 12, not their window's 8
+  # compressing every layer: the sliding layers hold the policy's 12, not their window's 7
   assert all_valid[sliding].sum(-1).max() == 12
 
 
@@ -87,7 +87,7 @@ def test_generation_reports_sliding_and_global_memory(gemma3):
   slot = 2 * cfg.head_dim * 4 * cfg.num_kv_heads  # fp32 K and V of one token, all KV heads
   n_sliding, n_global = 3, 2
   # 3 generated tokens are fed after the prompt (the 4th is sampled last)
-  assert mem["kv_bytes_held_sliding"] == n_sliding * (8 + 3) * slot
+  assert mem["kv_bytes_held_sliding"] == n_sliding * (7 + 3) * slot
   assert mem["kv_bytes_held_global"] == n_global * (12 + 3) * slot
   with pytest.raises(ValueError, match="compress_sliding: expected a bool"):
     km.cache.Layout(compress_sliding="yes")

@@ -457,7 +457,9 @@ def compress(
       recency = jnp.where(valid_T, jnp.arange(T, dtype=jnp.float32), -jnp.inf)
       scores = jnp.zeros((L, H, T), jnp.float32).at[glob].set(scores_g)
       scores = scores.at[slide].set(jnp.broadcast_to(recency, (len(slide), H, T)))
-      window = jnp.full((len(slide), H), cfg.sliding_window, jnp.int32)
+      # the next token attends to the window's last sliding_window - 1 tokens and itself: the
+      # slots a sliding layer holds, as transformers' sliding-window cache does
+      window = jnp.full((len(slide), H), max(cfg.sliding_window - 1, 1), jnp.int32)
       budget_LH = jnp.zeros((L, H), jnp.int32).at[glob].set(budget_g).at[slide].set(window)
     count = jnp.minimum(budget_LH, valid_T.sum())
     idx, kept = select.compact(scores, count, prompt_slots)
@@ -527,7 +529,8 @@ def sliding_layers(cfg: ModelConfig, spec: CacheSpec) -> np.ndarray | None:
 
   A model whose layers differ (Gemma 2/3: ``cfg.layer_types``) has sliding layers that attend to
   their window only; kvpress (``presses/base_press.py``) skips them, so by default each keeps
-  the most recent ``sliding_window`` tokens of the prompt and the policy (its scores, budgets,
+  the most recent ``sliding_window - 1`` tokens of the prompt (what the next token attends to,
+  as transformers' sliding-window cache holds them) and the policy (its scores, budgets,
   PyramidKV's schedule, Ada-KV's pooling) runs over the global layers alone.
   ``spec.compress_sliding`` compresses them too. Models whose every layer slides (Mistral,
   Phi-3) compress every layer.
