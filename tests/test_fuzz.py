@@ -484,6 +484,8 @@ def evidence():
     reconstruction_attn_LGT=jnp.asarray(rng.random((PL, PG, PT)), jnp.float32),
     reconstruction_attn_LHT=jnp.asarray(rng.random((PL, PHQ, PT)), jnp.float32),
     kvgrad_LGT=jnp.asarray(rng.random((PL, PG, PT)), jnp.float32),
+    kvzap_LGT=jnp.asarray(rng.normal(size=(PL, PG, PT)), jnp.float32),
+    fastkvzip_LGT=jnp.asarray(rng.random((PL, PG, PT)), jnp.float32),
   )
 
 

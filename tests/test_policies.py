@@ -43,6 +43,8 @@ def new_method_evidence(rng, q, k) -> dict:
     reconstruction_attn_LGT=jnp.asarray(rng.random((L, G, T)), jnp.float32),
     reconstruction_attn_LHT=jnp.asarray(rng.random((L, q.shape[1], T)), jnp.float32),
     kvgrad_LGT=jnp.asarray(rng.random((L, G, T)), jnp.float32),
+    kvzap_LGT=jnp.asarray(rng.normal(size=(L, G, T)), jnp.float32),
+    fastkvzip_LGT=jnp.asarray(rng.random((L, G, T)), jnp.float32),
   )
 
 

@@ -63,6 +63,7 @@ from kvjax.policies.evidence import (
   evidence_from_qk,
 )
 from kvjax.policies.expected_stats import ExpectedAttentionStats
+from kvjax.policies.fastkvzip import FastKVzip
 from kvjax.policies.finch import Finch
 from kvjax.policies.kvcompose import Composite, KVCompose
 from kvjax.policies.kvgrad import KVgrad
@@ -125,6 +126,7 @@ __all__ = [
   "Merging",
   "ExpectedAttentionStats",
   "KVzap",
+  "FastKVzip",
   "CaM",
   "N_FUTURE",
   "N_SINK",

@@ -128,6 +128,16 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
     "Nemotron samples) and loaded by path; fp32; the repeat prompt is tokenised in pieces; "
     "prefill only (kvpress's DMSPress(decoding=True) also scores generated tokens)",
   ),
+  "fastkvzip": (
+    "Kim, Han and Yun, Fast KVzip: Efficient and Accurate LLM Inference with Gated KV Eviction "
+    "(arXiv 2601.17668)",
+    _KVPRESS.format("FastKVzipPress")
+    + " and the official training code Janghyun1230/FastKVzip `optim.py`",
+    "the gates are trained on shipped prose (kvpress downloads Jang-Hyun/Fast-KVzip) and "
+    "loaded by path; training adds the gate bias once, as every inference path (optim.py adds it "
+    "twice); KVzip targets are kvpress's (2048-token chunks, 4 sinks); fp32; the budget is per "
+    "head (pooled as L x G x min(b, T)); prefill only, one dense forward (no chunked prefill)",
+  ),
   "expected_attention_stats": (
     "Devoto et al., Expected Attention: KV Cache Compression by Estimating Attention from "
     "Future Queries Distribution (arXiv 2510.00636)",

@@ -27,6 +27,7 @@ from kvjax.policies.curkv import CurDKV
 from kvjax.policies.dms import DMS
 from kvjax.policies.entropy_chunkkv import EntropyGatedChunkKV
 from kvjax.policies.expected_stats import ExpectedAttentionStats
+from kvjax.policies.fastkvzip import FastKVzip
 from kvjax.policies.finch import Finch
 from kvjax.policies.kvcompose import Composite, KVCompose
 from kvjax.policies.kvgrad import KVgrad
@@ -446,6 +447,13 @@ _BUILTIN = {
     "kvpress KVzapPress: a trained per-layer surrogate (ridge or 2-layer MLP) of KVzip+'s log "
     "scores from each position's attention input (evidence kvzap_LGT, "
     "kvjax.model.kvzap.kvzap_evidence); top-k per KV head; dms_kvzap: the threshold",
+  ),
+  "fastkvzip": _preset(
+    FastKVzip,
+    "kvpress FastKVzipPress: per-layer gates trained on KVzip's scores (a low-rank sink "
+    "attention over each position's attention input; evidence fastkvzip_LGT, "
+    "kvjax.model.fastkvzip.fastkvzip_evidence), 4 sinks and a 2 % local window kept, one pooled "
+    "selection of L*H*budget across layers and heads (layerwise=True: per layer)",
   ),
   "expected_attention_stats": _preset(
     ExpectedAttentionStats,
