@@ -51,7 +51,7 @@ METHODS = (
 )
 CALIBRATED = ("duo_attention", "qfilter", "expected_attention_stats")
 
-# kvpress 0.5.5's other presses (issue 31) beside SnapKV, KVzip and KeyDiff. Not here: LU-KV
+# kvpress 0.5.5's other presses beside SnapKV, KVzip and KeyDiff. Not here: LU-KV
 # (its budget curve is data for a given model), DMS (its threshold is on its scorer's scale),
 # KVCompose (its second pass, calibrate.kvcompose_evidence, is not an evaluation stage yet),
 # the combinators (objects over a chosen base; see docs/methods.md).
@@ -72,6 +72,18 @@ PRESSES = (
 )
 
 
+# the methods that learn their evidence, beside KVzip (what they approximate), SnapKV and KeyDiff
+LEARNED = (
+  dict(label="snapkv", policy="snapkv"),
+  dict(label="keydiff", policy="keydiff"),
+  dict(label="kvzip", policy="kvzip"),
+  dict(label="kvzap", policy="kvzap"),
+  dict(label="fastkvzip", policy="fastkvzip"),
+  dict(label="expected_attention", policy="expected_attention"),
+  dict(label="expected_attention_stats", policy="expected_attention_stats"),
+)
+
+
 PRESETS = (
   "full",
   "quick",
@@ -82,6 +94,7 @@ PRESETS = (
   "smollm2_methods",
   "presses_quick",
   "smollm2_presses",
+  "smollm2_learned",
 )
 
 
@@ -113,10 +126,18 @@ def smollm2(c: ml_collections.ConfigDict, preset: str) -> None:
     c.tasks = ml_collections.ConfigDict({"single_needle": {}, "multi_key": {"num_distractors": 3}})
     c.policies = PRESSES
     c.heatmap.update(policies=())
-  elif preset == "smollm2_methods":  # issue 15's methods beside SnapKV, both question modes
+  elif preset == "smollm2_methods":  # the 2025-26 methods beside SnapKV, both question modes
     c.tasks = ml_collections.ConfigDict({"single_needle": {}, "multi_key": {"num_distractors": 3}})
     c.policies = METHODS
     c.calibration = "/tmp/kvjax_calibrate/calibration.npz"  # experiments.calibrate's default
+    c.heatmap.update(policies=())
+  elif preset == "smollm2_learned":  # the learned methods beside KVzip, SnapKV and KeyDiff
+    c.tasks = ml_collections.ConfigDict({"single_needle": {}, "multi_key": {"num_distractors": 3}})
+    c.lengths = (1024,)
+    c.policies = LEARNED
+    c.calibration = "/tmp/kvjax_calibrate/calibration.npz"  # experiments.calibrate's default
+    c.kvzap = "tests/fixtures/kvzap_smollm2_linear.npz"  # ridge, trained on shipped prose
+    c.fastkvzip = "/tmp/kvjax_fastkvzip/fastkvzip_gates.npz"  # experiments.fastkvzip's default
     c.heatmap.update(policies=())
   elif preset == "smollm2_quick":
     c.question = "in_window"
@@ -169,6 +190,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # of `python -m experiments.calibrate`, and which of its DuoAttention gates to use
   c.calibration = ml_collections.config_dict.placeholder(str)
   c.duo_method = "official"  # kvjax.model.calibrate.DUO_METHODS
+  # learned evidence (kvzap, fastkvzip): the trained files of `python -m experiments.kvzap` and
+  # `python -m experiments.fastkvzip`
+  c.kvzap = ml_collections.config_dict.placeholder(str)
+  c.fastkvzip = ml_collections.config_dict.placeholder(str)
   # JAX's persistent compilation cache (kvjax.rundir.compilation_cache_dir): a directory, "default"
   # (~/.cache/kvjax/jax) or "" (off); unset: the KVJAX_COMPILATION_CACHE environment variable.
   # A rerun then loads each policy's compiled programs instead of compiling them again

@@ -6,14 +6,18 @@ the same token ids go to both, and budgets are matched exactly (kvpress's ratio 
 
 0. parity of the two models: last-position logits and post-RoPE keys of a 1k-token prompt;
 1. kept-set agreement at compression ratio 0.5 on one single-needle prompt (1024 tokens), for
-   SnapKV, StreamingLLM, TOVA, Knorm, ObservedAttention, PyramidKV and AdaKV(SnapKV), and issue
-   15's ExpectedAttention, KeyDiff, LagKV, CriticalKV(SnapKV), CriticalAdaKV(SnapKV),
+   SnapKV, StreamingLLM, TOVA, Knorm, ObservedAttention, PyramidKV and AdaKV(SnapKV), and the
+   2025-26 ExpectedAttention, KeyDiff, LagKV, CriticalKV(SnapKV), CriticalAdaKV(SnapKV),
    ChunkKV(SnapKV) and QFilter (its filters calibrated by kvjax on shipped prose,
-   ``kvjax.model.calibrate.qfilters``, and injected into both sides), and issue 31's
-   NonCausalAttn, CURPress, CapPress and EntropyGatedChunkKV(SnapKV): the fraction of (layer,
+   ``kvjax.model.calibrate.qfilters``, and injected into both sides), and kvpress's other presses
+   NonCausalAttn, CURPress, CapPress, EntropyGatedChunkKV(SnapKV), ChunkPress(KeyDiff),
+   BlockPress(KeyDiff) and ExpectedAttentionStats (kvjax's statistics given to both sides): the
+   fraction of (layer,
    KV head, position) keep decisions on which the two libraries agree (kvpress's kept set
    recovered from its compressed cache, AdaKV's and CriticalAdaKV's from their masked indices;
    ChunkKV's budget is the count kvpress kept per layer, whole chunks);
+1b. DecodingPress(KnormPress) every 16 tokens against kvjax's PrefillDecoding in the model's
+   cache: kept sets after 48 tokens fed after the prompt;
 2. answer accuracy in kvpress's query-agnostic loop (prefill the context with the press, then
    feed the question at the positions that continue the context, then decode greedily) against
    ``kvjax.eval.evaluate`` with ``question="after"``, on single-needle examples at 1k tokens;
@@ -160,7 +164,7 @@ def agreement_pairs(kp, torch=None, qfilters_LGD=None, dtype=None, stats=None) -
   snap = lambda r: kp.SnapKVPress(r, window_size=WINDOW_A, kernel_size=KERNEL)  # noqa: E731
   win = dict(SNAP_OPTS, window=WINDOW_A)
   crit = dict(win, epsilon=1e-4, first_stage_ratio=0.5)
-  issue15 = [
+  recent = [
     Pair(
       "ExpectedAttention",
       lambda r: kp.ExpectedAttentionPress(r),
@@ -198,7 +202,7 @@ def agreement_pairs(kp, torch=None, qfilters_LGD=None, dtype=None, stats=None) -
   ]
   # kvpress's other presses whose kept set the prompt alone decides (no random sketch:
   # Leverage and Compactor draw a fresh torch.randn per call; no delimiter: Finch)
-  issue31 = [
+  others = [
     Pair(
       "NonCausalAttn",
       lambda r: kp.NonCausalAttnPress(r),
@@ -234,7 +238,7 @@ def agreement_pairs(kp, torch=None, qfilters_LGD=None, dtype=None, stats=None) -
     ),
   ]
   if stats is not None:
-    issue31.append(
+    others.append(
       Pair(
         "ExpectedAttentionStats",
         lambda r: stats_press(kp, torch, r, stats, dtype),
@@ -245,7 +249,7 @@ def agreement_pairs(kp, torch=None, qfilters_LGD=None, dtype=None, stats=None) -
       )
     )
   if qfilters_LGD is not None:
-    issue15.append(
+    recent.append(
       Pair(
         "QFilter",
         lambda r: qfilter_press(kp, torch, r, qfilters_LGD, dtype),
@@ -284,8 +288,8 @@ def agreement_pairs(kp, torch=None, qfilters_LGD=None, dtype=None, stats=None) -
       wraps=True,
       masks=True,
     ),
-    *issue15,
-    *issue31,
+    *recent,
+    *others,
   ]
 
 

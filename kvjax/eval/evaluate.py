@@ -35,7 +35,7 @@ from kvjax import model as km
 from kvjax import plotting, policies, rundir
 from kvjax.eval import report, ruler, stats, tasks
 from kvjax.model import answers as answers_lib
-from kvjax.model import assets, calibrate
+from kvjax.model import assets, calibrate, fastkvzip, kvzap
 from kvjax.model.tokenizer import HFTokenizer, PieceTokenizer
 
 EVAL_SEED = 2**31  # training draws example seeds below 2**31: evaluation seeds never collide
@@ -235,6 +235,59 @@ CALIBRATION_EVIDENCE = (
   "stats_query_cov_LHDD",
 )
 CONTEXT_EVIDENCE = ("reconstruction_attn_LGT",)
+# learned evidence: a trained model's file (config field) applied to each batch's context
+LEARNED_EVIDENCE = {"kvzap_LGT": "kvzap", "fastkvzip_LGT": "fastkvzip"}
+
+
+def load_learned(config, needs, cfg) -> dict:
+  """The trained surrogates the policies read, loaded from the config's files: ``kvzap`` (a
+  KVzap surrogate, ``python -m experiments.kvzap``) and ``fastkvzip`` (Fast KVzip's gates,
+  ``python -m experiments.fastkvzip``), checked against the model; ``{}`` when none is read.
+
+  Args:
+    config: the evaluation config.
+    needs: the evidence fields the policies read.
+    cfg: the model's config.
+
+  Returns:
+    ``{"kvzap": (surrogate, meta), "fastkvzip": (gates, meta)}`` for the ones needed.
+
+  Raises:
+    ValueError: naming the field, for a missing or unreadable file, or one trained for
+      another model.
+  """
+  out = {}
+  for name, path in learned_paths(config, needs).items():
+    lib = kvzap if name == "kvzap" else fastkvzip
+    out[name] = lib.load(path, cfg)[0]
+  return out
+
+
+def learned_paths(config, needs) -> dict:
+  """The trained files the policies read (:data:`LEARNED_EVIDENCE`), checked to exist.
+
+  Args:
+    config: the evaluation config.
+    needs: the evidence fields the policies read.
+
+  Returns:
+    ``{name: path}`` for the ones needed.
+
+  Raises:
+    ValueError: naming the config field, for a missing file.
+  """
+  out = {}
+  for field, name in LEARNED_EVIDENCE.items():
+    if field not in needs:
+      continue
+    path = config.get(name)
+    if not path or not pathlib.Path(path).is_file():
+      raise ValueError(
+        f"{name}: policies read {field}, from a trained file; run `python -m experiments.{name}` "
+        f"and pass --config.{name}=DIR/<file>.npz (got {path!r})"
+      )
+    out[name] = path
+  return out
 
 
 def policy_needs(entries) -> set[str]:
@@ -311,16 +364,27 @@ def kvzip_template(tok, model_name: str) -> calibrate.KVzipTemplate:
   return calibrate.kvzip_template(raw)
 
 
-def context_evidence(model, exs, shape, template, needs) -> dict:
-  """KVzip's ``reconstruction_attn_LGT`` ``[L, B, G, Tc]`` over the batch's context columns
-  (all but the fed question tail), when a policy reads it."""
-  if "reconstruction_attn_LGT" not in needs:
+def context_evidence(model, exs, shape, template, needs, learned=None) -> dict:
+  """The evidence computed from each batch's context columns (all but the fed question tail),
+  ``[L, B, G, Tc]``, for the policies that read it: KVzip's ``reconstruction_attn_LGT`` (its
+  second pass), KVzap's ``kvzap_LGT`` and Fast KVzip's ``fastkvzip_LGT`` (the ``learned``
+  surrogates of :func:`load_learned` on the context's attention inputs)."""
+  wanted = set(needs) & ({"reconstruction_attn_LGT"} | set(LEARNED_EVIDENCE))
+  if not wanted:
     return {}
   q_len = (shape or (max(e.question_len for e in exs), None))[0]
   prompts, _, _ = tasks.batch(exs)
   context = prompts[:, : prompts.shape[1] - q_len]
-  attn = calibrate.kvzip_evidence(model.cfg, model.params(), context, template)
-  return {"reconstruction_attn_LGT": np.asarray(attn)}
+  cfg, params, out = model.cfg, model.params(), {}
+  if "reconstruction_attn_LGT" in wanted:
+    attn = calibrate.kvzip_evidence(cfg, params, context, template)
+    out["reconstruction_attn_LGT"] = np.asarray(attn)
+  if "kvzap_LGT" in wanted:
+    out["kvzap_LGT"] = np.asarray(kvzap.kvzap_evidence(cfg, params, learned["kvzap"], context))
+  if "fastkvzip_LGT" in wanted:
+    gates = learned["fastkvzip"]
+    out["fastkvzip_LGT"] = np.asarray(fastkvzip.fastkvzip_evidence(cfg, params, gates, context))
+  return out
 
 
 def shared_shape(example_sets) -> tuple[int, int]:
@@ -617,6 +681,7 @@ def validate_config(config) -> None:
   entries = [policy_entry(e) for e in config.policies]
   labels = [label for label, _ in entries]
   load_calibration(config, policy_needs(entries))
+  learned_paths(config, policy_needs(entries))
   if len(set(labels)) < len(labels) or report.FULL in labels:
     raise ValueError(f"policies: labels must be distinct and not {report.FULL!r}, got {labels}")
   reference = config.get("reference")
@@ -667,6 +732,7 @@ class Prepared:
   template: object
   sets: dict
   heatmap: dict
+  learned: dict = dataclasses.field(default_factory=dict)
 
 
 def prepare(config) -> Prepared:
@@ -678,6 +744,7 @@ def prepare(config) -> Prepared:
   needs = policy_needs(entries)
   calibration = load_calibration(config, needs)
   check_calibration(calibration, cfg, config.get("calibration"))
+  learned = load_learned(config, needs, cfg)
   template = kvzip_template(tok, config.model) if set(needs) & set(CONTEXT_EVIDENCE) else None
   sets = {
     (task, length): examples(
@@ -694,7 +761,7 @@ def prepare(config) -> Prepared:
       for length in h.lengths
       for d in h.depths
     }
-  return Prepared(model, cfg, tok, calibration, template, sets, heatmap)
+  return Prepared(model, cfg, tok, calibration, template, sets, heatmap, learned)
 
 
 def run(config, workdir, *, log=print) -> pd.DataFrame:
@@ -769,7 +836,9 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
             shape=shapes[length],
             needs=needs,
           )
-          evidence = calibration | context_evidence(model, exs, shapes[length], template, needs)
+          evidence = calibration | context_evidence(
+            model, exs, shapes[length], template, needs, prepared.learned
+          )
           full = evaluate_group(model, exs, [length], FULL, prefilled=prefilled)
           for label, policy in todo:
             if _reads_head_scores(policy) and head is None:
@@ -792,7 +861,7 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
             t0 = time.time()
             if i == len(batches) - 1:  # the group is complete: append it at once
               _append_group(path, (task, length, label, q), parts[label], seconds[label], log)
-  evidence = dict(calibration=calibration, template=template)
+  evidence = dict(calibration=calibration, template=template, learned=prepared.learned)
   head = _heatmap(config, prepared, path, done, head, log, evidence)
   table = rundir.read_rows(path, dtype=dict.fromkeys(EXAMPLE_COLUMNS, str))
   for q in modes:
@@ -850,7 +919,9 @@ def _heatmap(config, prepared: Prepared, path, done, head, log, data):
         oracle=any(policy.reads_future for _, policy in chosen),
         needs=needs,
       )
-      evidence = data["calibration"] | context_evidence(model, exs, None, data["template"], needs)
+      evidence = data["calibration"] | context_evidence(
+        model, exs, None, data["template"], needs, data["learned"]
+      )
       for label, policy in chosen:
         budget = h.budget if policy.requires_budget else length
         if _reads_head_scores(policy) and head is None:
