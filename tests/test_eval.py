@@ -579,3 +579,23 @@ def _trained_bpe(tmp_path):
   path = tmp_path / "tokenizer.json"
   bpe.save(str(path))
   return tok_lib.HFTokenizer(path, bos_token="<s>")
+
+
+def test_learned_evidence_comes_from_the_configs_trained_file(tmp_path):
+  """A KVzap policy reads its surrogate's evidence on each batch's context: the run needs the
+  file (refused before the workdir otherwise) and writes its rows."""
+  from kvjax.model import kvzap
+
+  cfg = km.load_tiny()[1]
+  rng = np.random.default_rng(0)
+  X = rng.normal(size=(64, cfg.num_layers, cfg.hidden_size)).astype(np.float32)
+  y = rng.normal(size=(64, cfg.num_layers, cfg.num_kv_heads)).astype(np.float32)
+  path = kvzap.save(tmp_path / "kvzap.npz", kvzap.fit_linear(X, y), {"model": "tiny"})
+  pols = (dict(label="kvzap", policy="kvzap"),)
+  with pytest.raises(ValueError, match="kvzap: policies read kvzap_LGT"):
+    evaluate.validate_config(tiny_eval(policies=pols))
+  assert not (tmp_path / "run").exists()
+  table = evaluate.run(
+    tiny_eval(policies=pols, kvzap=str(path)), tmp_path / "run", log=lambda *_: None
+  )
+  assert set(table["policy"]) == {"full", "kvzap"}
