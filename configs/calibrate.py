@@ -1,4 +1,4 @@
-"""Model-made evidence for issue 15's methods: ``python -m experiments.calibrate``.
+"""Model-made evidence for the calibrated methods: ``python -m experiments.calibrate``.
 
 Q-Filters' directions (``qfilters_LGD``), ExpectedAttentionStats' query statistics
 (``stats_query_mean_LHD``, ``stats_query_cov_LHDD``), DuoAttention's gates (``retrieval_heads_LG``: the
@@ -34,6 +34,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.duo_steps = 12
   c.duo_lr = 0.02
   c.duo_reg_weight = 0.05
+  # examples per step (the official: 1); over several processes each step's examples are
+  # spread among them, so a multiple of the process count keeps every process busy
+  c.duo_batch = 1
   c.duo_otf_rows = 4  # kvpress's proxy: texts (kvpress: 50 BookSum chapters), q_len 500
   # KVzip: a context of the reference prose inside SmolLM2's chat template
   c.kvzip_length = 512
@@ -49,6 +52,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model = "tiny"
     c.qfilter_rows, c.qfilter_length, c.num_svd_samples = 2, 64, 100
     c.duo_examples, c.duo_length, c.duo_steps, c.duo_otf_rows = 2, 96, 3, 2
+    c.duo_batch = 2  # both examples each step: two processes train on one each
     c.duo_num_pairs, c.duo_num_queries = 4, 2
     c.kvzip_length, c.kvzip_chunk_size = 64, 32
     c.kvzip_prefix, c.kvzip_suffix = "", ""  # the word vocabulary has no chat template

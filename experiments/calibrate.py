@@ -3,7 +3,14 @@ computes Q-Filters' directions, ExpectedAttentionStats' query statistics, DuoAtt
 (each ``duo_methods``) and KVzip's reconstruction attention with :mod:`kvjax.model.calibrate`,
 and writes ``calibration.npz`` (``qfilters_LGD``, ``stats_query_mean_LHD``,
 ``stats_query_cov_LHDD``, ``retrieval_heads_LG_<method>``, ``reconstruction_attn_LGT``, the
-DuoAttention loss curve) and ``timings.json`` into the workdir."""
+DuoAttention loss curve) and ``timings.json`` into the workdir.
+
+Started on every process of a cluster (``kvjax.distributed``: ``--coordinator``,
+``--num_processes``, ``--process_id``, or SLURM / a TPU slice), the processes share the work:
+Q-Filters' and the query statistics' rows are split among them and gathered, DuoAttention's
+distillation is data-parallel (each step's ``duo_batch`` examples spread over the processes, the
+gradients reduced across them), and process 0 alone computes the cheap proxies and KVzip's
+evidence and writes the files."""
 
 import json
 import os
@@ -16,7 +23,7 @@ import numpy as np
 from absl import app
 
 from configs import common
-from kvjax import rundir
+from kvjax import distributed, rundir
 from kvjax.eval import evaluate, streaming, tasks
 from kvjax.model import calibrate
 
@@ -25,6 +32,7 @@ _CONFIG = common.config_flag(
   "Calibration configuration.",
   lock_config=True,
 )
+_FLAGS = common.define_distributed_flags()
 
 
 def _timed(timings, name, fn):
@@ -45,9 +53,21 @@ def _text_ids(config, tokenizer, rows, length):
 
 def main(argv):
   del argv
-  c = _CONFIG.value
+  distributed.maybe_initialize(_FLAGS)  # first: before anything runs on a device
+  with distributed.fail_fast():
+    run(_CONFIG.value)
+
+
+def run(c):
+  """Computes the evidence of config ``c``; every process calls it, process 0 writes the files.
+
+  Args:
+    c: the config (``configs/calibrate.py``).
+  """
   rundir.check_workdir(c.workdir)  # "" would be the current directory: refused
-  os.makedirs(c.workdir, exist_ok=True)
+  primary = distributed.is_primary()
+  if primary:
+    os.makedirs(c.workdir, exist_ok=True)
   model, cfg, tokenizer = evaluate.load_model(c.model, dtype=jnp.dtype(c.dtype))
   params = model.params()
   out, timings = {}, {}
@@ -56,11 +76,15 @@ def main(argv):
   out["qfilters_LGD"] = _timed(
     timings,
     "qfilters",
-    lambda: calibrate.qfilters(cfg, params, rows, num_svd_samples=c.num_svd_samples, seed=c.seed),
+    lambda: calibrate.qfilters(
+      cfg, params, rows, num_svd_samples=c.num_svd_samples, seed=c.seed, across_processes=True
+    ),
   )
   # ExpectedAttentionStats: the query moments of the same rows (kvpress: 100 BookSum chapters)
   out["stats_query_mean_LHD"], out["stats_query_cov_LHDD"] = _timed(
-    timings, "query_stats", lambda: calibrate.query_stats(cfg, params, rows, n_sink=c.stats_n_sink)
+    timings,
+    "query_stats",
+    lambda: calibrate.query_stats(cfg, params, rows, n_sink=c.stats_n_sink, across_processes=True),
   )
 
   exs = [
@@ -77,14 +101,23 @@ def main(argv):
   examples = calibrate.duo_examples(exs)
   texts = _text_ids(c, tokenizer, c.duo_otf_rows, c.qfilter_length)
   for method in c.duo_methods:
+    if method != "official" and not primary:  # the proxies are one cheap pass: process 0's
+      continue
     t0 = time.perf_counter()
     if method == "official":
-      run = calibrate.train_duo_attention(
-        cfg, params, examples, num_steps=c.duo_steps, lr=c.duo_lr, reg_weight=c.duo_reg_weight
+      trained = calibrate.train_duo_attention(
+        cfg,
+        params,
+        examples,
+        num_steps=c.duo_steps,
+        lr=c.duo_lr,
+        reg_weight=c.duo_reg_weight,
+        batch_size=c.duo_batch,
+        across_processes=True,
       )
-      gates = run.alpha_LG
-      out["duo_loss"], out["duo_distill"] = run.loss, run.distill
-      out["duo_sink_recent"] = (run.sink_size, run.recent_size)
+      gates = trained.alpha_LG
+      out["duo_loss"], out["duo_distill"] = trained.loss, trained.distill
+      out["duo_sink_recent"] = (trained.sink_size, trained.recent_size)
     elif method == "kvpress_on_the_fly":
       gates = calibrate.duo_attention_pattern(cfg, params, method=method, calibration_ids=texts)
     else:
@@ -92,6 +125,8 @@ def main(argv):
     out[f"retrieval_heads_LG_{method}"] = gates
     timings[f"duo_{method}"] = round(time.perf_counter() - t0, 2)
     print(f"duo_{method}: {timings[f'duo_{method}']} s")
+  if not primary:  # KVzip's evidence is one context: process 0 computes it and writes
+    return
 
   tok = getattr(tokenizer, "tok", tokenizer)  # raw ids for the template (no leading space)
   if c.model == "tiny":  # the word vocabulary cannot spell KVzip's prompt: filler words instead
@@ -111,7 +146,15 @@ def main(argv):
 
   np.savez(os.path.join(c.workdir, "calibration.npz"), **{k: np.asarray(v) for k, v in out.items()})
   with open(os.path.join(c.workdir, "timings.json"), "w") as f:
-    json.dump({"model": c.model, "timings_s": timings, "backend": jax.default_backend()}, f)
+    json.dump(
+      {
+        "model": c.model,
+        "timings_s": timings,
+        "backend": jax.default_backend(),
+        "processes": distributed.process_count(),
+      },
+      f,
+    )
   for key in sorted(k for k in out if k.startswith("retrieval_heads_LG_")):
     gates = np.asarray(out[key])
     print(

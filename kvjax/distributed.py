@@ -16,6 +16,9 @@ so a one-process run is as before. Then:
   plain broadcast under it;
 * :func:`share` splits a list of work (examples, batches) among the processes and
   :func:`gather_json` brings each process's JSON-able results (rows) to every process;
+  :func:`gather_arrays` and :func:`gather_shares` do the same for numpy arrays, byte for byte;
+* :func:`process_mesh` is a mesh of one device per process, for data parallelism over the
+  processes (a global batch placed with :func:`put`, sharded over its axis);
 * :func:`peers` turns a collective that failed because a peer died into
   :class:`PeerFailedError`, and :func:`fail_fast` makes an entry point exit at once on any error
   in a multi-process run instead of waiting on its peers;
@@ -52,12 +55,15 @@ __all__ = [
   "cluster",
   "fail_fast",
   "fault_point",
+  "gather_arrays",
   "gather_json",
+  "gather_shares",
   "is_primary",
   "maybe_initialize",
   "on_primary",
   "peers",
   "process_count",
+  "process_mesh",
   "process_index",
   "put",
   "settings",
@@ -409,6 +415,90 @@ def share(items) -> list[int]:
     This process's indices (every index in a one-process run).
   """
   return list(range(process_index(), len(items), process_count()))
+
+
+def gather_arrays(value, what: str = "gathering arrays") -> list[np.ndarray]:
+  """Every process's numpy array, on every process, bit for bit (a collective: every process
+  calls it). The arrays travel as bytes, so float64 stays float64 (JAX's own gathers would
+  cast it to float32 without ``jax_enable_x64``).
+
+  Args:
+    value: an array (``np.asarray`` reads it); shapes and dtypes may differ between processes.
+    what: what is gathered, for :class:`PeerFailedError`'s message.
+
+  Returns:
+    The list of the arrays in process order (``[value]`` in a one-process run).
+  """
+  value = np.ascontiguousarray(np.asarray(value))
+  if process_count() == 1:
+    return [value]
+  specs = gather_json([list(value.shape), value.dtype.str], what)
+  data = value.reshape(-1).view(np.uint8)
+  sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for shape, dt in specs]
+  buffer = np.zeros(max(max(sizes), 1), np.uint8)
+  buffer[: data.size] = data
+  with peers(what):
+    everyone = np.asarray(multihost_utils.process_allgather(buffer))
+  return [
+    row[:size].view(np.dtype(dt)).reshape(shape)
+    for row, size, (shape, dt) in zip(everyone, sizes, specs, strict=True)
+  ]
+
+
+def gather_shares(values, count: int, what: str = "gathering shares") -> list[np.ndarray]:
+  """The results of a list of ``count`` items split by :func:`share`, on every process in the
+  items' order, bit for bit: what a one-process run computes item by item.
+
+  Args:
+    values: this process's result arrays, one per index of ``share(range(count))``, in order.
+    count: the number of items.
+    what: what is gathered, for :class:`PeerFailedError`'s message.
+
+  Returns:
+    The ``count`` arrays in item order (``values`` as arrays in a one-process run).
+
+  Raises:
+    ValueError: when ``values`` does not hold one array per index of this process's share.
+  """
+  values = [np.asarray(v) for v in values]
+  mine = share(range(count))
+  if len(values) != len(mine):
+    raise ValueError(
+      f"values: got {len(values)} arrays; expected {len(mine)}, one per item of this "
+      f"process's share of {count}"
+    )
+  if process_count() == 1:
+    return values
+  parts = gather_json([[list(v.shape), v.dtype.str] for v in values], what)
+  flat = np.concatenate(
+    [np.ascontiguousarray(v).reshape(-1).view(np.uint8) for v in values] or [np.zeros(0, np.uint8)]
+  )
+  everyone = gather_arrays(flat, what)
+  out = [None] * count
+  for p, (specs, data) in enumerate(zip(parts, everyone, strict=True)):
+    offset = 0
+    for j, (shape, dt) in enumerate(specs):
+      size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+      out[p + j * process_count()] = data[offset : offset + size].view(np.dtype(dt)).reshape(shape)
+      offset += size
+  return out
+
+
+def process_mesh(axis: str = "processes"):
+  """A one-axis mesh of the first device of every process, in process order: a global batch
+  sharded over it (:func:`put`) gives each process one slice, and a jitted step over it reduces
+  across the processes (its gradients averaged by the collective XLA inserts).
+
+  Args:
+    axis: the mesh axis's name.
+
+  Returns:
+    A ``jax.sharding.Mesh`` of ``process_count()`` devices (one device in a one-process run).
+  """
+  first = {}
+  for d in jax.devices():
+    first.setdefault(d.process_index, d)
+  return jax.sharding.Mesh(np.asarray([first[p] for p in sorted(first)]), (axis,))
 
 
 def on_primary(fn: Callable[[], object], what: str):

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kvjax import distributed
 from kvjax.model import llama
 from kvjax.model.config import ModelConfig
 from kvjax.scores import PRECISION
@@ -135,7 +136,13 @@ sampled_queries_jit = jax.jit(sampled_queries, static_argnums=0)
 
 
 def qfilter_directions(
-  cfg: ModelConfig, params: dict, calibration_ids, *, num_svd_samples: int = 3000, seed: int = 0
+  cfg: ModelConfig,
+  params: dict,
+  calibration_ids,
+  *,
+  num_svd_samples: int = 3000,
+  seed: int = 0,
+  across_processes: bool = False,
 ) -> Array:
   """Computes Q-Filters' direction per query head (unit vectors).
 
@@ -153,6 +160,10 @@ def qfilter_directions(
     calibration_ids: calibration token ids ``[B, T]`` (or one row ``[T]``).
     num_svd_samples: queries drawn per layer for the SVD.
     seed: the seed of the draw.
+    across_processes: in a run of several processes (``kvjax.distributed``), each process
+      runs the forward of its share of the rows and the sampled queries are gathered (a
+      collective: every process calls it with the same arguments); the same draw, the same
+      directions as one process.
 
   Returns:
     fp32 directions ``[L, Hq, D]``.
@@ -166,8 +177,37 @@ def qfilter_directions(
   total = ids.size
   rng = np.random.default_rng(seed)
   idx_LN = np.stack([np.argsort(rng.random(total))[: min(n, total)] for _ in range(cfg.num_layers)])
+  if across_processes and distributed.process_count() > 1:
+    return _svd_filters(jnp.asarray(_shared_queries(cfg, params, ids, idx_LN)))
   q_LHND = sampled_queries_jit(cfg, params, jnp.asarray(ids), jnp.asarray(idx_LN, jnp.int32))
   return _svd_filters(q_LHND)
+
+
+def _shared_queries(cfg: ModelConfig, params: dict, ids: np.ndarray, idx_LN: np.ndarray):
+  """:func:`sampled_queries` of every row, each process running the forward of its share of
+  the rows (:func:`kvjax.distributed.share`); the samples of the other rows are taken from
+  their owners, so every process holds the whole ``[L, Hq, N, D]`` numpy array."""
+  B, T = ids.shape
+  mine = distributed.share(range(B))
+  P = distributed.process_count()
+  row_LN = idx_LN // T
+  if mine:
+    local = {r: j for j, r in enumerate(mine)}
+    ours = (row_LN % P) == distributed.process_index()
+    # an index into this process's rows; another process's samples read position 0 (dropped)
+    local_idx = np.where(ours, np.vectorize(local.get)(np.where(ours, row_LN, mine[0])) * T, 0)
+    local_idx = local_idx + np.where(ours, idx_LN % T, 0)
+    q = sampled_queries_jit(cfg, params, jnp.asarray(ids[mine]), jnp.asarray(local_idx, jnp.int32))
+    q = np.asarray(q)
+  else:  # fewer rows than processes: nothing to run here
+    q = np.zeros((cfg.num_layers, cfg.num_heads, idx_LN.shape[1], cfg.head_dim), np.float32)
+  everyone = np.stack(distributed.gather_arrays(q, "gathering Q-Filters' sampled queries"))
+  owner_LN = row_LN % P  # share's round robin: row r belongs to process r % P
+  layers = np.arange(idx_LN.shape[0])[:, None]
+  samples = np.arange(idx_LN.shape[1])[None, :]
+  # [L, N, Hq, D] picked from each sample's owner, back to [L, Hq, N, D]
+  picked = everyone.transpose(0, 1, 3, 2, 4)[owner_LN, layers, samples]
+  return picked.transpose(0, 2, 1, 3)
 
 
 @jax.jit
@@ -178,7 +218,13 @@ def _svd_filters(q_LHND: Array) -> Array:
 
 
 def qfilters(
-  cfg: ModelConfig, params: dict, calibration_ids, *, num_svd_samples: int = 3000, seed: int = 0
+  cfg: ModelConfig,
+  params: dict,
+  calibration_ids,
+  *,
+  num_svd_samples: int = 3000,
+  seed: int = 0,
+  across_processes: bool = False,
 ) -> Array:
   """Computes ``qfilters_LGD``: :func:`qfilter_directions` averaged over each KV head's GQA group.
 
@@ -192,6 +238,7 @@ def qfilters(
     calibration_ids: calibration token ids ``[B, T]`` (or one row ``[T]``).
     num_svd_samples: queries drawn per layer for the SVD.
     seed: the seed of the draw.
+    across_processes: split the rows over the processes (:func:`qfilter_directions`).
 
   Returns:
     fp32 filters ``[L, G, D]``.
@@ -200,7 +247,12 @@ def qfilters(
     ValueError: as :func:`qfilter_directions`.
   """
   dirs_LHD = qfilter_directions(
-    cfg, params, calibration_ids, num_svd_samples=num_svd_samples, seed=seed
+    cfg,
+    params,
+    calibration_ids,
+    num_svd_samples=num_svd_samples,
+    seed=seed,
+    across_processes=across_processes,
   )
   L, _, D = dirs_LHD.shape
   return dirs_LHD.reshape(L, cfg.num_kv_heads, cfg.num_groups, D).mean(2)
@@ -284,7 +336,13 @@ _query_scatter_jit = jax.jit(_query_scatter, static_argnums=(0, 4))
 
 
 def query_stats(
-  cfg: ModelConfig, params: dict, ids_BT, *, n_sink: int = 4, batch: int = 4
+  cfg: ModelConfig,
+  params: dict,
+  ids_BT,
+  *,
+  n_sink: int = 4,
+  batch: int = 4,
+  across_processes: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Measures ExpectedAttention's query statistics on calibration rows.
 
@@ -303,6 +361,10 @@ def query_stats(
     ids_BT: calibration token ids ``[B, T]`` (:func:`calibration_rows`).
     n_sink: the first positions of each row left out (kvpress ``n_sink``, 4).
     batch: rows per forward.
+    across_processes: in a run of several processes (``kvjax.distributed``), each process
+      runs its share of the batches and the per-batch sums are gathered and added in the
+      one-process order (a collective: every process calls it with the same arguments); the
+      statistics are bit for bit a one-process run's.
 
   Returns:
     ``(mean [L, Hq, D], cov [L, Hq, D, D])`` float32 numpy arrays: the
@@ -323,6 +385,25 @@ def query_stats(
       f"n_sink: {n_sink} leaves {N} queries of {B} rows of {T} tokens; expected at least 2"
     )
   chunks = [jnp.asarray(ids[i : i + batch]) for i in range(0, B, batch)]
+  if across_processes and distributed.process_count() > 1:
+    mine = distributed.share(chunks)
+    # each batch's sum gathered as computed, then added in the one-process order
+    sums = distributed.gather_shares(
+      [np.asarray(_query_moments_jit(cfg, params, chunks[i], n_sink)) for i in mine],
+      len(chunks),
+      "gathering the query sums",
+    )
+    mean = (sum(np.asarray(v, np.float64) for v in sums) / N).astype(np.float32)
+    scatters = distributed.gather_shares(
+      [
+        np.asarray(_query_scatter_jit(cfg, params, chunks[i], jnp.asarray(mean), n_sink))
+        for i in mine
+      ],
+      len(chunks),
+      "gathering the query scatter",
+    )
+    scatter = sum(np.asarray(v, np.float64) for v in scatters)
+    return mean, (scatter / (N - 1)).astype(np.float32)
   total = sum(np.asarray(_query_moments_jit(cfg, params, c, n_sink), np.float64) for c in chunks)
   mean = (total / N).astype(np.float32)
   scatter = sum(
@@ -514,6 +595,8 @@ def train_duo_attention(
   reg_weight: float = 0.05,
   initial_value: float = 1.0,
   sizes: tuple[int | None, int | None] = (None, None),
+  batch_size: int = 1,
+  across_processes: bool = False,
 ) -> DuoTraining:
   """Trains DuoAttention's gate per KV head, as ``duo_attn/train.py``.
 
@@ -522,7 +605,10 @@ def train_duo_attention(
   ``scale_by_adam`` times the step's learning rate) at ``lr`` (0.02 in the released patterns)
   with the official warm-up/decay schedule (:func:`duo_schedule`) on :func:`duo_loss` with
   ``reg_weight`` 0.05; batch size 1, the ``examples`` cycled in order (the official shuffles a
-  dataset of multi-passkey prompts). Differs: a few steps on short prompts (the official runs
+  dataset of multi-passkey prompts). With ``batch_size`` ``b`` each step takes the next ``b``
+  examples (cycled) and its loss is their mean (each example's distillation as at batch size
+  1); shorter prompts are padded at the end, which the causal and streaming masks keep out of
+  the earlier positions. Differs: a few steps on short prompts (the official runs
   2000 steps on 1k-32k tokens), fp32 instead of bf16 FSDP, no sequence parallelism.
 
   Args:
@@ -536,6 +622,13 @@ def train_duo_attention(
     initial_value: the gates' starting value.
     sizes: the streaming pattern's ``(sink_size, recent_size)``, each ``None`` for
       :func:`duo_sizes` of the shortest example.
+    batch_size: examples per step (the official: 1).
+    across_processes: in a run of several processes (``kvjax.distributed``), data-parallel: each
+      step's batch is placed on :func:`kvjax.distributed.process_mesh`, each process holding
+      its share of the examples (round robin, padded with examples of weight 0), and the
+      jitted step reduces the loss and the gradients across the processes; every process
+      calls it with the same arguments and gets the same gates. The gates equal a one-process
+      run's with the same ``batch_size`` up to the order of the sums.
 
   Returns:
     A :class:`DuoTraining` with the gates ``alpha_LG``, the loss history and the sizes used.
@@ -551,9 +644,23 @@ def train_duo_attention(
   lr, reg_weight = _check_positive("lr", lr), float(reg_weight)
   if reg_weight < 0:
     raise ValueError(f"reg_weight: expected a number >= 0, got {reg_weight}")
+  batch = _check_int("batch_size", batch_size)
   sink, recent = _sizes(sizes, min(ids.shape[1] for ids, _ in data))
   schedule = duo_schedule(lr, steps)
   alpha = jnp.full((cfg.num_layers, cfg.num_kv_heads), float(initial_value), jnp.float32)
+  across = bool(across_processes) and distributed.process_count() > 1
+  if batch > 1 or across:
+    alpha, h = _train_duo_batched(
+      cfg, params, data, alpha, steps, batch, (sink, recent), schedule, reg_weight, across
+    )
+    return DuoTraining(
+      alpha_LG=np.clip(alpha, 0.0, 1.0),
+      loss=h[:, 0],
+      distill=h[:, 1],
+      reg=h[:, 2],
+      sink_size=sink,
+      recent_size=recent,
+    )
   state = _ADAM.init(alpha)
   masks = {}
   hist = []
@@ -589,6 +696,69 @@ def _duo_step(cfg, params, alpha, state, ids, labels, stream, reg_weight, lr):
   (loss, (distill, reg)), g = grad_fn(alpha, cfg, params, ids, labels, stream, reg_weight)
   updates, state = _ADAM.update(g, state, alpha)
   return alpha - lr * updates, state, (loss, distill, reg)
+
+
+def _duo_batch_loss(alpha_LG, cfg, params, ids_BT, labels_BT, weights_B, stream_TT, reg_weight):
+  """:func:`duo_loss` of a batch: each row's distillation as at batch size 1 (over its own
+  label positions), their mean weighted by ``weights_B`` (0 for padding rows)."""
+  h_f, h_s = duo_two_way(cfg, params, alpha_LG, ids_BT, stream_TT)
+  mask = labels_BT.astype(jnp.float32)
+  per_row = (jnp.mean((h_f - h_s) ** 2, -1) * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
+  distill = (per_row * weights_B).sum() / jnp.maximum(weights_B.sum(), 1.0)
+  reg = jnp.abs(alpha_LG).mean()
+  return distill + reg_weight * reg, (distill, reg)
+
+
+def _duo_batch_step(cfg, params, alpha, state, ids, labels, weights, stream, reg_weight, lr):
+  alpha = jnp.clip(alpha, 0.0, 1.0)
+  grad_fn = jax.value_and_grad(_duo_batch_loss, has_aux=True)
+  (loss, (distill, reg)), g = grad_fn(alpha, cfg, params, ids, labels, weights, stream, reg_weight)
+  updates, state = _ADAM.update(g, state, alpha)
+  return alpha - lr * updates, state, jnp.stack([loss, distill, reg])
+
+
+def _train_duo_batched(cfg, params, data, alpha, steps, batch, sizes, schedule, reg_weight, across):
+  """:func:`train_duo_attention`'s loop for ``batch`` examples a step, data-parallel over the
+  processes when ``across``: ``(alpha [L, G] numpy, history [steps, 3])``."""
+  P = distributed.process_count() if across else 1
+  rows = -(-batch // P) * P  # padded so that every process holds as many rows
+  per = rows // P
+  if across:
+    mesh = distributed.process_mesh("batch")
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+    params = distributed.put(params, rep)
+    state = distributed.put(jax.tree.map(np.asarray, _ADAM.init(alpha)), rep)
+    alpha = distributed.put(np.asarray(alpha), rep)
+    step = jax.jit(functools.partial(_duo_batch_step, cfg), out_shardings=(rep, rep, rep))
+  else:
+    rep = split = None
+    state = _ADAM.init(alpha)
+    step = jax.jit(functools.partial(_duo_batch_step, cfg))
+  masks, hist = {}, []
+  for s in range(steps):
+    picks = [data[(s * batch + i) % len(data)] for i in range(batch)]
+    T = max(ids.shape[1] for ids, _ in picks)
+    ids_BT = np.zeros((rows, T), np.int32)
+    labels_BT = np.zeros((rows, T), bool)
+    weights_B = np.zeros(rows, np.float32)
+    for i, (ids, labels) in enumerate(picks):
+      r = (i % P) * per + i // P  # round robin: example i on process i % P
+      ids_BT[r, : ids.shape[1]], labels_BT[r, : ids.shape[1]], weights_B[r] = ids[0], labels[0], 1
+    if T not in masks:
+      masks[T] = distributed.put(streaming_mask(T, *sizes), rep)
+    alpha, state, aux = step(
+      params,
+      alpha,
+      state,
+      *distributed.put((ids_BT, labels_BT, weights_B), split),
+      masks[T],
+      distributed.put(np.float32(reg_weight), rep),
+      distributed.put(np.asarray(schedule(s), np.float32), rep),
+    )
+    hist.append(distributed.to_host(aux, "gathering the DuoAttention loss").tolist())
+  alpha = distributed.to_host(alpha, "gathering the DuoAttention gates")
+  return np.asarray(alpha, np.float32), np.asarray(hist, np.float32)
 
 
 def duo_examples(examples) -> list[tuple[np.ndarray, np.ndarray]]:
