@@ -325,8 +325,9 @@ def check_evidence(
   Only the data fields are taken: ``qfilters_LGD [L, G, D]``, ``retrieval_heads_LG [L, G]`` in
   ``[0, 1]``, ``reconstruction_attn_LGT [L, B, G, T]``, ``reconstruction_attn_LHT
   [L, B, Hq, T]`` (KVCompose's), ``kvgrad_LGT [L, B, G, T]`` (KVgrad's), ``kvzap_LGT
-  [L, B, G, T]`` (KVzap's), ``fastkvzip_LGT [L, B, G, T]`` (Fast KVzip's), ``stats_query_mean_LHD [L, Hq, D]`` and ``stats_query_cov_LHDD
-  [L, Hq, D, D]`` (ExpectedAttentionStats'), HeadKV's ``head_scores_LH`` ``[L, Hq]``
+  [L, B, G, T]`` (KVzap's), ``fastkvzip_LGT [L, B, G, T]`` (Fast KVzip's),
+  ``stats_query_mean_LHD [L, Hq, D]`` and ``stats_query_cov_LHDD [L, Hq, D, D]``
+  (ExpectedAttentionStats'), HeadKV's ``head_scores_LH`` ``[L, Hq]``
   or ``[L, G]`` (the heads of the policy's scores); they must be finite, with their shapes.
 
   Args:
