@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kvjax import distributed
 from kvjax.model import llama
 from kvjax.model.calibrate import KVzipTemplate
 from kvjax.model.config import ModelConfig
@@ -459,6 +460,20 @@ def _step(opt, params, state, X, y):
   return optax.apply_updates(params, updates), state, loss
 
 
+def _weighted_loss(params, X, y, w):
+  """:func:`mse` of a padded batch: the rows of weight 0 (padding) count for nothing."""
+  s = Surrogate(params, "mlp")
+  pred = jnp.moveaxis(apply(s, jnp.moveaxis(X, 1, 0)), (0, 1), (1, 2))  # [N, L, G]
+  per_row = jnp.mean(jnp.square(pred - y), (1, 2))
+  return (per_row * w).sum() / jnp.maximum(w.sum(), 1.0)
+
+
+def _weighted_step(opt, params, state, X, y, w):
+  loss, grads = jax.value_and_grad(_weighted_loss)(params, X, y, w)
+  updates, state = opt.update(grads, state, params)
+  return optax.apply_updates(params, updates), state, loss
+
+
 def _batched_mse(surrogate, X, y, batch):
   if X.shape[0] == 0:
     return float("nan")
@@ -498,6 +513,7 @@ def train_mlp(
   seed: int = 42,
   checkpoint_dir: str | pathlib.Path | None = None,
   on_epoch: Callable[[int, float, float], None] | None = None,
+  across_processes: bool = False,
 ) -> MLPTraining:
   """Trains KVzap's MLP surrogate, all layers at once (kvpress ``kvzap/train.py``
   ``train_mlp``: a skorch ``NeuralNetRegressor`` of ``KVzapModel``).
@@ -527,6 +543,14 @@ def train_mlp(
     checkpoint_dir: where to checkpoint and resume (``None``: no checkpoints).
     on_epoch: called after each epoch (after its checkpoint) with
       ``(epoch, train_loss, valid_loss)``; the default prints a progress line.
+    across_processes: in a run of several processes (``kvjax.distributed``), data-parallel:
+      every process calls it with the same data and arguments; each step's batch is placed on
+      :func:`kvjax.distributed.process_mesh`, each process holding a slice of it, and the
+      jitted step reduces the loss and the gradients across the processes. The checkpoints are
+      orbax's multi-host ones (every process saves and restores; process 0 writes the
+      replicated arrays and ``kvzap_run.json``), so ``checkpoint_dir`` must be the same
+      directory for every process (a shared file system on several hosts). The result equals
+      a one-process run's up to the order of the sums.
 
   Returns:
     The :class:`MLPTraining`.
@@ -553,25 +577,45 @@ def train_mlp(
   state = opt.init(params)  # over the weights dict: orbax saves plain dicts and optax states
   step = jax.jit(lambda p, st, xb, yb: _step(opt, p, st, xb, yb))
   initial = _batched_mse(Surrogate(params, "mlp"), Xv, yv, batch_size)
+  across = bool(across_processes) and distributed.process_count() > 1
+  if across:
+    P = distributed.process_count()
+    mesh = distributed.process_mesh("batch")
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+    params = distributed.put(jax.tree.map(np.asarray, params), rep)
+    state = distributed.put(jax.tree.map(np.asarray, state), rep)
+    parallel = jax.jit(
+      lambda p, st, xb, yb, wb: _weighted_step(opt, p, st, xb, yb, wb),
+      out_shardings=(rep, rep, rep),
+    )
+
+    def step(p, st, xb, yb):
+      n = xb.shape[0]
+      rows = -(-n // P) * P  # padded so that every process holds as many rows
+      pad = ((0, rows - n), (0, 0), (0, 0))
+      w = (np.arange(rows) < n).astype(np.float32)
+      batch = distributed.put((np.pad(xb, pad), np.pad(yb, pad), w), split)
+      return parallel(p, st, *batch)
+
   train_loss, valid_loss, start = [], [], 0
   mngr = None
   if checkpoint_dir is not None:
     import orbax.checkpoint as ocp  # only checkpointed runs pay for orbax's import
 
     path = pathlib.Path(checkpoint_dir).absolute()
-    _check_run(
-      path,
-      {
-        "hidden_dim": hidden_dim,
-        "max_epochs": max_epochs,
-        "lr": lr,
-        "batch_size": batch_size,
-        "weight_decay": weight_decay,
-        "valid_fraction": valid_fraction,
-        "seed": seed,
-        "data_shape": [list(X.shape), list(y.shape)],
-      },
-    )
+    run_args = {
+      "hidden_dim": hidden_dim,
+      "max_epochs": max_epochs,
+      "lr": lr,
+      "batch_size": batch_size,
+      "weight_decay": weight_decay,
+      "valid_fraction": valid_fraction,
+      "seed": seed,
+      "data_shape": [list(X.shape), list(y.shape)],
+    }
+    # process 0 checks and records the arguments; its refusal reaches every process
+    distributed.on_primary(lambda: _check_run(path, run_args), "checking the checkpoints")
     mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=2))
     last = mngr.latest_step()
     if last is not None:
@@ -596,10 +640,16 @@ def train_mlp(
     total = 0.0
     for i in range(0, order.size, batch_size):
       b = order[i : i + batch_size]
-      params, state, loss = step(params, state, jnp.asarray(Xt[b]), jnp.asarray(yt[b]))
+      if across:  # the host batch: step pads it and places each process's slice
+        params, state, loss = step(params, state, Xt[b], yt[b])
+        loss = distributed.to_host(loss, "gathering the MLP's loss")
+      else:
+        params, state, loss = step(params, state, jnp.asarray(Xt[b]), jnp.asarray(yt[b]))
       total += float(loss) * b.size
     train_loss.append(total / order.size)
-    valid_loss.append(_batched_mse(Surrogate(params, "mlp"), Xv, yv, batch_size))
+    # the replicated parameters read locally: every process scores the validation set alone
+    host = distributed.to_host(params, "gathering the MLP") if across else params
+    valid_loss.append(_batched_mse(Surrogate(host, "mlp"), Xv, yv, batch_size))
     if mngr is not None:
       item = {
         "params": params,
@@ -612,6 +662,8 @@ def train_mlp(
     on_epoch(epoch, train_loss[-1], valid_loss[-1])
   if mngr is not None:
     mngr.close()
+  if across:
+    params = jax.tree.map(jnp.asarray, distributed.to_host(params, "gathering the MLP"))
   return MLPTraining(Surrogate(params, "mlp"), tuple(train_loss), tuple(valid_loss), initial)
 
 
