@@ -425,3 +425,114 @@ def test_calibration_over_two_processes_matches_one(tmp_path):
     np.testing.assert_allclose(two[key], one[key], rtol=0, atol=2e-6, err_msg=key)
   timings = json.loads((tmp_path / "two" / "timings.json").read_text())
   assert timings["processes"] == 2
+
+
+# --------------------------------------------------------------------------- training: KVzap
+
+
+def _launch(module, config, workdir, count=2, devices=2, **env) -> list[subprocess.Popen]:
+  """Starts ``count`` processes of the entry point ``module`` (a free port for their
+  coordinator); ``count=1`` starts a plain one-process run."""
+  port = _free_port()
+  procs = []
+  for i in range(count):
+    cmd = [sys.executable, "-m", module, f"--config={config}", f"--config.workdir={workdir}"]
+    if count > 1:
+      cmd += [f"--coordinator=localhost:{port}", f"--num_processes={count}", f"--process_id={i}"]
+    procs.append(
+      subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=_env(devices, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+      )
+    )
+  return procs
+
+
+def _surrogate(path) -> dict:
+  with np.load(path) as f:
+    return {k: f[k] for k in f.files if k != "meta_json"}
+
+
+def _kvzap_reference(workdir) -> dict:
+  """The one-process MLP on the targets a run saved (each part is computed whole by one process,
+  so they are a one-process run's bit for bit)."""
+  from configs import kvzap as kvzap_config
+  from kvjax.model import kvzap
+
+  c = kvzap_config.get_config("quick")
+  parts = sorted((pathlib.Path(workdir) / "targets").glob("part_*.npz"))
+  X = np.concatenate([np.load(p)["X"] for p in parts])
+  y = np.concatenate([np.load(p)["y"] for p in parts])
+  n_test = c.test_rows * c.n_tokens
+  run = kvzap.train_mlp(
+    X[n_test:],
+    y[n_test:],
+    hidden_dim=c.hidden_dim,
+    max_epochs=c.max_epochs,
+    lr=c.lr,
+    batch_size=c.batch_size,
+    weight_decay=c.weight_decay,
+    valid_fraction=c.valid_fraction,
+    seed=c.seed,
+    on_epoch=lambda *a: None,
+  )
+  return {k: np.asarray(v) for k, v in run.surrogate.params.items()}
+
+
+# measured on the quick config: the MLP's weights differ from a one-process run's by up to 2e-7
+# (the gradients summed across processes in another order); the targets and the ridge are equal
+MLP_ATOL = 2e-6
+
+
+def test_kvzap_killed_mid_training_resumes_to_the_one_process_result(tmp_path):
+  workdir = tmp_path / "killed"
+  start = time.monotonic()
+  runs = finish(
+    _launch("experiments.kvzap", "configs/kvzap.py:quick", workdir, KVJAX_FAULT_EXIT="1:1")
+  )
+  (rc0, _, err0, end0), (rc1, _, err1, end1) = runs
+  assert rc1 == distributed.FAULT_EXIT_CODE, err1[-3000:]
+  assert rc0 == distributed.PEER_FAILED_EXIT_CODE and "PeerFailedError" in err0, err0[-3000:]
+  assert end0 - end1 < 120
+  checkpoints = sorted(p.name for p in (workdir / "mlp_checkpoints").iterdir() if p.name.isdigit())
+  assert checkpoints == ["1"] and not (workdir / "kvzap_mlp.npz").exists()
+  again = finish(_launch("experiments.kvzap", "configs/kvzap.py:quick", workdir))
+  print(f"kvzap: killed and resumed over two processes in {time.monotonic() - start:.1f} s")
+  assert [r[0] for r in again] == [0, 0], again[0][2][-3000:] + again[1][2][-3000:]
+  assert "targets: contexts" not in again[0][1] + again[1][1]  # the saved parts are read
+  assert "epoch 1/3" not in again[0][1] and "epoch 3/3" in again[0][1]  # from the checkpoint
+  assert "run directory:" in again[0][1] and "run directory:" not in again[1][1]
+  got = _surrogate(workdir / "kvzap_mlp.npz")
+  reference = _kvzap_reference(workdir)
+  assert sorted(got) == sorted(reference)
+  for key, value in reference.items():
+    np.testing.assert_allclose(got[key], value, rtol=0, atol=MLP_ATOL, err_msg=key)
+
+
+@slow
+@pytest.mark.slow
+def test_kvzap_over_two_processes_matches_one_and_the_resumed_run(tmp_path):
+  one = finish(_launch("experiments.kvzap", "configs/kvzap.py:quick", tmp_path / "one", count=1))
+  two = finish(_launch("experiments.kvzap", "configs/kvzap.py:quick", tmp_path / "two"))
+  assert [r[0] for r in one + two] == [0, 0, 0], [r[2][-2000:] for r in one + two]
+  for name in ("part_00000.npz", "part_00006.npz"):
+    a, b = (np.load(tmp_path / d / "targets" / name) for d in ("one", "two"))
+    np.testing.assert_array_equal(a["X"], b["X"])
+    np.testing.assert_array_equal(a["y"], b["y"])
+  linear = [_surrogate(tmp_path / d / "kvzap_linear.npz") for d in ("one", "two")]
+  for key in linear[0]:
+    np.testing.assert_array_equal(linear[1][key], linear[0][key])
+  mlp = [_surrogate(tmp_path / d / "kvzap_mlp.npz") for d in ("one", "two")]
+  for key in mlp[0]:
+    np.testing.assert_allclose(mlp[1][key], mlp[0][key], rtol=0, atol=MLP_ATOL, err_msg=key)
+  workdir = tmp_path / "killed"
+  finish(_launch("experiments.kvzap", "configs/kvzap.py:quick", workdir, KVJAX_FAULT_EXIT="0:2"))
+  again = finish(_launch("experiments.kvzap", "configs/kvzap.py:quick", workdir))
+  assert [r[0] for r in again] == [0, 0], again[0][2][-3000:] + again[1][2][-3000:]
+  resumed = _surrogate(workdir / "kvzap_mlp.npz")
+  for key in mlp[1]:  # the same steps from the same checkpoint: bit for bit
+    np.testing.assert_array_equal(resumed[key], mlp[1][key])
