@@ -7,6 +7,12 @@ held-out contexts and the time of both evidences. Killed, it resumes:
 the targets are saved per batch of contexts (``targets/part_*.npz``) and the training is
 checkpointed with orbax every ``checkpoint_every`` steps (``gate_checkpoints/``).
 
+Started on every process of a cluster (``kvjax.distributed``: ``--coordinator``,
+``--num_processes``, ``--process_id``, or SLURM / a TPU slice), the processes share the work:
+each extracts its share of every round of target batches (process 0 saves the parts), the gates
+train data-parallel (each step's batch spread over the processes) with orbax's multi-host
+checkpoints, and process 0 compares with KVzip on the held-out contexts and writes the files.
+
 The text is Python's own reference prose (``pydoc_data.topics``, shipped with CPython:
 :func:`kvjax.eval.streaming.reference_text`, which Q-Filters' calibration also reads); the tiny
 model's word vocabulary reads the task filler (:func:`kvjax.eval.tasks.haystack_ids`).
@@ -23,7 +29,7 @@ import numpy as np
 from absl import app
 
 from configs import common
-from kvjax import policies, rundir
+from kvjax import distributed, policies, rundir
 from kvjax.eval import evaluate, streaming, tasks
 from kvjax.model import calibrate, fastkvzip
 from kvjax.policies.fastkvzip import FastKVzip
@@ -33,6 +39,7 @@ _CONFIG = common.config_flag(
   "Fast KVzip gate training configuration.",
   lock_config=True,
 )
+_FLAGS = common.define_distributed_flags()
 
 COLUMNS = ("step", "train_loss", "test_loss", "train_acc", "test_acc")  # a history row
 SOURCE = "pydoc_data.topics (CPython's reference prose) via kvjax.eval.streaming.reference_text"
@@ -99,35 +106,76 @@ def compare_with_kvzip(c, cfg, params, gates, rows, template):
   return out
 
 
+def _from_primary(value, what):
+  """Process 0's array on every process (it alone reads the run directory)."""
+  if distributed.process_count() == 1:
+    return value
+  mine = value if distributed.is_primary() else np.zeros(0, np.float32)
+  return distributed.gather_arrays(mine, what)[0]
+
+
 def extract(c, cfg, params, rows, template, workdir):
-  """The training pairs, batch by batch, each batch saved (a killed run skips the saved ones)."""
+  """The training pairs, batch by batch, each batch saved (a killed run skips the saved ones).
+  Over several processes each round of batches is split among them (one each) and process 0
+  saves them; every process returns every pair."""
   parts = workdir / "targets"
-  parts.mkdir(exist_ok=True)
-  Xs, ys = [], []
-  for i in range(0, len(rows), c.batch_rows):
-    path = parts / f"part_{i:05d}.npz"
-    if path.exists():
-      with np.load(path) as f:
-        X, y = f["X"], f["y"]
-    else:
+  starts = list(range(0, len(rows), c.batch_rows))
+
+  def claim():
+    parts.mkdir(exist_ok=True)
+    return [i for i in starts if (parts / f"part_{i:05d}.npz").exists()]
+
+  done = set(distributed.on_primary(claim, "checking the saved targets"))
+  todo = [i for i in starts if i not in done]
+  got = {}
+  for r in range(0, len(todo), distributed.process_count()):
+    round_ = todo[r : r + distributed.process_count()]
+    Xs, ys = [], []
+    for j in distributed.share(round_):
+      i = round_[j]
       t0 = time.perf_counter()
       X, y = fastkvzip.gate_targets(
         cfg, params, rows[i : i + c.batch_rows], template, chunk_size=c.chunk_size, n_sink=c.n_sink
       )
-      np.savez(path.with_suffix(".tmp.npz"), X=X, y=y)
-      os.replace(path.with_suffix(".tmp.npz"), path)  # a part is whole or absent
-      done = min(i + c.batch_rows, len(rows))
-      print(f"targets: contexts {done}/{len(rows)} ({time.perf_counter() - t0:.1f} s)", flush=True)
-    Xs.append(X)
-    ys.append(y)
-  return np.concatenate(Xs), np.concatenate(ys)
+      Xs.append(X)
+      ys.append(y)
+      n = min(i + c.batch_rows, len(rows))
+      print(f"targets: contexts {n}/{len(rows)} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    Xs = distributed.gather_shares(Xs, len(round_), "gathering the targets")
+    ys = distributed.gather_shares(ys, len(round_), "gathering the targets")
+    for i, X, y in zip(round_, Xs, ys, strict=True):
+      got[i] = (X, y)
+      if distributed.is_primary():
+        path = parts / f"part_{i:05d}.npz"
+        np.savez(path.with_suffix(".tmp.npz"), X=X, y=y)
+        os.replace(path.with_suffix(".tmp.npz"), path)  # a part is whole or absent
+  for i in sorted(done):
+    X = y = None
+    if distributed.is_primary():
+      with np.load(parts / f"part_{i:05d}.npz") as f:
+        X, y = f["X"], f["y"]
+    got[i] = (_from_primary(X, "sharing the saved targets"), _from_primary(y, "sharing them"))
+  return tuple(np.concatenate([got[i][k] for i in starts]) for k in (0, 1))
 
 
 def main(argv):
   del argv
-  c = _CONFIG.value
+  distributed.maybe_initialize(_FLAGS)  # first: before anything runs on a device
+  with distributed.fail_fast():
+    run(_CONFIG.value)
+
+
+def run(c):
+  """Extracts the pairs and trains the gates of config ``c``; every process calls it, process 0
+  compares with KVzip and writes the files.
+
+  Args:
+    c: the config (``configs/fastkvzip.py``).
+  """
   workdir = rundir.check_workdir(c.workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  primary = distributed.is_primary()
+  if primary:
+    workdir.mkdir(parents=True, exist_ok=True)
   model, cfg, tokenizer = evaluate.load_model(c.model, dtype=jnp.dtype(c.dtype))
   params = model.params()
   rows, template, source = contexts_and_template(c, tokenizer)
@@ -135,10 +183,21 @@ def main(argv):
   t0 = time.perf_counter()
   X, y = extract(c, cfg, params, rows, template, workdir)
   timings = {"targets": round(time.perf_counter() - t0, 2)}
-  print(f"positions: {len(X)}; X {X.shape[1:]}, y {y.shape[1:]}, mean KVzip score {y.mean():.4f}")
+  if primary:
+    print(f"positions: {len(X)}; X {X.shape[1:]}, y {y.shape[1:]}, mean KVzip score {y.mean():.4f}")
+
+  def on_log(row):
+    if primary:
+      step, tl, vl, ta, va = row
+      print(
+        f"fastkvzip gates: [{int(step):5d}/{c.max_steps}] loss: {tl:.3f} ({vl:.3f}) "
+        f"acc: {ta * 100:.1f}% ({va * 100:.1f}%)",
+        flush=True,
+      )
+    distributed.fault_point()  # after each log row (and its checkpoint): the tests kill here
 
   t0 = time.perf_counter()
-  run = fastkvzip.train_gates(
+  trained = fastkvzip.train_gates(
     X,
     y,
     cfg.num_groups,
@@ -152,9 +211,13 @@ def main(argv):
     seed=c.seed,
     checkpoint_dir=workdir / "gate_checkpoints",
     checkpoint_every=c.checkpoint_every,
+    on_log=on_log,
+    across_processes=True,
   )
   timings["training"] = round(time.perf_counter() - t0, 2)
-  history = np.asarray(run.history)
+  if not primary:  # process 0 compares with KVzip on the held-out contexts and writes
+    return
+  history = np.asarray(trained.history)
   _, test_idx = fastkvzip.holdout_split(len(X), c.test_every)
   train_mean = np.delete(y, test_idx, 0).mean(0)  # [L, G]
   baseline = {  # a constant gate at each head's mean KVzip score, and "always below 0.05"
@@ -166,17 +229,18 @@ def main(argv):
     ),
     "majority_test_acc": float((y[test_idx] < fastkvzip.ACC_THRESHOLD).mean()),
   }
-  comparison = compare_with_kvzip(c, cfg, params, run.gates, held_out, template)
+  comparison = compare_with_kvzip(c, cfg, params, trained.gates, held_out, template)
   results = {
     "model": c.model,
     "source": source,
     "positions": len(X),
-    "initial_test_loss": run.initial_test_loss,
+    "initial_test_loss": trained.initial_test_loss,
     **baseline,
-    "final": dict(zip(COLUMNS, run.history[-1], strict=True)),
+    "final": dict(zip(COLUMNS, trained.history[-1], strict=True)),
     "history": history.tolist(),
     "held_out": comparison,
     "timings_s": timings,
+    "processes": distributed.process_count(),
   }
   meta = {
     "model": c.model,
@@ -186,9 +250,11 @@ def main(argv):
     "max_steps": c.max_steps,
     "test_loss": results["final"]["test_loss"],
   }
-  fastkvzip.save(workdir / "fastkvzip_gates.npz", run.gates, meta)
+  fastkvzip.save(workdir / "fastkvzip_gates.npz", trained.gates, meta)
   (workdir / "results.json").write_text(json.dumps(results, indent=1))
-  print(json.dumps({"initial_test_loss": run.initial_test_loss, **baseline, **results["final"]}))
+  print(
+    json.dumps({"initial_test_loss": trained.initial_test_loss, **baseline, **results["final"]})
+  )
   print(f"run directory: {workdir.absolute()}")
 
 

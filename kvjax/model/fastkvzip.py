@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kvjax import distributed
 from kvjax.model import llama
 from kvjax.model.calibrate import KVzipTemplate, kvzip_evidence
 from kvjax.model.config import ModelConfig
@@ -464,6 +465,20 @@ def _step(opt, gates, state, X, y):
   return optax.apply_updates(gates, updates), state, per_layer.mean()
 
 
+def _weighted_step(opt, gates, state, X, y, w):
+  """:func:`_step` on a padded batch: the rows of weight 0 (padding) count for nothing."""
+
+  def objective(g):
+    pred = gate_scores(g, jnp.swapaxes(X, 0, 1))  # [L, G, N]
+    per_row = bce(pred, jnp.moveaxis(y, 0, 2))
+    per_layer = ((per_row * w).sum(-1) / jnp.maximum(w.sum(), 1.0)).sum(-1)
+    return per_layer.sum(), per_layer
+
+  (_, per_layer), grads = jax.value_and_grad(objective, has_aux=True)(gates)
+  updates, state = opt.update(grads, state, gates)
+  return optax.apply_updates(gates, updates), state, per_layer.mean()
+
+
 def _evaluate(gates, X, y, batch: int) -> tuple[float, float]:
   """Mean-over-layers loss and accuracy over ``X`` in batches (nan when empty)."""
   if X.shape[0] == 0:
@@ -497,6 +512,7 @@ def train_gates(
   checkpoint_dir: str | pathlib.Path | None = None,
   checkpoint_every: int = 500,
   on_log: Callable[[tuple], None] | None = None,
+  across_processes: bool = False,
 ) -> GateTraining:
   """Trains Fast KVzip's gates, every layer at once, as the official ``optim.py``.
 
@@ -535,6 +551,14 @@ def train_gates(
     checkpoint_every: steps between checkpoints (500).
     on_log: called with each log row (after any checkpoint of that step); the default prints a
       progress line as ``optim.py``.
+    across_processes: in a run of several processes (``kvjax.distributed``), data-parallel:
+      every process calls it with the same data and arguments; each step's batch is placed on
+      :func:`kvjax.distributed.process_mesh`, each process holding a slice of it, and the
+      jitted step reduces the loss and the gradients across the processes. The checkpoints are
+      orbax's multi-host ones (every process saves and restores; process 0 writes the
+      replicated arrays), so ``checkpoint_dir`` must be the same directory for every process
+      (a shared file system on several hosts). The result equals a one-process run's up to the
+      order of the sums.
 
   Returns:
     The :class:`GateTraining`.
@@ -565,6 +589,30 @@ def train_gates(
   state = opt.init(gates)
   step_fn = jax.jit(lambda g, st, xb, yb: _step(opt, g, st, xb, yb))
   initial = _evaluate(gates, Xv, yv, batch_size)[0]
+  across = bool(across_processes) and distributed.process_count() > 1
+  if across:
+    P = distributed.process_count()
+    mesh = distributed.process_mesh("batch")
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    sliced = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+    gates = distributed.put(jax.tree.map(np.asarray, gates), rep)
+    state = distributed.put(jax.tree.map(np.asarray, state), rep)
+    parallel = jax.jit(
+      lambda g, st, xb, yb, wb: _weighted_step(opt, g, st, xb, yb, wb),
+      out_shardings=(rep, rep, rep),
+    )
+
+    def step_fn(g, st, xb, yb):
+      n = xb.shape[0]
+      rows = -(-n // P) * P  # padded so that every process holds as many rows
+      pad = ((0, rows - n), (0, 0), (0, 0))
+      w = (np.arange(rows) < n).astype(np.float32)
+      xb, yb = np.pad(np.asarray(xb), pad), np.pad(np.asarray(yb), pad)
+      g, st, lo = parallel(g, st, *distributed.put((xb, yb, w), sliced))
+      return g, st, distributed.to_host(lo, "gathering the gates' loss")
+
+  # the replicated gates read locally: every process scores the test positions alone
+  local = (lambda g: distributed.to_host(g, "gathering the gates")) if across else (lambda g: g)
   history: list[tuple] = []
   start = 0
   mngr = None
@@ -599,11 +647,11 @@ def train_gates(
     b = order[split * batch_size : (split + 1) * batch_size]
     xb, yb = jnp.asarray(Xt[b]), jnp.asarray(yt[b])
     if i % test_freq == 0:  # the batch's loss and accuracy before the update, as optim.py
-      train_acc = float(_accuracy_jit(gates, xb, yb).mean())
+      train_acc = float(_accuracy_jit(local(gates), xb, yb).mean())
     gates, state, train_loss = step_fn(gates, state, xb, yb)
     row = None
     if i % test_freq == 0:
-      test_loss, test_acc = _evaluate(gates, Xv, yv, batch_size)
+      test_loss, test_acc = _evaluate(local(gates), Xv, yv, batch_size)
       row = (float(i), float(train_loss), test_loss, train_acc, test_acc)
       history.append(row)
     if mngr is not None and ((i + 1) % checkpoint_every == 0 or i + 1 == max_steps):
@@ -614,6 +662,8 @@ def train_gates(
       on_log(row)
   if mngr is not None:
     mngr.close()
+  if across:
+    gates = jax.tree.map(jnp.asarray, local(gates))
   return GateTraining(gates, tuple(history), initial)
 
 
