@@ -756,6 +756,54 @@ def _admit(spec: CacheSpec, slots: dict, budget_BH, pos_B):
   return slot, out
 
 
+# slots per block of the decode step's attention: a block of K or V ([B, H, 1024, D], 4 MiB at
+# B=4, H=4, D=64 in fp32) stays in the last-level cache between its copy out of the stacked
+# [L, ...] buffer and the contraction that reads it
+DECODE_BLOCK = 1024
+
+
+def _slot_attention_of_layer(cfg, q_BHq1D, keys_all, values_all, l, visible_BHC):
+  """One decode query's attention over layer ``l``'s slots of the stacked ``[L, B, H, C, D]``
+  K/V: ``(probs [B, Hq, 1, C], out [B, Hq, 1, D])``, as ``llama.attention_probs`` and
+  ``llama.attend`` give them over ``keys_all[l]`` and ``values_all[l]``.
+
+  Slicing layer ``l`` out whole copies ``2 C D`` floats per row and head before the contraction
+  reads them again (XLA:CPU's contractions read materialised operands), three passes over
+  memory where one is needed; read in blocks of :data:`DECODE_BLOCK` slots, each copied block
+  is still in cache when it is contracted. The logits are the same dot products as
+  ``attention_logits``'s (each over ``D``); the output sums the blocks' partial products."""
+  _, B, H, C, D = keys_all.shape
+  Hq = q_BHq1D.shape[1]
+  n = -(-C // DECODE_BLOCK)
+  block = -(-C // n)  # n equal blocks: the last overlaps the one before by fewer than n slots
+  q = q_BHq1D.astype(jnp.float32).reshape(B, H, Hq // H, D)
+
+  def start(i):  # the last block ends at C
+    return jnp.minimum(i * block, C - block)
+
+  def logits_block(i, logits):
+    k = jax.lax.dynamic_slice(keys_all, (l, 0, 0, start(i), 0), (1, B, H, block, D))[0]
+    x = jnp.einsum("bgrd,bgkd->bgrk", q, k.astype(jnp.float32), precision=scores_lib.PRECISION)
+    return jax.lax.dynamic_update_slice(logits, x, (0, 0, 0, start(i)))
+
+  logits = jax.lax.fori_loop(0, n, logits_block, jnp.zeros((B, H, Hq // H, C), jnp.float32))
+  logits = llama.softcap_logits(logits / float(np.sqrt(D)), cfg.attn_softcap)
+  probs = llama.masked_softmax(logits[:, :, :, None], visible_BHC[:, :, None, :])  # [B,Hq,1,C]
+  p = probs.reshape(B, H, Hq // H, C)
+
+  def out_block(i, acc):
+    v = jax.lax.dynamic_slice(values_all, (l, 0, 0, start(i), 0), (1, B, H, block, D))[0]
+    p_i = jax.lax.dynamic_slice(p, (0, 0, 0, start(i)), (B, H, Hq // H, block))
+    # slots the block before already counted (the overlapping last block) count once
+    p_i = jnp.where(start(i) + jnp.arange(block) >= i * block, p_i, 0.0)
+    return acc + jnp.einsum(
+      "bgrk,bgkd->bgrd", p_i, v.astype(jnp.float32), precision=scores_lib.PRECISION
+    )
+
+  out = jax.lax.fori_loop(0, n, out_block, jnp.zeros((B, H, Hq // H, D), jnp.float32))
+  return probs, out.reshape(B, Hq, 1, D)
+
+
 def decode_step(
   cfg: ModelConfig,
   params: dict,
@@ -828,21 +876,24 @@ def decode_step(
       keys_all = keys_all.at[l, b_idx, h_idx, slot].set(k[:, :, 0].astype(keys_all.dtype))
     layer_overflow = lslots.pop("overflow")
     values_all = values_all.at[l, b_idx, h_idx, slot].set(v[:, :, 0].astype(values_all.dtype))
-    keys, values = keys_all[l], values_all[l]
-    q_att = q
-    if spec.reindex:
-      q_att, keys = _reindexed(cfg, q, keys, lslots["positions"], lslots["valid"], pos_B)
     visible = lslots["valid"]
     window = llama.layer_window(cfg, l)  # Mistral's, or a Gemma sliding layer's (traced)
     if window is not None:  # keys older than the window are not attended
       visible = visible & (pos_B[:, None, None] - lslots["positions"] < window)
-    if think:
-      probs = _think_probs(cfg, q_att, keys, new_all[l], ch, visible)
+    if think or spec.reindex:  # these read the layer's keys whole (pruned, or rotated)
+      keys, values = keys_all[l], values_all[l]
+      q_att = q
+      if spec.reindex:
+        q_att, keys = _reindexed(cfg, q, keys, lslots["positions"], lslots["valid"], pos_B)
+      if think:
+        probs = _think_probs(cfg, q_att, keys, new_all[l], ch, visible)
+      else:
+        probs = llama.attention_probs(
+          q_att, keys, visible[:, :, None, :], softcap=cfg.attn_softcap
+        )  # [B, Hq, 1, C]
+      out = llama.attend(probs, values)  # the query layout is the case G = Hq
     else:
-      probs = llama.attention_probs(
-        q_att, keys, visible[:, :, None, :], softcap=cfg.attn_softcap
-      )  # [B, Hq, 1, C]
-    out = llama.attend(probs, values)  # the query layout is the case G = Hq
+      probs, out = _slot_attention_of_layer(cfg, q, keys_all, values_all, l, visible)
     if spec.decode_time and "scores" in lslots:  # the policy's state after this step
       lslots = dict(lslots, scores=spec.policy.observe(lslots["scores"], _per_cache_head(probs, H)))
     if "attn_sums" in lslots:  # CaM: the new token's own slot included (it was empty, zero)

@@ -1,0 +1,269 @@
+"""The decode step against its memory-bandwidth bound: the bytes it must read over its time.
+
+A decode step reads the weights and the cache's held K/V once; its best time is those bytes over
+the memory bandwidth. On ``bench_decode``'s random model (8 layers, d=512, 8 query heads, 4 KV
+heads of 64, batch 4, fp32) at 4k and 16k prompt tokens, for the full cache and three 10 %
+caches (``uniform10``: one budget for every head; ``adakv10``: Ada-KV's ragged per-head budgets;
+``pyramid10``: PyramidKV's per-layer budgets), this prints the bytes a step must read (weights,
+the valid K/V slots, and the bookkeeping the step touches: every slot's position and validity,
+the budgets), the step's median time (jitted, after warm-up, the cache donated and threaded
+through the steps as inside ``generate``'s scan) and the bandwidth achieved, as a fraction of
+the bandwidth a large array reduction reaches in the same run (XLA's ``sum``; numpy's on its own
+line). One line per case, in the form tooling reads::
+
+  roofline <case> T=<tokens>: <percent>% of measured bandwidth (<GB/s> of <GB/s>)
+
+Padding slots of a ragged cache are not counted as bytes the step must read: a step that reads
+them pays for them in its fraction.
+
+Usage: ``python -m experiments.bench_roofline [--quick] [--repeats N] [--kv-dtype bfloat16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.bench_decode import model_config
+from kvjax import budgets as budgets_lib
+from kvjax import model as km
+from kvjax import policies
+from kvjax.model import cache as cache_lib
+
+CASES = ("full", "uniform10", "adakv10", "pyramid10")
+BATCH = 4
+WINDOW = 32  # SnapKV's observation window, counted inside every budget
+ROOM = 32  # empty slots past the held tokens: the timed steps append into them
+
+
+def case_budgets(case: str, cfg, T: int, rng: np.random.Generator) -> np.ndarray:
+  """The slots each (row, layer, head) holds for ``case`` at ``T`` prompt tokens.
+
+  Args:
+    case: one of :data:`CASES`.
+    cfg: the model's config.
+    T: prompt tokens.
+    rng: draws the synthetic head scores Ada-KV allocates by.
+
+  Returns:
+    int32 budgets ``[B, L, H]``.
+
+  Raises:
+    ValueError: for an unknown case.
+  """
+  L, H = cfg.num_layers, cfg.num_kv_heads
+  b = T // 10
+  if case == "full":
+    out = np.full((L, H), T)
+  elif case == "uniform10":
+    out = np.full((L, H), b)
+  elif case == "pyramid10":
+    out = np.broadcast_to(np.asarray(budgets_lib.pyramid(L, b, WINDOW, T))[:, None], (L, H))
+  elif case == "adakv10":
+    # heads that concentrate their attention differently: log-normal scores whose spread
+    # differs by head, so the pooled top-k gives each head its own share
+    rows = []
+    for _ in range(BATCH):
+      sigma = rng.uniform(0.5, 2.5, size=(L, H, 1))
+      scores = np.exp(sigma * rng.standard_normal((L, H, T))).astype(np.float32)
+      rows.append(np.asarray(budgets_lib.adakv(jnp.asarray(scores), b, WINDOW)))
+    return np.stack(rows).astype(np.int32)
+  else:
+    raise ValueError(f"case: expected one of {CASES}, got {case!r}")
+  return np.broadcast_to(out, (BATCH, L, H)).astype(np.int32)
+
+
+def filled_cache(cfg, budget_BLH: np.ndarray, kv_dtype, seed: int) -> cache_lib.KVCache:
+  """A cache whose row ``b``, layer ``l``, head ``h`` holds its first ``budget`` slots.
+
+  The step's cost does not depend on what the slots hold, so they are filled directly (on the
+  host: nothing here compiles).
+
+  Args:
+    cfg: the model's config.
+    budget_BLH: int budgets ``[B, L, H]``.
+    kv_dtype: the K/V storage dtype.
+    seed: seeds the K/V contents.
+
+  Returns:
+    The cache, ``ROOM`` empty slots past its largest budget.
+  """
+  L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  C = int(budget_BLH.max()) + ROOM
+  held_LBH = np.moveaxis(budget_BLH, 0, 1)
+  shape = (L, BATCH, H, C)
+  rng = np.random.default_rng(seed)
+  kv = [jnp.asarray(rng.standard_normal(shape + (D,), np.float32), kv_dtype) for _ in range(2)]
+  return cache_lib.KVCache(
+    keys=kv[0],
+    values=kv[1],
+    positions=jnp.asarray(np.broadcast_to(np.arange(C, dtype=np.int32), shape)),
+    valid=jnp.asarray(np.arange(C) < held_LBH[..., None]),
+    budget=jnp.asarray(np.full((BATCH, L, H), C, np.int32)),
+  )
+
+
+def step_bytes(params: dict, cache: cache_lib.KVCache) -> dict:
+  """The bytes one decode step must read.
+
+  Args:
+    params: the model's parameters.
+    cache: the cache before the step.
+
+  Returns:
+    ``{"weights", "kv", "bookkeeping", "total"}``: every weight but the embedding table (one row
+    per token of it is read); the valid slots' K and V; each slot's position and validity and
+    the budgets (read for every slot, held or not).
+  """
+  weights = sum(v.nbytes for k, v in params.items() if k != "embed")
+  weights += BATCH * params["embed"].shape[-1] * params["embed"].dtype.itemsize
+  if "lm_head" not in params:  # tied: the head reads the whole table
+    weights += params["embed"].nbytes
+  itemsize = cache.keys.dtype.itemsize
+  kv = int(np.asarray(cache.valid).sum()) * (cache.keys.shape[-1] + cache.values.shape[-1])
+  kv *= itemsize
+  book = cache.positions.nbytes + cache.valid.nbytes + cache.budget.nbytes
+  return dict(weights=weights, kv=kv, bookkeeping=book, total=weights + kv + book)
+
+
+def reference_bandwidth(nbytes: int, repeats: int) -> tuple[float, float]:
+  """Bandwidths (GB/s) of a large fp32 array reduction: XLA's ``sum`` and numpy's.
+
+  Args:
+    nbytes: the array's size in bytes.
+    repeats: timed runs (median) after a warm-up.
+
+  Returns:
+    ``(xla_gbs, numpy_gbs)``.
+  """
+  n = nbytes // 4
+  host = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+  device = jax.device_put(host)
+  total = jax.jit(jnp.sum)
+
+  def median(fn) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      fn()
+      times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+  xla = median(lambda: jax.block_until_ready(total(device)))
+  numpy = median(lambda: host.sum())
+  return n * 4 / xla / 1e9, n * 4 / numpy / 1e9
+
+
+def time_step(cfg, params, cache, T: int, repeats: int) -> float:
+  """The median time (s) of a decode step at position ``T``, after a warm-up.
+
+  Args:
+    cfg: the model's config.
+    params: the model's parameters.
+    cache: the cache (donated: it is threaded through the steps).
+    T: the token's position.
+    repeats: timed steps (fewer than ``ROOM``: every step appends).
+
+  Returns:
+    Seconds per step.
+  """
+  spec = cache_lib.CacheSpec(policies.make("snapkv"), cache.keys.shape[3])
+  step = jax.jit(
+    lambda p, c, tok, pos: cache_lib.decode_step(cfg, p, spec, c, tok, pos, pos), donate_argnums=1
+  )
+  tok = jnp.zeros((BATCH,), jnp.int32)
+  pos = jnp.full((BATCH,), T, jnp.int32)
+  _, cache = jax.block_until_ready(step(params, cache, tok, pos))  # compile
+  times = []
+  for i in range(repeats):
+    start = time.perf_counter()
+    _, cache = jax.block_until_ready(step(params, cache, tok, pos + 1 + i))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def run(
+  quick: bool = False,
+  repeats: int = 7,
+  kv_dtype=jnp.float32,
+  lengths=None,
+  cases=CASES,
+  emit=print,
+) -> list[str]:
+  """Measures every case and returns the printed lines.
+
+  Args:
+    quick: the 2-layer model at 1,024 tokens (a smoke run).
+    repeats: timed steps per case and timed reductions (median), below ``ROOM``.
+    kv_dtype: the K/V storage dtype.
+    lengths: prompt lengths (default 4,096 and 16,384; quick 1,024).
+    cases: the cases to run, from :data:`CASES`.
+    emit: called with each line as it is measured (``print``; ``None``: silent).
+
+  Returns:
+    The lines: the machine, the two reference bandwidths, then per case its bytes and time and
+    its ``roofline`` line.
+
+  Raises:
+    ValueError: for ``repeats`` outside ``[1, ROOM)``.
+  """
+  if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats < ROOM:
+    raise ValueError(f"repeats: expected an int in [1, {ROOM}), got {repeats!r}")
+  cfg = model_config(quick)
+  params = km.Llama(cfg, rngs=nnx.Rngs(0)).params()
+  if lengths is None:
+    lengths = (1024,) if quick else (4096, 16384)
+  device = jax.devices()[0]
+  lines = []
+
+  def say(line: str) -> None:
+    lines.append(line)
+    if emit is not None:
+      emit(line)
+
+  say(
+    f"jax {jax.__version__} on {device.device_kind} ({jax.default_backend()}); model "
+    f"{cfg.num_layers}L d={cfg.hidden_size} Hq={cfg.num_heads} G={cfg.num_kv_heads} "
+    f"D={cfg.head_dim}, batch {BATCH}, K/V {jnp.dtype(kv_dtype).name}"
+  )
+  ref_bytes = (2**26 if quick else 2**30) if jax.default_backend() == "cpu" else 2**32
+  xla_gbs, numpy_gbs = reference_bandwidth(ref_bytes, repeats)
+  say(f"reference: sum over {ref_bytes / 2**20:.0f} MiB fp32: XLA {xla_gbs:.1f} GB/s")
+  say(f"reference: sum over {ref_bytes / 2**20:.0f} MiB fp32: numpy {numpy_gbs:.1f} GB/s")
+  rng = np.random.default_rng(0)
+  for T in lengths:
+    for case in cases:
+      budget = case_budgets(case, cfg, T, rng)
+      cache = filled_cache(cfg, budget, kv_dtype, T)
+      nbytes = step_bytes(params, cache)
+      seconds = time_step(cfg, params, cache, T, repeats)
+      gbs = nbytes["total"] / seconds / 1e9
+      say(
+        f"  {case} T={T}: {nbytes['total'] / 1e6:.1f} MB (weights {nbytes['weights'] / 1e6:.1f}, "
+        f"K/V {nbytes['kv'] / 1e6:.1f}, bookkeeping {nbytes['bookkeeping'] / 1e6:.1f}) in "
+        f"{seconds * 1e3:.2f} ms; {100 * gbs / numpy_gbs:.1f}% of numpy's {numpy_gbs:.1f} GB/s"
+      )
+      say(
+        f"roofline {case} T={T}: {100 * gbs / xla_gbs:.1f}% of measured bandwidth "
+        f"({gbs:.2f} GB/s of {xla_gbs:.2f} GB/s)"
+      )
+  return lines
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="a 2-layer model at 1,024 tokens")
+  parser.add_argument("--repeats", type=int, default=7, help="timed steps per case (median)")
+  parser.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"))
+  args = parser.parse_args()
+  run(args.quick, args.repeats, jnp.dtype(args.kv_dtype), emit=lambda s: print(s, flush=True))
+
+
+if __name__ == "__main__":
+  main()
