@@ -217,6 +217,40 @@ def test_duo_official_training(tiny):
   np.testing.assert_allclose(pattern, run.alpha_LG)
 
 
+def test_duo_batches_average_the_examples_and_pad_shorter_ones(tiny):
+  cfg, params = tiny
+  short, long = _random_examples(cfg, 1, 30)[0], _random_examples(cfg, 1, 40)[0]
+  kw = dict(num_steps=3, sizes=(2, 4))
+  one = cal.train_duo_attention(cfg, params, [short], **kw)
+  # one process: the data-parallel path at batch size 1 is the plain loop, bit for bit
+  same = cal.train_duo_attention(cfg, params, [short], across_processes=True, **kw)
+  np.testing.assert_array_equal(same.alpha_LG, one.alpha_LG)
+  # a batch of the same example twice, padded beside a longer one or not: the same gradient
+  twice = cal.train_duo_attention(cfg, params, [short, short], batch_size=2, **kw)
+  np.testing.assert_allclose(twice.alpha_LG, one.alpha_LG, atol=1e-6)
+  np.testing.assert_allclose(twice.loss, one.loss, rtol=1e-5)
+  mixed = cal.train_duo_attention(cfg, params, [short, long], batch_size=2, **kw)
+  alone = [
+    cal.train_duo_attention(cfg, params, [e], num_steps=1, sizes=(2, 4)) for e in (short, long)
+  ]
+  np.testing.assert_allclose(mixed.loss[0], np.mean([r.loss[0] for r in alone]), rtol=1e-5)
+  with pytest.raises(ValueError, match="^batch_size"):
+    cal.train_duo_attention(cfg, params, [short], batch_size=0)
+
+
+def test_query_stats_and_qfilters_across_one_process_are_the_plain_ones(tiny):
+  cfg, params = tiny
+  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (5, 24))
+  plain = cal.query_stats(cfg, params, ids, batch=2)
+  across = cal.query_stats(cfg, params, ids, batch=2, across_processes=True)
+  for a, b in zip(plain, across, strict=True):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(
+    cal.qfilters(cfg, params, ids, num_svd_samples=50),
+    cal.qfilters(cfg, params, ids, num_svd_samples=50, across_processes=True),
+  )
+
+
 def test_duo_kvpress_on_the_fly_matches_kvpress(gold, tiny):
   cfg, params = tiny
   meta = json.loads(str(gold["meta_json"]))["duo_on_the_fly"]

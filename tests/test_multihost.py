@@ -229,6 +229,11 @@ def test_in_one_process_every_helper_is_the_plain_operation(no_cluster, monkeypa
   x = jax.numpy.arange(4.0)
   np.testing.assert_array_equal(distributed.to_host({"x": x})["x"], np.arange(4.0))
   assert distributed.put({"x": np.ones(2)}, None)["x"].shape == (2,)
+  assert [a.tolist() for a in distributed.gather_arrays(np.ones(2))] == [[1.0, 1.0]]
+  assert [a.tolist() for a in distributed.gather_shares([[1], [2]], 2)] == [[1], [2]]
+  with pytest.raises(ValueError, match="values: got 1 arrays; expected 2"):
+    distributed.gather_shares([[1]], 2)
+  assert distributed.process_mesh().devices.size == 1
   with pytest.raises(KeyError), distributed.fail_fast():  # one process: errors propagate
     raise KeyError("k")
   distributed.fault_point()  # unset: nothing
@@ -261,6 +266,11 @@ x = distributed.put(np.arange(8.0), NamedSharding(mesh, PartitionSpec("c")))
 y = jax.jit(lambda v: 2 * v)(x)
 out["addressable"] = y.is_fully_addressable
 out["to_host"] = distributed.to_host(y).tolist()
+arrays = distributed.gather_arrays(np.full((me + 1, 2), 0.1 + me, np.float64))
+out["arrays"] = [[a.dtype.str, a.tolist()] for a in arrays]
+shares = [np.arange(i + 1, dtype=np.int64) for i in distributed.share(range(3))]
+out["shares"] = [a.tolist() for a in distributed.gather_shares(shares, 3)]
+out["mesh"] = [d.process_index for d in distributed.process_mesh().devices.flat]
 print("PROBE " + json.dumps(out))
 """
 
@@ -294,6 +304,9 @@ def test_the_helpers_across_two_processes():
   assert got[0]["error"] == "ZeroDivisionError: division by zero"
   assert got[1]["error"].startswith("RuntimeError: process 1: process 0 failed dividing")
   assert all(not g["addressable"] and g["to_host"] == [2.0 * i for i in range(8)] for g in got)
+  arrays = [["<f8", [[0.1, 0.1]]], ["<f8", [[1.1, 1.1], [1.1, 1.1]]]]  # float64 kept
+  assert all(g["arrays"] == arrays for g in got)
+  assert all(g["shares"] == [[0], [0, 1], [0, 1, 2]] and g["mesh"] == [0, 1] for g in got)
 
 
 def test_two_processes_match_one_and_a_death_is_bounded_and_resumed(tmp_path):
@@ -536,3 +549,29 @@ def test_kvzap_over_two_processes_matches_one_and_the_resumed_run(tmp_path):
   resumed = _surrogate(workdir / "kvzap_mlp.npz")
   for key in mlp[1]:  # the same steps from the same checkpoint: bit for bit
     np.testing.assert_array_equal(resumed[key], mlp[1][key])
+
+
+# --------------------------------------------------------------------------- training: Fast KVzip
+
+
+@slow
+@pytest.mark.slow
+def test_fastkvzip_over_two_processes_matches_one_and_the_resumed_run(tmp_path):
+  config = "configs/fastkvzip.py:quick"
+  one = finish(_launch("experiments.fastkvzip", config, tmp_path / "one", count=1))
+  two = finish(_launch("experiments.fastkvzip", config, tmp_path / "two"))
+  assert [r[0] for r in one + two] == [0, 0, 0], [r[2][-2000:] for r in one + two]
+  a, b = (np.load(tmp_path / d / "targets" / "part_00000.npz") for d in ("one", "two"))
+  np.testing.assert_array_equal(a["X"], b["X"])
+  np.testing.assert_array_equal(a["y"], b["y"])
+  gates = [_surrogate(tmp_path / d / "fastkvzip_gates.npz") for d in ("one", "two")]
+  for key in gates[0]:  # measured: up to 6e-7 (the gradients summed in another order)
+    np.testing.assert_allclose(gates[1][key], gates[0][key], rtol=0, atol=MLP_ATOL, err_msg=key)
+  workdir = tmp_path / "killed"
+  killed = finish(_launch("experiments.fastkvzip", config, workdir, KVJAX_FAULT_EXIT="1:2"))
+  assert [r[0] for r in killed] == [distributed.PEER_FAILED_EXIT_CODE, distributed.FAULT_EXIT_CODE]
+  again = finish(_launch("experiments.fastkvzip", config, workdir))
+  assert [r[0] for r in again] == [0, 0], again[0][2][-3000:] + again[1][2][-3000:]
+  resumed = _surrogate(workdir / "fastkvzip_gates.npz")
+  for key in gates[1]:  # the same steps from the same checkpoint: bit for bit
+    np.testing.assert_array_equal(resumed[key], gates[1][key])
