@@ -169,3 +169,61 @@ def test_fold_configs_makes_one_batch_of_configuration_major_rows():
       np.testing.assert_array_equal(folded.budget[row], caches.budget[k, b])
       assert folded.overflow[row] == caches.overflow[k, b]
   assert folded.scores is None
+
+
+def _blocked_cache(cfg, capacity, seed=0):
+  """A cache of ``capacity`` slots, each (row, layer, head) holding its own number of them."""
+  rng = np.random.default_rng(seed)
+  L, B, H, D = cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim
+  shape = (L, B, H, capacity)
+  held = rng.integers(capacity // 2, capacity - 8, size=(L, B, H))
+  return cache_lib.KVCache(
+    keys=jnp.asarray(rng.standard_normal(shape + (D,), np.float32)),
+    values=jnp.asarray(rng.standard_normal(shape + (D,), np.float32)),
+    positions=jnp.asarray(np.broadcast_to(np.arange(capacity, dtype=np.int32), shape)),
+    valid=jnp.asarray(np.arange(capacity) < held[..., None]),
+    budget=jnp.full((B, L, H), capacity, jnp.int32),
+  )
+
+
+def test_decode_attention_in_blocks_matches_one_block(monkeypatch):
+  """The decode step reads each layer's slots in blocks (the last overlapping the one before);
+  the logits, the cache it writes and the per-slot attention a decode-time policy observes
+  match one block over all slots."""
+  from flax import nnx
+
+  cfg = km.ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    attn_softcap=30.0,
+    sliding_window=2000,
+  )
+  params = km.Llama(cfg, rngs=nnx.Rngs(0)).params()
+  capacity = 2 * 1000 + 501  # 3 blocks of 1024 at most: the last overlaps
+  token, pos = jnp.asarray([3, 5], jnp.int32), jnp.asarray([2600, 2700], jnp.int32)
+
+  def run(spec, cache):
+    return cache_lib.decode_step(cfg, params, spec, cache, token, pos, pos)
+
+  for policy, extra in (("snapkv", {}), ("h2o", {"scores": True})):
+    spec = cache_lib.CacheSpec(policies.make(policy), capacity)
+    cache = _blocked_cache(cfg, capacity)
+    if extra:
+      cache = cache.replace(scores=jnp.zeros(cache.valid.shape, jnp.float32))
+      cache = cache.replace(budget=jnp.full(cache.budget.shape, capacity - 4, jnp.int32))
+    logits, out = run(spec, cache)
+    monkeypatch.setattr(cache_lib, "DECODE_BLOCK", 1 << 30)
+    ref_logits, ref = run(spec, cache)
+    monkeypatch.undo()
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    for name in ("positions", "valid"):
+      np.testing.assert_array_equal(getattr(out, name), getattr(ref, name))
+    for name in ("keys", "values"):  # a later layer's token comes from the earlier's output
+      np.testing.assert_allclose(getattr(out, name), getattr(ref, name), rtol=1e-5, atol=1e-6)
+    if extra:
+      np.testing.assert_allclose(out.scores, ref.scores, rtol=1e-6, atol=1e-7)
