@@ -7,7 +7,10 @@
 2. a Llama-3.2-1B-shaped prefill in bf16 (random weights: nothing is downloaded) at 8k, 16k and
    32k tokens with the evidence the policies read, its wall time and the device's peak memory;
 3. a decode step at a 10 % budget against the full cache at 16k tokens (time ratio);
-4. one notebook (``01_policy_lab``) in QUICK mode through nbclient.
+4. the decode roofline (``experiments/bench_roofline``): each case's step as a fraction of the
+   device's bandwidth measured by a large reduction in the same run (its HBM bandwidth on a GPU
+   or TPU); quick sizes;
+5. one notebook (``01_policy_lab``) in QUICK mode through nbclient.
 
 Each line says what ran where; a failing part is reported, not hidden. Record the table in the
 README's benchmark section.
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments import bench_roofline
 from experiments.bench_memory import EVIDENCE, SHAPES
 from kvjax import model as km
 from kvjax import policies
@@ -103,6 +107,14 @@ def decode_row(cfg, T: int) -> str:
   )
 
 
+def roofline_rows() -> list[str]:
+  try:
+    lines = bench_roofline.run(quick=True, repeats=5, emit=None)
+  except Exception as e:  # noqa: BLE001  (a failure is a result here)
+    return [f"roofline: FAILED {type(e).__name__}: {str(e)[:120]}"]
+  return [line.strip() for line in lines if line.startswith(("reference", "roofline"))]
+
+
 def notebook_row() -> str:
   import nbclient
   import nbformat
@@ -137,6 +149,7 @@ def main() -> None:
   rows.append(f"golden selection + kvpress fixtures: {golden_tests()}")
   rows += prefill_rows(cfg, lengths)
   rows.append(decode_row(cfg, lengths[-1] // 2 if args.quick else 16384))
+  rows += roofline_rows()
   rows.append(notebook_row())
   print("\n".join(f"| {r} |" for r in rows))
 
