@@ -256,11 +256,8 @@ def load_learned(config, needs, cfg) -> dict:
     ValueError: naming the field, for a missing or unreadable file, or one trained for
       another model.
   """
-  out = {}
-  for name, path in learned_paths(config, needs).items():
-    lib = kvzap if name == "kvzap" else fastkvzip
-    out[name] = lib.load(path, cfg)[0]
-  return out
+  loaders = {"kvzap": kvzap.load, "fastkvzip": fastkvzip.load}
+  return {name: loaders[name](path, cfg)[0] for name, path in learned_paths(config, needs).items()}
 
 
 def learned_paths(config, needs) -> dict:
