@@ -56,15 +56,12 @@ def case_budgets(case: str, cfg, T: int, rng: np.random.Generator) -> np.ndarray
   Raises:
     ValueError: for an unknown case.
   """
+  if case not in CASES:
+    raise ValueError(f"case: expected one of {CASES}, got {case!r}")
   L, H = cfg.num_layers, cfg.num_kv_heads
   b = T // 10
-  if case == "full":
-    out = np.full((L, H), T)
-  elif case == "uniform10":
-    out = np.full((L, H), b)
-  elif case == "pyramid10":
-    out = np.broadcast_to(np.asarray(budgets_lib.pyramid(L, b, WINDOW, T))[:, None], (L, H))
-  elif case == "adakv10":
+
+  def adakv():
     # heads that concentrate their attention differently: log-normal scores whose spread
     # differs by head, so the pooled top-k gives each head its own share
     rows = []
@@ -72,9 +69,15 @@ def case_budgets(case: str, cfg, T: int, rng: np.random.Generator) -> np.ndarray
       sigma = rng.uniform(0.5, 2.5, size=(L, H, 1))
       scores = np.exp(sigma * rng.standard_normal((L, H, T))).astype(np.float32)
       rows.append(np.asarray(budgets_lib.adakv(jnp.asarray(scores), b, WINDOW)))
-    return np.stack(rows).astype(np.int32)
-  else:
-    raise ValueError(f"case: expected one of {CASES}, got {case!r}")
+    return np.stack(rows)
+
+  per_case = {
+    "full": lambda: np.full((L, H), T),
+    "uniform10": lambda: np.full((L, H), b),
+    "adakv10": adakv,
+    "pyramid10": lambda: np.asarray(budgets_lib.pyramid(L, b, WINDOW, T))[:, None],
+  }
+  out = per_case[case]()
   return np.broadcast_to(out, (BATCH, L, H)).astype(np.int32)
 
 
