@@ -453,7 +453,8 @@ def compress(
       scores, budget_LH = policy_selection(ev, valid_T, budget)
     else:  # the policy over the global layers; each sliding layer keeps its window's tokens
       glob, slide = np.flatnonzero(~sliding), np.flatnonzero(sliding)
-      budget_g = budget if jnp.ndim(budget) == 0 else jnp.asarray(budget)[glob]
+      per_layer = budget is not None and jnp.ndim(budget) > 0
+      budget_g = jnp.asarray(budget)[glob] if per_layer else budget
       scores_g, budget_g = policy_selection(_layer_subset(ev, glob), valid_T, budget_g)
       recency = jnp.where(valid_T, jnp.arange(T, dtype=jnp.float32), -jnp.inf)
       scores = jnp.zeros((L, H, T), jnp.float32).at[glob].set(scores_g)

@@ -96,9 +96,11 @@ _repeat_pass_jit = jax.jit(_repeat_pass, static_argnums=(0, 3, 4))
 
 
 def repeat_ids(context_BT: np.ndarray, template: KVzipTemplate) -> tuple[np.ndarray, tuple, tuple]:
-  """KVzap's training prompt: the context, KVzip's first question, the assistant header and the
-  context again (kvpress ``repeat_prompt_tokenization``'s ``user: <prompt>\\n\\nRepeat the
-  previous context exactly. / assistant: <prompt>``), in token ids.
+  """KVzap's training prompt in token ids: the context, KVzip's first question, the assistant
+  header and the context again.
+
+  As kvpress ``repeat_prompt_tokenization``'s ``user: <prompt>\\n\\nRepeat the previous context
+  exactly`` then ``assistant: <prompt>``.
 
   Args:
     context_BT: the contexts ``[B, T]``, each starting with the template's

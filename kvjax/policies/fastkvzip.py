@@ -23,9 +23,10 @@ PROTECTED = 1.0  # what kvpress writes over the sinks and the window: above ever
 
 
 def window_lengths(T: int, window_ratio: float, window_size: int) -> np.ndarray:
-  """The protected local window of a context of each length ``n`` in ``0 .. T`` (kvpress
-  ``FastKVzipPress._score_fast``): ``max(1, int(n * window_ratio))`` below 32000 tokens,
-  ``window_size`` from there; computed on the host in double precision, as Python does.
+  """The protected local window of a context of each length ``n`` from 0 to ``T``.
+
+  As kvpress ``FastKVzipPress._score_fast``: ``max(1, int(n * window_ratio))`` below 32000
+  tokens, ``window_size`` from there; computed on the host in double precision, as Python does.
 
   Args:
     T: the longest length.
