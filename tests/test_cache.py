@@ -201,11 +201,11 @@ def test_decode_attention_in_blocks_matches_one_block(monkeypatch):
     num_kv_heads=2,
     head_dim=8,
     attn_softcap=30.0,
-    sliding_window=2000,
+    sliding_window=4000,
   )
   params = km.Llama(cfg, rngs=nnx.Rngs(0)).params()
-  capacity = 2 * 1000 + 501  # 3 blocks of 1024 at most: the last overlaps
-  token, pos = jnp.asarray([3, 5], jnp.int32), jnp.asarray([2600, 2700], jnp.int32)
+  capacity = 2 * cache_lib.DECODE_BLOCK + 501  # 3 blocks: the last overlaps the one before
+  token, pos = jnp.asarray([3, 5], jnp.int32), jnp.asarray([4700, 4800], jnp.int32)
 
   def run(spec, cache):
     return cache_lib.decode_step(cfg, params, spec, cache, token, pos, pos)
