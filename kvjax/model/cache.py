@@ -776,6 +776,11 @@ def _slot_attention_of_layer(cfg, q_BHq1D, keys_all, values_all, l, visible_BHC)
   _, B, H, C, D = keys_all.shape
   Hq = q_BHq1D.shape[1]
   n = -(-C // DECODE_BLOCK)
+  if n == 1:  # one block: the layer's slots whole, as the attention over a layer reads them
+    probs = llama.attention_probs(
+      q_BHq1D, keys_all[l], visible_BHC[:, :, None, :], softcap=cfg.attn_softcap
+    )
+    return probs, llama.attend(probs, values_all[l])
   block = -(-C // n)  # n equal blocks: the last overlaps the one before by fewer than n slots
   q = q_BHq1D.astype(jnp.float32).reshape(B, H, Hq // H, D)
 
