@@ -16,7 +16,8 @@ line). One line per case, in the form tooling reads::
 Padding slots of a ragged cache are not counted as bytes the step must read: a step that reads
 them pays for them in its fraction.
 
-Usage: ``python -m experiments.bench_roofline [--quick] [--repeats N] [--kv-dtype bfloat16]``.
+Usage: ``python -m experiments.bench_roofline [--quick] [--repeats N] [--kv-dtype bfloat16]
+[--decode-block N]`` (``--decode-block 1000000``: each layer's slots read whole).
 """
 
 from __future__ import annotations
@@ -264,7 +265,16 @@ def main():
   parser.add_argument("--quick", action="store_true", help="a 2-layer model at 1,024 tokens")
   parser.add_argument("--repeats", type=int, default=7, help="timed steps per case (median)")
   parser.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16"))
+  parser.add_argument(
+    "--decode-block",
+    type=int,
+    default=cache_lib.DECODE_BLOCK,
+    help="slots per block of the step's attention (above the capacity: each layer read whole)",
+  )
   args = parser.parse_args()
+  if args.decode_block < 1:
+    raise ValueError(f"decode_block: expected an int >= 1, got {args.decode_block}")
+  cache_lib.DECODE_BLOCK = args.decode_block
   run(args.quick, args.repeats, jnp.dtype(args.kv_dtype), emit=lambda s: print(s, flush=True))
 
 
