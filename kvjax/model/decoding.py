@@ -541,22 +541,9 @@ def generate(
   cfg = model.cfg
   ids, mask = _checked_prompt(model, prompt_ids, attention_mask, new)
   B, T = ids.shape
-  budget = _ratio_or_budget(pol, budget, ratio, mask)
-  _check_budget_given(pol, budget)
-  if ratio is None:
-    budget = _budget_free(pol, budget, T)
-  if pol.requires_budget:
-    _check_row_budgets(pol, budget, mask, ratio is not None)
-  ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
-  spec = cache_lib.CacheSpec(
-    pol,
-    1,
-    layout.heads,
-    reindex=layout.reindex,
-    row_budgets=ratio is not None,
-    compress_sliding=layout.compress_sliding,
+  budget, ev, spec = _checked_run(
+    model, pol, budget, ratio, layout, evidence, prompt_ids, attention_mask, mask
   )
-  cache_lib.check_spec(spec)
   params = model.params()
   itemsize = llama.kv_itemsize(cfg, params)
   check_cache_bytes(
@@ -587,6 +574,29 @@ def generate(
     "full_cache_bytes": cache_lib.full_cache_bytes(cfg, tokens.shape[0], T + new, itemsize)
   }
   return Generation(np.asarray(tokens), mem, np.asarray(cache.budget))
+
+
+def _checked_run(model, pol, budget, ratio, layout, evidence, input_ids, attention_mask, mask):
+  """The budget (or the rows' budgets under ``ratio``), the caller's evidence and the cache's
+  spec (capacity still 1) of one compression, each checked before any work."""
+  T = mask.shape[-1]
+  budget = _ratio_or_budget(pol, budget, ratio, mask)
+  _check_budget_given(pol, budget)
+  if ratio is None:
+    budget = _budget_free(pol, budget, T)
+  if pol.requires_budget:
+    _check_row_budgets(pol, budget, mask, ratio is not None)
+  ev = check_evidence(pol, evidence, model.cfg, input_ids, attention_mask)
+  spec = cache_lib.CacheSpec(
+    pol,
+    1,
+    layout.heads,
+    reindex=layout.reindex,
+    row_budgets=ratio is not None,
+    compress_sliding=layout.compress_sliding,
+  )
+  cache_lib.check_spec(spec)
+  return budget, ev, spec
 
 
 def ratio_budgets(ratio, lengths_B) -> np.ndarray:
@@ -704,22 +714,9 @@ def compress_context(
   cfg = model.cfg
   ids, mask = _checked_prompt(model, context_ids, attention_mask, 0, "context_ids")
   B, T = ids.shape
-  budget = _ratio_or_budget(pol, budget, ratio, mask)
-  _check_budget_given(pol, budget)
-  if ratio is None:
-    budget = _budget_free(pol, budget, T)
-  if pol.requires_budget:
-    _check_row_budgets(pol, budget, mask, ratio is not None)
-  ev = check_evidence(pol, evidence, cfg, context_ids, attention_mask)
-  spec = cache_lib.CacheSpec(
-    pol,
-    1,
-    layout.heads,
-    reindex=layout.reindex,
-    row_budgets=ratio is not None,
-    compress_sliding=layout.compress_sliding,
+  budget, ev, spec = _checked_run(
+    model, pol, budget, ratio, layout, evidence, context_ids, attention_mask, mask
   )
-  cache_lib.check_spec(spec)
   params = model.params()
   check_cache_bytes(
     cfg,
