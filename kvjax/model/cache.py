@@ -1105,7 +1105,8 @@ def extend(
     held: the held segments, attended in order, each ``(keys [L, B, H, C, D], values, valid
       [L, B, H, C], positions [L, B, H, C])`` with keys post-RoPE at their original positions,
       per KV head or (the query layout, ``H = Hq``) per query head.
-    tokens_BM: the fed tokens ``[B, M]``.
+    tokens_BM: the fed tokens ``[B, M]``, or their input embeddings ``[B, M, d]`` (HF's
+      ``inputs_embeds``: RestoreKV's learned restore tokens, which no vocabulary entry holds).
     pos_BM: their RoPE positions ``[B, M]``.
     probs: whether to return the softmax over held and fed keys cut to the first segment (the
       oracle's full-cache attention of future queries).
@@ -1120,8 +1121,11 @@ def extend(
     None)``; with ``appended`` a third item, the fed tokens' segment ``(keys [L, B, H, M, D],
     values, valid, positions)``.
   """
-  B, M = tokens_BM.shape
-  x = llama.embed_tokens(cfg, params, tokens_BM)
+  B, M = tokens_BM.shape[:2]
+  if tokens_BM.ndim == 3:  # embeddings: the residual stream's input as given
+    x = tokens_BM
+  else:
+    x = llama.embed_tokens(cfg, params, tokens_BM)
   held = tuple(held)
   repeat_kv = held[0][0].shape[2] != cfg.num_kv_heads  # the query layout: one slot table per Hq
 
