@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvjax import model as km
-from kvjax.model import decoding
+from kvjax.model import answers, decoding
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +68,55 @@ def test_bad_ratios_are_refused(tiny):
     km.generate(model, ids, policy="full", ratio=0.5, max_new_tokens=1)
   with pytest.raises(ValueError, match="budget"):  # a ratio that leaves less than the window
     km.keep_mask(model, ids, "snapkv", None, ratio=0.99, window=4)
+
+
+@pytest.fixture(scope="module")
+def answer_inputs(tiny):
+  model, cfg, _ = tiny
+  rng = np.random.default_rng(1)
+  prompt = rng.integers(5, cfg.vocab_size, (2, 52)).astype(np.int32)  # 48 context + 4 question
+  answer = rng.integers(5, cfg.vocab_size, (2, 3)).astype(np.int32)
+  return model, prompt, answer
+
+
+def test_answer_configs_ratios_match_their_budgets(answer_inputs):
+  model, prompt, answer = answer_inputs
+  kw = dict(policy="snapkv", question_len=4, window=4)
+  got = km.answer_configs(model, prompt, answer, ratios=(0.25, 0.5, 0.75), **kw)
+  want = km.answer_configs(model, prompt, answer, [36, 24, 12], **kw)  # int(48 * (1 - r))
+  np.testing.assert_array_equal(got.predicted, want.predicted)
+  np.testing.assert_array_equal(got.logprobs, want.logprobs)
+  np.testing.assert_array_equal(got.budget_LH, want.budget_LH)
+  np.testing.assert_array_equal(got.kv_bytes_held, want.kv_bytes_held)
+  np.testing.assert_array_equal(got.ratios, [0.25, 0.5, 0.75])
+  assert want.ratios is None
+
+
+def test_answer_configs_compiles_once_for_every_ratio(answer_inputs):
+  model, prompt, answer = answer_inputs
+  prompt = prompt[:, 2:]  # a shape no other test compiled: 46 context tokens
+  kw = dict(policy="knorm", question_len=4)
+  fns = (answers._compress_configs, answers._answer_configs)
+  before = [f._cache_size() for f in fns]
+  km.answer_configs(model, prompt, answer, ratios=(0.2, 0.5, 0.8), **kw)
+  once = [f._cache_size() for f in fns]
+  assert [b - a for a, b in zip(before, once, strict=True)] == [1, 1]  # three ratios, one compile
+  # other ratios whose largest budget fills the same capacity bucket: nothing compiles again
+  km.answer_configs(model, prompt, answer, ratios=(0.25, 0.4, 0.875), **kw)
+  assert [f._cache_size() for f in fns] == once
+
+
+def test_answer_configs_bad_ratios_are_refused(answer_inputs):
+  model, prompt, answer = answer_inputs
+  kw = dict(question_len=4)
+  for bad in ((1.0,), (-0.1,), ("0.5",), (True,), (float("nan"),), (), 0.5, [[0.5]]):
+    with pytest.raises(ValueError, match="ratios: .*expected a non-empty \\[K\\] sequence"):
+      km.answer_configs(model, prompt, answer, policy="knorm", ratios=bad, **kw)
+  with pytest.raises(ValueError, match="ratios: \\(0.5,\\) given with budgets .* not both"):
+    km.answer_configs(model, prompt, answer, [8], policy="knorm", ratios=(0.5,), **kw)
+  with pytest.raises(ValueError, match="budgets: .* got neither"):
+    km.answer_configs(model, prompt, answer, policy="knorm", **kw)
+  with pytest.raises(ValueError, match="ratios: policy 'full' takes no budget"):
+    km.answer_configs(model, prompt, answer, policy="full", ratios=(0.5,), **kw)
+  with pytest.raises(ValueError, match="ratios: 0.95 keeps 2 of the 48 context tokens"):
+    km.answer_configs(model, prompt, answer, policy="snapkv", ratios=(0.5, 0.95), window=4, **kw)

@@ -31,6 +31,8 @@ class Answers:
   ``full_cache_bytes``: those of the uncompressed context's cache (every KV head, the same
   rows), so that ``kv_bytes_held / full_cache_bytes`` is the fraction of the full cache held.
   A policy keeping whole heads or layers counts what they really held, not its nominal budget.
+  ``ratios [K]``: each configuration's compression ratio when the call took ``ratios=``
+  (``None`` for token budgets).
   """
 
   predicted: np.ndarray
@@ -38,6 +40,81 @@ class Answers:
   budget_LH: np.ndarray
   kv_bytes_held: np.ndarray | None = None
   full_cache_bytes: int | None = None
+  ratios: np.ndarray | None = None
+
+
+def check_ratios(ratios) -> np.ndarray:
+  """Checks compression ratios with a configuration axis: kvpress's ``compression_ratio``, each a
+  float in ``[0, 1)``.
+
+  Args:
+    ratios: ``[K]`` ratios, the fraction of the context removed in each configuration.
+
+  Returns:
+    The ratios as a float64 array ``[K]``.
+
+  Raises:
+    ValueError: naming ``ratios`` and the value, for anything but a non-empty sequence of real
+      numbers in ``[0, 1)`` (a bool, a string, NaN or 1.0 included).
+  """
+  expected = "expected a non-empty [K] sequence of floats in [0, 1) (kvpress compression_ratio)"
+  values = (ratios,) if np.isscalar(ratios) else tuple(np.asarray(ratios, object).ravel())
+  if np.ndim(ratios) != 1 or not values:
+    raise ValueError(f"ratios: {expected}, got {ratios!r}")
+  for r in values:
+    real = isinstance(r, int | float | np.integer | np.floating) and not isinstance(r, bool)
+    if not real or not 0.0 <= float(r) < 1.0:
+      raise ValueError(f"ratios: {r!r} is not a compression ratio; {expected}")
+  return np.asarray(values, np.float64)
+
+
+def budgets_of(policy: policies.Policy, budgets, ratios, context_len: int):
+  """The ``[K, ...]`` token budgets a call runs with: ``budgets`` as given, or each ratio's
+  kvpress ``compute_n_kept`` over the ``context_len`` context tokens compressed,
+  ``int(context_len * (1 - ratio))`` (:func:`kvjax.model.decoding.ratio_budgets`; every row of
+  an unpadded prompt has the same length, so one budget per ratio). The budgets are traced data
+  either way: every ratio of a call shares one compiled program.
+
+  Args:
+    policy: the policy (an object).
+    budgets: ``[K]``, ``[K, L]`` or ``[K, L, H]`` budgets, or ``None`` with ``ratios``.
+    ratios: ``[K]`` compression ratios, or ``None`` with ``budgets``.
+    context_len: the context tokens compressed (the prompt less its re-fed question).
+
+  Returns:
+    ``(budgets, ratios)``: the checked int32 budgets and the float ratios ``[K]`` (``None``
+    for token budgets).
+
+  Raises:
+    ValueError: naming the argument, for both or neither given, ratios
+      :func:`check_ratios` refuses, ratios for a policy that takes no budget (the full cache),
+      or a ratio that keeps fewer tokens than the policy's protected window.
+  """
+  if ratios is None:
+    if budgets is None:
+      raise ValueError("budgets: expected [K, ...] token budgets or ratios=[K], got neither")
+    return decoding.check_config_budgets(budgets), None
+  if budgets is not None:
+    raise ValueError(
+      f"ratios: {ratios!r} given with budgets {budgets!r}; expected budgets or ratios, not both"
+    )
+  r_K = check_ratios(ratios)
+  if not policy.requires_budget:
+    raise ValueError(
+      f"ratios: policy {policy.label!r} takes no budget; expected ratios=None "
+      "(the full cache keeps every context token)"
+    )
+  b_K = np.concatenate([decoding.ratio_budgets(float(r), [context_len]) for r in r_K])
+  window = min(policy.observation_window, context_len)
+  for r, b in zip(r_K, b_K, strict=True):
+    try:
+      policy.check_budget(np.int32(b), window, context_len)
+    except ValueError as e:
+      raise ValueError(
+        f"ratios: {float(r)!r} keeps {int(b)} of the {context_len} context tokens per head, "
+        f"which policy {policy.label!r} refuses ({e}); expected a smaller ratio"
+      ) from None
+  return decoding.check_config_budgets(b_K), r_K
 
 
 def decoding_spec(spec: cache_lib.CacheSpec) -> cache_lib.CacheSpec:
@@ -450,9 +527,10 @@ def _prefill_shared(model, prompt_ids, answer_ids, shape, window, oracle, reques
 def answer_prefilled(
   model,
   prefilled: Prefilled,
-  budgets,
+  budgets=None,
   *,
   policy: policies.Policy | str,
+  ratios=None,
   layout: cache_lib.Layout | str = "kv",
   evidence=None,
   token_loop: bool = False,
@@ -465,8 +543,10 @@ def answer_prefilled(
   Args:
     model: the model (:class:`kvjax.model.llama.Llama`).
     prefilled: the shared prefill (:func:`prefill_answers`).
-    budgets: ``[K]``, ``[K, L]`` or ``[K, L, H]`` budgets.
+    budgets: ``[K]``, ``[K, L]`` or ``[K, L, H]`` budgets (``None`` with ``ratios``).
     policy: a policy object, or a name built once with ``policy_options``.
+    ratios: instead of ``budgets``, ``[K]`` kvpress compression ratios of the context
+      (:func:`budgets_of`).
     layout: as :func:`kvjax.model.decoding.generate`'s.
     evidence: as :func:`kvjax.model.decoding.generate`'s, over the context's columns.
     token_loop: feed the answers token by token even where decoding only appends and they
@@ -479,17 +559,18 @@ def answer_prefilled(
     ``[K, B, N, V]`` and the allocations ``[K, B, L, H]``.
 
   Raises:
-    ValueError: before any work, for budgets, a policy or evidence it cannot run with, or
-      caches above :data:`kvjax.model.decoding.MAX_CACHE_BYTES`.
+    ValueError: before any work, for budgets or ratios (:func:`budgets_of`), a policy or
+      evidence it cannot run with, or caches above
+      :data:`kvjax.model.decoding.MAX_CACHE_BYTES`.
     RuntimeError: when a row needed more slots than its cache held.
   """
   layout = cache_lib.as_layout(layout)
-  budgets = decoding.check_config_budgets(budgets)
   cfg, params = model.cfg, model.params()
   pol = policies.build(policy, **policy_options)
   decoding.check_model_evidence(pol, future=True)
   pre = prefilled.pre
   B, Tc = pre.valid.shape
+  budgets, ratios = budgets_of(pol, budgets, ratios, Tc)
   M = prefilled.inputs_BM.shape[1]
   window = min(pol.observation_window, prefilled.seen_len)
   if not pol.evidence_fields & {"attn_window_LHWT", "window_queries_LHWD"}:
@@ -532,7 +613,7 @@ def answer_prefilled(
   pred, logp, caches = jax.tree.map(lambda x: x[:K], (pred, logp, caches))
   decoding.check_overflow(caches)
   full = cache_lib.full_cache_bytes(cfg, B, Tc, llama.kv_itemsize(cfg, params))
-  return Answers(np.asarray(pred), np.asarray(logp), np.asarray(alloc), held_K, full)
+  return Answers(np.asarray(pred), np.asarray(logp), np.asarray(alloc), held_K, full, ratios)
 
 
 def _held_bytes(caches_K: cache_lib.KVCache, K: int) -> np.ndarray:
@@ -549,9 +630,10 @@ def answer_configs(
   model,
   prompt_ids,
   answer_ids,
-  budgets,
+  budgets=None,
   *,
   policy: policies.Policy | str,
+  ratios=None,
   question_len: int = 1,
   question: str = "in_window",
   answer_given=None,
@@ -591,9 +673,12 @@ def answer_configs(
     model: the model (:class:`kvjax.model.llama.Llama`).
     prompt_ids: token ids ``[B, T]``, the context then the question.
     answer_ids: token ids ``[B, N]``.
-    budgets: ``[K]``, ``[K, L]`` or ``[K, L, H]`` budgets.
+    budgets: ``[K]``, ``[K, L]`` or ``[K, L, H]`` budgets (``None`` with ``ratios``).
     policy: a policy object, or a name built once with ``policy_options``.
-    question_len: the prompt's last tokens that are the question.
+    ratios: instead of ``budgets``, ``[K]`` kvpress compression ratios (the fraction of the
+      context removed): each keeps ``int(Tc * (1 - ratio))`` slots per head of the ``Tc``
+      context tokens compressed (:func:`budgets_of`). Ratios are data like budgets: every ratio
+      of a call is answered by one compiled program.
     question: ``"in_window"``, ``"after"`` or ``"compressed"`` (:data:`QUESTION_MODES`).
     answer_given: bool ``[B, N]``, the answer positions fed from the answer in the greedy pass
       (``None``: none).
@@ -607,16 +692,18 @@ def answer_configs(
 
   Raises:
     ValueError: before any work, as :func:`check_answer_inputs` (a prompt plus its answer past
-      the model's context included) and :func:`answer_prefilled`.
+      the model's context included), :func:`budgets_of` (both or neither of ``budgets`` and
+      ``ratios``, a ratio outside ``[0, 1)``, ratios for the full cache) and
+      :func:`answer_prefilled`.
     RuntimeError: when a row needed more slots than its cache held.
   """
   pol = policies.build(policy, **policy_options)
   decoding.check_model_evidence(pol, future=True)
   shape = (question_len, question, answer_given)
   prompt, answer, q_len, _ = check_answer_inputs(model, prompt_ids, answer_ids, shape)
-  budgets = decoding.check_config_budgets(budgets)
   layout = cache_lib.as_layout(layout)
   Tc = prompt.shape[1] - q_len
+  budgets, ratios = budgets_of(pol, budgets, ratios, Tc)
   check_answer_memory(
     model, pol, budgets, layout.heads, prompt.shape[0], Tc, q_len + answer.shape[1] - 1
   )
@@ -625,4 +712,5 @@ def answer_configs(
   prefilled = _prefill_shared(
     model, prompt_ids, answer_ids, shape, window, pol.reads_future, pol.evidence_request
   )
-  return answer_prefilled(model, prefilled, budgets, policy=pol, layout=layout, evidence=evidence)
+  out = answer_prefilled(model, prefilled, budgets, policy=pol, layout=layout, evidence=evidence)
+  return dataclasses.replace(out, ratios=ratios)
