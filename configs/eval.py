@@ -5,7 +5,8 @@ The default (the shipped tiny model, 1k-token contexts, 8 examples per cell) fin
 minutes on 2 CPU cores; ``:full`` (1k and 2k contexts, 50 examples, a wider heatmap) is for a GPU
 or TPU; ``:quick`` is the CI smoke run. ``:smollm2``, ``:smollm2_quick`` and ``:smollm2_full``
 run SmolLM2-135M-Instruct; ``:smollm2_methods`` (and the tiny ``:methods_quick``) the methods of
-2025-26 (:data:`METHODS`) beside SnapKV.
+2025-26 (:data:`METHODS`) beside SnapKV. ``:smollm2_ratios`` (and the tiny ``:ratios_quick``)
+evaluate at kvpress's compression ratios instead of token budgets.
 """
 
 import ml_collections
@@ -95,7 +96,12 @@ PRESETS = (
   "presses_quick",
   "smollm2_presses",
   "smollm2_learned",
+  "smollm2_ratios",
+  "ratios_quick",
 )
+
+# kvpress's leaderboard ratios: the fraction of each context removed
+RATIOS = (0.25, 0.5, 0.75, 0.875)
 
 
 def smollm2(c: ml_collections.ConfigDict, preset: str) -> None:
@@ -138,6 +144,11 @@ def smollm2(c: ml_collections.ConfigDict, preset: str) -> None:
     c.calibration = "/tmp/kvjax_calibrate/calibration.npz"  # experiments.calibrate's default
     c.kvzap = "tests/fixtures/kvzap_smollm2_linear.npz"  # ridge, trained on shipped prose
     c.fastkvzip = "/tmp/kvjax_fastkvzip/fastkvzip_gates.npz"  # experiments.fastkvzip's default
+    c.heatmap.update(policies=())
+  elif preset == "smollm2_ratios":  # kvpress's ratios instead of token budgets, both modes
+    c.lengths = (1024,)
+    c.budgets = ()
+    c.ratios = RATIOS
     c.heatmap.update(policies=())
   elif preset == "smollm2_quick":
     c.question = "in_window"
@@ -182,6 +193,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # a divisor of ``examples``, so every batch has one shape and compiles once
   c.batch = ml_collections.config_dict.placeholder(int)
   c.budgets = (48, 64, 128, 256)
+  # instead of budgets (then budgets=()): kvpress compression ratios, the fraction of each
+  # compressed context removed, int(Tc * (1 - ratio)) slots per head kept; every ratio of a
+  # policy is answered by one compiled program, and each row holds its ratio and that budget
+  c.ratios = ()
   c.policies = POLICIES
   # the policy label every other is tested against in tables.md (paired tests on the shared
   # examples; "full" for the full cache); unset: "snapkv" when it runs
@@ -239,6 +254,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.budgets = (64, 128)
     c.question = "in_window,after"
     c.policies = tuple(p for p in METHODS if p["label"] not in CALIBRATED)
+    c.heatmap.update(policies=())
+  elif preset == "ratios_quick":  # the tiny model at two compression ratios
+    c.tasks = ml_collections.ConfigDict(dict(single_needle={}, multi_key={"num_distractors": 3}))
+    c.lengths = (256,)
+    c.examples = 2
+    c.shared_shapes = True
+    c.budgets = ()
+    c.ratios = (0.5, 0.875)
+    c.policies = tuple(p for p in POLICIES if p["label"] in ("streaming_llm", "snapkv"))
     c.heatmap.update(policies=())
   elif preset == "quick":
     c.tasks = ml_collections.ConfigDict(

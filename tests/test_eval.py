@@ -599,3 +599,40 @@ def test_learned_evidence_comes_from_the_configs_trained_file(tmp_path):
     tiny_eval(policies=pols, kvzap=str(path)), tmp_path / "run", log=lambda *_: None
   )
   assert set(table["policy"]) == {"full", "kvzap"}
+
+
+def test_an_evaluation_at_ratios_writes_each_rows_ratio(tmp_path):
+  """``ratios`` instead of ``budgets``: each row holds its ratio and the token budget it kept,
+  equal to the run at those budgets; the tables have one column per ratio."""
+  c = tiny_eval(budgets=(), ratios=(0.5, 0.75), question="after")
+  table = evaluate.run(c, tmp_path / "r", log=lambda *_: None)
+  mine = table[table["policy"] == "streaming_llm"].sort_values("ratio")
+  Tc = 128 - tasks.generate("single_needle", TOK, length=128, seed=0).question_len
+  assert list(mine["ratio"]) == [0.5, 0.75]
+  assert list(mine["budget"]) == [int(Tc * 0.5), int(Tc * 0.25)]
+  assert list(table.loc[table["policy"] == "full", "ratio"]) == [0.0]
+  by_budget = evaluate.run(
+    tiny_eval(budgets=tuple(int(b) for b in mine["budget"]), question="after"),
+    tmp_path / "b",
+    log=lambda *_: None,
+  )
+  theirs = by_budget[by_budget["policy"] == "streaming_llm"].sort_values("budget", ascending=False)
+  for col in ("accuracy", "kl", "kv_bytes_held", "example_correct"):
+    assert list(mine[col]) == list(theirs[col]), col
+  assert by_budget["ratio"].isna().all() or (by_budget["policy"] == "full").all()
+  md = (tmp_path / "r" / "tables.md").read_text()
+  assert "accuracy vs compression ratio, question `after`" in md and "| 0.5 | 0.75 |" in md
+
+
+def test_eval_ratios_are_checked_before_any_work(tmp_path):
+  for fields, match in [
+    (dict(ratios=(0.5,)), r"ratios: \(0.5,\) given with budgets \(48,\); expected budgets or"),
+    (dict(budgets=(), ratios=(1.0,)), r"ratios: 1.0 is not a compression ratio"),
+    (dict(budgets=(), ratios=(0.5, 0.5)), r"ratios: 0.5 appear more than once"),
+    (dict(budgets=()), r"budgets: expected a non-empty tuple of positive ints, got \(\)"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      evaluate.run(tiny_eval(**fields), tmp_path / "w", log=lambda *_: None)
+    assert _clean(tmp_path / "w")
+  evaluate.validate_config(eval_config.get_config("ratios_quick"))
+  evaluate.validate_config(eval_config.get_config("smollm2_ratios"))

@@ -419,13 +419,16 @@ def evaluate_group(
   question="in_window",
   prefilled=None,
   evidence=None,
+  ratios=None,
 ) -> dict:
   """One (task, length, policy) group: per-budget accuracy and KL (``question``: see
   :func:`kvjax.model.answer_configs`), answered from ``prefilled`` (:func:`prefill_examples`)
   when given, else from a prefill of its own. ``evidence``: the caller-given evidence fields
   (calibration, KVzip's reconstruction attention, HeadKV's ``head_scores_LH``); the policy
-  gets those it reads."""
-  if len(budgets) == 0:
+  gets those it reads. ``ratios`` (with ``budgets=None``): kvpress compression ratios of the
+  compressed context instead of token budgets, all answered by one compiled program; each row
+  holds its ratio and the token budget it kept (:func:`kvjax.model.answers.budgets_of`)."""
+  if ratios is None and len(budgets) == 0:
     raise ValueError(f"budgets: no budget to evaluate for policy {policy.label!r}")
   n_len = None
   if prefilled is not None:  # answers as wide as the prefill's (see prefill_examples)
@@ -437,11 +440,14 @@ def evaluate_group(
       model, exs, question=question, window=window, oracle=policy.reads_future
     )
   given = {k: v for k, v in (evidence or {}).items() if k in policy.evidence_fields}
+  budgets_K, ratios_K = answers_lib.budgets_of(
+    policy, budgets, ratios, prefilled.pre.valid.shape[1]
+  )
   out = answers_lib.answer_prefilled(
-    model, prefilled, np.asarray(budgets, np.int32), policy=policy, evidence=given or None
+    model, prefilled, budgets_K, policy=policy, evidence=given or None
   )
   rows = []
-  for c, b in enumerate(budgets):
+  for c, b in enumerate(np.asarray(budgets_K)):
     ok, found = accuracy(exs, out.predicted[c]), recall(exs, out.predicted[c])
     kl = kl_divergence(full.logprobs[0], out.logprobs[c], scored) if full is not None else np.nan
     # per scored token (mqar's per-query accuracy, as Zoology reports it)
@@ -449,6 +455,7 @@ def evaluate_group(
     rows.append(
       dict(
         budget=int(b),
+        ratio=np.nan if ratios_K is None else float(ratios_K[c]),
         accuracy=float(ok.mean()),
         recall=float(found.mean()),
         token_accuracy=tokens,
@@ -553,6 +560,7 @@ COLUMNS = [
   *GROUP_COLUMNS,
   "depth",
   "budget",
+  "ratio",
   "accuracy",
   "recall",
   "token_accuracy",
@@ -654,8 +662,11 @@ def validate_config(config) -> None:
   for task in config.tasks:
     if task not in ALL_TASKS:
       raise ValueError(f"tasks: {task!r} is not one of {ALL_TASKS}")
+  ratios = config_ratios(config)
   for name in ("lengths", "budgets"):
     values = tuple(config[name])
+    if name == "budgets" and ratios:
+      continue  # kept at () beside ratios (config_ratios)
     if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
       raise ValueError(f"{name}: expected a non-empty tuple of positive ints, got {values!r}")
     _distinct(name, values)
@@ -688,7 +699,7 @@ def validate_config(config) -> None:
       f"{[report.FULL, *labels]} (or None: {report.REFERENCE!r} when it runs)"
     )
   for length in config.lengths:
-    if not [b for b in config.budgets if b < length]:
+    if not ratios and not [b for b in config.budgets if b < length]:
       raise ValueError(
         f"budgets: none of {list(config.budgets)} is below the context length {length}"
       )
@@ -793,11 +804,14 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
   entries = [policy_entry(e) for e in config.policies]
   everyone = [(report.FULL, FULL), *entries]
   modes = question_modes(config)
-  groups = {}  # (task, length, label, kind, question) -> budgets
+  ratios = config_ratios(config)
+  groups = {}  # (task, length, label, kind, question) -> budgets (or ratios)
   for task in config.tasks:
     for length in config.lengths:
       for label, policy in everyone:
         budgets = [b for b in config.budgets if b < length] if policy.requires_budget else [length]
+        if ratios and policy.requires_budget:
+          budgets = list(ratios)
         for q in modes:
           groups[(task, length, label, "budget", q)] = budgets
   done = complete_groups(table, path, {k: len(v) for k, v in groups.items()})
@@ -840,18 +854,21 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
           for label, policy in todo:
             if _reads_head_scores(policy) and head is None:
               head = head_retrieval_scores(model, tok)
-            if policy is FULL:  # its own reference: KL exactly 0
-              res = full | {"rows": [r | {"kl": 0.0} for r in full["rows"]]}
+            if policy is FULL:  # its own reference: KL exactly 0; nothing removed
+              removed = {"ratio": 0.0} if ratios else {}
+              res = full | {"rows": [r | {"kl": 0.0} | removed for r in full["rows"]]}
             else:
-              budgets = groups[(task, length, label, "budget", q)]
+              values = groups[(task, length, label, "budget", q)]
+              by_ratio = bool(ratios) and policy.requires_budget
               res = evaluate_group(
                 model,
                 exs,
-                budgets,
+                None if by_ratio else values,
                 policy,
                 full=full["answers"],
                 prefilled=prefilled,
                 evidence=evidence | _head_evidence(head),
+                ratios=values if by_ratio else None,
               )
             parts[label].append(res)
             seconds[label] += time.time() - t0
@@ -865,8 +882,60 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
     suffix = "" if len(modes) == 1 else f"_{q}"
     rows = table[table["question"] == q]
     plotting.accuracy_figures(rows, out, suffix=suffix, summaries=report.plot_summaries(rows))
-  (out / "tables.md").write_text(report.markdown(table, reference=config.get("reference")))
+  tables = report.markdown(ratio_view(table), reference=config.get("reference"))
+  if ratios:
+    tables = tables.replace(" vs budget, ", " vs compression ratio, ")
+  (out / "tables.md").write_text(tables)
   return table
+
+
+def ratio_view(table: pd.DataFrame) -> pd.DataFrame:
+  """The results with each ratio row's ``budget`` replaced by its compression ratio, so that the
+  tables of :mod:`kvjax.eval.report`, which pivot on ``budget``, have one column per ratio
+  (a ratio's token budget differs per context length; its mean over lengths would not be one
+  column). Rows without a ratio, and the full cache's, are as written.
+
+  Args:
+    table: the results (:data:`COLUMNS`).
+
+  Returns:
+    A copy, or ``table`` itself when no row has a ratio.
+  """
+  if "ratio" not in table.columns:
+    return table
+  mine = table["ratio"].notna() & (table["policy"] != report.FULL)
+  if not mine.any():
+    return table
+  out = table.copy()
+  out["budget"] = out["budget"].astype(float)
+  out.loc[mine, "budget"] = out.loc[mine, "ratio"]
+  return out
+
+
+def config_ratios(config) -> tuple[float, ...]:
+  """The config's compression ratios (``ratios``; empty: token budgets), checked.
+
+  Args:
+    config: the evaluation config (a config without the field has none).
+
+  Returns:
+    The ratios as floats, in the config's order.
+
+  Raises:
+    ValueError: naming ``ratios``, for a value that is not a float in ``[0, 1)``, a repeated
+      ratio, or ratios given with token ``budgets`` (expected ``budgets=()``).
+  """
+  ratios = tuple(config.get("ratios", None) or ())
+  if not ratios:
+    return ()
+  answers_lib.check_ratios(ratios)
+  _distinct("ratios", ratios)
+  if tuple(config.budgets):
+    raise ValueError(
+      f"ratios: {ratios} given with budgets {tuple(config.budgets)}; expected budgets or ratios, "
+      "not both (set --config.budgets='()' to evaluate at ratios)"
+    )
+  return tuple(float(r) for r in ratios)
 
 
 def _ordered(row: dict) -> dict:
@@ -882,8 +951,13 @@ def _append_group(path, key, parts: list[dict], seconds: float, log) -> None:
   rundir.append_rows(path, [_ordered(meta | r | {"seconds": round(seconds, 2)}) for r in rows])
   log(
     f"{task:18s} {length:5d} {q:9s} {label:16s} "
-    + " ".join(f"{r['budget']}:{r['accuracy']:.2f}" for r in rows)
+    + " ".join(f"{_axis(r)}:{r['accuracy']:.2f}" for r in rows)
   )
+
+
+def _axis(row: dict) -> str:
+  """A row's budget as the log shows it: ``r=0.5`` for a ratio, else the token count."""
+  return f"r={row['ratio']:g}" if np.isfinite(row.get("ratio", np.nan)) else str(row["budget"])
 
 
 def _heatmap(config, prepared: Prepared, path, done, head, log, data):
