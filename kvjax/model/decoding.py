@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvjax import policies
 from kvjax.model import cache as cache_lib
-from kvjax.model import llama, sharding, stored
+from kvjax.model import llama, restorekv, sharding, stored
 from kvjax.model.config import ModelConfig
 
 Array = jax.Array
@@ -121,7 +121,7 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
   if not isinstance(given, dict):
     raise ValueError(f"evidence: expected a dict of evidence fields, got {type(given).__name__}")
   data = set(cache_lib.SHARED_EVIDENCE) | set(cache_lib.ROW_EVIDENCE)
-  unknown = sorted(set(given) - data)
+  unknown = sorted(set(given) - data - set(restorekv.FIELDS))
   if unknown:
     raise ValueError(
       f"evidence: {unknown} are not caller-given evidence; expected some of {sorted(data)} "
@@ -135,7 +135,9 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
       f"evidence: policy {policy.label!r} needs {missing}; pass evidence={{...}} "
       "(kvjax.model.calibrate computes them from the model)"
     )
-  out = dict(given)
+  L, G, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  restore = restorekv.check_restore_evidence(policy, given, L=L, B=B, G=G, D=D)
+  out = {k: v for k, v in given.items() if k not in restorekv.FIELDS}
   mask = np.ones((B, T), bool) if attention_mask is None else np.asarray(attention_mask, bool)
   heads = {
     "reconstruction_attn_LGT": cfg.num_kv_heads,
@@ -147,9 +149,8 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
   for field, H in heads.items():
     if out.get(field) is not None:
       out[field] = _row_evidence_left_padded(field, out[field], cfg.num_layers, H, mask)
-  L, G, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
   cache_lib.check_evidence(out, L=L, B=B, G=G, T=T, D=D, Hq=cfg.num_heads)
-  return out or None
+  return {**out, **restore} or None
 
 
 def _row_evidence_left_padded(field: str, value, L: int, H: int, mask: np.ndarray) -> np.ndarray:
@@ -461,16 +462,18 @@ def _checked_prompt(model, prompt_ids, attention_mask, new: int, name: str = "pr
   return to_left_padding(ids, mask)  # left padding whichever side was given
 
 
-def _prefill(model, ids, mask, policy):
+def _prefill(model, ids, mask, policy, evidence=None):
   """The prompt's one prefill for ``policy`` (an object) alone: what the policy's
   :meth:`~kvjax.policies.Policy.evidence_request` asks for, the window rows reduced to its
-  scores in the layer scan where it reads them only through its window scorer. Returns
-  ``(cfg, params, pre)``."""
+  scores in the layer scan where it reads them only through its window scorer; RestoreKV's
+  restore tokens, when the checked ``evidence`` holds them, appended after the prompt
+  (:func:`kvjax.model.restorekv.append_restore`). Returns ``(cfg, params, pre, evidence)``."""
   cfg: ModelConfig = model.cfg
   request = policy.evidence_request(ids.shape[1], reduce_rows=True)
   params = model.params()
   ids, mask = sharding.place_batch(params, ids, mask)  # over the model's mesh, if it has one
-  return cfg, params, jit_prefill(cfg, params, ids, mask, request)
+  pre, evidence = restorekv.append_restore(jit_prefill(cfg, params, ids, mask, request), evidence)
+  return cfg, params, pre, evidence
 
 
 def generate(
@@ -555,7 +558,8 @@ def generate(
     prompt_len=T,
     new=("max_new_tokens", new),
   )
-  cfg, params, pre = _prefill(model, ids, mask, pol)
+  cfg, params, pre, ev = _prefill(model, ids, mask, pol, ev)
+  T = pre.valid.shape[1]  # the prompt, and any restore tokens appended
   budget_LH = None
   if pol.requires_budget:
     budget_LH = np.asarray(_allocation(cfg, pre, spec, budget, ev))
@@ -726,7 +730,8 @@ def compress_context(
     itemsize=llama.kv_itemsize(cfg, params),
     prompt_len=T,
   )
-  cfg, params, pre = _prefill(model, ids, mask, pol)
+  cfg, params, pre, ev = _prefill(model, ids, mask, pol, ev)
+  T = pre.valid.shape[1]  # the context, and any restore tokens appended
   budget_max = T
   if pol.requires_budget:
     budget_LH = np.asarray(_allocation(cfg, pre, spec, budget, ev))
@@ -739,7 +744,7 @@ def compress_context(
   return stored.CompressedContext(
     cache,
     dataclasses.replace(spec, row_budgets=False),
-    mask.sum(-1).astype(np.int32),
+    np.asarray(restorekv.next_positions(pre)),
     stored.model_fingerprint(cfg, params),
   )
 
@@ -995,8 +1000,8 @@ def generate_configs(
     prompt_len=T,
     new=("max_new_tokens", new),
   )
-  cfg, params, pre = _prefill(model, ids, mask, pol)
-  spec, alloc = configs_spec(cfg, pol, pre, budgets, window, layout, T, new, ev)
+  cfg, params, pre, ev = _prefill(model, ids, mask, pol, ev)
+  spec, alloc = configs_spec(cfg, pol, pre, budgets, window, layout, pre.valid.shape[1], new, ev)
   first = jnp.argmax(pre.logits[:, -1], -1).astype(jnp.int32)
   key = jax.random.key(0)
   run = jax.vmap(
@@ -1065,13 +1070,14 @@ def keep_mask(
   heads = cache_heads(cfg, layout)
   itemsize = llama.kv_itemsize(cfg, model.params())
   check_cache_bytes(cfg, slots=T, batch=B, heads=heads, itemsize=itemsize, prompt_len=T)
-  cfg, params, pre = _prefill(model, ids, mask, pol)
-  spec = cache_lib.CacheSpec(pol, T, layout, row_budgets=ratio is not None)
+  cfg, params, pre, ev = _prefill(model, ids, mask, pol, ev)
+  spec = cache_lib.CacheSpec(pol, pre.valid.shape[1], layout, row_budgets=ratio is not None)
   cache = cache_lib.compress(cfg, pre, spec, budget, evidence=ev)
   check_overflow(cache)
-  return _to_caller_columns(
-    np.asarray(cache.positions), np.asarray(cache.valid), input_ids, attention_mask
-  )
+  positions = np.asarray(cache.positions)
+  # the prompt's own slots (appended restore tokens sit at positions past each row's prompt)
+  prompt = positions < mask.sum(-1)[None, :, None, None]
+  return _to_caller_columns(positions, np.asarray(cache.valid) & prompt, input_ids, attention_mask)
 
 
 def _to_caller_columns(positions_LBHC, valid_LBHC, input_ids, attention_mask) -> np.ndarray:

@@ -19,7 +19,7 @@ of method is static Python (never ``lax.switch`` over policies under ``vmap``).
 * One module per later method: :mod:`~kvjax.policies.leverage`, ``noncausal``, ``compactor``,
   ``curkv``, ``capkv``, ``kvcompose``, ``kvgrad``, ``merging``, ``cam``, ``simlayerkv``,
   ``finch``, ``dms``, ``entropy_chunkkv``, ``lukv``, ``expected_stats``, ``kvzap``,
-  ``fastkvzip``;
+  ``fastkvzip``, ``restorekv``;
   :mod:`~kvjax.policies.combinators` (:class:`Composed`, :class:`Chunked`, :class:`Blockwise`,
   :class:`PrefillDecoding`, :class:`RatioDecoding`) and :mod:`~kvjax.policies.per_layer`
   (:class:`PerLayer`).
@@ -111,6 +111,7 @@ from kvjax.policies.registry import (
   register,
   unregister,
 )
+from kvjax.policies.restorekv import RestoreKV
 from kvjax.policies.simlayerkv import LAZY_THRESHOLDS, SimLayerKV
 from kvjax.policies.wrappers import ChunkKV, Critical, CriticalAdaKV, SelectOnce, Wrapper
 
@@ -127,6 +128,7 @@ __all__ = [
   "ExpectedAttentionStats",
   "KVzap",
   "FastKVzip",
+  "RestoreKV",
   "CaM",
   "N_FUTURE",
   "N_SINK",

@@ -36,6 +36,7 @@ from kvjax.policies.leverage import LeverageScore
 from kvjax.policies.lukv import LUKV
 from kvjax.policies.merging import Merging
 from kvjax.policies.noncausal import NonCausalAttention
+from kvjax.policies.restorekv import RestoreKV
 from kvjax.policies.simlayerkv import SimLayerKV
 
 _NOT_OPTIONS = ("allocator", "name", "base")
@@ -454,6 +455,13 @@ _BUILTIN = {
     "attention over each position's attention input; evidence fastkvzip_LGT, "
     "kvjax.model.fastkvzip.fastkvzip_evidence), 4 sinks and a 2 % local window kept, one pooled "
     "selection of L*H*budget across layers and heads (layerwise=True: per layer)",
+  ),
+  "restorekv": _preset(
+    RestoreKV,
+    "kvpress RestoreKVPress: KVzip with 8 learned restore tokens appended after the prompt "
+    "(their keys and values from one LoRA-adapted pass over the full cache, "
+    "kvjax.model.restorekv.restorekv_evidence), kept inside the same budget "
+    "(L*H*(budget - 8) context pairs pooled)",
   ),
   "expected_attention_stats": _preset(
     ExpectedAttentionStats,
