@@ -17,13 +17,21 @@ Padding slots of a ragged cache are not counted as bytes the step must read: a s
 them pays for them in its fraction.
 
 Usage: ``python -m experiments.bench_roofline [--quick] [--repeats N] [--kv-dtype bfloat16]
-[--decode-block N]`` (``--decode-block 1000000``: each layer's slots read whole).
+[--decode-block N] [--against REV] [--breakdown] [--cases full,...] [--lengths 4096,...]``
+(``--decode-block 1000000``: each layer's slots read whole; ``--against REV``: the decode step
+of ``kvjax/model/cache.py`` at git revision ``REV`` timed beside this one, the steps
+alternated in one process, with the ratio of their times; ``--breakdown``: the step's
+attention alone per case, and the step over an empty cache, which is the weights alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
+import subprocess
+import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +172,46 @@ def reference_bandwidth(nbytes: int, repeats: int) -> tuple[float, float]:
   return n * 4 / xla / 1e9, n * 4 / numpy / 1e9
 
 
+def compiled_step(cfg, cache_module, capacity: int):
+  """The jitted decode step of ``cache_module`` (``kvjax.model.cache`` or an earlier revision's,
+  :func:`cache_module_at`) for a SnapKV cache of ``capacity`` slots, the cache donated."""
+  spec = cache_module.CacheSpec(policies.make("snapkv"), capacity)
+  return jax.jit(
+    lambda p, c, tok, pos: cache_module.decode_step(cfg, p, spec, c, tok, pos, pos),
+    donate_argnums=1,
+  )
+
+
+def time_steps(cfg, params, caches: list, T: int, repeats: int, modules=None) -> list:
+  """Times decode steps at position ``T`` after a warm-up, the steps of each cache alternated.
+
+  Args:
+    cfg: the model's config.
+    params: the model's parameters.
+    caches: caches (donated: each is threaded through its own steps).
+    T: the token's position.
+    repeats: timed steps per cache (fewer than ``ROOM``: every step appends).
+    modules: the cache module stepping each cache (default ``kvjax.model.cache`` for all).
+
+  Returns:
+    Per cache, the seconds of each timed step (a numpy array).
+  """
+  modules = modules or [cache_lib] * len(caches)
+  steps = [compiled_step(cfg, m, c.keys.shape[3]) for m, c in zip(modules, caches, strict=True)]
+  tok = jnp.zeros((BATCH,), jnp.int32)
+  pos = jnp.full((BATCH,), T, jnp.int32)
+  caches = list(caches)
+  for j, step in enumerate(steps):  # compile
+    _, caches[j] = jax.block_until_ready(step(params, caches[j], tok, pos))
+  times = [[] for _ in steps]
+  for i in range(repeats):
+    for j, step in enumerate(steps):
+      start = time.perf_counter()
+      _, caches[j] = jax.block_until_ready(step(params, caches[j], tok, pos + 1 + i))
+      times[j].append(time.perf_counter() - start)
+  return [np.asarray(t) for t in times]
+
+
 def time_step(cfg, params, cache, T: int, repeats: int) -> float:
   """The median time (s) of a decode step at position ``T``, after a warm-up.
 
@@ -177,17 +225,63 @@ def time_step(cfg, params, cache, T: int, repeats: int) -> float:
   Returns:
     Seconds per step.
   """
-  spec = cache_lib.CacheSpec(policies.make("snapkv"), cache.keys.shape[3])
-  step = jax.jit(
-    lambda p, c, tok, pos: cache_lib.decode_step(cfg, p, spec, c, tok, pos, pos), donate_argnums=1
+  return float(np.median(time_steps(cfg, params, [cache], T, repeats)[0]))
+
+
+def cache_module_at(rev: str):
+  """``kvjax/model/cache.py`` as committed at git revision ``rev``, loaded as its own module (it
+  imports the rest of kvjax as it stands), to time its decode step beside this one.
+
+  Args:
+    rev: a git revision of this repository.
+
+  Returns:
+    The module.
+
+  Raises:
+    ValueError: when git cannot show the file at ``rev``.
+  """
+  root = pathlib.Path(__file__).resolve().parents[1]
+  out = subprocess.run(
+    ["git", "show", f"{rev}:kvjax/model/cache.py"], cwd=root, capture_output=True, text=True
   )
-  tok = jnp.zeros((BATCH,), jnp.int32)
-  pos = jnp.full((BATCH,), T, jnp.int32)
-  _, cache = jax.block_until_ready(step(params, cache, tok, pos))  # compile
+  if out.returncode != 0:
+    raise ValueError(f"against: git cannot show kvjax/model/cache.py at {rev!r}: {out.stderr}")
+  module = types.ModuleType(f"kvjax_cache_at_{rev}")
+  sys.modules[module.__name__] = module  # dataclasses look their module up while it runs
+  exec(compile(out.stdout, f"{rev}:kvjax/model/cache.py", "exec"), module.__dict__)
+  return module
+
+
+def time_attention(cfg, cache, repeats: int) -> float:
+  """The median time (s) of the step's attention alone: every layer's query against its slots
+  (the cache's visible slots), chained through the layers as the step chains them.
+
+  Args:
+    cfg: the model's config.
+    cache: the cache.
+    repeats: timed runs after a warm-up.
+
+  Returns:
+    Seconds per run.
+  """
+  L, B = cache.keys.shape[:2]
+  q = jax.random.normal(jax.random.key(0), (B, cfg.num_heads, 1, cfg.head_dim))
+
+  @jax.jit
+  def attention(q, keys, values, valid):
+    def layer(q, l):
+      _, out = cache_lib._slot_attention_of_layer(cfg, q, keys, values, l, valid[l])
+      return q + out, None
+
+    return jax.lax.scan(layer, q, jnp.arange(L))[0]
+
+  args = (q, cache.keys, cache.values, cache.valid)
+  jax.block_until_ready(attention(*args))
   times = []
-  for i in range(repeats):
+  for _ in range(repeats):
     start = time.perf_counter()
-    _, cache = jax.block_until_ready(step(params, cache, tok, pos + 1 + i))
+    jax.block_until_ready(attention(*args))
     times.append(time.perf_counter() - start)
   return float(np.median(times))
 
@@ -199,6 +293,8 @@ def run(
   lengths=None,
   cases=CASES,
   emit=print,
+  against: str | None = None,
+  breakdown: bool = False,
 ) -> list[str]:
   """Measures every case and returns the printed lines.
 
@@ -209,10 +305,15 @@ def run(
     lengths: prompt lengths (default 4,096 and 16,384; quick 1,024).
     cases: the cases to run, from :data:`CASES`.
     emit: called with each line as it is measured (``print``; ``None``: silent).
+    against: a git revision whose decode step is timed beside this one on the same caches,
+      the steps alternated (:func:`cache_module_at`); ``None``: none.
+    breakdown: also time the step's attention alone per case (:func:`time_attention`) and the
+      step on a cache of ``ROOM`` empty slots (the weights and the per-token work alone).
 
   Returns:
     The lines: the machine, the two reference bandwidths, then per case its bytes and time and
-    its ``roofline`` line.
+    its ``roofline`` line (with ``against``, the other revision's time and the ratio; with
+    ``breakdown``, the attention's time).
 
   Raises:
     ValueError: for ``repeats`` outside ``[1, ROOM)``.
@@ -240,13 +341,35 @@ def run(
   xla_gbs, numpy_gbs = reference_bandwidth(ref_bytes, repeats)
   say(f"reference: sum over {ref_bytes / 2**20:.0f} MiB fp32: XLA {xla_gbs:.1f} GB/s")
   say(f"reference: sum over {ref_bytes / 2**20:.0f} MiB fp32: numpy {numpy_gbs:.1f} GB/s")
+  other = None if against is None else cache_module_at(against)
+  if breakdown:
+    empty = filled_cache(cfg, np.zeros((BATCH, cfg.num_layers, cfg.num_kv_heads), int), kv_dtype, 0)
+    seconds = time_step(cfg, params, empty, 0, repeats)
+    say(f"  breakdown: the step on {ROOM} empty slots (weights alone) {seconds * 1e3:.2f} ms")
   rng = np.random.default_rng(0)
   for T in lengths:
     for case in cases:
       budget = case_budgets(case, cfg, T, rng)
       cache = filled_cache(cfg, budget, kv_dtype, T)
       nbytes = step_bytes(params, cache)
-      seconds = time_step(cfg, params, cache, T, repeats)
+      if breakdown:
+        attention = time_attention(cfg, cache, repeats)
+        kv_gbs = nbytes["kv"] / attention / 1e9
+        say(
+          f"  breakdown {case} T={T}: attention alone {attention * 1e3:.2f} ms ({kv_gbs:.1f} GB/s)"
+        )
+      if other is None:
+        seconds = float(np.median(time_steps(cfg, params, [cache], T, repeats)[0]))
+      else:
+        caches = [cache, filled_cache(cfg, budget, kv_dtype, T)]
+        this, then = time_steps(cfg, params, caches, T, repeats, [cache_lib, other])
+        seconds = float(np.median(this))
+        ratio = then / this
+        say(
+          f"  against {against} {case} T={T}: {np.median(then) * 1e3:.2f} ms, this "
+          f"{seconds * 1e3:.2f} ms: {np.median(ratio):.2f}x (per step {ratio.min():.2f}-"
+          f"{ratio.max():.2f}x)"
+        )
       gbs = nbytes["total"] / seconds / 1e9
       say(
         f"  {case} T={T}: {nbytes['total'] / 1e6:.1f} MB (weights {nbytes['weights'] / 1e6:.1f}, "
@@ -271,11 +394,34 @@ def main():
     default=cache_lib.DECODE_BLOCK,
     help="slots per block of the step's attention (above the capacity: each layer read whole)",
   )
+  parser.add_argument(
+    "--against", help="a git revision whose decode step is timed beside this one (same process)"
+  )
+  parser.add_argument(
+    "--breakdown", action="store_true", help="also time the attention and the weights alone"
+  )
+  parser.add_argument(
+    "--cases", default=",".join(CASES), help="comma-separated, from " + str(CASES)
+  )
+  parser.add_argument("--lengths", help="comma-separated prompt lengths (default 4096,16384)")
   args = parser.parse_args()
   if args.decode_block < 1:
     raise ValueError(f"decode_block: expected an int >= 1, got {args.decode_block}")
+  cases = tuple(args.cases.split(","))
+  if not set(cases) <= set(CASES):
+    raise ValueError(f"cases: expected names from {CASES}, got {args.cases!r}")
+  lengths = None if args.lengths is None else tuple(int(t) for t in args.lengths.split(","))
   cache_lib.DECODE_BLOCK = args.decode_block
-  run(args.quick, args.repeats, jnp.dtype(args.kv_dtype), emit=lambda s: print(s, flush=True))
+  run(
+    args.quick,
+    args.repeats,
+    jnp.dtype(args.kv_dtype),
+    lengths=lengths,
+    cases=cases,
+    emit=lambda s: print(s, flush=True),
+    against=args.against,
+    breakdown=args.breakdown,
+  )
 
 
 if __name__ == "__main__":
