@@ -763,6 +763,19 @@ def _admit(spec: CacheSpec, slots: dict, budget_BH, pos_B):
 DECODE_BLOCK = 2048
 
 
+def _held_blocks(visible_BHC: Array, block: int, n: int) -> tuple[Array, Array]:
+  """The blocks of :data:`DECODE_BLOCK` slots that hold a visible slot of some row and head:
+  ``(first, stop)``, block ``i`` read for ``first <= i < stop``. The blocks before the first
+  visible slot and after the last hold nothing the query sees: a sliding window's old slots, a
+  layer whose budget is below the capacity (PyramidKV), the room a cache keeps for the tokens
+  still to come."""
+  C = visible_BHC.shape[-1]
+  slot = jnp.arange(C, dtype=jnp.int32)
+  first = jnp.min(jnp.where(visible_BHC, slot, C - 1)) // block
+  stop = (jnp.max(jnp.where(visible_BHC, slot + 1, 0)) + block - 1) // block
+  return jnp.minimum(first, n - 1), jnp.minimum(stop, n)
+
+
 def _slot_attention_of_layer(cfg, q_BHq1D, keys_all, values_all, l, visible_BHC):
   """One decode query's attention over layer ``l``'s slots of the stacked ``[L, B, H, C, D]``
   K/V: ``(probs [B, Hq, 1, C], out [B, Hq, 1, D])``, as ``llama.attention_probs`` and
@@ -771,8 +784,11 @@ def _slot_attention_of_layer(cfg, q_BHq1D, keys_all, values_all, l, visible_BHC)
   Slicing layer ``l`` out whole copies ``2 C D`` floats per row and head before the contraction
   reads them again (XLA:CPU's contractions read materialised operands), three passes over
   memory where one is needed; read in blocks of :data:`DECODE_BLOCK` slots, each copied block
-  is still in cache when it is contracted. The logits are the same dot products as
-  ``attention_logits``'s (each over ``D``); the output sums the blocks' partial products."""
+  is still in cache when it is contracted, and blocks that hold no visible slot are not read
+  (:func:`_held_blocks`). The logits of a block are ``k q^T``, the block as the contraction's
+  left operand (XLA:CPU packs a right operand before it multiplies: ``q k^T`` copied each block
+  once more); each is a dot product over ``D``, as ``attention_logits``'s, summed in another
+  order. The output sums the blocks' partial products."""
   _, B, H, C, D = keys_all.shape
   Hq = q_BHq1D.shape[1]
   n = -(-C // DECODE_BLOCK)
@@ -783,17 +799,19 @@ def _slot_attention_of_layer(cfg, q_BHq1D, keys_all, values_all, l, visible_BHC)
     return probs, llama.attend(probs, values_all[l])
   block = -(-C // n)  # n equal blocks: the last overlaps the one before by fewer than n slots
   q = q_BHq1D.astype(jnp.float32).reshape(B, H, Hq // H, D)
+  first, stop = _held_blocks(visible_BHC, block, n)
 
   def start(i):  # the last block ends at C
     return jnp.minimum(i * block, C - block)
 
   def logits_block(i, logits):
     k = jax.lax.dynamic_slice(keys_all, (l, 0, 0, start(i), 0), (1, B, H, block, D))[0]
-    x = jnp.einsum("bgrd,bgkd->bgrk", q, k.astype(jnp.float32), precision=scores_lib.PRECISION)
-    return jax.lax.dynamic_update_slice(logits, x, (0, 0, 0, start(i)))
+    x = jnp.einsum("bgkd,bgrd->bgkr", k.astype(jnp.float32), q, precision=scores_lib.PRECISION)
+    return jax.lax.dynamic_update_slice(logits, x, (0, 0, start(i), 0))
 
-  logits = jax.lax.fori_loop(0, n, logits_block, jnp.zeros((B, H, Hq // H, C), jnp.float32))
-  logits = llama.softcap_logits(logits / float(np.sqrt(D)), cfg.attn_softcap)
+  # slots in blocks not read keep logit 0: none is visible, so the softmax masks them all
+  logits = jax.lax.fori_loop(first, stop, logits_block, jnp.zeros((B, H, C, Hq // H), jnp.float32))
+  logits = llama.softcap_logits(jnp.swapaxes(logits, 2, 3) / float(np.sqrt(D)), cfg.attn_softcap)
   probs = llama.masked_softmax(logits[:, :, :, None], visible_BHC[:, :, None, :])  # [B,Hq,1,C]
   p = probs.reshape(B, H, Hq // H, C)
 
@@ -806,7 +824,7 @@ def _slot_attention_of_layer(cfg, q_BHq1D, keys_all, values_all, l, visible_BHC)
       "bgrk,bgkd->bgrd", p_i, v.astype(jnp.float32), precision=scores_lib.PRECISION
     )
 
-  out = jax.lax.fori_loop(0, n, out_block, jnp.zeros((B, H, Hq // H, D), jnp.float32))
+  out = jax.lax.fori_loop(first, stop, out_block, jnp.zeros((B, H, Hq // H, D), jnp.float32))
   return probs, out.reshape(B, Hq, 1, D)
 
 
