@@ -400,3 +400,34 @@ def test_training_checks(tiny, examples):
     )
   with pytest.raises(ValueError, match="longer than context"):
     restorekv.training_data(cfg, params, examples[0], None, context=32, ratio=0.5)
+
+
+def test_experiment_entry_point_and_resume(tmp_path):
+  """``:quick`` trains the adapter on the shipped tiny model; a second run reuses the saved
+  examples and the last checkpoint, and writes the same adapter."""
+  import os
+  import subprocess
+  import sys
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  cmd = [
+    sys.executable,
+    "-m",
+    "experiments.restorekv",
+    "--config=configs/restorekv.py:quick",
+    f"--config.workdir={tmp_path}",
+  ]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  first = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env, timeout=300)
+  assert first.returncode == 0, first.stderr[-2000:]
+  assert "train: rows" in first.stdout and "restorekv: [" in first.stdout
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert results["test_kl_trained"] < results["test_kl_untrained"]
+  saved = dict(np.load(tmp_path / "restorekv_adapter.npz"))
+  second = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env, timeout=300)
+  assert second.returncode == 0, second.stderr[-2000:]
+  assert "train: rows" not in second.stdout  # the saved examples are read back
+  again = dict(np.load(tmp_path / "restorekv_adapter.npz"))
+  for k, v in saved.items():
+    if k != "meta_json":
+      np.testing.assert_array_equal(again[k], v)

@@ -43,6 +43,7 @@ from kvjax.model import cache as cache_lib
 from kvjax.model import llama
 from kvjax.model.calibrate import KVzipTemplate, kvzip_evidence
 from kvjax.model.config import ModelConfig
+from kvjax.policies.methods import KVzip
 from kvjax.policies.restorekv import RESTORE_TOKENS, RestoreKV
 
 Array = jax.Array
@@ -493,7 +494,8 @@ def training_data(
     context: the context tokens of each row.
     ratio: kvpress's ``compression_ratio`` the restore tokens are trained for: each head keeps
       ``int(context * (1 - ratio))`` slots on average, the restore tokens among them.
-    tokens: restore tokens ``N``.
+    tokens: restore tokens ``N`` (0: KVzip alone over the whole budget, the baseline that
+      :func:`distillation_loss` scores without an adapter).
     chunk_size: KVzip's reconstruction chunk.
     n_sink: KVzip's sinks.
     plus: KVzip+'s normalisation.
@@ -517,7 +519,9 @@ def training_data(
       f"ratio: expected a float in [0, 1) (kvpress compression_ratio), got {ratio!r}"
     )
   budget = int(context * (1 - float(ratio)))
-  policy = RestoreKV(restore_tokens=tokens, sinks=n_sink)
+  if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 0:
+    raise ValueError(f"tokens: expected a non-negative int, got {tokens!r}")
+  policy = RestoreKV(restore_tokens=tokens, sinks=n_sink) if tokens else KVzip(sinks=n_sink)
   policy.check_budget(budget, 0)
   ctx, cont = rows[:, :context], rows[:, context:]
   attn = np.asarray(
@@ -537,7 +541,7 @@ def _log_softmax(logits):
 
 
 def distillation_loss(
-  cfg: ModelConfig, params: dict, adapter: Adapter, context_BT, continuation_BM, keep_LBGT
+  cfg: ModelConfig, params: dict, adapter: Adapter | None, context_BT, continuation_BM, keep_LBGT
 ) -> Array:
   """The mean KL divergence of the compressed cache's next-token distributions from the full
   cache's, over the continuation tokens.
@@ -549,7 +553,7 @@ def distillation_loss(
   Args:
     cfg: the model's config.
     params: the parameter pytree.
-    adapter: the :class:`Adapter`.
+    adapter: the :class:`Adapter` (``None``: the kept context pairs alone, KVzip's cache).
     context_BT: context ids ``[B, T]`` (unpadded).
     continuation_BM: the text that follows ``[B, M]``.
     keep_LBGT: the context pairs the compressed cache keeps.
@@ -560,9 +564,13 @@ def distillation_loss(
   pre = jax.lax.stop_gradient(llama.prefill(cfg, params, context_BT))
   B, M = continuation_BM.shape
   T = context_BT.shape[1]
-  N = adapter.tokens
   steps = jnp.arange(M, dtype=jnp.int32)[None]
   teacher, _ = cache_lib.extend(cfg, params, (_held(pre),), continuation_BM, T + steps)
+  p_log = jax.lax.stop_gradient(_log_softmax(teacher))
+  if adapter is None:
+    student, _ = cache_lib.extend(cfg, params, (_held(pre, keep_LBGT),), continuation_BM, T + steps)
+    return (jnp.exp(p_log) * (p_log - _log_softmax(student))).sum(-1).mean()
+  N = adapter.tokens
   keys, values = restore_kv(cfg, params, adapter, pre)
   L, _, G = keys.shape[:3]
   restored = (
@@ -574,9 +582,7 @@ def distillation_loss(
   student, _ = cache_lib.extend(
     cfg, params, (_held(pre, keep_LBGT), restored), continuation_BM, T + N + steps
   )
-  p_log = jax.lax.stop_gradient(_log_softmax(teacher))
-  kl = (jnp.exp(p_log) * (p_log - _log_softmax(student))).sum(-1)
-  return kl.mean()
+  return (jnp.exp(p_log) * (p_log - _log_softmax(student))).sum(-1).mean()
 
 
 def optimizer(lr: float = LR, clip: float = CLIP) -> optax.GradientTransformation:
@@ -692,16 +698,23 @@ def train_adapter(
   opt = optimizer(lr)
   state = opt.init(adapter)
 
-  def objective(a, c, m, k):
-    return distillation_loss(cfg, params, a, c, m, k)
+  def objective(a, p, c, m, k):
+    return distillation_loss(cfg, p, a, c, m, k)
 
-  loss_fn = jax.jit(objective)
+  # the model's parameters are an argument, not a closure: jit would fold them in as constants
+  loss_jit = jax.jit(objective)
+
+  def loss_fn(a, c, m, k):
+    return loss_jit(a, params, c, m, k)
 
   @jax.jit
-  def step_fn(a, st, c, m, k):
-    value, grads = jax.value_and_grad(objective)(a, c, m, k)
+  def step_jit(a, st, p, c, m, k):
+    value, grads = jax.value_and_grad(objective)(a, p, c, m, k)
     updates, st = opt.update(grads, st, a)
     return optax.apply_updates(a, updates), st, value
+
+  def step_fn(a, st, c, m, k):
+    return step_jit(a, st, params, c, m, k)
 
   initial = _test_loss(loss_fn, adapter, test, batch_size)
   history: list[tuple] = []

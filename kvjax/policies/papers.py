@@ -138,6 +138,15 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
     "twice); KVzip targets are kvpress's (2048-token chunks, 4 sinks); fp32; the budget is per "
     "head (pooled as L x G x min(b, T)); prefill only, one dense forward (no chunked prefill)",
   ),
+  "restorekv": (
+    "RestoreKV: learned restoration on top of KVzip (arXiv 2608.01247)",
+    _KVPRESS.format("RestoreKVPress") + " on `KVzipPress`",
+    "the adapter (restore embeddings and LoRA on q/k/v/o) is trained here by self-distillation "
+    "on shipped prose and loaded by path (kvpress downloads higokri/RestoreKV-*, whose training "
+    "recipe it does not include); the budget counts the restore slots (int(T(1-r)) - N context "
+    "pairs per head on average; kvpress prunes int(L H T (r + N/T)), equal up to rounding); "
+    "restore tokens outrank the sinks; fp32",
+  ),
   "expected_attention_stats": (
     "Devoto et al., Expected Attention: KV Cache Compression by Estimating Attention from "
     "Future Queries Distribution (arXiv 2510.00636)",
