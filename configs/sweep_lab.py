@@ -1,7 +1,10 @@
-"""Budget sweep on the lab world: ``--config=configs/sweep_lab.py[:quick]``.
+"""Budget sweep on the lab world: ``--config=configs/sweep_lab.py[:quick][,ratios]``.
 
 The grid crosses total budgets, layer schedules, head allocations and scorers; ``zip`` axes move
 together (here each schedule with its own hyper-parameter label is crossed by product).
+``ratios`` sweeps kvpress compression ratios (the fraction of the prompt removed; a ``ratio``
+axis instead of ``budget``): each configuration keeps ``int(prompt_len * (1 - ratio))`` slots
+per (layer, head), and its row holds the ratio beside that budget.
 
 A user's own pieces are named after registering them before the sweep runs (in a config file
 that imports this one, say, since ``experiments.sweep`` executes the config file):
@@ -67,10 +70,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # reads $KVJAX_COMPILATION_CACHE
   c.compilation_cache = ml_collections.config_dict.placeholder(str)
   c.workdir = ml_collections.config_dict.placeholder(str)
-  if common.parse_arg(arg, quick=False).quick:
+  arg = common.parse_arg(arg, quick=False, ratios=False)
+  if arg.quick:
     c.world.update(num_layers=2, num_heads=4, prompt_len=192, gen_steps=48, window=16)
     c.grid.product = ml_collections.ConfigDict(
       dict(policy=("snapkv", "h2o"), schedule=("uniform", "pyramid"), budget=(16, 32, 64))
     )
     c.chunk_size = 4
+  if arg.ratios:  # kvpress's leaderboard ratios, and two tighter ones, instead of budgets
+    del c.grid.product["budget"]
+    c.grid.product.ratio = RATIOS
   return c
+
+
+# the fraction of the prompt removed: 0.25 / 0.5 / 0.75 / 0.875 are kvpress's leaderboard's
+RATIOS = (0.25, 0.5, 0.75, 0.875, 0.9, 0.95)

@@ -908,3 +908,59 @@ def test_an_empty_workdir_or_unknown_field_on_the_command_line_is_refused(tmp_pa
   typo = run_cli(tmp_path / "w", "--config.chunk_sise=4")
   assert typo.returncode != 0
   assert "ValueError: --config.chunk_sise: the config has no field 'chunk_sise'" in typo.stderr
+
+
+def test_a_ratio_axis_sweeps_the_budgets_it_keeps(tmp_path):
+  """``ratio`` instead of ``budget``: each configuration keeps kvpress's ``int(P * (1 - r))``,
+  its metrics are the equivalent budget's, its row holds the ratio, one compile per group, and
+  the run resumes."""
+  ratios = (0.25, 0.5, 0.875, 0.95)
+  c = sweep_lab.get_config("quick,ratios")
+  c.grid.product = ml_collections.ConfigDict(
+    dict(policy=("snapkv", "h2o"), schedule=("uniform", "pyramid"), ratio=ratios)
+  )
+  assert "budget" not in sweep_lab.get_config("quick,ratios").grid.product
+  table = sweep.run(c, tmp_path / "r", progress=False, log=lambda *_: None)
+  P = c.world.prompt_len
+  want = {r: int(P * (1 - r)) for r in ratios}  # 144, 96, 24, 9 of 192
+  assert all(want[r] == b for r, b in zip(table["ratio"], table["budget"], strict=True))
+  budgets = quick(policy=("snapkv", "h2o"), schedule=("uniform", "pyramid"))
+  budgets.grid.product.budget = tuple(want.values())
+  theirs = sweep.run(budgets, tmp_path / "b", progress=False, log=lambda *_: None)
+  assert "ratio" not in theirs.columns
+  key = ["policy", "schedule", "budget"]
+  merged = table.merge(theirs, on=key, suffixes=("", "_b"))
+  assert len(merged) == len(table) == 16
+  for m in sweep.METRICS:
+    np.testing.assert_array_equal(merged[m], merged[f"{m}_b"], err_msg=m)
+  header = (tmp_path / "r" / "results.csv").read_text().splitlines()[0].split(",")
+  assert tuple(header) == sweep.RATIO_RESULT_COLUMNS
+  logs = []
+  again = sweep.run(c, tmp_path / "r", progress=False, log=logs.append)
+  assert len(again) == 16 and "0 to run" in logs[-1]
+  engine = sweep.prepare(c)[1]
+  configs = sweep.resolve_ratios(sweep.expand(c.grid, c.base), c.world)
+  groups = {}
+  for cfg in configs:
+    groups.setdefault(sweep.group_key(cfg), []).append(cfg)
+  for rows in engine.evaluate_groups(groups):
+    assert all("ratio" in r for r in rows)
+  for fns in engine.compiled.values():  # four ratios, one compile per static structure
+    assert fns["metrics"]._cache_size() == 1
+
+
+@pytest.mark.parametrize(
+  "product, match",
+  [
+    (dict(ratio=(0.5,), budget=(16,)), "grid: axes 'budget' and 'ratio' both given"),
+    (dict(ratio=(1.0,)), "grid: axis 'ratio' value 1.0 is not a compression ratio"),
+    (dict(ratio=(True,)), "grid: axis 'ratio' value True is not a compression ratio"),
+    (dict(ratio=("0.5",)), "grid: axis 'ratio' value '0.5' is not a compression ratio"),
+    (dict(ratio=(0.99,)), r"ratio: 0.99 keeps 1 of the 192 prompt tokens per head; expected a"),
+  ],
+)
+def test_bad_ratio_axes(tmp_path, product, match):
+  c = quick(**product)
+  with pytest.raises(ValueError, match=match):
+    sweep.run(c, tmp_path / "w", progress=False)
+  assert not (tmp_path / "w").exists() or not any((tmp_path / "w").iterdir())

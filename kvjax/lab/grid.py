@@ -86,18 +86,31 @@ ALLOCATOR_AXES: dict[type, dict[str, str]] = {
 _BUILTIN = {"schedule": frozenset(SCHEDULES), "head_alloc": frozenset(HEAD_ALLOCS)}
 _VOCABULARY = {"schedule": SCHEDULES, "head_alloc": HEAD_ALLOCS}
 ALLOCATOR_DATA_AXES = tuple(f for f in DATA_FIELDS if f != "budget")  # what axes= may name
+# The axis that sweeps kvpress compression ratios instead of budgets: each configuration keeps
+# int(prompt_len * (1 - ratio)) slots per (layer, head) of its scenario's prompt (resolve_ratios)
+# and its row carries the ratio. Not a field of base: a grid has a budget axis or a ratio axis.
+RATIO = "ratio"
 
 
 # --------------------------------------------------------------------------- the grid
 
 
 def _axis_values(name: str, values, base) -> tuple:
-  if name not in FIELDS:
-    raise ValueError(f"grid: unknown axis {name!r}; expected one of {FIELDS}")
+  if name not in FIELDS and name != RATIO:
+    raise ValueError(f"grid: unknown axis {name!r}; expected one of {(*FIELDS, RATIO)}")
   if isinstance(values, (str, bytes)) or not isinstance(values, (tuple, list)):
     values = (values,)
   if not values:
     raise ValueError(f"grid: axis {name!r} has no values")
+  if name == RATIO:
+    for v in values:
+      real = isinstance(v, int | float) and not isinstance(v, bool)
+      if not real or not 0.0 <= v < 1.0:
+        raise ValueError(
+          f"grid: axis 'ratio' value {v!r} is not a compression ratio; expected a float in "
+          "[0, 1) (kvpress compression_ratio, the fraction of the prompt removed)"
+        )
+    return tuple(float(v) for v in values)
   expected = type(base[name])
   for v in values:
     ok = isinstance(v, expected) or (expected is float and isinstance(v, int))
@@ -122,7 +135,8 @@ def expand(grid, base) -> list[dict]:
   """``product`` axes crossed with the ``zip`` axes (zipped together) over ``base``.
 
   ``grid.product`` and ``grid.zip`` map field names to tuples of values. Returns one resolved
-  dict per configuration, in a deterministic order.
+  dict per configuration, in a deterministic order. A ``ratio`` axis (:data:`RATIO`) instead of
+  ``budget`` gives each configuration a ``ratio``, whose budget :func:`resolve_ratios` sets.
   """
   product = {
     k: _distinct(k, _axis_values(k, v, base)) for k, v in dict(grid.get("product", {})).items()
@@ -131,6 +145,12 @@ def expand(grid, base) -> list[dict]:
   both = set(product) & set(zipped)
   if both:
     raise ValueError(f"grid: axes {sorted(both)} appear in both product and zip")
+  axes = set(product) | set(zipped)
+  if {"budget", RATIO} <= axes:
+    raise ValueError(
+      "grid: axes 'budget' and 'ratio' both given; expected a budget axis or a ratio axis, "
+      "not both (a ratio sets each configuration's budget)"
+    )
   lengths = {len(v) for v in zipped.values()}
   if len(lengths) > 1:
     raise ValueError(f"grid: zip axes have different lengths {sorted(lengths)}")
@@ -148,11 +168,59 @@ def expand(grid, base) -> list[dict]:
 
 
 def config_id(cfg: dict) -> str:
-  """Stable hash of a configuration's swept fields (independent of dict order)."""
+  """Stable hash of a configuration's swept fields (independent of dict order); a ratio
+  configuration's ``ratio`` is one of them (a budget configuration's hash has no ratio)."""
   # float fields hash as floats, so 20 and 20.0 are one configuration
   typed = {k: float(cfg[k]) if k in FLOAT_FIELDS else cfg[k] for k in FIELDS}
+  if cfg.get(RATIO) is not None:
+    typed[RATIO] = float(cfg[RATIO])
   canonical = json.dumps(typed, sort_keys=True)
   return hashlib.sha1(canonical.encode()).hexdigest()[:12]
+
+
+def ratio_budget(ratio: float, prompt_len: int) -> int:
+  """The budget per (layer, head) that kvpress's ``compression_ratio`` keeps of a prompt:
+  kvpress 0.5.5 ``compute_n_kept``, ``int(prompt_len * (1 - ratio))`` in Python floats.
+
+  Args:
+    ratio: the fraction of the prompt removed, in ``[0, 1)``.
+    prompt_len: the prompt's tokens.
+
+  Returns:
+    The kept tokens.
+  """
+  return int(int(prompt_len) * (1 - float(ratio)))
+
+
+def resolve_ratios(configs: list[dict], world_cfg) -> list[dict]:
+  """Sets each ratio configuration's ``budget`` from its ratio and its scenario's prompt
+  (:func:`ratio_budget`); budget configurations are returned as they are.
+
+  Args:
+    configs: expanded configurations (:func:`expand`).
+    world_cfg: the sweep's world sizes (``config.world``).
+
+  Returns:
+    New configuration dicts, each ratio one with its budget.
+
+  Raises:
+    ValueError: naming ``ratio``, for a ratio that keeps no more than the configuration's
+      protected window (its budget must exceed ``window``).
+  """
+  out = []
+  for cfg in configs:
+    if cfg.get(RATIO) is None:
+      out.append(cfg)
+      continue
+    P = synthetic.world_config(cfg["scenario"], world_cfg).prompt_len
+    budget = ratio_budget(cfg[RATIO], P)
+    if budget <= cfg["window"]:
+      raise ValueError(
+        f"ratio: {cfg[RATIO]!r} keeps {budget} of the {P} prompt tokens per head; expected a "
+        f"smaller ratio, keeping more than window={cfg['window']}"
+      )
+    out.append(cfg | {"budget": budget})
+  return out
 
 
 # --------------------------------------------------------------------------- a group's policy

@@ -33,6 +33,7 @@ chunk's rows are gathered, and process 0 alone writes the run directory. Results
 from __future__ import annotations
 
 import contextlib
+import csv
 import dataclasses
 import io
 import json
@@ -54,6 +55,7 @@ from kvjax.lab.grid import (
   FIELDS,
   FLOAT_FIELDS,
   HEAD_ALLOCS,
+  RATIO,
   SCHEDULES,
   STATIC_FIELDS,
   SWEEP_EVIDENCE,
@@ -64,6 +66,7 @@ from kvjax.lab.grid import (
   group_key,
   register_head_alloc,
   register_schedule,
+  resolve_ratios,
   sweep_policy,
   sweep_problem,
   sweepable,
@@ -112,6 +115,8 @@ __all__ = [
   "HEAD_ALLOCS",
   "METRICS",
   "CONFIG_FIELDS",
+  "RATIO",
+  "RATIO_RESULT_COLUMNS",
   "RESULT_COLUMNS",
   "RESULT_DTYPE",
   "RESULT_NUMBERS",
@@ -146,6 +151,8 @@ __all__ = [
   "read_results",
   "register_head_alloc",
   "register_schedule",
+  "resolve_ratios",
+  "result_columns",
   "round_capacity",
   "run",
   "scores_and_table",
@@ -466,6 +473,8 @@ class Engine:
       row = {"config_id": config_id(cfg)} | {k: cfg[k] for k in FIELDS}
       row |= {k: metrics[k][i] for k in METRICS}
       row["budget_profile"] = json.dumps(profiles[i])
+      if cfg.get(RATIO) is not None:  # a ratio sweep's rows say the ratio beside its budget
+        row[RATIO] = cfg[RATIO]
       rows.append(row)
     return rows
 
@@ -488,23 +497,50 @@ def grid_signature(config) -> str:
 RESULT_TEXT = ("config_id", *STATIC_FIELDS, "budget_profile")
 RESULT_NUMBERS = (*DATA_FIELDS, "window", "kernel", *METRICS)
 RESULT_DTYPE = {"config_id": str}
-# the header of results.csv, in the order Engine rows are written
+# the header of results.csv, in the order Engine rows are written; a sweep over a ratio axis adds
+# each configuration's ratio
 RESULT_COLUMNS = ("config_id", *FIELDS, *METRICS, "budget_profile")
+RATIO_RESULT_COLUMNS = (*RESULT_COLUMNS, RATIO)
 # what a sweep config must hold (a config file's field left out is named, not an AttributeError)
 CONFIG_FIELDS = ("base", "grid", "world", "chunk_size", "bytes_per_value")
+
+
+def result_columns(configs: list[dict]) -> tuple[str, ...]:
+  """The header of a sweep's ``results.csv``: :data:`RATIO_RESULT_COLUMNS` when its
+  configurations sweep ratios, else :data:`RESULT_COLUMNS`.
+
+  Args:
+    configs: the sweep's configurations.
+
+  Returns:
+    The column names.
+  """
+  return RATIO_RESULT_COLUMNS if any(c.get(RATIO) is not None for c in configs) else RESULT_COLUMNS
+
+
+def _columns_on_disk(path: pathlib.Path) -> tuple[str, ...]:
+  """The header a results file holds (a ratio sweep's has a ``ratio`` column)."""
+  try:
+    with pathlib.Path(path).open(errors="replace") as f:
+      header = f.readline()
+  except (FileNotFoundError, IsADirectoryError):
+    return RESULT_COLUMNS
+  fields = next(csv.reader([header.rstrip("\r\n")]), [])
+  return RATIO_RESULT_COLUMNS if RATIO in fields else RESULT_COLUMNS
 
 
 def read_results(path: str | pathlib.Path) -> pd.DataFrame:
   """The complete rows of a sweep's ``results.csv`` (``config_id`` kept as text): rows cut by an
   interruption, with a missing or non-finite metric, repeated headers and repeated
-  configurations are left out (:func:`kvjax.rundir.read_rows`)."""
+  configurations are left out (:func:`kvjax.rundir.read_rows`). A ratio sweep's rows have a
+  ``ratio`` column."""
   return rundir.read_rows(
     path,
     dtype=RESULT_DTYPE,
     required=RESULT_TEXT,
     numeric=RESULT_NUMBERS,
     key="config_id",
-    columns=RESULT_COLUMNS,
+    columns=_columns_on_disk(path),
   )
 
 
@@ -519,6 +555,7 @@ def prepare(config) -> tuple[list[dict], Engine]:
   configs = expand(config.grid, config.base)
   for cfg in configs:
     validate(cfg, None)
+  configs = resolve_ratios(configs, config.world)  # a ratio axis: each budget from its prompt
   first: dict[str, dict] = {}
   for cfg in configs:
     twin = first.setdefault(config_id(cfg), cfg)
@@ -553,9 +590,10 @@ def _check_finite(rows: list[dict]) -> None:
       )
 
 
-def _claim_and_read(config, out: pathlib.Path, ids: list[str], log) -> list[int]:
+def _claim_and_read(config, out: pathlib.Path, ids: list[str], log, columns) -> list[int]:
   """Process 0's part of a run's start, holding the lock: claims ``out``, repairs its
-  ``results.csv`` and returns the indices (into ``ids``) of the configurations left to run."""
+  ``results.csv`` (of ``columns``) and returns the indices (into ``ids``) of the configurations
+  left to run."""
   path = out / "results.csv"
   # chunk_size and compilation_cache are outside the signature: they change no result
   rundir.claim(out, "sweep.json", grid_signature(config), has_results=rundir.holds_data(path))
@@ -566,7 +604,7 @@ def _claim_and_read(config, out: pathlib.Path, ids: list[str], log) -> list[int]
     required=RESULT_TEXT,
     numeric=RESULT_NUMBERS,
     key="config_id",
-    columns=RESULT_COLUMNS,
+    columns=columns,
   )
   if dropped:
     log(f"sweep: dropped {dropped} invalid or repeated lines of {path}")
@@ -614,7 +652,7 @@ def run(
 
     def start() -> list[int]:
       out = stack.enter_context(rundir.lock(workdir, timeout=lock_timeout))
-      return _claim_and_read(config, out, ids, log)
+      return _claim_and_read(config, out, ids, log, result_columns(configs))
 
     todo = [configs[i] for i in distributed.on_primary(start, "claiming the run directory")]
     path = pathlib.Path(workdir) / "results.csv"
