@@ -38,6 +38,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.ratios = RATIOS
   c.methods = METHODS
   c.max_new_tokens = ml_collections.FieldReference(None, field_type=int)  # None: RULER's
+  # niah_multiquery's keys as separate questions of one context, compressed once per method and
+  # ratio in the query-agnostic loop (False: RULER's one question naming every key)
+  c.separate_queries = False
   c.seed = 0
   c.workdir = "/tmp/kvjax_leaderboard"
   preset = common.parse_arg(arg, quick=False, full=False)

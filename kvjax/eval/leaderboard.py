@@ -16,6 +16,12 @@ and RULER's scoring (:func:`kvjax.eval.ruler.score`).
 
 Each row is one (task, example, method, ratio, loop): RULER's per-example score (in percent),
 the cache's held K/V bytes and their fraction of the full cache.
+
+With ``separate_queries`` a sample that asks several keys in one question (``niah_multiquery``)
+asks each key as a question of its own (:attr:`kvjax.eval.ruler.RulerSample.queries`): in the
+query-agnostic loop the context is prefilled and compressed once and every question is answered
+from that one compressed cache (:func:`answer_queries`); its score is ``string_match_all`` over
+the questions. In the query-aware loop each question is compressed with the context it sees.
 """
 
 from __future__ import annotations
@@ -110,7 +116,8 @@ def check_config(config) -> None:
 
   Raises:
     ValueError: naming the field: an unknown task, a ratio outside ``[0, 1)``, a length or
-      example count that is not a positive int, or a bad method.
+      example count that is not a positive int, a ``separate_queries`` that is not a bool, or
+      a bad method.
   """
   rundir.require_fields(
     config,
@@ -127,7 +134,26 @@ def check_config(config) -> None:
   for r in config.ratios:
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
       raise ValueError(f"ratios: {r!r} is not a compression ratio in [0, 1)")
+  separate = config.get("separate_queries", False)
+  if not isinstance(separate, bool):
+    raise ValueError(f"separate_queries: expected a bool, got {separate!r}")
   methods_of(config)
+
+
+def identity(config) -> dict:
+  """What identifies a leaderboard run: its config, but ``separate_queries`` only when set (a
+  run of RULER's one question per sample is the same run with or without the field).
+
+  Args:
+    config: the leaderboard config.
+
+  Returns:
+    The plain dict :func:`kvjax.rundir.signature` hashes.
+  """
+  plain = rundir.plain(config.to_dict())
+  if not plain.get("separate_queries"):
+    plain.pop("separate_queries", None)
+  return plain
 
 
 def _text(tokenizer, ids) -> str:
@@ -165,16 +191,90 @@ def answer(
   ex = sample.example
   new = max_new_tokens or ruler.TOKENS_TO_GENERATE[ruler.KIND[sample.task]]
   prompt = ex.prompt[None].astype(np.int32)
-  budget_kw = {} if not policy.requires_budget else {"ratio": float(ratio)}
   # agnostic: the question and answer prefix come after the compression; aware: only the last
   # prompt token does (the compressed prompt holds the question, its window observes it)
   q = ex.question_len if loop == "agnostic" else 1
-  ctx = km.compress_context(model, prompt[:, :-q], policy=policy, **budget_kw)
-  out = km.answer_context(model, ctx, prompt[:, -q:], max_new_tokens=new)
+  (text,), held, frac = _compress_and_answer(
+    model, tokenizer, prompt[:, :-q], [prompt[:, -q:]], policy, ratio, new
+  )
+  return text, held, frac
+
+
+def answer_queries(
+  model,
+  tokenizer,
+  sample: ruler.RulerSample,
+  policy,
+  ratio: float,
+  loop: str,
+  max_new_tokens: int | None = None,
+):
+  """A multi-query example's answers, each asked key a question of its own
+  (:attr:`kvjax.eval.ruler.RulerSample.queries`), under ``policy`` at ``ratio`` in ``loop``.
+
+  Query-agnostic: the context is prefilled and compressed once
+  (:func:`kvjax.model.decoding.compress_context`) and every question is answered from that
+  compressed cache (:func:`kvjax.model.decoding.answer_context`, which leaves it unchanged), as
+  kvpress's users compress a context once for several questions. Query-aware: each question is
+  compressed with the context, as its own prompt.
+
+  Args:
+    model: the model.
+    tokenizer: its tokenizer.
+    sample: the RULER example, with :attr:`~kvjax.eval.ruler.RulerSample.queries`.
+    policy: the policy object (``full``: the uncompressed cache).
+    ratio: kvpress's compression ratio.
+    loop: ``"agnostic"`` or ``"aware"``.
+    max_new_tokens: tokens to generate per question (``None``: RULER's for the task).
+
+  Returns:
+    ``(texts, references, kv_bytes_held, kv_fraction)``: one generated text and one reference
+    tuple per question, the K/V bytes each compressed cache held (the mean over the
+    compressions) and their fraction of the full cache.
+
+  Raises:
+    ValueError: for a sample without separate queries.
+  """
+  if not sample.queries:
+    raise ValueError(
+      f"sample: {sample.task!r} asks one question; expected a sample with several queries "
+      "(niah_multiquery)"
+    )
+  new = max_new_tokens or ruler.TOKENS_TO_GENERATE[ruler.KIND[sample.task]]
+  prompt = sample.example.prompt[None].astype(np.int32)
+  context = prompt[:, : prompt.shape[1] - sample.example.question_len]
+  questions = [query.ids[None].astype(np.int32) for query in sample.queries]
+  refs = [query.outputs for query in sample.queries]
+  if loop == "agnostic":  # one compression, every question from it
+    texts, held, frac = _compress_and_answer(
+      model, tokenizer, context, questions, policy, ratio, new
+    )
+    return texts, refs, held, frac
+  texts, helds, fracs = [], [], []
+  for question in questions:  # query-aware: each question's own prompt, compressed
+    seen = np.concatenate([context, question], 1)
+    (text,), held, frac = _compress_and_answer(
+      model, tokenizer, seen[:, :-1], [seen[:, -1:]], policy, ratio, new
+    )
+    texts.append(text)
+    helds.append(held)
+    fracs.append(frac)
+  return texts, refs, int(np.mean(helds)), float(np.mean(fracs))
+
+
+def _compress_and_answer(model, tokenizer, context_ids, questions, policy, ratio, new):
+  """``(texts, kv_bytes_held, kv_fraction)``: ``context_ids`` ``[1, T]`` compressed once under
+  ``policy`` at ``ratio``, then each of ``questions`` (``[1, Q]`` each) answered from it."""
+  budget_kw = {} if not policy.requires_budget else {"ratio": float(ratio)}
+  ctx = km.compress_context(model, context_ids, policy=policy, **budget_kw)
+  texts = [
+    _text(tokenizer, km.answer_context(model, ctx, q, max_new_tokens=new).tokens[0])
+    for q in questions
+  ]
   held = cache_lib.memory(ctx.cache)["kv_bytes_held"]
   itemsize = llama.kv_itemsize(model.cfg, model.params())
-  full = cache_lib.full_cache_bytes(model.cfg, 1, prompt.shape[1] - q, itemsize)
-  return _text(tokenizer, out.tokens[0]), int(held), float(held / full)
+  full = cache_lib.full_cache_bytes(model.cfg, 1, context_ids.shape[1], itemsize)
+  return texts, int(held), float(held / full)
 
 
 def run(config, workdir, *, model=None, tokenizer=None, log=print) -> pd.DataFrame:
@@ -204,7 +304,7 @@ def run(config, workdir, *, model=None, tokenizer=None, log=print) -> pd.DataFra
     model, _, tokenizer = evaluate.load_model(config.model)
   with rundir.lock(workdir):
     path = rundir.check_workdir(workdir) / "results.csv"
-    sig = rundir.signature(rundir.plain(config.to_dict()))
+    sig = rundir.signature(identity(config))
     out = rundir.claim(
       workdir,
       "leaderboard.json",
@@ -218,6 +318,7 @@ def run(config, workdir, *, model=None, tokenizer=None, log=print) -> pd.DataFra
       (r.task, int(r.example), r.method, round(float(r.ratio), 6), r.loop)
       for r in table.itertuples()
     }
+    separate = bool(config.get("separate_queries", False))
     for task in config.tasks:
       for i in range(config.examples):
         sample = ruler.sample(task, tokenizer, length=config.length, seed=config.seed + i)
@@ -230,10 +331,15 @@ def run(config, workdir, *, model=None, tokenizer=None, log=print) -> pd.DataFra
               if key in done:
                 continue
               t0 = time.perf_counter()
-              text, held, frac = answer(
-                model, tokenizer, sample, pol, r, loop, config.get("max_new_tokens")
-              )
-              score = ruler.score(task, [text], [sample.outputs])
+              new = config.get("max_new_tokens")
+              if separate and sample.queries:  # each key its own question of one context
+                texts, refs, held, frac = answer_queries(
+                  model, tokenizer, sample, pol, r, loop, new
+                )
+              else:
+                text, held, frac = answer(model, tokenizer, sample, pol, r, loop, new)
+                texts, refs = [text], [sample.outputs]
+              score = ruler.score(task, texts, refs)
               row = dict(
                 task=task,
                 example=i,

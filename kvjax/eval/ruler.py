@@ -228,6 +228,24 @@ def _cwe_words() -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class Question:
+  """One question asked of a sample's context apart from the others (:attr:`RulerSample.queries`).
+
+  Attributes:
+    question: RULER's question for one asked key, as :attr:`RulerSample.question` is for all.
+    answer_prefix: its answer prefix.
+    outputs: that key's references.
+    ids: the question then the answer prefix as tokens ``[Q]`` (int32), pieces tokenised as the
+      sample's own question is: fed after the sample's context.
+  """
+
+  question: str
+  answer_prefix: str
+  outputs: tuple[str, ...]
+  ids: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
 class RulerSample:
   """One RULER example: its tokens for kvjax's evaluation and RULER's text fields.
 
@@ -235,7 +253,10 @@ class RulerSample:
   context, after it (kvpress's ``question``: from ``What`` / ``Question:`` on) and RULER's answer
   prefix, as RULER writes them; ``outputs`` are RULER's references (``outputs`` in its jsonl),
   scored with :func:`string_match_all`; ``needles`` the inserted needle (or chain line) texts, in
-  the order they appear in the prompt.
+  the order they appear in the prompt. ``queries``: for a sample that asks several keys in one
+  question (``niah_multiquery``), each key as a question of its own (:class:`Question`, in
+  ``niah.py``'s wording for one key), asked of the same context (the prompt but its last
+  ``example.question_len`` tokens); empty for a sample that asks one.
   """
 
   task: str
@@ -245,6 +266,7 @@ class RulerSample:
   question: str
   answer_prefix: str
   needles: tuple[str, ...] = ()
+  queries: tuple[Question, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,6 +421,8 @@ class _Task:
   items: list[str]  # the answer's scored items
   given: list[str]  # a given piece before each item ("" for none)
   scoring: str
+  # several asked keys, each as its own (question, answer prefix, outputs)
+  queries: list[tuple[str, str, list[str]]] = dataclasses.field(default_factory=list)
 
 
 def _niah(opts: dict, rng: random.Random, depth: float | None, enc, length: int) -> _Task:
@@ -448,16 +472,26 @@ def _niah(opts: dict, rng: random.Random, depth: float | None, enc, length: int)
       slots[0] = _nearest(bounds, depth)
     return slots
 
-  template, prefix = TEMPLATES["niah"]
-  full, v_word = template + prefix, v_type
-  if num_q * num_v == 1:  # niah.py's singular wording, over the template and its answer prefix
-    full = full.replace("Some", "A").replace("are all", "is").replace("are", "is")
-    full, v_word = full.replace("answers", "answer"), v_type[:-1]
-  header, question, answer_prefix = _split(full, "niah", type_needle_v=v_word, query=query)
+  header, question, answer_prefix = _niah_text(v_type, num_q * num_v, query)
+  # each asked key alone, after the same header and context: only the question's wording
+  # (niah.py's for num_q = 1) differs
+  queries = [_niah_text(v_type, num_v, keys[i])[1:] + (values[i],) for i in asked]
   return _Task(
     [header], units, needles, place, header, question, answer_prefix, answers,
     [""] * len(answers), "exact" if len(answers) == 1 else "set",
+    queries if num_q > 1 else [],
   )  # fmt: skip
+
+
+def _niah_text(v_type: str, num_answers: int, query: str) -> tuple[str, str, str]:
+  """``(header, question, answer prefix)`` of the niah template asking ``query`` for
+  ``num_answers`` values, with niah.py's singular wording when it asks one."""
+  template, prefix = TEMPLATES["niah"]
+  full, v_word = template + prefix, v_type
+  if num_answers == 1:  # niah.py's singular wording, over the template and its answer prefix
+    full = full.replace("Some", "A").replace("are all", "is").replace("are", "is")
+    full, v_word = full.replace("answers", "answer"), v_type[:-1]
+  return _split(full, "niah", type_needle_v=v_word, query=query)
 
 
 def _chains(rng: random.Random, num_chains: int, num_hops: int, k: int):
@@ -777,6 +811,10 @@ def sample(
     question=t.question,
     answer_prefix=t.answer_prefix,
     needles=tuple(t.needles[i].text for i in at),
+    queries=tuple(
+      Question(q, p, tuple(outs), np.asarray(enc(q) + enc(p.strip()), np.int32))
+      for q, p, outs in t.queries
+    ),
   )
 
 
