@@ -227,3 +227,44 @@ def test_decode_attention_in_blocks_matches_one_block(monkeypatch):
       np.testing.assert_allclose(getattr(out, name), getattr(ref, name), rtol=1e-5, atol=1e-6)
     if extra:
       np.testing.assert_allclose(out.scores, ref.scores, rtol=1e-6, atol=1e-7)
+
+
+def test_decode_attention_skips_blocks_without_a_visible_slot(monkeypatch):
+  """Blocks of slots that no row and head of a layer can see are not read: a layer holding less
+  than one block, another whose sliding window hides its first block, and a last layer holding
+  nothing but the new token; the step matches one block over all slots."""
+  from flax import nnx
+
+  cfg = km.ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    sliding_window=4000,
+  )
+  params = km.Llama(cfg, rngs=nnx.Rngs(0)).params()
+  capacity = 2 * cache_lib.DECODE_BLOCK + 501  # 3 blocks
+  cache = _blocked_cache(cfg, capacity, seed=1)
+  rng = np.random.default_rng(2)
+  held = np.stack(
+    [
+      rng.integers(capacity // 2, capacity - 8, size=(2, 2)),  # the window hides block 0
+      rng.integers(1, capacity // 4, size=(2, 2)),  # the first block only
+      np.zeros((2, 2), int),  # nothing before the new token
+    ]
+  )
+  cache = cache.replace(valid=jnp.asarray(np.arange(capacity) < held[..., None]))
+  # the window keeps positions above pos - 4000, past the first block of ~1.5k slots
+  token, pos = jnp.asarray([3, 5], jnp.int32), jnp.asarray([5700, 5800], jnp.int32)
+  spec = cache_lib.CacheSpec(policies.make("snapkv"), capacity)
+  logits, out = cache_lib.decode_step(cfg, params, spec, cache, token, pos, pos)
+  monkeypatch.setattr(cache_lib, "DECODE_BLOCK", 1 << 30)
+  ref_logits, ref = cache_lib.decode_step(cfg, params, spec, cache, token, pos, pos)
+  np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
+  for name in ("positions", "valid"):
+    np.testing.assert_array_equal(getattr(out, name), getattr(ref, name))
+  for name in ("keys", "values"):
+    np.testing.assert_allclose(getattr(out, name), getattr(ref, name), rtol=1e-5, atol=1e-6)
