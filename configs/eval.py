@@ -80,6 +80,7 @@ LEARNED = (
   dict(label="kvzip", policy="kvzip"),
   dict(label="kvzap", policy="kvzap"),
   dict(label="fastkvzip", policy="fastkvzip"),
+  dict(label="restorekv", policy="restorekv"),
   dict(label="expected_attention", policy="expected_attention"),
   dict(label="expected_attention_stats", policy="expected_attention_stats"),
 )
@@ -144,6 +145,7 @@ def smollm2(c: ml_collections.ConfigDict, preset: str) -> None:
     c.calibration = "/tmp/kvjax_calibrate/calibration.npz"  # experiments.calibrate's default
     c.kvzap = "tests/fixtures/kvzap_smollm2_linear.npz"  # ridge, trained on shipped prose
     c.fastkvzip = "/tmp/kvjax_fastkvzip/fastkvzip_gates.npz"  # experiments.fastkvzip's default
+    c.restorekv = "/tmp/kvjax_restorekv/restorekv_adapter.npz"  # experiments.restorekv's default
     c.heatmap.update(policies=())
   elif preset == "smollm2_ratios":  # kvpress's ratios instead of token budgets, both modes
     c.lengths = (1024,)
@@ -205,10 +207,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # of `python -m experiments.calibrate`, and which of its DuoAttention gates to use
   c.calibration = ml_collections.config_dict.placeholder(str)
   c.duo_method = "official"  # kvjax.model.calibrate.DUO_METHODS
-  # learned evidence (kvzap, fastkvzip): the trained files of `python -m experiments.kvzap` and
-  # `python -m experiments.fastkvzip`
+  # learned evidence (kvzap, fastkvzip, restorekv): the trained files of
+  # `python -m experiments.kvzap`, `python -m experiments.fastkvzip` and `... restorekv`
   c.kvzap = ml_collections.config_dict.placeholder(str)
   c.fastkvzip = ml_collections.config_dict.placeholder(str)
+  c.restorekv = ml_collections.config_dict.placeholder(str)
   # JAX's persistent compilation cache (kvjax.rundir.compilation_cache_dir): a directory, "default"
   # (~/.cache/kvjax/jax) or "" (off); unset: the KVJAX_COMPILATION_CACHE environment variable.
   # A rerun then loads each policy's compiled programs instead of compiling them again
@@ -261,7 +264,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.examples = 2
     c.shared_shapes = True
     c.budgets = ()
-    c.ratios = (0.5, 0.875)
+    c.ratios = (0.5, 0.75)  # 0.875 of 256 tokens would leave SnapKV less than its window
     c.policies = tuple(p for p in POLICIES if p["label"] in ("streaming_llm", "snapkv"))
     c.heatmap.update(policies=())
   elif preset == "quick":

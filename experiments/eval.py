@@ -1,6 +1,7 @@
 """Accuracy vs budget: ``python -m experiments.eval --config=configs/eval.py
---config.workdir=DIR`` writes ``DIR/results.csv`` (task, length, policy, budget, accuracy with its
-95 % interval, kl, the K/V bytes each compressed cache held, every example's outcome, ...),
+--config.workdir=DIR`` writes ``DIR/results.csv`` (task, length, policy, budget, ratio, accuracy
+with its 95 % interval, kl, the K/V bytes each compressed cache held, every example's outcome,
+...; ``--config.ratios="(0.5,0.75)" --config.budgets="()"`` for compression ratios),
 ``tables.md`` (intervals, and paired tests against ``--config.reference``, SnapKV by default) and
 the figures beside it. Interrupt and rerun: finished groups are kept, the rest are run."""
 

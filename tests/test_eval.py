@@ -634,5 +634,10 @@ def test_eval_ratios_are_checked_before_any_work(tmp_path):
     with pytest.raises(ValueError, match=match):
       evaluate.run(tiny_eval(**fields), tmp_path / "w", log=lambda *_: None)
     assert _clean(tmp_path / "w")
+  with pytest.raises(ValueError, match=r"ratios: 0.9 keeps 11 of the 112 .* 'snapkv'.* at 128 tok"):
+    c = tiny_eval(budgets=(), ratios=(0.5, 0.9))
+    c.policies = tuple(p for p in eval_config.POLICIES if p["label"] == "snapkv")
+    evaluate.run(c, tmp_path / "w", log=lambda *_: None)
+  assert _clean(tmp_path / "w")
   evaluate.validate_config(eval_config.get_config("ratios_quick"))
   evaluate.validate_config(eval_config.get_config("smollm2_ratios"))

@@ -35,7 +35,7 @@ from kvjax import model as km
 from kvjax import plotting, policies, rundir
 from kvjax.eval import report, ruler, stats, tasks
 from kvjax.model import answers as answers_lib
-from kvjax.model import assets, calibrate, fastkvzip, kvzap
+from kvjax.model import assets, calibrate, fastkvzip, kvzap, restorekv
 from kvjax.model.tokenizer import HFTokenizer, PieceTokenizer
 
 EVAL_SEED = 2**31  # training draws example seeds below 2**31: evaluation seeds never collide
@@ -236,13 +236,18 @@ CALIBRATION_EVIDENCE = (
 )
 CONTEXT_EVIDENCE = ("reconstruction_attn_LGT",)
 # learned evidence: a trained model's file (config field) applied to each batch's context
-LEARNED_EVIDENCE = {"kvzap_LGT": "kvzap", "fastkvzip_LGT": "fastkvzip"}
+LEARNED_EVIDENCE = {
+  "kvzap_LGT": "kvzap",
+  "fastkvzip_LGT": "fastkvzip",
+  restorekv.KEYS: "restorekv",  # and restorekv.VALUES, from the same adapter
+}
 
 
 def load_learned(config, needs, cfg) -> dict:
   """The trained surrogates the policies read, loaded from the config's files: ``kvzap`` (a
-  KVzap surrogate, ``python -m experiments.kvzap``) and ``fastkvzip`` (Fast KVzip's gates,
-  ``python -m experiments.fastkvzip``), checked against the model; ``{}`` when none is read.
+  KVzap surrogate, ``python -m experiments.kvzap``), ``fastkvzip`` (Fast KVzip's gates,
+  ``python -m experiments.fastkvzip``) and ``restorekv`` (RestoreKV's adapter,
+  ``python -m experiments.restorekv``), checked against the model; ``{}`` when none is read.
 
   Args:
     config: the evaluation config.
@@ -256,7 +261,7 @@ def load_learned(config, needs, cfg) -> dict:
     ValueError: naming the field, for a missing or unreadable file, or one trained for
       another model.
   """
-  loaders = {"kvzap": kvzap.load, "fastkvzip": fastkvzip.load}
+  loaders = {"kvzap": kvzap.load, "fastkvzip": fastkvzip.load, "restorekv": restorekv.load}
   return {name: loaders[name](path, cfg)[0] for name, path in learned_paths(config, needs).items()}
 
 
@@ -288,8 +293,11 @@ def learned_paths(config, needs) -> dict:
 
 
 def policy_needs(entries) -> set[str]:
-  """The :class:`kvjax.policies.Evidence` fields the ``(label, policy)`` entries read."""
-  return set().union(*(policy.evidence_fields for _, policy in entries))
+  """The :class:`kvjax.policies.Evidence` fields the ``(label, policy)`` entries read, and
+  RestoreKV's restore tokens (:func:`kvjax.model.restorekv.fields_read`)."""
+  return set().union(
+    *(policy.evidence_fields | restorekv.fields_read(policy) for _, policy in entries)
+  )
 
 
 def load_calibration(config, needs) -> dict:
@@ -365,7 +373,8 @@ def context_evidence(model, exs, shape, template, needs, learned=None) -> dict:
   """The evidence computed from each batch's context columns (all but the fed question tail),
   ``[L, B, G, Tc]``, for the policies that read it: KVzip's ``reconstruction_attn_LGT`` (its
   second pass), KVzap's ``kvzap_LGT`` and Fast KVzip's ``fastkvzip_LGT`` (the ``learned``
-  surrogates of :func:`load_learned` on the context's attention inputs)."""
+  surrogates of :func:`load_learned` on the context's attention inputs), and RestoreKV's
+  restore tokens after the context (``restore_keys_LGND``, ``restore_values_LGND``)."""
   wanted = set(needs) & ({"reconstruction_attn_LGT"} | set(LEARNED_EVIDENCE))
   if not wanted:
     return {}
@@ -381,6 +390,9 @@ def context_evidence(model, exs, shape, template, needs, learned=None) -> dict:
   if "fastkvzip_LGT" in wanted:
     gates = learned["fastkvzip"]
     out["fastkvzip_LGT"] = np.asarray(fastkvzip.fastkvzip_evidence(cfg, params, gates, context))
+  if restorekv.KEYS in wanted:
+    restored = restorekv.restore_evidence(cfg, params, learned["restorekv"], context)
+    out.update({k: np.asarray(v) for k, v in restored.items()})
   return out
 
 
@@ -439,7 +451,8 @@ def evaluate_group(
     prefilled = prefill_examples(
       model, exs, question=question, window=window, oracle=policy.reads_future
     )
-  given = {k: v for k, v in (evidence or {}).items() if k in policy.evidence_fields}
+  reads = policy.evidence_fields | restorekv.fields_read(policy)
+  given = {k: v for k, v in (evidence or {}).items() if k in reads}
   budgets_K, ratios_K = answers_lib.budgets_of(
     policy, budgets, ratios, prefilled.pre.valid.shape[1]
   )
@@ -769,7 +782,41 @@ def prepare(config) -> Prepared:
       for length in h.lengths
       for d in h.depths
     }
+  check_ratios_fit(config, entries, sets)
   return Prepared(model, cfg, tok, calibration, template, sets, heatmap, learned)
+
+
+def check_ratios_fit(config, entries, sets) -> None:
+  """Refuses, before the workdir is touched, a ratio that leaves some policy fewer context
+  tokens than it needs (its protected window) in some (task, length) cell.
+
+  Args:
+    config: the evaluation config.
+    entries: the ``(label, policy)`` entries.
+    sets: the example sets, ``{(task, length): examples}``.
+
+  Raises:
+    ValueError: naming ``ratios``, the ratio, the tokens it keeps and the policy
+      (:func:`kvjax.model.answers.budgets_of`), with the cell.
+  """
+  ratios = config_ratios(config)
+  if not ratios:
+    return
+  shapes = {}
+  for (task, length), exs in sets.items():
+    if config.get("shared_shapes", False):
+      if length not in shapes:
+        shapes[length] = shared_shape([e for (_, n), e in sets.items() if n == length])
+      q_len = shapes[length][0]
+    else:
+      q_len = max(e.question_len for e in exs)
+    for label, policy in entries:
+      if not policy.requires_budget:
+        continue
+      try:
+        answers_lib.budgets_of(policy, None, ratios, length - q_len)
+      except ValueError as e:
+        raise ValueError(f"{e} (policy {label!r}, task {task!r} at {length} tokens)") from None
 
 
 def run(config, workdir, *, log=print) -> pd.DataFrame:
