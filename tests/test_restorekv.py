@@ -431,3 +431,34 @@ def test_experiment_entry_point_and_resume(tmp_path):
   for k, v in saved.items():
     if k != "meta_json":
       np.testing.assert_array_equal(again[k], v)
+
+
+def test_evaluation_reads_the_adapter_from_the_config(tmp_path):
+  """An evaluation with ``restorekv`` needs the adapter file (refused before the workdir
+  otherwise), computes the restore tokens on each batch's context and writes its rows beside
+  KVzip's at the same budget."""
+  import ml_collections
+
+  from configs import eval as eval_config
+  from kvjax.eval import evaluate
+
+  model, cfg = km.load_tiny()[:2]
+  path = restorekv.save(
+    tmp_path / "a.npz", restorekv.init_adapter(cfg, model.params(), tokens=4, rank=2), {}
+  )
+  c = eval_config.get_config("quick")
+  c.tasks = ml_collections.ConfigDict({"single_needle": {}})
+  c.lengths, c.examples, c.budgets = (128,), 2, (48,)
+  c.policies = (
+    dict(label="kvzip", policy="kvzip"),
+    dict(label="restorekv", policy="restorekv", restore_tokens=4),
+  )
+  c.heatmap.policies = ()
+  with pytest.raises(ValueError, match="restorekv: policies read restore_keys_LGND"):
+    evaluate.validate_config(c)
+  assert not (tmp_path / "run").exists()
+  c.restorekv = str(path)
+  table = evaluate.run(c, tmp_path / "run", log=lambda *_: None)
+  assert set(table["policy"]) == {"full", "kvzip", "restorekv"}
+  held = table.set_index("policy")["kv_bytes_held"]
+  assert held["restorekv"] == held["kvzip"]  # the restore tokens inside the same budget

@@ -255,7 +255,7 @@ def load_learned(config, needs, cfg) -> dict:
     cfg: the model's config.
 
   Returns:
-    ``{"kvzap": (surrogate, meta), "fastkvzip": (gates, meta)}`` for the ones needed.
+    ``{"kvzap": surrogate, "fastkvzip": gates, "restorekv": adapter}`` for the ones needed.
 
   Raises:
     ValueError: naming the field, for a missing or unreadable file, or one trained for

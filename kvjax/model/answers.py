@@ -14,7 +14,7 @@ import numpy as np
 
 from kvjax import policies
 from kvjax.model import cache as cache_lib
-from kvjax.model import decoding, llama, sharding
+from kvjax.model import decoding, llama, restorekv, sharding
 
 Array = jax.Array
 
@@ -594,7 +594,9 @@ def answer_prefilled(
       raise ValueError("prefilled: the oracle needs prefill_answers(..., oracle=True)")
     pre = pre.replace(future_attn=prefilled.future_attn)
   ev = decoding.check_evidence(pol, evidence, cfg, np.zeros(pre.valid.shape, np.int32), None)
-  spec, alloc = decoding.configs_spec(cfg, pol, pre, budgets, window, layout, Tc, M, ev)
+  pre, ev = restorekv.append_restore(pre, ev)  # RestoreKV's tokens follow the context
+  T = pre.valid.shape[1]
+  spec, alloc = decoding.configs_spec(cfg, pol, pre, budgets, window, layout, T, M, ev)
   sharded, K = decoding.shard_configs(budgets, params)
   caches = _compress_configs(cfg, pre, spec, sharded, ev)
   held_K = _held_bytes(caches, K)

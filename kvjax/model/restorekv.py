@@ -332,13 +332,51 @@ def restorekv_evidence(
   attn = kvzip_evidence(
     cfg, params, context_ids, template, chunk_size=chunk_size, n_sink=n_sink, plus=plus
   )
-  ids = np.asarray(context_ids, np.int32)
+  return {"reconstruction_attn_LGT": attn, **restore_evidence(cfg, params, adapter, context_ids)}
+
+
+def restore_evidence(cfg: ModelConfig, params: dict, adapter: Adapter, context_ids) -> dict:
+  """The restore tokens' keys and values after a context (:func:`restore_kv` after a prefill
+  of it), without KVzip's scores.
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    adapter: the trained :class:`Adapter`.
+    context_ids: the context ``[T]``, or a ``[B, T]`` batch of unpadded rows.
+
+  Returns:
+    ``{"restore_keys_LGND": [L, B, G, N, D], "restore_values_LGND": ...}`` fp32 (without the
+    ``B`` axis for a ``[T]`` context).
+
+  Raises:
+    ValueError: for an adapter that does not fit the model, or ids that are not ``[T]`` or
+      ``[B, T]`` tokens of the vocabulary.
+  """
+  check_adapter(adapter, cfg)
+  ids = np.asarray(context_ids)
   single = ids.ndim == 1
-  keys, values = _evidence_jit(cfg, params, adapter, jnp.asarray(ids[None] if single else ids))
+  if ids.ndim not in (1, 2) or ids.shape[-1] == 0:
+    raise ValueError(f"context_ids: expected token ids [T] or [B, T], got shape {ids.shape}")
+  ids = llama.check_token_ids("context_ids", ids[None] if single else ids, cfg.vocab_size)
+  keys, values = _evidence_jit(cfg, params, adapter, jnp.asarray(ids, jnp.int32))
   keys, values = jnp.asarray(keys, jnp.float32), jnp.asarray(values, jnp.float32)
   if single:
     keys, values = keys[:, 0], values[:, 0]
-  return {"reconstruction_attn_LGT": attn, KEYS: keys, VALUES: values}
+  return {KEYS: keys, VALUES: values}
+
+
+def fields_read(policy) -> frozenset[str]:
+  """The restore fields ``policy`` reads from the caller besides its
+  :attr:`~kvjax.policies.Policy.evidence_fields` (RestoreKV's restore tokens; none for others).
+
+  Args:
+    policy: a policy object.
+
+  Returns:
+    :data:`FIELDS` for a policy with ``restore_tokens``, else the empty set.
+  """
+  return frozenset(FIELDS) if getattr(policy, "restore_tokens", None) else frozenset()
 
 
 # --------------------------------------------------------------------------- the model's cache
