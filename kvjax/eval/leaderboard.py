@@ -116,8 +116,8 @@ def check_config(config) -> None:
 
   Raises:
     ValueError: naming the field: an unknown task, a ratio outside ``[0, 1)``, a length or
-      example count that is not a positive int, a ``separate_queries`` that is not a bool, or
-      a bad method.
+      example count that is not a positive int, a ``separate_queries`` or
+      ``shared_question_len`` that is not a bool, or a bad method.
   """
   rundir.require_fields(
     config,
@@ -134,15 +134,17 @@ def check_config(config) -> None:
   for r in config.ratios:
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
       raise ValueError(f"ratios: {r!r} is not a compression ratio in [0, 1)")
-  separate = config.get("separate_queries", False)
-  if not isinstance(separate, bool):
-    raise ValueError(f"separate_queries: expected a bool, got {separate!r}")
+  for option in ("separate_queries", "shared_question_len"):
+    value = config.get(option, False)
+    if not isinstance(value, bool):
+      raise ValueError(f"{option}: expected a bool, got {value!r}")
   methods_of(config)
 
 
 def identity(config) -> dict:
-  """What identifies a leaderboard run: its config, but ``separate_queries`` only when set (a
-  run of RULER's one question per sample is the same run with or without the field).
+  """What identifies a leaderboard run: its config, but ``separate_queries`` and
+  ``shared_question_len`` only when set (a run of the plain protocol is the same run with or
+  without the fields).
 
   Args:
     config: the leaderboard config.
@@ -151,8 +153,9 @@ def identity(config) -> dict:
     The plain dict :func:`kvjax.rundir.signature` hashes.
   """
   plain = rundir.plain(config.to_dict())
-  if not plain.get("separate_queries"):
-    plain.pop("separate_queries", None)
+  for option in ("separate_queries", "shared_question_len"):
+    if not plain.get(option):
+      plain.pop(option, None)
   return plain
 
 
@@ -173,6 +176,7 @@ def answer(
   ratio: float,
   loop: str,
   max_new_tokens: int | None = None,
+  fed_len: int | None = None,
 ):
   """One example's generated answer under ``policy`` at ``ratio`` in ``loop``.
 
@@ -184,9 +188,15 @@ def answer(
     ratio: kvpress's compression ratio.
     loop: ``"agnostic"`` or ``"aware"``.
     max_new_tokens: tokens to generate (``None``: RULER's for the task).
+    fed_len: the query-agnostic loop's fed tail, at least the question's length (``None``: the
+      question and answer prefix alone). Longer, it feeds that many more of the context's last
+      tokens uncompressed with them (:func:`shared_question_len`).
 
   Returns:
     ``(text, kv_bytes_held, kv_fraction)``.
+
+  Raises:
+    ValueError: for a ``fed_len`` shorter than the question or not shorter than the prompt.
   """
   ex = sample.example
   new = max_new_tokens or ruler.TOKENS_TO_GENERATE[ruler.KIND[sample.task]]
@@ -194,6 +204,13 @@ def answer(
   # agnostic: the question and answer prefix come after the compression; aware: only the last
   # prompt token does (the compressed prompt holds the question, its window observes it)
   q = ex.question_len if loop == "agnostic" else 1
+  if fed_len is not None and loop == "agnostic":
+    if not ex.question_len <= fed_len < ex.prompt.size:
+      raise ValueError(
+        f"fed_len: {fed_len} tokens, expected at least the question's {ex.question_len} and "
+        f"fewer than the prompt's {ex.prompt.size}"
+      )
+    q = int(fed_len)
   (text,), held, frac = _compress_and_answer(
     model, tokenizer, prompt[:, :-q], [prompt[:, -q:]], policy, ratio, new
   )
@@ -262,6 +279,25 @@ def answer_queries(
   return texts, refs, int(np.mean(helds)), float(np.mean(fracs))
 
 
+def shared_question_len(samples) -> int:
+  """The query-agnostic loop's fed tail shared by ``samples`` (with ``shared_question_len``):
+  the longest question and answer prefix among them.
+
+  With one fed length every task of a context length compresses a context of one shape and
+  feeds one question shape, so each method and ratio compiles once for all of them instead of
+  once per task (on a CPU the compiles cost more than the answers). A named variant of the
+  protocol, as :func:`kvjax.eval.evaluate.shared_shape` is: a task whose question is shorter
+  feeds that many of its context's last tokens uncompressed with it (kept, outside the ratio).
+
+  Args:
+    samples: the run's RULER samples.
+
+  Returns:
+    The fed length, in tokens.
+  """
+  return max(s.example.question_len for s in samples)
+
+
 def _compress_and_answer(model, tokenizer, context_ids, questions, policy, ratio, new):
   """``(texts, kv_bytes_held, kv_fraction)``: ``context_ids`` ``[1, T]`` compressed once under
   ``policy`` at ``ratio``, then each of ``questions`` (``[1, Q]`` each) answered from it."""
@@ -319,6 +355,15 @@ def run(config, workdir, *, model=None, tokenizer=None, log=print) -> pd.DataFra
       for r in table.itertuples()
     }
     separate = bool(config.get("separate_queries", False))
+    fed_len = None
+    if config.get("shared_question_len", False):
+      fed_len = shared_question_len(
+        [
+          ruler.sample(task, tokenizer, length=config.length, seed=config.seed + i)
+          for task in config.tasks
+          for i in range(config.examples)
+        ]
+      )
     for task in config.tasks:
       for i in range(config.examples):
         sample = ruler.sample(task, tokenizer, length=config.length, seed=config.seed + i)
@@ -337,7 +382,7 @@ def run(config, workdir, *, model=None, tokenizer=None, log=print) -> pd.DataFra
                   model, tokenizer, sample, pol, r, loop, new
                 )
               else:
-                text, held, frac = answer(model, tokenizer, sample, pol, r, loop, new)
+                text, held, frac = answer(model, tokenizer, sample, pol, r, loop, new, fed_len)
                 texts, refs = [text], [sample.outputs]
               score = ruler.score(task, texts, refs)
               row = dict(
