@@ -3,7 +3,8 @@
 For each (task, context length) a fixed set of held-out examples is prefilled once for every
 policy, ``batch`` examples at a time (all at once by default), and answered under every budget of
 the grid at once (:func:`kvjax.model.answers.answer_prefilled`: compress and decode vmapped over
-budgets).
+budgets), or under every kvpress compression ratio of ``config.ratios`` (each row holds its
+ratio and the token budget it kept).
 Each (task, length, policy) group appends its rows to ``results.csv`` as soon as its last batch
 is done; a rerun skips the groups already there (like sweeps).
 Besides accuracy, each row carries the teacher-forced next-token KL divergence between the full and
