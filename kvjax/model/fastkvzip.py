@@ -30,7 +30,6 @@ functions of :mod:`kvjax.model.llama`, with dense attention; gates and scores ar
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 from collections.abc import Callable
@@ -41,7 +40,7 @@ import numpy as np
 import optax
 
 from kvjax import distributed
-from kvjax.model import llama
+from kvjax.model import llama, npzfile
 from kvjax.model.calibrate import KVzipTemplate, kvzip_evidence
 from kvjax.model.config import ModelConfig
 from kvjax.scores import PRECISION
@@ -682,17 +681,12 @@ def save(path: str | pathlib.Path, gates: dict, meta: dict | None = None) -> pat
   Returns:
     The path written.
   """
-  path = pathlib.Path(path)
   header = {
     **(meta or {}),
     "format": FORMAT,
     "shapes": {k: list(v) for k, v in shapes_of(gates).items()},
   }
-  arrays = {k: np.asarray(gates[k], np.float32) for k in PARAM_KEYS}
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with open(path, "wb") as f:
-    np.savez(f, meta_json=np.asarray(json.dumps(header, sort_keys=True)), **arrays)
-  return path
+  return npzfile.write(path, {k: gates[k] for k in PARAM_KEYS}, header)
 
 
 def check_gates(gates, cfg: ModelConfig, where: str = "gates") -> None:
@@ -737,17 +731,7 @@ def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[dict, dict]:
     ValueError: naming the file, for one that is missing or unreadable, lacks the header or an
       array, or holds shapes that do not fit ``cfg`` (each named with what it should be).
   """
-  path = pathlib.Path(path)
-  try:
-    with np.load(path, allow_pickle=False) as data:
-      files = {k: data[k] for k in data.files}
-  except (OSError, ValueError) as e:
-    raise ValueError(f"path: {path} is not a readable Fast KVzip gates file ({e})") from None
-  if "meta_json" not in files:
-    raise ValueError(f"path: {path} has no meta_json header (not a Fast KVzip gates file)")
-  meta = json.loads(str(files.pop("meta_json")))
-  if meta.get("format") != FORMAT:
-    raise ValueError(f"path: {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+  files, meta = npzfile.read(path, FORMAT, "Fast KVzip gates")
   where = f"path: {path} (model {meta.get('model')!r})"
   check_gates(files, cfg, where)
   return {k: jnp.asarray(files[k], jnp.float32) for k in PARAM_KEYS}, meta

@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 from kvjax import distributed
-from kvjax.model import llama
+from kvjax.model import llama, npzfile
 from kvjax.model.calibrate import KVzipTemplate
 from kvjax.model.config import ModelConfig
 from kvjax.model.kvgrad import value_output_norms
@@ -684,18 +684,13 @@ def save(path: str | pathlib.Path, surrogate: Surrogate, meta: dict | None = Non
   Returns:
     The path written.
   """
-  path = pathlib.Path(path)
   header = {
     **(meta or {}),
     "format": FORMAT,
     "kind": surrogate.kind,
     "shapes": {k: list(v) for k, v in surrogate.shapes.items()},
   }
-  arrays = {k: np.asarray(v, np.float32) for k, v in surrogate.params.items()}
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with open(path, "wb") as f:
-    np.savez(f, meta_json=np.asarray(json.dumps(header, sort_keys=True)), **arrays)
-  return path
+  return npzfile.write(path, surrogate.params, header)
 
 
 def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[Surrogate, dict]:
@@ -712,21 +707,10 @@ def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[Surrogate, dict]:
     ValueError: naming the file, for one that is missing or unreadable, lacks the header or a
       weight, has another kind, or weights whose shapes do not fit ``cfg``.
   """
-  path = pathlib.Path(path)
-  try:
-    data = np.load(path, allow_pickle=False)
-    files = {k: data[k] for k in data.files}
-  except (OSError, ValueError) as e:
-    raise ValueError(f"path: {path} is not a readable KVzap surrogate file ({e})") from None
-  if "meta_json" not in files:
-    raise ValueError(f"path: {path} has no meta_json header (not a KVzap surrogate file)")
-  meta = json.loads(str(files.pop("meta_json")))
+  files, meta = npzfile.read(path, FORMAT, "KVzap surrogate")
   kind = meta.get("kind")
-  if meta.get("format") != FORMAT or kind not in KINDS:
-    raise ValueError(
-      f"path: {path} has format {meta.get('format')!r} and kind {kind!r}, expected "
-      f"{FORMAT!r} and one of {KINDS}"
-    )
+  if kind not in KINDS:
+    raise ValueError(f"path: {path} has kind {kind!r}, expected one of {KINDS}")
   missing = [k for k in PARAM_KEYS[kind] if k not in files]
   if missing:
     raise ValueError(f"path: {path} lacks the {kind} weights {missing}")

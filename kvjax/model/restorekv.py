@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import pathlib
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from flax import struct
 
 from kvjax import policies
 from kvjax.model import cache as cache_lib
-from kvjax.model import llama
+from kvjax.model import llama, npzfile
 from kvjax.model.calibrate import KVzipTemplate, kvzip_evidence
 from kvjax.model.config import ModelConfig
 from kvjax.policies.methods import KVzip
@@ -814,19 +813,15 @@ def save(path: str | pathlib.Path, adapter: Adapter, meta: dict | None = None) -
   Returns:
     The path written.
   """
-  path = pathlib.Path(path)
-  arrays = {k: np.asarray(v, np.float32) for k, v in _arrays(adapter).items()}
+  arrays = _arrays(adapter)
   header = {
     **(meta or {}),
     "format": FORMAT,
     "alpha": float(adapter.alpha),
     "targets": list(TARGETS),
-    "shapes": {k: list(v.shape) for k, v in arrays.items()},
+    "shapes": {k: list(np.shape(v)) for k, v in arrays.items()},
   }
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with open(path, "wb") as f:
-    np.savez(f, meta_json=np.asarray(json.dumps(header, sort_keys=True)), **arrays)
-  return path
+  return npzfile.write(path, arrays, header)
 
 
 def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[Adapter, dict]:
@@ -843,17 +838,7 @@ def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[Adapter, dict]:
     ValueError: naming the file, for one that is missing or unreadable, lacks the header or an
       array, or holds shapes that do not fit ``cfg`` (each named with what it should be).
   """
-  path = pathlib.Path(path)
-  try:
-    with np.load(path, allow_pickle=False) as data:
-      files = {k: data[k] for k in data.files}
-  except (OSError, ValueError) as e:
-    raise ValueError(f"path: {path} is not a readable RestoreKV adapter file ({e})") from None
-  if "meta_json" not in files:
-    raise ValueError(f"path: {path} has no meta_json header (not a RestoreKV adapter file)")
-  meta = json.loads(str(files.pop("meta_json")))
-  if meta.get("format") != FORMAT:
-    raise ValueError(f"path: {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+  files, meta = npzfile.read(path, FORMAT, "RestoreKV adapter")
   where = f"path: {path} (model {meta.get('model')!r})"
   need = ["embeddings"] + [f"{p}_{t}" for t in TARGETS for p in ("a", "b")]
   missing = [k for k in need if k not in files]
