@@ -8,8 +8,10 @@ caches (``uniform10``: one budget for every head; ``adakv10``: Ada-KV's ragged p
 the valid K/V slots, and the bookkeeping the step touches: every slot's position and validity,
 the budgets), the step's median time (jitted, after warm-up, the cache donated and threaded
 through the steps as inside ``generate``'s scan) and the bandwidth achieved, as a fraction of
-the bandwidth a large array reduction reaches in the same run (XLA's ``sum``; numpy's on its own
-line). One line per case, in the form tooling reads::
+the bandwidth a large array reduction reaches in the same run: XLA's ``sum`` over 1 GiB, timed
+once after each step, so that the load of a shared machine weighs on both alike (the run's
+first lines give it, and numpy's, measured alone before the cases). One line per case, in the
+form tooling reads::
 
   roofline <case> T=<tokens>: <percent>% of measured bandwidth (<GB/s> of <GB/s>)
 
@@ -182,7 +184,9 @@ def compiled_step(cfg, cache_module, capacity: int):
   )
 
 
-def time_steps(cfg, params, caches: list, T: int, repeats: int, modules=None) -> list:
+def time_steps(
+  cfg, params, caches: list, T: int, repeats: int, modules=None, reference=None
+) -> list:
   """Times decode steps at position ``T`` after a warm-up, the steps of each cache alternated.
 
   Args:
@@ -192,9 +196,12 @@ def time_steps(cfg, params, caches: list, T: int, repeats: int, modules=None) ->
     T: the token's position.
     repeats: timed steps per cache (fewer than ``ROOM``: every step appends).
     modules: the cache module stepping each cache (default ``kvjax.model.cache`` for all).
+    reference: a function timed once per round after the steps (the bandwidth reference, so
+      that the load of a shared machine weighs on both alike), or ``None``.
 
   Returns:
-    Per cache, the seconds of each timed step (a numpy array).
+    Per cache, the seconds of each timed step (a numpy array); then, with ``reference``, the
+    seconds of each of its runs.
   """
   modules = modules or [cache_lib] * len(caches)
   steps = [compiled_step(cfg, m, c.keys.shape[3]) for m, c in zip(modules, caches, strict=True)]
@@ -203,13 +210,26 @@ def time_steps(cfg, params, caches: list, T: int, repeats: int, modules=None) ->
   caches = list(caches)
   for j, step in enumerate(steps):  # compile
     _, caches[j] = jax.block_until_ready(step(params, caches[j], tok, pos))
-  times = [[] for _ in steps]
+  times = [[] for _ in range(len(steps) + (reference is not None))]
   for i in range(repeats):
     for j, step in enumerate(steps):
       start = time.perf_counter()
       _, caches[j] = jax.block_until_ready(step(params, caches[j], tok, pos + 1 + i))
       times[j].append(time.perf_counter() - start)
+    if reference is not None:
+      start = time.perf_counter()
+      reference()
+      times[-1].append(time.perf_counter() - start)
   return [np.asarray(t) for t in times]
+
+
+def xla_reduction(nbytes: int):
+  """A function that runs a jitted ``sum`` over an fp32 array of ``nbytes`` on the device (after
+  a warm-up): the bandwidth reference timed beside the steps."""
+  x = jax.device_put(np.random.default_rng(1).standard_normal(nbytes // 4, dtype=np.float32))
+  total = jax.jit(jnp.sum)
+  jax.block_until_ready(total(x))
+  return lambda: jax.block_until_ready(total(x))
 
 
 def time_step(cfg, params, cache, T: int, repeats: int) -> float:
@@ -342,6 +362,7 @@ def run(
   say(f"reference: sum over {ref_bytes / 2**20:.0f} MiB fp32: XLA {xla_gbs:.1f} GB/s")
   say(f"reference: sum over {ref_bytes / 2**20:.0f} MiB fp32: numpy {numpy_gbs:.1f} GB/s")
   other = None if against is None else cache_module_at(against)
+  reference = xla_reduction(ref_bytes)
   if breakdown:
     empty = filled_cache(cfg, np.zeros((BATCH, cfg.num_layers, cfg.num_kv_heads), int), kv_dtype, 0)
     seconds = time_step(cfg, params, empty, 0, repeats)
@@ -358,15 +379,15 @@ def run(
         say(
           f"  breakdown {case} T={T}: attention alone {attention * 1e3:.2f} ms ({kv_gbs:.1f} GB/s)"
         )
-      if other is None:
-        seconds = float(np.median(time_steps(cfg, params, [cache], T, repeats)[0]))
-      else:
-        caches = [cache, filled_cache(cfg, budget, kv_dtype, T)]
-        this, then = time_steps(cfg, params, caches, T, repeats, [cache_lib, other])
-        seconds = float(np.median(this))
-        ratio = then / this
+      caches = [cache] if other is None else [cache, filled_cache(cfg, budget, kv_dtype, T)]
+      modules = [cache_lib] if other is None else [cache_lib, other]
+      *steps, ref = time_steps(cfg, params, caches, T, repeats, modules, reference)
+      seconds = float(np.median(steps[0]))
+      beside = ref_bytes / float(np.median(ref)) / 1e9
+      if other is not None:
+        ratio = steps[1] / steps[0]
         say(
-          f"  against {against} {case} T={T}: {np.median(then) * 1e3:.2f} ms, this "
+          f"  against {against} {case} T={T}: {np.median(steps[1]) * 1e3:.2f} ms, this "
           f"{seconds * 1e3:.2f} ms: {np.median(ratio):.2f}x (per step {ratio.min():.2f}-"
           f"{ratio.max():.2f}x)"
         )
@@ -374,11 +395,12 @@ def run(
       say(
         f"  {case} T={T}: {nbytes['total'] / 1e6:.1f} MB (weights {nbytes['weights'] / 1e6:.1f}, "
         f"K/V {nbytes['kv'] / 1e6:.1f}, bookkeeping {nbytes['bookkeeping'] / 1e6:.1f}) in "
-        f"{seconds * 1e3:.2f} ms; {100 * gbs / numpy_gbs:.1f}% of numpy's {numpy_gbs:.1f} GB/s"
+        f"{seconds * 1e3:.2f} ms; XLA's sum beside the steps {beside:.1f} GB/s; "
+        f"{100 * gbs / numpy_gbs:.1f}% of numpy's {numpy_gbs:.1f} GB/s"
       )
       say(
-        f"roofline {case} T={T}: {100 * gbs / xla_gbs:.1f}% of measured bandwidth "
-        f"({gbs:.2f} GB/s of {xla_gbs:.2f} GB/s)"
+        f"roofline {case} T={T}: {100 * gbs / beside:.1f}% of measured bandwidth "
+        f"({gbs:.2f} GB/s of {beside:.2f} GB/s)"
       )
   return lines
 
