@@ -187,7 +187,8 @@ def compiled_step(cfg, cache_module, capacity: int):
 def time_steps(
   cfg, params, caches: list, T: int, repeats: int, modules=None, reference=None
 ) -> list:
-  """Times decode steps at position ``T`` after a warm-up, the steps of each cache alternated.
+  """Times decode steps at position ``T`` after a warm-up, the steps of each cache alternated
+  (each round starting with the next).
 
   Args:
     cfg: the model's config.
@@ -212,7 +213,9 @@ def time_steps(
     _, caches[j] = jax.block_until_ready(step(params, caches[j], tok, pos))
   times = [[] for _ in range(len(steps) + (reference is not None))]
   for i in range(repeats):
-    for j, step in enumerate(steps):
+    # each round starts with another step: the one right after the reference finds no cache warm
+    for j in np.roll(np.arange(len(steps)), -i):
+      step = steps[j]
       start = time.perf_counter()
       _, caches[j] = jax.block_until_ready(step(params, caches[j], tok, pos + 1 + i))
       times[j].append(time.perf_counter() - start)
