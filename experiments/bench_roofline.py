@@ -294,7 +294,7 @@ def time_attention(cfg, cache, repeats: int) -> float:
   @jax.jit
   def attention(q, keys, values, valid):
     def layer(q, l):
-      _, out = cache_lib._slot_attention_of_layer(cfg, q, keys, values, l, valid[l])
+      _, out = cache_lib.slot_attention_of_layer(cfg, q, keys, values, l, valid[l])
       return q + out, None
 
     return jax.lax.scan(layer, q, jnp.arange(L))[0]

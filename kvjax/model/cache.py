@@ -776,19 +776,34 @@ def _held_blocks(visible_BHC: Array, block: int, n: int) -> tuple[Array, Array]:
   return jnp.minimum(first, n - 1), jnp.minimum(stop, n)
 
 
-def _slot_attention_of_layer(cfg, q_BHq1D, keys_all, values_all, l, visible_BHC):
-  """One decode query's attention over layer ``l``'s slots of the stacked ``[L, B, H, C, D]``
-  K/V: ``(probs [B, Hq, 1, C], out [B, Hq, 1, D])``, as ``llama.attention_probs`` and
-  ``llama.attend`` give them over ``keys_all[l]`` and ``values_all[l]``.
+def slot_attention_of_layer(
+  cfg: ModelConfig, q_BHq1D: Array, keys_all: Array, values_all: Array, l, visible_BHC: Array
+) -> tuple[Array, Array]:
+  """Computes one decode query's attention over layer ``l``'s slots of the stacked K/V.
 
-  Slicing layer ``l`` out whole copies ``2 C D`` floats per row and head before the contraction
-  reads them again (XLA:CPU's contractions read materialised operands), three passes over
-  memory where one is needed; read in blocks of :data:`DECODE_BLOCK` slots, each copied block
-  is still in cache when it is contracted, and blocks that hold no visible slot are not read
-  (:func:`_held_blocks`). The logits of a block are ``k q^T``, the block as the contraction's
-  left operand (XLA:CPU packs a right operand before it multiplies: ``q k^T`` copied each block
-  once more); each is a dot product over ``D``, as ``attention_logits``'s, summed in another
-  order. The output sums the blocks' partial products."""
+  The same as ``llama.attention_probs`` and ``llama.attend`` over ``keys_all[l]`` and
+  ``values_all[l]``, up to float rounding. Slicing layer ``l`` out whole copies ``2 C D`` floats
+  per row and head before the contraction reads them again (XLA:CPU's contractions read
+  materialised operands), three passes over memory where one is needed; read in blocks of
+  :data:`DECODE_BLOCK` slots, each copied block is still in cache when it is contracted, and
+  blocks that hold no visible slot are not read (:func:`_held_blocks`). The logits of a block
+  are ``k q^T``, the block as the contraction's left operand (XLA:CPU packs a right operand
+  before it multiplies: ``q k^T`` copies each block once more); each is a dot product over
+  ``D``, as ``attention_logits``'s, summed in another order; the output sums the blocks'
+  partial products. A cache of one block attends over the layer's slots whole, through
+  ``llama.attention_probs``.
+
+  Args:
+    cfg: the model's config (its attention soft-cap).
+    q_BHq1D: the query ``[B, Hq, 1, D]``, post-RoPE.
+    keys_all: the stacked keys ``[L, B, H, C, D]``.
+    values_all: the stacked values ``[L, B, H, C, D]``.
+    l: the layer (an int or a traced scalar).
+    visible_BHC: ``[B, H, C]`` bool, the slots the query may see.
+
+  Returns:
+    ``(probs [B, Hq, 1, C], out [B, Hq, 1, D])``, fp32; a row with no visible slot gives zeros.
+  """
   _, B, H, C, D = keys_all.shape
   Hq = q_BHq1D.shape[1]
   n = -(-C // DECODE_BLOCK)
@@ -917,7 +932,7 @@ def decode_step(
         )  # [B, Hq, 1, C]
       out = llama.attend(probs, values)  # the query layout is the case G = Hq
     else:
-      probs, out = _slot_attention_of_layer(cfg, q, keys_all, values_all, l, visible)
+      probs, out = slot_attention_of_layer(cfg, q, keys_all, values_all, l, visible)
     if spec.decode_time and "scores" in lslots:  # the policy's state after this step
       lslots = dict(lslots, scores=spec.policy.observe(lslots["scores"], _per_cache_head(probs, H)))
     if "attn_sums" in lslots:  # CaM: the new token's own slot included (it was empty, zero)
