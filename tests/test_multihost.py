@@ -575,3 +575,71 @@ def test_fastkvzip_over_two_processes_matches_one_and_the_resumed_run(tmp_path):
   resumed = _surrogate(workdir / "fastkvzip_gates.npz")
   for key in gates[1]:  # the same steps from the same checkpoint: bit for bit
     np.testing.assert_array_equal(resumed[key], gates[1][key])
+
+
+# --------------------------------------------------------------------------- evaluation
+
+EVAL = (
+  "--config.lengths=(128,)",
+  "--config.examples=2",
+  "--config.budgets=(48,)",
+  "--config.heatmap.policies=()",
+)
+
+
+def _eval(workdir, count=2, **env) -> list[subprocess.Popen]:
+  """Starts ``count`` processes of a small evaluation (``:quick`` at 128 tokens: two tasks, the
+  full cache and three policies), or one plain process."""
+  port = _free_port()
+  procs = []
+  for i in range(count):
+    cmd = [
+      sys.executable,
+      "-m",
+      "experiments.eval",
+      "--config=configs/eval.py:quick",
+      f"--config.workdir={workdir}",
+      *EVAL,
+    ]
+    if count > 1:
+      cmd += [f"--coordinator=localhost:{port}", f"--num_processes={count}", f"--process_id={i}"]
+    procs.append(
+      subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(2, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+      )
+    )
+  return procs
+
+
+def _eval_rows(workdir) -> pd.DataFrame:
+  """``results.csv`` as written, without the timings (the one column that differs by run)."""
+  table = pd.read_csv(pathlib.Path(workdir) / "results.csv", dtype=str)
+  return table.drop(columns=["seconds"])
+
+
+def test_evaluation_over_two_processes_matches_one_and_resumes_after_a_death(tmp_path):
+  """The policies of each group split over two processes: ``results.csv`` equals a one-process
+  run's (in order, but for ``seconds``) and ``tables.md`` too; a process killed after its first
+  group stops the other within two minutes, and the rerun completes the rows, none repeated."""
+  (one,) = finish(_eval(tmp_path / "one", count=1), timeout=600)
+  assert one[0] == 0, one[2][-3000:]
+  runs = finish(_eval(tmp_path / "two"), timeout=600)
+  assert [r[0] for r in runs] == [0, 0], runs[0][2][-3000:] + runs[1][2][-3000:]
+  assert "results:" in runs[0][1] and "results:" not in runs[1][1]
+  reference = _eval_rows(tmp_path / "one")
+  pd.testing.assert_frame_equal(_eval_rows(tmp_path / "two"), reference)
+  tables = (tmp_path / "one" / "tables.md").read_text()
+  assert (tmp_path / "two" / "tables.md").read_text() == tables
+
+  killed = tmp_path / "killed"
+  runs = finish(_eval(killed, KVJAX_FAULT_EXIT="1:1"), timeout=600)
+  (rc0, _, err0, end0), (rc1, _, err1, end1) = runs
+  assert rc1 == distributed.FAULT_EXIT_CODE, err1[-3000:]
+  assert rc0 == distributed.PEER_FAILED_EXIT_CODE, err0[-3000:]
+  assert "PeerFailedError" in err0 and end0 - end1 < 120
+  partial = _eval_rows(killed)
+  assert 0 < len(partial) < len(reference)
+  pd.testing.assert_frame_equal(partial, reference.iloc[: len(partial)])
+  again = finish(_eval(killed), timeout=600)
+  assert [r[0] for r in again] == [0, 0], again[0][2][-3000:] + again[1][2][-3000:]
+  pd.testing.assert_frame_equal(_eval_rows(killed), reference)

@@ -22,9 +22,11 @@ results holds their markdown tables (:mod:`kvjax.eval.report`).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import hashlib
+import io
 import json
 import pathlib
 import time
@@ -32,8 +34,8 @@ import time
 import numpy as np
 import pandas as pd
 
+from kvjax import distributed, plotting, policies, rundir
 from kvjax import model as km
-from kvjax import plotting, policies, rundir
 from kvjax.eval import report, ruler, stats, tasks
 from kvjax.model import answers as answers_lib
 from kvjax.model import assets, calibrate, fastkvzip, kvzap, restorekv
@@ -827,21 +829,45 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
   empty) and the model loaded with every example drawn (:func:`prepare`) before anything is
   written; the run then holds the workdir's lock (:func:`kvjax.rundir.lock`), so a second run
   into the same directory refuses. ``eval.json`` records the config: a resume must agree with
-  it outside :data:`NOT_IDENTITY`, and results without it are refused (:func:`kvjax.rundir.claim`)."""
+  it outside :data:`NOT_IDENTITY`, and results without it are refused (:func:`kvjax.rundir.claim`).
+
+  In a run of several processes (:func:`kvjax.distributed.maybe_initialize`) every process calls
+  this with the same arguments: process 0 alone touches ``workdir`` (lock, claim, rows, tables,
+  figures) and tells the others which groups are left; each (task, length, question) group's
+  policies are split among the processes (:func:`kvjax.distributed.share`), each prefilling the
+  group's examples once for its share; the finished rows are gathered and process 0 appends them
+  in the one-process order, so ``results.csv`` equals a one-process run's but for the
+  ``seconds`` column. Every process returns the whole table. A process that dies makes the
+  others raise :class:`kvjax.distributed.PeerFailedError` at their next gather; the rows written
+  so far stay, and the same command resumes."""
   validate_config(config)
   rundir.check_workdir(workdir)
   prepared = prepare(config)
-  with rundir.lock(workdir):
+  if distributed.process_count() == 1:
+    with rundir.lock(workdir):
+      return _run(config, workdir, prepared, log)
+  if not distributed.is_primary():  # one log: process 0's
+    log = _quiet
+  with contextlib.ExitStack() as stack:
+    distributed.on_primary(
+      lambda: bool(stack.enter_context(rundir.lock(workdir))), "locking the run directory"
+    )
     return _run(config, workdir, prepared, log)
 
 
-def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
+def _quiet(*args, **kwargs) -> None:
+  """A log that prints nothing (the processes other than process 0)."""
+
+
+def _claim_and_read(config, workdir, expected: dict) -> list:
+  """Claims ``workdir`` for ``config`` and reads which groups its ``results.csv`` completes
+  (process 0's work), as JSON-able keys."""
   path = pathlib.Path(workdir) / "results.csv"
   check_results_columns(path)
   record = {k: config[k] for k in config if k != "workdir"}  # where is not what
   sig = rundir.signature(record | {"weights": _model_fingerprint(config.model)})
   has_results = rundir.holds_data(path)
-  out = rundir.claim(workdir, "eval.json", sig, has_results=has_results, not_identity=NOT_IDENTITY)
+  rundir.claim(workdir, "eval.json", sig, has_results=has_results, not_identity=NOT_IDENTITY)
   # the outcomes as written (one example's "1" is no number to round-trip)
   table = rundir.read_rows(path, dtype=dict.fromkeys(EXAMPLE_COLUMNS, str), columns=COLUMNS)
   if not table.empty and list(table.columns) != COLUMNS:
@@ -849,6 +875,48 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
       f"workdir: {path} has the columns {list(table.columns)}, expected {COLUMNS} (written by "
       "another kvjax version); use a fresh workdir"
     )
+  return sorted(list(k) for k in complete_groups(table, path, expected))
+
+
+def _to_json(part: dict) -> dict:
+  """A batch's :func:`evaluate_group` result as :func:`merge_batches` reads it, JSON-able."""
+  rows = [
+    {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in r.items()} for r in part["rows"]
+  ]
+  return {"rows": rows, "scored": part["scored"]}
+
+
+def _from_json(part: dict) -> dict:
+  arrays = {"example_correct": bool, "example_recall": float}
+  rows = [r | {k: np.asarray(r[k], t) for k, t in arrays.items()} for r in part["rows"]]
+  return {"rows": rows, "scored": part["scored"]}
+
+
+def gathered_groups(parts: dict, seconds: dict) -> tuple[dict, dict]:
+  """Every process's finished groups of one (task, length, question), on every process.
+
+  Args:
+    parts: this process's ``{label: [evaluate_group result per example batch]}``.
+    seconds: this process's ``{label: seconds}``.
+
+  Returns:
+    ``(parts, seconds)`` of every process's labels (this process's own in a one-process run).
+  """
+  if distributed.process_count() == 1:
+    return parts, seconds
+  mine = {label: ([_to_json(p) for p in ps], seconds[label]) for label, ps in parts.items()}
+  everyone = {}
+  for share in distributed.gather_json(mine, "gathering the evaluated groups"):
+    everyone.update(share)
+  return (
+    {label: [_from_json(p) for p in ps] for label, (ps, _) in everyone.items()},
+    {label: s for label, (_, s) in everyone.items()},
+  )
+
+
+def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
+  path = pathlib.Path(workdir) / "results.csv"
+  primary = distributed.is_primary()
   entries = [policy_entry(e) for e in config.policies]
   everyone = [(report.FULL, FULL), *entries]
   modes = question_modes(config)
@@ -862,7 +930,11 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
           budgets = list(ratios)
         for q in modes:
           groups[(task, length, label, "budget", q)] = budgets
-  done = complete_groups(table, path, {k: len(v) for k, v in groups.items()})
+  expected = {k: len(v) for k, v in groups.items()}
+  done = distributed.on_primary(
+    lambda: _claim_and_read(config, workdir, expected), "claiming the run directory"
+  )
+  done = {tuple(k) for k in done}
   model, tok, sets = prepared.model, prepared.tokenizer, prepared.sets
   calibration, template = prepared.calibration, prepared.template
   window = _policy_window(entries)
@@ -881,10 +953,11 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
         todo = [e for e in everyone if (task, length, e[0], "budget", q) not in done]
         if not todo:
           continue
+        mine = [todo[i] for i in distributed.share(todo)]  # every one in one process
         batches = example_batches(sets[(task, length)], config.get("batch"))
-        parts = {label: [] for label, _ in todo}
+        parts = {label: [] for label, _ in mine}
         seconds = dict.fromkeys(parts, 0.0)
-        for i, exs in enumerate(batches):
+        for exs in batches:
           t0 = time.time()  # one prefill per example for every policy, timed with the first
           prefilled = prefill_examples(
             model,
@@ -899,7 +972,7 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
             model, exs, shapes[length], template, needs, prepared.learned
           )
           full = evaluate_group(model, exs, [length], FULL, prefilled=prefilled)
-          for label, policy in todo:
+          for label, policy in mine:
             if _reads_head_scores(policy) and head is None:
               head = head_retrieval_scores(model, tok)
             if policy is FULL:  # its own reference: KL exactly 0; nothing removed
@@ -921,10 +994,29 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
             parts[label].append(res)
             seconds[label] += time.time() - t0
             t0 = time.time()
-            if i == len(batches) - 1:  # the group is complete: append it at once
-              _append_group(path, (task, length, label, q), parts[label], seconds[label], log)
+        parts, seconds = gathered_groups(parts, seconds)
+        if primary:  # the groups are complete: appended at once, in the one-process order
+          for label, _ in todo:
+            _append_group(path, (task, length, label, q), parts[label], seconds[label], log)
+        distributed.fault_point()  # after each group's rows: the tests kill here
+
+  def finish():  # process 0: the heatmap's rows, the tables and the figures; then the rows
+    _finish(config, prepared, path, done, head, log, modes, ratios)
+    return None if distributed.process_count() == 1 else path.read_text()
+
+  text = distributed.on_primary(finish, "writing the heatmap, tables and figures")
+  dtype = dict.fromkeys(EXAMPLE_COLUMNS, str)
+  if primary:
+    return rundir.read_rows(path, dtype=dtype)
+  return pd.read_csv(io.StringIO(text), dtype=dtype)  # process 0's table is every process's
+
+
+def _finish(config, prepared, path, done, head, log, modes, ratios) -> None:
+  """The heatmap's rows, then ``tables.md`` and the figures from ``results.csv`` (process 0)."""
+  out = pathlib.Path(path).parent
+  calibration, template = prepared.calibration, prepared.template
   evidence = dict(calibration=calibration, template=template, learned=prepared.learned)
-  head = _heatmap(config, prepared, path, done, head, log, evidence)
+  _heatmap(config, prepared, path, done, head, log, evidence)
   table = rundir.read_rows(path, dtype=dict.fromkeys(EXAMPLE_COLUMNS, str))
   for q in modes:
     suffix = "" if len(modes) == 1 else f"_{q}"
@@ -934,7 +1026,6 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
   if ratios:
     tables = tables.replace(" vs budget, ", " vs compression ratio, ")
   (out / "tables.md").write_text(tables)
-  return table
 
 
 def ratio_view(table: pd.DataFrame) -> pd.DataFrame:

@@ -874,9 +874,11 @@ def check_config_budgets(budgets) -> Array:
 
 
 def shard_configs(budgets_K: Array, params: dict | None = None) -> tuple[Array, int]:
-  """Spreads the configuration axis over every device.
+  """Spreads the configuration axis over every device of this process.
 
-  The devices are a TPU slice, several GPUs, or forced host devices. ``budgets_K`` is padded to
+  The devices are a TPU host's chips, several GPUs, or forced host devices: this process's own
+  (``jax.local_devices()``), so that in a run of several processes each evaluates its own share
+  without the others (an evaluation splits its policies across processes). ``budgets_K`` is padded to
   a multiple of the device count by repeating its last row and placed with a ``NamedSharding``
   over a one-axis ``Mesh``; the vmapped compress-and-decode then runs each device's share
   (GSPMD partitions it). A model placed by
@@ -891,7 +893,7 @@ def shard_configs(budgets_K: Array, params: dict | None = None) -> tuple[Array, 
   Returns:
     ``(budgets, K)``: the placed (possibly padded) budgets and the real ``K``.
   """
-  devices = jax.devices()
+  devices = jax.local_devices()
   K = budgets_K.shape[0]
   model_mesh = sharding.model_mesh(params) if params is not None else None
   if model_mesh is not None:
