@@ -54,6 +54,9 @@ if pathlib.Path.cwd().name == "notebooks":  # run from the repository root (conf
   os.chdir("..")
 import jax
 
+from kvjax import distributed
+
+distributed.maybe_initialize()  # several hosts (a TPU slice, SLURM): joins them; else nothing
 print("jax", jax.__version__, "| backend:", jax.default_backend(), "|", jax.devices())
 if jax.default_backend() == "cpu" and (
   "google.colab" in sys.modules or any(k.startswith("COLAB_") for k in os.environ)
