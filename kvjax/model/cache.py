@@ -776,8 +776,33 @@ def _held_blocks(visible_BHC: Array, block: int, n: int) -> tuple[Array, Array]:
   return jnp.minimum(first, n - 1), jnp.minimum(stop, n)
 
 
+def _carried_as_bits(dtype) -> bool:
+  """Whether the decode step carries K/V of ``dtype`` as their bits (``uint16``): XLA:CPU
+  slices and scatters 16-bit floats in fp32, converting the whole stacked ``[L, B, H, C, D]``
+  cache to fp32 and back around every layer's scatter (2.0-2.7 s a step for a bf16 cache of
+  16k tokens that fp32 decodes in about 0.1 s)."""
+  return jax.default_backend() == "cpu" and jnp.dtype(dtype).itemsize == 2
+
+
+def _as_bits(x: Array, bits: bool) -> Array:
+  return jax.lax.bitcast_convert_type(x, jnp.uint16) if bits else x
+
+
+def _as_float(x: Array, dtype) -> Array:
+  """``x`` in ``dtype``, from its bits when it is carried as bits (:func:`_carried_as_bits`)."""
+  if x.dtype == jnp.uint16 and jnp.dtype(dtype) != jnp.uint16:
+    return jax.lax.bitcast_convert_type(x, dtype)
+  return x
+
+
 def slot_attention_of_layer(
-  cfg: ModelConfig, q_BHq1D: Array, keys_all: Array, values_all: Array, l, visible_BHC: Array
+  cfg: ModelConfig,
+  q_BHq1D: Array,
+  keys_all: Array,
+  values_all: Array,
+  l,
+  visible_BHC: Array,
+  kv_dtype=None,
 ) -> tuple[Array, Array]:
   """Computes one decode query's attention over layer ``l``'s slots of the stacked K/V.
 
@@ -800,6 +825,8 @@ def slot_attention_of_layer(
     values_all: the stacked values ``[L, B, H, C, D]``.
     l: the layer (an int or a traced scalar).
     visible_BHC: ``[B, H, C]`` bool, the slots the query may see.
+    kv_dtype: the K/V's dtype when ``keys_all`` and ``values_all`` hold its bits (``uint16``),
+      as the decode step carries a 16-bit cache on CPU; ``None``: their own dtype.
 
   Returns:
     ``(probs [B, Hq, 1, C], out [B, Hq, 1, D])``, fp32; a row with no visible slot gives zeros.
@@ -807,11 +834,13 @@ def slot_attention_of_layer(
   _, B, H, C, D = keys_all.shape
   Hq = q_BHq1D.shape[1]
   n = -(-C // DECODE_BLOCK)
+  kv_dtype = keys_all.dtype if kv_dtype is None else kv_dtype
   if n == 1:  # one block: the layer's slots whole, as the attention over a layer reads them
+    keys, values = _as_float(keys_all[l], kv_dtype), _as_float(values_all[l], kv_dtype)
     probs = llama.attention_probs(
-      q_BHq1D, keys_all[l], visible_BHC[:, :, None, :], softcap=cfg.attn_softcap
+      q_BHq1D, keys, visible_BHC[:, :, None, :], softcap=cfg.attn_softcap
     )
-    return probs, llama.attend(probs, values_all[l])
+    return probs, llama.attend(probs, values)
   block = -(-C // n)  # n equal blocks: the last overlaps the one before by fewer than n slots
   q = q_BHq1D.astype(jnp.float32).reshape(B, H, Hq // H, D)
   first, stop = _held_blocks(visible_BHC, block, n)
@@ -821,7 +850,8 @@ def slot_attention_of_layer(
 
   def logits_block(i, logits):
     k = jax.lax.dynamic_slice(keys_all, (l, 0, 0, start(i), 0), (1, B, H, block, D))[0]
-    x = jnp.einsum("bgkd,bgrd->bgkr", k.astype(jnp.float32), q, precision=scores_lib.PRECISION)
+    k = _as_float(k, kv_dtype).astype(jnp.float32)
+    x = jnp.einsum("bgkd,bgrd->bgkr", k, q, precision=scores_lib.PRECISION)
     return jax.lax.dynamic_update_slice(logits, x, (0, 0, start(i), 0))
 
   # slots in blocks not read keep logit 0: none is visible, so the softmax masks them all
@@ -832,6 +862,7 @@ def slot_attention_of_layer(
 
   def out_block(i, acc):
     v = jax.lax.dynamic_slice(values_all, (l, 0, 0, start(i), 0), (1, B, H, block, D))[0]
+    v = _as_float(v, kv_dtype)
     p_i = jax.lax.dynamic_slice(p, (0, 0, 0, start(i)), (B, H, Hq // H, block))
     # slots the block before already counted (the overlapping last block) count once
     p_i = jnp.where(start(i) + jnp.arange(block) >= i * block, p_i, 0.0)
@@ -912,15 +943,17 @@ def decode_step(
       new_all = new_all.at[l, :, :, at].set(k[:, :, 0].astype(new_all.dtype))
     else:
       slot, lslots = _admit(spec, lslots, budget_BH, pos_B)
-      keys_all = keys_all.at[l, b_idx, h_idx, slot].set(k[:, :, 0].astype(keys_all.dtype))
+      keys_all = keys_all.at[l, b_idx, h_idx, slot].set(_as_bits(k[:, :, 0].astype(kv_dtype), bits))
     layer_overflow = lslots.pop("overflow")
-    values_all = values_all.at[l, b_idx, h_idx, slot].set(v[:, :, 0].astype(values_all.dtype))
+    values_all = values_all.at[l, b_idx, h_idx, slot].set(
+      _as_bits(v[:, :, 0].astype(cache.values.dtype), bits)
+    )
     visible = lslots["valid"]
     window = llama.layer_window(cfg, l)  # Mistral's, or a Gemma sliding layer's (traced)
     if window is not None:  # keys older than the window are not attended
       visible = visible & (pos_B[:, None, None] - lslots["positions"] < window)
     if think or spec.reindex:  # these read the layer's keys whole (pruned, or rotated)
-      keys, values = keys_all[l], values_all[l]
+      keys, values = _as_float(keys_all[l], kv_dtype), _as_float(values_all[l], kv_dtype)
       q_att = q
       if spec.reindex:
         q_att, keys = _reindexed(cfg, q, keys, lslots["positions"], lslots["valid"], pos_B)
@@ -932,7 +965,7 @@ def decode_step(
         )  # [B, Hq, 1, C]
       out = llama.attend(probs, values)  # the query layout is the case G = Hq
     else:
-      probs, out = slot_attention_of_layer(cfg, q, keys_all, values_all, l, visible)
+      probs, out = slot_attention_of_layer(cfg, q, keys_all, values_all, l, visible, kv_dtype)
     if spec.decode_time and "scores" in lslots:  # the policy's state after this step
       lslots = dict(lslots, scores=spec.policy.observe(lslots["scores"], _per_cache_head(probs, H)))
     if "attn_sums" in lslots:  # CaM: the new token's own slot included (it was empty, zero)
@@ -941,7 +974,9 @@ def decode_step(
     return carry, (lslots, layer_overflow, q[:, :, 0] if spec.decode_every else None)
 
   L = cfg.num_layers
-  carry = (x, cache.keys, cache.values, cache.new_keys)
+  kv_dtype = cache.keys.dtype
+  bits = _carried_as_bits(kv_dtype) and cache.values.dtype == kv_dtype
+  carry = (x, _as_bits(cache.keys, bits), _as_bits(cache.values, bits), cache.new_keys)
   xs = (stacked, slots, budget_LBH, jnp.arange(L), cache.channels)
   (x, keys_all, values_all, new_all), (new_slots, layer_overflow, q_LBHD) = jax.lax.scan(
     layer, carry, xs
@@ -949,7 +984,11 @@ def decode_step(
   logits = llama.logits_of(cfg, params, x)[:, 0]
   overflow = overflow | layer_overflow.any(0)
   cache = cache.replace(
-    keys=keys_all, values=values_all, new_keys=new_all, overflow=overflow, **new_slots
+    keys=_as_float(keys_all, kv_dtype),
+    values=_as_float(values_all, cache.values.dtype),
+    new_keys=new_all,
+    overflow=overflow,
+    **new_slots,
   )
   if spec.decode_every:
     cache = _remember_query(cache, q_LBHD, pos_B, step)
