@@ -779,8 +779,7 @@ def _held_blocks(visible_BHC: Array, block: int, n: int) -> tuple[Array, Array]:
 def _carried_as_bits(dtype) -> bool:
   """Whether the decode step carries K/V of ``dtype`` as their bits (``uint16``): XLA:CPU
   slices and scatters 16-bit floats in fp32, converting the whole stacked ``[L, B, H, C, D]``
-  cache to fp32 and back around every layer's scatter (2.0-2.7 s a step for a bf16 cache of
-  16k tokens that fp32 decodes in about 0.1 s)."""
+  cache to fp32 and back around every layer's scatter (``docs/benchmarks.md`` has the cost)."""
   return jax.default_backend() == "cpu" and jnp.dtype(dtype).itemsize == 2
 
 
