@@ -1193,10 +1193,8 @@ def extend(
     values, valid, positions)``.
   """
   B, M = tokens_BM.shape[:2]
-  if tokens_BM.ndim == 3:  # embeddings: the residual stream's input as given
-    x = tokens_BM
-  else:
-    x = llama.embed_tokens(cfg, params, tokens_BM)
+  # embeddings (ndim 3) are the residual stream's input as given
+  x = tokens_BM if tokens_BM.ndim == 3 else llama.embed_tokens(cfg, params, tokens_BM)
   held = tuple(held)
   repeat_kv = held[0][0].shape[2] != cfg.num_kv_heads  # the query layout: one slot table per Hq
 
