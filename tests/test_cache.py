@@ -230,9 +230,9 @@ def test_decode_attention_in_blocks_matches_one_block(monkeypatch):
 
 
 def test_decode_step_carries_a_16_bit_cache_as_its_bits_unchanged(monkeypatch):
-  """On CPU the step carries a bf16 cache as its bits (XLA:CPU would convert the whole cache to
-  fp32 around every scatter); logits and cache match the step over the bf16 arrays bit for
-  bit, blocked (several blocks) and whole (one block), appending and evicting (H2O)."""
+  """On CPU the step carries a bf16 or fp16 cache as its bits (XLA:CPU would convert the whole
+  cache to fp32 around every scatter); logits and cache match the step over the 16-bit arrays
+  bit for bit, blocked (several blocks) and whole (one block), appending and evicting (H2O)."""
   from flax import nnx
 
   cfg = km.ModelConfig(
@@ -246,25 +246,25 @@ def test_decode_step_carries_a_16_bit_cache_as_its_bits_unchanged(monkeypatch):
   )
   params = km.Llama(cfg, rngs=nnx.Rngs(0)).params()
   token, pos = jnp.asarray([3, 5], jnp.int32), jnp.asarray([4700, 4800], jnp.int32)
-  for capacity in (2 * cache_lib.DECODE_BLOCK + 501, 300):
-    for policy in ("snapkv", "h2o"):
-      spec = cache_lib.CacheSpec(policies.make(policy), capacity)
-      cache = _blocked_cache(cfg, capacity)
-      cache = cache.replace(keys=cache.keys.astype(jnp.bfloat16))
-      cache = cache.replace(values=cache.values.astype(jnp.bfloat16))
-      if policy == "h2o":
-        cache = cache.replace(scores=jnp.zeros(cache.valid.shape, jnp.float32))
-        cache = cache.replace(budget=jnp.full(cache.budget.shape, capacity - 4, jnp.int32))
-      logits, out = cache_lib.decode_step(cfg, params, spec, cache, token, pos, pos)
-      assert cache_lib._carried_as_bits(jnp.bfloat16)  # the tests run on CPU
-      monkeypatch.setattr(cache_lib, "_carried_as_bits", lambda dtype: False)
-      ref_logits, ref = cache_lib.decode_step(cfg, params, spec, cache, token, pos, pos)
-      monkeypatch.undo()
-      np.testing.assert_array_equal(logits, ref_logits)
-      assert out.keys.dtype == jnp.bfloat16 and out.values.dtype == jnp.bfloat16
-      for name in ("keys", "values", "positions", "valid", "scores"):
-        if getattr(ref, name) is not None:
-          np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), err_msg=name)
+  runs = [(2 * cache_lib.DECODE_BLOCK + 501, "snapkv", jnp.bfloat16)]
+  runs += [(2 * cache_lib.DECODE_BLOCK + 501, "h2o", jnp.float16), (300, "snapkv", jnp.bfloat16)]
+  for capacity, policy, dtype in runs:
+    spec = cache_lib.CacheSpec(policies.make(policy), capacity)
+    cache = _blocked_cache(cfg, capacity)
+    cache = cache.replace(keys=cache.keys.astype(dtype), values=cache.values.astype(dtype))
+    if policy == "h2o":
+      cache = cache.replace(scores=jnp.zeros(cache.valid.shape, jnp.float32))
+      cache = cache.replace(budget=jnp.full(cache.budget.shape, capacity - 4, jnp.int32))
+    logits, out = cache_lib.decode_step(cfg, params, spec, cache, token, pos, pos)
+    assert cache_lib._carried_as_bits(dtype)  # the tests run on CPU
+    monkeypatch.setattr(cache_lib, "_carried_as_bits", lambda dtype: False)
+    ref_logits, ref = cache_lib.decode_step(cfg, params, spec, cache, token, pos, pos)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(logits, ref_logits)
+    assert out.keys.dtype == dtype and out.values.dtype == dtype
+    for name in ("keys", "values", "positions", "valid", "scores"):
+      if getattr(ref, name) is not None:
+        np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), err_msg=name)
 
 
 def test_decode_attention_skips_blocks_without_a_visible_slot(monkeypatch):
