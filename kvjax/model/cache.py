@@ -885,9 +885,11 @@ def decode_step(
 ):
   """Runs one generated token through every layer against the cache.
 
-  The K/V buffers ride in the layer loop's carry and only the new token's slot is written (an
-  in-place scatter), so a step reads the cache once and writes ``O(B H D)``. Prefill-time
-  policies append; decode-time policies admit the token and evict to stay within budget.
+  The K/V buffers ride in the layer loop's carry (on CPU a 16-bit cache as its bits,
+  :func:`_carried_as_bits`) and only the new token's slot is written (an in-place scatter), so a
+  step reads the cache once and writes ``O(B H D)``; each layer's attention reads its slots in
+  blocks (:func:`slot_attention_of_layer`). Prefill-time policies append; decode-time policies
+  admit the token and evict to stay within budget.
 
   Args:
     cfg: the model's config.
