@@ -42,7 +42,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # ratio in the query-agnostic loop (False: RULER's one question naming every key)
   c.separate_queries = False
   # one fed question length for every task (leaderboard.shared_question_len): each method and
-  # ratio compiles once for all tasks; shorter questions feed their context's last tokens
+  # ratio compiles once, not once per task; shorter questions feed their context's last tokens
   # uncompressed with them (a named variant; False: the protocol's question alone)
   c.shared_question_len = False
   c.seed = 0

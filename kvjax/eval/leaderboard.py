@@ -284,8 +284,9 @@ def shared_question_len(samples) -> int:
   the longest question and answer prefix among them.
 
   With one fed length every task of a context length compresses a context of one shape and
-  feeds one question shape, so each method and ratio compiles once for all of them instead of
-  once per task (on a CPU the compiles cost more than the answers). A named variant of the
+  feeds one question shape, so each method and ratio compiles once for all tasks that generate
+  as many tokens instead of once per task (on a CPU the compiles cost about as much as the
+  answers). A named variant of the
   protocol, as :func:`kvjax.eval.evaluate.shared_shape` is: a task whose question is shorter
   feeds that many of its context's last tokens uncompressed with it (kept, outside the ratio).
 
