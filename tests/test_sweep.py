@@ -947,6 +947,8 @@ def test_a_ratio_axis_sweeps_the_budgets_it_keeps(tmp_path):
     assert all("ratio" in r for r in rows)
   for fns in engine.compiled.values():  # four ratios, one compile per static structure
     assert fns["metrics"]._cache_size() == 1
+  best = sweep.best_per_budget(table)
+  assert list(best["ratio"]) == sorted(ratios, reverse=True)  # ascending budgets
 
 
 @pytest.mark.parametrize(

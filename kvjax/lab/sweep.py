@@ -676,7 +676,8 @@ def run(
 
 def best_per_budget(table: pd.DataFrame, metric: str = "retained_mass") -> pd.DataFrame:
   """The best realisable configuration at each budget (the oracle is the reference, not a
-  candidate), with the oracle's mass at that configuration as ``oracle_gap``."""
+  candidate), with the oracle's mass at that configuration as ``oracle_gap``, and the ratio
+  that set the budget in a ratio sweep."""
   realisable = {name: not policies.make(name).reads_future for name in table["policy"].unique()}
   table = table[table["policy"].map(realisable).astype(bool)]
   if table.empty:
@@ -692,4 +693,6 @@ def best_per_budget(table: pd.DataFrame, metric: str = "retained_mass") -> pd.Da
     "fact_recall",
     "cache_bytes",
   ]
+  if RATIO in table.columns:
+    cols.insert(1, RATIO)
   return table.loc[idx, cols].reset_index(drop=True)
