@@ -247,7 +247,14 @@ def _held(pre: llama.Prefill, valid_LBGT: Array | None = None) -> tuple:
 
 
 def next_positions(pre: llama.Prefill) -> Array:
-  """Each row's next RoPE position ``[B]``: its real tokens' count (left padding)."""
+  """Each row's next RoPE position: its real tokens' count (rows are left-padded).
+
+  Args:
+    pre: a prefill's outputs.
+
+  Returns:
+    int32 positions ``[B]``.
+  """
   return pre.valid.sum(-1).astype(jnp.int32)
 
 
