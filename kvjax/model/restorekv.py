@@ -326,9 +326,9 @@ def restorekv_evidence(
       adapters).
 
   Returns:
-    ``{"reconstruction_attn_LGT": [L, B, G, T], "restore_keys_LGND": [L, B, G, N, D],
-    "restore_values_LGND": ...}`` (without the ``B`` axis for a ``[T]`` context):
-    ``evidence=`` for ``km.generate`` with the ``restorekv`` policy.
+    A dict of ``reconstruction_attn_LGT`` ``[L, B, G, T]``, ``restore_keys_LGND`` and
+    ``restore_values_LGND`` ``[L, B, G, N, D]`` (without the ``B`` axis for a ``[T]``
+    context): ``evidence=`` for ``km.generate`` with the ``restorekv`` policy.
 
   Raises:
     ValueError: as :func:`kvjax.model.calibrate.kvzip_evidence`, and for an adapter that does
@@ -352,8 +352,8 @@ def restore_evidence(cfg: ModelConfig, params: dict, adapter: Adapter, context_i
     context_ids: the context ``[T]``, or a ``[B, T]`` batch of unpadded rows.
 
   Returns:
-    ``{"restore_keys_LGND": [L, B, G, N, D], "restore_values_LGND": ...}`` fp32 (without the
-    ``B`` axis for a ``[T]`` context).
+    A dict of fp32 ``restore_keys_LGND`` and ``restore_values_LGND`` ``[L, B, G, N, D]``
+    (without the ``B`` axis for a ``[T]`` context).
 
   Raises:
     ValueError: for an adapter that does not fit the model, or ids that are not ``[T]`` or
@@ -400,8 +400,9 @@ def check_restore_evidence(policy, evidence: dict, *, L: int, B: int, G: int, D:
     D: the head dimension.
 
   Returns:
-    ``{restore_keys_LGND: [L, B, G, N, D], restore_values_LGND: ...}`` fp32 (every row's when
-    ``[L, G, N, D]`` was given), or ``{}`` when the policy reads none.
+    A dict of fp32 ``restore_keys_LGND`` and ``restore_values_LGND`` ``[L, B, G, N, D]``
+    (broadcast to every row when ``[L, G, N, D]`` was given), or ``{}`` when the policy reads
+    none.
 
   Raises:
     ValueError: naming the field: a policy that reads none given them, RestoreKV without
