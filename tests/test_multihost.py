@@ -617,20 +617,28 @@ def _eval_rows(workdir) -> pd.DataFrame:
   return table.drop(columns=["seconds"])
 
 
-def test_evaluation_over_two_processes_matches_one_and_resumes_after_a_death(tmp_path):
-  """The policies of each group split over two processes: ``results.csv`` equals a one-process
-  run's (in order, but for ``seconds``) and ``tables.md`` too; a process killed after its first
-  group stops the other within two minutes, and the rerun completes the rows, none repeated."""
+def _eval_reference(tmp_path) -> pd.DataFrame:
   (one,) = finish(_eval(tmp_path / "one", count=1), timeout=600)
   assert one[0] == 0, one[2][-3000:]
+  return _eval_rows(tmp_path / "one")
+
+
+def test_evaluation_over_two_processes_matches_one(tmp_path):
+  """The policies of each group split over two processes: ``results.csv`` equals a one-process
+  run's (in order, but for ``seconds``) and ``tables.md`` too."""
+  reference = _eval_reference(tmp_path)
   runs = finish(_eval(tmp_path / "two"), timeout=600)
   assert [r[0] for r in runs] == [0, 0], runs[0][2][-3000:] + runs[1][2][-3000:]
   assert "results:" in runs[0][1] and "results:" not in runs[1][1]
-  reference = _eval_rows(tmp_path / "one")
   pd.testing.assert_frame_equal(_eval_rows(tmp_path / "two"), reference)
   tables = (tmp_path / "one" / "tables.md").read_text()
   assert (tmp_path / "two" / "tables.md").read_text() == tables
 
+
+def test_an_evaluation_process_killed_stops_the_other_and_the_rerun_resumes(tmp_path):
+  """A process killed after its first group stops the other within two minutes, and the rerun
+  completes the rows, none repeated, equal to a one-process run's."""
+  reference = _eval_reference(tmp_path)
   killed = tmp_path / "killed"
   runs = finish(_eval(killed, KVJAX_FAULT_EXIT="1:1"), timeout=600)
   (rc0, _, err0, end0), (rc1, _, err1, end1) = runs
