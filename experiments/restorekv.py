@@ -94,17 +94,6 @@ def examples(c, cfg, params, rows, template, context, workdir, tokens, name):
   return tuple(np.concatenate([p[k] for p in out], axis=1 if k == 2 else 0) for k in range(3))
 
 
-def mean_loss(cfg, params, adapter, data, batch: int) -> float:
-  """The mean distillation loss over ``data`` in batches."""
-  loss = jax.jit(restorekv.distillation_loss, static_argnums=0)
-  ctx, cont, keep = data
-  total = 0.0
-  for i in range(0, len(ctx), batch):
-    part = (ctx[i : i + batch], cont[i : i + batch], keep[:, i : i + batch])
-    total += float(loss(cfg, params, adapter, *part)) * len(part[0])
-  return total / len(ctx)
-
-
 def _timed(fn):
   """``(result, seconds)`` of a second call (the first one compiles)."""
   jax.block_until_ready(fn())
@@ -168,7 +157,7 @@ def run(c):
     checkpoint_every=c.checkpoint_every,
   )
   spent["training"] = round(time.perf_counter() - t0, 2)
-  kvzip_kl = mean_loss(cfg, params, None, baseline, c.batch_size)
+  kvzip_kl = restorekv.mean_loss(cfg, params, None, baseline, c.batch_size)
   results = {
     "model": c.model,
     "source": source,

@@ -659,16 +659,29 @@ class AdapterTraining:
   initial_test_loss: float
 
 
-def _test_loss(loss_fn, adapter, test, batch: int) -> float:
-  if test is None:
+_loss_jit = jax.jit(distillation_loss, static_argnums=0)
+
+
+def mean_loss(cfg: ModelConfig, params: dict, adapter: Adapter | None, data, batch: int) -> float:
+  """The mean :func:`distillation_loss` over examples, in batches weighted by their size.
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    adapter: the :class:`Adapter` (``None``: KVzip's kept pairs alone).
+    data: ``(context_BT, continuation_BM, keep_LBGT)`` (:func:`training_data`), or ``None``.
+    batch: examples per call.
+
+  Returns:
+    The mean loss (nan for ``data=None``).
+  """
+  if data is None:
     return float("nan")
-  ctx, cont, keep = test
+  ctx, cont, keep = data
   total = 0.0
   for i in range(0, len(ctx), batch):
-    n = len(ctx[i : i + batch])
-    total += (
-      float(loss_fn(adapter, ctx[i : i + batch], cont[i : i + batch], keep[:, i : i + batch])) * n
-    )
+    part = (ctx[i : i + batch], cont[i : i + batch], keep[:, i : i + batch])
+    total += float(_loss_jit(cfg, params, adapter, *part)) * len(part[0])
   return total / len(ctx)
 
 
@@ -747,11 +760,6 @@ def train_adapter(
     return distillation_loss(cfg, p, a, c, m, k)
 
   # the model's parameters are an argument, not a closure: jit would fold them in as constants
-  loss_jit = jax.jit(objective)
-
-  def loss_fn(a, c, m, k):
-    return loss_jit(a, params, c, m, k)
-
   @jax.jit
   def step_jit(a, st, p, c, m, k):
     value, grads = jax.value_and_grad(objective)(a, p, c, m, k)
@@ -761,7 +769,7 @@ def train_adapter(
   def step_fn(a, st, c, m, k):
     return step_jit(a, st, params, c, m, k)
 
-  initial = _test_loss(loss_fn, adapter, test, batch_size)
+  initial = mean_loss(cfg, params, adapter, test, batch_size)
   history: list[tuple] = []
   start, mngr = 0, None
   if checkpoint_dir is not None:
@@ -793,7 +801,7 @@ def train_adapter(
     adapter, state, train_loss = step_fn(adapter, state, ctx[b], cont[b], keep[:, b])
     row = None
     if i % log_every == 0 or i + 1 == max_steps:
-      row = (float(i), float(train_loss), _test_loss(loss_fn, adapter, test, batch_size))
+      row = (float(i), float(train_loss), mean_loss(cfg, params, adapter, test, batch_size))
       history.append(row)
     if mngr is not None and ((i + 1) % checkpoint_every == 0 or i + 1 == max_steps):
       item = {"adapter": adapter, "opt_state": state, "history": np.asarray(history, np.float64)}
