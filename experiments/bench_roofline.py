@@ -174,6 +174,11 @@ def reference_bandwidth(nbytes: int, repeats: int) -> tuple[float, float]:
   return n * 4 / xla / 1e9, n * 4 / numpy / 1e9
 
 
+def spec_of(cache_module, cache):
+  """The SnapKV cache spec of ``cache_module`` for ``cache``'s capacity."""
+  return cache_module.CacheSpec(policies.make("snapkv"), cache.keys.shape[3])
+
+
 def compiled_step(cfg, cache_module, capacity: int):
   """The jitted decode step of ``cache_module`` (``kvjax.model.cache`` or an earlier revision's,
   :func:`cache_module_at`) for a SnapKV cache of ``capacity`` slots, the cache donated."""
@@ -208,16 +213,23 @@ def time_steps(
   steps = [compiled_step(cfg, m, c.keys.shape[3]) for m, c in zip(modules, caches, strict=True)]
   tok = jnp.zeros((BATCH,), jnp.int32)
   pos = jnp.full((BATCH,), T, jnp.int32)
-  caches = list(caches)
+  # each module's step runs over the cache as its generate loop holds it (one buffer per layer
+  # on CPU: cache.per_layer; a revision without that function holds it stacked)
+  forms = [
+    m.per_layer(spec_of(m, c), params, c) if hasattr(m, "per_layer") else (params, c)
+    for m, c in zip(modules, caches, strict=True)
+  ]
+  step_params = [p for p, _ in forms]
+  caches = [c for _, c in forms]
   for j, step in enumerate(steps):  # compile
-    _, caches[j] = jax.block_until_ready(step(params, caches[j], tok, pos))
+    _, caches[j] = jax.block_until_ready(step(step_params[j], caches[j], tok, pos))
   times = [[] for _ in range(len(steps) + (reference is not None))]
   for i in range(repeats):
     # each round starts with another step: the one right after the reference finds no cache warm
     for j in np.roll(np.arange(len(steps)), -i):
       step = steps[j]
       start = time.perf_counter()
-      _, caches[j] = jax.block_until_ready(step(params, caches[j], tok, pos + 1 + i))
+      _, caches[j] = jax.block_until_ready(step(step_params[j], caches[j], tok, pos + 1 + i))
       times[j].append(time.perf_counter() - start)
     if reference is not None:
       start = time.perf_counter()
@@ -278,11 +290,12 @@ def cache_module_at(rev: str):
 
 def time_attention(cfg, cache, repeats: int) -> float:
   """The median time (s) of the step's attention alone: every layer's query against its slots
-  (the cache's visible slots), chained through the layers as the step chains them.
+  (the cache's visible slots), chained through the layers as the step chains them, over the
+  cache in the form the step reads it (:func:`kvjax.model.cache.per_layer`).
 
   Args:
     cfg: the model's config.
-    cache: the cache.
+    cache: the stacked cache.
     repeats: timed runs after a warm-up.
 
   Returns:
@@ -290,16 +303,22 @@ def time_attention(cfg, cache, repeats: int) -> float:
   """
   L, B = cache.keys.shape[:2]
   q = jax.random.normal(jax.random.key(0), (B, cfg.num_heads, 1, cfg.head_dim))
+  _, held = cache_lib.per_layer(spec_of(cache_lib, cache), {}, cache)
 
   @jax.jit
   def attention(q, keys, values, valid):
+    if isinstance(keys, tuple):  # one buffer per layer: the layers unrolled
+      for l in range(L):
+        q = q + cache_lib.layer_attention(cfg, q, keys[l], values[l], valid[l])[1]
+      return q
+
     def layer(q, l):
       _, out = cache_lib.slot_attention_of_layer(cfg, q, keys, values, l, valid[l])
       return q + out, None
 
     return jax.lax.scan(layer, q, jnp.arange(L))[0]
 
-  args = (q, cache.keys, cache.values, cache.valid)
+  args = (q, held.keys, held.values, held.valid)
   jax.block_until_ready(attention(*args))
   times = []
   for _ in range(repeats):

@@ -794,6 +794,31 @@ def _as_float(x: Array, dtype) -> Array:
   return x
 
 
+def layer_attention(
+  cfg: ModelConfig, q_BHq1D: Array, keys_BHCD: Array, values_BHCD: Array, visible_BHC: Array
+) -> tuple[Array, Array]:
+  """Computes one decode query's attention over one layer's slots, read whole.
+
+  ``llama.attention_probs`` and ``llama.attend`` over the layer's own buffers: what the decode
+  step runs over a cache held one buffer per layer (:func:`per_layer`), and over a stacked
+  cache of one block (:func:`slot_attention_of_layer`).
+
+  Args:
+    cfg: the model's config (its attention soft-cap).
+    q_BHq1D: the query ``[B, Hq, 1, D]``, post-RoPE.
+    keys_BHCD: the layer's keys ``[B, H, C, D]``.
+    values_BHCD: the layer's values ``[B, H, C, D]``.
+    visible_BHC: ``[B, H, C]`` bool, the slots the query may see.
+
+  Returns:
+    ``(probs [B, Hq, 1, C], out [B, Hq, 1, D])``, fp32; a row with no visible slot gives zeros.
+  """
+  probs = llama.attention_probs(
+    q_BHq1D, keys_BHCD, visible_BHC[:, :, None, :], softcap=cfg.attn_softcap
+  )
+  return probs, llama.attend(probs, values_BHCD)
+
+
 def slot_attention_of_layer(
   cfg: ModelConfig,
   q_BHq1D: Array,
@@ -836,10 +861,7 @@ def slot_attention_of_layer(
   kv_dtype = keys_all.dtype if kv_dtype is None else kv_dtype
   if n == 1:  # one block: the layer's slots whole, as the attention over a layer reads them
     keys, values = _as_float(keys_all[l], kv_dtype), _as_float(values_all[l], kv_dtype)
-    probs = llama.attention_probs(
-      q_BHq1D, keys, visible_BHC[:, :, None, :], softcap=cfg.attn_softcap
-    )
-    return probs, llama.attend(probs, values)
+    return layer_attention(cfg, q_BHq1D, keys, values, visible_BHC)
   block = -(-C // n)  # n equal blocks: the last overlaps the one before by fewer than n slots
   q = q_BHq1D.astype(jnp.float32).reshape(B, H, Hq // H, D)
   first, stop = _held_blocks(visible_BHC, block, n)
@@ -910,6 +932,8 @@ def decode_step(
   Raises:
     ValueError: when ``decode_every`` or ThinK needs ``step`` and it is ``None``.
   """
+  if isinstance(cache.keys, tuple):  # one buffer per layer (per_layer)
+    return _decode_step_per_layer(cfg, params, spec, cache, token_B, pos_B)
   B = token_B.shape[0]
   x = llama.embed_tokens(cfg, params, token_B)[:, None, :]
   stacked = llama.stacked(params)
@@ -930,13 +954,7 @@ def decode_step(
   def layer(carry, inputs):
     x, keys_all, values_all, new_all = carry
     p, lslots, budget_BH, l, ch = inputs
-    q, k, v = llama.project_qkv(cfg, p, x, pos_B[:, None], layer=l)
-    if spec.layout == "query":
-      k, v = jnp.repeat(k, cfg.num_groups, 1), jnp.repeat(v, cfg.num_groups, 1)
-    if spec.reindex:
-      k = llama.rope_at(
-        k, jnp.broadcast_to(pos_B[:, None, None], k.shape[:-1]), cfg, layer=l, inverse=True
-      )
+    q, k, v = _token_qkv(cfg, spec, p, x, pos_B, l)
     lslots = dict(lslots, overflow=jnp.zeros((B,), bool))
     if think:  # generated token `step` in slot C_prompt + step, its full key in new_keys
       slot, lslots = _admit_generated(cache, lslots, pos_B, step)
@@ -949,10 +967,7 @@ def decode_step(
     values_all = values_all.at[l, b_idx, h_idx, slot].set(
       _as_bits(v[:, :, 0].astype(cache.values.dtype), bits)
     )
-    visible = lslots["valid"]
-    window = llama.layer_window(cfg, l)  # Mistral's, or a Gemma sliding layer's (traced)
-    if window is not None:  # keys older than the window are not attended
-      visible = visible & (pos_B[:, None, None] - lslots["positions"] < window)
+    visible = _visible(cfg, l, lslots, pos_B)
     if think or spec.reindex:  # these read the layer's keys whole (pruned, or rotated)
       keys, values = _as_float(keys_all[l], kv_dtype), _as_float(values_all[l], kv_dtype)
       q_att = q
@@ -967,10 +982,7 @@ def decode_step(
       out = llama.attend(probs, values)  # the query layout is the case G = Hq
     else:
       probs, out = slot_attention_of_layer(cfg, q, keys_all, values_all, l, visible, kv_dtype)
-    if spec.decode_time and "scores" in lslots:  # the policy's state after this step
-      lslots = dict(lslots, scores=spec.policy.observe(lslots["scores"], _per_cache_head(probs, H)))
-    if "attn_sums" in lslots:  # CaM: the new token's own slot included (it was empty, zero)
-      lslots = dict(lslots, attn_sums=lslots["attn_sums"] + _per_cache_head(probs, H))
+    lslots = _observed(spec, lslots, probs, H)
     carry = (llama.output_and_mlp(cfg, p, x, out), keys_all, values_all, new_all)
     return carry, (lslots, layer_overflow, q[:, :, 0] if spec.decode_every else None)
 
@@ -1000,6 +1012,153 @@ def decode_step(
       cache,
     )
   return logits, cache
+
+
+def _token_qkv(cfg: ModelConfig, spec: CacheSpec, p: dict, x, pos_B, l):
+  """The new token's query, key and value at layer ``l``, in the cache's layout (keys before
+  RoPE for a re-indexing cache)."""
+  q, k, v = llama.project_qkv(cfg, p, x, pos_B[:, None], layer=l)
+  if spec.layout == "query":
+    k, v = jnp.repeat(k, cfg.num_groups, 1), jnp.repeat(v, cfg.num_groups, 1)
+  if spec.reindex:
+    k = llama.rope_at(
+      k, jnp.broadcast_to(pos_B[:, None, None], k.shape[:-1]), cfg, layer=l, inverse=True
+    )
+  return q, k, v
+
+
+def _visible(cfg: ModelConfig, l, lslots: dict, pos_B) -> Array:
+  """The slots of layer ``l`` the query at ``pos_B`` sees: the held ones, within the layer's
+  window (Mistral's, or a Gemma sliding layer's) when it has one."""
+  visible = lslots["valid"]
+  window = llama.layer_window(cfg, l)
+  if window is not None:  # keys older than the window are not attended
+    visible = visible & (pos_B[:, None, None] - lslots["positions"] < window)
+  return visible
+
+
+def _observed(spec: CacheSpec, lslots: dict, probs, H: int) -> dict:
+  """The layer's slot state after the token's attention ``probs``: a decode-time policy's scores
+  (``observe``), and CaM's attention sums (the new token's own slot included: it was empty)."""
+  if spec.decode_time and "scores" in lslots:
+    lslots = dict(lslots, scores=spec.policy.observe(lslots["scores"], _per_cache_head(probs, H)))
+  if "attn_sums" in lslots:
+    lslots = dict(lslots, attn_sums=lslots["attn_sums"] + _per_cache_head(probs, H))
+  return lslots
+
+
+def _written(buf_BHCD: Array, slot_BH: Array, new_BHD: Array) -> Array:
+  """``buf`` with each row and head's ``new`` vector in its ``slot`` (in place when ``buf`` is
+  donated); a 16-bit buffer is written as its bits on CPU (:func:`_carried_as_bits`)."""
+  B, H = slot_BH.shape
+  bits = _carried_as_bits(buf_BHCD.dtype)
+  b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, H))
+  h_idx = jnp.broadcast_to(jnp.arange(H)[None, :], (B, H))
+  new = _as_bits(new_BHD.astype(buf_BHCD.dtype), bits)
+  return _as_float(_as_bits(buf_BHCD, bits).at[b_idx, h_idx, slot_BH].set(new), buf_BHCD.dtype)
+
+
+PER_LAYER_FIELDS = ("keys", "values", "positions", "valid", "scores", "attn_sums")
+
+
+def decodes_per_layer(spec: CacheSpec, cache: KVCache) -> bool:
+  """Whether a loop of decode steps runs faster over the cache held one buffer per layer.
+
+  On CPU it does: XLA:CPU's contractions read materialised operands, so the stacked step copies
+  every block of K and V it reads, and each layer's weights, out of the ``[L, ...]`` buffers
+  (``docs/benchmarks.md`` has the measurements); over one buffer per layer, unrolled, each layer
+  reads its own K and V in place. Re-compressing caches (``decode_every``), ThinK's pruned keys
+  and re-indexed positions keep the stacked step.
+
+  Args:
+    spec: the cache's static choices.
+    cache: the stacked cache.
+
+  Returns:
+    True where :func:`per_layer` splits the cache.
+  """
+  return (
+    jax.default_backend() == "cpu"
+    and not spec.decode_every
+    and not spec.reindex
+    and cache.new_keys is None
+    and cache.channels is None
+  )
+
+
+def per_layer(spec: CacheSpec, params: dict, cache: KVCache) -> tuple[dict, KVCache]:
+  """The parameters and cache as a loop of decode steps reads them fastest.
+
+  :func:`decode_step` runs over either form, to the same result up to float rounding (the
+  stacked step reads a long layer in blocks); :func:`restacked` returns the cache to the
+  ``[L, ...]`` form the rest of the library reads. Splitting copies the cache and the
+  per-layer weights once.
+
+  Args:
+    spec: the cache's static choices.
+    params: the parameter pytree.
+    cache: the stacked cache.
+
+  Returns:
+    ``(params, cache)``: where :func:`decodes_per_layer`, the parameters split by layer
+    (``llama.unstacked_params``) and the cache whose ``keys``, ``values``, ``positions``,
+    ``valid`` (and ``scores``, ``attn_sums`` when held) are tuples of ``L`` per-layer arrays;
+    otherwise both as given.
+  """
+  if isinstance(cache.keys, tuple) or not decodes_per_layer(spec, cache):
+    return params, cache
+
+  def split(t):
+    return None if t is None else tuple(t[l] for l in range(t.shape[0]))
+
+  cache = cache.replace(**{name: split(getattr(cache, name)) for name in PER_LAYER_FIELDS})
+  return llama.unstacked_params(params), cache
+
+
+def restacked(cache: KVCache) -> KVCache:
+  """The cache in its stacked ``[L, ...]`` form (the inverse of :func:`per_layer`).
+
+  Args:
+    cache: a cache, stacked or held one buffer per layer.
+
+  Returns:
+    The stacked cache (``cache`` itself when it is stacked).
+  """
+  if not isinstance(cache.keys, tuple):
+    return cache
+
+  def stack(t):
+    return None if t is None else jnp.stack(t)
+
+  return cache.replace(**{name: stack(getattr(cache, name)) for name in PER_LAYER_FIELDS})
+
+
+def _decode_step_per_layer(cfg, params, spec: CacheSpec, cache: KVCache, token_B, pos_B):
+  """:func:`decode_step` over a cache held one buffer per layer (:func:`per_layer`): the layers
+  unrolled, each reading its own parameters, K and V whole (:func:`layer_attention`) and
+  writing the new token's K and V into its own buffers."""
+  B = token_B.shape[0]
+  H = cache.keys[0].shape[1]
+  x = llama.embed_tokens(cfg, params, token_B)[:, None, :]
+  overflow = jnp.zeros((B,), bool) if cache.overflow is None else cache.overflow
+  held = [name for name in PER_LAYER_FIELDS if getattr(cache, name) is not None]
+  out = {name: [] for name in held}
+  for l in range(cfg.num_layers):
+    p = llama.layer_params(params, l)
+    q, k, v = _token_qkv(cfg, spec, p, x, pos_B, l)
+    lslots = {name: getattr(cache, name)[l] for name in held if name not in ("keys", "values")}
+    lslots["overflow"] = overflow
+    slot, lslots = _admit(spec, lslots, cache.budget[:, l], pos_B)
+    overflow = lslots.pop("overflow")
+    keys = _written(cache.keys[l], slot, k[:, :, 0])
+    values = _written(cache.values[l], slot, v[:, :, 0])
+    probs, attn = layer_attention(cfg, q, keys, values, _visible(cfg, l, lslots, pos_B))
+    lslots = _observed(spec, lslots, probs, H)
+    x = llama.output_and_mlp(cfg, p, x, attn)
+    for name, t in dict(lslots, keys=keys, values=values).items():
+      out[name].append(t)
+  logits = llama.logits_of(cfg, params, x)[:, 0]
+  return logits, cache.replace(overflow=overflow, **{n: tuple(t) for n, t in out.items()})
 
 
 def with_room(cache: KVCache, n: int) -> KVCache:

@@ -290,6 +290,8 @@ def _compress_and_decode(cfg, params, pre, spec, budget, first, new, temperature
   cache = cache_lib.compress(cfg, pre, spec, budget, rng=rng, evidence=evidence)
   B, T = pre.valid.shape
   start_pos = pre.valid.sum(-1).astype(jnp.int32)  # next RoPE position per row
+  if new > 1:  # the decode loop reads the parameters and cache in its own form
+    params, cache = cache_lib.per_layer(spec, params, cache)
 
   def step(carry, i):
     cache, token, rng = carry
@@ -301,7 +303,7 @@ def _compress_and_decode(cfg, params, pre, spec, budget, first, new, temperature
 
   (cache, last, _), tokens = jax.lax.scan(step, (cache, first, rng), jnp.arange(new - 1))
   tokens = jnp.concatenate([tokens, last[None]], 0) if new > 1 else first[None]
-  return tokens.T, cache
+  return tokens.T, cache_lib.restacked(cache)
 
 
 def _pick(logits_BV, temperature, rng):
@@ -752,6 +754,7 @@ def compress_context(
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "new"))
 def _answer(cfg, params, spec, cache, question_BQ, next_pos_B, new):
   Q = question_BQ.shape[1]
+  params, cache = cache_lib.per_layer(spec, params, cache)  # the form the decode loop reads
 
   def feed(cache, i):
     pos = next_pos_B + i
@@ -772,7 +775,7 @@ def _answer(cfg, params, spec, cache, question_BQ, next_pos_B, new):
     return (cache, logits), (token, chosen)
 
   (cache, _), (tokens, logps) = jax.lax.scan(gen, (cache, logits_QBV[-1]), jnp.arange(new))
-  return tokens.T, logps.T, cache
+  return tokens.T, logps.T, cache_lib.restacked(cache)
 
 
 def answer_context(

@@ -508,14 +508,38 @@ def stacked(params: dict) -> dict:
   Returns:
     The parameters other than :data:`UNSTACKED` (``embed``, ``final_norm``, ``lm_head``).
   """
-  return {k: v for k, v in params.items() if k not in UNSTACKED}
+  return {
+    k: jnp.stack(v) if isinstance(v, tuple) else v
+    for k, v in params.items()
+    if k not in UNSTACKED
+  }
+
+
+def unstacked_params(params: dict) -> dict:
+  """Splits each per-layer parameter into a tuple of its ``L`` layers' arrays.
+
+  An unrolled layer loop reads layer ``l``'s arrays as they are; slicing the stacked ``[L, ...]``
+  arrays copies them on XLA:CPU (``kvjax.model.cache.per_layer`` uses this form for a loop of
+  decode steps). :func:`layer_params` and :func:`stacked` read either form.
+
+  Args:
+    params: the parameter pytree (stacked, or already split).
+
+  Returns:
+    The parameters, each of :func:`stacked`'s a tuple of ``L`` arrays.
+  """
+  return {
+    k: v if k in UNSTACKED or isinstance(v, tuple) else tuple(v[l] for l in range(v.shape[0]))
+    for k, v in params.items()
+  }
 
 
 def layer_params(params: dict, layer) -> dict:
   """Slices one layer out of the stacked parameters.
 
   Args:
-    params: the parameter pytree.
+    params: the parameter pytree (stacked, or split by :func:`unstacked_params`, then ``layer``
+      an int).
     layer: the layer's index (an int or a traced scalar).
 
   Returns:
