@@ -4,6 +4,7 @@ kvpress positions, StreamingLLM re-indexing, flagged overflow and sinks on padde
 import dataclasses
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from conftest import quick_families_only
@@ -306,3 +307,105 @@ def test_decode_attention_skips_blocks_without_a_visible_slot(monkeypatch):
     np.testing.assert_array_equal(getattr(out, name), getattr(ref, name))
   for name in ("keys", "values"):
     np.testing.assert_allclose(getattr(out, name), getattr(ref, name), rtol=1e-5, atol=1e-6)
+
+
+def _per_layer_cfg(**kw):
+  return km.ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    **kw,
+  )
+
+
+def test_decode_steps_per_layer_match_the_stacked_step():
+  """A loop of decode steps over the parameters and cache held one buffer per layer
+  (``cache.per_layer``, jitted as ``generate`` runs it) gives the stacked step's logits and
+  cache bit for bit where the stacked step reads each layer whole: appending (SnapKV) and
+  evicting (H2O), a sliding window and a soft-cap, the query layout, CaM's attention sums, a
+  16-bit cache; over a cache of several blocks it matches to float rounding."""
+  from flax import nnx
+
+  token, pos = jnp.asarray([3, 5], jnp.int32), jnp.asarray([470, 480], jnp.int32)
+  runs = [
+    ("snapkv", {}, jnp.float32, "kv", 300),
+    ("h2o", {}, jnp.float32, "kv", 300),
+    ("snapkv", {"sliding_window": 200, "attn_softcap": 30.0}, jnp.float32, "kv", 300),
+    ("snapkv", {}, jnp.float32, "query", 300),
+    ("snapkv", {}, jnp.bfloat16, "kv", 300),
+    ("h2o", {}, jnp.float16, "kv", 300),
+    ("snapkv+sums", {}, jnp.float32, "kv", 300),
+    ("snapkv", {}, jnp.float32, "kv", 2 * cache_lib.DECODE_BLOCK + 501),
+  ]
+  for policy, extra, dtype, layout, capacity in runs:
+    cfg = _per_layer_cfg(**extra)
+    params = km.Llama(cfg, rngs=nnx.Rngs(0)).params()
+    spec = cache_lib.CacheSpec(policies.make(policy.split("+")[0]), capacity, layout=layout)
+    cache = _blocked_cache(cfg, capacity)
+    if layout == "query":  # one slot table per query head
+      cache = jax.tree.map(lambda t: jnp.repeat(t, cfg.num_groups, 2), cache)
+      cache = cache.replace(budget=jnp.full((2, 3, cfg.num_heads), capacity, jnp.int32))
+    cache = cache.replace(keys=cache.keys.astype(dtype), values=cache.values.astype(dtype))
+    if policy == "h2o":
+      cache = cache.replace(scores=jnp.zeros(cache.valid.shape, jnp.float32))
+      cache = cache.replace(budget=jnp.full(cache.budget.shape, capacity - 4, jnp.int32))
+    if policy == "snapkv+sums":  # the attention sums CaM carries
+      cache = cache.replace(attn_sums=jnp.zeros(cache.valid.shape, jnp.float32))
+    assert cache_lib.decodes_per_layer(spec, cache)  # the tests run on CPU
+    split_params, split = cache_lib.per_layer(spec, params, cache)
+    assert isinstance(split.keys, tuple) and len(split.keys) == cfg.num_layers
+    assert isinstance(split_params["wq"], tuple)
+    step = jax.jit(lambda p, c, t, q: cache_lib.decode_step(cfg, p, spec, c, t, q, q))
+    ref = cache
+    for i in range(3):
+      ref_logits, ref = cache_lib.decode_step(cfg, params, spec, ref, token, pos + i, pos + i)
+      logits, split = step(split_params, split, token, pos + i)
+    out = cache_lib.restacked(split)
+    label = f"{policy} {extra} {jnp.dtype(dtype).name} {layout} {capacity}"
+    if capacity < cache_lib.DECODE_BLOCK:
+      np.testing.assert_array_equal(logits, ref_logits, err_msg=label)
+    else:  # the stacked step reads this cache in blocks, summed in another order
+      np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5, err_msg=label)
+    assert out.keys.dtype == dtype
+    for name in ("positions", "valid", "overflow"):
+      np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), err_msg=label)
+    for name in ("keys", "values", "scores", "attn_sums"):
+      if getattr(ref, name) is not None:
+        np.testing.assert_allclose(
+          np.asarray(getattr(out, name), np.float32),
+          np.asarray(getattr(ref, name), np.float32),
+          rtol=0 if capacity < cache_lib.DECODE_BLOCK else 1e-5,
+          atol=0 if capacity < cache_lib.DECODE_BLOCK else 1e-6,
+          err_msg=f"{label} {name}",
+        )
+
+
+def test_per_layer_keeps_the_stacked_form_where_the_step_needs_it():
+  """``per_layer`` splits a cache once (a split cache is returned as it is), ``restacked``
+  inverts it exactly, and caches the stacked step alone handles stay stacked: re-compressing
+  (``decode_every``), re-indexed positions, ThinK's pruned channels."""
+  from flax import nnx
+
+  cfg = _per_layer_cfg()
+  params = km.Llama(cfg, rngs=nnx.Rngs(0)).params()
+  cache = _blocked_cache(cfg, 40)
+  spec = cache_lib.CacheSpec(policies.make("snapkv"), 40)
+  p, split = cache_lib.per_layer(spec, params, cache)
+  assert cache_lib.per_layer(spec, p, split)[1] is split
+  back = cache_lib.restacked(split)
+  for name in ("keys", "values", "positions", "valid", "budget"):
+    np.testing.assert_array_equal(getattr(back, name), getattr(cache, name))
+  assert cache_lib.restacked(cache) is cache
+  stacked = [
+    (cache_lib.CacheSpec(policies.make("snapkv", decode_every=8), 40), cache),
+    (cache_lib.CacheSpec(policies.make("streaming_llm"), 40, reindex=True), cache),
+    (spec, cache.replace(channels=jnp.zeros((3, 2, 2, 4), jnp.int32))),
+  ]
+  for spec, c in stacked:
+    assert not cache_lib.decodes_per_layer(spec, c)
+    p, same = cache_lib.per_layer(spec, params, c)
+    assert p is params and same is c
