@@ -2,6 +2,7 @@
 kvpress positions, StreamingLLM re-indexing, flagged overflow and sinks on padded rows."""
 
 import dataclasses
+import functools
 import pathlib
 
 import jax
@@ -347,7 +348,7 @@ def test_decode_steps_per_layer_match_the_stacked_step():
     spec = cache_lib.CacheSpec(policies.make(policy.split("+")[0]), capacity, layout=layout)
     cache = _blocked_cache(cfg, capacity)
     if layout == "query":  # one slot table per query head
-      cache = jax.tree.map(lambda t: jnp.repeat(t, cfg.num_groups, 2), cache)
+      cache = jax.tree.map(functools.partial(jnp.repeat, repeats=cfg.num_groups, axis=2), cache)
       cache = cache.replace(budget=jnp.full((2, 3, cfg.num_heads), capacity, jnp.int32))
     cache = cache.replace(keys=cache.keys.astype(dtype), values=cache.values.astype(dtype))
     if policy == "h2o":
@@ -359,11 +360,11 @@ def test_decode_steps_per_layer_match_the_stacked_step():
     split_params, split = cache_lib.per_layer(spec, params, cache)
     assert isinstance(split.keys, tuple) and len(split.keys) == cfg.num_layers
     assert isinstance(split_params["wq"], tuple)
-    step = jax.jit(lambda p, c, t, q: cache_lib.decode_step(cfg, p, spec, c, t, q, q))
+    step = jax.jit(functools.partial(cache_lib.decode_step, cfg, spec=spec))
     ref = cache
     for i in range(3):
       ref_logits, ref = cache_lib.decode_step(cfg, params, spec, ref, token, pos + i, pos + i)
-      logits, split = step(split_params, split, token, pos + i)
+      logits, split = step(split_params, cache=split, token_B=token, pos_B=pos + i, t_B=pos + i)
     out = cache_lib.restacked(split)
     label = f"{policy} {extra} {jnp.dtype(dtype).name} {layout} {capacity}"
     if capacity < cache_lib.DECODE_BLOCK:

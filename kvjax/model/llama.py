@@ -509,9 +509,7 @@ def stacked(params: dict) -> dict:
     The parameters other than :data:`UNSTACKED` (``embed``, ``final_norm``, ``lm_head``).
   """
   return {
-    k: jnp.stack(v) if isinstance(v, tuple) else v
-    for k, v in params.items()
-    if k not in UNSTACKED
+    k: jnp.stack(v) if isinstance(v, tuple) else v for k, v in params.items() if k not in UNSTACKED
   }
 
 
