@@ -16,7 +16,11 @@ form tooling reads::
   roofline <case> T=<tokens>: <percent>% of measured bandwidth (<GB/s> of <GB/s>)
 
 Padding slots of a ragged cache are not counted as bytes the step must read: a step that reads
-them pays for them in its fraction.
+them pays for them in its fraction. Each case's line also gives the fraction over the bytes of
+every slot of the capacity, which a step reading each layer's slots whole reads.
+
+On CPU the step runs over the parameters and cache held one buffer per layer, as ``generate``
+holds them (``kvjax.model.cache.per_layer``, split once before the timed steps).
 
 Usage: ``python -m experiments.bench_roofline [--quick] [--repeats N] [--kv-dtype bfloat16]
 [--decode-block N] [--against REV] [--breakdown] [--cases full,...] [--lengths 4096,...]``
@@ -130,9 +134,11 @@ def step_bytes(params: dict, cache: cache_lib.KVCache) -> dict:
     cache: the cache before the step.
 
   Returns:
-    ``{"weights", "kv", "bookkeeping", "total"}``: every weight but the embedding table (one row
-    per token of it is read); the valid slots' K and V; each slot's position and validity and
-    the budgets (read for every slot, held or not).
+    ``{"weights", "kv", "bookkeeping", "total", "read"}``: every weight but the embedding table
+    (one row per token of it is read); the valid slots' K and V; each slot's position and
+    validity and the budgets (read for every slot, held or not); their total; and the total
+    with the K and V of every slot of the capacity, held or not, which a step over each layer's
+    slots whole reads (a ragged cache's padding, and the room for the tokens to come).
   """
   weights = sum(v.nbytes for k, v in params.items() if k != "embed")
   weights += BATCH * params["embed"].shape[-1] * params["embed"].dtype.itemsize
@@ -142,7 +148,8 @@ def step_bytes(params: dict, cache: cache_lib.KVCache) -> dict:
   kv = int(np.asarray(cache.valid).sum()) * (cache.keys.shape[-1] + cache.values.shape[-1])
   kv *= itemsize
   book = cache.positions.nbytes + cache.valid.nbytes + cache.budget.nbytes
-  return dict(weights=weights, kv=kv, bookkeeping=book, total=weights + kv + book)
+  read = weights + cache.keys.nbytes + cache.values.nbytes + book
+  return dict(weights=weights, kv=kv, bookkeeping=book, total=weights + kv + book, read=read)
 
 
 def reference_bandwidth(nbytes: int, repeats: int) -> tuple[float, float]:
@@ -421,7 +428,8 @@ def run(
         f"K/V {nbytes['kv'] / 1e6:.1f}, bookkeeping {nbytes['bookkeeping'] / 1e6:.1f}) in "
         f"{seconds * 1e3:.2f} ms; XLA's sum beside the steps {beside:.1f} GB/s; "
         f"{100 * gbs / numpy_gbs:.1f}% of numpy's {numpy_gbs:.1f} GB/s; fastest step against "
-        f"fastest sum {100 * best:.1f}%"
+        f"fastest sum {100 * best:.1f}%; over the {nbytes['read'] / 1e6:.1f} MB it reads with "
+        f"every slot of the capacity {100 * nbytes['read'] / seconds / 1e9 / beside:.1f}%"
       )
       say(
         f"roofline {case} T={T}: {100 * gbs / beside:.1f}% of measured bandwidth "
