@@ -33,6 +33,7 @@ attention alone per case, and the step over an empty cache, which is the weights
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import subprocess
 import sys
@@ -182,8 +183,15 @@ def reference_bandwidth(nbytes: int, repeats: int) -> tuple[float, float]:
 
 
 def spec_of(cache_module, cache):
-  """The SnapKV cache spec of ``cache_module`` for ``cache``'s capacity."""
-  return cache_module.CacheSpec(policies.make("snapkv"), cache.keys.shape[3])
+  """The SnapKV cache spec of ``cache_module`` for ``cache``'s capacity: each layer's own
+  capacity (its largest held count and the ``ROOM``, as ``generate`` sizes each layer) where
+  the module's spec has ``layer_capacity``."""
+  spec = cache_module.CacheSpec(policies.make("snapkv"), cache.keys.shape[3])
+  if not hasattr(spec, "layer_capacity"):
+    return spec
+  held = np.asarray(cache.valid).sum(-1).max((1, 2))
+  caps = tuple(min(int(h) + ROOM, cache.keys.shape[3]) for h in held)
+  return dataclasses.replace(spec, layer_capacity=caps)
 
 
 def compiled_step(cfg, cache_module, capacity: int):
@@ -221,7 +229,7 @@ def time_steps(
   tok = jnp.zeros((BATCH,), jnp.int32)
   pos = jnp.full((BATCH,), T, jnp.int32)
   # each module's step runs over the cache as its generate loop holds it (one buffer per layer
-  # on CPU: cache.per_layer; a revision without that function holds it stacked)
+  # on CPU, each with its own capacity: cache.per_layer; a revision without it holds it stacked)
   forms = [
     m.per_layer(spec_of(m, c), params, c) if hasattr(m, "per_layer") else (params, c)
     for m, c in zip(modules, caches, strict=True)

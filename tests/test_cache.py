@@ -8,6 +8,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import quick_families_only
 from hf_models import (
   make_checkpoint,
@@ -410,3 +411,53 @@ def test_per_layer_keeps_the_stacked_form_where_the_step_needs_it():
     assert not cache_lib.decodes_per_layer(spec, c)
     p, same = cache_lib.per_layer(spec, params, c)
     assert p is params and same is c
+
+
+def test_per_layer_capacities_read_no_empty_slots_and_flag_what_they_cannot_hold():
+  """With ``layer_capacity`` each layer's buffers keep their first slots only (PyramidKV's upper
+  layers hold fewer); the steps match the stacked step (to float rounding: the softmax sums
+  fewer masked slots) and ``restacked`` pads the layers back. A held slot past its layer's capacity sets ``overflow``; a capacity tuple
+  without one entry per layer, or past the capacity, is refused."""
+  from flax import nnx
+
+  cfg = _per_layer_cfg()
+  params = km.Llama(cfg, rngs=nnx.Rngs(0)).params()
+  C = 64
+  held = np.asarray([40, 20, 9])  # per layer, every row and head
+  cache = _blocked_cache(cfg, C).replace(
+    valid=jnp.asarray(np.arange(C) < held[:, None, None, None])
+  )
+  cache = cache.replace(valid=jnp.broadcast_to(cache.valid, cache.keys.shape[:4]))
+  caps = (48, 28, 16)  # room for 7 more tokens in every layer
+  spec = cache_lib.CacheSpec(policies.make("snapkv"), C, layer_capacity=caps)
+  split_params, split = cache_lib.per_layer(spec, params, cache)
+  assert [k.shape[2] for k in split.keys] == list(caps)
+  token, pos = jnp.asarray([3, 5], jnp.int32), jnp.asarray([70, 80], jnp.int32)
+  ref = cache
+  for i in range(7):
+    ref_logits, ref = cache_lib.decode_step(cfg, params, spec, ref, token, pos + i, pos + i)
+    logits, split = cache_lib.decode_step(cfg, split_params, spec, split, token, pos + i, pos + i)
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-6)
+  out = cache_lib.restacked(split, C)
+  assert not np.asarray(out.overflow).any()
+  assert cache_lib.restacked(split).keys.shape[3] == max(caps)
+  with pytest.raises(ValueError, match="capacity"):
+    cache_lib.restacked(split, max(caps) - 1)
+  for name in ("valid", "overflow"):
+    np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), err_msg=name)
+  held = np.asarray(ref.valid)  # what empty slots hold is nobody's (the padding's is zero)
+  np.testing.assert_array_equal(np.where(held, out.positions, 0), np.where(held, ref.positions, 0))
+  for name in ("keys", "values"):  # a later layer's token comes from the earlier's output
+    np.testing.assert_allclose(
+      np.where(held[..., None], getattr(out, name), 0),
+      np.where(held[..., None], getattr(ref, name), 0),
+      rtol=1e-5,
+      atol=1e-6,
+    )
+  # a row holding a token past its layer's capacity is flagged, not dropped silently
+  tight = dataclasses.replace(spec, layer_capacity=(48, 19, 16))
+  assert np.asarray(cache_lib.per_layer(tight, params, cache)[1].overflow).all()
+  for caps in ((48, 28), (48, 28, 65), (48, 0, 16), [48, 28, 16]):
+    with pytest.raises(ValueError, match="layer_capacity"):
+      cache_lib.check_spec(dataclasses.replace(spec, layer_capacity=caps))
+      cache_lib.per_layer(dataclasses.replace(spec, layer_capacity=caps), params, cache)

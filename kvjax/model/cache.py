@@ -8,7 +8,8 @@ gone. Per-layer and per-head budgets decode correctly because every row is its o
 * :func:`compress` turns a prefill (:func:`kvjax.model.llama.prefill`) into a cache with any
   policy object (:class:`kvjax.policies.Policy`) and allocation, through
   :func:`kvjax.select.compact` (the only selection).
-* :func:`decode_step` runs one token through the model against the cache. Prefill-time policies
+* :func:`decode_step` runs one token through the model against the cache (stacked, or held one
+  buffer per layer for a loop of steps on CPU: :func:`per_layer`). Prefill-time policies
   (SnapKV, PyramidKV, Ada-KV, HeadKV, CAKE, ...) and the full cache append without eviction, as
   the official code does; decode-time policies (:class:`kvjax.policies.DecodePolicy`: sliding
   window, StreamingLLM, H2O, TOVA, a user's own) admit the new token and evict to stay within
@@ -163,6 +164,10 @@ class CacheSpec:
   # its window's most recent tokens, as kvpress skips them, with budgets counting the global
   # layers only (False)
   compress_sliding: bool = False
+  # the slots each layer's buffer keeps in a loop of decode steps over the cache held one buffer
+  # per layer (per_layer), each at most `capacity`: a layer whose largest budget is below the
+  # others' (PyramidKV's upper layers) reads no empty slots (None: every layer `capacity`)
+  layer_capacity: tuple[int, ...] | None = None
 
   @property
   def decode_every(self) -> int | None:
@@ -277,11 +282,24 @@ def check_spec(spec: CacheSpec) -> None:
     spec: the cache's static choices.
 
   Raises:
-    ValueError: for an unknown layout, ThinK's ``channel_ratio`` with re-indexed positions or
-      with a policy that evicts or re-compresses while decoding, or a ``decode_every`` that
-      cannot run (:func:`check_decode_every`).
+    ValueError: for an unknown layout, a ``layer_capacity`` that is not a tuple of ints in
+      ``[1, capacity]``, ThinK's ``channel_ratio`` with re-indexed positions or with a policy
+      that evicts or re-compresses while decoding, or a ``decode_every`` that cannot run
+      (:func:`check_decode_every`).
   """
   check_layout(spec.layout)
+  caps = spec.layer_capacity
+  if caps is not None and (
+    not isinstance(caps, tuple)
+    or not caps
+    or any(
+      isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= spec.capacity for c in caps
+    )
+  ):
+    raise ValueError(
+      f"layer_capacity: expected a non-empty tuple of ints in [1, capacity={spec.capacity}] or "
+      f"None, got {caps!r}"
+    )
   if spec.channel_ratio and spec.reindex:
     raise ValueError(
       "channel_ratio: pruned key channels cannot be re-rotated (RoPE mixes channel i with "
@@ -910,14 +928,16 @@ def decode_step(
   The K/V buffers ride in the layer loop's carry (on CPU a 16-bit cache as its bits,
   :func:`_carried_as_bits`) and only the new token's slot is written (an in-place scatter), so a
   step reads the cache once and writes ``O(B H D)``; each layer's attention reads its slots in
-  blocks (:func:`slot_attention_of_layer`). Prefill-time policies append; decode-time policies
-  admit the token and evict to stay within budget.
+  blocks (:func:`slot_attention_of_layer`). Over parameters and a cache held one buffer per
+  layer (:func:`per_layer`) the layers are unrolled, each reading its own weights and slots whole
+  (:func:`layer_attention`). Prefill-time policies append; decode-time policies admit the token
+  and evict to stay within budget.
 
   Args:
     cfg: the model's config.
-    params: the parameter pytree.
+    params: the parameter pytree (stacked, or split by layer with the cache: :func:`per_layer`).
     spec: the cache's static choices.
-    cache: the cache.
+    cache: the cache (stacked, or held one buffer per layer: :func:`per_layer`).
     token_B: the token per row ``[B]``.
     pos_B: the token's RoPE position per row ``[B]`` (original positions).
     t_B: the token's index in the sequence (not read by the step: slots come from the cache).
@@ -1092,45 +1112,84 @@ def per_layer(spec: CacheSpec, params: dict, cache: KVCache) -> tuple[dict, KVCa
   :func:`decode_step` runs over either form, to the same result up to float rounding (the
   stacked step reads a long layer in blocks); :func:`restacked` returns the cache to the
   ``[L, ...]`` form the rest of the library reads. Splitting copies the cache and the
-  per-layer weights once.
+  per-layer weights once. With ``spec.layer_capacity``, layer ``l``'s buffers keep their first
+  ``layer_capacity[l]`` slots; a row holding a token past them is flagged in ``overflow``
+  (callers raise on it), never dropped silently.
 
   Args:
     spec: the cache's static choices.
     params: the parameter pytree.
-    cache: the stacked cache.
+    cache: the stacked cache (its held slots first in each row, as :func:`compress` and the
+      appends leave them).
 
   Returns:
     ``(params, cache)``: where :func:`decodes_per_layer`, the parameters split by layer
     (``llama.unstacked_params``) and the cache whose ``keys``, ``values``, ``positions``,
     ``valid`` (and ``scores``, ``attn_sums`` when held) are tuples of ``L`` per-layer arrays;
     otherwise both as given.
+
+  Raises:
+    ValueError: for a ``spec.layer_capacity`` without one entry per layer.
   """
   if isinstance(cache.keys, tuple) or not decodes_per_layer(spec, cache):
     return params, cache
+  L, B, _, C = cache.valid.shape
+  caps = spec.layer_capacity or (C,) * L
+  if len(caps) != L or max(caps) > C:
+    raise ValueError(
+      f"spec.layer_capacity: expected {L} layers' capacities of at most {C} slots, got {caps!r}"
+    )
+  overflow = jnp.zeros((B,), bool) if cache.overflow is None else cache.overflow
+  for l, cap in enumerate(caps):
+    if cap < C:  # a held slot past the layer's capacity: flagged, never dropped silently
+      overflow = overflow | cache.valid[l, :, :, cap:].any((-2, -1))
 
-  def split(t):
-    return None if t is None else tuple(t[l] for l in range(t.shape[0]))
+  def split(name):
+    t = getattr(cache, name)
+    if t is None:
+      return None
+    # each layer's [B, H, C, ...], its slot axis 2
+    return tuple(jax.lax.slice_in_dim(t[l], 0, caps[l], axis=2) for l in range(L))
 
-  cache = cache.replace(**{name: split(getattr(cache, name)) for name in PER_LAYER_FIELDS})
+  cache = cache.replace(overflow=overflow, **{name: split(name) for name in PER_LAYER_FIELDS})
   return llama.unstacked_params(params), cache
 
 
-def restacked(cache: KVCache) -> KVCache:
+def restacked(cache: KVCache, capacity: int | None = None) -> KVCache:
   """The cache in its stacked ``[L, ...]`` form (the inverse of :func:`per_layer`).
 
   Args:
     cache: a cache, stacked or held one buffer per layer.
+    capacity: the slots of the stacked cache (the spec's ``capacity``), at least the longest
+      layer's; ``None``: the longest layer's.
 
   Returns:
-    The stacked cache (``cache`` itself when it is stacked).
+    The stacked cache (``cache`` itself when it is stacked); layers held with fewer slots
+    (``spec.layer_capacity``) are padded with empty ones.
+
+  Raises:
+    ValueError: for a ``capacity`` below the longest layer's slots.
   """
   if not isinstance(cache.keys, tuple):
     return cache
+  longest = max(t.shape[2] for t in cache.valid)
+  if capacity is not None and (isinstance(capacity, bool) or capacity < longest):
+    raise ValueError(
+      f"capacity: expected an int >= {longest} (the longest layer), got {capacity!r}"
+    )
+  C = longest if capacity is None else int(capacity)
 
-  def stack(t):
-    return None if t is None else jnp.stack(t)
+  def stack(name):
+    layers = getattr(cache, name)
+    if layers is None:
+      return None
+    axis = 2  # the slot axis of [B, H, C, ...]
+    widths = [[(0, 0)] * t.ndim for t in layers]
+    for w, t in zip(widths, layers, strict=True):
+      w[axis] = (0, C - t.shape[axis])
+    return jnp.stack([jnp.pad(t, w) for t, w in zip(layers, widths, strict=True)])
 
-  return cache.replace(**{name: stack(getattr(cache, name)) for name in PER_LAYER_FIELDS})
+  return cache.replace(**{name: stack(name) for name in PER_LAYER_FIELDS})
 
 
 def _decode_step_per_layer(cfg, params, spec: CacheSpec, cache: KVCache, token_B, pos_B):

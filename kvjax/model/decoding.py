@@ -303,7 +303,18 @@ def _compress_and_decode(cfg, params, pre, spec, budget, first, new, temperature
 
   (cache, last, _), tokens = jax.lax.scan(step, (cache, first, rng), jnp.arange(new - 1))
   tokens = jnp.concatenate([tokens, last[None]], 0) if new > 1 else first[None]
-  return tokens.T, cache_lib.restacked(cache)
+  return tokens.T, cache_lib.restacked(cache, spec.capacity)
+
+
+def _layer_capacity(cfg, policy: policies.Policy, budget_BLH, T: int, new: int):
+  """Each layer's slots while decoding one buffer per layer (``cache.per_layer``): its own
+  largest budget's :func:`_capacity`, so PyramidKV's upper layers read no empty slots; ``None``
+  (every layer the cache's capacity) without budgets, for layers that differ (a sliding layer
+  keeps its window), and for re-compressing or channel-pruning policies."""
+  if budget_BLH is None or cfg.per_layer or policy.decode_every or policy.channel_ratio:
+    return None
+  per_layer = np.asarray(budget_BLH).reshape(-1, *budget_BLH.shape[-2:]).max((0, 2))
+  return tuple(_capacity(policy, int(b), T, new) for b in per_layer)
 
 
 def _pick(logits_BV, temperature, rng):
@@ -567,7 +578,9 @@ def generate(
     budget_LH = np.asarray(_allocation(cfg, pre, spec, budget, ev))
     pol.check_allocation(budget_LH)
   cap = _capacity(pol, int(budget_LH.max()) if budget_LH is not None else T, T, new)
-  spec = dataclasses.replace(spec, capacity=cap, new_tokens=new)
+  spec = dataclasses.replace(
+    spec, capacity=cap, new_tokens=new, layer_capacity=_layer_capacity(cfg, pol, budget_LH, T, new)
+  )
   rng = jax.random.key(0) if rng is None else rng
   rng, first_rng = jax.random.split(rng)
   first = _pick(pre.logits[:, -1], float(temperature), first_rng)

@@ -22,6 +22,7 @@ def _stream_logprobs(cfg, params, pre, spec, budget, rest_BS):
   B, T = pre.valid.shape
   first_logp = jax.nn.log_softmax(pre.logits[:, -1], -1)
   start_pos = pre.valid.sum(-1).astype(jnp.int32)
+  params, cache = cache_lib.per_layer(spec, params, cache)  # the form the decode loop reads
 
   def step(carry, i):
     cache, logp_BV = carry
