@@ -138,8 +138,9 @@ def step_bytes(params: dict, cache: cache_lib.KVCache) -> dict:
     ``{"weights", "kv", "bookkeeping", "total", "read"}``: every weight but the embedding table
     (one row per token of it is read); the valid slots' K and V; each slot's position and
     validity and the budgets (read for every slot, held or not); their total; and the total
-    with the K and V of every slot of the capacity, held or not, which a step over each layer's
-    slots whole reads (a ragged cache's padding, and the room for the tokens to come).
+    with the K and V of every slot of each layer's capacity (:func:`spec_of`), held or not,
+    which a step over each layer's slots whole reads (a ragged cache's padding, and the room
+    for the tokens to come).
   """
   weights = sum(v.nbytes for k, v in params.items() if k != "embed")
   weights += BATCH * params["embed"].shape[-1] * params["embed"].dtype.itemsize
@@ -149,7 +150,9 @@ def step_bytes(params: dict, cache: cache_lib.KVCache) -> dict:
   kv = int(np.asarray(cache.valid).sum()) * (cache.keys.shape[-1] + cache.values.shape[-1])
   kv *= itemsize
   book = cache.positions.nbytes + cache.valid.nbytes + cache.budget.nbytes
-  read = weights + cache.keys.nbytes + cache.values.nbytes + book
+  caps = spec_of(cache_lib, cache).layer_capacity or (cache.keys.shape[3],) * cache.keys.shape[0]
+  slots = sum(caps) * cache.keys.shape[1] * cache.keys.shape[2]  # each layer's own capacity
+  read = weights + slots * (cache.keys.shape[-1] + cache.values.shape[-1]) * itemsize + book
   return dict(weights=weights, kv=kv, bookkeeping=book, total=weights + kv + book, read=read)
 
 
