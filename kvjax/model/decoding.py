@@ -310,8 +310,11 @@ def _layer_capacity(cfg, policy: policies.Policy, budget_BLH, T: int, new: int):
   """Each layer's slots while decoding one buffer per layer (``cache.per_layer``): its own
   largest budget's :func:`_capacity`, so PyramidKV's upper layers read no empty slots; ``None``
   (every layer the cache's capacity) without budgets, for layers that differ (a sliding layer
-  keeps its window), and for re-compressing or channel-pruning policies."""
+  keeps its window), for re-compressing or channel-pruning policies, and off CPU, where the
+  decode loop keeps the stacked cache (``cache.decodes_per_layer``)."""
   if budget_BLH is None or cfg.per_layer or policy.decode_every or policy.channel_ratio:
+    return None
+  if jax.default_backend() != "cpu":
     return None
   per_layer = np.asarray(budget_BLH).reshape(-1, *budget_BLH.shape[-2:]).max((0, 2))
   return tuple(_capacity(policy, int(b), T, new) for b in per_layer)
