@@ -270,13 +270,9 @@ def test_decode_step_carries_a_16_bit_cache_as_its_bits_unchanged(monkeypatch):
         np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), err_msg=name)
 
 
-def test_decode_attention_skips_blocks_without_a_visible_slot(monkeypatch):
-  """Blocks of slots that no row and head of a layer can see are not read: a layer holding less
-  than one block, another whose sliding window hides its first block, and a last layer holding
-  nothing but the new token; the step matches one block over all slots."""
-  from flax import nnx
-
-  cfg = km.ModelConfig(
+def _three_layer_cfg(**kw):
+  """A tiny three-layer model's config (``kw``: its other fields)."""
+  return km.ModelConfig(
     vocab_size=64,
     hidden_size=32,
     intermediate_size=64,
@@ -284,8 +280,17 @@ def test_decode_attention_skips_blocks_without_a_visible_slot(monkeypatch):
     num_heads=4,
     num_kv_heads=2,
     head_dim=8,
-    sliding_window=4000,
+    **kw,
   )
+
+
+def test_decode_attention_skips_blocks_without_a_visible_slot(monkeypatch):
+  """Blocks of slots that no row and head of a layer can see are not read: a layer holding less
+  than one block, another whose sliding window hides its first block, and a last layer holding
+  nothing but the new token; the step matches one block over all slots."""
+  from flax import nnx
+
+  cfg = _three_layer_cfg(sliding_window=4000)
   params = km.Llama(cfg, rngs=nnx.Rngs(0)).params()
   capacity = 2 * cache_lib.DECODE_BLOCK + 501  # 3 blocks
   cache = _blocked_cache(cfg, capacity, seed=1)
@@ -311,19 +316,6 @@ def test_decode_attention_skips_blocks_without_a_visible_slot(monkeypatch):
     np.testing.assert_allclose(getattr(out, name), getattr(ref, name), rtol=1e-5, atol=1e-6)
 
 
-def _per_layer_cfg(**kw):
-  return km.ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    **kw,
-  )
-
-
 def test_decode_steps_per_layer_match_the_stacked_step():
   """A loop of decode steps over the parameters and cache held one buffer per layer
   (``cache.per_layer``, jitted as ``generate`` runs it) gives the stacked step's logits and
@@ -344,7 +336,7 @@ def test_decode_steps_per_layer_match_the_stacked_step():
     ("snapkv", {}, jnp.float32, "kv", 2 * cache_lib.DECODE_BLOCK + 501),
   ]
   for policy, extra, dtype, layout, capacity in runs:
-    cfg = _per_layer_cfg(**extra)
+    cfg = _three_layer_cfg(**extra)
     params = km.Llama(cfg, rngs=nnx.Rngs(0)).params()
     spec = cache_lib.CacheSpec(policies.make(policy.split("+")[0]), capacity, layout=layout)
     cache = _blocked_cache(cfg, capacity)
@@ -392,7 +384,7 @@ def test_per_layer_keeps_the_stacked_form_where_the_step_needs_it():
   (``decode_every``), re-indexed positions, ThinK's pruned channels."""
   from flax import nnx
 
-  cfg = _per_layer_cfg()
+  cfg = _three_layer_cfg()
   params = km.Llama(cfg, rngs=nnx.Rngs(0)).params()
   cache = _blocked_cache(cfg, 40)
   spec = cache_lib.CacheSpec(policies.make("snapkv"), 40)
@@ -420,7 +412,7 @@ def test_per_layer_capacities_read_no_empty_slots_and_flag_what_they_cannot_hold
   without one entry per layer, or past the capacity, is refused."""
   from flax import nnx
 
-  cfg = _per_layer_cfg()
+  cfg = _three_layer_cfg()
   params = km.Llama(cfg, rngs=nnx.Rngs(0)).params()
   C = 64
   held = np.asarray([40, 20, 9])  # per layer, every row and head
