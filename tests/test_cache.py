@@ -378,10 +378,11 @@ def test_decode_steps_per_layer_match_the_stacked_step():
         )
 
 
-def test_per_layer_keeps_the_stacked_form_where_the_step_needs_it():
+def test_per_layer_keeps_the_stacked_form_where_the_step_needs_it(monkeypatch):
   """``per_layer`` splits a cache once (a split cache is returned as it is), ``restacked``
   inverts it exactly, and caches the stacked step alone handles stay stacked: re-compressing
-  (``decode_every``), re-indexed positions, ThinK's pruned channels."""
+  (``decode_every``), re-indexed positions, ThinK's pruned channels, and weights and K/V whose
+  second copy would pass ``PER_LAYER_MAX_BYTES``."""
   from flax import nnx
 
   cfg = _three_layer_cfg()
@@ -403,6 +404,10 @@ def test_per_layer_keeps_the_stacked_form_where_the_step_needs_it():
     assert not cache_lib.decodes_per_layer(spec, c)
     p, same = cache_lib.per_layer(spec, params, c)
     assert p is params and same is c
+  spec = cache_lib.CacheSpec(policies.make("snapkv"), 40)
+  monkeypatch.setattr(cache_lib, "PER_LAYER_MAX_BYTES", cache.keys.nbytes)  # K and V: twice that
+  p, same = cache_lib.per_layer(spec, params, cache)
+  assert p is params and same is cache
 
 
 def test_per_layer_capacities_read_no_empty_slots_and_flag_what_they_cannot_hold():

@@ -1080,6 +1080,10 @@ def _written(buf_BHCD: Array, slot_BH: Array, new_BHD: Array) -> Array:
 
 PER_LAYER_FIELDS = ("keys", "values", "positions", "valid", "scores", "attn_sums")
 
+# the most bytes of per-layer weights and K/V that per_layer copies: the split holds a second
+# copy of both while the decode loop runs, so above this a loop keeps the stacked step
+PER_LAYER_MAX_BYTES = 4 << 30
+
 
 def decodes_per_layer(spec: CacheSpec, cache: KVCache) -> bool:
   """Whether a loop of decode steps runs faster over the cache held one buffer per layer.
@@ -1112,7 +1116,9 @@ def per_layer(spec: CacheSpec, params: dict, cache: KVCache) -> tuple[dict, KVCa
   :func:`decode_step` runs over either form, to the same result up to float rounding (the
   stacked step reads a long layer in blocks); :func:`restacked` returns the cache to the
   ``[L, ...]`` form the rest of the library reads. Splitting copies the cache and the
-  per-layer weights once. With ``spec.layer_capacity``, layer ``l``'s buffers keep their first
+  per-layer weights once, and both copies live while the loop runs, so above
+  :data:`PER_LAYER_MAX_BYTES` of them the loop keeps the stacked form. With
+  ``spec.layer_capacity``, layer ``l``'s buffers keep their first
   ``layer_capacity[l]`` slots; a row holding a token past them is flagged in ``overflow``
   (callers raise on it), never dropped silently.
 
@@ -1123,15 +1129,18 @@ def per_layer(spec: CacheSpec, params: dict, cache: KVCache) -> tuple[dict, KVCa
       appends leave them).
 
   Returns:
-    ``(params, cache)``: where :func:`decodes_per_layer`, the parameters split by layer
-    (``llama.unstacked_params``) and the cache whose ``keys``, ``values``, ``positions``,
-    ``valid`` (and ``scores``, ``attn_sums`` when held) are tuples of ``L`` per-layer arrays;
-    otherwise both as given.
+    ``(params, cache)``: where :func:`decodes_per_layer` and the copies fit, the parameters
+    split by layer (``llama.unstacked_params``) and the cache whose ``keys``, ``values``,
+    ``positions``, ``valid`` (and ``scores``, ``attn_sums`` when held) are tuples of ``L``
+    per-layer arrays; otherwise both as given.
 
   Raises:
     ValueError: for a ``spec.layer_capacity`` without one entry per layer.
   """
   if isinstance(cache.keys, tuple) or not decodes_per_layer(spec, cache):
+    return params, cache
+  copied = jax.tree.leaves([llama.stacked(params), cache.keys, cache.values])
+  if sum(int(np.prod(t.shape)) * jnp.dtype(t.dtype).itemsize for t in copied) > PER_LAYER_MAX_BYTES:
     return params, cache
   L, B, _, C = cache.valid.shape
   caps = spec.layer_capacity or (C,) * L
