@@ -52,6 +52,10 @@ from kvjax import policies
 from kvjax.model import cache as cache_lib
 
 CASES = ("full", "uniform10", "adakv10", "pyramid10")
+# the cases whose allocation follows from the budget alone (PyramidKV's schedule): generate
+# gives their layers capacities of their own (Allocator.from_budget_alone); Ada-KV's depends on
+# the input, so its layers share one
+LAYER_CAPACITY_CASES = ("pyramid10",)
 BATCH = 4
 WINDOW = 32  # SnapKV's observation window, counted inside every budget
 ROOM = 32  # empty slots past the held tokens: the timed steps append into them
@@ -127,12 +131,13 @@ def filled_cache(cfg, budget_BLH: np.ndarray, kv_dtype, seed: int) -> cache_lib.
   )
 
 
-def step_bytes(params: dict, cache: cache_lib.KVCache) -> dict:
+def step_bytes(params: dict, cache: cache_lib.KVCache, layered: bool = False) -> dict:
   """The bytes one decode step must read.
 
   Args:
     params: the model's parameters.
     cache: the cache before the step.
+    layered: each layer holds its own capacity (:func:`spec_of`).
 
   Returns:
     ``{"weights", "kv", "bookkeeping", "total", "read"}``: every weight but the embedding table
@@ -150,7 +155,8 @@ def step_bytes(params: dict, cache: cache_lib.KVCache) -> dict:
   kv = int(np.asarray(cache.valid).sum()) * (cache.keys.shape[-1] + cache.values.shape[-1])
   kv *= itemsize
   book = cache.positions.nbytes + cache.valid.nbytes + cache.budget.nbytes
-  caps = spec_of(cache_lib, cache).layer_capacity or (cache.keys.shape[3],) * cache.keys.shape[0]
+  caps = spec_of(cache_lib, cache, layered).layer_capacity
+  caps = caps or (cache.keys.shape[3],) * cache.keys.shape[0]
   slots = sum(caps) * cache.keys.shape[1] * cache.keys.shape[2]  # each layer's own capacity
   read = weights + slots * (cache.keys.shape[-1] + cache.values.shape[-1]) * itemsize + book
   return dict(weights=weights, kv=kv, bookkeeping=book, total=weights + kv + book, read=read)
@@ -185,12 +191,13 @@ def reference_bandwidth(nbytes: int, repeats: int) -> tuple[float, float]:
   return n * 4 / xla / 1e9, n * 4 / numpy / 1e9
 
 
-def spec_of(cache_module, cache):
-  """The SnapKV cache spec of ``cache_module`` for ``cache``'s capacity: each layer's own
-  capacity (its largest held count and the ``ROOM``, as ``generate`` sizes each layer) where
-  the module's spec has ``layer_capacity``."""
+def spec_of(cache_module, cache, layered: bool = False):
+  """The SnapKV cache spec of ``cache_module`` for ``cache``'s capacity; with ``layered``, each
+  layer's own capacity (its largest held count and the ``ROOM``, as ``generate`` sizes each
+  layer of an allocation that follows from the budget alone) where the module's spec has
+  ``layer_capacity``."""
   spec = cache_module.CacheSpec(policies.make("snapkv"), cache.keys.shape[3])
-  if not hasattr(spec, "layer_capacity"):
+  if not layered or not hasattr(spec, "layer_capacity"):
     return spec
   held = np.asarray(cache.valid).sum(-1).max((1, 2))
   caps = tuple(min(int(h) + ROOM, cache.keys.shape[3]) for h in held)
@@ -208,7 +215,7 @@ def compiled_step(cfg, cache_module, capacity: int):
 
 
 def time_steps(
-  cfg, params, caches: list, T: int, repeats: int, modules=None, reference=None
+  cfg, params, caches: list, T: int, repeats: int, modules=None, reference=None, layered=False
 ) -> list:
   """Times decode steps at position ``T`` after a warm-up, the steps of each cache alternated
   (each round starting with the next).
@@ -222,6 +229,7 @@ def time_steps(
     modules: the cache module stepping each cache (default ``kvjax.model.cache`` for all).
     reference: a function timed once per round after the steps (the bandwidth reference, so
       that the load of a shared machine weighs on both alike), or ``None``.
+    layered: each layer held with its own capacity (:func:`spec_of`).
 
   Returns:
     Per cache, the seconds of each timed step (a numpy array); then, with ``reference``, the
@@ -234,7 +242,7 @@ def time_steps(
   # each module's step runs over the cache as its generate loop holds it (one buffer per layer
   # on CPU, each with its own capacity: cache.per_layer; a revision without it holds it stacked)
   forms = [
-    m.per_layer(spec_of(m, c), params, c) if hasattr(m, "per_layer") else (params, c)
+    m.per_layer(spec_of(m, c, layered), params, c) if hasattr(m, "per_layer") else (params, c)
     for m, c in zip(modules, caches, strict=True)
   ]
   step_params = [p for p, _ in forms]
@@ -306,7 +314,7 @@ def cache_module_at(rev: str):
   return module
 
 
-def time_attention(cfg, cache, repeats: int) -> float:
+def time_attention(cfg, cache, repeats: int, layered: bool = False) -> float:
   """The median time (s) of the step's attention alone: every layer's query against its slots
   (the cache's visible slots), chained through the layers as the step chains them, over the
   cache in the form the step reads it (:func:`kvjax.model.cache.per_layer`).
@@ -315,13 +323,14 @@ def time_attention(cfg, cache, repeats: int) -> float:
     cfg: the model's config.
     cache: the stacked cache.
     repeats: timed runs after a warm-up.
+    layered: each layer held with its own capacity (:func:`spec_of`).
 
   Returns:
     Seconds per run.
   """
   L, B = cache.keys.shape[:2]
   q = jax.random.normal(jax.random.key(0), (B, cfg.num_heads, 1, cfg.head_dim))
-  _, held = cache_lib.per_layer(spec_of(cache_lib, cache), {}, cache)
+  _, held = cache_lib.per_layer(spec_of(cache_lib, cache, layered), {}, cache)
 
   @jax.jit
   def attention(q, keys, values, valid):
@@ -412,16 +421,17 @@ def run(
     for case in cases:
       budget = case_budgets(case, cfg, T, rng)
       cache = filled_cache(cfg, budget, kv_dtype, T)
-      nbytes = step_bytes(params, cache)
+      layered = case in LAYER_CAPACITY_CASES
+      nbytes = step_bytes(params, cache, layered)
       if breakdown:
-        attention = time_attention(cfg, cache, repeats)
+        attention = time_attention(cfg, cache, repeats, layered)
         kv_gbs = nbytes["kv"] / attention / 1e9
         say(
           f"  breakdown {case} T={T}: attention alone {attention * 1e3:.2f} ms ({kv_gbs:.1f} GB/s)"
         )
       caches = [cache] if other is None else [cache, filled_cache(cfg, budget, kv_dtype, T)]
       modules = [cache_lib] if other is None else [cache_lib, other]
-      *steps, ref = time_steps(cfg, params, caches, T, repeats, modules, reference)
+      *steps, ref = time_steps(cfg, params, caches, T, repeats, modules, reference, layered)
       seconds = float(np.median(steps[0]))
       beside = ref_bytes / float(np.median(ref)) / 1e9
       if other is not None:

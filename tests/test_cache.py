@@ -454,7 +454,16 @@ def test_per_layer_capacities_read_no_empty_slots_and_flag_what_they_cannot_hold
   # a row holding a token past its layer's capacity is flagged, not dropped silently
   tight = dataclasses.replace(spec, layer_capacity=(48, 19, 16))
   assert np.asarray(cache_lib.per_layer(tight, params, cache)[1].overflow).all()
-  for caps in ((48, 28), (48, 28, 65), (48, 0, 16), [48, 28, 16]):
+  for caps in ((48, 28, 65), (48, 0, 16), [48, 28, 16], ()):
     with pytest.raises(ValueError, match="layer_capacity"):
       cache_lib.check_spec(dataclasses.replace(spec, layer_capacity=caps))
+  for caps in ((48, 28), (48, 28, 65), (48, 0, 16)):
+    with pytest.raises(ValueError, match="layer_capacity"):
       cache_lib.per_layer(dataclasses.replace(spec, layer_capacity=caps), params, cache)
+  # a split cache under a spec that re-compresses or re-indexes is refused, not mis-decoded
+  for other in (
+    cache_lib.CacheSpec(policies.make("snapkv", decode_every=8), C),
+    cache_lib.CacheSpec(policies.make("streaming_llm"), C, reindex=True),
+  ):
+    with pytest.raises(ValueError, match="one buffer per layer"):
+      cache_lib.decode_step(cfg, split_params, other, split, token, pos, pos, step=0)

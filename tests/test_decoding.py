@@ -556,3 +556,41 @@ def test_evidence_no_model_can_provide_is_named_with_what_to_use_instead(monkeyp
     km.generate(model, ids, policy="oracle", budget=24)
   with pytest.raises(ValueError, match=oracle):
     km.keep_mask(model, ids, "oracle", 24)
+
+
+def test_generate_decodes_per_layer_as_the_stacked_step(monkeypatch):
+  """On CPU ``generate`` decodes over the cache split by layer, each layer with its own
+  capacity where the allocation follows from the budget alone (PyramidKV), one capacity where
+  it depends on the input (Ada-KV: no compile per prompt); the tokens and the cache it returns
+  are those of the stacked step."""
+  from flax import nnx
+
+  from kvjax.model import cache as cache_lib
+  from kvjax.model import decoding
+
+  cfg = km.ModelConfig(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+  )
+  model = km.Llama(cfg, rngs=nnx.Rngs(0))
+  ids = np.random.default_rng(0).integers(0, 97, (2, 160)).astype(np.int32)
+  budget = np.zeros((2, 4, 2), np.int32)
+  pyramid = policies.build("pyramidkv")
+  budget[:] = np.asarray(budgets_lib.pyramid(4, 48, pyramid.observation_window, 160))[:, None]
+  caps = decoding._layer_capacity(cfg, pyramid, budget, 160, 10)
+  assert caps is not None and caps[0] > caps[-1]  # lower layers hold more
+  assert decoding._layer_capacity(cfg, policies.build("adakv_snapkv"), budget, 160, 10) is None
+  same = np.full_like(budget, 48)  # one budget for every layer: one capacity
+  assert decoding._layer_capacity(cfg, policies.build("snapkv"), same, 160, 10) is None
+  for policy in ("pyramidkv", "adakv_snapkv", "h2o"):
+    out = km.generate(model, ids, policy=policy, budget=48, max_new_tokens=10)
+    monkeypatch.setattr(cache_lib, "decodes_per_layer", lambda spec, cache: False)
+    ref = km.generate(model, ids, policy=policy, budget=48, max_new_tokens=10)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=policy)
+    assert out.memory == ref.memory, policy

@@ -950,9 +950,15 @@ def decode_step(
     ``(logits [B, V], cache)``: fp32 logits and the updated cache.
 
   Raises:
-    ValueError: when ``decode_every`` or ThinK needs ``step`` and it is ``None``.
+    ValueError: when ``decode_every`` or ThinK needs ``step`` and it is ``None``, or for a cache
+      held one buffer per layer under a spec that re-compresses or re-indexes.
   """
   if isinstance(cache.keys, tuple):  # one buffer per layer (per_layer)
+    if spec.decode_every or spec.reindex:
+      raise ValueError(
+        f"cache: held one buffer per layer (cache.per_layer), which spec {spec!r} cannot decode "
+        "(it re-compresses or re-indexes); expected the stacked cache"
+      )
     return _decode_step_per_layer(cfg, params, spec, cache, token_B, pos_B)
   B = token_B.shape[0]
   x = llama.embed_tokens(cfg, params, token_B)[:, None, :]
@@ -1080,8 +1086,9 @@ def _written(buf_BHCD: Array, slot_BH: Array, new_BHD: Array) -> Array:
 
 PER_LAYER_FIELDS = ("keys", "values", "positions", "valid", "scores", "attn_sums")
 
-# the most bytes of per-layer weights and K/V that per_layer copies: the split holds a second
-# copy of both while the decode loop runs, so above this a loop keeps the stacked step
+# the most bytes of per-layer weights and cache that per_layer copies (per configuration under
+# vmap): the split holds a second copy of both while the decode loop runs, so above this a loop
+# keeps the stacked step
 PER_LAYER_MAX_BYTES = 4 << 30
 
 
@@ -1099,7 +1106,8 @@ def decodes_per_layer(spec: CacheSpec, cache: KVCache) -> bool:
     cache: the stacked cache.
 
   Returns:
-    True where :func:`per_layer` splits the cache.
+    Whether the backend and the cache allow the split; :func:`per_layer` splits where this
+    holds and the copies fit in :data:`PER_LAYER_MAX_BYTES`.
   """
   return (
     jax.default_backend() == "cpu"
@@ -1135,18 +1143,19 @@ def per_layer(spec: CacheSpec, params: dict, cache: KVCache) -> tuple[dict, KVCa
     per-layer arrays; otherwise both as given.
 
   Raises:
-    ValueError: for a ``spec.layer_capacity`` without one entry per layer.
+    ValueError: for a ``spec.layer_capacity`` without one entry in ``[1, C]`` per layer.
   """
   if isinstance(cache.keys, tuple) or not decodes_per_layer(spec, cache):
     return params, cache
-  copied = jax.tree.leaves([llama.stacked(params), cache.keys, cache.values])
+  split = [getattr(cache, name) for name in PER_LAYER_FIELDS]
+  copied = jax.tree.leaves([llama.stacked(params), split])
   if sum(int(np.prod(t.shape)) * jnp.dtype(t.dtype).itemsize for t in copied) > PER_LAYER_MAX_BYTES:
     return params, cache
   L, B, _, C = cache.valid.shape
   caps = spec.layer_capacity or (C,) * L
-  if len(caps) != L or max(caps) > C:
+  if len(caps) != L or max(caps) > C or min(caps) < 1:
     raise ValueError(
-      f"spec.layer_capacity: expected {L} layers' capacities of at most {C} slots, got {caps!r}"
+      f"spec.layer_capacity: expected {L} layers' capacities in [1, {C}] slots, got {caps!r}"
     )
   overflow = jnp.zeros((B,), bool) if cache.overflow is None else cache.overflow
   for l, cap in enumerate(caps):

@@ -306,18 +306,21 @@ def _compress_and_decode(cfg, params, pre, spec, budget, first, new, temperature
   return tokens.T, cache_lib.restacked(cache, spec.capacity)
 
 
-def _layer_capacity(cfg, policy: policies.Policy, budget_BLH, T: int, new: int):
+def _layer_capacity(cfg, policy: policies.Policy, budget, T: int, new: int):
   """Each layer's slots while decoding one buffer per layer (``cache.per_layer``): its own
-  largest budget's :func:`_capacity`, so PyramidKV's upper layers read no empty slots; ``None``
-  (every layer the cache's capacity) without budgets, for layers that differ (a sliding layer
-  keeps its window), for re-compressing or channel-pruning policies, and off CPU, where the
-  decode loop keeps the stacked cache (``cache.decodes_per_layer``)."""
-  if budget_BLH is None or cfg.per_layer or policy.decode_every or policy.channel_ratio:
+  largest budget's :func:`_capacity` (``budget``: the allocation, ``[L, H]`` or ``[B, L, H]``),
+  so PyramidKV's upper layers read no empty slots. ``None`` (every layer the cache's capacity)
+  where that would change nothing, where the allocation depends on the input (Ada-KV, HeadKV,
+  CAKE: a capacity per layer would compile the decoder again for each prompt), for layers that
+  differ (a sliding layer keeps its window), for re-compressing or channel-pruning policies, and
+  off CPU, where the decode loop keeps the stacked cache (``cache.decodes_per_layer``)."""
+  if budget is None or cfg.per_layer or policy.decode_every or policy.channel_ratio:
     return None
-  if jax.default_backend() != "cpu":
+  if jax.default_backend() != "cpu" or not policy.allocator.from_budget_alone:
     return None
-  per_layer = np.asarray(budget_BLH).reshape(-1, *budget_BLH.shape[-2:]).max((0, 2))
-  return tuple(_capacity(policy, int(b), T, new) for b in per_layer)
+  per_layer = np.asarray(budget).reshape(-1, *budget.shape[-2:]).max((0, 2))
+  caps = tuple(_capacity(policy, int(b), T, new) for b in per_layer)
+  return None if len(set(caps)) == 1 else caps
 
 
 def _pick(logits_BV, temperature, rng):

@@ -90,11 +90,15 @@ class Allocator:
   * ``needs``: the :class:`~kvjax.policies.Evidence` fields it reads besides the scores.
   * ``budget_ndim``: the largest budget rank it takes (0: a scalar, 1: ``[L]``, 2: ``[L, H]``).
   * ``keeps_all``: it keeps every position (a budget below ``T`` is then an error).
+  * ``from_budget_alone``: its ``budget_LH`` follows from the budget and the shapes alone (no
+    evidence, no scores), so a decoder may size each layer's buffers from it without
+    compiling again for every input (``kvjax.model.cache.CacheSpec.layer_capacity``).
   """
 
   needs: ClassVar[frozenset[str]] = frozenset()
   budget_ndim: ClassVar[int] = 0
   keeps_all: ClassVar[bool] = False
+  from_budget_alone: ClassVar[bool] = False
 
   def __call__(self, evidence: Evidence, scores_LHT: Array, budget, window: int) -> Array:
     """Allocates ``budget`` to the heads as ``budget_LH``.
@@ -132,6 +136,7 @@ class Uniform(Allocator):
   """
 
   budget_ndim: ClassVar[int] = 2
+  from_budget_alone: ClassVar[bool] = True
 
   def __call__(self, evidence, scores_LHT, budget, window):
     L, H, _ = scores_LHT.shape
@@ -146,6 +151,7 @@ class Pyramid(Allocator):
   (``"legacy_floor"``: KVCache-Factory's integer arithmetic).
   """
 
+  from_budget_alone: ClassVar[bool] = True
   beta: float = 20
   pyramid_mode: str = "legacy_floor"
 
@@ -323,6 +329,7 @@ class KeepAll(Allocator):
   """Every position of every head (ThinK alone prunes key channels, not tokens)."""
 
   keeps_all: ClassVar[bool] = True
+  from_budget_alone: ClassVar[bool] = True
 
   def __call__(self, evidence, scores_LHT, budget, window):
     L, H, T = scores_LHT.shape
@@ -356,6 +363,11 @@ class Layered(Allocator):
   def needs(self) -> frozenset[str]:  # type: ignore[override]
     """The evidence both allocators read."""
     return self.layers.needs | self.heads.needs
+
+  @property
+  def from_budget_alone(self) -> bool:  # type: ignore[override]
+    """Whether both allocators follow from the budget alone."""
+    return self.layers.from_budget_alone and self.heads.from_budget_alone
 
   @property
   def max_budget_ndim(self) -> int:
