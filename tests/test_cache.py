@@ -438,8 +438,9 @@ def test_per_layer_capacities_read_no_empty_slots_and_flag_what_they_cannot_hold
   out = cache_lib.restacked(split, C)
   assert not np.asarray(out.overflow).any()
   assert cache_lib.restacked(split).keys.shape[3] == max(caps)
-  with pytest.raises(ValueError, match="capacity"):
-    cache_lib.restacked(split, max(caps) - 1)
+  for capacity in (max(caps) - 1, 64.5, True):
+    with pytest.raises(ValueError, match="capacity"):
+      cache_lib.restacked(split, capacity)
   for name in ("valid", "overflow"):
     np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), err_msg=name)
   held = np.asarray(ref.valid)  # what empty slots hold is nobody's (the padding's is zero)

@@ -400,6 +400,9 @@ def test_training_checks(tiny, examples):
     )
   with pytest.raises(ValueError, match="longer than context"):
     restorekv.training_data(cfg, params, examples[0], None, context=32, ratio=0.5)
+  for batch in (0, 2.0, True):
+    with pytest.raises(ValueError, match="batch: expected an int"):
+      restorekv.mean_loss(cfg, params, None, None, batch)
 
 
 def test_experiment_entry_point_and_resume(tmp_path):

@@ -1191,7 +1191,9 @@ def restacked(cache: KVCache, capacity: int | None = None) -> KVCache:
   if not isinstance(cache.keys, tuple):
     return cache
   longest = max(t.shape[2] for t in cache.valid)
-  if capacity is not None and (isinstance(capacity, bool) or capacity < longest):
+  if capacity is not None and (
+    isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < longest
+  ):
     raise ValueError(
       f"capacity: expected an int >= {longest} (the longest layer), got {capacity!r}"
     )

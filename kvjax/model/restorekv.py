@@ -674,7 +674,12 @@ def mean_loss(cfg: ModelConfig, params: dict, adapter: Adapter | None, data, bat
 
   Returns:
     The mean loss (nan for ``data=None``).
+
+  Raises:
+    ValueError: for a ``batch`` that is not an int ``>= 1``.
   """
+  if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+    raise ValueError(f"batch: expected an int >= 1 of examples per call, got {batch!r}")
   if data is None:
     return float("nan")
   ctx, cont, keep = data
