@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import zipfile
 
 import numpy as np
 
@@ -42,18 +43,26 @@ def read(path: str | pathlib.Path, fmt: str, what: str) -> tuple[dict, dict]:
     ``(arrays, meta)``: numpy arrays by name and the header.
 
   Raises:
-    ValueError: naming the file, for one that is missing or unreadable, lacks the header, or
-      names another format.
+    ValueError: naming the file, for one that is missing, unreadable or truncated, lacks the
+      header, holds a header that is not a JSON object, or names another format.
   """
   path = pathlib.Path(path)
   try:
     with np.load(path, allow_pickle=False) as data:
       files = {k: data[k] for k in data.files}
-  except (OSError, ValueError) as e:
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a truncated file: BadZipFile
     raise ValueError(f"path: {path} is not a readable {what} file ({e})") from None
   if HEADER not in files:
     raise ValueError(f"path: {path} has no {HEADER} header (not a {what} file)")
-  meta = json.loads(str(files.pop(HEADER)))
+  try:
+    meta = json.loads(str(files.pop(HEADER)))
+  except json.JSONDecodeError as e:
+    raise ValueError(f"path: {path} has a {HEADER} header that is not valid JSON ({e})") from None
+  if not isinstance(meta, dict):
+    raise ValueError(
+      f"path: {path} has a {HEADER} header that is not a JSON object ({type(meta).__name__}); "
+      f"expected the header of a {what} file"
+    )
   if meta.get("format") != fmt:
     raise ValueError(f"path: {path} has format {meta.get('format')!r}, expected {fmt!r}")
   return files, meta

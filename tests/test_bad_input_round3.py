@@ -1,0 +1,187 @@
+"""Bad input, round three: stored contexts that were edited, model configs out of range, the
+leaderboard's lists, RULER's absurd options, file readers that name the file, and the run
+identity every process of one run must share (``docs/bad_input.md``)."""
+
+import dataclasses
+import json
+import pathlib
+import time
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from kvjax import model as km
+from kvjax import policies
+from kvjax.model import npzfile, stored
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# --------------------------------------------------------------------------- stored contexts
+
+
+@pytest.fixture(scope="module")
+def context():
+  model, cfg, _ = km.load_tiny()
+  ids = np.random.default_rng(0).integers(5, cfg.vocab_size, (2, 24)).astype(np.int32)
+  pol = policies.make("snapkv", window=4)
+  ctx = km.compress_context(model, ids, policy=pol, budget=12)
+  return model, cfg, pol, ctx
+
+
+def _load(context, path, policy=None):
+  model, cfg, pol, _ = context
+  return stored.load(path, cfg, model.params(), pol if policy is None else policy)
+
+
+def _edited(ctx, **cache_fields):
+  return dataclasses.replace(ctx, cache=dataclasses.replace(ctx.cache, **cache_fields))
+
+
+def test_an_equal_policy_built_by_class_loads_a_context_saved_by_name(context, tmp_path):
+  path = context[3].save(tmp_path / "c")
+  loaded = _load(context, path, policies.SnapKV(window=4))
+  assert jnp.array_equal(loaded.cache.keys, context[3].cache.keys)
+  with pytest.raises(ValueError, match="policy: .* was compressed with"):
+    _load(context, path, policies.SnapKV(window=6))
+
+
+def _set(a, index, value):
+  out = np.array(a)
+  out[index] = value
+  return jnp.asarray(out)
+
+
+@pytest.mark.parametrize(
+  "edit, match",
+  [
+    (lambda c: dict(keys=_set(c.keys, (0, 0, 0, 0, 0), np.nan)), "NaN or inf keys"),
+    (lambda c: dict(values=_set(c.values, (1, 1, 0, 2, 3), np.inf)), "NaN or inf values"),
+    (lambda c: dict(valid=_set(c.valid, (2, 1), False)), "no valid slot in row 1 of layer 2"),
+    (lambda c: dict(budget=jnp.asarray(c.budget, jnp.float32)), "budget of dtype float32"),
+    (lambda c: dict(budget=_set(c.budget, (0, 0, 0), 99)), r"outside \[0, capacity=12\]"),
+    (lambda c: dict(positions=_set(c.positions, (0, 0, 0, 0), 24)), "outside the row's tokens"),
+    (lambda c: dict(positions=_set(c.positions, (0, 0, 0, 0), -1)), "position -1"),
+    (lambda c: dict(valid=jnp.asarray(c.valid, jnp.int32)), "valid of dtype int32"),
+    (lambda c: dict(positions=c.positions[:, :, :, :5]), "positions of shape"),
+    (lambda c: dict(keys=c.keys[:3]), "keys of shape"),
+    (lambda c: dict(overflow=jnp.asarray([False, True])), r"rows \[1\] that overflowed"),
+  ],
+)
+def test_a_saved_context_with_impossible_arrays_is_refused(context, tmp_path, edit, match):
+  """Saved as edited (the checksum then matches): the arrays' own checks refuse them."""
+  ctx = context[3]
+  path = _edited(ctx, **edit(ctx.cache)).save(tmp_path / "c")
+  with pytest.raises(ValueError, match=match) as e:
+    _load(context, path)
+  assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize(
+  "header, match",
+  [
+    (dict(next_pos=[20, 24]), "outside the row's tokens"),
+    (dict(next_pos=[24]), "keys of shape"),
+    (dict(next_pos=[24, 0]), "next_pos="),
+    (dict(capacity=13), "keys of shape"),
+    (dict(capacity=0), "capacity=0"),
+    (dict(capacity=12.0), "capacity=12.0"),
+    (dict(layout="query"), "keys of shape"),
+    (dict(layout="rows"), "layout='rows'"),
+    (dict(reindex="yes"), "reindex='yes'"),
+    (dict(model=[1]), "not a JSON object"),
+  ],
+)
+def test_a_saved_context_with_an_impossible_header_is_refused(context, tmp_path, header, match):
+  """A header edited consistently with its checksum: the fields' own checks refuse it."""
+  ctx = context[3]
+  fields = ctx.header() | header
+  path = ctx.save(tmp_path / "c")
+  _rewrite(path, fields)
+  with pytest.raises(ValueError, match=match) as e:
+    _load(context, path)
+  assert str(path) in str(e.value)
+
+
+def _rewrite(path, header, *, checksum=True):
+  from safetensors.numpy import load_file, save_file
+
+  arrays = load_file(str(path))
+  header = {k: v for k, v in header.items() if k != "checksum"}
+  if checksum:
+    header["checksum"] = stored.checksum(arrays, header)
+  save_file(arrays, str(path), metadata={"kvjax": json.dumps(header)})
+
+
+def test_a_saved_context_changed_after_saving_is_refused_by_its_checksum(context, tmp_path):
+  from safetensors.numpy import load_file, save_file
+
+  ctx = context[3]
+  path = ctx.save(tmp_path / "c")
+  saved = json.loads(_metadata(path)["kvjax"])
+  _rewrite(path, saved | {"next_pos": [23, 24]}, checksum=False)  # a changed next position
+  _set_checksum(path, saved["checksum"])
+  with pytest.raises(ValueError, match="does not match its checksum"):
+    _load(context, path)
+  path = ctx.save(tmp_path / "d")
+  arrays = load_file(str(path))
+  arrays["keys"] = arrays["keys"] * 2  # finite, plausible, but not what was saved
+  save_file(arrays, str(path), metadata=_metadata(path))
+  with pytest.raises(ValueError, match="does not match its checksum"):
+    _load(context, path)
+
+
+def _metadata(path) -> dict:
+  from safetensors import safe_open
+
+  with safe_open(str(path), "np") as f:
+    return f.metadata()
+
+
+def _set_checksum(path, digest):
+  from safetensors.numpy import load_file, save_file
+
+  header = json.loads(_metadata(path)["kvjax"]) | {"checksum": digest}
+  save_file(load_file(str(path)), str(path), metadata={"kvjax": json.dumps(header)})
+
+
+def test_a_saved_context_header_without_a_field_names_the_file(context, tmp_path):
+  ctx = context[3]
+  path = ctx.save(tmp_path / "c")
+  header = {k: v for k, v in ctx.header().items() if k != "model"}
+  _rewrite(path, header)
+  with pytest.raises(ValueError, match=r"header lacks \['model'\]") as e:
+    _load(context, path)
+  assert str(path) in str(e.value)
+  _rewrite(path, ctx.header())
+  _set_checksum(path, None)
+  with pytest.raises(ValueError, match="does not match its checksum"):
+    _load(context, path)
+
+
+def test_a_truncated_context_file_names_the_file(context, tmp_path):
+  path = context[3].save(tmp_path / "c")
+  data = path.read_bytes()
+  path.write_bytes(data[: len(data) // 2])
+  with pytest.raises(ValueError, match=f"path: {path} is not a safetensors file"):
+    _load(context, path)
+
+
+# --------------------------------------------------------------------------- npz files
+
+
+def test_npz_readers_name_the_file(tmp_path):
+  path = npzfile.write(tmp_path / "a.npz", {"w": np.ones(3)}, {"format": "f/1"})
+  arrays, meta = npzfile.read(path, "f/1", "test")
+  assert meta == {"format": "f/1"} and arrays["w"].tolist() == [1, 1, 1]
+  data = path.read_bytes()
+  cut = tmp_path / "cut.npz"
+  cut.write_bytes(data[: len(data) // 2])
+  with pytest.raises(ValueError, match=f"path: {cut} is not a readable test file"):
+    npzfile.read(cut, "f/1", "test")
+  for text, match in (("[1, 2]", "not a JSON object"), ("{oops", "not valid JSON")):
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, meta_json=np.asarray(text), w=np.ones(2, np.float32))
+    with pytest.raises(ValueError, match=f"path: {bad} has a meta_json header .*{match}"):
+      npzfile.read(bad, "f/1", "test")
