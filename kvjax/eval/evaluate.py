@@ -38,8 +38,9 @@ from kvjax import distributed, plotting, policies, rundir
 from kvjax import model as km
 from kvjax.eval import report, ruler, stats, tasks
 from kvjax.model import answers as answers_lib
-from kvjax.model import assets, calibrate, fastkvzip, kvzap, restorekv
+from kvjax.model import assets, calibrate, restorekv
 from kvjax.model.tokenizer import HFTokenizer, PieceTokenizer
+from kvjax.policies import evidence as evidence_lib
 
 EVAL_SEED = 2**31  # training draws example seeds below 2**31: evaluation seeds never collide
 
@@ -231,19 +232,18 @@ PREFILL_EVIDENCE = (
   "prerope_keys_LGTD",
   "queries_LHTD",
 )
-CALIBRATION_EVIDENCE = (
-  "qfilters_LGD",
-  "retrieval_heads_LG",
-  "stats_query_mean_LHD",
-  "stats_query_cov_LHDD",
-)
+# the kinds a calibration file holds (declared with source="calibration")
+CALIBRATION_EVIDENCE = evidence_lib.KindIndex(lambda k: k.source == "calibration", lambda k: k.doc)
 CONTEXT_EVIDENCE = ("reconstruction_attn_LGT",)
-# learned evidence: a trained model's file (config field) applied to each batch's context
-LEARNED_EVIDENCE = {
-  "kvzap_LGT": "kvzap",
-  "fastkvzip_LGT": "fastkvzip",
-  restorekv.KEYS: "restorekv",  # and restorekv.VALUES, from the same adapter
-}
+# learned evidence: a trained model's file (the config field its kind names) applied to each
+# batch's context; RestoreKV's adapter gives restore tokens rather than a kind of evidence
+LEARNED_EVIDENCE = evidence_lib.KindIndex(lambda k: k.resource is not None, lambda k: k.resource)
+RESTORE_RESOURCE = {restorekv.KEYS: "restorekv"}  # and restorekv.VALUES, from the same adapter
+
+
+def _learned_fields() -> dict:
+  """``{field: config field}`` of every learned kind and RestoreKV's restore tokens."""
+  return {**LEARNED_EVIDENCE, **RESTORE_RESOURCE}
 
 
 def load_learned(config, needs, cfg) -> dict:
@@ -264,7 +264,8 @@ def load_learned(config, needs, cfg) -> dict:
     ValueError: naming the field, for a missing or unreadable file, or one trained for
       another model.
   """
-  loaders = {"kvzap": kvzap.load, "fastkvzip": fastkvzip.load, "restorekv": restorekv.load}
+  loaders = {k.resource: k.load for k in evidence_lib.evidence_kinds().values() if k.resource}
+  loaders["restorekv"] = restorekv.load
   return {name: loaders[name](path, cfg)[0] for name, path in learned_paths(config, needs).items()}
 
 
@@ -282,7 +283,7 @@ def learned_paths(config, needs) -> dict:
     ValueError: naming the config field, for a missing file.
   """
   out = {}
-  for field, name in LEARNED_EVIDENCE.items():
+  for field, name in _learned_fields().items():
     if field not in needs:
       continue
     path = config.get(name)
@@ -374,11 +375,17 @@ def kvzip_template(tok, model_name: str) -> calibrate.KVzipTemplate:
 
 def context_evidence(model, exs, shape, template, needs, learned=None) -> dict:
   """The evidence computed from each batch's context columns (all but the fed question tail),
-  ``[L, B, G, Tc]``, for the policies that read it: KVzip's ``reconstruction_attn_LGT`` (its
-  second pass), KVzap's ``kvzap_LGT`` and Fast KVzip's ``fastkvzip_LGT`` (the ``learned``
-  surrogates of :func:`load_learned` on the context's attention inputs), and RestoreKV's
-  restore tokens after the context (``restore_keys_LGND``, ``restore_values_LGND``)."""
-  wanted = set(needs) & ({"reconstruction_attn_LGT"} | set(LEARNED_EVIDENCE))
+  ``[L, B, ...]``, for the policies that read it: KVzip's ``reconstruction_attn_LGT`` (its
+  second pass), every kind whose declaration computes it (KVzap's ``kvzap_LGT`` and Fast
+  KVzip's ``fastkvzip_LGT`` with the ``learned`` files of :func:`load_learned`, a kind declared
+  outside kvjax with its own ``compute``), and RestoreKV's restore tokens after the context
+  (``restore_keys_LGND``, ``restore_values_LGND``)."""
+  computed = {
+    name: kind
+    for name, kind in evidence_lib.evidence_kinds().items()
+    if name in needs and kind.compute is not None
+  }
+  wanted = set(needs) & ({"reconstruction_attn_LGT", *RESTORE_RESOURCE} | set(computed))
   if not wanted:
     return {}
   q_len = (shape or (max(e.question_len for e in exs), None))[0]
@@ -388,11 +395,10 @@ def context_evidence(model, exs, shape, template, needs, learned=None) -> dict:
   if "reconstruction_attn_LGT" in wanted:
     attn = calibrate.kvzip_evidence(cfg, params, context, template)
     out["reconstruction_attn_LGT"] = np.asarray(attn)
-  if "kvzap_LGT" in wanted:
-    out["kvzap_LGT"] = np.asarray(kvzap.kvzap_evidence(cfg, params, learned["kvzap"], context))
-  if "fastkvzip_LGT" in wanted:
-    gates = learned["fastkvzip"]
-    out["fastkvzip_LGT"] = np.asarray(fastkvzip.fastkvzip_evidence(cfg, params, gates, context))
+  mask = np.ones(context.shape, np.int32)
+  for name, kind in computed.items():
+    extra = () if kind.resource is None else (learned[kind.resource],)
+    out[name] = np.asarray(kind.compute(model, context, mask, *extra), np.float32)
   if restorekv.KEYS in wanted:
     restored = restorekv.restore_evidence(cfg, params, learned["restorekv"], context)
     out.update({k: np.asarray(v) for k, v in restored.items()})

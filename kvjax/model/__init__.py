@@ -8,7 +8,8 @@ per-layer, per-head slot table, with ThinK's pruned key channels and ``decode_ev
 re-compression), ``decoding`` (generation through the cache; caller-given evidence as
 ``evidence={...}``), ``answers`` (answers decoded through the compressed cache from one shared
 prefill) ``logprobs`` (a text's log-probabilities read token by token through the cache) and
-``stored`` (a compressed context saved and loaded, answered later by ``answer_context``).
+``stored`` (a compressed context saved and loaded, answered later by ``answer_context``) and
+``learned`` (how a model computes the learned kinds of evidence; ``attention_inputs``).
 This package re-exports the calls a user needs.
 """
 
@@ -19,6 +20,7 @@ from kvjax.model import (
   config,
   decoding,
   gguf,
+  learned,
   llama,
   loading,
   logprobs,
@@ -35,6 +37,7 @@ from kvjax.model.decoding import (
   generate_configs,
   keep_mask,
 )
+from kvjax.model.learned import attention_inputs
 from kvjax.model.llama import Llama, Prefill, forward, prefill
 from kvjax.model.loading import load, load_tiny, save
 from kvjax.model.tokenizer import load_tokenizer
@@ -43,29 +46,31 @@ __all__ = [
   "Llama",
   "ModelConfig",
   "Prefill",
-  "assets",
-  "gguf",
-  "load_tokenizer",
-  "smollm2_path",
   "answer_configs",
   "answer_context",
-  "compress_context",
-  "stored",
   "answers",
+  "assets",
+  "attention_inputs",
   "cache",
+  "compress_context",
   "config",
   "decoding",
   "forward",
   "from_hf_dict",
   "generate",
   "generate_configs",
+  "gguf",
   "keep_mask",
+  "learned",
   "llama",
   "load",
   "load_tiny",
+  "load_tokenizer",
   "loading",
   "logprobs",
   "prefill",
   "save",
+  "smollm2_path",
+  "stored",
   "tokenizer",
 ]

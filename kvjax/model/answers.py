@@ -714,5 +714,7 @@ def answer_configs(
   prefilled = _prefill_shared(
     model, prompt_ids, answer_ids, shape, window, pol.reads_future, pol.evidence_request
   )
+  # the kinds a declaration computes, over the context's columns (what the cache holds)
+  evidence = decoding.computed_evidence(model, pol, evidence, np.asarray(prompt)[:, :Tc])
   out = answer_prefilled(model, prefilled, budgets, policy=pol, layout=layout, evidence=evidence)
   return dataclasses.replace(out, ratios=ratios)

@@ -42,6 +42,7 @@ from kvjax import policies, select
 from kvjax import scores as scores_lib
 from kvjax.model import llama
 from kvjax.model.config import ModelConfig
+from kvjax.policies import evidence as evidence_lib
 
 Array = jax.Array
 
@@ -193,31 +194,21 @@ class CacheSpec:
     return self.policy.evicts_each_step and not self.decode_every
 
 
-# caller-given evidence (kvjax.model.calibrate; HeadKV's head importances): per model, or per
-# batch row (B at axis 1)
-SHARED_EVIDENCE = {
-  "qfilters_LGD": 3,
-  "retrieval_heads_LG": 2,
-  "head_scores_LH": 2,
-  "stats_query_mean_LHD": 3,
-  "stats_query_cov_LHDD": 4,
-}
-ROW_EVIDENCE = {
-  "reconstruction_attn_LGT": 4,
-  "reconstruction_attn_LHT": 4,
-  "kvgrad_LGT": 4,
-  "kvzap_LGT": 4,
-  "fastkvzip_LGT": 4,
-}
+# the data kinds of evidence (declared in kvjax.policies.evidence: caller-given, computed from
+# the model by a kind's own compute, or read from a calibration file), live views of the
+# declarations: {name: rank}; per model (SHARED) or per batch row (ROW, B at axis 1)
+def _data(kind) -> bool:
+  return kind.source in ("caller", "calibration")
+
+
+SHARED_EVIDENCE = evidence_lib.KindIndex(
+  lambda k: _data(k) and not k.per_row, lambda k: len(k.axes)
+)
+ROW_EVIDENCE = evidence_lib.KindIndex(lambda k: _data(k) and k.per_row, lambda k: len(k.axes) + 1)
 # what a re-compression during decoding can provide (over the cache's own slots)
-DECODE_EVIDENCE = (
-  "attn_window_LHWT",
-  "keys_LGTD",
-  "values_LGTD",
-  "value_out_norms_LHT",
-  "window_queries_LHWD",
-  "rng",
-  *SHARED_EVIDENCE,
+# (every shared data kind: the cache keeps them)
+DECODE_EVIDENCE = evidence_lib.KindIndex(
+  lambda k: k.decode or (_data(k) and not k.per_row), lambda k: k.source
 )
 
 
@@ -314,39 +305,56 @@ def check_spec(spec: CacheSpec) -> None:
 
 
 def _evidence_per_row(pre: llama.Prefill, evidence: dict | None = None) -> policies.Evidence:
-  """The prefill's evidence (and the caller's per-row ``evidence``, ``B`` at axis 1) with the
-  batch axis first (to ``vmap`` over rows)."""
+  """The prefill's evidence (each kind the prefill computes, by its declaration) and the caller's
+  per-row ``evidence`` (``B`` at axis 1), with the batch axis first (to ``vmap`` over rows)."""
   rows = {k: _batch_first(v) for k, v in (evidence or {}).items() if k in ROW_EVIDENCE}
+  computed = {
+    name: _batch_first(getattr(pre, kind.prefill))
+    for name, kind in evidence_lib.evidence_kinds(source="prefill").items()
+  }
   return policies.Evidence(
-    attn_window_LHWT=_batch_first(pre.attn_window),
-    column_sums_LHT=_batch_first(pre.column_sums),
-    keys_LGTD=_batch_first(pre.keys),
-    future_attn_LHST=_batch_first(pre.future_attn),
-    values_LGTD=_batch_first(pre.values),
-    value_out_norms_LHT=_batch_first(pre.value_out_norms),
-    query_mean_LHD=_batch_first(pre.query_mean),
-    query_cov_LHDD=_batch_first(pre.query_cov),
-    window_queries_LHWD=_batch_first(pre.window_queries),
-    window_scores_LHT=_batch_first(pre.window_scores),
-    prerope_keys_LGTD=_batch_first(pre.prerope_keys),
-    queries_LHTD=_batch_first(pre.queries),
     observation_window=pre.window if pre.window_scores is not None else None,
+    **computed,
     **rows,
   )
+
+
+def evidence_shapes(kind, *, L: int, B: int, G: int, T: int, D: int, Hq: int | None = None):
+  """The shapes a model's entry points accept for a data kind of evidence, from its axes.
+
+  ``H`` is the query heads ``Hq`` (``G`` when ``Hq`` is ``None``); a per-row kind has the batch
+  at axis 1 (``kvzap_LGT``: ``[L, B, G, T]``); a kind's ``also`` axes are accepted too.
+
+  Args:
+    kind: the :class:`kvjax.policies.EvidenceKind`.
+    L: layers.
+    B: batch rows.
+    G: KV heads.
+    T: prompt tokens.
+    D: the head dimension.
+    Hq: query heads.
+
+  Returns:
+    The accepted shapes, a list of tuples.
+  """
+  size = {"L": L, "G": G, "H": G if Hq is None else Hq, "T": T, "D": D}
+  out = []
+  for axes in (kind.axes, *kind.also):
+    shape = tuple(size[a] for a in axes)
+    out.append(shape[:1] + (B,) + shape[1:] if kind.per_row else shape)
+  return list(dict.fromkeys(out))
 
 
 def check_evidence(
   evidence, *, L: int, B: int, G: int, T: int, D: int, Hq: int | None = None
 ) -> dict:
-  """Checks the caller's evidence mapping (``{field: array}``) against the model's shapes.
+  """Checks the caller's evidence mapping (``{kind: array}``) against the model's shapes.
 
-  Only the data fields are taken: ``qfilters_LGD [L, G, D]``, ``retrieval_heads_LG [L, G]`` in
-  ``[0, 1]``, ``reconstruction_attn_LGT [L, B, G, T]``, ``reconstruction_attn_LHT
-  [L, B, Hq, T]`` (KVCompose's), ``kvgrad_LGT [L, B, G, T]`` (KVgrad's), ``kvzap_LGT
-  [L, B, G, T]`` (KVzap's), ``fastkvzip_LGT [L, B, G, T]`` (Fast KVzip's),
-  ``stats_query_mean_LHD [L, Hq, D]`` and ``stats_query_cov_LHDD [L, Hq, D, D]``
-  (ExpectedAttentionStats'), HeadKV's ``head_scores_LH`` ``[L, Hq]``
-  or ``[L, G]`` (the heads of the policy's scores); they must be finite, with their shapes.
+  Only the data kinds are taken (:data:`SHARED_EVIDENCE`, :data:`ROW_EVIDENCE`: caller-given or
+  calibration kinds, :func:`kvjax.policies.evidence_kinds`), each of the shape its axes give
+  (:func:`evidence_shapes`: ``kvzap_LGT`` ``[L, B, G, T]``, ``qfilters_LGD`` ``[L, G, D]``,
+  HeadKV's ``head_scores_LH`` ``[L, Hq]`` or ``[L, G]``); they must be finite and pass their
+  kind's own ``check`` (DuoAttention's gates in ``[0, 1]``).
 
   Args:
     evidence: the caller's mapping, or ``None``.
@@ -362,47 +370,36 @@ def check_evidence(
 
   Raises:
     ValueError: naming the field, its shape and the expected one, for a field that is not
-      caller-given evidence, a wrong shape, non-finite values or gates outside ``[0, 1]``.
+      caller-given evidence, a wrong shape, non-finite values or values its kind refuses.
   """
   if evidence is None:
     return {}
   if not isinstance(evidence, dict):
     raise ValueError(f"evidence: expected a dict of evidence fields, got {type(evidence).__name__}")
-  expected = {  # the shapes each field may have
-    "qfilters_LGD": [(L, G, D)],
-    "retrieval_heads_LG": [(L, G)],
-    "reconstruction_attn_LGT": [(L, B, G, T)],
-    "reconstruction_attn_LHT": [(L, B, G if Hq is None else Hq, T)],
-    "kvgrad_LGT": [(L, B, G, T)],
-    "kvzap_LGT": [(L, B, G, T)],
-    "fastkvzip_LGT": [(L, B, G, T)],
-    "stats_query_mean_LHD": [(L, G if Hq is None else Hq, D)],
-    "stats_query_cov_LHDD": [(L, G if Hq is None else Hq, D, D)],
-    # at the policy's head granularity: query heads, or KV heads (num_kv_heads, the kv layout)
-    "head_scores_LH": [(L, G)] if Hq is None or Hq == G else [(L, Hq), (L, G)],
-  }
+  data = {**SHARED_EVIDENCE, **ROW_EVIDENCE}
   out = {}
   for name, value in evidence.items():
-    if name not in expected:
+    if name not in data:
       raise ValueError(
-        f"evidence: {name!r} is not caller-given evidence; expected some of {sorted(expected)} "
+        f"evidence: {name!r} is not caller-given evidence; expected some of {sorted(data)} "
         "(the prefill computes the other fields a policy reads, but not all: "
         "kvjax.model.decoding.check_model_evidence names those no model entry point provides)"
       )
     if value is None:
       continue
+    kind = evidence_lib.evidence_kind(name)
+    expected = evidence_shapes(kind, L=L, B=B, G=G, T=T, D=D, Hq=Hq)
     shape = tuple(np.shape(value))
-    if shape not in expected[name]:
-      want = " or ".join(str(s) for s in expected[name])
+    if shape not in expected:
+      want = " or ".join(str(s) for s in expected)
       raise ValueError(f"evidence: {name} has shape {shape}, expected {want}")
     if select.is_concrete(value):
       arr = np.asarray(value, np.float64)
       if not np.isfinite(arr).all():
         raise ValueError(f"evidence: {name} has non-finite values")
-      if name == "retrieval_heads_LG" and ((arr < 0) | (arr > 1)).any():
-        raise ValueError(
-          f"evidence: retrieval_heads_LG expected gates in [0, 1], got [{arr.min()}, {arr.max()}]"
-        )
+      wrong = kind.check(arr) if kind.check is not None else None
+      if wrong:
+        raise ValueError(f"evidence: {name} {wrong}")
     out[name] = jnp.asarray(value, jnp.float32)
   return out
 
@@ -1542,7 +1539,7 @@ def check_decode_every(spec: CacheSpec) -> None:
   if needs:
     raise ValueError(
       f"decode_every: policy {policy.label!r} needs {sorted(needs)}, which a re-compression "
-      f"during decoding cannot rebuild; expected a scorer reading only {DECODE_EVIDENCE}"
+      f"during decoding cannot rebuild; expected a scorer reading only {sorted(DECODE_EVIDENCE)}"
     )
   if spec.reindex:
     raise ValueError("decode_every: re-compression keeps original positions; expected reindex off")

@@ -16,6 +16,7 @@ from kvjax import policies
 from kvjax.model import cache as cache_lib
 from kvjax.model import llama, restorekv, sharding, stored
 from kvjax.model.config import ModelConfig
+from kvjax.policies import evidence as evidence_lib
 
 Array = jax.Array
 
@@ -91,14 +92,51 @@ def jit_prefill(cfg, params, ids, mask, request: policies.EvidenceRequest):
   return llama.prefill(cfg, params, ids, mask, request)
 
 
-def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_ids, attention_mask):
+def computed_evidence(model, policy: policies.Policy, evidence, input_ids, attention_mask=None):
+  """The caller's evidence and every kind ``policy`` reads that the caller did not give but
+  whose declaration computes it from the model (:attr:`kvjax.policies.EvidenceKind.compute`).
+
+  Args:
+    model: the model.
+    policy: the policy (an object).
+    evidence: the caller's ``{kind: array}`` mapping, or ``None``.
+    input_ids: the prompt's token ids ``[B, T]``, as the caller gave them.
+    attention_mask: the caller's 0/1 mask ``[B, T]`` (``None``: every token is real).
+
+  Returns:
+    The mapping with the computed kinds added over the caller's columns (``evidence`` itself
+    when nothing is computed).
+  """
+  if evidence is not None and not isinstance(evidence, dict):
+    return evidence  # check_evidence names the type
+  given = evidence or {}
+  wanted = [
+    name
+    for name in sorted(policy.evidence_fields)
+    if given.get(name) is None and evidence_lib.evidence_kind(name).compute is not None
+  ]
+  computed = {}
+  for name in wanted:
+    kind = evidence_lib.evidence_kind(name)
+    if kind.resource is not None:  # a trained file the caller loads (the evaluation does)
+      continue
+    ids = np.asarray(input_ids)
+    mask = np.ones(ids.shape, np.int32) if attention_mask is None else np.asarray(attention_mask)
+    computed[name] = np.asarray(kind.compute(model, ids, mask), np.float32)
+  return {**given, **computed} if computed else evidence
+
+
+def check_evidence(
+  policy: policies.Policy, evidence, cfg: ModelConfig, input_ids, attention_mask, *, model=None
+):
   """Checks the caller's data evidence for ``policy`` on a batch and moves it to left padding.
 
-  The data fields are ``qfilters_LGD``, ``retrieval_heads_LG``, HeadKV's ``head_scores_LH`` and
-  ``reconstruction_attn_LGT`` as ``[L, B, G, T]`` over the caller's columns, or ``[L, G, T]``
-  for every row (KVCompose's ``reconstruction_attn_LHT`` the same over query heads, KVgrad's
-  ``kvgrad_LGT``, KVzap's ``kvzap_LGT`` and Fast KVzip's ``fastkvzip_LGT`` over KV heads); these are
-  moved to the left padding the model runs with.
+  The data kinds (:data:`kvjax.model.cache.SHARED_EVIDENCE`, :data:`~kvjax.model.cache.ROW_EVIDENCE`)
+  are shared by every row (``qfilters_LGD``, ``retrieval_heads_LG``, HeadKV's ``head_scores_LH``)
+  or per row, ``[L, B, ...]`` over the caller's columns or ``[L, ...]`` for every row
+  (``reconstruction_attn_LGT``, ``kvzap_LGT``, a kind declared outside kvjax); the per-row
+  kinds are moved to the left padding the model runs with. With ``model``, the kinds the policy
+  reads that a declaration computes are computed first (:func:`computed_evidence`).
 
   Args:
     policy: the policy (an object).
@@ -106,6 +144,7 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
     cfg: the model's config.
     input_ids: the prompt's token ids ``[B, T]``, as the caller gave them.
     attention_mask: the caller's 0/1 mask ``[B, T]`` (``None``: every token is real).
+    model: the model, to compute the kinds that declare a computation (``None``: none).
 
   Returns:
     The checked evidence with the per-row fields left-padded, or ``None`` when empty.
@@ -115,13 +154,15 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
       HeadKV's head scores are not finite, non-negative with a positive sum, or a field has the
       wrong shape (:func:`kvjax.model.cache.check_evidence`).
   """
+  if model is not None:
+    evidence = computed_evidence(model, policy, evidence, input_ids, attention_mask)
   ids = np.asarray(input_ids)
   B, T = ids.shape
   given = {} if evidence is None else evidence
   if not isinstance(given, dict):
     raise ValueError(f"evidence: expected a dict of evidence fields, got {type(given).__name__}")
-  data = set(cache_lib.SHARED_EVIDENCE) | set(cache_lib.ROW_EVIDENCE)
-  unknown = sorted(set(given) - data - set(restorekv.FIELDS))
+  data = {**cache_lib.SHARED_EVIDENCE, **cache_lib.ROW_EVIDENCE}
+  unknown = sorted(set(given) - set(data) - set(restorekv.FIELDS))
   if unknown:
     raise ValueError(
       f"evidence: {unknown} are not caller-given evidence; expected some of {sorted(data)} "
@@ -129,7 +170,9 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
       f"{sorted(UNAVAILABLE_EVIDENCE)}, which no model entry point provides)"
     )
   _check_head_scores(policy, given.get("head_scores_LH"))
-  missing = sorted((policy.evidence_fields & data) - {k for k, v in given.items() if v is not None})
+  missing = sorted(
+    (policy.evidence_fields & set(data)) - {k for k, v in given.items() if v is not None}
+  )
   if missing:
     raise ValueError(
       f"evidence: policy {policy.label!r} needs {missing}; pass evidence={{...}} "
@@ -139,38 +182,41 @@ def check_evidence(policy: policies.Policy, evidence, cfg: ModelConfig, input_id
   restore = restorekv.check_restore_evidence(policy, given, L=L, B=B, G=G, D=D)
   out = {k: v for k, v in given.items() if k not in restorekv.FIELDS}
   mask = np.ones((B, T), bool) if attention_mask is None else np.asarray(attention_mask, bool)
-  heads = {
-    "reconstruction_attn_LGT": cfg.num_kv_heads,
-    "reconstruction_attn_LHT": cfg.num_heads,
-    "kvgrad_LGT": cfg.num_kv_heads,
-    "kvzap_LGT": cfg.num_kv_heads,
-    "fastkvzip_LGT": cfg.num_kv_heads,
-  }
-  for field, H in heads.items():
+  sizes = dict(L=L, B=B, G=G, T=T, D=D, Hq=cfg.num_heads)
+  for field in cache_lib.ROW_EVIDENCE:
     if out.get(field) is not None:
-      out[field] = _row_evidence_left_padded(field, out[field], cfg.num_layers, H, mask)
-  cache_lib.check_evidence(out, L=L, B=B, G=G, T=T, D=D, Hq=cfg.num_heads)
+      out[field] = _row_evidence_left_padded(
+        evidence_lib.evidence_kind(field), out[field], sizes, mask
+      )
+  cache_lib.check_evidence(out, **sizes)
   return {**out, **restore} or None
 
 
-def _row_evidence_left_padded(field: str, value, L: int, H: int, mask: np.ndarray) -> np.ndarray:
-  """A per-row evidence field ``[L, B, H, T]`` (or ``[L, H, T]`` for every row) with each row's
-  real columns moved to the left padding the model runs with."""
-  B, T = mask.shape
+def _row_evidence_left_padded(kind, value, sizes: dict, mask: np.ndarray) -> np.ndarray:
+  """A per-row kind ``[L, B, ...]`` (or ``[L, ...]`` for every row) with each row's real
+  columns moved to the left padding the model runs with."""
+  B = mask.shape[0]
   arr = np.asarray(value, np.float32)
-  if arr.shape == (L, H, T):
-    arr = np.broadcast_to(arr[:, None], (L, B, H, T))
-  if arr.shape != (L, B, H, T):
-    raise ValueError(
-      f"evidence: {field} has shape {arr.shape}, expected [L, B, H, T] = {(L, B, H, T)} or "
-      f"[L, H, T] = {(L, H, T)}"
+  shapes = cache_lib.evidence_shapes(kind, **sizes)
+  every_row = [s[:1] + s[2:] for s in shapes]
+  if arr.shape in every_row:
+    arr = np.broadcast_to(arr[:, None], arr.shape[:1] + (B,) + arr.shape[1:])
+  if arr.shape not in shapes:
+    want = " or ".join(
+      f"{s} ([L, B, ...]) or {r} (every row)" for s, r in zip(shapes, every_row, strict=True)
     )
-  moved = np.zeros_like(arr)
+    raise ValueError(f"evidence: {kind.name} has shape {arr.shape}, expected {want}")
+  if kind.key_axis is None:
+    return np.array(arr)
+  # the key axis last, each row's real columns to its end
+  last = np.moveaxis(arr, arr.ndim + kind.key_axis, -1)
+  moved = np.zeros_like(last)
+  T = last.shape[-1]
   for r in range(B):  # the columns to_left_padding moves
     real = np.flatnonzero(mask[r])
     if real.size:
-      moved[:, r, :, T - real.size :] = arr[:, r][..., real]
-  return moved
+      moved[:, r, ..., T - real.size :] = last[:, r][..., real]
+  return np.moveaxis(moved, -1, arr.ndim + kind.key_axis)
 
 
 # Evidence that no model entry point can give a policy: the prefill does not compute it and
@@ -611,7 +657,7 @@ def _checked_run(model, pol, budget, ratio, layout, evidence, input_ids, attenti
     budget = _budget_free(pol, budget, T)
   if pol.requires_budget:
     _check_row_budgets(pol, budget, mask, ratio is not None)
-  ev = check_evidence(pol, evidence, model.cfg, input_ids, attention_mask)
+  ev = check_evidence(pol, evidence, model.cfg, input_ids, attention_mask, model=model)
   spec = cache_lib.CacheSpec(
     pol,
     1,
@@ -1013,7 +1059,7 @@ def generate_configs(
   window = pol.evidence_request(T).window
   if pol.requires_budget or pol.decode_every:  # a budget-free one's must keep every token
     pol.check_budget(budgets, window, T)
-  ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask)
+  ev = check_evidence(pol, evidence, cfg, prompt_ids, attention_mask, model=model)
   check_cache_bytes(
     cfg,
     slots=slots_bound(pol, budgets, T, new),
@@ -1090,7 +1136,7 @@ def keep_mask(
   budget = _ratio_or_budget(pol, budget, ratio, mask)
   if pol.requires_budget:
     _check_row_budgets(pol, budget, mask, ratio is not None)
-  ev = check_evidence(pol, evidence, cfg, input_ids, attention_mask)
+  ev = check_evidence(pol, evidence, cfg, input_ids, attention_mask, model=model)
   heads = cache_heads(cfg, layout)
   itemsize = llama.kv_itemsize(cfg, model.params())
   check_cache_bytes(cfg, slots=T, batch=B, heads=heads, itemsize=itemsize, prompt_len=T)

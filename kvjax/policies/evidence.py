@@ -1,8 +1,17 @@
-"""What a policy may observe (:class:`Evidence`) and what it asks a prefill to compute
+"""What a policy may observe: the declared kinds of evidence (:class:`EvidenceKind`), the
+:class:`Evidence` a policy reads, and what a policy asks a prefill to compute
 (:class:`EvidenceRequest`).
 
-A policy reads an :class:`Evidence` pytree; build one from a prompt's queries and keys with
-:func:`evidence_from_qk`, fill the fields you have (the synthetic lab provides attention rows
+Every kind of evidence is declared once, as an :class:`EvidenceKind`: its name (shape-suffixed,
+``kvzap_LGT``), whether each batch row has its own or one array serves every row, where it comes
+from (a model's prefill, the caller, a calibration file, arrays only) and, for the kinds a model
+can compute from a prompt (a learned probe on the hidden states, a surrogate model), how. The
+model's prefill, the cache, decoding, the answers and the evaluation iterate over the kinds a
+policy asks for instead of naming them, so a method that needs new evidence declares it with
+:func:`declare_evidence` from outside kvjax (``docs/write_your_own.md``).
+
+A policy reads an :class:`Evidence`; build one from a prompt's queries and keys with
+:func:`evidence_from_qk`, fill the kinds you have (the synthetic lab provides attention rows
 directly), or let a model's prefill compute what :meth:`kvjax.policies.Policy.evidence_request`
 asks for.
 """
@@ -10,11 +19,12 @@ asks for.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
 from kvjax import scores as scores_lib
 from kvjax import select
@@ -24,118 +34,313 @@ Array = jax.Array
 DEFAULT_WINDOW = 32  # observation queries when a policy sets none (SnapKV's window_size)
 N_SINK, N_FUTURE = 4, 512  # kvpress ExpectedAttentionPress's n_sink and n_future_positions
 
+# where a kind comes from: a model's prefill computes it on request; the caller gives it (or a
+# declared ``compute`` does, from the model and the prompt); a calibration file holds it (the
+# evaluation reads it); only arrays carry it (no model entry point can); kvjax sets it itself
+SOURCES = ("prefill", "caller", "calibration", "arrays", "internal")
+# the axes a caller-given kind may have, sized by the model (H: the policy's heads)
+DATA_AXES = frozenset("LGHTD")
+_NAME = re.compile(r"^[a-z][a-z0-9_]*_([A-Z]+)$")
 
-@struct.dataclass
-class Evidence:
-  """What a policy may observe at compression time (any field may be ``None``).
+
+@dataclasses.dataclass(frozen=True)
+class EvidenceKind:
+  """One kind of evidence a policy may read, declared once (:func:`declare_evidence`).
 
   Attributes:
-    attn_window_LHWT: causal softmax rows of the last ``W`` prompt queries over all ``T`` keys.
-    column_sums_LHT: attention received per key, summed over causal prompt queries (H2O).
-    legacy_column_sums_LHT: the same under KVCache-Factory's legacy non-causal prefill mask.
-    keys_LGTD: keys as cached (post-RoPE), for key norm.
-    future_attn_LHST: attention of future queries over the ``T`` positions (oracle only).
-    head_scores_LH: static head importance (HeadKV).
-    rng: a PRNG key (random policy).
-    values_LGTD: values as cached ``[L, G, T, D]`` (LagKV, ExpectedAttention's value norm).
-    value_out_norms_LHT: CriticalKV's ``||W_O^h v_j||_1`` per query head ``h`` (``v`` repeated
-      over the GQA group), fp32 ``[L, Hq, T]``, before kvpress's group mean.
-    query_mean_LHD: ExpectedAttention's mean of the pre-RoPE prompt queries after the first
-      ``n_sink`` (4) tokens, rotated by the average RoPE matrix over the next ``n_future`` (512)
-      positions ``T .. T + n_future - 1``; fp32 ``[L, Hq, D]`` (kvpress
-      ``ExpectedAttentionPress.get_query_statistics``).
-    query_cov_LHDD: the matching covariance (divided by the count, not count - 1), rotated on
-      both sides; fp32 ``[L, Hq, D, D]``.
-    window_queries_LHWD: the last ``W`` post-RoPE prompt queries ``[L, Hq, W, D]`` (ThinK's
-      channel evidence).
-    qfilters_LGD: Q-Filters' filter direction per KV head ``[L, G, D]`` (score ``-<k, f>``).
-    retrieval_heads_LG: DuoAttention's per-KV-head gate ``alpha`` in ``[0, 1]`` ``[L, G]``
-      (1 = retrieval head, keeps everything).
-    reconstruction_attn_LGT: KVzip's importance ``[L, G, T]`` fp32: max over the reconstruction
-      queries (and the GQA group) of the attention they pay to each context key in the "repeat
-      the context" pass (kvpress ``KVzipPress``).
-    reconstruction_attn_LHT: KVCompose's evidence ``[L, Hq, T]`` fp32, per query head: max over
-      the queries of a second pass that reads the context again after itself (plain causal
-      attention) of the attention each context key receives (kvpress ``KVComposePress``;
-      :func:`kvjax.model.calibrate.kvcompose_evidence`).
-    prerope_keys_LGTD: keys before RoPE ``[L, G, T, D]`` (after Qwen3's k-norm; kvpress
-      ``get_prerope_key_states``), for the leverage scores.
-    queries_LHTD: the post-RoPE queries of every prompt position ``[L, Hq, T, D]`` (non-causal
-      attention).
-    sketch_LGDK: standard normal draws for a randomised sketch, ``[L, G, D, K]`` (``G`` may be
-      1: one draw per layer shared by its heads); ``None``: the policy draws its own from its
-      ``seed`` option.
-    valid_T: the row's real positions, bool ``[T]`` (``None``: all of them).
-    window_scores_LHT: the window rows already reduced by the policy's own
-      :meth:`~kvjax.policies.WindowPolicy.score_rows` (fp32 ``[L, H, T]``, before GQA
-      grouping), where a prefill formed them layer by layer and kept only the scores; the
-      scorer then reads these instead of the rows.
-    observation_window: ``W``, the observation queries behind ``attn_window_LHWT`` or
-      ``window_scores_LHT`` (static; ``None``: the rows' own ``W``).
-    kvgrad_LGT: KVgrad's attribution ``[L, G, T]`` fp32: max over the reconstruction queries
-      ``p`` (and the GQA group) of KVzip's reconstruction attention times ``||W_O v||_2`` times
-      ``||d Phi / d a_p||_2`` (``Phi = sum_p ||h^L_p||^2``, ``a_p`` the layer's attention
-      output) in the "repeat the context" pass (kvpress ``KVgradPress``;
-      :func:`kvjax.model.kvgrad.kvgrad_evidence`).
-    kvzap_LGT: KVzap's surrogate scores ``[L, G, T]`` fp32: a trained per-layer model applied to
-      each position's attention input (kvpress ``KVzapPress``;
-      :func:`kvjax.model.kvzap.kvzap_evidence`).
-    fastkvzip_LGT: Fast KVzip's gate scores ``[L, G, T]`` fp32: trained per-layer gates applied
-      to each position's attention input (kvpress ``FastKVzipPress``;
-      :func:`kvjax.model.fastkvzip.fastkvzip_evidence`).
-    stats_query_mean_LHD: pre-RoPE query means measured on a corpus ``[L, Hq, D]`` fp32
-      (kvpress ``ExpectedAttentionStatsPress``; :func:`kvjax.model.calibrate.query_stats`); the
-      model's cache rotates them into ``query_mean_LHD`` for each row.
-    stats_query_cov_LHDD: the matching covariances ``[L, Hq, D, D]`` (divided by ``N - 1``).
+    name: the field's name, ending in its axes from the shape key (``probe_LGT``: layers, KV
+      heads, positions); ``Evidence.<name>`` reads it.
+    doc: what it is, one sentence (the catalogue and error messages quote it).
+    source: one of :data:`SOURCES`.
+    per_row: whether each batch row has its own array (a model's entry points take it with the
+      batch at axis 1, ``[L, B, ...]``, or ``[L, ...]`` for every row) or one array serves
+      every row.
+    decode: whether a re-compression while decoding can rebuild it over the cache's own slots.
+    prefill: for ``source="prefill"``, the :class:`kvjax.model.llama.Prefill` attribute
+      holding it.
+    request: for ``source="prefill"``, the :class:`EvidenceRequest` settings that compute it,
+      given the observation window (``lambda window: {"column_sums": True}``).
+    also: other accepted axes (HeadKV's importances may be per KV head: ``("LG",)``).
+    compute: for ``source="caller"``, how a model computes it from a prompt when the caller
+      gives none: ``compute(model, input_ids_BT, attention_mask_BT)`` (with ``resource``:
+      ``compute(model, input_ids_BT, attention_mask_BT, loaded)``) returning ``[L, B, ...]``
+      over the caller's columns.
+    resource: the evaluation config field naming a trained file that ``compute`` needs
+      (``"kvzap"``), loaded once with ``load``.
+    load: ``load(path, model_config) -> (resource, meta)``, checking the file fits the model.
+    check: an extra check of a caller's concrete value (a NumPy array): returns what is wrong,
+      or ``None``.
   """
 
-  attn_window_LHWT: Array | None = None
-  column_sums_LHT: Array | None = None
-  legacy_column_sums_LHT: Array | None = None
-  keys_LGTD: Array | None = None
-  future_attn_LHST: Array | None = None
-  head_scores_LH: Array | None = None
-  rng: Array | None = None
-  values_LGTD: Array | None = None
-  value_out_norms_LHT: Array | None = None
-  query_mean_LHD: Array | None = None
-  query_cov_LHDD: Array | None = None
-  window_queries_LHWD: Array | None = None
-  qfilters_LGD: Array | None = None
-  retrieval_heads_LG: Array | None = None
-  reconstruction_attn_LGT: Array | None = None
-  prerope_keys_LGTD: Array | None = None
-  queries_LHTD: Array | None = None
-  sketch_LGDK: Array | None = None
-  # the row's real positions, bool [T] (a padded batch row; None: every position): the scorers
-  # that aggregate over keys (KeyDiff's anchor, R-KV, ExpectedAttention's softmax, ChunkKV's
-  # chunks) skip padding
-  valid_T: Array | None = None
-  window_scores_LHT: Array | None = None
-  observation_window: int | None = struct.field(pytree_node=False, default=None)
-  reconstruction_attn_LHT: Array | None = None
-  kvgrad_LGT: Array | None = None
-  kvzap_LGT: Array | None = None
-  fastkvzip_LGT: Array | None = None
-  stats_query_mean_LHD: Array | None = None
-  stats_query_cov_LHDD: Array | None = None
+  name: str
+  doc: str
+  source: str = "caller"
+  per_row: bool = True
+  decode: bool = False
+  prefill: str | None = None
+  request: Callable[[int], dict] | None = None
+  also: tuple[str, ...] = ()
+  compute: Callable[..., Any] | None = None
+  resource: str | None = None
+  load: Callable[..., Any] | None = None
+  check: Callable[[Any], str | None] | None = None
 
-  def need(self, field: str, policy: str) -> Array:
-    """Reads a field that the policy needs.
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not (_NAME.match(self.name) or self.name in _UNSUFFIXED):
+      raise ValueError(
+        f"name: expected a lower-case name ending in its axes from the shape key "
+        f"('probe_LGT'), got {self.name!r}"
+      )
+    if self.source not in SOURCES:
+      raise ValueError(f"source: expected one of {SOURCES}, got {self.source!r}")
+    if not isinstance(self.doc, str) or not self.doc.strip():
+      raise ValueError(f"doc: expected a sentence saying what {self.name} is, got {self.doc!r}")
+    if self.source == "caller":
+      bad = sorted(set(self.axes) - DATA_AXES) or (self.axes[:1] != "L")
+      if bad:
+        raise ValueError(
+          f"name: a caller-given kind's axes start with L and use {sorted(DATA_AXES)} (sized by "
+          f"the model), got {self.name!r}"
+        )
+    if self.source == "prefill" and (self.prefill is None or self.request is None):
+      raise ValueError(f"prefill: kind {self.name!r} from the prefill needs prefill= and request=")
+    if (self.resource is None) != (self.load is None):
+      raise ValueError(f"resource: kind {self.name!r} needs both resource= and load=, or neither")
+    for name in ("compute", "load", "check", "request"):
+      value = getattr(self, name)
+      if value is not None and not callable(value):
+        raise ValueError(f"{name}: expected a callable or None, got {value!r}")
+
+  @property
+  def axes(self) -> str:
+    """The axes' letters (``"LGT"``; ``""`` for ``rng``)."""
+    m = _NAME.match(self.name)
+    return m.group(1) if m else ""
+
+  @property
+  def key_axis(self) -> int | None:
+    """The key-position axis (``T``) counted from the end, or ``None``."""
+    axes = self.axes
+    return axes.rindex("T") - len(axes) if "T" in axes else None
+
+
+_UNSUFFIXED = frozenset({"rng"})
+_KINDS: dict[str, EvidenceKind] = {}
+
+
+def declare_evidence(kind: EvidenceKind, *, overwrite: bool = False) -> EvidenceKind:
+  """Declares a kind of evidence, so policies may read it and models compute or take it.
+
+  Args:
+    kind: the declaration.
+    overwrite: replace a kind of the same name declared outside kvjax (a built-in kind is
+      never replaced; :func:`provide` attaches a model's computation to one).
+
+  Returns:
+    ``kind``.
+
+  Raises:
+    ValueError: ``kind`` is not an :class:`EvidenceKind`, or its name is taken.
+  """
+  if not isinstance(kind, EvidenceKind):
+    raise ValueError(f"kind: expected an EvidenceKind, got {type(kind).__name__}")
+  old = _KINDS.get(kind.name)
+  if old is not None and old != kind and (not overwrite or kind.name in BUILTIN):
+    raise ValueError(
+      f"kind: {kind.name!r} is already declared ({old.doc}); choose another name"
+      + ("" if kind.name in BUILTIN else " or pass overwrite=True")
+    )
+  _KINDS[kind.name] = kind
+  return kind
+
+
+def provide(name: str, compute: Callable, *, resource=None, load=None) -> EvidenceKind:
+  """Attaches how a model computes a declared caller-given kind (a trained surrogate's scores).
+
+  Declared beside the code that computes it (``kvjax.model.kvzap`` for ``kvzap_LGT``), while
+  the kind itself is declared beside the policy that reads it.
+
+  Args:
+    name: the kind's name.
+    compute: as :attr:`EvidenceKind.compute`.
+    resource: as :attr:`EvidenceKind.resource`.
+    load: as :attr:`EvidenceKind.load`.
+
+  Returns:
+    The kind with its computation.
+
+  Raises:
+    ValueError: an undeclared name, or a kind that is not caller-given.
+  """
+  kind = evidence_kind(name)
+  if kind.source != "caller":
+    raise ValueError(f"name: {name!r} comes from {kind.source!r}; only caller-given kinds compute")
+  kind = dataclasses.replace(kind, compute=compute, resource=resource, load=load)
+  _KINDS[name] = kind
+  return kind
+
+
+def evidence_kind(name: str) -> EvidenceKind:
+  """The declared kind ``name``.
+
+  Args:
+    name: the kind's name.
+
+  Returns:
+    Its :class:`EvidenceKind`.
+
+  Raises:
+    ValueError: no kind of that name is declared.
+  """
+  kind = _KINDS.get(name) if isinstance(name, str) else None
+  if kind is None:
+    raise ValueError(
+      f"evidence: {name!r} is not a declared kind of evidence; expected one of {sorted(_KINDS)} "
+      "or a kind declared with kvjax.policies.declare_evidence"
+    )
+  return kind
+
+
+def evidence_kinds(*, source: str | None = None, per_row: bool | None = None) -> dict:
+  """The declared kinds, by name, optionally only those of one ``source`` or scope.
+
+  Args:
+    source: one of :data:`SOURCES`, or ``None`` for all.
+    per_row: ``True`` (per batch row), ``False`` (shared by every row) or ``None`` (both).
+
+  Returns:
+    ``{name: EvidenceKind}``, sorted by name.
+  """
+  return {
+    k: v
+    for k, v in sorted(_KINDS.items())
+    if (source is None or v.source == source) and (per_row is None or v.per_row == per_row)
+  }
+
+
+class KindIndex(Mapping):
+  """A live, read-only view of the declared kinds that pass a filter, as ``{name: value}``
+  (so a kind declared later is seen by the code holding the view)."""
+
+  def __init__(self, keep: Callable[[EvidenceKind], bool], value: Callable[[EvidenceKind], Any]):
+    self._keep, self._value = keep, value
+
+  def _items(self) -> dict:
+    return {k: self._value(v) for k, v in sorted(_KINDS.items()) if self._keep(v)}
+
+  def __getitem__(self, name):
+    return self._items()[name]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._items())
+
+  def __len__(self) -> int:
+    return len(self._items())
+
+  def __repr__(self) -> str:
+    return f"KindIndex({sorted(self._items())})"
+
+
+# the key axis of each per-position kind
+KEY_AXIS = KindIndex(lambda k: k.key_axis is not None, lambda k: k.key_axis)
+
+
+@jax.tree_util.register_pytree_node_class
+class Evidence:
+  """What a policy may observe at compression time: any declared kind, by name.
+
+  ``Evidence(attn_window_LHWT=rows, probe_LGT=scores)`` holds the kinds given; reading a
+  declared kind that is absent (``evidence.column_sums_LHT``) gives ``None``, and
+  :meth:`need` names the policy and the kind when a policy needs one that is absent. A pytree:
+  ``jit`` and ``vmap`` see its arrays; ``observation_window`` is static.
+
+  The built-in kinds (:func:`evidence_kinds` lists each with its ``doc``) include the window
+  rows ``attn_window_LHWT``, H2O's ``column_sums_LHT``, the keys and values as cached
+  ``keys_LGTD`` / ``values_LGTD``, the oracle's ``future_attn_LHST``, the learned scores
+  (``kvzap_LGT``, ``fastkvzip_LGT``, ``kvgrad_LGT``), calibration data (``qfilters_LGD``,
+  ``retrieval_heads_LG``), HeadKV's ``head_scores_LH``, ``rng`` and a padded row's real
+  positions ``valid_T``.
+
+  Args:
+    observation_window: ``W``, the observation queries behind ``attn_window_LHWT`` or
+      ``window_scores_LHT`` (static; ``None``: the rows' own ``W``).
+    **fields: declared kinds and their arrays (``None`` values are left out).
+
+  Raises:
+    ValueError: a field that is not a declared kind.
+  """
+
+  __slots__ = ("_fields", "observation_window")
+
+  def __init__(self, observation_window: int | None = None, **fields):
+    for name in fields:
+      evidence_kind(name)
+    object.__setattr__(self, "_fields", {k: v for k, v in fields.items() if v is not None})
+    object.__setattr__(self, "observation_window", observation_window)
+
+  def __getattr__(self, name: str):
+    if name.startswith("__") or name not in _KINDS:
+      raise AttributeError(
+        f"Evidence has no attribute {name!r} (not a declared kind of evidence; "
+        "kvjax.policies.evidence_kinds() lists them)"
+      )
+    return self._fields.get(name)
+
+  def __setattr__(self, name, value):
+    raise dataclasses.FrozenInstanceError(f"Evidence is immutable; use replace({name}=...)")
+
+  def __repr__(self) -> str:
+    shapes = {k: getattr(v, "shape", type(v).__name__) for k, v in sorted(self._fields.items())}
+    return f"Evidence({shapes}, observation_window={self.observation_window})"
+
+  def tree_flatten(self):
+    names = tuple(sorted(self._fields))
+    return [self._fields[k] for k in names], (names, self.observation_window)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    names, window = aux
+    out = object.__new__(cls)
+    object.__setattr__(out, "_fields", dict(zip(names, children, strict=True)))
+    object.__setattr__(out, "observation_window", window)
+    return out
+
+  @property
+  def fields(self) -> dict:
+    """The kinds present, ``{name: array}``."""
+    return dict(self._fields)
+
+  def replace(self, **fields) -> Evidence:
+    """A copy with ``fields`` set (``None`` removes one; ``observation_window`` too).
 
     Args:
-      field: the field's name.
+      **fields: declared kinds and their values.
+
+    Returns:
+      The new :class:`Evidence`.
+    """
+    window = fields.pop("observation_window", self.observation_window)
+    return Evidence(observation_window=window, **{**self._fields, **fields})
+
+  def need(self, field: str, policy: str) -> Array:
+    """Reads a kind that the policy needs.
+
+    Args:
+      field: the kind's name.
       policy: the policy's label, named in the error.
 
     Returns:
-      The field's value.
+      The kind's value.
 
     Raises:
-      ValueError: the field is ``None``.
+      ValueError: the kind is absent (or not declared).
     """
-    value = getattr(self, field)
+    value = self._fields.get(field)
     if value is None:
-      raise ValueError(f"evidence: policy {policy!r} needs evidence.{field}, which is None")
+      kind = evidence_kind(field)
+      raise ValueError(
+        f"evidence: policy {policy!r} needs evidence.{field} ({kind.doc}), which is None"
+      )
     return value
 
   def positions_shape(self, policy: str) -> tuple[int, int, int]:
@@ -153,17 +358,17 @@ class Evidence:
       ValueError: no field sizes ``[L, H, T]``.
     """
     for field in ("attn_window_LHWT", "window_scores_LHT", "column_sums_LHT", "future_attn_LHST"):
-      value = getattr(self, field)
+      value = self._fields.get(field)
       if value is not None:
         return value.shape[0], value.shape[1], value.shape[-1]
-    if self.keys_LGTD is not None:
-      return self.keys_LGTD.shape[:3]
+    if self._fields.get("keys_LGTD") is not None:
+      return self._fields["keys_LGTD"].shape[:3]
     raise ValueError(
       f"evidence: policy {policy!r} needs at least one evidence field to size [L, H, T]"
     )
 
   def rolled(self, shift) -> Evidence:
-    """Every per-position field rolled by ``shift`` (traced) along its key axis.
+    """Every per-position kind rolled by ``shift`` (traced) along its key axis.
 
     A left-padded row with its padding moved to the end, for scorers that count from the first
     real token.
@@ -172,37 +377,171 @@ class Evidence:
       shift: the roll, an int or traced int (negative: towards the front).
 
     Returns:
-      The rolled :class:`Evidence` (the other fields unchanged).
+      The rolled :class:`Evidence` (the other kinds unchanged).
     """
     fields = {
-      k: jnp.roll(getattr(self, k), shift, axis=a)
-      for k, a in KEY_AXIS.items()
-      if getattr(self, k) is not None
+      k: jnp.roll(v, shift, axis=_KINDS[k].key_axis)
+      for k, v in self._fields.items()
+      if _KINDS[k].key_axis is not None
     }
     return self.replace(**fields)
 
 
-# the key axis of each per-position evidence field
-KEY_AXIS = {
-  "attn_window_LHWT": -1,
-  "window_scores_LHT": -1,
-  "column_sums_LHT": -1,
-  "legacy_column_sums_LHT": -1,
-  "keys_LGTD": -2,
-  "future_attn_LHST": -1,
-  "values_LGTD": -2,
-  "value_out_norms_LHT": -1,
-  "reconstruction_attn_LGT": -1,
-  "reconstruction_attn_LHT": -1,
-  "prerope_keys_LGTD": -2,
-  "queries_LHTD": -2,
-  "valid_T": -1,
-  "kvgrad_LGT": -1,
-  "kvzap_LGT": -1,
-  "fastkvzip_LGT": -1,
-}
+def _prefill(name, attr, doc, decode=False, **request):
+  """A built-in kind a model's prefill computes (``request``'s values: ``"window"`` is the
+  observation window)."""
 
-FIELDS = frozenset(f.name for f in dataclasses.fields(Evidence)) - {"observation_window"}
+  def make(window: int) -> dict:
+    return {k: (window if v == "window" else v) for k, v in request.items()}
+
+  return EvidenceKind(name, doc, "prefill", prefill=attr, request=make, decode=decode)
+
+
+def _gates(arr) -> str | None:
+  if ((arr < 0) | (arr > 1)).any():
+    return f"expected gates in [0, 1], got [{arr.min()}, {arr.max()}]"
+  return None
+
+
+_BUILTIN_KINDS = (
+  _prefill(
+    "attn_window_LHWT",
+    "attn_window",
+    "causal softmax rows of the last W prompt queries over all T keys",
+    decode=True,
+  ),
+  _prefill(
+    "window_scores_LHT",
+    "window_scores",
+    "the window rows already reduced by the policy's own score_rows inside the prefill",
+  ),
+  _prefill(
+    "column_sums_LHT",
+    "column_sums",
+    "attention received per key, summed over causal prompt queries (H2O)",
+    column_sums=True,
+  ),
+  _prefill("keys_LGTD", "keys", "keys as cached (post-RoPE)", decode=True),
+  _prefill("values_LGTD", "values", "values as cached", decode=True),
+  _prefill(
+    "value_out_norms_LHT",
+    "value_out_norms",
+    "CriticalKV's ||W_O^h v_j||_1 per query head",
+    decode=True,
+    value_out_norms=True,
+  ),
+  _prefill(
+    "query_mean_LHD",
+    "query_mean",
+    "ExpectedAttention's mean of the pre-RoPE prompt queries after n_sink, rotated by the "
+    "average RoPE over the next n_future positions",
+    query_stats=True,
+  ),
+  _prefill(
+    "query_cov_LHDD",
+    "query_cov",
+    "ExpectedAttention's matching query covariance, rotated on both sides",
+    query_stats=True,
+  ),
+  _prefill(
+    "window_queries_LHWD",
+    "window_queries",
+    "the last W post-RoPE prompt queries (ThinK's channels, R-KV)",
+    decode=True,
+    window_queries="window",
+  ),
+  _prefill(
+    "prerope_keys_LGTD",
+    "prerope_keys",
+    "keys before RoPE (the leverage scores)",
+    prerope_keys=True,
+  ),
+  _prefill(
+    "queries_LHTD",
+    "queries",
+    "every prompt position's post-RoPE queries (non-causal attention)",
+    queries=True,
+  ),
+  _prefill(
+    "future_attn_LHST",
+    "future_attn",
+    "attention of the tokens after the prompt over its T positions (the oracle only; the "
+    "answers compute it from the answer they are given)",
+  ),
+  EvidenceKind(
+    "legacy_column_sums_LHT",
+    "H2O's column sums under KVCache-Factory's legacy non-causal prefill mask",
+    "arrays",
+  ),
+  EvidenceKind(
+    "sketch_LGDK",
+    "standard normal draws for a randomised sketch (G may be 1: one draw per layer)",
+    "arrays",
+  ),
+  EvidenceKind("rng", "a PRNG key (random policies)", "internal", decode=True),
+  EvidenceKind("valid_T", "the row's real positions, bool (a padded batch row)", "internal"),
+  EvidenceKind(
+    "head_scores_LH",
+    "HeadKV's static head importance, per query head or per KV head",
+    per_row=False,
+    decode=True,
+    also=("LG",),
+  ),
+  EvidenceKind(
+    "qfilters_LGD",
+    "Q-Filters' filter direction per KV head (score -<k, f>)",
+    "calibration",
+    per_row=False,
+    decode=True,
+  ),
+  EvidenceKind(
+    "retrieval_heads_LG",
+    "DuoAttention's per-KV-head gate in [0, 1] (1: a retrieval head, keeps everything)",
+    "calibration",
+    per_row=False,
+    decode=True,
+    check=_gates,
+  ),
+  EvidenceKind(
+    "stats_query_mean_LHD",
+    "pre-RoPE query means measured on a corpus (ExpectedAttentionStats)",
+    "calibration",
+    per_row=False,
+    decode=True,
+  ),
+  EvidenceKind(
+    "stats_query_cov_LHDD",
+    "the matching corpus query covariances (divided by N - 1)",
+    "calibration",
+    per_row=False,
+    decode=True,
+  ),
+  EvidenceKind(
+    "reconstruction_attn_LGT",
+    "KVzip's importance: the max attention the 'repeat the context' queries pay each key",
+  ),
+  EvidenceKind(
+    "reconstruction_attn_LHT",
+    "KVCompose's per-query-head max attention of a second pass over the context",
+  ),
+  EvidenceKind(
+    "kvgrad_LGT",
+    "KVgrad's attribution: reconstruction attention x ||W_O v|| x output gradient norm",
+  ),
+  EvidenceKind(
+    "kvzap_LGT",
+    "KVzap's surrogate scores: a trained per-layer model on each position's attention input",
+  ),
+  EvidenceKind(
+    "fastkvzip_LGT",
+    "Fast KVzip's gate scores: trained per-layer gates on each position's attention input",
+  ),
+)
+for _kind in _BUILTIN_KINDS:
+  declare_evidence(_kind)
+BUILTIN = frozenset(k.name for k in _BUILTIN_KINDS)
+# every declared kind's name (a live view)
+FIELDS = KindIndex(lambda k: True, lambda k: k.source)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,12 +615,12 @@ class EvidenceRequest:
   def for_fields(cls, needs, window: int, **settings) -> EvidenceRequest:
     """The request that computes the :class:`Evidence` fields ``needs``.
 
-    A model computes the others: keys and values always; the caller gives Q-Filters,
-    DuoAttention's gates, KVzip's and KVCompose's reconstruction attention and KVgrad's
-    attribution.
+    Each kind's declaration says what the prefill computes for it
+    (:attr:`EvidenceKind.request`); a model gives keys and values always, and the other kinds
+    come from the caller, a calibration file or a kind's own ``compute``.
 
     Args:
-      needs: :class:`Evidence` field names.
+      needs: declared kinds' names.
       window: the window rows' and window queries' count.
       **settings: other :class:`EvidenceRequest` fields (``n_sink``, ``n_future``,
         ``window_scores``).
@@ -290,24 +629,19 @@ class EvidenceRequest:
       The :class:`EvidenceRequest`.
 
     Raises:
-      ValueError: ``needs`` names a field :class:`Evidence` lacks.
+      ValueError: ``needs`` names a kind that is not declared.
     """
-    needs = frozenset(needs)
-    unknown = sorted(needs - FIELDS)
-    if unknown:
-      raise ValueError(
-        f"needs: {unknown} are not Evidence fields; expected some of {sorted(FIELDS)}"
-      )
-    return cls(
-      window=window,
-      column_sums="column_sums_LHT" in needs,
-      value_out_norms="value_out_norms_LHT" in needs,
-      query_stats=bool({"query_mean_LHD", "query_cov_LHDD"} & needs),
-      window_queries=window if "window_queries_LHWD" in needs else 0,
-      prerope_keys="prerope_keys_LGTD" in needs,
-      queries="queries_LHTD" in needs,
-      **settings,
-    )
+    settings_from_kinds: dict = {}
+    for name in sorted(frozenset(needs)):
+      kind = _KINDS.get(name) if isinstance(name, str) else None
+      if kind is None:
+        raise ValueError(
+          f"needs: {name!r} is not a declared kind of evidence; expected some of "
+          f"{sorted(_KINDS)} or a kind declared with kvjax.policies.declare_evidence"
+        )
+      if kind.request is not None:
+        settings_from_kinds.update(kind.request(window))
+    return cls(window=window, **settings_from_kinds, **settings)
 
 
 def evidence_from_qk(
