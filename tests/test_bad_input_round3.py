@@ -8,7 +8,6 @@ import pathlib
 import time
 
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -185,3 +184,139 @@ def test_npz_readers_name_the_file(tmp_path):
     np.savez(bad, meta_json=np.asarray(text), w=np.ones(2, np.float32))
     with pytest.raises(ValueError, match=f"path: {bad} has a meta_json header .*{match}"):
       npzfile.read(bad, "f/1", "test")
+
+
+# --------------------------------------------------------------------------- model configs
+
+GEMMA2 = dict(
+  architectures=["Gemma2ForCausalLM"],
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=64,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=8,
+  query_pre_attn_scalar=8,
+  sliding_window=16,
+)
+PHI3 = dict(
+  architectures=["Phi3ForCausalLM"],
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=64,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=4,
+  max_position_embeddings=128,
+  sliding_window=64,
+)
+
+
+@pytest.mark.parametrize(
+  "base, field, value, match",
+  [
+    (GEMMA2, "sliding_window", 0, "sliding_window: 0, expected an int >= 1, or null"),
+    (GEMMA2, "sliding_window", -4, "sliding_window: -4"),
+    (GEMMA2, "sliding_window", 16.5, "sliding_window: 16.5, expected an integer"),
+    (GEMMA2, "rms_norm_eps", -1e-6, "rms_norm_eps: -1e-06, expected a finite number > 0"),
+    (GEMMA2, "rms_norm_eps", "1e-6", "rms_norm_eps: '1e-6', expected a number"),
+    (GEMMA2, "attn_logit_softcapping", 0.0, "attn_logit_softcapping: 0.0"),
+    (GEMMA2, "final_logit_softcapping", -30.0, "final_logit_softcapping: -30.0"),
+    (GEMMA2, "rope_theta", -10000.0, "rope_theta: -10000.0, expected a finite number > 0"),
+    (GEMMA2, "query_pre_attn_scalar", float("nan"), "query_pre_attn_scalar: nan"),
+    (GEMMA2, "num_hidden_layers", 2.5, "num_hidden_layers: 2.5, expected an integer"),
+    (GEMMA2, "num_key_value_heads", 3, "num_key_value_heads: 3, expected a divisor"),
+    (PHI3, "sliding_window", 0, "sliding_window: 0"),
+    (PHI3, "rope_theta", 0, "rope_theta: 0.0"),
+    (PHI3, "rms_norm_eps", float("inf"), "rms_norm_eps: inf"),
+  ],
+)
+def test_model_config_values_are_range_checked_naming_the_file(tmp_path, base, field, value, match):
+  from kvjax.model import config as config_lib
+
+  raw = dict(base, **{field: value})
+  (tmp_path / "config.json").write_text(json.dumps(raw))
+  with pytest.raises(ValueError, match=match) as e:
+    config_lib.from_pretrained_dir(tmp_path)
+  assert str(tmp_path / "config.json") in str(e.value)
+
+
+def test_model_config_null_means_no_window_or_soft_cap():
+  from kvjax.model import config as config_lib
+
+  cfg = config_lib.from_hf_dict(GEMMA2 | dict(attn_logit_softcapping=None))
+  assert cfg.attn_softcap is None and cfg.final_softcap == 30.0 and cfg.sliding_window == 16
+  assert config_lib.from_hf_dict(PHI3 | dict(sliding_window=None)).sliding_window is None
+  assert config_lib.from_hf_dict(GEMMA2 | dict(sliding_window=16.0)).sliding_window == 16
+
+
+# --------------------------------------------------------------------------- leaderboard, RULER
+
+
+@pytest.mark.parametrize(
+  "field, value, match",
+  [
+    ("tasks", ("niah_single_1", "vt", "niah_single_1"), "tasks: 'niah_single_1' repeats"),
+    ("ratios", (0.5, 0.25, 0.5), "ratios: 0.5 repeats 0.5"),
+    ("ratios", (0.5, 0.5000001), "ratios: 0.5000001 repeats 0.5"),
+    ("max_new_tokens", 0, "max_new_tokens: expected None .* or an int >= 1, got 0"),
+    ("max_new_tokens", -3, "max_new_tokens: .* got -3"),
+    ("tasks", (), "tasks: the list is empty"),
+    ("ratios", (), "ratios: the list is empty"),
+    ("methods", (), "methods: the list is empty"),
+  ],
+)
+def test_leaderboard_lists_and_options_are_refused_before_the_directory(
+  tmp_path, field, value, match
+):
+  from configs import leaderboard as lb_config
+  from kvjax.eval import leaderboard
+
+  config = lb_config.get_config("quick")
+  config[field] = value
+  workdir = tmp_path / "run"
+  with pytest.raises(ValueError, match=match):
+    leaderboard.run(config, workdir, model=object(), tokenizer=object())
+  assert not workdir.exists()
+
+
+def test_leaderboard_answer_refuses_no_new_tokens():
+  from kvjax.eval import leaderboard
+
+  with pytest.raises(ValueError, match="max_new_tokens: .* got 0"):
+    leaderboard.answer(None, None, None, None, 0.5, "agnostic", max_new_tokens=0)
+
+
+@pytest.mark.parametrize(
+  "options, match",
+  [
+    (dict(num_chains=10_000), "num_chains: 10000 chains of 4 hops need 50000"),
+    (dict(num_chains=200), "num_chains: 200 chains of 4 hops put 1000 lines"),
+    (dict(num_chains=9, type_haystack="essay"), "45 needles .* depth grid has 40"),
+    (dict(num_hops=400), "length: 300 tokens cannot hold 401 needles"),
+  ],
+)
+def test_ruler_absurd_options_are_refused_at_once(options, match):
+  from kvjax.eval import ruler
+  from kvjax.model.tokenizer import WordTokenizer
+
+  tokenizer = WordTokenizer(["<pad>", "<bos>", "<eos>"])
+  start = time.perf_counter()
+  with pytest.raises(ValueError, match=match):
+    ruler.sample("vt", tokenizer, length=300, seed=0, **options)
+  assert time.perf_counter() - start < 1.0
+
+
+def test_ruler_niah_needles_beyond_the_prompt_are_refused_at_once():
+  from kvjax.eval import ruler
+  from kvjax.model.tokenizer import WordTokenizer
+
+  with pytest.raises(ValueError, match="length: 100 tokens cannot hold 400 needles"):
+    ruler.sample(
+      "niah_single_1",
+      WordTokenizer(["<pad>", "<bos>", "<eos>"]),
+      length=100,
+      seed=0,
+      num_needle_k=400,
+    )

@@ -86,9 +86,11 @@ def methods_of(config) -> tuple[Method, ...]:
     The methods.
 
   Raises:
-    ValueError: for a method that is not a dict with ``label`` and ``policy``, a duplicate
-      label, an unknown loop, or a policy that cannot be built.
+    ValueError: for no methods, a method that is not a dict with ``label`` and ``policy``, a
+      duplicate label, an unknown or repeated loop, or a policy that cannot be built.
   """
+  if not len(config.methods):
+    raise ValueError("methods: the list is empty; expected at least one")
   out, seen = [], set()
   for m in config.methods:
     m = dict(m)
@@ -99,6 +101,8 @@ def methods_of(config) -> tuple[Method, ...]:
     bad = [x for x in loops if x not in LOOPS]
     if bad:
       raise ValueError(f"methods: {label!r} has loops {bad}; expected some of {LOOPS}")
+    if len(set(loops)) != len(loops):
+      raise ValueError(f"methods: {label!r} repeats a loop in {list(loops)}; expected each once")
     if label in seen:
       raise ValueError(f"methods: the label {label!r} is given twice")
     seen.add(label)
@@ -109,36 +113,89 @@ def methods_of(config) -> tuple[Method, ...]:
 
 
 def check_config(config) -> None:
-  """Refuses a config the run cannot do, before any work.
+  """Refuses a config the run cannot do, before any work (and before the run directory is
+  claimed).
 
   Args:
     config: the leaderboard config.
 
   Raises:
-    ValueError: naming the field: an unknown task, a ratio outside ``[0, 1)``, a length or
-      example count that is not a positive int, a ``separate_queries`` or
-      ``shared_question_len`` that is not a bool, or a bad method.
+    ValueError: naming the field: an empty, repeated or unknown task, an empty or repeated
+      ratio (two ratios equal to 6 decimals, as rows are keyed, are one) or one outside
+      ``[0, 1)``, a length or example count that is not a positive int, a seed that is not an
+      int, a ``max_new_tokens`` that is neither ``None`` (the task's default) nor an int >= 1,
+      a ``separate_queries`` or ``shared_question_len`` that is not a bool, or an empty list
+      of methods or a bad method.
   """
   rundir.require_fields(
     config,
     ("model", "tasks", "length", "examples", "ratios", "methods", "workdir", "seed"),
     "configs/leaderboard.py",
   )
+  for name in ("tasks", "ratios", "methods"):
+    if isinstance(config[name], str) or not hasattr(config[name], "__len__"):
+      raise ValueError(f"{name}: expected a list, got {config[name]!r}")
+    if not len(config[name]):
+      raise ValueError(f"{name}: the list is empty; expected at least one")
   for task in config.tasks:
     if task not in ruler.TASKS:
       raise ValueError(f"tasks: {task!r} is not one of {ruler.TASKS}")
+  _refuse_repeats("tasks", list(config.tasks), list(config.tasks))
   for name in ("length", "examples"):
     v = config[name]
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
       raise ValueError(f"{name}: expected a positive int, got {v!r}")
+  if isinstance(config.seed, bool) or not isinstance(config.seed, int | np.integer):
+    raise ValueError(f"seed: expected an int, got {config.seed!r}")
   for r in config.ratios:
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+    number = isinstance(r, int | float | np.integer | np.floating) and not isinstance(r, bool)
+    if not number or not 0 <= r < 1:
       raise ValueError(f"ratios: {r!r} is not a compression ratio in [0, 1)")
+  _refuse_repeats("ratios", list(config.ratios), [ratio_key(r) for r in config.ratios])
+  check_max_new_tokens(config.get("max_new_tokens", None))
   for option in ("separate_queries", "shared_question_len"):
     value = config.get(option, False)
     if not isinstance(value, bool):
       raise ValueError(f"{option}: expected a bool, got {value!r}")
   methods_of(config)
+
+
+def ratio_key(ratio) -> float:
+  """A ratio as rows are keyed (6 decimals): two ratios of one key are one ratio."""
+  return round(float(ratio), 6)
+
+
+def _refuse_repeats(name: str, values: list, keys: list) -> None:
+  first = {}
+  for value, key in zip(values, keys, strict=True):
+    if key in first:
+      raise ValueError(
+        f"{name}: {value!r} repeats {first[key]!r}; expected each once (a repeat would run "
+        "and write its rows twice)"
+      )
+    first[key] = value
+
+
+def check_max_new_tokens(value) -> int | None:
+  """``max_new_tokens`` as the leaderboard takes it: ``None`` for RULER's count of the task, or
+  an int >= 1 (0 is refused, never read as the default).
+
+  Args:
+    value: the option.
+
+  Returns:
+    ``value`` as an int, or ``None``.
+
+  Raises:
+    ValueError: for anything else.
+  """
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+    raise ValueError(
+      f"max_new_tokens: expected None (the task's default) or an int >= 1, got {value!r}"
+    )
+  return int(value)
 
 
 def identity(config) -> dict:
@@ -187,7 +244,7 @@ def answer(
     policy: the policy object (``full``: ratio 0, the uncompressed cache).
     ratio: kvpress's compression ratio.
     loop: ``"agnostic"`` or ``"aware"``.
-    max_new_tokens: tokens to generate (``None``: RULER's for the task).
+    max_new_tokens: tokens to generate, an int >= 1 (``None``: RULER's for the task).
     fed_len: the query-agnostic loop's fed tail, at least the question's length (``None``: the
       question and answer prefix alone). Longer, it feeds that many more of the context's last
       tokens uncompressed with them (:func:`shared_question_len`).
@@ -196,10 +253,12 @@ def answer(
     ``(text, kv_bytes_held, kv_fraction)``.
 
   Raises:
-    ValueError: for a ``fed_len`` shorter than the question or not shorter than the prompt.
+    ValueError: for a ``max_new_tokens`` that is neither ``None`` nor an int >= 1, or a
+      ``fed_len`` shorter than the question or not shorter than the prompt.
   """
+  given = check_max_new_tokens(max_new_tokens)
   ex = sample.example
-  new = max_new_tokens or ruler.TOKENS_TO_GENERATE[ruler.KIND[sample.task]]
+  new = given or ruler.TOKENS_TO_GENERATE[ruler.KIND[sample.task]]
   prompt = ex.prompt[None].astype(np.int32)
   # agnostic: the question and answer prefix come after the compression; aware: only the last
   # prompt token does (the compressed prompt holds the question, its window observes it)
@@ -242,7 +301,8 @@ def answer_queries(
     policy: the policy object (``full``: the uncompressed cache).
     ratio: kvpress's compression ratio.
     loop: ``"agnostic"`` or ``"aware"``.
-    max_new_tokens: tokens to generate per question (``None``: RULER's for the task).
+    max_new_tokens: tokens to generate per question, an int >= 1 (``None``: RULER's for the
+      task).
 
   Returns:
     ``(texts, references, kv_bytes_held, kv_fraction)``: one generated text and one reference
@@ -250,14 +310,15 @@ def answer_queries(
     compressions) and their fraction of the full cache.
 
   Raises:
-    ValueError: for a sample without separate queries.
+    ValueError: for a sample without separate queries, or a ``max_new_tokens`` that is neither
+      ``None`` nor an int >= 1.
   """
   if not sample.queries:
     raise ValueError(
       f"sample: {sample.task!r} asks one question; expected a sample with several queries "
       "(niah_multiquery)"
     )
-  new = max_new_tokens or ruler.TOKENS_TO_GENERATE[ruler.KIND[sample.task]]
+  new = check_max_new_tokens(max_new_tokens) or ruler.TOKENS_TO_GENERATE[ruler.KIND[sample.task]]
   prompt = sample.example.prompt[None].astype(np.int32)
   context = prompt[:, : prompt.shape[1] - sample.example.question_len]
   questions = [query.ids[None].astype(np.int32) for query in sample.queries]
@@ -352,8 +413,7 @@ def run(config, workdir, *, model=None, tokenizer=None, log=print) -> pd.DataFra
     path = out / "results.csv"
     table = rundir.read_rows(path, dtype={"task": str, "method": str, "loop": str}, columns=COLUMNS)
     done = {
-      (r.task, int(r.example), r.method, round(float(r.ratio), 6), r.loop)
-      for r in table.itertuples()
+      (r.task, int(r.example), r.method, ratio_key(r.ratio), r.loop) for r in table.itertuples()
     }
     separate = bool(config.get("separate_queries", False))
     fed_len = None
@@ -373,7 +433,7 @@ def run(config, workdir, *, model=None, tokenizer=None, log=print) -> pd.DataFra
           ratios = config.ratios if pol.requires_budget else (0.0,)
           for r in ratios:
             for loop in m.loops:
-              key = (task, i, m.label, round(float(r), 6), loop)
+              key = (task, i, m.label, ratio_key(r), loop)
               if key in done:
                 continue
               t0 = time.perf_counter()

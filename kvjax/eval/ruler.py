@@ -497,9 +497,11 @@ def _niah_text(v_type: str, num_answers: int, query: str) -> tuple[str, str, str
 def _chains(rng: random.Random, num_chains: int, num_hops: int, k: int):
   """variable_tracking.py's generate_chains: distinct upper-case names, a 5-digit value each."""
   names: list[str] = []
+  seen: set[str] = set()  # the draws of a list, found in constant time
   while len(names) < num_chains * (num_hops + 1):
     name = "".join(rng.choices(string.ascii_uppercase, k=k))
-    if name not in names:
+    if name not in seen:
+      seen.add(name)
       names.append(name)
   out = []
   for c in range(num_chains):
@@ -713,6 +715,58 @@ def _check_options(task: str, options: dict) -> dict:
   return opts
 
 
+def _value_count(kind: str) -> float:
+  """How many distinct values :func:`_random_value` draws of ``kind``."""
+  if kind == "numbers":
+    return 10**7 - 10**6
+  if kind == "uuids":
+    return math.inf
+  lists = word_lists()
+  return len(set(lists["adjectives"])) * len(set(lists["nouns"]))
+
+
+def _check_counts(task: str, opts: dict, length: int) -> None:
+  """Refuses, before anything is drawn, the options no prompt of ``length`` tokens can hold and
+  the draws that cannot end: more needles than tokens (each needle takes one at least), than an
+  essay haystack's depth grid holds (RULER draws their depths without repeats), or than there
+  are distinct keys, values or variable names to draw."""
+  kind = KIND[task]
+  if kind == "niah":
+    num_k = max(opts["num_needle_k"], opts["num_needle_q"])
+    needles, what = num_k * opts["num_needle_v"], "num_needle_k x num_needle_v"
+    for name, count in (("type_needle_k", num_k), ("type_needle_v", opts["num_needle_v"])):
+      if count > _value_count(opts[name]):
+        raise ValueError(
+          f"{name}: {count} distinct {opts[name]} asked; only {_value_count(opts[name])} exist"
+        )
+  elif kind == "variable_tracking":
+    chains, hops = opts["num_chains"], opts["num_hops"]
+    needles, what = chains * (hops + 1), "num_chains x (num_hops + 1)"
+    icl = chains * (min(10, hops) + 1)  # the worked example's lines: 3-letter names
+    if needles > 26**5 or icl > 26**3:
+      raise ValueError(
+        f"num_chains: {chains} chains of {hops} hops need {needles} distinct 5-letter names "
+        f"(at most {26**5}) and {icl} 3-letter ones for the worked example (at most {26**3})"
+      )
+    if icl > ICL_LENGTH:
+      raise ValueError(
+        f"num_chains: {chains} chains of {hops} hops put {icl} lines in the worked example, "
+        f"which holds {ICL_LENGTH} tokens; expected fewer chains or hops"
+      )
+  else:
+    return
+  if opts["type_haystack"] == "essay" and needles > len(DEPTHS):
+    raise ValueError(
+      f"{what.split()[0]}: {needles} needles ({what}) in an essay haystack, whose depth grid "
+      f"has {len(DEPTHS)} points; expected at most {len(DEPTHS)}"
+    )
+  if needles > length:
+    raise ValueError(
+      f"length: {length} tokens cannot hold {needles} needles ({what}) of {task!r}; expected "
+      "a longer prompt or fewer needles"
+    )
+
+
 def _count(value) -> bool:
   return isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= 1
 
@@ -750,7 +804,9 @@ def sample(
     ValueError: naming the argument, for an unknown task or option, a bad option value, a
       ``length`` that is not an int or cannot hold the task's fixed text and needles (or, for
       ``cwe``, needs more words than the lists hold), a ``seed`` that is not an int, a ``depth``
-      outside [0, 1] or given to ``cwe`` or ``fwe``.
+      outside [0, 1] or given to ``cwe`` or ``fwe``; and, before anything is drawn, more
+      needles than ``length`` tokens or an essay's depth grid hold, or more distinct keys,
+      values or variable names than exist.
   """
   if task not in TASKS:
     raise ValueError(f"task: {task!r} is not one of {TASKS}")
@@ -764,6 +820,7 @@ def sample(
     if isinstance(depth, bool) or not isinstance(depth, int | float) or not 0 <= depth <= 1:
       raise ValueError(f"depth: expected a fraction in [0, 1], got {depth!r}")
   opts = _check_options(task, options)
+  _check_counts(task, opts, int(length))
   rng = random.Random(f"ruler/{task}/{int(seed)}")
   enc = _Encoder(tokenizer)
   t = _BUILD[KIND[task]](opts, rng, depth, enc, length)

@@ -291,45 +291,156 @@ def from_hf_dict(raw: dict) -> ModelConfig:
       f"hidden_act: {act!r} is not supported; kvjax's MLP is SwiGLU ('silu') or GeGLU "
       "('gelu_pytorch_tanh')"
     )
-  heads = int(raw["num_attention_heads"])
-  head_dim = raw.get("head_dim") or int(raw["hidden_size"]) // heads
-  num_layers = int(raw["num_hidden_layers"])
+  heads = _whole(raw, "num_attention_heads")
+  head_dim = _whole(raw, "head_dim") if raw.get("head_dim") else _whole(raw, "hidden_size") // heads
+  num_layers = _whole(raw, "num_hidden_layers")
   max_positions = _max_positions(raw.get("max_position_embeddings"))
   rope = _rope(raw, family, max_positions)
   if rope["rope_type"] == "dynamic":  # dynamic NTK stretches the base to reach past the context
     max_positions = int(rope["rope_factor"] * max_positions)
   use_sliding = family in ("mistral", "phi3") or gemma or raw.get("use_sliding_window", False)
-  return ModelConfig(
-    vocab_size=int(raw["vocab_size"]),
-    hidden_size=int(raw["hidden_size"]),
-    intermediate_size=int(raw["intermediate_size"]),
+  cfg = ModelConfig(
+    vocab_size=_whole(raw, "vocab_size"),
+    hidden_size=_whole(raw, "hidden_size"),
+    intermediate_size=_whole(raw, "intermediate_size"),
     num_layers=num_layers,
     num_heads=heads,
-    num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-    head_dim=int(head_dim),
-    rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+    num_kv_heads=_whole(raw, "num_key_value_heads") if raw.get("num_key_value_heads") else heads,
+    head_dim=head_dim,
+    rms_norm_eps=_number(raw, "rms_norm_eps", 1e-6),
     tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
     qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
     o_bias=family != "qwen2" and bool(raw.get("attention_bias", False)),
     qk_norm=family in ("qwen3", "gemma3"),
-    sliding_window=raw.get("sliding_window") if use_sliding else None,
+    sliding_window=_whole(raw, "sliding_window")
+    if use_sliding and raw.get("sliding_window") is not None
+    else None,
     family=family,
     max_positions=max_positions,
     layer_types=_layer_types(raw, family, num_layers),
     rope_local_theta=_local_theta(raw) if family == "gemma3" else None,
-    query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]) if gemma else None,
-    attn_softcap=_float_or_none(raw.get("attn_logit_softcapping")) if gemma else None,
-    final_softcap=_float_or_none(raw.get("final_logit_softcapping")) if gemma else None,
+    query_pre_attn_scalar=_number(raw, "query_pre_attn_scalar") if gemma else None,
+    attn_softcap=_number(raw, "attn_logit_softcapping", None) if gemma else None,
+    final_softcap=_number(raw, "final_logit_softcapping", None) if gemma else None,
     sandwich_norms=gemma,
     mlp_activation=ACTIVATIONS[act],
     embed_scale=gemma,
     norm_scale_fp32=gemma,
     **rope,
   )
+  check_ranges(cfg, HF_NAMES)
+  return cfg
 
 
-def _float_or_none(value) -> float | None:
-  return None if value is None else float(value)
+# ModelConfig's fields by their config.json keys, for check_ranges' messages
+HF_NAMES = {
+  "num_layers": "num_hidden_layers",
+  "num_heads": "num_attention_heads",
+  "num_kv_heads": "num_key_value_heads",
+  "rope_local_theta": "rope_local_base_freq",
+  "attn_softcap": "attn_logit_softcapping",
+  "final_softcap": "final_logit_softcapping",
+  "rope_factor": "rope_parameters.factor",
+  "rope_low_freq_factor": "rope_parameters.low_freq_factor",
+  "rope_high_freq_factor": "rope_parameters.high_freq_factor",
+  "rope_original_max_positions": "original_max_position_embeddings",
+  "rope_attention_factor": "rope_parameters.attention_factor",
+  "rope_beta_fast": "rope_parameters.beta_fast",
+  "rope_beta_slow": "rope_parameters.beta_slow",
+  "rope_short_factor": "rope_parameters.short_factor",
+  "rope_long_factor": "rope_parameters.long_factor",
+  "max_positions": "max_position_embeddings",
+}
+
+
+def _whole(raw: dict, key: str) -> int:
+  """``raw[key]`` as an int: an integer, or a float that is one (``4096.0``); anything else, a
+  bool or a fraction (never truncated) included, is refused naming the key."""
+  value = raw.get(key)
+  ok = isinstance(value, int | float) and not isinstance(value, bool)
+  if not ok or not math.isfinite(value) or value != int(value):
+    raise ValueError(f"{key}: {value!r}, expected an integer")
+  return int(value)
+
+
+def _number(raw: dict, key: str, default=...):
+  """``raw[key]`` as a float (``default`` when absent, or ``null`` for a default of ``None``);
+  a value that is not a number (a string, a bool) is refused naming the key."""
+  if key not in raw or (raw[key] is None and default is None):
+    if default is ...:
+      raise ValueError(f"{key}: missing; expected a number")
+    return default
+  value = raw[key]
+  if isinstance(value, bool) or not isinstance(value, int | float):
+    raise ValueError(f"{key}: {value!r}, expected a number")
+  return float(value)
+
+
+def _positive(value) -> bool:
+  return math.isfinite(value) and value > 0
+
+
+def check_ranges(cfg: ModelConfig, names: dict | None = None) -> None:
+  """Refuses a configuration whose values have no meaning: what would run and produce nonsense
+  logits (a window of 0, a negative ``rms_norm_eps``, a soft-cap of 0, a negative RoPE base, a
+  NaN ``query_pre_attn_scalar``) instead of an error.
+
+  Sizes and counts are ints >= 1 (the query heads a multiple of the KV heads); ``rms_norm_eps``,
+  the RoPE bases, factors and ``query_pre_attn_scalar`` finite and > 0; a window and a soft-cap
+  ``None`` (none) or > 0. A format in which a value such as 0 means "none" maps it to ``None``
+  before building the configuration (GGUF's ``attention.sliding_window`` of 0).
+
+  Args:
+    cfg: the configuration.
+    names: the source's name of each field, for the messages (:data:`HF_NAMES` for
+      ``config.json``); a field not in it is named as ``ModelConfig`` names it.
+
+  Raises:
+    ValueError: naming the field (as the source names it), its value and the range expected.
+  """
+  names = names or {}
+
+  def refuse(field: str, expected: str):
+    raise ValueError(f"{names.get(field, field)}: {getattr(cfg, field)!r}, expected {expected}")
+
+  for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
+    value = getattr(cfg, field)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      refuse(field, "an int >= 1")
+  for field in ("num_kv_heads", "head_dim"):
+    value = getattr(cfg, field)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      refuse(field, "an int >= 1")
+  if cfg.num_heads % cfg.num_kv_heads:
+    refuse("num_kv_heads", f"a divisor of num_attention_heads={cfg.num_heads}")
+  for field in ("rms_norm_eps", "rope_theta", "rope_factor", "rope_attention_factor"):
+    if not _positive(getattr(cfg, field)):
+      refuse(field, "a finite number > 0")
+  if cfg.rope_type == "llama3" and not (
+    _positive(cfg.rope_low_freq_factor) and cfg.rope_high_freq_factor > cfg.rope_low_freq_factor
+  ):
+    refuse("rope_high_freq_factor", f"above low_freq_factor={cfg.rope_low_freq_factor} > 0")
+  if cfg.rope_type == "yarn":
+    for field in ("rope_beta_fast", "rope_beta_slow"):
+      if not math.isfinite(getattr(cfg, field)):
+        refuse(field, "a finite number")
+  if cfg.rope_type in ("llama3", "yarn", "longrope") and cfg.rope_original_max_positions < 1:
+    refuse("rope_original_max_positions", "an int >= 1")
+  for field in ("rope_short_factor", "rope_long_factor"):
+    factors = getattr(cfg, field)
+    if factors is None:
+      continue
+    if len(factors) != cfg.head_dim // 2 or not all(_positive(f) for f in factors):
+      refuse(field, f"{cfg.head_dim // 2} finite numbers > 0 (one per RoPE frequency)")
+  for field in ("rope_local_theta", "query_pre_attn_scalar"):
+    if getattr(cfg, field) is not None and not _positive(getattr(cfg, field)):
+      refuse(field, "a finite number > 0")
+  for field in ("attn_softcap", "final_softcap"):
+    if getattr(cfg, field) is not None and not _positive(getattr(cfg, field)):
+      refuse(field, "a finite number > 0, or null for no soft-cap")
+  window = cfg.sliding_window
+  if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    refuse("sliding_window", "an int >= 1, or null for no window")
 
 
 def to_hf_dict(cfg: ModelConfig) -> dict:
