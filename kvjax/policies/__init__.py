@@ -8,9 +8,11 @@ of method is static Python (never ``lax.switch`` over policies under ``vmap``).
 
 * :mod:`~kvjax.policies.evidence`: :class:`Evidence` (what a policy observes) and
   :class:`EvidenceRequest` (what it asks a prefill to compute).
-* :mod:`~kvjax.policies.base`: the protocol: :class:`Policy` (write ``score``),
-  :class:`WindowPolicy` (write ``score_rows``), :class:`DecodePolicy` (a decode-time state
-  machine: ``init_state``, ``observe``, ``keep_scores``).
+* :mod:`~kvjax.policies.base`: the protocol: :class:`Policy` (write ``score``; declare
+  ``sinks`` and ``window``), :class:`WindowPolicy` (write ``score_rows``), :class:`DecodePolicy`
+  (a decode-time state machine: ``init_state``, ``observe``, ``keep_scores``), and the optional
+  protocols a policy opts into: :class:`Rescoring`, :class:`ValueMerging`,
+  :class:`DecodeMerging`.
 * :mod:`~kvjax.policies.allocators`: total budget -> ``budget_LH``: :class:`Uniform`,
   :class:`Pyramid`, :class:`AdaKV`, :class:`HeadKV`, :class:`CakeLayers`, :class:`DuoSplit`,
   :class:`Pooled`, :class:`KeepAll`.
@@ -45,7 +47,16 @@ from kvjax.policies.allocators import (
   as_budget_LH,
   check_budget_counts,
 )
-from kvjax.policies.base import DecodePolicy, Policy, WindowPolicy, WindowScorer, gather_slots
+from kvjax.policies.base import (
+  DecodeMerging,
+  DecodePolicy,
+  Policy,
+  Rescoring,
+  ValueMerging,
+  WindowPolicy,
+  WindowScorer,
+  gather_slots,
+)
 from kvjax.policies.cam import CaM, cam_compress, cam_merge, merge_uniforms
 from kvjax.policies.capkv import CapKV
 from kvjax.policies.combinators import Blockwise, Chunked, Composed, PrefillDecoding, RatioDecoding
@@ -151,6 +162,7 @@ __all__ = [
   "Critical",
   "CriticalAdaKV",
   "CurDKV",
+  "DecodeMerging",
   "DecodePolicy",
   "DuoAttention",
   "DuoSplit",
@@ -180,6 +192,7 @@ __all__ = [
   "Pyramid",
   "QFilter",
   "Random",
+  "Rescoring",
   "RatioDecoding",
   "SelectOnce",
   "SimLayerKV",
@@ -188,6 +201,7 @@ __all__ = [
   "StreamingLLM",
   "ThinK",
   "Uniform",
+  "ValueMerging",
   "WindowPolicy",
   "WindowScorer",
   "Wrapper",

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from kvjax import select
 from kvjax.policies import methods
-from kvjax.policies.base import Policy, check_int
+from kvjax.policies.base import DecodeMerging, Policy, check_int
 from kvjax.policies.combinators import PrefillDecoding
 
 Array = jax.Array
@@ -193,7 +193,7 @@ def cam_merge(
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CaM(PrefillDecoding):
+class CaM(DecodeMerging, PrefillDecoding):
   """Cache Merging while decoding (kvpress ``CAMPress``).
 
   Reference: kvpress 0.5.5 ``presses/cam_press.py::CAMPress``, a ``DecodingPress``: the prompt

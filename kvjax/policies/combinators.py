@@ -32,7 +32,7 @@ from kvjax import scores as scores_lib
 from kvjax import select
 from kvjax.policies import allocators as alloc_lib
 from kvjax.policies import methods
-from kvjax.policies.base import DecodePolicy, Policy, check_int
+from kvjax.policies.base import DecodePolicy, Policy, Rescoring, check_int
 from kvjax.policies.evidence import Evidence, EvidenceRequest
 from kvjax.policies.per_layer import n_kept
 from kvjax.policies.wrappers import Wrapper, check_base
@@ -361,7 +361,7 @@ class Chunked(Wrapper):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Blockwise(Wrapper):
+class Blockwise(Rescoring, Wrapper):
   """Block-wise iterative selection under ``base`` (kvpress ``BlockPress``).
 
   Reference: kvpress 0.5.5 ``presses/block_press.py::BlockPress``, simulating the block prompt

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import select
-from kvjax.policies.base import check_int
+from kvjax.policies.base import Rescoring, check_int
 from kvjax.policies.wrappers import Wrapper, check_base
 
 Array = jax.Array
@@ -18,7 +18,7 @@ EPSILON = 1e-8  # kvpress's, in the entropy's normalisation and its log
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EntropyGatedChunkKV(Wrapper):
+class EntropyGatedChunkKV(Rescoring, Wrapper):
   """ChunkKV gated by the entropy of each chunk's scores (kvpress ``EntropyGatedChunkKVPress``).
 
   Paper: Liu et al., "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient

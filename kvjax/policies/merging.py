@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import budgets as budgets_lib
+from kvjax.policies.protocols import ValueMerging
 from kvjax.policies.wrappers import Wrapper, check_base
 
 Array = jax.Array
@@ -102,7 +103,7 @@ def merge_values(
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Merging(Wrapper):
+class Merging(ValueMerging, Wrapper):
   """kvpress ``MergingPress`` over ``base``: the base selects, the cache merges.
 
   The kept set is the base's (scores, grouping and allocation unchanged); at compression the

@@ -19,6 +19,7 @@ from kvjax.policies import allocators as alloc_lib
 from kvjax.policies.base import (
   DecodePolicy,
   Policy,
+  Rescoring,
   WindowPolicy,
   check_bool,
   check_choice,
@@ -171,7 +172,7 @@ class ObservedAttention(HeavyHitters):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class H2O(HeavyHitters, DecodePolicy):
+class H2O(Rescoring, HeavyHitters, DecodePolicy):
   """H2O (Zhang et al. 2023, ``H2OKVCache_LayerWise``): heavy hitters by accumulated attention.
 
   Heavy hitters by the attention the compressed cache receives, accumulated at every step, the

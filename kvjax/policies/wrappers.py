@@ -1,8 +1,9 @@
 """Wrappers: combinators over any budget-free prefill scorer (kvpress's CriticalKVPress,
 CriticalAdaKVPress and ChunkKVPress take any ScorerPress; these take any :class:`Policy`).
 
-A wrapper holds its ``base`` policy and reads the base's options through it
-(``critical.window`` is ``critical.base.window``); its own fields are its options and the
+A wrapper holds its ``base`` policy and declares what the base declares (``critical.sinks``
+is ``critical.base.sinks``, ``critical.window`` is ``critical.base.window``); the base's other
+options are read on the base (``critical.base.kernel``). Its own fields are its options and the
 common ones (grouping, ``channel_ratio``, ``decode_every``).
 """
 
@@ -18,7 +19,7 @@ from kvjax import budgets as budgets_lib
 from kvjax import scores as scores_lib
 from kvjax import select
 from kvjax.policies import allocators as alloc_lib
-from kvjax.policies.base import DecodePolicy, Policy, WindowScorer, check_int
+from kvjax.policies.base import DecodePolicy, Policy, Rescoring, WindowScorer, check_int
 from kvjax.policies.evidence import EvidenceRequest
 
 Array = jax.Array
@@ -36,11 +37,32 @@ class Wrapper(Policy):
     if not isinstance(self.base, Policy):
       raise ValueError(f"base: expected a Policy, got {self.base!r}")
 
-  def __getattr__(self, name: str):
-    # the base's options (window, sinks, kernel, ...) read through the wrapper
-    if name.startswith("__") or name == "base":
-      raise AttributeError(name)
-    return getattr(self.base, name)
+  # what the base declares, the wrapper declares: it reads nothing else of the base
+
+  @property
+  def sinks(self) -> int | None:
+    """The base's declared sinks."""
+    return self.base.sinks
+
+  @property
+  def window(self) -> int | None:
+    """The base's declared window."""
+    return self.base.window
+
+  @property
+  def restore_tokens(self) -> int | None:
+    """The base's declared restore tokens."""
+    return self.base.restore_tokens
+
+  @property
+  def recent(self):
+    """The base's ``recent`` option, the one its ``window_field`` names for a heavy-hitter base
+    (a caller reads the option ``window_field`` names).
+
+    Raises:
+      AttributeError: the base has no ``recent`` option.
+    """
+    return self.base.recent
 
   @property
   def windowed(self) -> bool:
@@ -144,7 +166,7 @@ def _stage_one_count(budget_LH, ratio, floor_one):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Critical(Wrapper):
+class Critical(Rescoring, Wrapper):
   """kvpress ``CriticalKVPress`` over ``base``: two stages, the second weighted by ``||W_O v||_1``.
 
   Stage 1 keeps the base scores' top ``max(1, floor(first_stage_ratio * b))``; stage 2 ranks
