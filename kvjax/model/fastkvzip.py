@@ -7,7 +7,7 @@ kvpress 0.5.5 ``presses/fastkvzip_press.py::FastKVzipPress`` and the official tr
   to attention inputs;
 * :func:`gate_targets` -> ``(X_NLd, y_NLG)``: the training pairs, each context position's
   attention input at every layer and its KVzip score per KV head
-  (:func:`kvjax.model.calibrate.kvzip_evidence`), as ``prefill/feature.py`` collects them;
+  (:func:`kvjax.model.reconstruction.kvzip_evidence`), as ``prefill/feature.py`` collects them;
 * :func:`train_gates`: the official ``optim.py`` with optax (binary cross-entropy, SGD with
   momentum 0.9 at 0.2, its step schedule, batches of 1000 positions), checkpointed with orbax;
 * :func:`save` / :func:`load`: an ``.npz`` file with a json header, checked against the model;
@@ -30,8 +30,10 @@ functions of :mod:`kvjax.model.llama`, with dense attention; gates and scores ar
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import pathlib
+import time
 from collections.abc import Callable
 
 import jax
@@ -39,10 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kvjax import distributed
-from kvjax.model import llama, npzfile
-from kvjax.model.calibrate import KVzipTemplate, kvzip_evidence
+from kvjax import distributed, policies, rundir
+from kvjax.model import llama, npzfile, training
 from kvjax.model.config import ModelConfig
+from kvjax.model.reconstruction import KVzipTemplate, kvzip_evidence
+from kvjax.policies.fastkvzip import FastKVzip
+from kvjax.policies.methods import KVzip
 from kvjax.scores import PRECISION
 
 Array = jax.Array
@@ -54,19 +58,6 @@ PARAM_KEYS = ("wq", "bq", "wk", "q_norm", "k_norm", "k_base", "b")
 # optim.py's fixed training recipe
 LR, MOMENTUM, MAX_STEPS, BATCH_SIZE, TEST_FREQ, TEST_EVERY = 0.2, 0.9, 5000, 1000, 50, 100
 ACC_THRESHOLD = 0.05  # utils.acc_fn's threshold
-
-
-def _check_int(name: str, value, minimum: int = 1) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-  return int(value)
-
-
-def _check_positive(name: str, value) -> float:
-  ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-  if not ok or not math.isfinite(value) or value <= 0:
-    raise ValueError(f"{name}: expected a finite float > 0, got {value!r}")
-  return float(value)
 
 
 # --------------------------------------------------------------------------- the gates
@@ -262,7 +253,7 @@ def gate_targets(
 
   Each context is read once (a dense causal pass) for every layer's attention input ``h_k`` of
   each position ``k``, and its KVzip scores come from the context reconstruction
-  (:func:`kvjax.model.calibrate.kvzip_evidence`: the max over the repeat queries and the GQA
+  (:func:`kvjax.model.reconstruction.kvzip_evidence`: the max over the repeat queries and the GQA
   group of their attention to ``k``, per KV head). Positions before ``template.prefix_length``
   (the chat template's header; the official code's system prompt) are not targets.
 
@@ -275,7 +266,7 @@ def gate_targets(
     cfg: the model's config.
     params: the parameter pytree.
     context_ids: the contexts ``[T]`` or ``[B, T]`` (equal lengths, unpadded).
-    template: the reconstruction prompt (:func:`kvjax.model.calibrate.kvzip_template`).
+    template: the reconstruction prompt (:func:`kvjax.model.reconstruction.kvzip_template`).
     chunk_size: context tokens per reconstruction chunk.
     n_sink: the first context tokens every repeat query also attends to.
 
@@ -284,7 +275,7 @@ def gate_targets(
     in position order.
 
   Raises:
-    ValueError: as :func:`kvjax.model.calibrate.kvzip_evidence` (ids, template, sizes).
+    ValueError: as :func:`kvjax.model.reconstruction.kvzip_evidence` (ids, template, sizes).
   """
   y = kvzip_evidence(cfg, params, context_ids, template, chunk_size=chunk_size, n_sink=n_sink)
   ids = np.asarray(context_ids)
@@ -325,7 +316,7 @@ def holdout_split(N: int, every: int = TEST_EVERY) -> tuple[np.ndarray, np.ndarr
   Returns:
     ``(train_idx, test_idx)``.
   """
-  every = _check_int("test_every", every)
+  every = training.check_int("test_every", every)
   test = (np.arange(N) + 1) % every == 0
   return np.flatnonzero(~test), np.flatnonzero(test)
 
@@ -454,28 +445,21 @@ class GateTraining:
   initial_test_loss: float
 
 
-def _step(opt, gates, state, X, y):
-  def objective(g):
-    per_layer = layer_losses(g, X, y)
-    return per_layer.sum(), per_layer
-
-  (_, per_layer), grads = jax.value_and_grad(objective, has_aux=True)(gates)
-  updates, state = opt.update(grads, state, gates)
-  return optax.apply_updates(gates, updates), state, per_layer.mean()
+def _weighted_layer_losses(gates, X, y, w):
+  """:func:`layer_losses` of a padded batch: the rows of weight 0 (padding) count for nothing."""
+  pred = gate_scores(gates, jnp.swapaxes(X, 0, 1))  # [L, G, N]
+  per_row = bce(pred, jnp.moveaxis(y, 0, 2))
+  return ((per_row * w).sum(-1) / jnp.maximum(w.sum(), 1.0)).sum(-1)
 
 
-def _weighted_step(opt, gates, state, X, y, w):
-  """:func:`_step` on a padded batch: the rows of weight 0 (padding) count for nothing."""
+def _objective(gates, X, y):
+  per_layer = layer_losses(gates, X, y)
+  return per_layer.sum(), per_layer.mean()
 
-  def objective(g):
-    pred = gate_scores(g, jnp.swapaxes(X, 0, 1))  # [L, G, N]
-    per_row = bce(pred, jnp.moveaxis(y, 0, 2))
-    per_layer = ((per_row * w).sum(-1) / jnp.maximum(w.sum(), 1.0)).sum(-1)
-    return per_layer.sum(), per_layer
 
-  (_, per_layer), grads = jax.value_and_grad(objective, has_aux=True)(gates)
-  updates, state = opt.update(grads, state, gates)
-  return optax.apply_updates(gates, updates), state, per_layer.mean()
+def _weighted_objective(gates, X, y, w):
+  per_layer = _weighted_layer_losses(gates, X, y, w)
+  return per_layer.sum(), per_layer.mean()
 
 
 def _evaluate(gates, X, y, batch: int) -> tuple[float, float]:
@@ -495,25 +479,58 @@ _layer_losses_jit = jax.jit(layer_losses)
 _accuracy_jit = jax.jit(accuracy)
 
 
+@dataclasses.dataclass(frozen=True)
+class GateConfig(training.TrainConfig):
+  """:func:`train_gates`'s hyperparameters (the official ``optim.py``'s), each checked when made.
+
+  Attributes:
+    lr: the base learning rate (0.2).
+    batch_size: positions per step (1000).
+    seed: the seed of the initialisation and the shuffles.
+    dim: the gate's head dim (16).
+    sink: the learned sink keys per KV head (16).
+    max_steps: optimiser steps (5000).
+    test_freq: steps between log rows (50).
+    test_every: the spacing of the held-out positions (100).
+    checkpoint_every: steps between checkpoints (500).
+  """
+
+  lr: float = training.float_field(LR)
+  batch_size: int = training.int_field(BATCH_SIZE)
+  dim: int = training.int_field(DIM)
+  sink: int = training.int_field(SINK)
+  max_steps: int = training.int_field(MAX_STEPS)
+  test_freq: int = training.int_field(TEST_FREQ)
+  test_every: int = training.int_field(TEST_EVERY)
+  checkpoint_every: int = training.int_field(500)
+
+
+def _print_row(max_steps: int) -> Callable[[tuple], None]:
+  def on_log(row):
+    if distributed.is_primary():
+      step, tl, vl, ta, va = row
+      print(
+        f"fastkvzip gates: [{int(step):5d}/{max_steps}] loss: {tl:.3f} ({vl:.3f}) "
+        f"acc: {ta * 100:.1f}% ({va * 100:.1f}%)",
+        flush=True,
+      )
+
+  return on_log
+
+
 def train_gates(
   X_NLd,
   y_NLG,
   num_query_groups: int,
+  config: GateConfig | None = None,
   *,
-  dim: int = DIM,
-  sink: int = SINK,
-  lr: float = LR,
-  max_steps: int = MAX_STEPS,
-  batch_size: int = BATCH_SIZE,
-  test_freq: int = TEST_FREQ,
-  test_every: int = TEST_EVERY,
-  seed: int = 0,
   checkpoint_dir: str | pathlib.Path | None = None,
-  checkpoint_every: int = 500,
   on_log: Callable[[tuple], None] | None = None,
   across_processes: bool = False,
+  **options,
 ) -> GateTraining:
-  """Trains Fast KVzip's gates, every layer at once, as the official ``optim.py``.
+  """Trains Fast KVzip's gates, every layer at once, as the official ``optim.py``, with
+  :func:`kvjax.model.training.run`.
 
   The loss is :func:`loss` (binary cross-entropy against KVzip's scores, ``type="cnt"``),
   minimised by :func:`optimizer` (SGD, momentum 0.9, ``lr`` 0.2 under :func:`lr_schedule`) for
@@ -538,132 +555,72 @@ def train_gates(
     X_NLd: attention inputs ``[N, L, d]`` (:func:`gate_targets`).
     y_NLG: KVzip scores ``[N, L, G]`` in ``[0, 1]``.
     num_query_groups: query heads per KV head (``R``, kvpress ``ngroup``).
-    dim: the gate's head dim (16).
-    sink: the learned sink keys per KV head (16).
-    lr: the base learning rate (0.2).
-    max_steps: optimiser steps (5000).
-    batch_size: positions per step (1000).
-    test_freq: steps between log rows (50).
-    test_every: the spacing of the held-out positions (100).
-    seed: the seed of the initialisation and the shuffles.
+    config: the hyperparameters (``None``: :class:`GateConfig`'s defaults).
     checkpoint_dir: where to checkpoint and resume (``None``: no checkpoints).
-    checkpoint_every: steps between checkpoints (500).
     on_log: called with each log row (after any checkpoint of that step); the default prints a
-      progress line as ``optim.py``.
-    across_processes: in a run of several processes (``kvjax.distributed``), data-parallel:
-      every process calls it with the same data and arguments; each step's batch is placed on
-      :func:`kvjax.distributed.process_mesh`, each process holding a slice of it, and the
-      jitted step reduces the loss and the gradients across the processes. The checkpoints are
-      orbax's multi-host ones (every process saves and restores; process 0 writes the
-      replicated arrays), so ``checkpoint_dir`` must be the same directory for every process
-      (a shared file system on several hosts). The result equals a one-process run's up to the
+      progress line as ``optim.py`` on process 0.
+    across_processes: in a run of several processes (``kvjax.distributed``), data-parallel
+      (:class:`kvjax.model.training.DataParallel`): every process calls it with the same data
+      and arguments. The checkpoints are orbax's multi-host ones, so ``checkpoint_dir`` must
+      be the same directory for every process. The result equals a one-process run's up to the
       order of the sums.
+    **options: :class:`GateConfig` fields, over ``config`` (``max_steps=30``, ...).
 
   Returns:
     The :class:`GateTraining`.
 
   Raises:
-    ValueError: for bad shapes, targets outside ``[0, 1]``, options that are not positive, or
-      fewer training positions than ``batch_size``.
+    ValueError: for bad shapes, targets outside ``[0, 1]``, options that are not positive,
+      fewer training positions than ``batch_size``, or a ``checkpoint_dir`` holding a run with
+      other arguments or data shapes.
   """
+  c = GateConfig.make(config, **options)
   X, y = _check_xy(X_NLd, y_NLG)
-  R = _check_int("num_query_groups", num_query_groups)
-  dim, sink = _check_int("dim", dim), _check_int("sink", sink)
-  lr = _check_positive("lr", lr)
-  max_steps = _check_int("max_steps", max_steps)
-  batch_size = _check_int("batch_size", batch_size)
-  test_freq = _check_int("test_freq", test_freq)
-  checkpoint_every = _check_int("checkpoint_every", checkpoint_every)
-  train_idx, test_idx = holdout_split(X.shape[0], test_every)
-  n_split = train_idx.size // batch_size
-  if n_split == 0:
+  R = training.check_int("num_query_groups", num_query_groups)
+  train_idx, test_idx = holdout_split(X.shape[0], c.test_every)
+  if train_idx.size < c.batch_size:
     raise ValueError(
-      f"batch_size: {batch_size} is more than the {train_idx.size} training positions"
+      f"batch_size: {c.batch_size} is more than the {train_idx.size} training positions"
     )
   Xt, yt, Xv, yv = X[train_idx], y[train_idx], X[test_idx], y[test_idx]
   _, L, d = X.shape
-  G = y.shape[2]
-  opt = optimizer(lr, max_steps)
-  gates = init_gates(seed, L, d, G, R, dim=dim, sink=sink)
+  opt = optimizer(c.lr, c.max_steps)
+  gates = init_gates(c.seed, L, d, y.shape[2], R, dim=c.dim, sink=c.sink)
   state = opt.init(gates)
-  step_fn = jax.jit(lambda g, st, xb, yb: _step(opt, g, st, xb, yb))
-  initial = _evaluate(gates, Xv, yv, batch_size)[0]
-  across = bool(across_processes) and distributed.process_count() > 1
-  if across:
-    P = distributed.process_count()
-    mesh = distributed.process_mesh("batch")
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    sliced = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
-    gates = distributed.put(jax.tree.map(np.asarray, gates), rep)
-    state = distributed.put(jax.tree.map(np.asarray, state), rep)
-    parallel = jax.jit(
-      lambda g, st, xb, yb, wb: _weighted_step(opt, g, st, xb, yb, wb),
-      out_shardings=(rep, rep, rep),
-    )
+  initial = _evaluate(gates, Xv, yv, c.batch_size)[0]
+  par = training.DataParallel(across_processes, "the gates")
 
-    def step_fn(g, st, xb, yb):
-      n = xb.shape[0]
-      rows = -(-n // P) * P  # padded so that every process holds as many rows
-      pad = ((0, rows - n), (0, 0), (0, 0))
-      w = (np.arange(rows) < n).astype(np.float32)
-      xb, yb = np.pad(np.asarray(xb), pad), np.pad(np.asarray(yb), pad)
-      g, st, lo = parallel(g, st, *distributed.put((xb, yb, w), sliced))
-      return g, st, distributed.to_host(lo, "gathering the gates' loss")
+  def row(i, before, after, losses, batch):
+    xb, yb = (jnp.asarray(a) for a in batch)
+    # the step's batch before its update, as optim.py; the replicated gates read locally
+    train_acc = float(_accuracy_jit(par.local(before), xb, yb).mean())
+    test_loss, test_acc = _evaluate(par.local(after), Xv, yv, c.batch_size)
+    return (i, losses[-1][0], test_loss, train_acc, test_acc)
 
-  # the replicated gates read locally: every process scores the test positions alone
-  local = (lambda g: distributed.to_host(g, "gathering the gates")) if across else (lambda g: g)
-  history: list[tuple] = []
-  start = 0
-  mngr = None
-  if checkpoint_dir is not None:
-    import orbax.checkpoint as ocp  # only checkpointed runs pay for orbax's import
-
-    path = pathlib.Path(checkpoint_dir).absolute()
-    mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=2))
-    last = mngr.latest_step()
-    if last is not None:
-      rows = -(-last // test_freq)  # the logged steps below ``last``
-      like = {"gates": gates, "opt_state": state, "history": np.zeros((rows, 5), np.float64)}
-      item = mngr.restore(last, args=ocp.args.StandardRestore(like))
-      gates, state = item["gates"], item["opt_state"]
-      history = [tuple(float(v) for v in row) for row in np.asarray(item["history"])]
-      start = last
-  if on_log is None:
-
-    def on_log(row):
-      step, tl, vl, ta, va = row
-      print(
-        f"fastkvzip gates: [{int(step):5d}/{max_steps}] loss: {tl:.3f} ({vl:.3f}) "
-        f"acc: {ta * 100:.1f}% ({va * 100:.1f}%)",
-        flush=True,
-      )
-
-  order = None
-  for i in range(start, max_steps):
-    epoch, split = divmod(i, n_split)
-    if order is None or split == 0:
-      order = np.random.default_rng([seed, epoch]).permutation(train_idx.size)
-    b = order[split * batch_size : (split + 1) * batch_size]
-    xb, yb = jnp.asarray(Xt[b]), jnp.asarray(yt[b])
-    if i % test_freq == 0:  # the batch's loss and accuracy before the update, as optim.py
-      train_acc = float(_accuracy_jit(local(gates), xb, yb).mean())
-    gates, state, train_loss = step_fn(gates, state, xb, yb)
-    row = None
-    if i % test_freq == 0:
-      test_loss, test_acc = _evaluate(local(gates), Xv, yv, batch_size)
-      row = (float(i), float(train_loss), test_loss, train_acc, test_acc)
-      history.append(row)
-    if mngr is not None and ((i + 1) % checkpoint_every == 0 or i + 1 == max_steps):
-      item = {"gates": gates, "opt_state": state, "history": np.asarray(history, np.float64)}
-      mngr.save(i + 1, args=ocp.args.StandardSave(item))
-      mngr.wait_until_finished()
-    if row is not None:
-      on_log(row)
-  if mngr is not None:
-    mngr.close()
-  if across:
-    gates = jax.tree.map(jnp.asarray, local(gates))
-  return GateTraining(gates, tuple(history), initial)
+  loop = training.Loop(
+    name="fastkvzip",
+    units=c.max_steps,
+    columns=("step", "train_loss", "test_loss", "train_acc", "test_acc"),
+    batches=training.passes(train_idx.size, c.batch_size, c.seed),
+    batch=lambda i, b: (Xt[b], yt[b]),
+    step=par.step(
+      training.optax_step(_objective, opt, has_aux=True),
+      training.optax_step(_weighted_objective, opt, has_aux=True),
+    ),
+    row=row,
+    log_every=c.test_freq,
+    checkpoint_every=c.checkpoint_every,
+  )
+  run = training.run(
+    loop,
+    par.place(gates),
+    par.place(state),
+    checkpoint_dir=checkpoint_dir,
+    record={**c.record(), "num_query_groups": R, "data_shape": [list(X.shape), list(y.shape)]},
+    on_log=on_log or _print_row(c.max_steps),
+  )
+  gates = jax.tree.map(jnp.asarray, par.local(run.params)) if par.across else run.params
+  return GateTraining(gates, run.history, initial)
 
 
 # --------------------------------------------------------------------------- files
@@ -786,3 +743,144 @@ def fastkvzip_evidence(cfg: ModelConfig, params: dict, gates: dict, input_ids, a
   gates = {k: jnp.asarray(gates[k], jnp.float32) for k in PARAM_KEYS}
   out = _evidence_jit(cfg, params, gates, jnp.asarray(ids, jnp.int32), jnp.asarray(mask))
   return jnp.moveaxis(out, 2, 1)
+
+
+# --------------------------------------------------------------------------- the experiment
+
+COLUMNS = ("step", "train_loss", "test_loss", "train_acc", "test_acc")  # a history row
+
+
+def compare_with_kvzip(c, cfg: ModelConfig, params: dict, gates: dict, rows, template) -> list:
+  """On held-out contexts: the share of KVzip's kept pairs (pooled, half the context per head)
+  that Fast KVzip's policy also keeps, and the time of each one's evidence.
+
+  Args:
+    c: the settings (``chunk_size``, ``n_sink``: KVzip's).
+    cfg: the model's config.
+    params: the parameter pytree.
+    gates: the trained gates.
+    rows: the held-out contexts ``[B, T]``.
+    template: KVzip's reconstruction prompt.
+
+  Returns:
+    One dict per context: ``tokens``, ``overlap``, ``kvzip_s`` and ``fastkvzip_s``.
+  """
+  out = []
+  for row in rows:
+    kv, t_kvzip = training.timed(
+      lambda row=row: kvzip_evidence(
+        cfg, params, row, template, chunk_size=c.chunk_size, n_sink=c.n_sink
+      )
+    )
+    ev, t_fast = training.timed(
+      lambda row=row: fastkvzip_evidence(cfg, params, gates, row[None])[:, 0]
+    )
+    budget = row.size // 2
+    ref = np.asarray(KVzip().keep_mask(policies.Evidence(reconstruction_attn_LGT=kv), budget))
+    ours = np.asarray(FastKVzip().keep_mask(policies.Evidence(fastkvzip_LGT=ev), budget))
+    overlap = float((ref & ours).sum() / ref.sum())
+    out.append(
+      {"tokens": int(row.size), "overlap": overlap, "kvzip_s": t_kvzip, "fastkvzip_s": t_fast}
+    )
+    print(
+      f"held-out context ({row.size} tokens): {overlap:.3f} of KVzip's kept pairs kept; "
+      f"evidence {t_fast:.2f} s (KVzip's reconstruction {t_kvzip:.2f} s)",
+      flush=True,
+    )
+  return out
+
+
+def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate, source: str):
+  """Fast KVzip's gates of ``python -m experiments.fastkvzip``: every process calls it with the
+  same arguments, process 0 writes the files.
+
+  The training pairs of the first ``c.rows`` contexts (:func:`gate_targets`) are extracted batch
+  by batch and saved (``targets/part_*.npz``, shared among the processes:
+  :func:`kvjax.model.training.cached_parts`); the gates train data-parallel with orbax
+  checkpoints (``gate_checkpoints/``, :func:`train_gates`); process 0 compares them with KVzip
+  on the remaining (held-out) contexts (:func:`compare_with_kvzip`), writes
+  ``fastkvzip_gates.npz`` and ``results.json`` (the loss curve, a constant-gate baseline, the
+  comparison, the timings) and prints the final row and the run directory. Killed, the same
+  call resumes.
+
+  Args:
+    c: the settings (``configs/fastkvzip.py``): ``workdir``, ``model``, ``dtype``, ``rows``,
+      ``length``, ``batch_rows``, ``chunk_size``, ``n_sink``, ``prefix``, ``suffix`` and the
+      :class:`GateConfig` fields.
+    cfg: the model's config.
+    params: the parameter pytree.
+    rows: the contexts ``[rows + held out, T]``
+      (:func:`kvjax.model.reconstruction.kvzip_corpus`).
+    template: KVzip's reconstruction prompt.
+    source: where the text comes from (kept in the files).
+
+  Returns:
+    The results (``results.json``) on process 0, ``None`` on the others.
+
+  Raises:
+    ValueError: for a refused ``workdir`` (:func:`kvjax.rundir.check_workdir`), saved targets
+      or checkpoints of other settings, or bad :class:`GateConfig` fields.
+  """
+  workdir = rundir.check_workdir(c.workdir)
+  primary = distributed.is_primary()
+  config = GateConfig.from_settings(c)
+  if primary:
+    workdir.mkdir(parents=True, exist_ok=True)
+  rows, held_out = rows[: c.rows], rows[c.rows :]
+  names = ("model", "dtype", "rows", "length", "batch_rows", "chunk_size", "n_sink")
+  names += ("prefix", "suffix")  # saved parts are reused only by a run that computes the same
+  identity = {k: getattr(c, k) for k in names} | {"rows_sum": int(np.sum(rows))}
+
+  def part(i):
+    part_rows = rows[i : i + c.batch_rows]
+    return gate_targets(cfg, params, part_rows, template, chunk_size=c.chunk_size, n_sink=c.n_sink)
+
+  t0 = time.perf_counter()
+  data = training.cached_parts(
+    workdir / "targets", len(rows), c.batch_rows, part, {"X": 0, "y": 0}, identity=identity
+  )
+  X, y = data["X"], data["y"]
+  timings = {"targets": round(time.perf_counter() - t0, 2)}
+  if primary:
+    print(f"positions: {len(X)}; X {X.shape[1:]}, y {y.shape[1:]}, mean KVzip score {y.mean():.4f}")
+  t0 = time.perf_counter()
+  trained = train_gates(
+    X,
+    y,
+    cfg.num_groups,
+    config,
+    checkpoint_dir=workdir / "gate_checkpoints",
+    across_processes=True,
+  )
+  timings["training"] = round(time.perf_counter() - t0, 2)
+  if not primary:  # process 0 compares with KVzip on the held-out contexts and writes
+    return None
+  _, test_idx = holdout_split(len(X), config.test_every)
+  train_mean = np.delete(y, test_idx, 0).mean(0)  # [L, G]
+  baseline = {  # a constant gate at each head's mean KVzip score, and "always below 0.05"
+    "mean_predictor_test_loss": float(
+      np.asarray(bce(jnp.asarray(train_mean), jnp.asarray(y[test_idx]))).mean(0).sum(-1).mean()
+    ),
+    "majority_test_acc": float((y[test_idx] < ACC_THRESHOLD).mean()),
+  }
+  results = {
+    "model": c.model,
+    "source": source,
+    "positions": len(X),
+    "initial_test_loss": trained.initial_test_loss,
+    **baseline,
+    "final": dict(zip(COLUMNS, trained.history[-1], strict=True)),
+    "history": np.asarray(trained.history).tolist(),
+    "held_out": compare_with_kvzip(c, cfg, params, trained.gates, held_out, template),
+    "timings_s": timings,
+    "processes": distributed.process_count(),
+  }
+  meta = {k: getattr(c, k) for k in ("model", "rows", "length", "max_steps")}
+  meta |= {"source": source, "test_loss": results["final"]["test_loss"]}
+  save(workdir / "fastkvzip_gates.npz", trained.gates, meta)
+  (workdir / "results.json").write_text(json.dumps(results, indent=1))
+  print(
+    json.dumps({"initial_test_loss": trained.initial_test_loss, **baseline, **results["final"]})
+  )
+  print(f"run directory: {workdir.absolute()}")
+  return results

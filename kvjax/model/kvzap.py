@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import time
 from collections.abc import Callable
 
 import jax
@@ -28,11 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kvjax import distributed
-from kvjax.model import llama, npzfile
-from kvjax.model.calibrate import KVzipTemplate
+from kvjax import distributed, rundir
+from kvjax.model import llama, npzfile, training
 from kvjax.model.config import ModelConfig
 from kvjax.model.kvgrad import value_output_norms
+from kvjax.model.reconstruction import KVzipTemplate
 from kvjax.scores import PRECISION
 
 Array = jax.Array
@@ -40,20 +41,6 @@ Array = jax.Array
 KINDS = ("linear", "mlp")
 HIDDEN_DIM = 512  # kvzap/train.py's --hidden_dim
 FORMAT = "kvjax.kvzap/1"
-
-
-def _check_int(name: str, value, minimum: int = 1) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-  return int(value)
-
-
-def _check_positive(name: str, value, *, zero: bool = False) -> float:
-  ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-  if not ok or not math.isfinite(value) or value < 0 or (value == 0 and not zero):
-    expected = "a finite float >= 0" if zero else "a finite float > 0"
-    raise ValueError(f"{name}: expected {expected}, got {value!r}")
-  return float(value)
 
 
 # --------------------------------------------------------------------------- targets
@@ -105,7 +92,7 @@ def repeat_ids(context_BT: np.ndarray, template: KVzipTemplate) -> tuple[np.ndar
   Args:
     context_BT: the contexts ``[B, T]``, each starting with the template's
       ``prefix_length`` chat-template tokens.
-    template: :func:`kvjax.model.calibrate.kvzip_template` (``first_ids``, ``suffix_ids`` and
+    template: :func:`kvjax.model.reconstruction.kvzip_template` (``first_ids``, ``suffix_ids`` and
       ``prefix_length`` are read).
 
   Returns:
@@ -152,7 +139,7 @@ def kvzap_targets(
     params: the parameter pytree.
     context_ids: the contexts ``[T]`` or ``[B, T]`` (equal lengths), each starting with
       ``template.prefix_length`` chat-template tokens that are not targets.
-    template: the reconstruction prompt (:func:`kvjax.model.calibrate.kvzip_template`).
+    template: the reconstruction prompt (:func:`kvjax.model.reconstruction.kvzip_template`).
     n_tokens: positions drawn per context (``None``: all of them, in order).
     seed: the draw's seed.
 
@@ -161,7 +148,7 @@ def kvzap_targets(
 
   Raises:
     ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule, a
-      ``template`` that is not a :class:`~kvjax.model.calibrate.KVzipTemplate`, a
+      ``template`` that is not a :class:`~kvjax.model.reconstruction.KVzipTemplate`, a
       ``prefix_length`` that leaves nothing, or an ``n_tokens`` below 1 or above the positions.
   """
   ids = np.asarray(context_ids)
@@ -175,14 +162,14 @@ def kvzap_targets(
     ids_1T = np.asarray(getattr(template, name), np.int64).reshape(1, -1)
     llama.check_token_ids(f"template.{name}", ids_1T, cfg.vocab_size, min_len=0)
   B, T = ids.shape
-  prefix = _check_int("template.prefix_length", template.prefix_length, 0)
+  prefix = training.check_int("template.prefix_length", template.prefix_length, 0)
   if prefix >= T:
     raise ValueError(
       f"template.prefix_length: {prefix} leaves nothing of the {T}-token context to score"
     )
   n = T - prefix
   if n_tokens is not None:
-    n_tokens = _check_int("n_tokens", n_tokens)
+    n_tokens = training.check_int("n_tokens", n_tokens)
     if n_tokens > n:
       raise ValueError(f"n_tokens: {n_tokens} is more than the context's {n} positions")
   full, prompt, repeat = repeat_ids(ids, template)
@@ -327,7 +314,7 @@ def fit_linear(X_NLd, y_NLG, *, alpha: float = 1.0) -> Surrogate:
       ``alpha``.
   """
   X, y = _check_xy(X_NLd, y_NLG)
-  alpha = _check_positive("alpha", alpha, zero=True)
+  alpha = training.check_float("alpha", alpha, zero=True)
   ws, bs = [], []
   for layer in range(X.shape[1]):
     x, t = X[:, layer].astype(np.float64), y[:, layer].astype(np.float64)
@@ -358,8 +345,7 @@ def valid_split(N: int, fraction: float = 0.05, seed: int = 42) -> tuple[np.ndar
   Returns:
     ``(train_idx, valid_idx)``.
   """
-  if not (isinstance(fraction, (int, float)) and 0 <= fraction < 1):
-    raise ValueError(f"valid_fraction: expected a float in [0, 1), got {fraction!r}")
+  fraction = _check_fraction("valid_fraction", fraction)
   perm = np.random.default_rng(seed).permutation(N)
   n_valid = math.ceil(fraction * N)
   return np.sort(perm[n_valid:]), np.sort(perm[:n_valid])
@@ -456,24 +442,12 @@ def _mlp_loss(params, X, y):
   return mse(Surrogate(params, "mlp"), X, y)
 
 
-def _step(opt, params, state, X, y):
-  loss, grads = jax.value_and_grad(_mlp_loss)(params, X, y)
-  updates, state = opt.update(grads, state, params)
-  return optax.apply_updates(params, updates), state, loss
-
-
 def _weighted_loss(params, X, y, w):
   """:func:`mse` of a padded batch: the rows of weight 0 (padding) count for nothing."""
   s = Surrogate(params, "mlp")
   pred = jnp.moveaxis(apply(s, jnp.moveaxis(X, 1, 0)), (0, 1), (1, 2))  # [N, L, G]
   per_row = jnp.mean(jnp.square(pred - y), (1, 2))
   return (per_row * w).sum() / jnp.maximum(w.sum(), 1.0)
-
-
-def _weighted_step(opt, params, state, X, y, w):
-  loss, grads = jax.value_and_grad(_weighted_loss)(params, X, y, w)
-  updates, state = opt.update(grads, state, params)
-  return optax.apply_updates(params, updates), state, loss
 
 
 def _batched_mse(surrogate, X, y, batch):
@@ -485,40 +459,56 @@ def _batched_mse(surrogate, X, y, batch):
   return total / X.shape[0]
 
 
-def _check_run(path: pathlib.Path, args: dict) -> None:
-  """Records a checkpointed run's arguments; a resume with others is refused (its checkpoints
-  belong to another run)."""
-  record = path / "kvzap_run.json"
-  if record.exists():
-    saved = json.loads(record.read_text())
-    differ = {k: (saved.get(k), v) for k, v in args.items() if saved.get(k) != v}
-    if differ:
-      said = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in differ.items())
-      raise ValueError(
-        f"checkpoint_dir: {path} holds a run with other arguments ({said}); use a fresh directory"
-      )
-  else:
-    path.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps(args, sort_keys=True))
+def _check_fraction(name: str, value) -> float:
+  if not (isinstance(value, (int, float)) and 0 <= value < 1):
+    raise ValueError(f"{name}: expected a float in [0, 1), got {value!r}")
+  return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPConfig(training.TrainConfig):
+  """:func:`train_mlp`'s hyperparameters (kvpress ``kvzap/train.py``'s), each checked when made.
+
+  Attributes:
+    lr: the peak learning rate (5e-3).
+    batch_size: examples per step (512).
+    seed: the seed of the initialisation, split and shuffles (42).
+    hidden_dim: the MLP's width (512).
+    max_epochs: epochs (15).
+    weight_decay: AdamW's decoupled weight decay (torch's default 0.01).
+    valid_fraction: the held-out share (0.05), in ``[0, 1)``.
+  """
+
+  lr: float = training.float_field(5e-3)
+  batch_size: int = training.int_field(512)
+  seed: int = training.int_field(42, minimum=0)
+  hidden_dim: int = training.int_field(HIDDEN_DIM)
+  max_epochs: int = training.int_field(15)
+  weight_decay: float = training.float_field(0.01, zero=True)
+  valid_fraction: float = training.config_field(0.05, _check_fraction)
+
+
+def _print_epoch(max_epochs: int) -> Callable[[int, float, float], None]:
+  def on_epoch(epoch, tl, vl):
+    if distributed.is_primary():
+      print(f"kvzap mlp: epoch {epoch + 1}/{max_epochs} train {tl:.4f} valid {vl:.4f}", flush=True)
+
+  return on_epoch
 
 
 def train_mlp(
   X_NLd,
   y_NLG,
+  config: MLPConfig | None = None,
   *,
-  hidden_dim: int = HIDDEN_DIM,
-  max_epochs: int = 15,
-  lr: float = 5e-3,
-  batch_size: int = 512,
-  weight_decay: float = 0.01,
-  valid_fraction: float = 0.05,
-  seed: int = 42,
   checkpoint_dir: str | pathlib.Path | None = None,
   on_epoch: Callable[[int, float, float], None] | None = None,
   across_processes: bool = False,
+  **options,
 ) -> MLPTraining:
   """Trains KVzap's MLP surrogate, all layers at once (kvpress ``kvzap/train.py``
-  ``train_mlp``: a skorch ``NeuralNetRegressor`` of ``KVzapModel``).
+  ``train_mlp``: a skorch ``NeuralNetRegressor`` of ``KVzapModel``), with
+  :func:`kvjax.model.training.run`.
 
   MSE loss; :func:`mlp_optimizer` (AdamW ``lr`` 5e-3, weight decay 0.01, cosine annealing over
   ``max_epochs`` 15 stepped per epoch, global-norm clipping at 1.0); batches of 512 drawn from a
@@ -535,24 +525,17 @@ def train_mlp(
   Args:
     X_NLd: attention inputs ``[N, L, d]``.
     y_NLG: KVzip+ log scores ``[N, L, G]``.
-    hidden_dim: the MLP's width (512).
-    max_epochs: epochs (15).
-    lr: the peak learning rate (5e-3).
-    batch_size: examples per step (512).
-    weight_decay: AdamW's decoupled weight decay (torch's default 0.01).
-    valid_fraction: the held-out share (0.05).
-    seed: the seed of the initialisation, split and shuffles.
+    config: the hyperparameters (``None``: :class:`MLPConfig`'s defaults).
     checkpoint_dir: where to checkpoint and resume (``None``: no checkpoints).
     on_epoch: called after each epoch (after its checkpoint) with
-      ``(epoch, train_loss, valid_loss)``; the default prints a progress line.
-    across_processes: in a run of several processes (``kvjax.distributed``), data-parallel:
-      every process calls it with the same data and arguments; each step's batch is placed on
-      :func:`kvjax.distributed.process_mesh`, each process holding a slice of it, and the
-      jitted step reduces the loss and the gradients across the processes. The checkpoints are
-      orbax's multi-host ones (every process saves and restores; process 0 writes the
+      ``(epoch, train_loss, valid_loss)``; the default prints a progress line on process 0.
+    across_processes: in a run of several processes (``kvjax.distributed``), data-parallel
+      (:class:`kvjax.model.training.DataParallel`): every process calls it with the same data
+      and arguments. The checkpoints are orbax's multi-host ones (process 0 writes the
       replicated arrays and ``kvzap_run.json``), so ``checkpoint_dir`` must be the same
-      directory for every process (a shared file system on several hosts). The result equals
-      a one-process run's up to the order of the sums.
+      directory for every process. The result equals a one-process run's up to the order of
+      the sums.
+    **options: :class:`MLPConfig` fields, over ``config`` (``hidden_dim=32``, ...).
 
   Returns:
     The :class:`MLPTraining`.
@@ -561,112 +544,56 @@ def train_mlp(
     ValueError: for bad shapes or options, or a ``checkpoint_dir`` holding a run with other
       arguments or data shapes.
   """
+  c = MLPConfig.make(config, **options)
   X, y = _check_xy(X_NLd, y_NLG)
-  hidden_dim = _check_int("hidden_dim", hidden_dim)
-  max_epochs = _check_int("max_epochs", max_epochs)
-  batch_size = _check_int("batch_size", batch_size)
-  lr = _check_positive("lr", lr)
-  weight_decay = _check_positive("weight_decay", weight_decay, zero=True)
-  train_idx, valid_idx = valid_split(X.shape[0], valid_fraction, seed)
+  train_idx, valid_idx = valid_split(X.shape[0], c.valid_fraction, c.seed)
   if train_idx.size == 0:
     raise ValueError(f"X_NLd: {X.shape[0]} examples leave none to train on")
   Xt, yt, Xv, yv = X[train_idx], y[train_idx], X[valid_idx], y[valid_idx]
   _, L, d = X.shape
-  G = y.shape[2]
-  steps_per_epoch = math.ceil(train_idx.size / batch_size)
-  opt = mlp_optimizer(lr, max_epochs, steps_per_epoch, weight_decay)
-  params = init_mlp(jax.random.PRNGKey(seed), L, d, G, hidden_dim).params
+  steps_per_epoch = math.ceil(train_idx.size / c.batch_size)
+  opt = mlp_optimizer(c.lr, c.max_epochs, steps_per_epoch, c.weight_decay)
+  params = init_mlp(jax.random.PRNGKey(c.seed), L, d, y.shape[2], c.hidden_dim).params
   state = opt.init(params)  # over the weights dict: orbax saves plain dicts and optax states
-  step = jax.jit(lambda p, st, xb, yb: _step(opt, p, st, xb, yb))
-  initial = _batched_mse(Surrogate(params, "mlp"), Xv, yv, batch_size)
-  across = bool(across_processes) and distributed.process_count() > 1
-  if across:
-    P = distributed.process_count()
-    mesh = distributed.process_mesh("batch")
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
-    params = distributed.put(jax.tree.map(np.asarray, params), rep)
-    state = distributed.put(jax.tree.map(np.asarray, state), rep)
-    parallel = jax.jit(
-      lambda p, st, xb, yb, wb: _weighted_step(opt, p, st, xb, yb, wb),
-      out_shardings=(rep, rep, rep),
-    )
+  initial = _batched_mse(Surrogate(params, "mlp"), Xv, yv, c.batch_size)
+  par = training.DataParallel(across_processes, "the MLP")
 
-    def step(p, st, xb, yb):
-      n = xb.shape[0]
-      rows = -(-n // P) * P  # padded so that every process holds as many rows
-      pad = ((0, rows - n), (0, 0), (0, 0))
-      w = (np.arange(rows) < n).astype(np.float32)
-      batch = distributed.put((np.pad(xb, pad), np.pad(yb, pad), w), split)
-      return parallel(p, st, *batch)
-
-  train_loss, valid_loss, start = [], [], 0
-  mngr = None
-  if checkpoint_dir is not None:
-    import orbax.checkpoint as ocp  # only checkpointed runs pay for orbax's import
-
-    path = pathlib.Path(checkpoint_dir).absolute()
-    run_args = {
-      "hidden_dim": hidden_dim,
-      "max_epochs": max_epochs,
-      "lr": lr,
-      "batch_size": batch_size,
-      "weight_decay": weight_decay,
-      "valid_fraction": valid_fraction,
-      "seed": seed,
-      "data_shape": [list(X.shape), list(y.shape)],
-    }
-    # process 0 checks and records the arguments; its refusal reaches every process
-    distributed.on_primary(lambda: _check_run(path, run_args), "checking the checkpoints")
-    mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=2))
-    last = mngr.latest_step()
-    if last is not None:
-      like = {
-        "params": params,
-        "opt_state": state,
-        "train_loss": np.zeros(last, np.float64),
-        "valid_loss": np.zeros(last, np.float64),
-      }
-      item = mngr.restore(last, args=ocp.args.StandardRestore(like))
-      params, state = item["params"], item["opt_state"]
-      train_loss = [float(v) for v in item["train_loss"]]
-      valid_loss = [float(v) for v in item["valid_loss"]]
-      start = last
-  if on_epoch is None:
-
-    def on_epoch(epoch, tl, vl):
-      print(f"kvzap mlp: epoch {epoch + 1}/{max_epochs} train {tl:.4f} valid {vl:.4f}", flush=True)
-
-  for epoch in range(start, max_epochs):
-    order = np.random.default_rng([seed, epoch]).permutation(train_idx.size)
+  def row(epoch, before, after, losses, batch):
     total = 0.0
-    for i in range(0, order.size, batch_size):
-      b = order[i : i + batch_size]
-      if across:  # the host batch: step pads it and places each process's slice
-        params, state, loss = step(params, state, Xt[b], yt[b])
-        loss = distributed.to_host(loss, "gathering the MLP's loss")
-      else:
-        params, state, loss = step(params, state, jnp.asarray(Xt[b]), jnp.asarray(yt[b]))
-      total += float(loss) * b.size
-    train_loss.append(total / order.size)
+    for loss, n in losses:
+      total += float(loss) * n
     # the replicated parameters read locally: every process scores the validation set alone
-    host = distributed.to_host(params, "gathering the MLP") if across else params
-    valid_loss.append(_batched_mse(Surrogate(host, "mlp"), Xv, yv, batch_size))
-    if mngr is not None:
-      item = {
-        "params": params,
-        "opt_state": state,
-        "train_loss": np.asarray(train_loss, np.float64),
-        "valid_loss": np.asarray(valid_loss, np.float64),
-      }
-      mngr.save(epoch + 1, args=ocp.args.StandardSave(item))
-      mngr.wait_until_finished()
-    on_epoch(epoch, train_loss[-1], valid_loss[-1])
-  if mngr is not None:
-    mngr.close()
-  if across:
-    params = jax.tree.map(jnp.asarray, distributed.to_host(params, "gathering the MLP"))
-  return MLPTraining(Surrogate(params, "mlp"), tuple(train_loss), tuple(valid_loss), initial)
+    valid = _batched_mse(Surrogate(par.local(after), "mlp"), Xv, yv, c.batch_size)
+    return (epoch, total / train_idx.size, valid)
+
+  loop = training.Loop(
+    name="kvzap",
+    units=c.max_epochs,
+    columns=("epoch", "train_loss", "valid_loss"),
+    batches=training.epochs(train_idx.size, c.batch_size, c.seed),
+    batch=lambda epoch, b: (Xt[b], yt[b]),
+    step=par.step(
+      training.optax_step(_mlp_loss, opt),
+      training.optax_step(_weighted_loss, opt),
+    ),
+    row=row,
+  )
+  on_epoch = on_epoch or _print_epoch(c.max_epochs)
+  run = training.run(
+    loop,
+    par.place(params),
+    par.place(state),
+    checkpoint_dir=checkpoint_dir,
+    record={**c.record(), "data_shape": [list(X.shape), list(y.shape)]},
+    on_log=lambda r: on_epoch(int(r[0]), r[1], r[2]),
+  )
+  params = jax.tree.map(jnp.asarray, par.local(run.params)) if par.across else run.params
+  return MLPTraining(
+    Surrogate(params, "mlp"),
+    tuple(r[1] for r in run.history),
+    tuple(r[2] for r in run.history),
+    initial,
+  )
 
 
 # --------------------------------------------------------------------------- files
@@ -795,3 +722,96 @@ def kvzap_evidence(
     raise ValueError(f"surrogate: shapes {surrogate.shapes} do not fit this model, expected {want}")
   out = _evidence_jit(cfg, params, surrogate, jnp.asarray(ids, jnp.int32), jnp.asarray(mask))
   return jnp.moveaxis(out, 2, 1)
+
+
+# --------------------------------------------------------------------------- the experiment
+
+
+def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate, source: str):
+  """KVzap's surrogates of ``python -m experiments.kvzap``: every process calls it with the
+  same arguments, process 0 writes the files.
+
+  The targets of ``rows`` (:func:`kvzap_targets`, ``n_tokens`` positions per context) are
+  extracted batch by batch and saved (``targets/part_*.npz``, shared among the processes:
+  :func:`kvjax.model.training.cached_parts`); the first ``test_rows`` contexts are held out (as
+  ``kvzap/train.py``'s test split); the MLP trains data-parallel with orbax checkpoints
+  (``mlp_checkpoints/``, :func:`train_mlp`), process 0 fits the ridge surrogate
+  (:func:`fit_linear`) and writes ``kvzap_linear.npz``, ``kvzap_mlp.npz`` and ``results.json``
+  (the test MSE of both and of the mean predictor, the loss curves, the timings). Killed, the
+  same call resumes: the saved parts are read and the MLP resumes from its last checkpoint.
+  Process 0 prints the test MSE and the run directory.
+
+  Args:
+    c: the settings (``configs/kvzap.py``): ``workdir``, ``model``, ``dtype``, ``rows``,
+      ``length``, ``test_rows``, ``n_tokens``, ``batch_rows``, ``prefix``, ``suffix``,
+      ``ridge_alpha`` and the :class:`MLPConfig` fields.
+    cfg: the model's config.
+    params: the parameter pytree.
+    rows: the contexts ``[rows, T]`` (:func:`kvjax.model.reconstruction.kvzip_corpus`).
+    template: KVzip's reconstruction prompt.
+    source: where the text comes from (kept in the files).
+
+  Returns:
+    The results (``results.json``) on process 0, ``None`` on the others.
+
+  Raises:
+    ValueError: for a refused ``workdir`` (:func:`kvjax.rundir.check_workdir`), saved targets
+      or checkpoints of other settings, or bad :class:`MLPConfig` fields.
+  """
+  workdir = rundir.check_workdir(c.workdir)
+  primary = distributed.is_primary()
+  config = MLPConfig.from_settings(c)
+  if primary:
+    workdir.mkdir(parents=True, exist_ok=True)
+  # saved parts are reused only by a run that would compute the same ones
+  names = ("model", "dtype", "rows", "length", "n_tokens", "batch_rows", "seed", "prefix", "suffix")
+  identity = {k: getattr(c, k) for k in names} | {"rows_sum": int(np.sum(rows))}
+
+  def part(i):
+    part_rows = rows[i : i + c.batch_rows]
+    return kvzap_targets(cfg, params, part_rows, template, n_tokens=c.n_tokens, seed=c.seed + i)
+
+  t0 = time.perf_counter()
+  data = training.cached_parts(
+    workdir / "targets", len(rows), c.batch_rows, part, {"X": 0, "y": 0}, identity=identity
+  )
+  timings = {"targets": round(time.perf_counter() - t0, 2)}
+  n_test = c.test_rows * c.n_tokens  # the first contexts, as kvzap/train.py's test split
+  X_train, X_test = data["X"][n_test:], data["X"][:n_test]
+  y_train, y_test = data["y"][n_test:], data["y"][:n_test]
+  if primary:
+    print(
+      f"examples: {len(X_train)} train, {len(X_test)} test; X {X_train.shape[1:]}, y {y_train.shape[1:]}"
+    )
+  t0 = time.perf_counter()
+  trained = train_mlp(
+    X_train, y_train, config, checkpoint_dir=workdir / "mlp_checkpoints", across_processes=True
+  )
+  timings["mlp"] = round(time.perf_counter() - t0, 2)
+  if not primary:  # process 0 fits the ridge surrogate (one closed form) and writes
+    return None
+  t0 = time.perf_counter()
+  linear = fit_linear(X_train, y_train, alpha=c.ridge_alpha)
+  timings["linear"] = round(time.perf_counter() - t0, 2)
+  Xt, yt = jnp.asarray(X_test), jnp.asarray(y_test)
+  results = {
+    "model": c.model,
+    "source": source,
+    "examples": {"train": len(X_train), "test": len(X_test)},
+    "test_mse": {
+      "mean_predictor": float(np.mean(np.square(y_test - y_train.mean(0)))),
+      "linear": float(mse(linear, Xt, yt)),
+      "mlp": float(mse(trained.surrogate, Xt, yt)),
+    },
+    "mlp_train_loss": list(trained.train_loss),
+    "mlp_valid_loss": [trained.initial_valid_loss, *trained.valid_loss],
+    "timings_s": timings,
+    "processes": distributed.process_count(),
+  }
+  meta = {k: getattr(c, k) for k in ("model", "rows", "length", "n_tokens")} | {"source": source}
+  for kind, s in (("linear", linear), ("mlp", trained.surrogate)):
+    save(workdir / f"kvzap_{kind}.npz", s, {**meta, "test_mse": results["test_mse"][kind]})
+  (workdir / "results.json").write_text(json.dumps(results, indent=1))
+  print(json.dumps(results["test_mse"]))
+  print(f"run directory: {workdir.absolute()}")
+  return results

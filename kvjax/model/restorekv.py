@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import pathlib
+import time
 from collections.abc import Callable
 
 import jax
@@ -37,11 +39,11 @@ import numpy as np
 import optax
 from flax import struct
 
-from kvjax import policies
+from kvjax import policies, rundir
 from kvjax.model import cache as cache_lib
-from kvjax.model import llama, npzfile
-from kvjax.model.calibrate import KVzipTemplate, kvzip_evidence
+from kvjax.model import llama, npzfile, training
 from kvjax.model.config import ModelConfig
+from kvjax.model.reconstruction import KVzipTemplate, kvzip_evidence
 from kvjax.policies.methods import KVzip
 from kvjax.policies.restorekv import RESTORE_TOKENS, RestoreKV
 
@@ -128,19 +130,6 @@ def _arrays(adapter: Adapter) -> dict:
   return out
 
 
-def _check_positive_int(name: str, value) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise ValueError(f"{name}: expected a positive int, got {value!r}")
-  return int(value)
-
-
-def _check_positive(name: str, value) -> float:
-  ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
-  if not ok or not math.isfinite(float(value)) or float(value) <= 0:
-    raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
-  return float(value)
-
-
 def init_adapter(
   cfg: ModelConfig,
   params: dict,
@@ -171,8 +160,8 @@ def init_adapter(
     ValueError: for ``tokens`` or ``rank`` that is not a positive int, or ``alpha`` that is not
       positive.
   """
-  tokens, rank = _check_positive_int("tokens", tokens), _check_positive_int("rank", rank)
-  alpha = _check_positive("alpha", alpha)
+  tokens, rank = training.check_int("tokens", tokens), training.check_int("rank", rank)
+  alpha = training.check_float("alpha", alpha)
   rng = np.random.default_rng(seed)
   ids = rng.integers(0, cfg.vocab_size, tokens)
   embeddings = jnp.asarray(np.asarray(params["embed"], np.float32)[ids])
@@ -311,7 +300,7 @@ def restorekv_evidence(
   plus: bool = False,
 ) -> dict:
   """Computes RestoreKV's evidence of a context: KVzip's reconstruction attention
-  (:func:`kvjax.model.calibrate.kvzip_evidence`) and the restore tokens' keys and values
+  (:func:`kvjax.model.reconstruction.kvzip_evidence`) and the restore tokens' keys and values
   (:func:`restore_kv`).
 
   Args:
@@ -319,7 +308,7 @@ def restorekv_evidence(
     params: the parameter pytree.
     adapter: the trained :class:`Adapter` (:func:`load`, :func:`train_adapter`).
     context_ids: the context ``[T]``, or a ``[B, T]`` batch of unpadded rows.
-    template: KVzip's reconstruction prompt (:func:`kvjax.model.calibrate.kvzip_template`).
+    template: KVzip's reconstruction prompt (:func:`kvjax.model.reconstruction.kvzip_template`).
     chunk_size: context tokens per reconstruction chunk (KVzip's, 2048).
     n_sink: the first context tokens every repeat query also attends to (KVzip's, 4).
     plus: KVzip+'s normalisation (kvpress ``kvzip_plus_normalization``, the ``_plus``
@@ -331,7 +320,7 @@ def restorekv_evidence(
     context): ``evidence=`` for ``km.generate`` with the ``restorekv`` policy.
 
   Raises:
-    ValueError: as :func:`kvjax.model.calibrate.kvzip_evidence`, and for an adapter that does
+    ValueError: as :func:`kvjax.model.reconstruction.kvzip_evidence`, and for an adapter that does
       not fit the model (:func:`check_adapter`).
   """
   check_adapter(adapter, cfg)
@@ -553,7 +542,7 @@ def training_data(
       that leaves no context pair besides the restore tokens.
   """
   rows = np.asarray(rows_BT, np.int32)
-  context = _check_positive_int("context", context)
+  context = training.check_int("context", context)
   if rows.ndim != 2 or rows.shape[1] <= context:
     raise ValueError(
       f"rows_BT: expected [B, T] rows longer than context={context}, got shape {rows.shape}"
@@ -690,25 +679,55 @@ def mean_loss(cfg: ModelConfig, params: dict, adapter: Adapter | None, data, bat
   return total / len(ctx)
 
 
+@dataclasses.dataclass(frozen=True)
+class AdapterConfig(training.TrainConfig):
+  """:func:`train_adapter`'s hyperparameters, each checked when made.
+
+  Attributes:
+    lr: Adam's learning rate.
+    batch_size: examples per step.
+    seed: the seed of the initialisation and the shuffles.
+    tokens: restore tokens ``N``.
+    rank: LoRA's rank.
+    alpha: LoRA's ``alpha``.
+    max_steps: optimiser steps.
+    log_every: steps between log rows (the last step is logged too).
+    checkpoint_every: steps between checkpoints.
+  """
+
+  lr: float = training.float_field(LR)
+  batch_size: int = training.int_field(BATCH_SIZE)
+  tokens: int = training.int_field(RESTORE_TOKENS)
+  rank: int = training.int_field(RANK)
+  alpha: float = training.float_field(ALPHA)
+  max_steps: int = training.int_field(MAX_STEPS)
+  log_every: int = training.int_field(10)
+  checkpoint_every: int = training.int_field(50)
+
+
+def _check_examples(name: str, data) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  ctx, cont, keep = (np.asarray(a) for a in data)
+  if ctx.ndim != 2 or cont.ndim != 2 or keep.shape[1:2] != ctx.shape[:1] or len(cont) != len(ctx):
+    raise ValueError(
+      f"{name}: expected (context [B, T], continuation [B, M], keep [L, B, G, T]), got shapes "
+      f"{ctx.shape}, {cont.shape}, {keep.shape}"
+    )
+  return ctx, cont, keep
+
+
 def train_adapter(
   cfg: ModelConfig,
   params: dict,
   train,
+  config: AdapterConfig | None = None,
   *,
   test=None,
-  tokens: int = RESTORE_TOKENS,
-  rank: int = RANK,
-  alpha: float = ALPHA,
-  lr: float = LR,
-  max_steps: int = MAX_STEPS,
-  batch_size: int = BATCH_SIZE,
-  log_every: int = 10,
-  seed: int = 0,
   checkpoint_dir: str | pathlib.Path | None = None,
-  checkpoint_every: int = 50,
   on_log: Callable[[tuple], None] | None = None,
+  **options,
 ) -> AdapterTraining:
-  """Trains RestoreKV's adapter by self-distillation (:func:`distillation_loss`).
+  """Trains RestoreKV's adapter by self-distillation (:func:`distillation_loss`), with
+  :func:`kvjax.model.training.run`.
 
   The restore embeddings and LoRA's ``A`` and ``B`` are trained, the model frozen. Each step
   draws ``batch_size`` training examples; the examples are reshuffled whenever a pass over them
@@ -721,102 +740,65 @@ def train_adapter(
     cfg: the model's config.
     params: the parameter pytree.
     train: ``(context_BT, continuation_BM, keep_LBGT)`` (:func:`training_data`).
+    config: the hyperparameters (``None``: :class:`AdapterConfig`'s defaults).
     test: held-out examples of the same form, scored every ``log_every`` steps (``None``: no
       test loss).
-    tokens: restore tokens ``N``.
-    rank: LoRA's rank.
-    alpha: LoRA's ``alpha``.
-    lr: Adam's learning rate.
-    max_steps: optimiser steps.
-    batch_size: examples per step.
-    log_every: steps between log rows.
-    seed: the seed of the initialisation and the shuffles.
     checkpoint_dir: where to checkpoint and resume (``None``: no checkpoints).
-    checkpoint_every: steps between checkpoints.
     on_log: called with each log row (after any checkpoint of that step); the default prints a
       progress line.
+    **options: :class:`AdapterConfig` fields, over ``config`` (``max_steps=12``, ...).
 
   Returns:
     The :class:`AdapterTraining`.
 
   Raises:
     ValueError: for options that are not positive, fewer training examples than
-      ``batch_size``, or examples whose arrays disagree in shape.
+      ``batch_size``, examples whose arrays disagree in shape, or a ``checkpoint_dir`` holding
+      a run with other arguments.
   """
-  max_steps = _check_positive_int("max_steps", max_steps)
-  batch_size = _check_positive_int("batch_size", batch_size)
-  log_every = _check_positive_int("log_every", log_every)
-  checkpoint_every = _check_positive_int("checkpoint_every", checkpoint_every)
-  lr = _check_positive("lr", lr)
-  ctx, cont, keep = (np.asarray(a) for a in train)
-  if ctx.ndim != 2 or cont.ndim != 2 or keep.shape[1:2] != ctx.shape[:1] or len(cont) != len(ctx):
-    raise ValueError(
-      f"train: expected (context [B, T], continuation [B, M], keep [L, B, G, T]), got shapes "
-      f"{ctx.shape}, {cont.shape}, {keep.shape}"
-    )
-  n_split = len(ctx) // batch_size
-  if n_split == 0:
-    raise ValueError(f"batch_size: {batch_size} is more than the {len(ctx)} training examples")
-  adapter = init_adapter(cfg, params, tokens=tokens, rank=rank, alpha=alpha, seed=seed)
-  opt = optimizer(lr)
-  state = opt.init(adapter)
+  c = AdapterConfig.make(config, **options)
+  ctx, cont, keep = _check_examples("train", train)
+  if len(ctx) < c.batch_size:
+    raise ValueError(f"batch_size: {c.batch_size} is more than the {len(ctx)} training examples")
+  adapter = init_adapter(cfg, params, tokens=c.tokens, rank=c.rank, alpha=c.alpha, seed=c.seed)
+  opt = optimizer(c.lr)
+  jitted = jax.jit(  # the model's parameters are an argument, not a closure (jit folds those)
+    training.optax_step(lambda a, p, *batch: distillation_loss(cfg, p, a, *batch), opt)
+  )
 
-  def objective(a, p, c, m, k):
-    return distillation_loss(cfg, p, a, c, m, k)
+  def row(i, before, after, losses, batch):
+    return (i, losses[-1][0], mean_loss(cfg, params, after, test, c.batch_size))
 
-  # the model's parameters are an argument, not a closure: jit would fold them in as constants
-  @jax.jit
-  def step_jit(a, st, p, c, m, k):
-    value, grads = jax.value_and_grad(objective)(a, p, c, m, k)
-    updates, st = opt.update(grads, st, a)
-    return optax.apply_updates(a, updates), st, value
-
-  def step_fn(a, st, c, m, k):
-    return step_jit(a, st, params, c, m, k)
-
-  initial = mean_loss(cfg, params, adapter, test, batch_size)
-  history: list[tuple] = []
-  start, mngr = 0, None
-  if checkpoint_dir is not None:
-    import orbax.checkpoint as ocp  # only checkpointed runs pay for orbax's import
-
-    path = pathlib.Path(checkpoint_dir).absolute()
-    mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=2))
-    last = mngr.latest_step()
-    if last is not None:
-      rows = -(-last // log_every)  # the logged steps below ``last``
-      like = {"adapter": adapter, "opt_state": state, "history": np.zeros((rows, 3), np.float64)}
-      item = mngr.restore(last, args=ocp.args.StandardRestore(like))
-      adapter, state = item["adapter"], item["opt_state"]
-      history = [tuple(float(v) for v in row) for row in np.asarray(item["history"])]
-      start = last
+  loop = training.Loop(
+    name="restorekv",
+    units=c.max_steps,
+    columns=("step", "train_loss", "test_loss"),
+    batches=training.passes(len(ctx), c.batch_size, c.seed, sort=True),
+    batch=lambda i, b: (ctx[b], cont[b], keep[:, b]),
+    step=lambda a, st, *batch: jitted(a, st, params, *batch),
+    row=row,
+    log_every=c.log_every,
+    log_last=True,
+    checkpoint_every=c.checkpoint_every,
+  )
+  initial = mean_loss(cfg, params, adapter, test, c.batch_size)
   if on_log is None:
 
     def on_log(row):
       print(
-        f"restorekv: [{int(row[0]):5d}/{max_steps}] KL {row[1]:.4f} (test {row[2]:.4f})", flush=True
+        f"restorekv: [{int(row[0]):5d}/{c.max_steps}] KL {row[1]:.4f} (test {row[2]:.4f})",
+        flush=True,
       )
 
-  order = None
-  for i in range(start, max_steps):
-    epoch, split = divmod(i, n_split)
-    if order is None or split == 0:
-      order = np.random.default_rng([seed, epoch]).permutation(len(ctx))
-    b = np.sort(order[split * batch_size : (split + 1) * batch_size])
-    adapter, state, train_loss = step_fn(adapter, state, ctx[b], cont[b], keep[:, b])
-    row = None
-    if i % log_every == 0 or i + 1 == max_steps:
-      row = (float(i), float(train_loss), mean_loss(cfg, params, adapter, test, batch_size))
-      history.append(row)
-    if mngr is not None and ((i + 1) % checkpoint_every == 0 or i + 1 == max_steps):
-      item = {"adapter": adapter, "opt_state": state, "history": np.asarray(history, np.float64)}
-      mngr.save(i + 1, args=ocp.args.StandardSave(item))
-      mngr.wait_until_finished()
-    if row is not None:
-      on_log(row)
-  if mngr is not None:
-    mngr.close()
-  return AdapterTraining(adapter, tuple(history), initial)
+  run = training.run(
+    loop,
+    adapter,
+    opt.init(adapter),
+    checkpoint_dir=checkpoint_dir,
+    record={**c.record(), "data_shape": [list(a.shape) for a in (ctx, cont, keep)]},
+    on_log=on_log,
+  )
+  return AdapterTraining(run.params, run.history, initial)
 
 
 # --------------------------------------------------------------------------- files
@@ -888,3 +870,133 @@ def trained_fraction(adapter: Adapter, params: dict) -> float:
   trained = sum(int(np.size(v)) for v in _arrays(adapter).values())
   total = sum(int(np.size(v)) for v in jax.tree.leaves(params))
   return trained / total
+
+
+# --------------------------------------------------------------------------- the experiment
+
+
+def restore_timings(c, cfg: ModelConfig, params: dict, adapter: Adapter, row, template) -> dict:
+  """The restore pass (a prefill and the ``N`` tokens) against KVzip's reconstruction evidence.
+
+  Args:
+    c: the settings (``chunk_size``, ``n_sink``, ``plus``: KVzip's).
+    cfg: the model's config.
+    params: the parameter pytree.
+    adapter: the :class:`Adapter`.
+    row: one context ``[T]``.
+    template: KVzip's reconstruction prompt.
+
+  Returns:
+    ``{"tokens", "restore_pass_s", "kvzip_evidence_s"}``.
+  """
+  ids = jnp.asarray(row[None])
+  restore = jax.jit(lambda p, a, x: restore_kv(cfg, p, a, llama.prefill(cfg, p, x)))
+  _, t_restore = training.timed(lambda: restore(params, adapter, ids))
+  _, t_kvzip = training.timed(
+    lambda: kvzip_evidence(
+      cfg, params, row, template, chunk_size=c.chunk_size, n_sink=c.n_sink, plus=c.plus
+    )
+  )
+  return {"tokens": int(row.size), "restore_pass_s": t_restore, "kvzip_evidence_s": t_kvzip}
+
+
+def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate, source: str):
+  """RestoreKV's adapter of ``python -m experiments.restorekv`` (one process).
+
+  Each row is a context of ``template.prefix_length + c.length`` tokens and the continuation
+  after it; the first ``c.rows`` rows train, the others test. The self-distillation examples
+  (:func:`training_data`: KVzip's kept pairs at ``c.ratio``, fixed once) are built part by part
+  and saved (``data/*.npz``, :func:`kvjax.model.training.cached_parts`): the training and test
+  examples with ``c.tokens`` restore tokens, and the test examples of KVzip alone over the whole
+  budget (the baseline RestoreKV must beat at equal memory). The adapter trains with orbax
+  checkpoints (``checkpoints/``, :func:`train_adapter`); ``restorekv_adapter.npz`` and
+  ``results.json`` (the test KL of the untrained and the trained adapter and of KVzip alone,
+  the loss curve, the time of the restore pass against KVzip's reconstruction) are written and
+  summarised on stdout. Killed, the same call resumes.
+
+  Args:
+    c: the settings (``configs/restorekv.py``): ``workdir``, ``model``, ``dtype``, ``rows``,
+      ``length``, ``continuation``, ``batch_rows``, ``ratio``, ``chunk_size``, ``n_sink``,
+      ``plus``, ``prefix``, ``suffix`` and the :class:`AdapterConfig` fields.
+    cfg: the model's config.
+    params: the parameter pytree.
+    rows: the text rows ``[rows + test rows, header + length + continuation]``
+      (:func:`kvjax.model.reconstruction.kvzip_corpus`).
+    template: KVzip's reconstruction prompt.
+    source: where the text comes from (kept in the files).
+
+  Returns:
+    The results (``results.json``).
+
+  Raises:
+    ValueError: for a refused ``workdir`` (:func:`kvjax.rundir.check_workdir`), saved data or
+      checkpoints of other settings, or bad :class:`AdapterConfig` fields.
+  """
+  workdir = rundir.check_workdir(c.workdir)
+  config = AdapterConfig.from_settings(c)
+  workdir.mkdir(parents=True, exist_ok=True)
+  context = template.prefix_length + c.length
+  names = ("model", "dtype", "rows", "length", "continuation", "batch_rows", "ratio", "tokens")
+  names += ("chunk_size", "n_sink", "plus", "prefix", "suffix")
+  identity = {k: getattr(c, k) for k in names} | {"rows_sum": int(np.sum(rows))}
+
+  def examples(part_rows, tokens: int, name: str):
+    """The self-distillation examples of ``part_rows``, part by part, each part saved."""
+
+    def part(i):
+      return training_data(
+        cfg,
+        params,
+        part_rows[i : i + c.batch_rows],
+        template,
+        context=context,
+        ratio=c.ratio,
+        tokens=tokens,
+        chunk_size=c.chunk_size,
+        n_sink=c.n_sink,
+        plus=c.plus,
+      )
+
+    names = {"context": 0, "continuation": 0, "keep": 1}
+    data = training.cached_parts(
+      workdir / "data", len(part_rows), c.batch_rows, part, names,
+      prefix=name, identity=identity, label=f"{name}: rows",
+    )  # fmt: skip
+    return tuple(data[k] for k in names)
+
+  train_rows, test_rows = rows[: c.rows], rows[c.rows :]
+  t0 = time.perf_counter()
+  train = examples(train_rows, c.tokens, "train")
+  test = examples(test_rows, c.tokens, "test")
+  baseline = examples(test_rows, 0, "kvzip")
+  spent = {"data": round(time.perf_counter() - t0, 2)}
+  print(f"examples: {len(train[0])} train, {len(test[0])} test; context {context} tokens")
+  t0 = time.perf_counter()
+  trained = train_adapter(
+    cfg, params, train, config, test=test, checkpoint_dir=workdir / "checkpoints"
+  )
+  spent["training"] = round(time.perf_counter() - t0, 2)
+  results = {
+    "model": c.model,
+    "source": source,
+    "context_tokens": context,
+    "continuation_tokens": c.continuation,
+    "ratio": c.ratio,
+    "restore_tokens": c.tokens,
+    "rank": c.rank,
+    "trained_fraction": trained_fraction(trained.adapter, params),
+    "test_kl_untrained": trained.initial_test_loss,
+    "test_kl_trained": trained.history[-1][2],
+    "test_kl_kvzip_alone": mean_loss(cfg, params, None, baseline, c.batch_size),
+    "history": [list(r) for r in trained.history],
+    "timing": restore_timings(c, cfg, params, trained.adapter, test_rows[0, :context], template),
+    "seconds": spent,
+  }
+  meta = {k: getattr(c, k) for k in ("model", "rows", "ratio", "max_steps")}
+  meta |= {"source": source, "context": context, "test_kl": results["test_kl_trained"]}
+  save(workdir / "restorekv_adapter.npz", trained.adapter, meta)
+  (workdir / "results.json").write_text(json.dumps(results, indent=1))
+  keys = ("test_kl_untrained", "test_kl_trained", "test_kl_kvzip_alone", "trained_fraction")
+  print(json.dumps({k: results[k] for k in keys} | results["timing"]))
+  print(f"run directory: {workdir.absolute()}")
+  return results
