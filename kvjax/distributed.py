@@ -22,6 +22,9 @@ so a one-process run is as before. Then:
 * :func:`peers` turns a collective that failed because a peer died into
   :class:`PeerFailedError`, and :func:`fail_fast` makes an entry point exit at once on any error
   in a multi-process run instead of waiting on its peers;
+* :func:`run_identity` and :func:`check_same`: before any work, every process checks that it
+  holds the run identity of process 0 (the config, the code, the device count), and every
+  process stops with a ``ValueError`` naming the fields that differ;
 * :func:`fault_point` is the test-only fault injection (``KVJAX_FAULT_EXIT``).
 
 JAX's heartbeats bound how long a dead or hung peer goes unnoticed: :data:`DEFAULTS` sets them so
@@ -33,8 +36,11 @@ nothing else from kvjax.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import os
+import pathlib
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -52,7 +58,9 @@ __all__ = [
   "PEER_FAILED_EXIT_CODE",
   "PeerFailedError",
   "broadcast_json",
+  "check_same",
   "cluster",
+  "code_version",
   "fail_fast",
   "fault_point",
   "gather_arrays",
@@ -66,6 +74,7 @@ __all__ = [
   "process_mesh",
   "process_index",
   "put",
+  "run_identity",
   "settings",
   "share",
   "to_host",
@@ -532,6 +541,118 @@ def on_primary(fn: Callable[[], object], what: str):
   if shared["error"] is not None:
     raise RuntimeError(f"process {process_index()}: process 0 failed {what}: {shared['error']}")
   return shared["result"]
+
+
+# --------------------------------------------------------------------------- one run identity
+
+
+@functools.cache
+def code_version() -> str:
+  """What identifies the code a process runs: kvjax's version and a SHA-256 of its sources
+  (every ``.py`` file of the package, by relative path), so that two hosts with different
+  checkouts of one version differ too.
+
+  Returns:
+    ``"<version>+<first 16 hex digits>"``.
+  """
+  from importlib import metadata
+
+  try:
+    version = metadata.version("kvjax")
+  except metadata.PackageNotFoundError:
+    version = "unknown"
+  root = pathlib.Path(__file__).resolve().parent
+  digest = hashlib.sha256()
+  for path in sorted(root.rglob("*.py")):
+    digest.update(str(path.relative_to(root)).encode() + b"\0")
+    digest.update(path.read_bytes())
+  return f"{version}+{digest.hexdigest()[:16]}"
+
+
+def run_identity(config, *, devices: int | None = None) -> dict:
+  """A run's identity, for :func:`check_same` and for a run directory's claim: the config, the
+  code (:func:`code_version`) and, where results depend on it, the device count.
+
+  Args:
+    config: the JSON-able part of the config every process must share (a dict; the settings
+      a process may hold of its own, such as its workdir or compilation cache, left out).
+    devices: the device count the results depend on (``None``: results do not).
+
+  Returns:
+    ``{"config": ..., "code": ..., "devices": ...}`` (``devices`` only when given).
+  """
+  out = {"config": json.loads(json.dumps(config, sort_keys=True, default=str))}
+  out["code"] = code_version()
+  if devices is not None:
+    out["devices"] = int(devices)
+  return out
+
+
+def _differences(mine, theirs, path: str = "") -> list[str]:
+  """The dotted paths at which two JSON values differ (a list of another length, or a field
+  only one holds, is one difference)."""
+  if isinstance(mine, dict) and isinstance(theirs, dict):
+    out = []
+    for key in sorted(set(mine) | set(theirs), key=str):
+      where = f"{path}.{key}" if path else str(key)
+      if key not in mine or key not in theirs:
+        out.append(where)
+      else:
+        out += _differences(mine[key], theirs[key], where)
+    return out
+  if isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs):
+    out = []
+    for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+      out += _differences(a, b, f"{path}[{i}]")
+    return out
+  return [] if mine == theirs else [path or "(the whole identity)"]
+
+
+def _at(value, path: str):
+  for part in path.replace("[", ".[").split("."):
+    if not part:
+      continue
+    try:
+      value = value[int(part[1:-1])] if part.startswith("[") else value[part]
+    except (KeyError, IndexError, TypeError, ValueError):
+      return "(absent)"
+  return value
+
+
+def check_same(identity: dict, what: str = "run") -> None:
+  """Checks, before any work, that every process holds process 0's run identity (one
+  collective: every process calls it, with its own ``identity``).
+
+  Processes started with different configs (a grid of another budget, another seed) would
+  otherwise compute on different inputs and process 0 would write the others' results under
+  its own; a grid of another size would fail later with an unrelated error.
+
+  Args:
+    identity: this process's :func:`run_identity` (any JSON-able dict).
+    what: what is run, for the message ("sweep", "evaluation").
+
+  Raises:
+    ValueError: on every process, when some process's identity differs from process 0's,
+      naming the processes and the fields (dotted paths) with both values.
+  """
+  if process_count() == 1:
+    return
+  everyone = gather_json(identity, f"comparing the {what}'s identity of every process")
+  first = everyone[0]
+  for p, other in enumerate(everyone[1:], start=1):
+    differ = _differences(first, other)
+    if not differ:
+      continue
+    shown = "; ".join(
+      f"{field}: process 0 {_at(first, field)!r:.80}, process {p} {_at(other, field)!r:.80}"
+      for field in differ[:5]
+    )
+    more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+    raise ValueError(
+      f"{differ[0]}: process {p} of {len(everyone)} holds another {what} identity than process "
+      f"0, differing in {differ}{more} ({shown}); expected every process started with the same "
+      "config, code and devices: nothing was computed or written"
+    )
 
 
 # --------------------------------------------------------------------------- failures

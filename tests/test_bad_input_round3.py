@@ -7,7 +7,9 @@ import json
 import pathlib
 import time
 
+import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -320,3 +322,91 @@ def test_ruler_niah_needles_beyond_the_prompt_are_refused_at_once():
       seed=0,
       num_needle_k=400,
     )
+
+
+# --------------------------------------------------------------------------- several processes
+
+
+def test_run_identities_name_the_fields_that_differ(monkeypatch):
+  from kvjax import distributed
+
+  a = distributed.run_identity({"grid": {"budget": [8, 16]}, "seed": 0}, devices=4)
+  assert a["devices"] == 4 and a["code"] == distributed.code_version()
+  b = distributed.run_identity({"grid": {"budget": [8, 24]}, "seed": 0}, devices=4)
+  distributed.check_same(a)  # one process: nothing to compare
+  monkeypatch.setattr(distributed, "process_count", lambda: 2)
+  monkeypatch.setattr(distributed, "gather_json", lambda value, what: [a, b])
+  with pytest.raises(ValueError, match=r"config.grid.budget\[1\]: process 1 of 2 .* 16.* 24") as e:
+    distributed.check_same(a, "sweep")
+  assert "differing in ['config.grid.budget[1]']" in str(e.value)
+  monkeypatch.setattr(distributed, "gather_json", lambda value, what: [a, a])
+  distributed.check_same(a, "sweep")
+
+
+def _sweep_process(workdir, budgets, port, index):
+  import os
+  import subprocess
+  import sys
+
+  env = {k: v for k, v in os.environ.items() if not k.startswith("KVJAX_FAULT")}
+  env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+  return subprocess.Popen(
+    [
+      sys.executable,
+      "-m",
+      "experiments.sweep",
+      "--config=configs/sweep_lab.py:quick",
+      f"--config.workdir={workdir}",
+      "--noplots",
+      "--config.grid.product.policy=('snapkv',)",
+      "--config.grid.product.schedule=('uniform',)",
+      f"--config.grid.product.budget={budgets}",
+      f"--coordinator=localhost:{port}",
+      "--num_processes=2",
+      f"--process_id={index}",
+    ],
+    cwd=ROOT,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+
+
+def test_sweep_processes_given_different_grids_stop_naming_the_field(tmp_path):
+  """Process 1's grid differs from process 0's in one budget: both stop before any work, with a
+  ValueError naming the field, and nothing is written."""
+  import contextlib
+  import socket
+
+  with contextlib.closing(socket.socket()) as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  workdir = tmp_path / "run"
+  procs = [
+    _sweep_process(workdir, budgets, port, i) for i, budgets in enumerate(("(12,16)", "(12,20)"))
+  ]
+  outs = [p.communicate(timeout=240) for p in procs]
+  errors = [err for _, err in outs]
+  assert [p.returncode for p in procs] == [1, 1], [e[-2000:] for e in errors]
+  for err in errors:
+    assert "ValueError: config.grid.product.budget[1]: process 1 of 2" in err, err[-2000:]
+  assert not (workdir / "results.csv").exists()
+
+
+def test_a_sweep_resumed_on_another_device_count_says_so(tmp_path):
+  from configs import sweep_lab
+  from kvjax.lab import sweep
+
+  config = sweep_lab.get_config("quick")
+  config.grid.product = ml_collections.ConfigDict(
+    dict(policy=("snapkv",), schedule=("uniform",), budget=(16,))
+  )
+  logs = []
+  sweep.run(config, tmp_path, log=logs.append, progress=False)
+  claim = json.loads((tmp_path / "sweep.json").read_text())
+  n = jax.device_count()
+  assert claim["devices"] == n and not any("resuming a run" in line for line in logs)
+  (tmp_path / "sweep.json").write_text(json.dumps(claim | {"devices": n + 3}))
+  table = sweep.run(config, tmp_path, log=logs.append, progress=False)
+  assert len(table) == 1 and f"resuming a run of {n + 3} devices on {n}" in "\n".join(logs)

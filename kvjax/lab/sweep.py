@@ -157,6 +157,7 @@ __all__ = [
   "run",
   "scores_and_table",
   "scores_key",
+  "shared_identity",
   "single_config_fn",
   "sort_depth",
   "stack_data",
@@ -590,13 +591,40 @@ def _check_finite(rows: list[dict]) -> None:
       )
 
 
+def shared_identity(config) -> dict:
+  """What every process of one sweep must hold alike (:func:`kvjax.distributed.check_same`):
+  the fields of :func:`grid_signature` and ``chunk_size`` (it sets the gathers every process
+  joins), with the code and the device count (:func:`kvjax.distributed.run_identity`). The
+  workdir and the compilation cache may differ by host.
+
+  Args:
+    config: the sweep config.
+
+  Returns:
+    The identity.
+  """
+  fields = json.loads(grid_signature(config)) | {"chunk_size": config.chunk_size}
+  return distributed.run_identity(fields, devices=jax.device_count())
+
+
 def _claim_and_read(config, out: pathlib.Path, ids: list[str], log, columns) -> list[int]:
   """Process 0's part of a run's start, holding the lock: claims ``out``, repairs its
   ``results.csv`` (of ``columns``) and returns the indices (into ``ids``) of the configurations
   left to run."""
   path = out / "results.csv"
-  # chunk_size and compilation_cache are outside the signature: they change no result
-  rundir.claim(out, "sweep.json", grid_signature(config), has_results=rundir.holds_data(path))
+  # chunk_size and compilation_cache are outside the signature: they change no result. The
+  # device count is recorded but outside the identity: a resume on another count is reported,
+  # its rows may differ from the first run's in the last float32 digit
+  devices = jax.device_count()
+  before = rundir.read_claim(out / "sweep.json")
+  text = rundir.signature(json.loads(grid_signature(config)) | {"devices": devices})
+  has_results = rundir.holds_data(path)
+  rundir.claim(out, "sweep.json", text, has_results=has_results, not_identity=("devices",))
+  if has_results and before is not None and before.get("devices", devices) != devices:
+    log(
+      f"sweep: resuming a run of {before['devices']} devices on {devices}: the new rows may "
+      "differ from the first run's in the last float32 digit (reductions split otherwise)"
+    )
   (out / "config.json").write_text(config.to_json_best_effort(indent=2))
   table, dropped = rundir.repair_rows(
     path,
@@ -630,12 +658,15 @@ def run(
   (:func:`kvjax.rundir.lock`): a second run into the same ``workdir`` raises
   :class:`kvjax.rundir.WorkdirLockedError` after waiting up to ``lock_timeout`` seconds. The
   directory's ``sweep.json`` (:func:`grid_signature`) must match, and results without it are
-  refused (:func:`kvjax.rundir.claim`). On resume the invalid lines of ``results.csv`` (cut
+  refused (:func:`kvjax.rundir.claim`); it records the device count too, outside the identity:
+  a resume on another count is logged (its rows may differ in the last float32 digit). On resume the invalid lines of ``results.csv`` (cut
   short, non-finite metrics, repeated headers or configurations) are removed and their
   configurations run again.
 
   In a run of several processes (:func:`kvjax.distributed.maybe_initialize`) every process calls
-  this with the same arguments: the configurations are sharded over the devices of every
+  this with the same arguments (checked first: a process holding another config, code or
+  device count than process 0's stops every process with a ``ValueError`` naming the fields,
+  :func:`shared_identity`): the configurations are sharded over the devices of every
   process, each chunk's rows are gathered, and process 0 alone touches ``workdir`` (lock, claim,
   rows); it reads what is done and tells the others what is left. The rows equal a one-process
   run's on the same number of devices, and every process returns the whole table. A process that
@@ -643,6 +674,10 @@ def run(
   the rows written so far stay, and the same command resumes.
   """
   rundir.check_workdir(workdir)
+  rundir.require_fields(config, CONFIG_FIELDS, "configs/sweep_lab.py")
+  # every process the same config, code and devices, before any work (a process given another
+  # grid would compute other rows, which process 0 would write under its own)
+  distributed.check_same(shared_identity(config), "sweep")
   configs, engine = prepare(config)
   ids = [config_id(c) for c in configs]
   primary = distributed.is_primary()
