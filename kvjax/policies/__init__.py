@@ -6,8 +6,9 @@ sweeps, the model's ``generate``/``keep_mask``/``answer_configs``, evaluations) 
 A policy's numbers (budgets, data options) stay traced data under ``jit``/``vmap``; the choice
 of method is static Python (never ``lax.switch`` over policies under ``vmap``).
 
-* :mod:`~kvjax.policies.evidence`: :class:`Evidence` (what a policy observes) and
-  :class:`EvidenceRequest` (what it asks a prefill to compute).
+* :mod:`~kvjax.policies.evidence`: :class:`Evidence` (what a policy observes),
+  :class:`EvidenceRequest` (what it asks a prefill to compute) and the declared evidence kinds
+  (:class:`EvidenceKind`, :func:`declare_evidence`, :func:`evidence_kinds`).
 * :mod:`~kvjax.policies.base`: the protocol: :class:`Policy` (write ``score``; declare
   ``sinks`` and ``window``), :class:`WindowPolicy` (write ``score_rows``), :class:`DecodePolicy`
   (a decode-time state machine: ``init_state``, ``observe``, ``keep_scores``), and the optional
@@ -70,8 +71,11 @@ from kvjax.policies.evidence import (
   N_FUTURE,
   N_SINK,
   Evidence,
+  EvidenceKind,
   EvidenceRequest,
+  declare_evidence,
   evidence_from_qk,
+  evidence_kinds,
 )
 from kvjax.policies.expected_stats import ExpectedAttentionStats
 from kvjax.policies.fastkvzip import FastKVzip
@@ -168,6 +172,7 @@ __all__ = [
   "DuoSplit",
   "EntropyGatedChunkKV",
   "Evidence",
+  "EvidenceKind",
   "EvidenceRequest",
   "ExpectedAttention",
   "Finch",
@@ -211,7 +216,9 @@ __all__ = [
   "check_budget_counts",
   "describe",
   "doc",
+  "declare_evidence",
   "evidence_from_qk",
+  "evidence_kinds",
   "gather_slots",
   "is_registered",
   "make",
