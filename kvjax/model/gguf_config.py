@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kvjax.model.config import ModelConfig
+from kvjax.model.config import ModelConfig, check_ranges
 from kvjax.model.gguf_reader import (
   SUPPORTED_TYPES,
   TYPES,
@@ -205,7 +205,7 @@ def config_from_header(header: Header) -> ModelConfig:
     **scaling,
     **_family_fields(header, arch, num_layers, hidden, heads),
   }
-  return ModelConfig(
+  cfg = ModelConfig(
     vocab_size=vocab,
     hidden_size=hidden,
     intermediate_size=_uniform(header, f"{arch}.feed_forward_length"),
@@ -213,7 +213,9 @@ def config_from_header(header: Header) -> ModelConfig:
     num_heads=heads,
     num_kv_heads=kv_heads,
     head_dim=head_dim,
-    rms_norm_eps=metadata_float(meta, f"{arch}.attention.layer_norm_rms_epsilon", where),
+    rms_norm_eps=metadata_float(
+      meta, f"{arch}.attention.layer_norm_rms_epsilon", where, positive=True
+    ),
     rope_theta=metadata_float(meta, f"{arch}.rope.freq_base", where, 10000.0, positive=True),
     tie_word_embeddings="output.weight" not in names,
     qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
@@ -223,6 +225,26 @@ def config_from_header(header: Header) -> ModelConfig:
     max_positions=integer("context_length", None),
     **fields,
   )
+  # every field in range, named as the file names it (GGUF's window of 0 is None above)
+  check_ranges(
+    cfg, {f: f"path: GGUF file {header.path}: {arch}.{k}" for f, k in _GGUF_NAMES.items()}
+  )
+  return cfg
+
+
+# the GGUF metadata key of each ModelConfig field that check_ranges reads
+_GGUF_NAMES = {
+  "hidden_size": "embedding_length",
+  "intermediate_size": "feed_forward_length",
+  "num_layers": "block_count",
+  "num_heads": "attention.head_count",
+  "num_kv_heads": "attention.head_count_kv",
+  "head_dim": "attention.key_length",
+  "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+  "rope_theta": "rope.freq_base",
+  "sliding_window": "attention.sliding_window",
+  "rope_local_theta": "rope.local.freq_base",
+}
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
