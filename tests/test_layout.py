@@ -3,15 +3,17 @@
 Walks kvjax/ (and the entry points and notebooks) with ``ast`` and fails on an upward or sideways
 import between layers, a private name used across modules, a kvjax import inside a function, or a
 ``sys.path`` edit in an entry point. The layers, lowest first (``kvjax/__init__.py``'s docstring):
-the core (select, scores, budgets, policies), the leaves (rundir, plotting, distributed), then ``kvjax.lab``
-and ``kvjax.model`` (which never import each other), then ``kvjax.eval``.
+the core (checks, select, scores, budgets, policies, and the modules of those packages), the
+leaves (rundir, plotting, distributed), then ``kvjax.lab`` and ``kvjax.model`` (which never
+import each other), then ``kvjax.eval``.
 """
 
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CORE = {"kvjax.select", "kvjax.scores", "kvjax.budgets", "kvjax.policies"}
+CORE = {"kvjax.checks", "kvjax.select", "kvjax.scores", "kvjax.budgets", "kvjax.policies"}
+CORE_PACKAGES = ("kvjax.select.", "kvjax.scores.", "kvjax.budgets.", "kvjax.policies.")
 LEAVES = {"kvjax.rundir", "kvjax.plotting", "kvjax.distributed"}
 
 
@@ -30,7 +32,7 @@ def layer(module: str) -> tuple[int, str]:
   """``(rank, room)``: a module may import lower ranks, and its own room."""
   if module == "kvjax":
     return 1, "kvjax"  # the package re-exports the core only
-  if module in CORE or module.startswith("kvjax.policies."):
+  if module in CORE or module.startswith(CORE_PACKAGES):
     return 0, "core"
   if module in LEAVES:
     return 1, module

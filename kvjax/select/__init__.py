@@ -34,6 +34,12 @@ fall back); otherwise that entry comes from ``lax.top_k`` up to the static capac
 with the same order.
 Shape letters follow ``kvjax``'s key (``C`` capacity, ``K`` configurations); ``R`` is the rows
 (every leading axis) flattened.
+
+The package: :mod:`kvjax.select.validation` checks the inputs (in Python, and under ``jit`` with
+``checkify``) and makes the float32 keys; :mod:`kvjax.select.threshold` holds the integer keys
+and the count threshold; this module orders rows (:func:`descending_order`, whose sort path
+:func:`uses_packed_sort` decides at trace time) and selects with them: masks, ranks, slots, the
+pooled selection across heads and the checked forms.
 """
 
 from __future__ import annotations
@@ -46,204 +52,57 @@ import numpy as np
 from jax import lax
 from jax.experimental import checkify
 
+from kvjax.checks import INT32_LIMIT, is_concrete
+from kvjax.checks import counts as check_counts
+from kvjax.checks import static_int as check_static_count
+from kvjax.select.threshold import (
+  COUNT_THRESHOLD_MIN_POSITIONS,
+  TAIL_ROWS,
+  count_threshold,
+  order_keys,
+  sortable_int32,
+  uses_count_threshold,
+)
+from kvjax.select.validation import (
+  check_scores,
+  check_selection,
+  check_slots,
+  float32_scores,
+  prepare,
+  row_counts,
+)
+
 Array = jax.Array
 
-INT32_LIMIT = 2**31  # counts must satisfy 0 <= x < INT32_LIMIT before they are cast to int32
-
-
-def is_concrete(*xs) -> bool:
-  """Tells whether every value is known in Python (not traced).
-
-  A concrete value can be validated in Python; a traced one (under ``jit`` or ``vmap``) cannot.
-
-  Args:
-    *xs: the values to test (arrays, Python numbers or tracers).
-
-  Returns:
-    True when none of ``xs`` is a ``jax.core.Tracer``.
-  """
-  return not any(isinstance(x, jax.core.Tracer) for x in xs)
-
-
-def _check_scores(scores) -> None:
-  if not hasattr(scores, "ndim") or scores.ndim < 1:
-    raise ValueError(f"scores: expected an array [..., T] with at least one axis, got {scores!r}")
-  if not jnp.issubdtype(scores.dtype, jnp.floating):
-    raise ValueError(f"scores: expected a floating dtype, got {scores.dtype}")
-  if scores.shape[-1] < 1:
-    raise ValueError(f"scores: expected at least one position, got shape {scores.shape}")
-  if is_concrete(scores) and np.isnan(np.asarray(scores)).any():
-    raise ValueError("scores: contains NaN; expected finite scores (or +/-inf sentinels)")
-
-
-# float32 holds every integer up to 2**24 exactly: the largest row whose float64 scores can be
-# replaced by their ranks without two ranks meeting
-_EXACT_RANKS = 2**24
-
-
-def float32_scores(scores):
-  """Casts scores to floats whose float32 order is their own.
-
-  These are the float32 keys every selection path orders by. float16, bfloat16 and float32
-  scores convert exactly and are returned unchanged. float64 scores that convert exactly are
-  cast. Others would not keep their order in float32: finite values beyond float32's range
-  become ``+inf`` (the always-keep marker) and values closer than float32's precision become
-  ties. Each row's scores are then replaced by their dense ranks (0 for the row's lowest finite
-  score, up), ``+/-inf`` kept: the same order, ties and sentinels, so the selection is float64's
-  own. Traced float64 scores (under ``jit`` with x64 enabled) are always ranked.
-
-  Args:
-    scores: floating scores ``[..., T]`` (already checked: no NaN).
-
-  Returns:
-    float32 (or narrower) scores of the same shape and order along the last axis.
-
-  Raises:
-    ValueError: for float64 rows longer than ``2**24`` positions whose cast is inexact, where
-      float32 cannot hold distinct ranks.
-  """
-  if jnp.dtype(scores.dtype).itemsize <= 4:
-    return scores
-  if is_concrete(scores):
-    host = np.asarray(scores)
-    with np.errstate(over="ignore"):  # an overflow is what the comparison below detects
-      cast = host.astype(np.float32)
-    if np.array_equal(cast.astype(host.dtype), host):
-      return cast
-    xp = np
-  else:
-    host, xp = scores, jnp
-  if scores.shape[-1] > _EXACT_RANKS:
-    raise ValueError(
-      f"scores: float64 rows of {scores.shape[-1]} positions do not keep their order in float32 "
-      f"and are longer than the {_EXACT_RANKS} ranks float32 holds exactly; expected float32 "
-      "scores, or float64 values that float32 represents"
-    )
-  ranks = _dense_ranks(host, xp)
-  return xp.where(xp.isinf(host), host, ranks).astype(xp.float32)
-
-
-def _dense_ranks(x, xp):
-  """Each entry's place among the distinct values of its row (equal values share one), by
-  ``xp`` (numpy on the host, jax.numpy under ``jit``)."""
-  order = xp.argsort(x, axis=-1)
-  ordered = xp.take_along_axis(x, order, axis=-1)
-  steps = (ordered[..., 1:] != ordered[..., :-1]).astype(np.int32)  # -0.0 == +0.0: one value
-  dense = xp.concatenate([xp.zeros(steps.shape[:-1] + (1,), np.int32), xp.cumsum(steps, -1)], -1)
-  if xp is np:
-    out = np.empty_like(dense)
-    np.put_along_axis(out, order, dense, axis=-1)
-    return out
-  rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-  flat = jnp.zeros((rows, x.shape[-1]), jnp.int32)
-  row = jnp.arange(rows)[:, None]
-  flat = flat.at[row, order.reshape(rows, -1)].set(dense.reshape(rows, -1), unique_indices=True)
-  return flat.reshape(x.shape)
-
-
-def _object_ints(name: str, arr: np.ndarray) -> None:
-  """Python ints beyond int64 (numpy's ``object`` arrays) are out of range; anything else is not
-  an integer at all."""
-  values = list(arr.flat)
-  if values and all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-    worst = max(values, key=abs)
-    raise ValueError(f"{name}: {worst} does not fit int32; expected 0 <= {name} < 2**31")
-  raise ValueError(f"{name}: expected integer counts, got {arr.tolist()!r}")
-
-
-def check_counts(name: str, value, *, minimum: int = 0):
-  """Validates integer counts (budgets, lengths, positions) before any cast to int32.
-
-  The dtype must be an integer one (also for traced values: dtypes are static). Concrete values
-  must lie in ``[minimum, 2**31)``, so that ``np.int64(2**32 + 12)`` never wraps to 12 and
-  ``2**40`` never reaches JAX's converters.
-
-  Args:
-    name: the argument's name, quoted in error messages.
-    value: the counts: a Python int, a numpy or JAX integer array, or a tracer.
-    minimum: the smallest allowed count.
-
-  Returns:
-    A numpy array (concrete ``value``) or the tracer unchanged.
-
-  Raises:
-    ValueError: naming ``name``, for a non-integer dtype (traced or concrete), and for concrete
-      counts below ``minimum`` or not below ``2**31``.
-  """
-  if not is_concrete(value):
-    if not jnp.issubdtype(value.dtype, jnp.integer):
-      raise ValueError(f"{name}: expected an integer array, got dtype {value.dtype}")
-    return value
-  arr = np.asarray(value)
-  if arr.dtype == object:
-    _object_ints(name, arr)
-  if not np.issubdtype(arr.dtype, np.integer):
-    raise ValueError(f"{name}: expected an integer array, got dtype {arr.dtype}")
-  if arr.size:
-    low, high = int(arr.min()), int(arr.max())
-    if low < minimum:
-      expected = "non-negative counts" if minimum == 0 else f"counts >= {minimum}"
-      raise ValueError(f"{name}: expected {expected}, got minimum {low}")
-    if high >= INT32_LIMIT:
-      raise ValueError(f"{name}: {high} does not fit int32; expected 0 <= {name} < 2**31")
-  return arr
-
-
-def check_static_count(name: str, value, *, minimum: int = 1) -> int:
-  """Validates a static (Python or numpy) int in ``[minimum, 2**31)``.
-
-  Args:
-    name: the argument's name, quoted in error messages.
-    value: the count, a Python or numpy integer (not a bool, not traced).
-    minimum: the smallest allowed value.
-
-  Returns:
-    ``value`` as a Python ``int``.
-
-  Raises:
-    ValueError: for a bool, a value that is not an integer, or one outside ``[minimum, 2**31)``.
-  """
-  if isinstance(value, bool) or not isinstance(value, int | np.integer):
-    raise ValueError(f"{name}: expected a static int >= {minimum}, got {value!r}")
-  if not minimum <= value < INT32_LIMIT:
-    raise ValueError(f"{name}: expected a static int in [{minimum}, 2**31), got {value!r}")
-  return int(value)
-
-
-def _check_counts(name: str, value, batch_shape: tuple[int, ...]):
-  """Validates an integer per-row count (budget or length) and returns it as int32."""
-  value = check_counts(name, value)
-  shape = np.shape(value)
-  try:
-    np.broadcast_shapes(shape, batch_shape)
-  except ValueError:
-    raise ValueError(
-      f"{name}: shape {shape} does not broadcast to the row shape {batch_shape}"
-    ) from None
-  if len(np.broadcast_shapes(shape, batch_shape)) != len(batch_shape):
-    raise ValueError(f"{name}: shape {shape} has more axes than the rows {batch_shape}")
-  if is_concrete(value):
-    value = np.asarray(value, np.int32)
-  return jnp.broadcast_to(jnp.asarray(value).astype(jnp.int32), batch_shape)
-
-
-def _check_capacity(capacity: int, budget, length, num_positions: int) -> None:
-  if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) or capacity < 1:
-    raise ValueError(f"capacity: expected a positive static int, got {capacity!r}")
-  if capacity >= INT32_LIMIT:
-    raise ValueError(f"capacity: {capacity} does not fit int32; expected capacity < 2**31")
-  if capacity >= num_positions or not is_concrete(budget):
-    return
-  # A budget in (capacity, length) cannot be honoured exactly: refuse instead of clamping.
-  if not is_concrete(length):
-    return
-  budget, length = np.asarray(budget), np.asarray(length)
-  over = (budget > capacity) & (budget < length)
-  if over.any():
-    raise ValueError(
-      f"budget: {int(budget[over].max())} exceeds capacity={capacity} for a row of "
-      f"length {int(length[over].max())}; expected budget <= capacity or budget >= length"
-    )
+__all__ = [
+  "COUNT_THRESHOLD_MIN_POSITIONS",
+  "INT32_LIMIT",
+  "TAIL_ROWS",
+  "check_counts",
+  "check_selection",
+  "check_static_count",
+  "checked_compact",
+  "checked_keep_mask",
+  "compact",
+  "count_threshold",
+  "descending_order",
+  "descending_order_by_layer",
+  "descending_values",
+  "float32_scores",
+  "is_concrete",
+  "keep_mask",
+  "keep_mask_pooled",
+  "kept_count",
+  "order_keys",
+  "pooled_budgets",
+  "pooled_count_table",
+  "pooled_counts_from_ranks",
+  "pooled_counts_from_table",
+  "pooled_rank_table",
+  "ranks",
+  "sortable_int32",
+  "uses_packed_sort",
+]
 
 
 def _iota(shape: tuple[int, ...]) -> Array:
@@ -255,8 +114,9 @@ def uses_packed_sort() -> bool:
   """Tells whether deep orders use the packed int64 sort: on XLA:CPU only, decided at trace time.
 
   That sort is a CPU workaround (float and multi-operand sorts take XLA:CPU's slow path).
-  Elsewhere the portable two-key integer sort gives the same order. Tests patch this function
-  to run the portable path on CPU.
+  Elsewhere the portable two-key integer sort gives the same order. Every ordering path reads it
+  here at trace time, so tests patch ``kvjax.select.uses_packed_sort`` to run the portable path
+  on CPU.
 
   Returns:
     True when JAX's default backend is ``"cpu"``.
@@ -278,32 +138,6 @@ def _unsigned_zero(x: Array) -> Array:
   i = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
   i = jnp.where(i == _NEGATIVE_ZERO_BITS, jnp.zeros_like(i), i)
   return lax.bitcast_convert_type(i, jnp.float32)
-
-
-def _sortable_int32(x: Array) -> Array:
-  """An int32 whose signed order is the float32 order of ``x``, with ``-0.0 == +0.0``.
-
-  Sign-magnitude to two's complement: both zeros map to 0, where the usual ``i ^ 0x7FFFFFFF``
-  trick maps ``-0.0`` to -1, below ``+0.0``. Keys stay within ``[-(2**31 - 1), 2**31 - 1]``.
-  """
-  i = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-  magnitude = i & 0x7FFFFFFF
-  return jnp.where(i < 0, -magnitude, magnitude)
-
-
-def sortable_int32(x: Array) -> Array:
-  """Maps values to int32 keys whose signed order is their float32 order.
-
-  ``-0.0 == +0.0`` and subnormals are exact: these are the keys every selection path orders by.
-  The map is invertible except for the zero's sign.
-
-  Args:
-    x: floating array, cast to float32.
-
-  Returns:
-    int32 keys of ``x``'s shape, within ``[-(2**31 - 1), 2**31 - 1]``.
-  """
-  return _sortable_int32(x)
 
 
 def _packed_sort_order(key: Array, k: int) -> Array:
@@ -346,7 +180,7 @@ def descending_order(scores: Array, k: int) -> Array:
   num_positions = scores.shape[-1]
   if k * 8 <= num_positions or num_positions <= 256:
     return lax.top_k(_unsigned_zero(scores), k)[1].astype(jnp.int32)
-  key = _sortable_int32(scores)
+  key = sortable_int32(scores)
   if uses_packed_sort():
     return _packed_sort_order(key, k)
   return _two_key_sort_order(key, k)
@@ -370,7 +204,7 @@ def descending_values(x: Array, k: int) -> Array:
   """
   if k * 8 <= x.shape[-1] or x.shape[-1] <= 256:
     return lax.top_k(x, k)[0]
-  key = _sortable_int32(x)
+  key = sortable_int32(x)
   key = -jnp.sort(-key, axis=-1)[..., :k]  # keys lie in [-(2**31 - 1), 2**31 - 1]: no overflow
   bits = jnp.where(key < 0, (-key) | jnp.int32(-(2**31)), key)
   return lax.bitcast_convert_type(bits, jnp.float32)
@@ -391,6 +225,9 @@ def descending_order_by_layer(scores: Array, k: int) -> Array:
     int32 positions ``[L, ..., k]``, best first, as :func:`descending_order` gives them.
   """
   return jnp.concatenate([descending_order(x, k) for x in jnp.split(scores, len(scores))])
+
+
+# --------------------------------------------------------------------------- masks, ranks, slots
 
 
 def _top_positions(scores: Array, length: Array, capacity: int) -> Array:
@@ -433,136 +270,6 @@ def _rank_impl(scores: Array, length: Array, capacity: int) -> Array:
   return out_RT.reshape(batch_shape + (num_positions,))
 
 
-# The count threshold (:func:`count_threshold`) selects rows of at least this many positions: at
-# 1024 positions and capacity 128 it took 6.3 ms against the top_k path's 7.8 over 32 x 32 rows
-# (8192 positions, capacity 512: 135 against 254 ms).
-COUNT_THRESHOLD_MIN_POSITIONS = 1024
-# counts accumulate in int16 over blocks of 256 positions (2.7 ms a pass over [1024, 8192],
-# against 3.9 ms in one int16 sum per row and 23 ms in int32: XLA:CPU vectorises the former)
-_COUNT_BLOCK = 256
-# once at most this many rows are unsettled, they are gathered and bisected alone
-TAIL_ROWS = 32
-
-
-def order_keys(x: Array) -> Array:
-  """Maps values to uint32 keys in their float32 order.
-
-  These are :func:`sortable_int32`'s keys as uint32 in the same order (the sign bit flipped):
-  what :func:`count_threshold` bisects and compares, unsigned so that its midpoints never
-  overflow.
-
-  Args:
-    x: floating array, cast to float32.
-
-  Returns:
-    uint32 keys of ``x``'s shape.
-  """
-  return lax.bitcast_convert_type(_sortable_int32(x), jnp.uint32) ^ jnp.uint32(0x80000000)
-
-
-def _count_blocks(x: Array) -> Array:
-  """float32 ``x [..., T]`` as ``[..., N, block]`` for :func:`_count_at_least`, padded with
-  ``-inf``. A pad is counted only by a probe at or below the key of ``-inf``, and a row whose
-  ``lo`` ends there does not settle (:func:`count_threshold`), so pads never change a result."""
-  T = x.shape[-1]
-  pad = -T % _COUNT_BLOCK
-  if pad:
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
-  return x.reshape(x.shape[:-1] + (-1, _COUNT_BLOCK))
-
-
-def _count_at_least(x_blocks: Array, probe: Array) -> Array:
-  """int32 ``count(key(x) >= probe)`` per row, the keys recomputed in the counting pass (cheaper
-  than writing them out once: a fresh 32 MiB buffer costs 15-18 ms here)."""
-  hits = order_keys(x_blocks) >= probe[..., None, None]
-  return jnp.sum(hits, -1, dtype=jnp.int16).astype(jnp.int32).sum(-1)
-
-
-def count_threshold(masked: Array, n: Array) -> tuple[Array, Array]:
-  """Finds, per row, a key with exactly ``n`` entries at or above it.
-
-  The result ``(lo, ok)`` makes ``order_keys(masked) >= lo[..., None]`` each row's top ``n``
-  without ordering anything.
-
-  A bisection on the keys (:func:`order_keys`) keeps ``count(u >= lo) >= n > count(u > hi)``
-  and stops a row when ``count(u >= lo) == n``: one counting pass over the rows per step, until
-  ``lo`` falls between the row's ``n``-th and ``(n + 1)``-th best keys (about 20 steps for 8192
-  normal scores, 27 for the slowest of 1024 such rows; at most 32). Exact whenever it settles,
-  since the ``n`` entries at or above ``lo`` are then the top ``n`` in any tie order. Rows with
-  ``n = 0`` keep nothing and always settle.
-
-  Args:
-    masked: float scores ``[..., T]``, the positions that are not candidates set to ``-inf``.
-    n: int counts per row, broadcastable to ``masked.shape[:-1]``, in ``[0, T]``.
-
-  Returns:
-    ``(lo, ok)``: the uint32 keys ``lo`` (the row shape), and a bool scalar ``ok``, False when
-    some row (with ``n >= 1``) cannot settle: its ``n``-th and ``(n + 1)``-th best are tied (ties
-    must then go to the lower position), or ``lo`` reaches ``-inf`` (masked positions would be
-    kept).
-
-  Raises:
-    ValueError: for NaN or non-float scores (when concrete), and for counts that are negative,
-      above ``T`` or do not broadcast to the rows.
-  """
-  _check_scores(masked)
-  masked = float32_scores(masked)
-  n = _check_counts("n", n, masked.shape[:-1])
-  if is_concrete(n) and n.size and int(np.max(np.asarray(n))) > masked.shape[-1]:
-    raise ValueError(f"n: {int(np.max(np.asarray(n)))} exceeds T={masked.shape[-1]}")
-  empty = n < 1
-  shape = n.shape
-  n_R = jnp.maximum(n, 1).reshape(-1)
-  blocks = _count_blocks(masked.astype(jnp.float32))
-  blocks = blocks.reshape((-1,) + blocks.shape[-2:])
-  R = n_R.shape[0]
-  state = (
-    jnp.zeros((R,), jnp.uint32),
-    jnp.full((R,), 0xFFFFFFFF, jnp.uint32),
-    jnp.full((R,), masked.shape[-1], jnp.int32),
-  )
-  if R > 2 * TAIL_ROWS:
-    # all rows until at most TAIL_ROWS remain unsettled, then those rows alone: the last steps
-    # (a few rows whose n-th and (n + 1)-th keys are close) no longer count every row
-    state = _bisect(blocks, n_R, state, more_than=TAIL_ROWS)
-    rows = jnp.nonzero(_unsettled(n_R, *state), size=TAIL_ROWS, fill_value=R)[0]
-    tail = tuple(jnp.take(x, rows, axis=0, mode="clip") for x in state)
-    n_tail = jnp.take(n_R, rows, mode="clip")
-    tail = (*tail[:2], jnp.where(rows < R, tail[2], n_tail))  # padding rows: settled
-    tail = _bisect(jnp.take(blocks, rows, axis=0, mode="clip"), n_tail, tail)
-    state = tuple(x.at[rows].set(t, mode="drop") for x, t in zip(state, tail, strict=True))
-  else:
-    state = _bisect(blocks, n_R, state)
-  lo, _, c_lo = (x.reshape(shape) for x in state)
-  ok = ((c_lo == jnp.maximum(n, 1)) & (lo > order_keys(jnp.float32(-jnp.inf)))) | empty
-  return lo, ok.all()
-
-
-def _unsettled(n_R: Array, lo: Array, hi: Array, c_lo: Array) -> Array:
-  return (c_lo > n_R) & (lo < hi)
-
-
-def _bisect(blocks_RNB: Array, n_R: Array, state: tuple, more_than: int = 0) -> tuple:
-  """Bisection steps of :func:`count_threshold` over rows ``[R, N, block]`` while more than
-  ``more_than`` rows are unsettled. ``state``: ``(lo, hi, c_lo)`` with
-  ``count(u >= lo) = c_lo >= n > count(u > hi)``; a step counts ``u >= probe`` at the midpoint
-  and moves ``lo`` up or ``hi`` down to it."""
-
-  def step(state):
-    lo, hi, c_lo = state
-    probe = lo + ((hi - lo) >> 1) + jnp.uint32(1)  # in (lo, hi]: no uint32 overflow
-    count = _count_at_least(blocks_RNB, probe)
-    go = _unsettled(n_R, *state)
-    up, down = go & (count >= n_R), go & (count < n_R)
-    return (
-      jnp.where(up, probe, lo),
-      jnp.where(down, probe - jnp.uint32(1), hi),
-      jnp.where(up, count, c_lo),
-    )
-
-  return lax.while_loop(lambda state: _unsettled(n_R, *state).sum() > more_than, step, state)
-
-
 def _ordered_threshold(masked: Array, n: Array, k: int) -> Array:
   """Each row's top ``n`` (``0 <= n``, at most ``k``) as a comparison with its ``n``-th best
   entry, found in the row's first ``k`` in :func:`descending_order`.
@@ -570,18 +277,14 @@ def _ordered_threshold(masked: Array, n: Array, k: int) -> Array:
   With ``(key*, pos*)`` the sortable key and position of that entry, the kept set is
   ``key > key*`` plus the tied ``key == key*`` at positions ``<= pos*``: ties enter the order by
   ascending position, so the kept ties are exactly those up to the last kept one. Keys are
-  :func:`_sortable_int32` (exact integer comparisons, ``-0.0 == +0.0``, no subnormal flushing),
+  :func:`sortable_int32` (exact integer comparisons, ``-0.0 == +0.0``, no subnormal flushing),
   the order every selection path produces.
   """
   idx = descending_order(masked, k)
   last = jnp.take_along_axis(idx, jnp.clip(n - 1, 0, k - 1)[..., None], -1)
-  key = _sortable_int32(masked)
+  key = sortable_int32(masked)
   threshold = jnp.take_along_axis(key, last, -1)
   return (key > threshold) | ((key == threshold) & (_iota(masked.shape) <= last))
-
-
-def _uses_count_threshold(num_positions: int, k: int) -> bool:
-  return num_positions >= COUNT_THRESHOLD_MIN_POSITIONS and k * 8 <= num_positions
 
 
 @functools.cache
@@ -623,7 +326,7 @@ def _threshold_mask(scores: Array, budget: Array, length: Array, capacity: int) 
     masked = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
   k = min(capacity, num_positions)
   n = jnp.minimum(budget, length)
-  if _uses_count_threshold(num_positions, k):
+  if uses_count_threshold(num_positions, k):
     keep = _top_n_fn(k)(masked, n)
   else:
     keep = _ordered_threshold(masked, n, k)
@@ -635,24 +338,6 @@ def _threshold_mask(scores: Array, budget: Array, length: Array, capacity: int) 
 
 def _mask_impl(scores: Array, budget: Array, length: Array, capacity: int) -> Array:
   return _threshold_mask(scores, budget, length, capacity)
-
-
-def _prepare(scores, budget, length, capacity):
-  _check_scores(scores)
-  scores = float32_scores(scores)
-  batch_shape = scores.shape[:-1]
-  num_positions = scores.shape[-1]
-  budget = _check_counts("budget", budget, batch_shape)
-  if length is None:
-    length = jnp.full(batch_shape, num_positions, jnp.int32)
-  else:
-    length = _check_counts("length", length, batch_shape)
-    if is_concrete(length) and length.size and int(np.max(np.asarray(length))) > num_positions:
-      raise ValueError(f"length: {int(np.max(length))} exceeds T={num_positions}")
-  if capacity is None:
-    capacity = num_positions
-  _check_capacity(capacity, budget, length, num_positions)
-  return scores, budget, length, int(capacity)
 
 
 def keep_mask(scores: Array, budget, *, length=None, capacity: int | None = None) -> Array:
@@ -685,7 +370,7 @@ def keep_mask(scores: Array, budget, *, length=None, capacity: int | None = None
       in ``(capacity, length)``, which the capacity cannot honour.
   """
   full_rows = length is None
-  scores, budget, length, capacity = _prepare(scores, budget, length, capacity)
+  scores, budget, length, capacity = prepare(scores, budget, length, capacity)
   return _mask_jit(scores, budget, None if full_rows else length, capacity)
 
 
@@ -711,7 +396,7 @@ def ranks(scores: Array, *, length=None, capacity: int | None = None) -> Array:
       not integers, negative, beyond int32, above ``T`` or do not broadcast to the rows; and a
       capacity that is not a positive static int.
   """
-  scores, _, length, capacity = _prepare(scores, jnp.zeros((), jnp.int32), length, capacity)
+  scores, _, length, capacity = prepare(scores, jnp.zeros((), jnp.int32), length, capacity)
   return _rank_jit(scores, length, capacity)
 
 
@@ -741,19 +426,10 @@ def compact(scores: Array, budget, capacity: int, *, length=None) -> tuple[Array
       length above ``T``; a capacity that is not a positive static int; and concrete inputs
       whose ``min(budget, length)`` does not fit the ``capacity``.
   """
-  scores, budget, length, capacity = _prepare(scores, budget, length, capacity)
+  scores, budget, length, capacity = prepare(scores, budget, length, capacity)
   if is_concrete(budget) and is_concrete(length):
-    _check_slots(budget, length, capacity)
+    check_slots(budget, length, capacity)
   return _compact_jit(scores, budget, length, capacity)
-
-
-def _check_slots(budget, length, capacity: int) -> None:
-  need = np.minimum(np.asarray(budget), np.asarray(length))
-  if need.size and int(need.max()) > capacity:
-    raise ValueError(
-      f"capacity: {capacity} slots cannot hold {int(need.max())} kept positions "
-      "(min(budget, length)); expected capacity >= the largest budget"
-    )
 
 
 def _compact_impl(scores, budget, length, capacity):
@@ -768,8 +444,15 @@ def _compact_impl(scores, budget, length, capacity):
 
 
 _mask_jit = jax.jit(_mask_impl, static_argnames="capacity")
+
+
 _rank_jit = jax.jit(_rank_impl, static_argnames="capacity")
+
+
 _compact_jit = jax.jit(_compact_impl, static_argnames="capacity")
+
+
+# --------------------------------------------------------------------------- pooled selection
 
 
 def _flatten_heads(scores_LHT: Array) -> Array:
@@ -803,18 +486,18 @@ def keep_mask_pooled(
       broadcast to the rows; and the capacity errors of :func:`keep_mask`.
   """
   flat = _flatten_heads(scores_LHT)  # validates [..., H, T]
-  _check_scores(flat)
+  check_scores(flat)
   num_heads, num_positions = scores_LHT.shape[-2:]
   # one layer's heads compete: float64 scores keep their order over the flattened layer
   scores_LHT = float32_scores(flat).reshape(scores_LHT.shape)
   if length is not None:
-    length = _check_counts("length", length, scores_LHT.shape[:-1])
+    length = row_counts("length", length, scores_LHT.shape[:-1])
     scores_LHT = jnp.where(_iota(scores_LHT.shape) < length[..., None], scores_LHT, -jnp.inf)
     total = length.sum(-1)
   else:
     total = None
   flat = _flatten_heads(scores_LHT)
-  budget_L = _check_counts("budget", budget_L, flat.shape[:-1])
+  budget_L = row_counts("budget", budget_L, flat.shape[:-1])
   if total is not None:
     # Invalid positions carry -inf and must never be kept, so cap by the valid count.
     budget_L = jnp.minimum(budget_L, total)
@@ -843,6 +526,25 @@ def pooled_budgets(scores_LHT: Array, budget_L, *, capacity: int | None = None) 
   return keep_mask_pooled(scores_LHT, budget_L, capacity=capacity).sum(-1, dtype=jnp.int32)
 
 
+def _pooled_depth(scores_LHT: Array, max_total) -> tuple[int, int, int]:
+  """``(H, T, n_max)`` of a pooled table, ``n_max = min(max_total, H*T)``, the scores checked."""
+  check_scores(scores_LHT)
+  if scores_LHT.ndim < 2:
+    raise ValueError(f"scores: expected [..., H, T] for a pooled table, got {scores_LHT.shape}")
+  num_heads, num_positions = scores_LHT.shape[-2:]
+  return (
+    num_heads,
+    num_positions,
+    min(check_static_count("max_total", max_total), num_heads * num_positions),
+  )
+
+
+def _clipped_totals(total, n_max: int) -> Array:
+  """Pooled budgets as int32, clipped to a table's ``n_max``."""
+  total = check_counts("total", total)  # in int32 range (concrete); the clip is documented
+  return jnp.clip(jnp.asarray(total).astype(jnp.int32), 0, n_max)
+
+
 def pooled_count_table(scores_LHT: Array, max_total: int) -> Array:
   """Tabulates each head's share of every pooled budget: int32 ``[..., n_max + 1, H]``.
 
@@ -863,11 +565,7 @@ def pooled_count_table(scores_LHT: Array, max_total: int) -> Array:
     ValueError: for scores that are not floating, empty, NaN (when concrete) or with fewer than
       two axes, and a ``max_total`` that is not a static int in ``[1, 2**31)``.
   """
-  _check_scores(scores_LHT)
-  if scores_LHT.ndim < 2:
-    raise ValueError(f"scores: expected [..., H, T] for a pooled table, got {scores_LHT.shape}")
-  num_heads, num_positions = scores_LHT.shape[-2:]
-  k = min(check_static_count("max_total", max_total), num_heads * num_positions)
+  num_heads, num_positions, k = _pooled_depth(scores_LHT, max_total)
   idx = descending_order(float32_scores(_flatten_heads(scores_LHT)), k)
   onehot = jax.nn.one_hot(idx // num_positions, num_heads, dtype=jnp.int32)
   counts = jnp.cumsum(onehot, axis=-2, dtype=jnp.int32)
@@ -889,8 +587,7 @@ def pooled_counts_from_table(table: Array, total) -> Array:
     ValueError: for totals that are not integers, or (when concrete) negative or beyond int32.
   """
   n_max = table.shape[-2] - 1
-  total = check_counts("total", total)  # in int32 range (concrete); the clip is documented
-  n = jnp.clip(jnp.asarray(total).astype(jnp.int32), 0, n_max)
+  n = _clipped_totals(total, n_max)
   return jnp.take_along_axis(table, n[..., None, None], axis=-2)[..., 0, :]
 
 
@@ -915,11 +612,7 @@ def pooled_rank_table(scores_LHT: Array, max_total: int) -> Array:
       two axes; a ``max_total`` that is not a static int in ``[1, 2**31)``; and codes that do
       not fit int32: ``H * (n_max + 1) < 2**31`` is required.
   """
-  _check_scores(scores_LHT)
-  if scores_LHT.ndim < 2:
-    raise ValueError(f"scores: expected [..., H, T] for a pooled table, got {scores_LHT.shape}")
-  num_heads, num_positions = scores_LHT.shape[-2:]
-  k = min(check_static_count("max_total", max_total), num_heads * num_positions)
+  num_heads, num_positions, k = _pooled_depth(scores_LHT, max_total)
   if num_heads * (k + 1) >= INT32_LIMIT:
     raise ValueError(
       f"max_total: {max_total} gives codes up to H * (n_max + 1) = {num_heads * (k + 1)}; "
@@ -951,8 +644,7 @@ def pooled_counts_from_ranks(table: Array, total, num_heads: int) -> Array:
   """
   n_max = table.shape[-1]
   num_heads = check_static_count("num_heads", num_heads)
-  total = check_counts("total", total)  # in int32 range (concrete); the clip is documented
-  n = jnp.clip(jnp.asarray(total).astype(jnp.int32), 0, n_max)
+  n = _clipped_totals(total, n_max)
   lead = table.shape[:-1]
   n = jnp.broadcast_to(n, lead)
   start_H = jnp.arange(num_heads, dtype=jnp.int32) * (n_max + 1)
@@ -968,59 +660,6 @@ def pooled_counts_from_ranks(table: Array, total, num_heads: int) -> Array:
 # --------------------------------------------------------------------------- checked selection
 
 
-def check_selection(
-  scores: Array, budget: Array, length: Array, capacity: int, *, slots: bool
-) -> None:
-  """Adds ``checkify`` checks of a selection's data, under ``jit`` inside a ``checkify.checkify``.
-
-  Reports NaN scores, negative budgets, lengths outside ``[0, T]``, and budgets the capacity
-  cannot honour: for a mask (``slots=False``) a budget in ``(capacity, length)``, for the compact
-  form (``slots=True``) ``min(budget, length) > capacity``.
-
-  Args:
-    scores: float scores ``[..., T]``.
-    budget: the int32 per-row budgets (:func:`keep_mask`'s validated argument).
-    length: the int32 per-row lengths (:func:`keep_mask`'s validated argument).
-    capacity: static capacity of the selection.
-    slots: True for the compact form (:func:`compact`), False for a mask.
-  """
-  num_positions = scores.shape[-1]
-  nan = jnp.isnan(scores.astype(jnp.float32))
-  checkify.check(
-    ~jnp.any(nan),
-    "scores: contains {n} NaN; expected finite scores (or +/-inf sentinels)",
-    n=nan.sum(dtype=jnp.int32),
-  )
-  checkify.check(
-    jnp.all(budget >= 0),
-    "budget: expected non-negative counts, got minimum {low}",
-    low=jnp.min(budget, initial=0),
-  )
-  checkify.check(
-    jnp.all((length >= 0) & (length <= num_positions)),
-    f"length: expected counts in [0, T={num_positions}], got {{low}}..{{high}}",
-    low=jnp.min(length, initial=0),
-    high=jnp.max(length, initial=0),
-  )
-  if slots:
-    need = jnp.minimum(budget, length)
-    checkify.check(
-      jnp.all(need <= capacity),
-      f"capacity: {capacity} slots cannot hold {{need}} kept positions (min(budget, length)); "
-      "expected capacity >= the largest budget",
-      need=jnp.max(need, initial=0),
-    )
-  elif capacity < num_positions:
-    over = (budget > capacity) & (budget < length)
-    checkify.check(
-      ~jnp.any(over),
-      f"budget: {{budget}} exceeds capacity={capacity} for a row of length {{length}}; "
-      "expected budget <= capacity or budget >= length",
-      budget=jnp.max(jnp.where(over, budget, 0), initial=0),
-      length=jnp.max(jnp.where(over, length, 0), initial=0),
-    )
-
-
 def _checked_mask_impl(scores, budget, length, capacity):
   check_selection(scores, budget, length, capacity, slots=False)
   return _mask_impl(scores, budget, length, capacity)
@@ -1032,6 +671,8 @@ def _checked_compact_impl(scores, budget, length, capacity):
 
 
 _checked_mask_jit = jax.jit(checkify.checkify(_checked_mask_impl), static_argnames="capacity")
+
+
 _checked_compact_jit = jax.jit(checkify.checkify(_checked_compact_impl), static_argnames="capacity")
 
 
@@ -1058,7 +699,7 @@ def checked_keep_mask(
   Raises:
     ValueError: at once for concrete bad input, as :func:`keep_mask`.
   """
-  scores, budget, length, capacity = _prepare(scores, budget, length, capacity)
+  scores, budget, length, capacity = prepare(scores, budget, length, capacity)
   return _checked_mask_jit(scores, budget, length, capacity=capacity)
 
 
@@ -1082,9 +723,9 @@ def checked_compact(
   Raises:
     ValueError: at once for concrete bad input, as :func:`compact`.
   """
-  scores, budget, length, capacity = _prepare(scores, budget, length, capacity)
+  scores, budget, length, capacity = prepare(scores, budget, length, capacity)
   if is_concrete(budget) and is_concrete(length):
-    _check_slots(budget, length, capacity)
+    check_slots(budget, length, capacity)
   return _checked_compact_jit(scores, budget, length, capacity=capacity)
 
 
