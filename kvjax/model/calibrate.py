@@ -13,16 +13,20 @@
 This module holds Q-Filters and the query statistics and re-exports the rest, so that
 ``calibrate.X`` reaches every calibration. Every pass is a plain layer loop (``lax.scan`` over
 the stacked layers) built on the public functions of :mod:`kvjax.model.llama`, with dense
-attention: calibration prompts are short. Softmax and scores are fp32.
+attention: calibration prompts are short. Softmax and scores are fp32. :func:`experiment` is
+``python -m experiments.calibrate``'s run.
 """
 
 from __future__ import annotations
+
+import json
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import distributed
+from kvjax import distributed, rundir
 from kvjax.model import llama, passes, training
 from kvjax.model.config import ModelConfig
 from kvjax.model.duo import (  # noqa: F401 (re-exported: calibrate.X reaches every calibration)
@@ -372,3 +376,98 @@ def query_stats(
   return mean, (scatter / (N - 1)).astype(np.float32)
 
 
+# --------------------------------------------------------------------------- the experiment
+
+
+def _timed(timings: dict, name: str, fn):
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn())
+  timings[name] = round(time.perf_counter() - t0, 2)
+  print(f"{name}: {timings[name]} s")
+  return out
+
+
+def experiment(c, cfg: ModelConfig, params: dict, texts, examples, context, template) -> dict:
+  """The model-made evidence of ``python -m experiments.calibrate``: every process calls it
+  with the same arguments, process 0 writes the files.
+
+  Q-Filters' directions (:func:`qfilters`) and the query statistics (:func:`query_stats`) of
+  ``texts(qfilter_rows, qfilter_length)``, their rows shared among the processes;
+  DuoAttention's gates by each of ``duo_methods`` (:func:`duo_attention_pattern`; the official
+  training data-parallel, the proxies on process 0); KVzip's reconstruction attention of
+  ``context`` (:func:`kvzip_evidence`, process 0). Process 0 writes ``calibration.npz`` and
+  ``timings.json`` into ``workdir`` and prints the gates' summary and the run directory.
+
+  Args:
+    c: the settings (``configs/calibrate.py``).
+    cfg: the model's config.
+    params: the parameter pytree.
+    texts: ``(rows, length) -> [rows, length]`` token ids of calibration text.
+    examples: DuoAttention's ``(ids_T, label_mask_T)`` pairs (:func:`duo_examples`).
+    context: KVzip's context ids ``[T]``.
+    template: KVzip's reconstruction prompt.
+
+  Returns:
+    The evidence (``calibration.npz``'s arrays) on process 0, ``None`` on the others.
+
+  Raises:
+    ValueError: for a refused ``workdir`` (:func:`kvjax.rundir.check_workdir`).
+  """
+  workdir = rundir.check_workdir(c.workdir)  # "" would be the current directory: refused
+  primary = distributed.is_primary()
+  if primary:
+    workdir.mkdir(parents=True, exist_ok=True)
+  out, timings = {}, {}
+  rows = texts(c.qfilter_rows, c.qfilter_length)
+  out["qfilters_LGD"] = _timed(
+    timings,
+    "qfilters",
+    lambda: qfilters(
+      cfg, params, rows, num_svd_samples=c.num_svd_samples, seed=c.seed, across_processes=True
+    ),
+  )
+  # ExpectedAttentionStats: the query moments of the same rows (kvpress: 100 BookSum chapters)
+  out["stats_query_mean_LHD"], out["stats_query_cov_LHDD"] = _timed(
+    timings,
+    "query_stats",
+    lambda: query_stats(cfg, params, rows, n_sink=c.stats_n_sink, across_processes=True),
+  )
+  for method in c.duo_methods:
+    if method != "official" and not primary:  # the proxies are one cheap pass: process 0's
+      continue
+    t0 = time.perf_counter()
+    if method == "official":
+      config = DuoConfig(
+        num_steps=c.duo_steps, lr=c.duo_lr, reg_weight=c.duo_reg_weight, batch_size=c.duo_batch
+      )
+      trained = train_duo_attention(cfg, params, examples, config, across_processes=True)
+      gates = trained.alpha_LG
+      out["duo_loss"], out["duo_distill"] = trained.loss, trained.distill
+      out["duo_sink_recent"] = (trained.sink_size, trained.recent_size)
+    elif method == "kvpress_on_the_fly":
+      ids = texts(c.duo_otf_rows, c.qfilter_length)
+      gates = duo_attention_pattern(cfg, params, method=method, calibration_ids=ids)
+    else:
+      gates = duo_attention_pattern(cfg, params, examples, method=method)
+    out[f"retrieval_heads_LG_{method}"] = gates
+    timings[f"duo_{method}"] = round(time.perf_counter() - t0, 2)
+    print(f"duo_{method}: {timings[f'duo_{method}']} s")
+  if not primary:  # KVzip's evidence is one context: process 0 computes it and writes
+    return None
+  out["kvzip_context_T"] = context
+  out["reconstruction_attn_LGT"] = _timed(
+    timings,
+    "kvzip",
+    lambda: kvzip_evidence(cfg, params, context, template, chunk_size=c.kvzip_chunk_size),
+  )
+  np.savez(workdir / "calibration.npz", **{k: np.asarray(v) for k, v in out.items()})
+  facts = {"model": c.model, "timings_s": timings, "backend": jax.default_backend()}
+  facts["processes"] = distributed.process_count()
+  (workdir / "timings.json").write_text(json.dumps(facts))
+  for key in sorted(k for k in out if k.startswith("retrieval_heads_LG_")):
+    gates = np.asarray(out[key])
+    print(
+      f"{key}: {int((gates > 0.5).sum())} of {gates.size} heads above 0.5, mean {gates.mean():.3f}"
+    )
+  print(f"run directory: {workdir.absolute()}")
+  return out

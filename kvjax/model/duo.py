@@ -203,7 +203,9 @@ def _check_sizes(name: str, sizes) -> tuple[int | None, int | None]:
   if not isinstance(sizes, tuple | list) or len(sizes) != 2:
     raise ValueError(f"{name}: expected (sink_size, recent_size), got {sizes!r}")
   names = ("sink_size", "recent_size")
-  return tuple(None if v is None else training.check_int(n, v) for n, v in zip(names, sizes, strict=True))
+  return tuple(
+    None if v is None else training.check_int(n, v) for n, v in zip(names, sizes, strict=True)
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -543,5 +545,3 @@ def duo_attention_pattern(
     stream = jnp.asarray(streaming_mask(ids.shape[1], sink, recent))
     total = total + np.asarray(_distant_mass_jit(cfg, params, ids, labels, stream))
   return (total / len(data)).astype(np.float32)
-
-

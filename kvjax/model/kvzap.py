@@ -30,10 +30,10 @@ import numpy as np
 import optax
 
 from kvjax import distributed, rundir
-from kvjax.model import llama, npzfile, training
+from kvjax.model import llama, npzfile, passes, training
 from kvjax.model.config import ModelConfig
 from kvjax.model.kvgrad import value_output_norms
-from kvjax.model.reconstruction import KVzipTemplate
+from kvjax.model.reconstruction import KVzipTemplate, check_template
 from kvjax.scores import PRECISION
 
 Array = jax.Array
@@ -151,22 +151,9 @@ def kvzap_targets(
       ``template`` that is not a :class:`~kvjax.model.reconstruction.KVzipTemplate`, a
       ``prefix_length`` that leaves nothing, or an ``n_tokens`` below 1 or above the positions.
   """
-  ids = np.asarray(context_ids)
-  ids = ids[None] if ids.ndim == 1 else ids
-  if ids.ndim != 2 or ids.shape[1] == 0:
-    raise ValueError(f"context_ids: expected token ids [B, T] or [T], got shape {ids.shape}")
-  ids = llama.check_token_ids("context_ids", ids, cfg.vocab_size)
-  if not isinstance(template, KVzipTemplate):
-    raise ValueError(f"template: expected a KVzipTemplate, got {type(template).__name__}")
-  for name in ("first_ids", "suffix_ids"):
-    ids_1T = np.asarray(getattr(template, name), np.int64).reshape(1, -1)
-    llama.check_token_ids(f"template.{name}", ids_1T, cfg.vocab_size, min_len=0)
+  ids = passes.ids_2d("context_ids", context_ids, cfg)
   B, T = ids.shape
-  prefix = training.check_int("template.prefix_length", template.prefix_length, 0)
-  if prefix >= T:
-    raise ValueError(
-      f"template.prefix_length: {prefix} leaves nothing of the {T}-token context to score"
-    )
+  prefix = check_template(template, cfg, T, ("first_ids", "suffix_ids"), "score")
   n = T - prefix
   if n_tokens is not None:
     n_tokens = training.check_int("n_tokens", n_tokens)

@@ -78,6 +78,42 @@ def kvzip_template(tokenizer, *, prefix_text: str = "", suffix_text: str = "\n")
   )
 
 
+def check_template(
+  template,
+  cfg: ModelConfig,
+  T: int,
+  read=("first_ids", "later_ids", "suffix_ids"),
+  verb="reconstruct",
+) -> int:
+  """Checks a :class:`KVzipTemplate` against a model and a ``T``-token context.
+
+  Args:
+    template: the template.
+    cfg: the model's config (its vocabulary).
+    T: the context's length.
+    read: the template's id fields the caller reads (each one row, possibly empty).
+    verb: what the context's tokens after the prefix are for, for the error.
+
+  Returns:
+    ``template.prefix_length``.
+
+  Raises:
+    ValueError: for a ``template`` that is not a :class:`KVzipTemplate`, ids outside the
+      vocabulary, or a ``prefix_length`` that is not an int ``>= 0`` or leaves nothing.
+  """
+  if not isinstance(template, KVzipTemplate):
+    raise ValueError(f"template: expected a KVzipTemplate, got {type(template).__name__}")
+  for name in read:
+    ids_1T = np.asarray(getattr(template, name), np.int64).reshape(1, -1)
+    llama.check_token_ids(f"template.{name}", ids_1T, cfg.vocab_size, min_len=0)
+  prefix = training.check_int("template.prefix_length", template.prefix_length, 0)
+  if prefix >= T:
+    raise ValueError(
+      f"template.prefix_length: {prefix} leaves nothing of the {T}-token context to {verb}"
+    )
+  return prefix
+
+
 def kvzip_chunks(
   context_BT: np.ndarray, template: KVzipTemplate, chunk_size: int, prev_postfix_size: int = 8
 ) -> list[tuple[int, int, np.ndarray]]:
@@ -235,17 +271,8 @@ def kvzip_evidence(
   single = np.ndim(context_ids) == 1
   chunk_size = training.check_int("chunk_size", chunk_size)
   n_sink = training.check_int("n_sink", n_sink, 0)
-  if not isinstance(template, KVzipTemplate):
-    raise ValueError(f"template: expected a KVzipTemplate, got {type(template).__name__}")
-  for name in ("first_ids", "later_ids", "suffix_ids"):  # one row, possibly empty
-    ids_1T = np.asarray(getattr(template, name), np.int64).reshape(1, -1)
-    llama.check_token_ids(f"template.{name}", ids_1T, cfg.vocab_size, min_len=0)
   B, T = ids.shape
-  prefix = training.check_int("template.prefix_length", template.prefix_length, 0)
-  if prefix >= T:
-    raise ValueError(
-      f"template.prefix_length: {prefix} leaves nothing of the {T}-token context to reconstruct"
-    )
+  check_template(template, cfg, T)
   if T <= DENSE_CONTEXT:
     keys, values = _context_kv_jit(cfg, params, jnp.asarray(ids))
   else:  # the memory-bounded prefill (tiled attention) for long contexts
@@ -339,7 +366,6 @@ def kvcompose_evidence(cfg: ModelConfig, params: dict, context_ids, prompt_ids=N
     keys, values = pre.keys, pre.values
   out = _repeat_attention_jit(cfg, params, keys, values, jnp.asarray(repeat, jnp.int32))
   return out[:, 0] if single else out
-
 
 
 # --------------------------------------------------------------------------- training text
