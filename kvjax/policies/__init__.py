@@ -8,7 +8,7 @@ of method is static Python (never ``lax.switch`` over policies under ``vmap``).
 
 * :mod:`~kvjax.policies.evidence`: :class:`Evidence` (what a policy observes),
   :class:`EvidenceRequest` (what it asks a prefill to compute) and the declared evidence kinds
-  (:class:`EvidenceKind`, :func:`declare_evidence`, :func:`evidence_kinds`).
+  (:class:`EvidenceKind`, :func:`declare_evidence`, :func:`evidence_kind`, :func:`evidence_kinds`).
 * :mod:`~kvjax.policies.base`: the protocol: :class:`Policy` (write ``score``; declare
   ``sinks`` and ``window``), :class:`WindowPolicy` (write ``score_rows``), :class:`DecodePolicy`
   (a decode-time state machine: ``init_state``, ``observe``, ``keep_scores``), and the optional
@@ -75,6 +75,7 @@ from kvjax.policies.evidence import (
   EvidenceRequest,
   declare_evidence,
   evidence_from_qk,
+  evidence_kind,
   evidence_kinds,
 )
 from kvjax.policies.expected_stats import ExpectedAttentionStats
@@ -218,6 +219,7 @@ __all__ = [
   "doc",
   "declare_evidence",
   "evidence_from_qk",
+  "evidence_kind",
   "evidence_kinds",
   "gather_slots",
   "is_registered",
