@@ -42,16 +42,38 @@ def forced_devices_env(count: int = 8) -> dict:
   return dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
 
 
-def full_mode() -> bool:
-  """Heavy checks run only with KVJAX_FULL=1 (CI runs the quick mode)."""
-  return os.environ.get("KVJAX_FULL", "0") == "1"
-
-
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
 
 from kvjax import model as km  # noqa: E402
+
+# CI runs the quick mode; KVJAX_FULL=1 also runs the tests marked ``@pytest.mark.slow``
+FULL = os.environ.get("KVJAX_FULL", "0") == "1"
+SLOW_REASON = "slow: runs with KVJAX_FULL=1"
+
+
+def pytest_collection_modifyitems(config, items):
+  """Skips the tests marked ``slow`` unless ``KVJAX_FULL=1``: the one place that reads the mark."""
+  if FULL:
+    return
+  skip = pytest.mark.skip(reason=SLOW_REASON)
+  for item in items:
+    if item.get_closest_marker("slow") is not None:
+      item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+  """Spreads the run over every core, one test file per worker (``-n auto --dist loadfile``),
+  where pytest-xdist is loaded and the command line chose no distribution itself; ``-p no:xdist``
+  runs in one process. (In ``addopts`` these options would be unknown without the plugin.)"""
+  if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+    return  # no plugin, or an xdist worker (which must not start workers of its own)
+  option = config.option
+  if option.numprocesses is None and not option.tx and option.dist == "no":
+    option.numprocesses = "auto"
+    option.dist = "loadfile"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -79,20 +101,31 @@ FAMILY_NAMES = (
 QUICK_FAMILIES = ("llama3_gqa_untied", "qwen3_qknorm")
 
 
+def family_params(quick: tuple[str, ...] = QUICK_FAMILIES) -> list:
+  """The :func:`family` fixture's names for ``parametrize("family", ..., indirect=True)``: the
+  families outside ``quick`` marked slow."""
+  return [
+    pytest.param(name, marks=() if name in quick else pytest.mark.slow) for name in FAMILY_NAMES
+  ]
+
+
+def family_rows(values) -> list:
+  """``(family, value)`` params of a family-by-value matrix, for ``parametrize(("family", ...),
+  ..., indirect=["family"])``: row ``i`` runs in quick mode on ``QUICK_FAMILIES[i % 2]`` only, so
+  every value and every quick family stays covered at half the cost; the other pairs are slow."""
+  rows = []
+  for name in FAMILY_NAMES:  # family by family: each loads once
+    for i, value in enumerate(values):
+      quick = name == QUICK_FAMILIES[i % len(QUICK_FAMILIES)]
+      rows.append(pytest.param(name, value, marks=() if quick else pytest.mark.slow))
+  return rows
+
+
 def quick_families_only(name: str) -> None:
-  """Skips a family-by-policy decoding check outside :data:`QUICK_FAMILIES` in quick mode."""
-  if not full_mode() and name not in QUICK_FAMILIES:
-    pytest.skip(f"{name}: decoding matrix runs on {QUICK_FAMILIES} unless KVJAX_FULL=1")
-
-
-def quick_family_for_row(name: str, row: int) -> None:
-  """In quick mode, row ``row`` of a family-by-policy matrix runs on one of
-  :data:`QUICK_FAMILIES` only, alternating: every policy and every quick family stays covered at
-  half the cost. ``KVJAX_FULL=1`` runs every family for every row."""
-  quick_families_only(name)
-  chosen = QUICK_FAMILIES[row % len(QUICK_FAMILIES)]
-  if not full_mode() and name != chosen:
-    pytest.skip(f"{name}: row {row} runs on {chosen} in quick mode unless KVJAX_FULL=1")
+  """Skips a family-by-policy check outside :data:`QUICK_FAMILIES` in quick mode, for a test that
+  takes the :func:`family` fixture's own params (``family_params()`` marks them instead)."""
+  if not FULL and name not in QUICK_FAMILIES:
+    pytest.skip(f"{name}: {SLOW_REASON} (quick mode runs {QUICK_FAMILIES})")
 
 
 @pytest.fixture(scope="module", params=FAMILY_NAMES)

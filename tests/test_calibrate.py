@@ -11,7 +11,6 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import full_mode
 
 from kvjax import model as km
 from kvjax import policies
@@ -71,9 +70,9 @@ def _kvpress_keep(scores_LGT, ratio=0.5, n_sink=4):
   return keep.reshape(s.shape)
 
 
-# the fixture's other runs (one chunk, no template, n_sink=2) run with KVJAX_FULL=1
-RUNS = ("template_chunked", "plus_chunked") + (
-  ("plain", "chunked", "sink2_template") if full_mode() else ()
+# the fixture's other runs (one chunk, no template, n_sink=2) are slow
+RUNS = ("template_chunked", "plus_chunked") + tuple(
+  pytest.param(run, marks=pytest.mark.slow) for run in ("plain", "chunked", "sink2_template")
 )
 
 

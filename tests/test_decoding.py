@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import QUICK_FAMILIES, full_mode, quick_families_only, quick_family_for_row
+from conftest import QUICK_FAMILIES, family_params, family_rows
 from hf_models import (
   NEW,
   hf_generate,
@@ -33,10 +33,9 @@ COVERING_POLICIES = [
 ]
 
 
-@pytest.mark.parametrize("policy", COVERING_POLICIES)
+@pytest.mark.parametrize(("family", "policy"), family_rows(COVERING_POLICIES), indirect=["family"])
 def test_budget_covering_the_prompt_reproduces_full_cache(family, policy):
-  name, _, model, _ = family
-  quick_family_for_row(name, COVERING_POLICIES.index(policy))
+  _, _, model, _ = family
   ids = prompt(T=40)
   full = km.generate(model, ids, max_new_tokens=NEW).tokens
   # prefill-time policies append without eviction: budget >= prompt suffices; decode-time
@@ -47,11 +46,9 @@ def test_budget_covering_the_prompt_reproduces_full_cache(family, policy):
   np.testing.assert_array_equal(out.tokens, full)
 
 
+@pytest.mark.parametrize("family", family_params(QUICK_FAMILIES[:1]), indirect=True)
 def test_left_and_right_padding_match_unpadded_rows(family):
-  name, hf, model, _ = family
-  quick_families_only(name)
-  if not full_mode() and name != QUICK_FAMILIES[0]:
-    pytest.skip(f"{name}: padding runs on {QUICK_FAMILIES[0]} unless KVJAX_FULL=1")
+  _, hf, model, _ = family
   a, b = prompt(T=40, seed=1)[0], prompt(T=31, seed=2)[0]
   solo = [km.generate(model, r[None], max_new_tokens=12).tokens[0] for r in (a, b)]
   left = np.zeros((2, 40), np.int32)
@@ -148,25 +145,28 @@ def test_keep_mask_on_a_real_prompt_matches_the_policy_and_survives_padding():
 
 # every policy that reads its window rows only through its window scorer; quick mode runs one
 # per way the scores are read (as given, by an allocator, by a budget-dependent stage, chunked,
-# by a decode-time policy)
+# by a decode-time policy), the others are slow
 WINDOW_SCORED = [
   "snapkv",
   "adakv_snapkv",
   "critical_snapkv",
   "chunkkv_snapkv",
   "tova",
-  "snapkv_kvpress",
-  "pyramidkv",
-  "adakv_pyramidkv",
-  "critical_adakv_snapkv",
-  "think_snapkv",
+  *(
+    pytest.param(name, marks=pytest.mark.slow)
+    for name in (
+      "snapkv_kvpress",
+      "pyramidkv",
+      "adakv_pyramidkv",
+      "critical_adakv_snapkv",
+      "think_snapkv",
+    )
+  ),
 ]
 
 
 @pytest.mark.parametrize("policy", WINDOW_SCORED)
 def test_window_rows_reduced_in_the_layer_scan_keep_what_the_rows_keep(policy):
-  if policy in WINDOW_SCORED[5:] and not full_mode():
-    pytest.skip("CI's quick mode checks one policy per way of reading the scores (KVJAX_FULL=1)")
   model, cfg, _ = km.load_tiny()
   rng = np.random.default_rng(3)
   ids = jnp.asarray(rng.integers(4, 200, (2, 90)), jnp.int32)
@@ -213,10 +213,9 @@ def test_policies_that_read_rows_otherwise_keep_them():
     assert policies.make(name).window_scorer() is None, name
 
 
-@pytest.mark.parametrize("question", ["in_window", "after"])
+# CI's quick mode checks the shared prefill in one question mode
+@pytest.mark.parametrize("question", [pytest.param("in_window", marks=pytest.mark.slow), "after"])
 def test_one_prefill_serves_every_policy(question):
-  if question == "in_window" and not full_mode():
-    pytest.skip("CI's quick mode checks the shared prefill in one question mode (KVJAX_FULL=1)")
   model, _, _ = km.load_tiny()
   rng = np.random.default_rng(1)
   prompt = rng.integers(4, 200, (2, 96)).astype(np.int32)
@@ -233,8 +232,24 @@ def test_one_prefill_serves_every_policy(question):
     km.answers.answer_prefilled(model, shared, [60], policy="snapkv", window=40)
 
 
-@pytest.mark.parametrize("model_name", ["tiny", "mistral_window_8"])
-def test_answers_without_a_token_loop_equal_the_token_loop(model_name, tmp_path):
+# (model, question mode, policies): on the tiny model CI's quick mode checks one mode and no
+# per-head allocation, the rest is slow; the Mistral window's own masks: one mode, two policies
+TOKEN_LOOP_RUNS = [
+  pytest.param("tiny", "after", ("full", "snapkv", "oracle"), id="tiny-after"),
+  pytest.param("tiny", "after", ("adakv_snapkv",), id="tiny-after-adakv", marks=pytest.mark.slow),
+  pytest.param(
+    "tiny",
+    "in_window",
+    ("full", "snapkv", "adakv_snapkv", "oracle"),
+    id="tiny-in_window",
+    marks=pytest.mark.slow,
+  ),
+  pytest.param("mistral_window_8", "after", ("full", "snapkv"), id="mistral_window_8-after"),
+]
+
+
+@pytest.mark.parametrize(("model_name", "question", "names"), TOKEN_LOOP_RUNS)
+def test_answers_without_a_token_loop_equal_the_token_loop(model_name, question, names, tmp_path):
   # prefill-time policies answer in one pass (teacher-forced) and greedy rounds to a fixed point;
   # random answers are wrong, so the greedy pass needs rounds; some positions are given (mqar's
   # keys); a Mistral sliding window of 8 tokens also cuts the fed tokens' own attention
@@ -250,30 +265,25 @@ def test_answers_without_a_token_loop_equal_the_token_loop(model_name, tmp_path)
   answer = rng.integers(4, vocab, (2, 6)).astype(np.int32)
   given = np.zeros(answer.shape, bool)
   given[:, 2] = True
-  cases = [
-    ("full", [T], {}),
-    ("snapkv", [6, 24], {"window": 4}),
-    ("adakv_snapkv", [24], {"window": 4}),
-    ("oracle", [8], {}),
-  ]
-  modes = ("in_window", "after")
-  if model_name != "tiny":  # the window's own masks: one mode, two policies
-    cases, modes = cases[:2], ("after",)
-  elif not full_mode():  # CI's quick mode: one mode, no per-head allocation
-    cases, modes = [cases[0], cases[1], cases[3]], ("after",)
-  for question in modes:
-    shared = km.answers.prefill_answers(
-      model, prompt_ids, answer, question_len=5, question=question, answer_given=given
+  cases = {
+    "full": ([T], {}),
+    "snapkv": ([6, 24], {"window": 4}),
+    "adakv_snapkv": ([24], {"window": 4}),
+    "oracle": ([8], {}),
+  }
+  shared = km.answers.prefill_answers(
+    model, prompt_ids, answer, question_len=5, question=question, answer_given=given
+  )
+  for policy in names:
+    budgets, options = cases[policy]
+    at_once = km.answers.answer_prefilled(model, shared, budgets, policy=policy, **options)
+    loop = km.answers.answer_prefilled(
+      model, shared, budgets, policy=policy, token_loop=True, **options
     )
-    for policy, budgets, options in cases:
-      at_once = km.answers.answer_prefilled(model, shared, budgets, policy=policy, **options)
-      loop = km.answers.answer_prefilled(
-        model, shared, budgets, policy=policy, token_loop=True, **options
-      )
-      np.testing.assert_array_equal(at_once.predicted, loop.predicted, err_msg=policy)
-      np.testing.assert_allclose(at_once.logprobs, loop.logprobs, atol=2e-5, err_msg=policy)
-      teacher = at_once.logprobs.argmax(-1)
-      assert (teacher != at_once.predicted).any(), policy  # the greedy pass needed rounds
+    np.testing.assert_array_equal(at_once.predicted, loop.predicted, err_msg=policy)
+    np.testing.assert_allclose(at_once.logprobs, loop.logprobs, atol=2e-5, err_msg=policy)
+    teacher = at_once.logprobs.argmax(-1)
+    assert (teacher != at_once.predicted).any(), policy  # the greedy pass needed rounds
 
 
 @pytest.mark.parametrize(

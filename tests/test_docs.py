@@ -10,6 +10,8 @@ import pytest
 
 from kvjax import policies
 
+pytestmark = pytest.mark.docs
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs"))
 import catalogue  # noqa: E402  (docs/catalogue.py)

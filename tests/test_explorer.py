@@ -99,6 +99,7 @@ def test_page_is_self_contained(data, tmp_path):
   assert json.loads(page[start : page.index(";\nconst $")]) == data
 
 
+@pytest.mark.docs
 @pytest.mark.skipif(
   CHROMIUM is None, reason="needs a browser: apt-get install chromium (Debian's package)"
 )

@@ -2,13 +2,14 @@
 global layers, the prefill's blocking and evidence on layers that differ."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import full_mode
 from hf_models import NEW, family_checkpoint, hf_generate, prompt, torch
+from test_model_methods import PADDED_POLICIES
 
 from kvjax import model as km
 from kvjax import policies
@@ -54,9 +55,9 @@ def test_32_greedy_tokens_match_transformers(loaded):
   np.testing.assert_array_equal(greedy_by_forward(cfg, model.params(), ids, NEW), ref)
 
 
-def test_generation_through_the_compressed_cache_matches_transformers(loaded):
-  """The full cache, and policies whose budget exceeds the prompt (nothing evicted, StreamingLLM's
-  re-indexed positions too), give transformers' greedy tokens."""
+def generation_matches_transformers(loaded, layouts: dict) -> None:
+  """The full cache, and each policy of ``layouts`` (its cache layout) with a budget above the
+  prompt (nothing evicted), give transformers' greedy tokens."""
   name, hf, model, cfg = loaded
   ids = prompt(T=40, B=1, seed=1)
   ref = hf_generate(hf, ids)
@@ -67,9 +68,6 @@ def test_generation_through_the_compressed_cache_matches_transformers(loaded):
       raise
     pytest.skip(f"{name}: the cache's decode step computes layers without their index ({e})")
   np.testing.assert_array_equal(got, ref)
-  layouts = {"streaming_llm": km.cache.Layout(reindex=True)}
-  if full_mode():
-    layouts |= {"snapkv": "kv", "h2o": "kv"}
   for policy, layout in layouts.items():
     try:
       out = km.generate(model, ids, max_new_tokens=8, policy=policy, budget=200, layout=layout)
@@ -78,6 +76,16 @@ def test_generation_through_the_compressed_cache_matches_transformers(loaded):
         raise
       continue
     np.testing.assert_array_equal(out.tokens, ref[:, :8], err_msg=policy)
+
+
+def test_generation_through_the_compressed_cache_matches_transformers(loaded):
+  """The full cache and StreamingLLM's re-indexed positions give transformers' greedy tokens."""
+  generation_matches_transformers(loaded, {"streaming_llm": km.cache.Layout(reindex=True)})
+
+
+@pytest.mark.slow
+def test_generation_through_a_kv_layout_cache_matches_transformers(loaded):
+  generation_matches_transformers(loaded, {"snapkv": "kv", "h2o": "kv"})
 
 
 def test_the_sliding_layers_really_slide():
@@ -112,10 +120,9 @@ def test_layer_windows_and_rope_follow_the_layer_types():
       call()
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+# quick mode checks Gemma 3's blocking
+@pytest.mark.parametrize("name", [pytest.param("gemma2", marks=pytest.mark.slow), "gemma3"])
 def test_blocked_prefill_and_its_evidence_on_sliding_and_global_layers(name):
-  if name != "gemma3" and not full_mode():
-    pytest.skip("quick mode checks Gemma 3's blocking; KVJAX_FULL=1 both")
   _, path = family_checkpoint(name)
   model, cfg = km.load(path)
   params = model.params()
@@ -171,46 +178,67 @@ def test_phi3_fused_projections_are_split_and_checked():
     km.loading.split_fused(cfg, bad)
 
 
+# quick mode: Gemma 3 (the family kvpress tests) and two policies; the rest of every family by
+# every policy the Llama tests pad is slow
 QUICK_POLICIES = ("snapkv", "knorm")
+POLICY_MATRIX = [
+  pytest.param(
+    name,
+    policy,
+    marks=() if name == "gemma3" and policy in QUICK_POLICIES else pytest.mark.slow,
+  )
+  for name in FAMILIES
+  for policy in PADDED_POLICIES
+]
+# the policies whose evidence a bare prompt does not give (kvjax.model.calibrate computes it)
+NEEDS_EVIDENCE = (
+  "kvzap",
+  "fastkvzip",
+  "restorekv",
+  "expected_attention_stats",
+  "kvcompose",
+  "kvcompose_unstructured",
+  "kvgrad",
+)
 
 
-def _matrix():
-  """Quick mode: :data:`QUICK_POLICIES`; ``KVJAX_FULL=1``: every policy the Llama tests pad
-  (``test_model_methods.PADDED_POLICIES``)."""
-  if not full_mode():
-    return QUICK_POLICIES
-  from test_model_methods import PADDED_POLICIES  # noqa: PLC0415
+def refusal(name: str, policy: str) -> str | None:
+  """What ``keep_mask(model, ids, policy, 40)`` on a 48-token prompt of family ``name`` raises
+  (a ``ValueError`` message's start), or ``None`` where it selects."""
+  if policy in NEEDS_EVIDENCE:
+    return f"evidence: policy '{policy}' needs"
+  if policy == "cam_knorm":  # CaM merges into a cache that evicts nothing
+    return "budget: 40 < T=48, but policy 'Full' keeps every token"
+  if policy in ("pyramidkv", "adakv_pyramidkv") and name != "phi3":
+    # the policy selects over the global layers alone, and the tiny Gemma checkpoints have one
+    return "num_layers: PyramidKV's 'legacy_floor' schedule divides by num_layers - 1"
+  return None
 
-  return PADDED_POLICIES
 
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_policies_select_on_each_family_and_a_padded_row_keeps_what_it_alone_keeps(name):
+@pytest.mark.parametrize(("name", "policy"), POLICY_MATRIX)
+def test_policies_select_on_each_family_and_a_padded_row_keeps_what_it_alone_keeps(name, policy):
   """A kept set on every layer, sliding ones included, and a left-padded row keeps what the
-  prompt alone keeps. Quick mode: Gemma 3
-  (the family kvpress tests) and two policies; ``KVJAX_FULL=1``: every family and policy."""
-  if name != "gemma3" and not full_mode():
-    pytest.skip("quick mode runs the policy matrix on Gemma 3; KVJAX_FULL=1 on every family")
+  prompt alone keeps; a policy whose evidence needs more than a bare prompt is refused, naming
+  what it needs (:func:`refusal`)."""
   _, path = family_checkpoint(name)
-  model, cfg = km.load(path)
+  model, _ = km.load(path)
   rng = np.random.default_rng(0)
   ids = (3 + rng.permutation(125)[None, :48]).astype(np.int32)  # distinct: no tied key norms
+  expected_error = refusal(name, policy)
+  if expected_error is not None:
+    with pytest.raises(ValueError, match=re.escape(expected_error)):
+      km.keep_mask(model, ids, policy, 40)
+    return
   both = np.concatenate([np.concatenate([np.zeros((1, 7), np.int32), ids], 1)] * 2, 0)
   mask = np.ones_like(both)
   mask[0, :7] = 0
-  for policy in _matrix():
-    try:
-      alone = km.keep_mask(model, ids, policy, 40)
-    except ValueError as e:  # a policy whose evidence needs more than a bare prompt
-      if "budget" in str(e) or "evidence" in str(e):
-        continue
-      raise
-    assert alone.any(-1).all(), policy
-    padded = km.keep_mask(model, both, policy, 40, attention_mask=mask)
-    np.testing.assert_array_equal(padded[:, 0, :, 7:], alone[:, 0], err_msg=policy)
+  alone = km.keep_mask(model, ids, policy, 40)
+  assert alone.any(-1).all(), policy
+  padded = km.keep_mask(model, both, policy, 40, attention_mask=mask)
+  np.testing.assert_array_equal(padded[:, 0, :, 7:], alone[:, 0], err_msg=policy)
 
 
-@pytest.mark.skipif(not full_mode(), reason="heavy: runs with KVJAX_FULL=1")
+@pytest.mark.slow
 def test_prefill_and_decode_time_policies_generate_on_phi3():
   _, path = family_checkpoint("phi3")
   model, _ = km.load(path)

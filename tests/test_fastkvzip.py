@@ -19,7 +19,6 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import full_mode
 
 import kvjax.model as km
 from kvjax import policies
@@ -411,7 +410,7 @@ def seeded_gates(L: int, d: int, G: int, R: int, seed: int = 7) -> dict:
   return {k: v.astype(np.float32) for k, v in out.items()}
 
 
-@pytest.mark.skipif(not full_mode(), reason="SmolLM2's GGUF takes ~20 s to load (KVJAX_FULL=1)")
+@pytest.mark.slow  # SmolLM2's GGUF takes ~20 s to load
 def test_smollm2_kept_set_agrees_with_kvpress(fx):
   """SmolLM2-135M-Instruct with seeded gates: kvpress's gate outputs (on the same dequantised
   weights) within 1e-4 and >= 0.99 of its kept pairs at compression_ratio 0.5, pooled and

@@ -16,7 +16,6 @@ import pathlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import full_mode
 
 gguf = pytest.importorskip("gguf")
 
@@ -28,7 +27,6 @@ from kvjax.model import gguf as kgguf  # noqa: E402
 from kvjax.model import llama as llama_lib  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
-slow = pytest.mark.skipif(not full_mode(), reason="heavy: runs with KVJAX_FULL=1")
 
 LOGIT_TOL = 1e-4
 
@@ -219,7 +217,6 @@ def test_logits_match_transformers(tmp_path, arch, qtype):
 
 
 @pytest.mark.slow
-@slow
 @pytest.mark.parametrize("arch,qtype", FULL)
 def test_logits_match_transformers_every_type(tmp_path, arch, qtype):
   check_against_transformers(tmp_path, arch, qtype)
@@ -452,7 +449,6 @@ def smollm2_pair():
 
 
 @pytest.mark.slow
-@slow
 def test_smollm2_logits_match_transformers(smollm2_pair):
   model, cfg, ref, torch = smollm2_pair
   ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 256))
@@ -463,7 +459,6 @@ def test_smollm2_logits_match_transformers(smollm2_pair):
 
 
 @pytest.mark.slow
-@slow
 def test_smollm2_greedy_tokens_match_transformers(smollm2_pair):
   from kvjax.model import tokenizer as tok_lib
 

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import full_mode
 
 import kvjax.model as km
 from kvjax import policies
@@ -33,10 +32,12 @@ RUNS = (
   "kvgrad_layerwise",
 )
 # the evidence through the model: a chunked run with a template (as a batch of two rows) and the
-# n_sink=2 run; the others (one chunk, no template; layerwise has kvgrad's evidence) with
-# KVJAX_FULL=1
-EVIDENCE_RUNS = ("kvgrad_template_chunk12", "kvgrad_sink2_template_chunk16") + (
-  ("kvgrad", "kvgrad_chunk16") if full_mode() else ()
+# n_sink=2 run; the others (one chunk, no template; layerwise has kvgrad's evidence) are slow
+EVIDENCE_RUNS = (
+  "kvgrad_template_chunk12",
+  "kvgrad_sink2_template_chunk16",
+  pytest.param("kvgrad", marks=pytest.mark.slow),
+  pytest.param("kvgrad_chunk16", marks=pytest.mark.slow),
 )
 
 

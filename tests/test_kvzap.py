@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import full_mode
 
 import kvjax.model as km
 from kvjax import policies
@@ -332,7 +331,7 @@ def test_experiment_entry_point_and_resume(tmp_path):
 # --------------------------------------------------------------------------- SmolLM2
 
 
-@pytest.mark.skipif(not full_mode(), reason="SmolLM2's GGUF takes ~20 s to load (KVJAX_FULL=1)")
+@pytest.mark.slow  # SmolLM2's GGUF takes ~20 s to load
 def test_smollm2_kept_set_agrees_with_kvpress(fx):
   """SmolLM2-135M-Instruct with the linear surrogate ``experiments/kvzap.py`` trained on it:
   kvpress's ``KVzapPress`` scores (on the same dequantised weights) and >= 0.99 of its kept

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import full_mode
 from hf_models import make_checkpoint_cached, prompt
 
 from kvjax import model as km
@@ -109,12 +108,13 @@ PADDED_POLICIES = [
 QUICK_PADDED = ("keydiff", "rkv", "expected_attention", "chunkkv_snapkv", "snapkv", "lagkv")
 
 
-@pytest.mark.parametrize("name", PADDED_POLICIES)
+@pytest.mark.parametrize(
+  "name",
+  [pytest.param(n, marks=() if n in QUICK_PADDED else pytest.mark.slow) for n in PADDED_POLICIES],
+)
 def test_a_padded_batch_row_keeps_what_the_prompt_alone_keeps(name):
   """Right padding (moved to the left inside) must not change a row's kept set: KeyDiff's
   anchor, R-KV's redundancy, ExpectedAttention's softmax and ChunkKV's chunks skip padding."""
-  if not full_mode() and name not in QUICK_PADDED:
-    pytest.skip(f"{name}: quick mode pads {QUICK_PADDED} unless KVJAX_FULL=1")
   model, _, _ = km.load_tiny()
   rng = np.random.default_rng(0)
   T, pad = 150, 37

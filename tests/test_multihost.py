@@ -25,11 +25,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from conftest import full_mode  # noqa: E402
-
 from kvjax import distributed, rundir  # noqa: E402
-
-slow = pytest.mark.skipif(not full_mode(), reason="KVJAX_FULL=1 runs the larger form")
 
 # one group (one compile), three chunks of four on four devices
 SMALL = (
@@ -324,7 +320,6 @@ def test_two_processes_match_one_and_a_death_is_bounded_and_resumed(tmp_path):
   _check_death_and_resume(tmp_path, SMALL, _rows(tmp_path / "one"), dead=1)
 
 
-@slow
 @pytest.mark.slow
 def test_a_directory_a_live_run_holds_is_refused_by_every_process(tmp_path):
   workdir = tmp_path / "held"
@@ -336,7 +331,6 @@ def test_a_directory_a_live_run_holds_is_refused_by_every_process(tmp_path):
   assert not (workdir / "results.csv").exists()
 
 
-@slow
 @pytest.mark.slow
 def test_the_quick_grid_over_two_processes_and_the_coordinators_death(tmp_path):
   one_process(tmp_path / "one", grid=())
@@ -350,7 +344,6 @@ def test_the_quick_grid_over_two_processes_and_the_coordinators_death(tmp_path):
   _check_death_and_resume(tmp_path, (), reference, dead=1)
 
 
-@slow
 @pytest.mark.slow
 def test_a_hung_peer_stops_the_survivor_within_two_minutes(tmp_path):
   """A peer that stops answering without dying (SIGSTOP) is caught by JAX's heartbeats
@@ -526,7 +519,6 @@ def test_kvzap_killed_mid_training_resumes_to_the_one_process_result(tmp_path):
     np.testing.assert_allclose(got[key], value, rtol=0, atol=MLP_ATOL, err_msg=key)
 
 
-@slow
 @pytest.mark.slow
 def test_kvzap_over_two_processes_matches_one_and_the_resumed_run(tmp_path):
   one = finish(_launch("experiments.kvzap", "configs/kvzap.py:quick", tmp_path / "one", count=1))
@@ -554,7 +546,6 @@ def test_kvzap_over_two_processes_matches_one_and_the_resumed_run(tmp_path):
 # --------------------------------------------------------------------------- training: Fast KVzip
 
 
-@slow
 @pytest.mark.slow
 def test_fastkvzip_over_two_processes_matches_one_and_the_resumed_run(tmp_path):
   config = "configs/fastkvzip.py:quick"

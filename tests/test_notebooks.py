@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-from conftest import full_mode
 
 from kvjax import policies
 
@@ -21,6 +20,8 @@ import pages  # noqa: E402  (docs/pages.py)
 nbformat = pytest.importorskip("nbformat")
 jupytext = pytest.importorskip("jupytext")
 nbclient = pytest.importorskip("nbclient")
+
+pytestmark = pytest.mark.docs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -178,10 +179,10 @@ def _quick(nb, workdir):
   return nb
 
 
+@pytest.mark.slow  # CI runs each notebook once, under papermill (below)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_in_quick_mode(path, tmp_path, monkeypatch, jax_cache):
-  if not full_mode():  # CI runs each notebook once, under papermill (below)
-    pytest.skip("nbclient run from the repository root: KVJAX_FULL=1")
+  """nbclient, from the repository root, with papermill-style parameter injection."""
   monkeypatch.setenv("MPLBACKEND", "Agg")
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(jax_cache))
   nb = _quick(nbformat.read(path, as_version=4), tmp_path / "run")

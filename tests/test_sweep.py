@@ -19,7 +19,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from conftest import forced_devices_env, full_mode  # noqa: E402
+from conftest import forced_devices_env  # noqa: E402
 
 from configs import sweep_lab  # noqa: E402
 from kvjax import budgets, policies, rundir, select  # noqa: E402
@@ -103,7 +103,12 @@ def _covering(keys: list) -> list:
   return chosen
 
 
-def test_vmapped_equals_loop_of_single_config_function():
+# quick mode: the groups in which every policy, schedule and head allocation appears; the others
+# (every triple) are slow
+@pytest.mark.parametrize(
+  "groups_of", ["covering", pytest.param("the_rest", marks=pytest.mark.slow)]
+)
+def test_vmapped_equals_loop_of_single_config_function(groups_of):
   c = quick(
     policy=("snapkv", "streaming_llm", "h2o"),
     schedule=("uniform", "pyramid", "cake"),
@@ -116,8 +121,8 @@ def test_vmapped_equals_loop_of_single_config_function():
   groups = {}
   for cfg in configs:
     groups.setdefault(sweep.group_key(cfg), []).append(cfg)
-  if not full_mode():  # quick mode: every policy, schedule and head allocation, not every triple
-    groups = {k: v for k, v in groups.items() if k in _covering(list(groups))}
+  covering = _covering(list(groups))
+  groups = {k: v for k, v in groups.items() if (k in covering) == (groups_of == "covering")}
   for key, members in groups.items():
     rows = [r for chunk in engine.evaluate(members) for r in chunk]
     single = jax.jit(
