@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import policies
+from kvjax import policies, select
 from kvjax.model import cache as cache_lib
 from kvjax.model.config import ModelConfig
 
@@ -115,16 +115,32 @@ def cache_capacity(policy: policies.Policy, budget_max: int, T: int, new: int) -
 
 
 def check_overflow(cache) -> None:
-  """Refuses a cache in which a row needed more slots than its capacity.
+  """Refuses a cache in which a row needed more slots than its capacity, or whose policy's
+  scores held NaN (a NaN cannot be ranked, so what it kept would be arbitrary).
 
   Args:
     cache: the cache (:class:`kvjax.model.cache.KVCache`).
 
   Raises:
-    RuntimeError: when a row of ``cache`` overflowed (tokens would be lost).
+    ValueError: when the policy's prompt scores held NaN for a row (its budget is
+      :data:`kvjax.model.cache.NAN_SCORES`).
+    RuntimeError: when a row of ``cache`` overflowed (tokens would be lost) or a decode-time
+      policy's ``keep_scores`` held NaN.
   """
+  budget = getattr(cache, "budget", None)
+  if budget is not None and select.is_concrete(budget):
+    bad = np.argwhere(np.asarray(budget) == cache_lib.NAN_SCORES)
+    if bad.size:
+      raise ValueError(
+        f"scores: the policy's scores held NaN at (batch row, layer, head) "
+        f"{tuple(int(i) for i in bad[0][-3:])}, which cannot be ranked; expected finite "
+        "scores (or +-inf to force a position in or out)"
+      )
   if cache.overflow is not None and bool(np.asarray(cache.overflow).any()):
-    raise RuntimeError("cache: a row needed more slots than the capacity; tokens would be lost")
+    raise RuntimeError(
+      "cache: a row needed more slots than the capacity, or a decode-time policy's "
+      "keep_scores held NaN; tokens would be lost"
+    )
 
 
 def check_new_tokens(name: str, value) -> int:

@@ -46,6 +46,7 @@ from kvjax.model import llama
 from kvjax.model.cache_layout import (
   DECODE_EVIDENCE,
   LAYOUTS,
+  NAN_SCORES,
   ROW_EVIDENCE,
   SHARED_EVIDENCE,
   CacheSpec,
@@ -77,6 +78,7 @@ from kvjax.model.recompress import recompress
 Array = jax.Array
 
 __all__ = [
+  "NAN_SCORES",
   "CacheSpec",
   "DECODE_BLOCK",
   "DECODE_EVIDENCE",
@@ -147,6 +149,8 @@ def _admit(spec: CacheSpec, slots: dict, budget_BH, pos_B):
     keep_old = spec.policy.keep_scores(
       slots.get("scores"), positions, pos_B[:, None, None], budget_BH
     )
+    # NaN keep scores cannot be ranked: the row is flagged, never evicted from arbitrarily
+    slots = dict(slots, overflow=slots["overflow"] | (jnp.isnan(keep_old) & valid).any((-2, -1)))
     keep_old = jnp.where(valid, keep_old, -jnp.inf)
     # room for the new token: keep the best `budget - 1` current slots (select.keep_mask)
     room = jnp.minimum(jnp.minimum(budget_BH, C) - 1, fill)

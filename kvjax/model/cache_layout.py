@@ -22,6 +22,9 @@ Array = jax.Array
 
 
 LAYOUTS = ("kv", "query")
+# the budget a compression records for a (layer, head) whose policy scores held NaN: the row is
+# flagged in `overflow` and check_overflow names the scores (a NaN cannot be ranked)
+NAN_SCORES = -2
 
 
 def check_layout(layout: str) -> None:

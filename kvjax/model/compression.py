@@ -18,6 +18,7 @@ from kvjax import policies, select
 from kvjax import scores as scores_lib
 from kvjax.model import llama
 from kvjax.model.cache_layout import (
+  NAN_SCORES,
   ROW_EVIDENCE,
   SHARED_EVIDENCE,
   CacheSpec,
@@ -124,6 +125,8 @@ def compress(
       # slots a sliding layer holds, as transformers' sliding-window cache does
       window = jnp.full((len(slide), H), max(cfg.sliding_window - 1, 1), jnp.int32)
       budget_LH = jnp.zeros((L, H), jnp.int32).at[glob].set(budget_g).at[slide].set(window)
+    nan_LH = (jnp.isnan(scores) & valid_T[None, None]).any(-1)
+    budget_LH = jnp.where(nan_LH, NAN_SCORES, budget_LH)  # flagged: overflow, then an error
     count = jnp.minimum(budget_LH, valid_T.sum())
     idx, kept = select.compact(scores, count, prompt_slots)
     # a decode-time policy's per-slot state (H2O's sums, TOVA's last row) of the kept slots
