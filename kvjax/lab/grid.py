@@ -257,6 +257,14 @@ def sweep_policy(key: GroupKey, data: dict | None = None) -> policies.Policy:
   return policies.make(key.policy, **options, **{k: data[k] for k in policy.data_options})
 
 
+def allocation_window(key: GroupKey) -> int:
+  """The window a group's allocators reserve in every budget: its policy's own protected window
+  (the ``window`` axis for a policy that protects its window, 0 for one that protects none), the
+  window :meth:`kvjax.policies.Policy.budgets` gives the allocator in the lab and the model."""
+  evidence = policies.Evidence(observation_window=key.window)
+  return sweep_policy(key).protected_window(evidence)
+
+
 def sweep_problem(policy: policies.Policy) -> str | None:
   """Why the sweep cannot score ``policy``, or ``None`` when it can (:func:`sweepable`)."""
   if policy.merges:

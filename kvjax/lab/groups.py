@@ -39,7 +39,7 @@ import numpy as np
 from kvjax import budgets as budgets_lib
 from kvjax import policies, select
 from kvjax.lab import online, synthetic
-from kvjax.lab.grid import DATA_FIELDS, GroupKey, allocators, sweep_policy
+from kvjax.lab.grid import DATA_FIELDS, GroupKey, allocation_window, allocators, sweep_policy
 
 Array = jax.Array
 
@@ -242,11 +242,17 @@ def generic(key: GroupKey) -> bool:
   return type(layers) not in FAST_SCHEDULES or type(heads) not in FAST_HEAD_ALLOCS
 
 
+def cake_rows(key: GroupKey, attn_LHWP: Array) -> int:
+  """The window rows CAKE's layer preference is measured on (:class:`kvjax.policies.CakeLayers`'
+  rule): the protected window's, or every observation row for a policy that protects none."""
+  return allocation_window(key) or attn_LHWP.shape[2]
+
+
 def _allocated(allocator: policies.Allocator, ev: dict, scores_LHP, budget, key, dims) -> Array:
   """``allocator(evidence, scores, budget, window)`` as an int32 ``budget_LH`` (the slow path:
   any allocator, as :class:`kvjax.policies.Layered` composes them)."""
   L, H = dims.num_layers, dims.num_heads
-  out = allocator(sweep_evidence(ev), scores_LHP, budget, key.window)
+  out = allocator(sweep_evidence(ev), scores_LHP, budget, allocation_window(key))
   try:
     return policies.as_budget_LH(out, L, H)
   except ValueError as e:
@@ -265,7 +271,7 @@ def _allocate(key: GroupKey, d: dict, shared: dict, dims, layer_cap: int) -> Arr
     return budgets_lib.headkv(
       shared["head_scores"],
       b,
-      key.window,
+      allocation_window(key),
       beta=heads.beta,
       temp=heads.temp,
       mode=heads.headkv_mode,
@@ -276,10 +282,12 @@ def _allocate(key: GroupKey, d: dict, shared: dict, dims, layer_cap: int) -> Arr
   if fast(layers, policies.Uniform):
     budget_L = jnp.full((L,), b, jnp.int32)
   elif fast(layers, policies.Pyramid):
-    budget_L = budgets_lib.pyramid(L, b, key.window, P, beta=layers.beta, mode=layers.pyramid_mode)
+    budget_L = budgets_lib.pyramid(
+      L, b, allocation_window(key), P, beta=layers.beta, mode=layers.pyramid_mode
+    )
   elif fast(layers, policies.CakeLayers):
     budget_L = budgets_lib.cake_from_statistics(
-      shared["cake_stats"], b, key.window, P, layers.tau1, layers.tau2
+      shared["cake_stats"], b, allocation_window(key), P, layers.tau1, layers.tau2
     )
   else:
     budget_L = _allocated(layers, shared["ev"], shared["scores"], b, key, dims)[:, 0]
@@ -289,7 +297,7 @@ def _allocate(key: GroupKey, d: dict, shared: dict, dims, layer_cap: int) -> Arr
     return budgets_lib.adakv(
       shared["scores"],
       budget_L,
-      key.window,
+      allocation_window(key),
       floor_alpha=heads.floor_alpha,
       normalize=heads.normalize,
       mode=heads.adakv_mode,
@@ -403,6 +411,7 @@ def make_group(
   cake = fast(layers, policies.CakeLayers)  # shares the world's CAKE statistics
   adakv = fast(heads, policies.AdaKV)  # shares the score set's pooled table
   protocol = generic(key)  # an allocator called through the protocol (it may read the scores)
+  window = allocation_window(key)
 
   def prepare(
     ev: dict,
@@ -419,7 +428,7 @@ def make_group(
     call would copy the evidence it passes through (512 MiB of window rows at L=H=32,
     P=8192)."""
     if cake and cake_stats is None:
-      cake_stats = budgets_lib.cake_statistics(ev["attn"], key.window)
+      cake_stats = budgets_lib.cake_statistics(ev["attn"], cake_rows(key, ev["attn"]))
     state = {
       "ev": ev,
       "head_scores": ev.get("head_scores"),
@@ -430,7 +439,7 @@ def make_group(
     if not per_config_scores:
       state["scores"] = _policy_scores(key, ev, None) if scores_LHP is None else scores_LHP
       if adakv and adakv_table is None:
-        adakv_table = budgets_lib.adakv_table(state["scores"], key.window, layer_cap)
+        adakv_table = budgets_lib.adakv_table(state["scores"], window, layer_cap)
       state["adakv_table"] = adakv_table if adakv else None
     return state
 
@@ -443,7 +452,7 @@ def make_group(
     if per_config_scores and adakv:
       scores = scores_of(state, d)
       state = dict(
-        state, scores=scores, adakv_table=budgets_lib.adakv_table(scores, key.window, layer_cap)
+        state, scores=scores, adakv_table=budgets_lib.adakv_table(scores, window, layer_cap)
       )
     elif per_config_scores and protocol:
       state = dict(state, scores=scores_of(state, d))
@@ -478,6 +487,8 @@ def make_group(
       "budget_L": budget_LH.mean(-1),
       # a budget past the sort depth would be silently clamped: the engine checks this flag
       "overflow": jnp.any(((budget_LH > order_cap) & ~full) | (budget_LH < 0)),
+      # a row below the policy's protected window (the engine refuses it, as a policy does)
+      "below_window": jnp.any(budget_LH < window),
     }
 
   return GroupFunctions(prepare, allocate, order, metrics)

@@ -60,6 +60,7 @@ from kvjax.lab.grid import (
   STATIC_FIELDS,
   SWEEP_EVIDENCE,
   GroupKey,
+  allocation_window,
   allocators,
   config_id,
   expand,
@@ -80,6 +81,7 @@ from kvjax.lab.groups import (
   METRICS,
   GroupFunctions,
   WorldEvidence,
+  cake_rows,
   descending_mass,
   fast,
   group_evidence,
@@ -129,12 +131,14 @@ __all__ = [
   "GroupKey",
   "ScoreSet",
   "WorldEvidence",
+  "allocation_window",
   "allocators",
   "best_per_budget",
   "check_engine_options",
   "compilation_cache_dir",
   "config_id",
   "default_compilation_cache_dir",
+  "cake_rows",
   "descending_mass",
   "enable_compilation_cache",
   "expand",
@@ -294,9 +298,11 @@ class Engine:
   def cake_statistics(self, key: GroupKey) -> tuple[Array, Array]:
     """CAKE's statistics of the world's window rows (:func:`kvjax.budgets.cake_statistics`):
     budget-free and policy-free, so computed once per world and window, for every sweep."""
-    name = (key.scenario, "cake_statistics", key.window)
+    attn = self.evidence(key)["attn"]
+    rows = cake_rows(key, attn)
+    name = (key.scenario, "cake_statistics", rows)
     if name not in self._world_state:
-      self._world_state[name] = self._cake_statistics(self.evidence(key)["attn"], key.window)
+      self._world_state[name] = self._cake_statistics(attn, rows)
     return self._world_state[name]
 
   def descending_mass(self, key: GroupKey) -> Array:
@@ -327,17 +333,24 @@ class Engine:
     table's first try are one program (:func:`scores_and_table`)."""
     dims = self.world_evidence(key.scenario).world.dims
     H, P = dims.num_heads, dims.prompt_len
-    cap = None if table_capacity is None else table_rows(table_capacity, key.window, H, P)
+    cap = (
+      None if table_capacity is None else table_rows(table_capacity, allocation_window(key), H, P)
+    )
     if cap is None:
       return ScoreSet(self.scores(key)), None
-    depth = table_depth(cap, key.window, P)
+    depth = table_depth(cap, allocation_window(key), P)
     scores, order, table, exact = self._scores_and_table(
-      sweep_policy(key), key.window, self.evidence(key), cap, depth, sort_depth(depth, P)
+      sweep_policy(key),
+      allocation_window(key),
+      self.evidence(key),
+      cap,
+      depth,
+      sort_depth(depth, P),
     )
     shared = ScoreSet(scores, order)
     if bool(exact):
       return shared, table
-    return shared, self.pooled_table(shared, key.window, cap, min(P, 2 * depth))
+    return shared, self.pooled_table(shared, allocation_window(key), cap, min(P, 2 * depth))
 
   def group_fns(self, key: GroupKey) -> dict[str, Callable]:
     """Compiled functions of the group's static structure (each compiles once)."""
@@ -457,6 +470,14 @@ class Engine:
     out = distributed.to_host(out, f"gathering the rows of group {key}")
     if np.any(out["overflow"][: len(chunk)]):
       raise RuntimeError(f"sweep: a budget exceeded the sort depth {cap} in group {key}")
+    below = np.flatnonzero(out["below_window"][: len(chunk)])
+    if below.size:  # the rule policies.Policy.check_allocation applies to every allocator
+      cfg = chunk[int(below[0])]
+      raise ValueError(
+        f"{cfg['schedule']}/{cfg['head_alloc']}: the allocation of budget {cfg['budget']} gives "
+        f"a row fewer slots than the protected window of {allocation_window(key)} of policy "
+        f"{key.policy!r}; expected every row's budget >= the window"
+      )
     return self._rows(chunk, out)
 
   def evaluate(self, members: list[dict]):

@@ -85,6 +85,14 @@ class Allocator:
 
   Subclasses implement :meth:`__call__`.
 
+  The ``window`` an allocator is given is always the policy's own protected window
+  (:meth:`kvjax.policies.Policy.protected_window`: 0 for a policy that protects none), in the
+  policy's :meth:`~kvjax.policies.Policy.budgets`, the lab, the model and the sweep alike. Its
+  output is checked (:meth:`kvjax.policies.Policy.check_allocation`): an integer ``[L, H]``
+  that gives no row of a windowed policy fewer slots than that window; the built-in allocators
+  reserve the window in every budget, so only an allocator that does not (a high
+  :class:`~kvjax.policies.PerLayer` ratio, a user's) meets the refusal.
+
   Class attributes, which a subclass sets:
 
   * ``needs``: the :class:`~kvjax.policies.Evidence` fields it reads besides the scores.
@@ -241,7 +249,9 @@ class HeadKV(Allocator):
 class CakeLayers(Allocator):
   """CAKE's layer preference from the window rows' entropy and variance.
 
-  The schedule is :func:`kvjax.budgets.cake`'s, with temperatures ``tau1`` and ``tau2`` 1.0.
+  The schedule is :func:`kvjax.budgets.cake`'s, with temperatures ``tau1`` and ``tau2`` 1.0. The
+  preference is measured on the protected window's rows; under a policy that protects no window
+  (``window`` 0) on every observation row of the evidence, with nothing reserved.
   """
 
   needs: ClassVar[frozenset[str]] = frozenset({"attn_window_LHWT"})
@@ -254,7 +264,17 @@ class CakeLayers(Allocator):
 
   def __call__(self, evidence, scores_LHT, budget, window):
     attn = evidence.need("attn_window_LHWT", "cake")
-    layer_L = budgets_lib.cake(attn, budget, window, self.tau1, self.tau2)
+    if window:
+      layer_L = budgets_lib.cake(attn, budget, window, self.tau1, self.tau2)
+    else:  # a policy that protects no window: every observation row measures, none is reserved
+      rows = attn.shape[2]
+      if rows < 2:
+        raise ValueError(
+          f"attn_window_LHWT: CAKE's variance over window queries needs >= 2 rows, got {rows}"
+        )
+      statistics = budgets_lib.cake_statistics(attn, rows)
+      T = attn.shape[-1]
+      layer_L = budgets_lib.cake_from_statistics(statistics, budget, 0, T, self.tau1, self.tau2)
     return budgets_lib.per_head(layer_L, scores_LHT.shape[1])
 
 

@@ -4,6 +4,7 @@ something, before any ``jit`` (:meth:`BudgetRules.check_budget`) and inside
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from kvjax import select
@@ -30,7 +31,7 @@ class BudgetRules:
     """
     return window + 1 if self.windowed else 1
 
-  def check_budget(self, budget, window: int, T: int | None = None) -> None:
+  def check_budget(self, budget, window: int, T: int | None = None, *, ratio=None) -> None:
     """Checks a concrete budget array that the policy must run with.
 
     Every entry point calls this one check before any ``jit``.
@@ -40,6 +41,8 @@ class BudgetRules:
       window: the protected window (:meth:`min_budget`).
       T: the prompt positions, checked for a policy that keeps every token (``None``: not
         checked).
+      ratio: the caller's ``ratio`` when ``budget`` was derived from it (the error then names
+        the ratio, the argument the caller gave); ``None``: the caller gave ``budget``.
 
     Raises:
       ValueError: a budget that is non-integer, beyond int32, below :meth:`min_budget`, or, for
@@ -52,14 +55,26 @@ class BudgetRules:
       raise ValueError(f"budget: {int(arr.max())} does not fit int32; expected < 2**31 tokens")
     floor = self.min_budget(window)
     if arr.size and arr.min() < floor:
+      low = int(arr.min())
+      if ratio is not None:
+        raise ValueError(
+          f"ratio: {ratio!r} keeps {low} tokens of a row, below the {floor} that {self.label!r} "
+          f"needs (its window of {window} and a selected token); expected a smaller ratio"
+          if self.windowed
+          else f"ratio: {ratio!r} keeps {low} tokens of a row, below the {floor} that "
+          f"{self.label!r} needs; expected a smaller ratio"
+        )
       raise ValueError(
-        f"budget: {int(arr.min())} is below {floor} for {self.label!r} "
+        f"budget: {low} is below {floor} for {self.label!r} "
         f"(every budget counts the window of {window} and needs a selected token)"
         if self.windowed
-        else self._low_budget_message(int(arr.min()), floor)
+        else self._low_budget_message(low, floor)
       )
     if T is not None and arr.size and self.allocator.keeps_all and arr.min() < T:
-      raise ValueError(self._keeps_all_message(int(arr.min()), T))
+      message = self._keeps_all_message(int(arr.min()), T)
+      if ratio is not None:
+        message = f"ratio: {ratio!r} keeps fewer than every token; " + message
+      raise ValueError(message)
 
   def _keeps_all_message(self, low: int, T: int) -> str:
     return (
@@ -68,17 +83,67 @@ class BudgetRules:
       "token policy, e.g. make('snapkv', channel_ratio=0.5)"
     )
 
-  def check_allocation(self, budget_LH) -> None:
-    """Checks a concrete allocation the policy can hold; nothing here.
+  def check_allocation(self, budget_LH, window: int | None = None) -> None:
+    """Checks a concrete allocation the policy can hold.
 
-    TOVA overrides it: one index set per layer.
+    The rule every allocator's output follows: no row of a windowed policy holds fewer slots
+    than its protected window (an allocator reserves the window in every budget, as
+    PyramidKV's schedule, Ada-KV, HeadKV and CAKE do by construction; one that does not, such
+    as :class:`~kvjax.policies.PerLayer` at a high layer ratio, is refused here rather than
+    evicting part of the window). An entry point that computed the allocation under ``jit``
+    calls this on the concrete result. TOVA overrides it (one index set per layer) and calls
+    this one.
 
     Args:
-      budget_LH: the allocation, ``[L, H]``.
+      budget_LH: the allocation, ``[..., L, H]`` (a leading row axis allowed).
+      window: the protected window; ``None``: the declared ``window`` of a windowed policy
+        (0, nothing checked, for a policy that protects none or whose window comes from the
+        evidence).
 
     Raises:
-      ValueError: (in an override) an allocation the policy cannot hold.
+      ValueError: a row of a windowed policy with fewer slots than its protected window.
     """
+    if window is None:
+      window = (self.window or 0) if self.windowed else 0
+    b = np.asarray(budget_LH)
+    if not self.windowed or not window or not b.size or b.min() >= window:
+      return
+    where = np.unravel_index(int(np.argmin(b)), b.shape)
+    at = ", ".join(f"{axis}={int(i)}" for axis, i in zip("BLH"[-len(where) :], where, strict=True))
+    raise ValueError(
+      f"allocator: {type(self.allocator).__name__} gives {at} {int(b.min())} slots, fewer than "
+      f"the protected window of {window} of policy {self.label!r}; expected every row's budget "
+      f">= {window} (a larger budget, or an allocator that reserves the window)"
+    )
+
+  def checked_budget_LH(self, budget_LH, L: int, H: int, window: int):
+    """Checks an allocator's output: an integer ``[L, H]``, and :meth:`check_allocation`'s rule
+    when concrete (under ``jit`` the entry point checks the concrete allocation).
+
+    Args:
+      budget_LH: what the allocator returned.
+      L: the layers.
+      H: the heads.
+      window: the window the allocator reserved.
+
+    Returns:
+      ``budget_LH`` as int32 ``[L, H]``.
+
+    Raises:
+      ValueError: not an integer array of shape ``[L, H]``, or a concrete one
+        :meth:`check_allocation` refuses.
+    """
+    name = type(self.allocator).__name__
+    shape, dtype = getattr(budget_LH, "shape", None), getattr(budget_LH, "dtype", None)
+    if shape is None or tuple(shape) != (L, H) or not np.issubdtype(dtype, np.integer):
+      raise ValueError(
+        f"allocator: {name} of policy {self.label!r} returned "
+        f"{f'{dtype} {tuple(shape)}' if shape is not None else repr(budget_LH)}; expected "
+        f"integer budget_LH of shape [L={L}, H={H}]"
+      )
+    if select.is_concrete(budget_LH):
+      self.check_allocation(budget_LH, window)
+    return jnp.asarray(budget_LH).astype(jnp.int32)
 
   def _low_budget_message(self, low: int, floor: int) -> str:
     return f"budget: {low} < {floor}; every row needs at least one slot"

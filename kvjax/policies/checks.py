@@ -3,7 +3,7 @@ option, the value and what was expected."""
 
 from __future__ import annotations
 
-from kvjax import select
+from kvjax import checks, select
 
 
 def check_int(key: str, value, low: int) -> None:
@@ -15,9 +15,10 @@ def check_int(key: str, value, low: int) -> None:
     low: the smallest value accepted.
 
   Raises:
-    ValueError: ``value`` is not an int (a bool is not one) or lies outside ``[low, 2**31)``.
+    ValueError: ``value`` is not an int (a numpy integer is one, a bool is not) or lies
+      outside ``[low, 2**31)``.
   """
-  if isinstance(value, bool) or not isinstance(value, int) or not low <= value < select.INT32_LIMIT:
+  if not checks.is_int(value) or not low <= value < select.INT32_LIMIT:
     raise ValueError(f"{key}: expected an int >= {low}, got {value!r}")
 
 
@@ -62,7 +63,5 @@ def check_window(value, policy: str) -> None:
   Raises:
     ValueError: ``value`` is neither ``None`` nor an int in ``[1, 2**31)``.
   """
-  if value is not None and (
-    isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < select.INT32_LIMIT
-  ):
+  if value is not None and (not checks.is_int(value) or not 1 <= value < select.INT32_LIMIT):
     raise ValueError(f"window: expected None or an int >= 1 for {policy!r}, got {value!r}")

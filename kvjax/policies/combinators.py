@@ -223,7 +223,7 @@ class Composed(Policy):
     """``n_1 .. n_{S-1}``: what each token stage but the last keeps (kvpress's counts)."""
     n, out = _valid_count(evidence, T), []
     for r in self.compression_ratios:
-      n = n_kept(n, r)
+      n = n_kept(n, r, max_n=T)
       out.append(n)
     return out
 

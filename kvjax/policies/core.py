@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import budgets as budgets_lib
+from kvjax import checks, select
 from kvjax import scores as scores_lib
-from kvjax import select
 from kvjax.policies import allocators as alloc_lib
 from kvjax.policies import protocols
 from kvjax.policies.budget_rules import BudgetRules
@@ -30,6 +30,41 @@ from kvjax.policies.observation import Observation
 from kvjax.policies.recompression import Recompression
 
 Array = jax.Array
+
+
+def check_scores(policy, scores_LHT, evidence: Evidence):
+  """Checks a policy's :meth:`Policy.score` output against the shape it promises.
+
+  The shape is static, so this runs once per trace (under ``jit`` too), not per call.
+
+  Args:
+    policy: the policy (named in the error).
+    scores_LHT: what its ``score`` returned.
+    evidence: the evidence it scored (its ``[L, H, T]``, :meth:`Evidence.positions_shape`).
+
+  Returns:
+    ``scores_LHT`` unchanged.
+
+  Raises:
+    ValueError: not a float array ``[L, H, T]`` with the evidence's ``L`` and ``T``.
+  """
+  shape = getattr(scores_LHT, "shape", None)
+  dtype = getattr(scores_LHT, "dtype", None)
+  if shape is None or len(shape) != 3 or not jnp.issubdtype(dtype, jnp.floating):
+    got = f"{type(scores_LHT).__name__} {shape} {dtype}" if shape is not None else repr(scores_LHT)
+    raise ValueError(
+      f"score: policy {policy.label!r} returned {got}; expected float scores_LHT [L, H, T]"
+    )
+  try:
+    L, _, T = evidence.positions_shape(policy.label)
+  except ValueError:  # no field sizes [L, H, T]: nothing to compare with
+    return scores_LHT
+  if shape[0] != L or shape[-1] != T:
+    raise ValueError(
+      f"score: policy {policy.label!r} returned scores of shape {tuple(shape)}; expected "
+      f"[L={L}, H, T={T}] (one score per layer, head and prompt position of the evidence)"
+    )
+  return scores_LHT
 
 
 def _pytree(cls):
@@ -111,13 +146,15 @@ class Policy(BudgetRules, Recompression, Observation, protocols.ProtocolDefaults
     if not isinstance(self.allocator, alloc_lib.Allocator):
       raise ValueError(f"allocator: expected an Allocator, got {self.allocator!r}")
     kv = self.num_kv_heads
-    if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
+    if kv is not None and (not checks.is_int(kv) or kv < 1):
       raise ValueError(f"num_kv_heads: expected a positive int or None, got {kv!r}")
     check_choice("gqa", self.gqa, scores_lib.GROUPINGS, self.label)
     if self.decode_every is not None:
       check_int("decode_every", self.decode_every, 1)
     if self.channel_ratio is not None:
       budgets_lib.check_real("channel_ratio", self.channel_ratio, low=0.0, high=1.0)
+      # a numpy or jax scalar is a valid ratio; held as a float, so the policy stays hashable
+      object.__setattr__(self, "channel_ratio", float(self.channel_ratio))
       if self.channel_ratio >= 1:
         raise ValueError(
           f"channel_ratio: expected a fraction of key channels in [0, 1), got {self.channel_ratio!r}"
@@ -173,8 +210,13 @@ class Policy(BudgetRules, Recompression, Observation, protocols.ProtocolDefaults
     return scores_LHT
 
   def scores(self, evidence: Evidence) -> Array:
-    """:meth:`score`, then :meth:`grouped`: fp32 ``[L, H, T]``."""
-    return self.grouped(self.score(evidence))
+    """:meth:`score`, then :meth:`grouped`: fp32 ``[L, H, T]``.
+
+    Raises:
+      ValueError: :meth:`score` returned something other than a float ``[L, H, T]`` of the
+        evidence's layers and positions (:func:`check_scores`).
+    """
+    return self.grouped(check_scores(self, self.score(evidence), evidence))
 
   def scores_row(self, evidence: Evidence) -> Array:
     """Scores one left-padded row (``evidence.valid_T`` set) as :meth:`scores` does.
@@ -210,13 +252,21 @@ class Policy(BudgetRules, Recompression, Observation, protocols.ProtocolDefaults
   def budgets(self, evidence: Evidence, scores_LHT: Array, budget) -> Array:
     """Turns a total budget (a scalar, ``[L]`` or ``[L, H]``) into int32 ``budget_LH``.
 
+    The allocator reserves :meth:`allocation_window` in every budget; its output is checked
+    (:meth:`~BudgetRules.checked_budget_LH`): an int ``[L, H]`` that, when concrete, gives no
+    row of a windowed policy fewer slots than its protected window.
+
     Raises:
       ValueError: a budget :meth:`~BudgetRules.check_budget`'s rules refuse (non-integer,
         beyond int32, the wrong shape or rank for the allocator; a concrete one below 1, the
-        window + 1 of a windowed policy, or ``T`` for an allocator that keeps every token).
+        window + 1 of a windowed policy, or ``T`` for an allocator that keeps every token), or
+        an allocation :meth:`~BudgetRules.checked_budget_LH` refuses.
     """
     self._check_budget(evidence, scores_LHT, budget)
-    return self.allocator(evidence, scores_LHT, budget, self.allocation_window(evidence))
+    window = self.allocation_window(evidence)
+    budget_LH = self.allocator(evidence, scores_LHT, budget, window)
+    L, H, _ = scores_LHT.shape
+    return self.checked_budget_LH(budget_LH, L, H, window)
 
   # ------------------------------------------------------------------ select
 

@@ -226,15 +226,17 @@ class TOVA(WindowPolicy, DecodePolicy):
     """The last row's attention averaged over the heads (``TOVACache``)."""
     return scores_lib.tova(attn_LHWT[:, :, -1, :])
 
-  def check_allocation(self, budget_LH) -> None:
+  def check_allocation(self, budget_LH, window: int | None = None) -> None:
     """Checks that every head of a layer has the same budget (one index set per layer).
 
     Args:
       budget_LH: the allocation, ``[L, H]``.
+      window: the protected window (:meth:`BudgetRules.check_allocation`).
 
     Raises:
       ValueError: two heads of a layer have different budgets.
     """
+    super().check_allocation(budget_LH, window)
     b = np.asarray(budget_LH)
     if (b != b[..., :1]).any():
       raise ValueError(

@@ -165,14 +165,23 @@ def register(name: str, factory, *, overwrite: bool = False) -> None:
 def unregister(name: str) -> None:
   """Removes a user's registration.
 
+  A built-in name stays: a user's registration over it (``overwrite=True``) is undone, the
+  built-in factory restored; the built-in itself cannot be removed.
+
   Args:
     name: the registered name.
 
   Raises:
-    ValueError: ``name`` is not registered.
+    ValueError: ``name`` is not registered, or is a built-in name holding its built-in factory.
   """
   if name not in REGISTRY:
     raise ValueError(f"name: {name!r} is not registered")
+  builtin = _BUILTIN_NAMES.get(name)
+  if builtin is not None:
+    if REGISTRY[name] is builtin:
+      raise ValueError(f"name: {name!r} is a built-in policy; it cannot be removed")
+    REGISTRY[name] = builtin
+    return
   del REGISTRY[name]
 
 
@@ -585,6 +594,8 @@ for _name in (
   "cam_knorm",
 ):
   REGISTRY[_name] = _wrapped(_name)
+# every name registered by kvjax itself, with its factory (unregister refuses to remove them)
+_BUILTIN_NAMES: dict[str, Callable[..., Policy]] = dict(REGISTRY)
 
 
 def doc(name: str) -> str:
