@@ -15,6 +15,7 @@ import io
 import pathlib
 import time
 
+import jax
 import numpy as np
 import pandas as pd
 
@@ -182,6 +183,11 @@ def run(config, workdir, *, log=print) -> pd.DataFrame:
   so far stay, and the same command resumes."""
   validate_config(config)
   rundir.check_workdir(workdir)
+  # every process holds process 0's config and code before any work (another seed would
+  # compute on other examples, and process 0 would write those rows as its own)
+  shared = {k: config[k] for k in config if k not in ("workdir", *NOT_IDENTITY)}
+  identity = distributed.run_identity(rundir.plain(shared), devices=jax.device_count())
+  distributed.check_same(identity, "evaluation")
   prepared = prepare(config)
   if distributed.process_count() == 1:
     with rundir.lock(workdir):
