@@ -112,7 +112,9 @@ class Searched(Allocator):
         f"{self.model!r}"
       )
     object.__setattr__(self, "path", str(self.path))
-    object.__setattr__(self, "table", tuple(np.asarray(allocation).tolist()))
+    rows = np.asarray(allocation).tolist()  # nested tuples: the allocator stays hashable
+    table = tuple(tuple(r) if isinstance(r, list) else r for r in rows)
+    object.__setattr__(self, "table", table)
     object.__setattr__(self, "header_json", json.dumps(header, sort_keys=True))
 
   @property

@@ -25,6 +25,7 @@ import numpy as np
 from kvjax import policies, select
 from kvjax.lab import groups, synthetic
 from kvjax.model import llama
+from kvjax.policies.allocators import heads_like
 
 Array = jax.Array
 
@@ -77,7 +78,7 @@ def budget_heads(budget, heads: int) -> Array:
   budget = jnp.asarray(budget, jnp.int32)
   if budget.ndim == 1:
     return jnp.broadcast_to(budget[:, None], budget.shape + (heads,))
-  return policies.heads_like(budget, heads)
+  return heads_like(budget, heads)
 
 
 def retained_mass(table: MassTable, budget) -> Array:

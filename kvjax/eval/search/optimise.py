@@ -157,8 +157,15 @@ def ranked(fitness_K: np.ndarray, generation: int, log: Callable) -> np.ndarray:
   return np.where(bad, -np.inf, fitness_K)
 
 
+def _evosax():
+  """evosax's strategies broadcast by rank promotion (a ``[N]`` mean against ``[K, N]``): allowed
+  inside their calls, whatever the caller's setting."""
+  return jax.numpy_rank_promotion("allow")
+
+
 def _initial(es, params, seed: int, num_dims: int, generations: int) -> dict:
-  state = es.init(jax.random.key(seed), jnp.zeros((num_dims,), jnp.float32), params)
+  with _evosax():
+    state = es.init(jax.random.key(seed), jnp.zeros((num_dims,), jnp.float32), params)
   return {
     "state": state,
     "generation": jnp.asarray(0, jnp.int32),
@@ -227,11 +234,13 @@ def run(
   bar = tqdm(total=generations, initial=start, unit="gen", disable=not progress)
   for g in range(start, generations):
     ask_key, tell_key = jax.random.split(jax.random.fold_in(base_key, g))
-    pop, state = es.ask(ask_key, tree["state"], params)
+    with _evosax():
+      pop, state = es.ask(ask_key, tree["state"], params)
     fitness_K, _ = evaluate(pop)
     fit = ranked(np.asarray(fitness_K), g, log)
     told = jnp.asarray(np.where(np.isfinite(fit), -fit, WORST), jnp.float32)
-    state, _ = es.tell(tell_key, pop, told, state, params)
+    with _evosax():
+      state, _ = es.tell(tell_key, pop, told, state, params)
     tree = _after(tree, state, np.asarray(pop), fit, g)
     log(
       f"generation {g + 1}/{generations}: best {float(tree['best'][g]):.6f} "
