@@ -3,7 +3,7 @@ over KVzip's context reconstruction (kvpress 0.5.5 ``presses/kvgrad_press.py::KV
 
 :func:`kvgrad_evidence` -> ``kvgrad_LGT``, the evidence :class:`kvjax.policies.kvgrad.KVgrad`
 reads. The context is prefilled once; then, chunk by chunk (KVzip's reconstruction prompt,
-:func:`kvjax.model.calibrate.kvzip_chunks`), the model reads ``prompt + suffix + chunk`` after the
+:func:`kvjax.model.reconstruction.kvzip_chunks`), the model reads ``prompt + suffix + chunk`` after the
 cached context, and the score of each context KV pair ``c`` of the chunk at layer ``l`` is
 
   ``S_{l,c} = max_{p, r} A^l_{p,r,c} * ||W_O^{l,r} v^l_c||_2 * ||d Phi / d a^l_p||_2``
@@ -28,44 +28,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.model import llama
-from kvjax.model.calibrate import KVzipTemplate, kvzip_chunks
+from kvjax.model import llama, passes, training
 from kvjax.model.config import ModelConfig
-from kvjax.scores import PRECISION
+from kvjax.model.reconstruction import (
+  KVzipTemplate,
+  check_template,
+  chunk_allowed,
+  chunk_keys,
+  kvzip_chunks,
+  read_after_context,
+  repeat_allowed,
+  value_output_norms,  # shared with KVzip+ (reconstruction) and KVzap; kvgrad.X reaches it
+)
 
 Array = jax.Array
 
 CHUNK_SIZE, N_SINK = 512, 4  # kvpress KVgradPress's chunk_size and (KVzipPress's) n_sink
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-  return int(value)
-
-
-def _positions(B: int, T: int, start: int = 0) -> Array:
-  return jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
-
-
-def value_output_norms(cfg: ModelConfig, p: dict, v_BGND: Array) -> Array:
-  """``||W_O^h v||_2`` per query head, fp32 ``[B, Hq, N]`` (kvpress
-  ``KVzipPress._compute_value_output_norm``: each query head's slice of ``o_proj`` applied to
-  the values of its KV head, no ``o_proj`` bias).
-
-  Args:
-    cfg: the model's config.
-    p: one layer's parameters (``wo`` is read).
-    v_BGND: values ``[B, G, N, D]``.
-
-  Returns:
-    fp32 norms ``[B, Hq, N]``.
-  """
-  G, R, D = cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
-  wo = p["wo"].astype(jnp.float32).reshape(G, R, D, -1)
-  out = jnp.einsum("grdj,bgnd->bgrnj", wo, v_BGND.astype(jnp.float32), precision=PRECISION)
-  B, N = v_BGND.shape[0], v_BGND.shape[2]
-  return jnp.linalg.norm(out, axis=-1).reshape(B, G * R, N)
 
 
 def replay(cfg: ModelConfig, params: dict, keys_LBGTD, values_LBGTD, repeat_BQ, offsets_LBQd):
@@ -89,19 +67,12 @@ def replay(cfg: ModelConfig, params: dict, keys_LBGTD, values_LBGTD, repeat_BQ, 
     residual stream entering each layer (the input of its attention norm).
   """
   B, Q = repeat_BQ.shape
-  T = keys_LBGTD.shape[3]
-  pos_q, pos_k = _positions(B, Q, T), _positions(B, T + Q)
-  allowed = llama.causal_allowed(
-    pos_q, pos_k, jnp.ones((B, T + Q), bool), pos_q, pos_k, cfg.sliding_window
-  )
+  pos_q, allowed = repeat_allowed(cfg, B, Q, keys_LBGTD.shape[3])
 
   @jax.checkpoint
   def layer(x, inputs):
     p, k_ctx, v_ctx, offset = inputs
-    q, k, v = llama.project_qkv(cfg, p, x, pos_q)
-    k_all = jnp.concatenate([k_ctx, k.astype(k_ctx.dtype)], 2)
-    v_all = jnp.concatenate([v_ctx, v.astype(v_ctx.dtype)], 2)
-    attn = llama.attend(llama.attention_probs(q, k_all, allowed), v_all)
+    *_, attn = read_after_context(cfg, p, x, pos_q, k_ctx, v_ctx, allowed)
     # output_and_mlp adds o_proj's output to its residual input: the offset rides along with it
     return llama.output_and_mlp(cfg, p, x + offset.astype(x.dtype), attn), x
 
@@ -120,17 +91,13 @@ def _chunk_scores(cfg, params, keys_LBGTD, values_LBGTD, repeat_BQ, start, n, si
     cfg, params, keys_LBGTD, values_LBGTD, repeat_BQ, offsets
   )
   grad_norms_LBQ = jnp.linalg.norm(grads.astype(jnp.float32), axis=-1)
-  pos_q = _positions(B, Q, T)
-  tri = jnp.tril(jnp.ones((Q, Q), bool))
-  sub_allowed = jnp.broadcast_to(
-    jnp.concatenate([jnp.ones((Q, sink + n), bool), tri], 1), (B, Q, sink + n + Q)
-  )
+  pos_q = passes.positions(B, Q, T)
+  sub_allowed = chunk_allowed(B, Q, sink, n)
 
   def layer(_, inputs):
     p, x, k_ctx, v_ctx, g_BQ = inputs
     q, k, _ = llama.project_qkv(cfg, p, x, pos_q)
-    chunk_k = jax.lax.dynamic_slice_in_dim(k_ctx, start, n, 2)
-    sub_k = jnp.concatenate([k_ctx[:, :, :sink], chunk_k, k.astype(k_ctx.dtype)], 2)
+    sub_k = chunk_keys(k_ctx, k, start, n, sink)
     attn = llama.attention_probs(q, sub_k, sub_allowed)[..., sink : sink + n]  # [B, Hq, Q, n]
     v_norm = value_output_norms(cfg, p, jax.lax.dynamic_slice_in_dim(v_ctx, start, n, 2))
     s = attn * v_norm[:, :, None, :] * g_BQ[:, None, :, None]
@@ -163,7 +130,7 @@ def kvgrad_evidence(
   """Computes KVgrad's ``kvgrad_LGT`` of a context, as kvpress 0.5.5's ``KVgradPress``.
 
   The context is prefilled once (:func:`kvjax.model.llama.prefill`); then, chunk by chunk
-  (:func:`kvjax.model.calibrate.kvzip_chunks`, ``chunk_size`` 512), the model reads
+  (:func:`kvjax.model.reconstruction.kvzip_chunks`, ``chunk_size`` 512), the model reads
   ``prompt + suffix + chunk`` after the cached context (positions ``T ..``, the cache read but
   never extended, as kvpress's ``read_only_cache``). One backward pass gives
   ``||d Phi / d a^l_p||_2`` for every layer ``l`` and probe token ``p`` (:func:`replay`:
@@ -186,14 +153,14 @@ def kvgrad_evidence(
     (kvpress: ``retain_grad`` on the attention module's output), the same derivative;
   * the model's sliding window applies to the replay (the subsampled attention ignores it, as
     kvpress);
-  * the template comes pre-tokenised (:func:`kvjax.model.calibrate.kvzip_template`): kvpress
+  * the template comes pre-tokenised (:func:`kvjax.model.reconstruction.kvzip_template`): kvpress
     builds it from the model's tokenizer and chat template.
 
   Args:
     cfg: the model's config.
     params: the parameter pytree.
     context_ids: the context ``[T]``, or a ``[B, T]`` batch of unpadded rows.
-    template: the reconstruction prompt (:func:`kvjax.model.calibrate.kvzip_template`).
+    template: the reconstruction prompt (:func:`kvjax.model.reconstruction.kvzip_template`).
     chunk_size: context tokens per replay (kvpress's 512).
     n_sink: the first context tokens every probe query also attends to (kvpress's 4).
 
@@ -203,28 +170,15 @@ def kvgrad_evidence(
   Raises:
     ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule (in the
       context or the template), a ``chunk_size`` below 1, a negative ``n_sink``, a ``template``
-      that is not a :class:`~kvjax.model.calibrate.KVzipTemplate`, or a ``prefix_length`` that
+      that is not a :class:`~kvjax.model.reconstruction.KVzipTemplate`, or a ``prefix_length`` that
       leaves nothing to reconstruct.
   """
   single = np.ndim(context_ids) == 1
-  ids = np.asarray(context_ids)
-  ids = ids[None] if ids.ndim == 1 else ids
-  if ids.ndim != 2 or ids.shape[1] == 0:
-    raise ValueError(f"context_ids: expected token ids [B, T] or [T], got shape {ids.shape}")
-  ids = llama.check_token_ids("context_ids", ids, cfg.vocab_size)
-  chunk_size = _check_int("chunk_size", chunk_size, 1)
-  n_sink = _check_int("n_sink", n_sink, 0)
-  if not isinstance(template, KVzipTemplate):
-    raise ValueError(f"template: expected a KVzipTemplate, got {type(template).__name__}")
-  for name in ("first_ids", "later_ids", "suffix_ids"):  # one row, possibly empty
-    ids_1T = np.asarray(getattr(template, name), np.int64).reshape(1, -1)
-    llama.check_token_ids(f"template.{name}", ids_1T, cfg.vocab_size, min_len=0)
+  ids = passes.ids_2d("context_ids", context_ids, cfg)
+  chunk_size = training.check_int("chunk_size", chunk_size, 1)
+  n_sink = training.check_int("n_sink", n_sink, 0)
   B, T = ids.shape
-  prefix = _check_int("template.prefix_length", template.prefix_length, 0)
-  if prefix >= T:
-    raise ValueError(
-      f"template.prefix_length: {prefix} leaves nothing of the {T}-token context to reconstruct"
-    )
+  check_template(template, cfg, T)
   keys, values = _context_kv_jit(cfg, params, jnp.asarray(ids, jnp.int32))
   out = jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, T), jnp.float32)
   for start, end, repeat in kvzip_chunks(ids, template, chunk_size):

@@ -151,13 +151,105 @@ def kvzip_chunks(
   return out
 
 
-def _wov_norms(cfg: ModelConfig, p: dict, v_BGSD: Array) -> Array:
-  """``||W_O^h v||_2`` per query head ``[B, Hq, S]`` (KVzip+'s ``_compute_value_output_norm``)."""
+def value_output_norms(cfg: ModelConfig, p: dict, v_BGND: Array) -> Array:
+  """``||W_O^h v||_2`` per query head, fp32 ``[B, Hq, N]`` (kvpress
+  ``KVzipPress._compute_value_output_norm``: each query head's slice of ``o_proj`` applied to
+  the values of its KV head, no ``o_proj`` bias).
+
+  Args:
+    cfg: the model's config.
+    p: one layer's parameters (``wo`` is read).
+    v_BGND: values ``[B, G, N, D]``.
+
+  Returns:
+    fp32 norms ``[B, Hq, N]``.
+  """
   G, R, D = cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
   wo = p["wo"].astype(jnp.float32).reshape(G, R, D, -1)
-  out = jnp.einsum("grdj,bgsd->bgrsj", wo, v_BGSD.astype(jnp.float32), precision=PRECISION)
-  B, S = v_BGSD.shape[0], v_BGSD.shape[2]
-  return jnp.linalg.norm(out, axis=-1).reshape(B, G * R, S)
+  out = jnp.einsum("grdj,bgnd->bgrnj", wo, v_BGND.astype(jnp.float32), precision=PRECISION)
+  B, N = v_BGND.shape[0], v_BGND.shape[2]
+  return jnp.linalg.norm(out, axis=-1).reshape(B, G * R, N)
+
+
+def repeat_allowed(cfg: ModelConfig, B: int, Q: int, T: int) -> tuple[Array, Array]:
+  """Where ``Q`` tokens read after a ``T``-token cached context sit, and what they see.
+
+  Args:
+    cfg: the model's config (its sliding window).
+    B: rows.
+    Q: the tokens read after the context.
+    T: the context's length.
+
+  Returns:
+    ``(pos_BQ, allowed_BQK)``: their positions ``T .. T+Q-1`` and the model's causal mask over
+    the context and themselves (``K = T + Q``).
+  """
+  pos_q = passes.positions(B, Q, T)
+  pos_k = passes.positions(B, T + Q)
+  allowed = llama.causal_allowed(
+    pos_q, pos_k, jnp.ones((B, T + Q), bool), pos_q, pos_k, cfg.sliding_window
+  )
+  return pos_q, allowed
+
+
+def read_after_context(cfg: ModelConfig, p: dict, x_BQd: Array, pos_BQ, k_ctx, v_ctx, allowed):
+  """One layer's attention of tokens read after a cached context (the model's forward).
+
+  Args:
+    cfg: the model's config.
+    p: the layer's parameters.
+    x_BQd: the layer's input.
+    pos_BQ: the tokens' positions (:func:`repeat_allowed`).
+    k_ctx: the context's post-RoPE keys ``[B, G, T, D]``.
+    v_ctx: the context's values ``[B, G, T, D]``.
+    allowed: the mask ``[B, Q, T + Q]`` (:func:`repeat_allowed`).
+
+  Returns:
+    ``(q, k, v, probs, attn)``: the tokens' queries, keys and values, the attention
+    probabilities over the context and themselves, and the attention's output.
+  """
+  q, k, v = llama.project_qkv(cfg, p, x_BQd, pos_BQ)
+  k_all = jnp.concatenate([k_ctx, k.astype(k_ctx.dtype)], 2)
+  v_all = jnp.concatenate([v_ctx, v.astype(v_ctx.dtype)], 2)
+  probs = llama.attention_probs(q, k_all, allowed)
+  return q, k, v, probs, llama.attend(probs, v_all)
+
+
+def chunk_allowed(B: int, Q: int, sink: int, n: int) -> Array:
+  """KVzip's subsampled mask: ``Q`` repeat queries see ``sink`` sinks and an ``n``-token chunk,
+  and causally themselves, bool ``[B, Q, sink + n + Q]``.
+
+  Args:
+    B: rows.
+    Q: repeat queries.
+    sink: the sink tokens.
+    n: the chunk's tokens.
+
+  Returns:
+    The mask.
+  """
+  tri = jnp.tril(jnp.ones((Q, Q), bool))
+  return jnp.broadcast_to(
+    jnp.concatenate([jnp.ones((Q, sink + n), bool), tri], 1), (B, Q, sink + n + Q)
+  )
+
+
+def chunk_keys(t_BGTD: Array, new_BGQD: Array, start, n: int, sink: int) -> Array:
+  """KVzip's subsampled keys (or values): the ``sink`` first context tokens, the chunk
+  ``[start, start + n)`` and the repeat tokens' own.
+
+  Args:
+    t_BGTD: the context's keys (or values).
+    new_BGQD: the repeat tokens' keys (or values), cast to the context's dtype.
+    start: the chunk's first token (may be traced).
+    n: the chunk's tokens.
+    sink: the sink tokens.
+
+  Returns:
+    ``[B, G, sink + n + Q, D]``.
+  """
+  chunk = jax.lax.dynamic_slice_in_dim(t_BGTD, start, n, 2)
+  return jnp.concatenate([t_BGTD[:, :, :sink], chunk, new_BGQD.astype(t_BGTD.dtype)], 2)
 
 
 def _reconstruct(cfg, params, keys_LBGTD, values_LBGTD, repeat_BQ, start, n, sink, plus):
@@ -166,36 +258,21 @@ def _reconstruct(cfg, params, keys_LBGTD, values_LBGTD, repeat_BQ, start, n, sin
   beside it, KVzip's score of the chunk ``[start, start + n)`` per layer ``[L, B, G, n]``
   (``start`` traced, so that equal chunks share one compile; ``sink = min(n_sink, start)``)."""
   B, Q = repeat_BQ.shape
-  T = keys_LBGTD.shape[3]
-  pos_q = passes.positions(B, Q, T)
-  pos_k = passes.positions(B, T + Q)
-  allowed = llama.causal_allowed(
-    pos_q, pos_k, jnp.ones((B, T + Q), bool), pos_q, pos_k, cfg.sliding_window
-  )
-  tri = jnp.tril(jnp.ones((Q, Q), bool))
-  sub_allowed = jnp.broadcast_to(
-    jnp.concatenate([jnp.ones((Q, sink + n), bool), tri], 1), (B, Q, sink + n + Q)
-  )
+  pos_q, allowed = repeat_allowed(cfg, B, Q, keys_LBGTD.shape[3])
+  sub_allowed = chunk_allowed(B, Q, sink, n)
 
   def layer(x, inputs):
     p, k_ctx, v_ctx = inputs
-    q, k, v = llama.project_qkv(cfg, p, x, pos_q)
-    k_all = jnp.concatenate([k_ctx, k.astype(k_ctx.dtype)], 2)
-    v_all = jnp.concatenate([v_ctx, v.astype(v_ctx.dtype)], 2)
-    probs = llama.attention_probs(q, k_all, allowed)
-
-    def pick(t, new):  # the scored keys (or values): sinks, the chunk, the repeat tokens
-      chunk = jax.lax.dynamic_slice_in_dim(t, start, n, 2)
-      return jnp.concatenate([t[:, :, :sink], chunk, new.astype(t.dtype)], 2)
-
-    attn = llama.attention_probs(q, pick(k_ctx, k), sub_allowed)  # [B, Hq, Q, S]
+    q, k, v, _, out = read_after_context(cfg, p, x, pos_q, k_ctx, v_ctx, allowed)
+    attn = llama.attention_probs(q, chunk_keys(k_ctx, k, start, n, sink), sub_allowed)
     if plus:
       h = llama.rms_norm(x, p["attn_norm"], cfg.rms_norm_eps).astype(jnp.float32)
       attn = attn / jnp.linalg.norm(h, axis=-1)[:, None, :, None]
-      attn = attn * _wov_norms(cfg, p, pick(v_ctx, v))[:, :, None, :]
+      norms = value_output_norms(cfg, p, chunk_keys(v_ctx, v, start, n, sink))
+      attn = attn * norms[:, :, None, :]
     score = attn[..., sink : sink + n].max(2)  # max over the repeat queries
     score = score.reshape(B, cfg.num_kv_heads, cfg.num_groups, n).max(2)  # and the group
-    x = llama.output_and_mlp(cfg, p, x, llama.attend(probs, v_all))
+    x = llama.output_and_mlp(cfg, p, x, out)
     return x, score
 
   stacks = (llama.stacked(params), keys_LBGTD, values_LBGTD)
@@ -298,20 +375,13 @@ def _repeat_attention(cfg, params, keys_LBGTD, values_LBGTD, repeat_BQ):
   ``[L, B, Hq, T]``."""
   B, Q = repeat_BQ.shape
   T = keys_LBGTD.shape[3]
-  pos_q = passes.positions(B, Q, T)
-  pos_k = passes.positions(B, T + Q)
-  allowed = llama.causal_allowed(
-    pos_q, pos_k, jnp.ones((B, T + Q), bool), pos_q, pos_k, cfg.sliding_window
-  )
+  pos_q, allowed = repeat_allowed(cfg, B, Q, T)
 
   def layer(x, inputs):
     p, k_ctx, v_ctx = inputs
-    q, k, v = llama.project_qkv(cfg, p, x, pos_q)
-    k_all = jnp.concatenate([k_ctx, k.astype(k_ctx.dtype)], 2)
-    v_all = jnp.concatenate([v_ctx, v.astype(v_ctx.dtype)], 2)
-    probs = llama.attention_probs(q, k_all, allowed)  # [B, Hq, Q, T + Q]
-    score = probs[..., :T].astype(jnp.float32).max(2)
-    x = llama.output_and_mlp(cfg, p, x, llama.attend(probs, v_all))
+    _, _, _, probs, out = read_after_context(cfg, p, x, pos_q, k_ctx, v_ctx, allowed)
+    score = probs[..., :T].astype(jnp.float32).max(2)  # probs: [B, Hq, Q, T + Q]
+    x = llama.output_and_mlp(cfg, p, x, out)
     return x, score
 
   stacks = (llama.stacked(params), keys_LBGTD, values_LBGTD)
