@@ -1,0 +1,334 @@
+"""Fast KVzip's gates (kvpress 0.5.5 ``presses/fastkvzip_press.py::FastKVzipGate``), their files
+and the evidence they give a prompt; :mod:`kvjax.model.fastkvzip` re-exports these.
+
+* :func:`init_gates`, :func:`gate_scores`: the gates, a "low-rank sink attention" applied to
+  attention inputs (:func:`attention_inputs`);
+* :func:`save` / :func:`load` / :func:`check_gates`: an ``.npz`` file with a json header,
+  checked against the model;
+* :func:`fastkvzip_evidence` -> ``fastkvzip_LGT``, the evidence
+  :class:`kvjax.policies.fastkvzip.FastKVzip` reads.
+
+The gates' layout is :mod:`kvjax.model.fastkvzip`'s.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.model import llama, npzfile
+from kvjax.model.config import ModelConfig
+from kvjax.scores import PRECISION
+
+Array = jax.Array
+
+DIM, SINK = 16, 16  # optim.py's --dim and --sink (the released gates' "q{R}_dim16_sink16")
+EPS = 1e-6  # Qwen3RMSNorm's default eps, which FastKVzipGate's norms keep
+FORMAT = "kvjax.fastkvzip/1"
+PARAM_KEYS = ("wq", "bq", "wk", "q_norm", "k_norm", "k_base", "b")
+
+
+# --------------------------------------------------------------------------- the gates
+
+
+def expected_shapes(L: int, d: int, G: int, R: int, dim: int = DIM, sink: int = SINK) -> dict:
+  """The gates' shapes for a model.
+
+  Args:
+    L: layers.
+    d: the model dim (the attention input's width).
+    G: KV heads.
+    R: query heads per KV head (kvpress ``ngroup``).
+    dim: the gate's head dim (kvpress ``output_dim``, 16).
+    sink: the learned sink keys per KV head (16).
+
+  Returns:
+    ``{name: shape}`` in the layout of :mod:`kvjax.model.fastkvzip`'s docstring.
+  """
+  return {
+    "wq": (L, d, G * R * dim),
+    "bq": (L, G * R * dim),
+    "wk": (L, d, G * dim),
+    "q_norm": (L, dim),
+    "k_norm": (L, dim),
+    "k_base": (L, G, sink, dim),
+    "b": (L, G, R),
+  }
+
+
+def shapes_of(gates: dict) -> dict[str, tuple[int, ...]]:
+  """Each array's shape.
+
+  Args:
+    gates: the gates.
+
+  Returns:
+    ``{name: shape}``.
+  """
+  return {k: tuple(np.shape(v)) for k, v in gates.items()}
+
+
+def dims_of(gates: dict) -> dict[str, int]:
+  """The sizes the gates were built for, read from their shapes.
+
+  Args:
+    gates: the gates (every key of :data:`PARAM_KEYS`).
+
+  Returns:
+    ``{"L", "d", "G", "R", "dim", "sink"}``.
+  """
+  L, G, sink, dim = np.shape(gates["k_base"])
+  return {
+    "L": L,
+    "d": np.shape(gates["wq"])[1],
+    "G": G,
+    "R": np.shape(gates["b"])[-1],
+    "dim": dim,
+    "sink": sink,
+  }
+
+
+def model_dims(cfg: ModelConfig) -> tuple[int, int, int, int]:
+  """``(L, d, G, R)`` of a model: what its gates must fit.
+
+  Args:
+    cfg: the model's config.
+
+  Returns:
+    Layers, model dim, KV heads and query heads per KV head.
+  """
+  return cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.num_groups
+
+
+def init_gates(seed: int, L: int, d: int, G: int, R: int, *, dim: int = DIM, sink: int = SINK):
+  """Untrained gates, as ``optim.py``'s ``Weight`` starts: torch ``nn.Linear``'s default
+  initialisation (``U(-1/sqrt(d), 1/sqrt(d))`` for ``q_proj``'s weight and bias and
+  ``k_proj``'s weight), norm scales 1, sink keys and bias 0. The draws come from numpy's
+  generator (torch's in the official code): the same distribution, other numbers.
+
+  Args:
+    seed: the generator's seed.
+    L: layers.
+    d: the model dim.
+    G: KV heads.
+    R: query heads per KV head.
+    dim: the gate's head dim.
+    sink: the sink keys per KV head.
+
+  Returns:
+    The gates, a dict of fp32 arrays.
+  """
+  shapes = expected_shapes(L, d, G, R, dim, sink)
+  rng = np.random.default_rng(seed)
+  bound = 1.0 / math.sqrt(d)
+  out = {k: rng.uniform(-bound, bound, shapes[k]) for k in ("wq", "bq", "wk")}
+  out |= {k: np.ones(shapes[k]) for k in ("q_norm", "k_norm")}
+  out |= {k: np.zeros(shapes[k]) for k in ("k_base", "b")}
+  return {k: jnp.asarray(out[k], jnp.float32) for k in PARAM_KEYS}
+
+
+def _head_norm(x: Array, scale_LD: Array) -> Array:
+  """``Qwen3RMSNorm`` over the last axis, ``scale_LD`` broadcast from the layer axis."""
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + EPS)
+  return scale_LD.reshape(scale_LD.shape[:1] + (1,) * (x.ndim - 2) + scale_LD.shape[1:]) * x
+
+
+@jax.jit
+def gate_scores(gates: dict, h_LTd) -> Array:
+  """The gates' scores of attention inputs (kvpress ``FastKVzipGate.forward``).
+
+  Per layer and position, with ``q = q_norm(h W_q + b_q)`` split into ``[G, R, D]`` and
+  ``k = k_norm(h W_k)`` into ``[G, D]``:
+  ``logit_r = <k, q_r> / sqrt(D) + b_r``, ``base_{s,r} = <k_base_s, q_r> / sqrt(D)`` and
+  ``score = mean_r 1 / (1 + sum_s exp(base_{s,r} - logit_r))``, in ``(0, 1)``: a softmax in
+  which the position's own key competes with ``S`` learned sink keys for its queries. Computed
+  as ``sigmoid(-logsumexp_s(base - logit))``, the same value without overflow.
+
+  Args:
+    gates: the gates.
+    h_LTd: attention inputs ``[L, ..., d]`` (any axes between the layer and the model dim).
+
+  Returns:
+    fp32 scores ``[L, G, ...]``.
+  """
+  x = jnp.asarray(h_LTd, jnp.float32)
+  dims = dims_of(gates)
+  G, R, D = dims["G"], dims["R"], dims["dim"]
+  L, mid = x.shape[0], x.shape[1:-1]
+  x = x.reshape(L, -1, x.shape[-1])
+  q = jnp.einsum("lnd,ldk->lnk", x, gates["wq"], precision=PRECISION) + gates["bq"][:, None]
+  q = _head_norm(q.reshape(L, -1, G, R, D), gates["q_norm"])
+  k = jnp.einsum("lnd,ldk->lnk", x, gates["wk"], precision=PRECISION)
+  k = _head_norm(k.reshape(L, -1, G, D), gates["k_norm"])
+  scale = 1.0 / math.sqrt(D)
+  logit = jnp.einsum("lngd,lngrd->lngr", k, q, precision=PRECISION) * scale + gates["b"][:, None]
+  base = jnp.einsum("lgsd,lngrd->lngsr", gates["k_base"], q, precision=PRECISION) * scale
+  z = jax.nn.logsumexp(base - logit[:, :, :, None, :], axis=3)  # [L, N, G, R]
+  score = jax.nn.sigmoid(-z).mean(-1)  # the group mean: [L, N, G]
+  return jnp.moveaxis(score.reshape(L, *mid, G), -1, 1)
+
+
+# --------------------------------------------------------------------------- attention inputs
+
+
+def attention_inputs(cfg: ModelConfig, params: dict, ids_BT, mask_BT=None) -> Array:
+  """Every layer's attention inputs over a (left-)padded prompt: the hidden states after each
+  layer's input norm, what kvpress's hook reads as ``hidden_states`` and what
+  ``prefill/feature.py`` saves.
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    ids_BT: token ids ``[B, T]``.
+    mask_BT: ``[B, T]`` 0/1 of the real tokens (``None``: all real).
+
+  Returns:
+    fp32 ``[L, B, T, d]``.
+  """
+  ids = jnp.asarray(ids_BT, jnp.int32)
+  mask = jnp.ones(ids.shape, jnp.int32) if mask_BT is None else jnp.asarray(mask_BT)
+  return _inputs_jit(cfg, params, ids, mask)
+
+
+def _inputs(cfg: ModelConfig, params: dict, ids_BT: Array, mask_BT: Array) -> Array:
+  B, T = ids_BT.shape
+  pos = llama.positions_from_mask(mask_BT)
+  index = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  allowed = llama.causal_allowed(pos, pos, mask_BT.astype(bool), index, index, cfg.sliding_window)
+
+  def layer(x, p):
+    h = llama.norm(cfg, x, p["attn_norm"]).astype(jnp.float32)
+    x, _ = llama.dense_layer(cfg, p, x, pos, allowed)
+    return x, h
+
+  _, h = jax.lax.scan(layer, llama.embed_tokens(cfg, params, ids_BT), llama.stacked(params))
+  return h
+
+
+_inputs_jit = jax.jit(_inputs, static_argnums=0)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def save(path: str | pathlib.Path, gates: dict, meta: dict | None = None) -> pathlib.Path:
+  """Writes gates as an ``.npz`` file: the arrays and a json header (``format``, ``shapes`` and
+  the caller's ``meta``, e.g. the model's name and the training data).
+
+  Args:
+    path: the file to write.
+    gates: the gates.
+    meta: json-serialisable facts to keep with them.
+
+  Returns:
+    The path written.
+  """
+  header = {
+    **(meta or {}),
+    "format": FORMAT,
+    "shapes": {k: list(v) for k, v in shapes_of(gates).items()},
+  }
+  return npzfile.write(path, {k: gates[k] for k in PARAM_KEYS}, header)
+
+
+def check_gates(gates, cfg: ModelConfig, where: str = "gates") -> None:
+  """Checks that gates fit a model.
+
+  Args:
+    gates: the gates.
+    cfg: the model (``num_layers``, ``hidden_size``, ``num_kv_heads``, ``num_groups``).
+    where: what to name in the error (an argument, or a file).
+
+  Raises:
+    ValueError: naming ``where``: not a dict, a missing array, or shapes that do not fit.
+  """
+  if not isinstance(gates, dict):
+    raise ValueError(f"{where}: expected a dict of gate arrays, got {type(gates).__name__}")
+  missing = [k for k in PARAM_KEYS if k not in gates]
+  if missing:
+    raise ValueError(f"{where}: lacks the gate arrays {missing}")
+  kb = np.shape(gates["k_base"])
+  if len(kb) != 4:
+    raise ValueError(f"{where}: k_base has shape {kb}, expected [L, G, sink, dim]")
+  L, d, G, R = model_dims(cfg)
+  want = expected_shapes(L, d, G, R, kb[3], kb[2])
+  got = shapes_of({k: gates[k] for k in PARAM_KEYS})
+  wrong = {k: (got[k], v) for k, v in want.items() if got[k] != v}
+  if wrong:
+    said = ", ".join(f"{k} {g} (expected {e})" for k, (g, e) in wrong.items())
+    raise ValueError(f"{where}: does not fit this model (L={L}, d={d}, G={G}, R={R}): {said}")
+
+
+def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[dict, dict]:
+  """Reads gates written by :func:`save` and checks them against a model.
+
+  Args:
+    path: the ``.npz`` file.
+    cfg: the model the gates must fit.
+
+  Returns:
+    ``(gates, meta)``.
+
+  Raises:
+    ValueError: naming the file, for one that is missing or unreadable, lacks the header or an
+      array, or holds shapes that do not fit ``cfg`` (each named with what it should be).
+  """
+  files, meta = npzfile.read(path, FORMAT, "Fast KVzip gates")
+  where = f"path: {path} (model {meta.get('model')!r})"
+  check_gates(files, cfg, where)
+  return {k: jnp.asarray(files[k], jnp.float32) for k in PARAM_KEYS}, meta
+
+
+# --------------------------------------------------------------------------- evidence
+
+
+def _evidence(cfg, params, gates, ids_BT, mask_BT):
+  return gate_scores(gates, _inputs(cfg, params, ids_BT, mask_BT))  # [L, G, B, T]
+
+
+_evidence_jit = jax.jit(_evidence, static_argnums=0)
+
+
+def fastkvzip_evidence(cfg: ModelConfig, params: dict, gates: dict, input_ids, attention_mask=None):
+  """Computes Fast KVzip's ``fastkvzip_LGT`` of a prompt, as kvpress 0.5.5's ``FastKVzipPress``
+  scores it during prefill (``_score_fast``: ``gates[layer](hidden_states)``).
+
+  One dense causal forward over the prompt gives every layer's attention inputs (the hidden
+  states after the layer's input norm, what kvpress's hook reads as ``hidden_states``); the
+  gates map each to ``G`` scores in ``(0, 1)`` (:func:`gate_scores`). The sinks and the local
+  window belong to the policy (:class:`kvjax.policies.fastkvzip.FastKVzip`). Padding positions
+  get scores too; the policy's ``valid_T`` keeps them out.
+
+  Differs from kvpress: batches of several left-padded rows (kvpress's gate squeezes a batch of
+  one); fp32 gates (kvpress: the file's dtype); the forward is dense (``[B, Hq, T, T]`` per
+  layer), so this suits prompts of a few thousand tokens.
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    gates: the trained gates (:func:`load`, :func:`train_gates`).
+    input_ids: the prompt ``[B, T]`` (left-padded when rows differ).
+    attention_mask: ``[B, T]`` 0/1 of the real tokens (``None``: all real).
+
+  Returns:
+    fp32 scores ``[L, B, G, T]``: ``evidence={"fastkvzip_LGT": ...}`` for ``km.generate``.
+
+  Raises:
+    ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule, a mask of
+      another shape, or gates that do not fit the model (:func:`check_gates`).
+  """
+  ids = np.asarray(input_ids)
+  if ids.ndim != 2 or ids.shape[1] == 0:
+    raise ValueError(f"input_ids: expected token ids [B, T], got shape {ids.shape}")
+  ids = llama.check_token_ids("input_ids", ids, cfg.vocab_size)
+  mask = np.ones(ids.shape, np.int32) if attention_mask is None else np.asarray(attention_mask)
+  if mask.shape != ids.shape:
+    raise ValueError(f"attention_mask: expected shape {ids.shape}, got {mask.shape}")
+  check_gates(gates, cfg)
+  gates = {k: jnp.asarray(gates[k], jnp.float32) for k in PARAM_KEYS}
+  out = _evidence_jit(cfg, params, gates, jnp.asarray(ids, jnp.int32), jnp.asarray(mask))
+  return jnp.moveaxis(out, 2, 1)
