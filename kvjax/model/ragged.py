@@ -45,7 +45,9 @@ def _check(q_RGD, keys_NPD, values_NPD, pages_RM, length_R, positions_NP, query_
   if keys_NPD.ndim != 3 or keys_NPD.shape[2] != D:
     raise ValueError(f"keys_NPD: expected [num_pages, page, {D}], got shape {keys_NPD.shape}")
   if values_NPD.shape != keys_NPD.shape:
-    raise ValueError(f"values_NPD: expected the keys' shape {keys_NPD.shape}, got {values_NPD.shape}")
+    raise ValueError(
+      f"values_NPD: expected the keys' shape {keys_NPD.shape}, got {values_NPD.shape}"
+    )
   page = keys_NPD.shape[1]
   if page % 16 or page & (page - 1):
     raise ValueError(f"keys_NPD: a page of {page} slots; expected a power of two >= 16")
@@ -151,8 +153,9 @@ def _finish(l, acc):
   return jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
 
 
-def _tpu_call(q_RGD, keys_NPD, values_NPD, pages_RM, length_R, pos_NP, qpos_R, *, softcap, window,
-              interpret):
+def _tpu_call(
+  q_RGD, keys_NPD, values_NPD, pages_RM, length_R, pos_NP, qpos_R, *, softcap, window, interpret
+):
   """Mosaic: a grid over (row, page); the page table and lengths prefetched into SMEM pick each
   step's page, and a step past the row's length re-names its last page (no copy) and is
   skipped."""
@@ -184,8 +187,15 @@ def _tpu_call(q_RGD, keys_NPD, values_NPD, pages_RM, length_R, pos_NP, qpos_R, *
       if window is not None:
         visible = visible & (qpos[r] - pos_ref[0] < window)
       m, l_, acc = _page_update(
-        q_ref[0].astype(jnp.float32), k_ref[0], v_ref[0], visible, m_sc[...], l_sc[...],
-        acc_sc[...], softcap=softcap, dot=True,
+        q_ref[0].astype(jnp.float32),
+        k_ref[0],
+        v_ref[0],
+        visible,
+        m_sc[...],
+        l_sc[...],
+        acc_sc[...],
+        softcap=softcap,
+        dot=True,
       )
       m_sc[...], l_sc[...], acc_sc[...] = m, l_, acc
 
@@ -219,8 +229,9 @@ def _tpu_call(q_RGD, keys_NPD, values_NPD, pages_RM, length_R, pos_NP, qpos_R, *
   )(pages_RM, length_R, qpos_R, q_RGD, keys_NPD, values_NPD, pos_NP[:, None, :])
 
 
-def _gpu_call(q_RGD, keys_NPD, values_NPD, pages_RM, length_R, pos_NP, qpos_R, *, softcap, window,
-              interpret):
+def _gpu_call(
+  q_RGD, keys_NPD, values_NPD, pages_RM, length_R, pos_NP, qpos_R, *, softcap, window, interpret
+):
   """Triton: one program per row, looping over the row's own pages (a dynamic trip count), each
   page loaded through the row's page table."""
   from jax.experimental.pallas import triton as plgpu
@@ -242,8 +253,9 @@ def _gpu_call(q_RGD, keys_NPD, values_NPD, pages_RM, length_R, pos_NP, qpos_R, *
       visible = (j * P + jnp.arange(P))[None, :] < n
       if window is not None:
         visible = visible & (qpos_ref[r] - pos_ref[page][None, :] < window)
-      return _page_update(q, k_ref[page], v_ref[page], visible, m, l_, acc, softcap=softcap,
-                          dot=False)
+      return _page_update(
+        q, k_ref[page], v_ref[page], visible, m, l_, acc, softcap=softcap, dot=False
+      )
 
     init = (
       jnp.full((Gq, 1), MASK_VALUE, jnp.float32),
@@ -257,7 +269,15 @@ def _gpu_call(q_RGD, keys_NPD, values_NPD, pages_RM, length_R, pos_NP, qpos_R, *
   return pl.pallas_call(
     kernel,
     grid=(R,),
-    in_specs=[whole, whole, whole, pl.BlockSpec((1, Gq, D), lambda r: (r, 0, 0)), whole, whole, whole],
+    in_specs=[
+      whole,
+      whole,
+      whole,
+      pl.BlockSpec((1, Gq, D), lambda r: (r, 0, 0)),
+      whole,
+      whole,
+      whole,
+    ],
     out_specs=pl.BlockSpec((1, Gq, D), lambda r: (r, 0, 0)),
     out_shape=jax.ShapeDtypeStruct((R, Gq, D), jnp.float32),
     # Triton, not Mosaic GPU: Mosaic GPU needs Hopper, Colab's T4, L4 and A100 are older
@@ -325,7 +345,9 @@ def ragged_decode_attention(
     if positions_NP is None
     else jnp.asarray(positions_NP, jnp.int32)
   )
-  qpos_R = jnp.zeros((R,), jnp.int32) if query_pos_R is None else jnp.asarray(query_pos_R, jnp.int32)
+  qpos_R = (
+    jnp.zeros((R,), jnp.int32) if query_pos_R is None else jnp.asarray(query_pos_R, jnp.int32)
+  )
   args = (q_RGD, keys_NPD, values_NPD, pages_RM, length_R, pos_NP, qpos_R)
   opts = dict(softcap=softcap, window=window)
 
