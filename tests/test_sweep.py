@@ -138,7 +138,9 @@ def test_vmapped_equals_loop_of_single_config_function(groups_of):
   for fns in engine.compiled.values():
     for name in ("max_budget", "metrics"):
       assert fns[name]._cache_size() == 1, name
-  assert engine._cake_statistics._cache_size() == 1  # one CAKE statistics per scenario
+  # one CAKE statistics per scenario and rows measured: the window's (snapkv) and every
+  # observation row (a policy that protects no window, as policy.budgets measures it)
+  assert engine._cake_statistics._cache_size() == 2
 
 
 def test_prefix_sum_metric_equals_the_mask_route():
@@ -728,12 +730,16 @@ def test_a_users_allocators_on_the_schedule_and_head_alloc_axes(tmp_path):
   }
   for row in table.itertuples():
     budget_L = np.full(L, row.budget, np.float64)
+    # the allocators' floor is the policy's own protected window + 1 (none for streaming_llm)
+    w_row = w if row.policy == "snapkv" else 0
     if row.schedule == "linear_ramp_test":
-      budget_L = np.maximum(np.floor(row.budget * np.linspace(row.alpha, 2 - row.alpha, L)), w + 1)
+      budget_L = np.maximum(
+        np.floor(row.budget * np.linspace(row.alpha, 2 - row.alpha, L)), w_row + 1
+      )
     budget_LH = np.broadcast_to(budget_L[:, None], (L, H))
     if row.head_alloc == "head_tilt_test":
       tilt = np.linspace(1 - row.tau2, 1 + row.tau2, H)
-      budget_LH = np.maximum(np.floor(budget_L[:, None] * tilt), w + 1)
+      budget_LH = np.maximum(np.floor(budget_L[:, None] * tilt), w_row + 1)
     budget_LH = budget_LH.astype(int)
     assert json.loads(row.budget_profile) == np.round(budget_LH.mean(-1), 2).tolist(), row
     keep = _kept_by_numpy(ranks[row.policy], budget_LH)
