@@ -63,7 +63,10 @@ def checked_allocation(cfg, pre, spec, policy: policies.Policy, budget, evidence
   if not policy.requires_budget:
     return None
   budget_LH = np.asarray(allocation(cfg, pre, spec, budget, evidence))
-  policy.check_allocation(budget_LH)
+  check_nan_scores(budget_LH)
+  # every allocator's rows hold at least the policy's own protected window
+  window = policy.evidence_request(pre.valid.shape[-1]).window if policy.windowed else 0
+  policy.check_allocation(budget_LH, window=window)
   return budget_LH
 
 
@@ -114,6 +117,25 @@ def cache_capacity(policy: policies.Policy, budget_max: int, T: int, new: int) -
   return min(capacity_bucket(budget_max), T) + new
 
 
+def check_nan_scores(budget_BLH) -> None:
+  """Refuses an allocation in which a compression marked NaN scores
+  (:data:`kvjax.model.cache.NAN_SCORES`).
+
+  Args:
+    budget_BLH: a compression's budgets ``[..., B, L, H]``.
+
+  Raises:
+    ValueError: naming the first (batch row, layer, head) whose scores held NaN.
+  """
+  bad = np.argwhere(np.asarray(budget_BLH) == cache_lib.NAN_SCORES)
+  if bad.size:
+    raise ValueError(
+      f"scores: the policy's scores held NaN at (batch row, layer, head) "
+      f"{tuple(int(i) for i in bad[0][-3:])}, which cannot be ranked; expected finite "
+      "scores (or +-inf to force a position in or out)"
+    )
+
+
 def check_overflow(cache) -> None:
   """Refuses a cache in which a row needed more slots than its capacity, or whose policy's
   scores held NaN (a NaN cannot be ranked, so what it kept would be arbitrary).
@@ -129,13 +151,7 @@ def check_overflow(cache) -> None:
   """
   budget = getattr(cache, "budget", None)
   if budget is not None and select.is_concrete(budget):
-    bad = np.argwhere(np.asarray(budget) == cache_lib.NAN_SCORES)
-    if bad.size:
-      raise ValueError(
-        f"scores: the policy's scores held NaN at (batch row, layer, head) "
-        f"{tuple(int(i) for i in bad[0][-3:])}, which cannot be ranked; expected finite "
-        "scores (or +-inf to force a position in or out)"
-      )
+    check_nan_scores(budget)
   if cache.overflow is not None and bool(np.asarray(cache.overflow).any()):
     raise RuntimeError(
       "cache: a row needed more slots than the capacity, or a decode-time policy's "
@@ -256,7 +272,8 @@ def ratio_budgets(ratio, lengths_B) -> np.ndarray:
     ValueError: for a ratio that is not a real number in ``[0, 1)``.
   """
   expected = "expected a float in [0, 1) (kvpress compression_ratio)"
-  if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating, np.integer)):
+  real = np.ndim(ratio) == 0 and np.issubdtype(np.asarray(ratio).dtype, np.number)
+  if isinstance(ratio, bool) or not real or np.asarray(ratio).dtype == bool:
     raise ValueError(f"ratio: {expected}, got {ratio!r}")
   r = float(ratio)
   if not 0.0 <= r < 1.0:
@@ -290,7 +307,7 @@ def ratio_or_budget(pol: policies.Policy, budget, ratio, mask):
   return ratio_budgets(ratio, np.asarray(mask).sum(-1))
 
 
-def check_row_budgets(pol: policies.Policy, budget, mask, per_row: bool) -> None:
+def check_row_budgets(pol: policies.Policy, budget, mask, per_row: bool, ratio=None) -> None:
   """Checks a budget as every entry point does; per-row budgets against each row's length.
 
   Args:
@@ -298,6 +315,7 @@ def check_row_budgets(pol: policies.Policy, budget, mask, per_row: bool) -> None
     budget: the budget, with a leading ``[B]`` axis when ``per_row``.
     mask: the 0/1 mask ``[B, T]`` of the real tokens.
     per_row: whether ``budget`` holds one budget per row.
+    ratio: the compression ratio the rows' budgets come from (named in the error), or ``None``.
 
   Raises:
     ValueError: for a budget the policy refuses (``pol.check_budget``).
@@ -307,7 +325,7 @@ def check_row_budgets(pol: policies.Policy, budget, mask, per_row: bool) -> None
     pol.check_budget(budget, pol.evidence_request(T).window, T)
     return
   for n, b in zip(np.asarray(mask).sum(-1), np.asarray(budget), strict=True):
-    pol.check_budget(np.asarray(b), pol.evidence_request(int(n)).window, int(n))
+    pol.check_budget(np.asarray(b), pol.evidence_request(int(n)).window, int(n), ratio=ratio)
 
 
 def _budget_free(policy: policies.Policy, budget, T: int):
@@ -353,5 +371,5 @@ def checked_budget(pol: policies.Policy, budget, ratio, mask):
   if ratio is None:
     budget = _budget_free(pol, budget, T)
   if pol.requires_budget:
-    check_row_budgets(pol, budget, mask, ratio is not None)
+    check_row_budgets(pol, budget, mask, ratio is not None, ratio=ratio)
   return budget

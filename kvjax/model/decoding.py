@@ -628,7 +628,7 @@ def keep_mask(
   B, T = ids.shape
   budget = ratio_or_budget(pol, budget, ratio, mask)
   if pol.requires_budget:
-    check_row_budgets(pol, budget, mask, ratio is not None)
+    check_row_budgets(pol, budget, mask, ratio is not None, ratio=ratio)
   ev = check_evidence(pol, evidence, cfg, input_ids, attention_mask, model=model)
   heads = cache_heads(cfg, layout)
   itemsize = llama.kv_itemsize(cfg, model.params())
@@ -637,6 +637,9 @@ def keep_mask(
   spec = cache_lib.CacheSpec(pol, pre.valid.shape[1], layout, row_budgets=ratio is not None)
   cache = cache_lib.compress(cfg, pre, spec, budget, evidence=ev)
   check_overflow(cache)
+  if pol.requires_budget:  # every allocator's rows hold at least the protected window
+    window = pol.evidence_request(T).window if pol.windowed else 0
+    pol.check_allocation(np.asarray(cache.budget), window=window)
   positions = np.asarray(cache.positions)
   # the prompt's own slots (appended restore tokens sit at positions past each row's prompt)
   prompt = positions < mask.sum(-1)[None, :, None, None]
