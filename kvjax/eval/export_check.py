@@ -18,9 +18,9 @@ caches are cleared around it, so no trace made for another platform is reused or
 Each platform is exported on its own: the ragged kernel's Mosaic and Triton variants carry
 compiler parameters of their own platform and cannot share one multi-platform module.
 
-The generate loop and the answers' step are reached by their module-private jitted names
-(:data:`PRIVATE_ENTRY_POINTS`): they are the compiled functions ``generate`` and
-``answer_configs`` run, and this check must lower exactly those.
+The generate loop and the answers' step are lowered as their public pieces compose them
+(``cache.compress``, ``cache.per_layer``, ``cache.decode_step``, ``cache.extend``); the lab's
+replay through ``online.simulate`` inside one jit.
 """
 
 from __future__ import annotations
@@ -53,13 +53,6 @@ NEW_TOKENS = 16  # generated tokens: the decode capacity's room and the generate
 # the custom calls of Pallas's GPU kernels, which jax.export does not guarantee across versions
 # (every other custom call stays checked): lowering them is what this check asks
 UNSTABLE_KERNELS = ("__gpu$xla.gpu.triton",)
-# (module, name) of the compiled functions reached although module-private
-PRIVATE_ENTRY_POINTS = (
-  ("kvjax.model.decoding", "_compress_and_decode"),
-  ("kvjax.model.answers", "_compress_configs"),
-  ("kvjax.model.answers", "_answer_configs"),
-  ("kvjax.lab.online", "_simulate"),
-)
 COMPRESSION_POLICIES = {
   "snapkv": {},
   "pyramidkv": {},
@@ -278,30 +271,67 @@ def decode_entry(form: str, s: Shapes):
 
 
 def generate_entry(name: str, s: Shapes):
-  """The generate loop's compiled function: compress, then decode :data:`NEW_TOKENS`."""
+  """The generate loop: compress the prefill, then :data:`NEW_TOKENS` decode steps in a scan
+  (as ``generate``'s compiled function does, from the same public pieces)."""
   pol = _policy(name)
   spec = _spec(pol, s)
   pre = _prefill_of(s, _request(pol, s))
   params = abstract_params(s.cfg, s.dtype)
-  rng = jax.eval_shape(lambda: jax.random.key(0))
-  fn = decoding._compress_and_decode
-  return fn, (s.cfg, params, pre, spec, _budget(), _rows(s), NEW_TOKENS, 0.0, rng, None)
+
+  def loop(cfg, spec, params, pre, budget, first):
+    cache = cache_lib.compress(cfg, pre, spec, budget)
+    start = pre.valid.sum(-1).astype(jnp.int32)
+    T = pre.valid.shape[1]
+    params, cache = cache_lib.per_layer(spec, params, cache)
+
+    def step(carry, i):
+      cache, token = carry
+      logits, cache = cache_lib.decode_step(
+        cfg, params, spec, cache, token, start + i, T + i, step=i
+      )
+      return (cache, jnp.argmax(logits, -1).astype(jnp.int32)), token
+
+    (cache, _), tokens = jax.lax.scan(step, (cache, first), jnp.arange(NEW_TOKENS))
+    return tokens.T, cache_lib.restacked(cache, spec.capacity)
+
+  fn = jax.jit(loop, static_argnames=("cfg", "spec"))
+  return fn, (s.cfg, spec, params, pre, _budget(), _rows(s))
 
 
 def answers_entry(name: str, s: Shapes, configs: int = 2, answer: int = 8):
-  """The answers' step: ``configs`` compressed caches (vmapped) answered at once (a prefill
-  policy's caches only append) or token by token (a decode-time policy's)."""
+  """The answers' step over ``configs`` compressed caches (vmapped): an appending cache's
+  answer fed at once after its held keys (``cache.extend``, what answers decode through), a
+  decode-time policy's token by token (``cache.decode_step`` in a scan)."""
   pol = _policy(name)
   spec = answers.decoding_spec(dataclasses.replace(_spec(pol, s), new_tokens=0))
   pre = _prefill_of(s, _request(pol, s))
   budgets = jax.ShapeDtypeStruct((configs,), jnp.int32)
-  caches = jax.eval_shape(lambda p, b: answers._compress_configs(s.cfg, p, spec, b), pre, budgets)
+  caches = jax.eval_shape(
+    lambda p, b: jax.vmap(lambda x: cache_lib.compress(s.cfg, p, spec, x))(b), pre, budgets
+  )
   params = abstract_params(s.cfg, s.dtype)
-  valid = jax.ShapeDtypeStruct((s.batch, s.tokens), jnp.bool_)
   fed = jax.ShapeDtypeStruct((s.batch, answer), jnp.int32)
-  given = jax.ShapeDtypeStruct((s.batch, answer), jnp.bool_)
-  fn = answers._answer_configs
-  return fn, (s.cfg, params, spec, caches, valid, fed, given, pol.evicts_each_step, 0)
+
+  def step(cfg, spec, params, caches, fed_BN, start_B):
+    pos_BN = start_B[:, None] + jnp.arange(fed_BN.shape[1], dtype=jnp.int32)[None, :]
+
+    def one(cache):
+      if cache_lib.appends_only(spec):
+        held = (cache_lib.held_kv(spec, cache),)
+        return cache_lib.extend(cfg, params, held, fed_BN, pos_BN)[0]
+
+      def token(cache, i):
+        logits, cache = cache_lib.decode_step(
+          cfg, params, spec, cache, fed_BN[:, i], pos_BN[:, i], pos_BN[:, i], step=i
+        )
+        return cache, logits
+
+      return jax.lax.scan(token, cache, jnp.arange(fed_BN.shape[1]))[1]
+
+    return jax.vmap(one)(caches)
+
+  fn = jax.jit(step, static_argnames=("cfg", "spec"))
+  return fn, (s.cfg, spec, params, caches, fed, _rows(s))
 
 
 def select_entry(name: str, s: Shapes):
@@ -335,14 +365,18 @@ def _lab_world():
 
 
 def replay_entry(name: str, s: Shapes | None = None):
-  """The lab's online replay of a policy on a small synthetic world (the world is data)."""
+  """The lab's online replay (``online.simulate``) of a policy on a small synthetic world,
+  inside one jit over the world: the allocation from the (concrete) prompt evidence is computed
+  while tracing, the replay's jitted scan over the world is lowered."""
   world = _lab_world()
   pol = policies.build(name)
-  L, H = world.dims.num_layers, world.dims.num_heads
   evidence = online.prompt_evidence(world, jax.random.key(0))
-  budget = online.allocate(world, pol, 32, evidence)
-  fn = online._simulate
-  return fn, (world, pol, jnp.asarray(budget, jnp.int32).reshape(L, H), evidence, 32, False)
+
+  def replay(world):
+    with jax.ensure_compile_time_eval():
+      return online.simulate(world, pol, 32, evidence=evidence)
+
+  return jax.jit(replay), (world,)
 
 
 def _sweep_config():
