@@ -310,3 +310,60 @@ def test_smollm2_search_beats_the_best_hand_made_schedule_on_held_out(smollm2_ru
   assert judged["searched"]["held_out"] == pytest.approx(held_out(searched), rel=1e-4)
   assert judged["searched"]["held_out"] > independent
   assert summary["header"]["model"]["name"] == "smollm2"
+
+
+# --------------------------------------------------------------------------- the KL fitness
+
+
+@pytest.mark.parametrize("shape", ["L", "LG"])
+def test_kl_fitness_equals_a_direct_computation(tiny, shape):
+  model, cfg, tok = tiny
+  P, G = 40, cfg.num_kv_heads
+  prompts = runner.model_rows(tok, "single_needle", P, range(2))[:, :P]
+  rows = np.concatenate([prompts, fitness.continuation(model, prompts, 5)], 1)
+  # the reference continuation is the full model's greedy one
+  logits = np.asarray(km.forward(cfg, model.params(), jnp.asarray(rows)))
+  np.testing.assert_array_equal(logits[:, P - 1 : -1].argmax(-1), rows[:, P:])
+  kv = {"num_kv_heads": G} if shape == "LG" else {}
+  policy = policies.SnapKV(window=4, **kv)
+  data = fitness.kl_data(model, rows, P, policy)
+  space = Space.from_budget((cfg.num_layers,) if shape == "L" else (cfg.num_layers, G), 12, 4, P)
+  pop = np.random.default_rng(0).normal(size=(3, space.num_params))
+  allocations = np.asarray(space.allocate_population(pop))
+  got = fitness.population_kl(model, data, policy, allocations)
+  # directly: answer_configs over the population ([K, L, H] budgets), the full cache as a
+  # plain forward pass, KL(full || compressed) in numpy
+  budgets_KLH = np.stack([np.asarray(fitness.budget_heads(a, G)) for a in allocations])
+  out = km.answer_configs(
+    model,
+    rows[:, : P + 1],
+    rows[:, P + 1 :],
+    budgets=budgets_KLH,
+    policy=policy,
+    question_len=1,
+    question="after",
+  )
+  ref = logits[:, P:-1] - logits[:, P:-1].max(-1, keepdims=True)
+  ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+  np.testing.assert_allclose(data.reference_BNV, ref, atol=2e-4)
+  lp = np.asarray(out.logprobs, np.float64)
+  want = (np.exp(ref) * (ref - lp)).sum(-1).mean((1, 2))
+  np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5)
+  assert (got > 0).all()
+  np.testing.assert_array_equal(out.budget_LH[:, 0], budgets_KLH)
+
+
+def test_kl_search_on_the_tiny_model(tmp_path):
+  c = search_config.get_config("quick,tiny,kl")
+  c.model.update(prompt_len=40, rows=2, future=4)
+  c.population, c.generations = 6, 3
+  summary = runner.run(c, tmp_path, log=len)
+  judged = summary["judged"]
+  assert summary["header"]["calibration"]["fitness"] == "kl"
+  assert judged["searched"]["calibration_kl"] == pytest.approx(
+    -summary["header"]["fitness"], rel=1e-4
+  )
+  hand = [v["calibration_kl"] for k, v in judged.items() if k not in ("searched", "best_hand_made")]
+  assert judged["best_hand_made"]["calibration_kl"] == min(hand)
+  with pytest.raises(ValueError, match="kl"):
+    runner.check_config(search_config.get_config("quick,kl"))

@@ -311,7 +311,7 @@ def kl_data(model, ids, prompt_len: int, policy: policies.Policy) -> KLData:
 
 def kl_divergence(reference_BNV, logprobs_KBNV) -> np.ndarray:
   """``KL(full || compressed)`` of each configuration, mean over rows and judged tokens: ``[K]``."""
-  ref = jnp.asarray(reference_BNV, jnp.float32)
+  ref = jnp.asarray(reference_BNV, jnp.float32)[None]
   lp = jnp.asarray(logprobs_KBNV, jnp.float32)
   kl = (jnp.exp(ref) * (ref - lp)).sum(-1)
   return np.asarray(kl.mean((-1, -2)), np.float64)
