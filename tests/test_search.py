@@ -5,12 +5,14 @@ import importlib.util
 import json
 
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
 from configs import search as search_config
 from kvjax import model as km
 from kvjax import policies
+from kvjax.eval import run_setup
 from kvjax.eval.search import fitness, optimise, results, runner
 from kvjax.eval.search.space import Space
 from kvjax.lab import grid, groups
@@ -367,3 +369,56 @@ def test_kl_search_on_the_tiny_model(tmp_path):
   assert judged["best_hand_made"]["calibration_kl"] == min(hand)
   with pytest.raises(ValueError, match="kl"):
     runner.check_config(search_config.get_config("quick,kl"))
+
+
+# --------------------------------------------------------------------------- everywhere
+
+
+@pytest.mark.parametrize("shape", ["L", "LG"])
+def test_searched_allocation_everywhere(tiny, tmp_path, shape):
+  """A file's allocation gives exactly its budgets in ``answer_configs`` and in an evaluation
+  config's policy entry (a registered name: configs name policies, not allocators), each
+  compared with ``keep_mask`` under those budgets given explicitly."""
+  model, cfg, _ = tiny
+  G = cfg.num_kv_heads
+  path, a = _tiny_file(tmp_path, cfg, (cfg.num_layers,) if shape == "L" else (cfg.num_layers, G))
+  kv = {"num_kv_heads": G} if shape == "LG" else {}
+  name = f"snapkv_searched_{shape.lower()}"
+  policies.register(
+    name,
+    lambda **o: policies.SnapKV(allocator=Searched(str(path), model="tiny"), **o),
+    overwrite=True,
+  )
+  entry = {"label": "searched", "policy": name, "window": 4} | kv
+  ((label, policy),) = runner_eval_entries([entry])
+  assert label == "searched" and isinstance(policy.allocator, Searched)
+  ids = np.random.default_rng(2).integers(3, cfg.vocab_size, size=(2, 49))
+  want = km.keep_mask(model, ids[:, :48], policies.SnapKV(window=4, **kv), a)
+  got = km.keep_mask(model, ids[:, :48], policy, policy.allocator.budget)
+  np.testing.assert_array_equal(got, want)
+  out = km.answer_configs(
+    model,
+    ids,
+    ids[:, -1:],
+    budgets=[policy.allocator.budget] * 2,
+    policy=policy,
+    question_len=1,
+    question="after",
+  )
+  per_kv_head = np.asarray(fitness.budget_heads(a, G))
+  np.testing.assert_array_equal(out.budget_LH, np.broadcast_to(per_kv_head, out.budget_LH.shape))
+  ref = km.answer_configs(
+    model,
+    ids,
+    ids[:, -1:],
+    budgets=[per_kv_head],
+    policy=policies.SnapKV(window=4, **kv),
+    question_len=1,
+    question="after",
+  )
+  np.testing.assert_array_equal(out.logprobs[0], ref.logprobs[0])
+
+
+def runner_eval_entries(entries):
+  """The evaluation's own policy building (``configs/eval.py``'s ``policies`` entries)."""
+  return run_setup.config_entries(ml_collections.ConfigDict({"policies": entries}))
