@@ -82,7 +82,8 @@ def compress(
 
   Raises:
     ValueError: for a spec :func:`check_spec` refuses, evidence :func:`check_evidence` refuses,
-      or ThinK's ``channel_ratio`` without the prefill's ``window_queries``.
+      or ThinK's ``channel_ratio`` without the prefill's ``window_queries`` or with fewer of
+      them than its ``channel_window`` (:func:`think_queries`).
   """
   L, B, G, T, D = pre.keys.shape
   check_spec(spec)
@@ -165,7 +166,8 @@ def compress(
   if spec.channel_ratio:  # ThinK on the kept keys (kvpress ComposedPress([press, ThinKPress]))
     if pre.window_queries is None:
       raise ValueError("channel_ratio: ThinK needs the prefill's window_queries (prefill with it)")
-    channels_L = think_channels(pre.window_queries, kept_keys, spec.channel_ratio)
+    queries = think_queries(pre.window_queries, spec.policy.channel_window, pre.keys.shape[3])
+    channels_L = think_channels(queries, kept_keys, spec.channel_ratio)
     kept_keys = prune_channels(kept_keys, channels_L)
     new_keys = jnp.zeros((L, B, H, new, D), keys.dtype)
     pad = ((0, 0), (0, 0), (0, 0), (0, new))
@@ -356,6 +358,35 @@ def to_layout(scores_LHT: Array, H: int, cfg: ModelConfig) -> Array:
 
 
 # --------------------------------------------------------------------------- ThinK's key channels
+
+
+def think_queries(window_queries_LBHWD: Array, channel_window: int | None, T: int) -> Array:
+  """The prefill's window queries that score ThinK's channels: the last ``channel_window``.
+
+  kvpress's ``ThinKPress`` recomputes its own last ``window_size`` queries whatever window the
+  sequence press before it observed, so a policy's ``channel_window`` (ThinK's, 32) takes the
+  last ``min(channel_window, T)`` of the prefill's ``W`` queries; ``None`` takes all ``W``.
+
+  Args:
+    window_queries_LBHWD: the prefill's last ``W`` post-RoPE queries ``[L, B, Hq, W, D]``.
+    channel_window: the policy's ``channel_window``, or ``None``.
+    T: the prompt's length.
+
+  Returns:
+    The queries ``[L, B, Hq, min(channel_window, T), D]`` (all ``W`` for ``None``).
+
+  Raises:
+    ValueError: the prefill holds fewer than ``min(channel_window, T)`` queries.
+  """
+  if channel_window is None:
+    return window_queries_LBHWD
+  W, want = window_queries_LBHWD.shape[3], min(channel_window, T)
+  if want > W:
+    raise ValueError(
+      f"channel_window: ThinK scores its channels with the last {want} queries, the prefill "
+      f"holds {W}; expected a prefill with the policy's evidence_request(T)"
+    )
+  return window_queries_LBHWD[:, :, :, W - want :]
 
 
 def think_channels(window_queries_LBHWD: Array, keys_LBHCD: Array, ratio: float) -> Array:

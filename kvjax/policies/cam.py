@@ -13,6 +13,7 @@ the model's cache holds them); :class:`CaM` is the policy the model's cache runs
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +119,29 @@ def merge_uniforms(seed: int, row, seen, shape: tuple[int, ...]) -> Array:
   return jax.random.uniform(key, shape, jnp.float32)
 
 
+def check_draws(uniform, shape: tuple[int, ...], policy: str) -> Array:
+  """Checks the uniforms a caller's ``draws`` returned against the shape CaM asks for.
+
+  Args:
+    uniform: what ``draws`` returned.
+    shape: the shape asked for, ``[L, H, N]``.
+    policy: the policy's label, for the error.
+
+  Returns:
+    The uniforms as fp32.
+
+  Raises:
+    ValueError: ``uniform`` is not a floating array of ``shape``.
+  """
+  got = jnp.shape(uniform)
+  if got != tuple(shape) or not jnp.issubdtype(jnp.result_type(uniform), jnp.floating):
+    raise ValueError(
+      f"draws: policy {policy!r}'s draws returned {jnp.result_type(uniform)} {got}; expected "
+      f"floating uniforms of shape {tuple(shape)} (layers, heads, decode_every)"
+    )
+  return jnp.asarray(uniform, jnp.float32)
+
+
 def cam_merge(
   values_GCD: Array,
   attn_GC: Array,
@@ -205,9 +229,9 @@ class CaM(DecodeMerging, PrefillDecoding):
   generated queries (kvpress ``_running_attn_sum``: the group-mean softmax row of each query,
   the new token's own slot included) and prunes it with the slots.
 
-  Differences from kvpress: the Bernoulli draws are ``uniform < p`` on
-  :func:`merge_uniforms` (jax's generator keyed by the seed, the row and the tokens seen;
-  kvpress: ``torch.bernoulli``); the merge candidates are the ``decode_every`` best evicted
+  Differences from kvpress: the Bernoulli draws are ``uniform < p`` on ``draws`` (by default
+  :func:`merge_uniforms`: jax's generator keyed by the seed, the row and the tokens seen;
+  kvpress: ``torch.bernoulli``, whose uniforms a parity check passes as ``draws``); the merge candidates are the ``decode_every`` best evicted
   slots, which is kvpress's ``k`` (the steps since its last compression) whenever a
   compression evicts; a tie in the averaged scores goes to the lower slot (kvpress: ``topk``'s
   choice); heads holding different counts average a slot over the heads holding it.
@@ -216,6 +240,10 @@ class CaM(DecodeMerging, PrefillDecoding):
     base: the scorer (a budget-free prefill scorer; kvpress ``base_press``).
     merge_budget: the kept neighbours each merged slot is spread over (kvpress 32).
     seed: the seed of the Bernoulli draws.
+    draws: the uniforms of the Bernoulli draws, a hashable callable ``(seed, row, seen, shape)
+      -> [L, H, decode_every]`` floats in ``[0, 1)`` with :func:`merge_uniforms`'s arguments
+      and meaning (a merge happens where the uniform is below its probability); ``None``:
+      :func:`merge_uniforms`. A decode step compiles once per callable.
   """
 
   base: Policy
@@ -225,6 +253,7 @@ class CaM(DecodeMerging, PrefillDecoding):
   decode_budget: int | None = 2048
   merge_budget: int = 32
   seed: int = 0
+  draws: Callable[..., Array] | None = None
 
   def __post_init__(self):
     if self.decoding is not None and self.decoding is not self.base:
@@ -235,14 +264,20 @@ class CaM(DecodeMerging, PrefillDecoding):
       raise ValueError("decode_budget: expected an int >= 1 (kvpress target_size)")
     check_int("merge_budget", self.merge_budget, 1)
     check_int("seed", self.seed, 0)
+    if self.draws is not None and not callable(self.draws):
+      raise ValueError(
+        f"draws: expected a callable (seed, row, seen, shape) -> uniforms or None, got "
+        f"{self.draws!r}"
+      )
 
   @property
   def options(self) -> dict:
     """The policy's own options."""
-    return {**super().options, "merge_budget": self.merge_budget, "seed": self.seed}
+    out = {**super().options, "merge_budget": self.merge_budget, "seed": self.seed}
+    return out if self.draws is None else {**out, "draws": self.draws}
 
   def decode_merge(self, values_LHCD, attn_sums_LHC, scores_LHC, valid_LHC, count_LH, *, row, seen):
-    """:func:`cam_merge` on every layer of one row, with :func:`merge_uniforms`.
+    """:func:`cam_merge` on every layer of one row, with the uniforms of ``draws``.
 
     Args:
       values_LHCD: the slots' values ``[L, H, C, D]``.
@@ -257,9 +292,16 @@ class CaM(DecodeMerging, PrefillDecoding):
     Returns:
       ``(scores_LHC, values_LHCD)``: 0 on the shared kept slots and ``-inf`` elsewhere, and the
       merged values.
+
+    Raises:
+      ValueError: ``draws`` returns another shape than ``[L, H, decode_every]`` or no floats.
     """
     L, H, _, _ = values_LHCD.shape
-    uniform = merge_uniforms(self.seed, row, seen, (L, H, self.decode_every))
+    shape = (L, H, self.decode_every)
+    draws = merge_uniforms if self.draws is None else self.draws
+    uniform = draws(self.seed, row, seen, shape)
+    if self.draws is not None:  # shapes are static: checked once, at trace time
+      uniform = check_draws(uniform, shape, self.label)
     merge = jax.vmap(lambda *a: cam_merge(*a, merge_budget=self.merge_budget))
     kept_LC, values = merge(
       values_LHCD, attn_sums_LHC, scores_LHC, valid_LHC, count_LH.min(-1), uniform

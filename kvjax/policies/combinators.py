@@ -128,8 +128,8 @@ class Composed(Policy):
   of the ``n_{j-1}`` positions the previous stages kept (``n_0``: the row's real positions);
   the last stage keeps ``min(budget, n_{S-1})`` of them: :meth:`budgets` caps the budget there,
   so exactly that many are kept. A last ``ThinK`` stage (one that keeps every token) becomes the
-  policy's ``channel_ratio``: ThinK on the kept keys, kvpress's ``ComposedPress([press,
-  ThinKPress])``.
+  policy's ``channel_ratio`` and ``channel_window``: ThinK on the kept keys, scored with its own
+  window of queries, kvpress's ``ComposedPress([press, ThinKPress])``.
 
   The first stage is any budget-free prefill scorer (SnapKV included); a later stage scores the
   survivors of its row alone (:func:`restricted_scores`: KeyDiff's anchor is their mean), so it
@@ -198,6 +198,11 @@ class Composed(Policy):
     return self.stages[:-1] if isinstance(last.allocator, alloc_lib.KeepAll) else self.stages
 
   @property
+  def channel_window(self) -> int | None:
+    """The ThinK stage's ``channel_window`` (``None`` without one)."""
+    return self.stages[-1].channel_window if len(self.token_stages) < len(self.stages) else None
+
+  @property
   def evidence_fields(self) -> frozenset[str]:
     """Every stage's fields (and ThinK's for ``channel_ratio``)."""
     out = super().evidence_fields
@@ -217,7 +222,7 @@ class Composed(Policy):
 
   def evidence_request(self, T: int, *, reduce_rows: bool = False) -> EvidenceRequest:
     """The request for every stage's evidence (window rows kept, never reduced)."""
-    return EvidenceRequest.for_fields(self.evidence_fields, min(self.observation_window, T))
+    return super().evidence_request(T)
 
   def stage_counts(self, evidence: Evidence, T: int) -> list:
     """``n_1 .. n_{S-1}``: what each token stage but the last keeps (kvpress's counts)."""

@@ -113,6 +113,8 @@ class Policy(BudgetRules, Recompression, Observation, protocols.ProtocolDefaults
     sinks, a row is scored as it lies. A policy whose option has another name declares it as
     a property (``sinks = property(lambda self: self.n_sink)``).
   * ``window``: its protected (and observed) recent window; ``None``: the observation rows'.
+  * ``channel_window``: the last prefill queries that score ThinK's key channels (kvpress
+    ``ThinKPress.window_size``); ``None``: every query of its observation window.
   * ``windowed``: it protects its observation window, so a budget must exceed the window.
   * ``window_field``: the option holding its protected recent window (a sweep's ``window``
     axis), or ``None``.
@@ -124,6 +126,7 @@ class Policy(BudgetRules, Recompression, Observation, protocols.ProtocolDefaults
   needs: ClassVar[frozenset[str]] = frozenset({"attn_window_LHWT"})
   sinks: ClassVar[int | None] = None
   window: ClassVar[int | None] = None
+  channel_window: ClassVar[int | None] = None
   windowed: ClassVar[bool] = False
   window_field: ClassVar[str | None] = None
   data_options: ClassVar[tuple[str, ...]] = ()

@@ -498,13 +498,21 @@ class KVzip(Policy):
 class ThinK(Policy):
   """kvpress ``ThinKPress`` alone: every token kept, the least important key channels pruned.
 
-  The ``int(D * channel_ratio)`` least important key channels are pruned (give any policy
-  ``channel_ratio`` to compose it).
+  The ``int(D * channel_ratio)`` least important key channels are pruned, scored with the last
+  ``channel_window`` queries of the prompt (kvpress ``window_size``, 32), also as the last stage
+  of :class:`~kvjax.policies.Composed` whatever the token stages observe (give any policy
+  ``channel_ratio`` to compose it with its own observation window's queries).
   """
 
   needs: ClassVar[frozenset[str]] = frozenset({"window_queries_LHWD", "keys_LGTD"})
   allocator: alloc_lib.Allocator = alloc_lib.KeepAll()
   channel_ratio: float | None = 0.5
+  channel_window: int = 32
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_int("channel_window", self.channel_window, 1)
+    object.__setattr__(self, "channel_window", int(self.channel_window))  # hashable, as given
 
   def score(self, evidence):
     """Recency (every token is kept; ThinK prunes channels, not tokens)."""

@@ -4,6 +4,8 @@ policy's needs to the prefill's work)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvjax.policies.evidence import DEFAULT_WINDOW, EvidenceRequest
 
 
@@ -11,7 +13,7 @@ class Observation:
   """The evidence a policy reads and the prefill's request for it.
 
   A mixin of :class:`~kvjax.policies.Policy`: it reads the policy's declared ``needs`` and
-  ``window``, its ``allocator`` and ``channel_ratio``. A policy with other needs (a combinator's
+  ``window``, its ``allocator``, ``channel_ratio`` and ``channel_window``. A policy with other needs (a combinator's
   stages, a wrapper's base) overrides :attr:`evidence_fields` and :attr:`observation_window`.
   """
 
@@ -35,7 +37,8 @@ class Observation:
 
   def evidence_request(self, T: int, *, reduce_rows: bool = False) -> EvidenceRequest:
     """What a prefill of ``T`` prompt tokens computes for it: :attr:`evidence_fields` with
-    ``min(observation_window, T)`` window rows.
+    ``min(observation_window, T)`` window rows, and at least ``min(channel_window, T)`` window
+    queries for ThinK's channels.
 
     Args:
       T: the prompt's length.
@@ -47,7 +50,11 @@ class Observation:
     Raises:
       ValueError: :attr:`evidence_fields` names a field :class:`Evidence` lacks.
     """
-    return EvidenceRequest.for_fields(self.evidence_fields, min(self.observation_window, T))
+    request = EvidenceRequest.for_fields(self.evidence_fields, min(self.observation_window, T))
+    if self.channel_ratio and self.channel_window:
+      queries = max(request.window_queries, min(self.channel_window, T))
+      request = dataclasses.replace(request, window_queries=queries)
+    return request
 
   def window_scorer(self):
     """A hashable reduction of one layer's window rows to scores (:class:`WindowPolicy`'s), or

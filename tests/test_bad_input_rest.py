@@ -1,0 +1,175 @@
+"""Bad input, the rest of round three: ThinK's own query window, CaM's draws given by the caller,
+decode-time policies' outputs checked with the policy named, validation before a run directory
+is claimed, and the process flags named when a multi-host start cannot complete."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import model as km
+from kvjax import policies
+from kvjax.model import cache as cache_lib
+from kvjax.model import compression, decoding
+from kvjax.policies.cam import CaM
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  model, cfg, _ = km.load_tiny()
+  return model, cfg, model.params()
+
+
+# --------------------------------------------------------------------------- ThinK's window
+
+
+def _kvpress_think_channels(queries_LBHWD, keys_LBGCD, valid_LBGC, ratio):
+  """kvpress ThinKPress's rule in numpy: prune the int(D * ratio) lowest of mean_w(q^2) (group
+  mean) * mean_t(k^2) over the kept keys."""
+  q = np.asarray(queries_LBHWD, np.float64)
+  k = np.asarray(keys_LBGCD, np.float64)
+  L, B, G, _, D = k.shape
+  q2 = (q**2).mean(3).reshape(L, B, G, -1, D).mean(3)
+  k2 = (k**2).sum(3) / np.asarray(valid_LBGC).sum(-1, keepdims=True)
+  pruned = np.argsort(q2 * k2, axis=-1, kind="stable")[..., : int(D * ratio)]
+  keep = np.ones((L, B, G, D), bool)
+  np.put_along_axis(keep, pruned, False, axis=-1)
+  return keep
+
+
+def test_composed_think_scores_channels_with_its_own_32_queries(tiny):
+  # kvpress ComposedPress([SnapKVPress(window_size=64), ThinKPress(0.5)]): ThinK recomputes its
+  # own last 32 queries whatever the sequence press observed
+  _, cfg, params = tiny
+  T, N, budget, ratio = 160, 2, 80, 0.5
+  snap = policies.SnapKV(window=64, num_kv_heads=cfg.num_kv_heads)
+  think = policies.ThinK(channel_ratio=ratio)
+  assert think.channel_window == 32
+  composed = policies.Composed(stages=(snap, think), num_kv_heads=cfg.num_kv_heads)
+  assert composed.channel_window == 32
+  request = composed.evidence_request(T)
+  assert request.window == 64 and request.window_queries == 64
+  ids = np.random.default_rng(1).integers(4, cfg.vocab_size, (1, T)).astype(np.int32)
+  pre = decoding.jit_prefill(cfg, params, jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32), request)
+  spec = cache_lib.CacheSpec(composed, budget + N, new_tokens=N, layout="kv")
+  plain = cache_lib.CacheSpec(snap, budget + N, layout="kv")
+  c = cache_lib.compress(cfg, pre, spec, budget)
+  kept = cache_lib.compress(cfg, pre, plain, budget)
+  got = np.zeros((*np.asarray(c.channels).shape[:3], cfg.head_dim), bool)
+  np.put_along_axis(got, np.asarray(c.channels), True, axis=-1)
+  last32 = _kvpress_think_channels(pre.window_queries[:, :, :, -32:], kept.keys, kept.valid, ratio)
+  all64 = _kvpress_think_channels(pre.window_queries, kept.keys, kept.valid, ratio)
+  np.testing.assert_array_equal(got, last32)
+  assert (last32 != all64).any()  # the window matters on this prompt
+
+
+def test_think_window_asked_of_the_prefill_and_checked():
+  snap8 = policies.SnapKV(window=8)
+  composed = policies.Composed(stages=(snap8, policies.ThinK(channel_window=16)))
+  assert composed.evidence_request(100).window_queries == 32  # the observation window's 32 rows
+  assert policies.ThinK(channel_window=64).evidence_request(100).window_queries == 64
+  assert policies.ThinK(channel_window=64).evidence_request(20).window_queries == 20
+  # channel_ratio on a token policy: ThinK reads that policy's own observation window
+  assert policies.SnapKV(window=8, channel_ratio=0.25).evidence_request(100).window_queries == 8
+  assert policies.ThinK(channel_window=np.int64(8)).channel_window == 8
+  for bad in (0, -1, 2.5, True, None):
+    with pytest.raises(ValueError, match="^channel_window: expected an int >= 1"):
+      policies.ThinK(channel_window=bad)
+  queries = jnp.zeros((1, 1, 2, 8, 4))
+  assert compression.think_queries(queries, None, 100).shape[3] == 8
+  assert compression.think_queries(queries, 4, 100).shape[3] == 4
+  assert compression.think_queries(queries, 32, 8).shape[3] == 8
+  with pytest.raises(
+    ValueError, match="^channel_window: ThinK scores its channels with the last 16"
+  ):
+    compression.think_queries(queries, 16, 100)
+
+
+# --------------------------------------------------------------------------- CaM's draws
+
+
+@pytest.fixture(scope="module")
+def cam_golden():
+  z = np.load(FIXTURES / "kvpress_0_5_5_merging.npz")
+  model, cfg = km.load(FIXTURES / "kvpress_tiny_llama")
+  return z, cfg, model.params()
+
+
+def _kvpress_cam_draws(z, T):
+  """kvpress's recorded uniforms as CaM's ``draws``: compression ``c`` (after ``(c + 1) N`` fed
+  tokens) of layer ``l`` reads ``cam_{c L + l}_uniform_Gk``."""
+  N, calls = int(z["cam_constants"][0]), int(z["cam_calls"])
+  L = int(max(z[f"cam_{c}_layer"] for c in range(calls))) + 1
+  table = np.stack(
+    [np.stack([z[f"cam_{c * L + l}_uniform_Gk"] for l in range(L)]) for c in range(calls // L)]
+  )  # [compressions, L, G, N]
+
+  def draws(seed, row, seen, shape):
+    return jnp.asarray(table, jnp.float32)[(seen - T) // N - 1]
+
+  return draws
+
+
+def _cam_cache(cfg, params, ids, pol, fed):
+  T = ids.shape[1]
+  request = pol.evidence_request(T)
+  pre = decoding.jit_prefill(cfg, params, jnp.asarray(ids), jnp.ones(ids.shape, jnp.int32), request)
+  spec = cache_lib.CacheSpec(pol, pol.decode_capacity(T, T, len(fed)))
+  cache = cache_lib.compress(cfg, pre, spec, None)
+  step = jax.jit(cache_lib.decode_step, static_argnums=(0, 2))
+  for i, tok in enumerate(fed):
+    pos = jnp.full((1,), T + i, jnp.int32)
+    _, cache = step(cfg, params, spec, cache, jnp.asarray([tok]), pos, pos, i)
+  return cache
+
+
+def _row0_by_position(cache):
+  pos, valid = np.asarray(cache.positions[:, 0]), np.asarray(cache.valid[:, 0])
+  values = np.asarray(cache.values[:, 0])
+  order = np.argsort(np.where(valid, pos, np.iinfo(np.int32).max), -1, kind="stable")
+  n = int(valid[0, 0].sum())
+  order = order[..., :n]
+  return np.take_along_axis(values, order[..., None], 2), np.take_along_axis(pos, order, -1)
+
+
+def test_cam_draws_given_by_the_caller_reproduce_kvpress(cam_golden):
+  # kvpress's CAMPress(KnormPress(), compression_interval=4, target_size=14, merge_budget=3)
+  # with its recorded Bernoulli uniforms passed as draws, no function patched
+  z, cfg, params = cam_golden
+  ids = z["input_ids_T"][None]
+  N, target, mb = (int(x) for x in z["cam_constants"])
+  fed = z["cam_fed_S"]
+  opts = dict(base=policies.KNorm(), decode_every=N, decode_budget=target, merge_budget=mb)
+  pol = CaM(**opts, draws=_kvpress_cam_draws(z, ids.shape[1]))
+  values, pos = _row0_by_position(_cam_cache(cfg, params, ids, pol, fed))
+  np.testing.assert_array_equal(pos, np.sort(z["cam_final_positions_LGn"], -1))
+  order = np.argsort(z["cam_final_positions_LGn"], -1)
+  want = np.take_along_axis(z["cam_final_values_LGnD"], order[..., None], 2)
+  np.testing.assert_allclose(values, want, atol=1e-5, rtol=0)
+  own, _ = _row0_by_position(_cam_cache(cfg, params, ids, CaM(**opts), fed))
+  assert np.abs(own - want).max() > 1e-5  # kvjax's own draws merge otherwise
+
+
+def test_cam_draws_checked():
+  with pytest.raises(ValueError, match="^draws: expected a callable"):
+    CaM(base=policies.KNorm(), draws=0.5)
+  pol = CaM(
+    base=policies.KNorm(), decode_every=4, draws=lambda seed, row, seen, shape: jnp.zeros(3)
+  )
+  L, H, C, D = 2, 2, 8, 4
+  args = (
+    jnp.ones((L, H, C, D)),
+    jnp.ones((L, H, C)),
+    jnp.ones((L, H, C)),
+    jnp.ones((L, H, C), bool),
+    jnp.full((L, H), 4, jnp.int32),
+  )
+  with pytest.raises(ValueError, match=r"^draws: policy 'CaM'.*\(3,\); expected .*\(2, 2, 4\)"):
+    pol.decode_merge(*args, row=0, seen=12)
+  ints = CaM(base=policies.KNorm(), decode_every=4, draws=lambda *a: jnp.zeros(a[-1], jnp.int32))
+  with pytest.raises(ValueError, match="^draws: .*expected floating uniforms"):
+    ints.decode_merge(*args, row=0, seen=12)
