@@ -33,8 +33,8 @@ def _cells(nb):
   return [(c.cell_type, c.source.strip(), tuple(c.metadata.get("tags", ()))) for c in nb.cells]
 
 
-def test_there_are_four_notebooks_each_with_a_twin():
-  assert len(NOTEBOOKS) == 4
+def test_there_are_five_notebooks_each_with_a_twin():
+  assert len(NOTEBOOKS) == 5
   for path in NOTEBOOKS:
     assert path.with_suffix(".py").exists(), path
 
