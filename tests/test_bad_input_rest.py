@@ -2,6 +2,7 @@
 decode-time policies' outputs checked with the policy named, validation before a run directory
 is claimed, and the process flags named when a multi-host start cannot complete."""
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -173,3 +174,55 @@ def test_cam_draws_checked():
   ints = CaM(base=policies.KNorm(), decode_every=4, draws=lambda *a: jnp.zeros(a[-1], jnp.int32))
   with pytest.raises(ValueError, match="^draws: .*expected floating uniforms"):
     ints.decode_merge(*args, row=0, seen=12)
+
+
+# --------------------------------------------------------------------------- decode-time hooks
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _HeadMeanKeep(policies.SlidingWindow):
+  """keep_scores one row for every head ([..., 1, C]): it broadcasts silently."""
+
+  def keep_scores(self, state_HC, positions_HC, t, budget_H):
+    return positions_HC.astype(jnp.float32).mean(-2, keepdims=True)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _WideState(policies.H2O):
+  def init_state(self, evidence, scores_LHT, idx_LHC, kept_LHC):
+    return super().init_state(evidence, scores_LHT, idx_LHC, kept_LHC)[..., None]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _SummedObserve(policies.H2O):
+  def observe(self, state_HC, attn_HC):
+    return (state_HC + attn_HC).sum(-1)
+
+
+@pytest.mark.parametrize(
+  ("policy", "hook", "got"),
+  [
+    (_HeadMeanKeep(), "keep_scores", r"shape \(1, 1, 20\); expected shape \(1, 2, 20\)"),
+    (_WideState(recent=4), "init_state", r"shape \(4, 2, 1, 1\); expected shape \(4, 2, 1\)"),
+    (_SummedObserve(recent=4), "observe", r"shape \(1, 2\); expected shape \(1, 2, 20\)"),
+  ],
+)
+def test_decode_time_hooks_checked_with_the_policy_named(tiny, policy, hook, got):
+  model, cfg, _ = tiny
+  ids = np.random.default_rng(0).integers(4, cfg.vocab_size, (1, 40)).astype(np.int32)
+  with pytest.raises(
+    ValueError, match=rf"^{hook}: policy '{type(policy).__name__}' returned {got}"
+  ):
+    km.generate(model, ids, policy=policy, budget=20, max_new_tokens=3)
+
+
+def test_decode_time_hook_checks_pass_good_outputs_unchanged():
+  pol = policies.H2O(recent=2)
+  state, pos = jnp.ones((1, 2, 5)), jnp.arange(10).reshape(1, 2, 5)
+  out = policies.checked_keep_scores(pol, state, pos, 9, jnp.full((1, 2), 4))
+  np.testing.assert_array_equal(out, pol.keep_scores(state, pos, 9, jnp.full((1, 2), 4)))
+  np.testing.assert_array_equal(policies.checked_observe(pol, state, state), 2 * state)
+  with pytest.raises(ValueError, match=r"^observe: policy 'H2O' returned shape \(1, 2\)"):
+    policies.check_decode_output(state[..., 0], state.shape, pol, "observe")
+  with pytest.raises(ValueError, match="^keep_scores: policy 'H2O' returned None"):
+    policies.check_decode_output(None, state.shape, pol, "keep_scores")

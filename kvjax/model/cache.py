@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import policies, select
 from kvjax import scores as scores_lib
-from kvjax import select
 from kvjax.model import llama
 from kvjax.model.cache_layout import (
   DECODE_EVIDENCE,
@@ -146,8 +146,8 @@ def _admit(spec: CacheSpec, slots: dict, budget_BH, pos_B):
   C = valid.shape[-1]
   fill = valid.sum(-1)
   if spec.decode_time:  # the policy's keep scores before the token at pos_B joins
-    keep_old = spec.policy.keep_scores(
-      slots.get("scores"), positions, pos_B[:, None, None], budget_BH
+    keep_old = policies.checked_keep_scores(
+      spec.policy, slots.get("scores"), positions, pos_B[:, None, None], budget_BH
     )
     # NaN keep scores cannot be ranked: the row is flagged, never evicted from arbitrarily
     slots = dict(slots, overflow=slots["overflow"] | (jnp.isnan(keep_old) & valid).any((-2, -1)))
@@ -460,7 +460,8 @@ def _observed(spec: CacheSpec, lslots: dict, probs, H: int) -> dict:
   """The layer's slot state after the token's attention ``probs``: a decode-time policy's scores
   (``observe``), and CaM's attention sums (the new token's own slot included: it was empty)."""
   if spec.decode_time and "scores" in lslots:
-    lslots = dict(lslots, scores=spec.policy.observe(lslots["scores"], _per_cache_head(probs, H)))
+    state = policies.checked_observe(spec.policy, lslots["scores"], _per_cache_head(probs, H))
+    lslots = dict(lslots, scores=state)
   if "attn_sums" in lslots:
     lslots = dict(lslots, attn_sums=lslots["attn_sums"] + _per_cache_head(probs, H))
   return lslots

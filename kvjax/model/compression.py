@@ -131,7 +131,9 @@ def compress(
     count = jnp.minimum(budget_LH, valid_T.sum())
     idx, kept = select.compact(scores, count, prompt_slots)
     # a decode-time policy's per-slot state (H2O's sums, TOVA's last row) of the kept slots
-    state = spec.policy.init_state(ev, scores, idx, kept) if spec.decode_time else None
+    state = (
+      policies.checked_init_state(spec.policy, ev, scores, idx, kept) if spec.decode_time else None
+    )
     overflow = (count > prompt_slots).any() | (budget_LH < 0).any()
     return idx, kept, budget_LH, state, overflow
 

@@ -56,6 +56,10 @@ from kvjax.policies.base import (
   ValueMerging,
   WindowPolicy,
   WindowScorer,
+  check_decode_output,
+  checked_init_state,
+  checked_keep_scores,
+  checked_observe,
   gather_slots,
 )
 from kvjax.policies.cam import CaM, cam_compress, cam_merge, merge_uniforms
@@ -148,6 +152,10 @@ __all__ = [
   "cam_merge",
   "CapKV",
   "check_budget_counts",
+  "check_decode_output",
+  "checked_init_state",
+  "checked_keep_scores",
+  "checked_observe",
   "Chunked",
   "ChunkKV",
   "Compactor",

@@ -27,7 +27,14 @@ common options of :class:`Policy`; the pipeline is ``scores`` -> ``budgets`` ->
 from kvjax.policies.budget_rules import BudgetRules
 from kvjax.policies.checks import check_bool, check_choice, check_int, check_window
 from kvjax.policies.core import Policy
-from kvjax.policies.decode_policy import DecodePolicy, gather_slots
+from kvjax.policies.decode_policy import (
+  DecodePolicy,
+  check_decode_output,
+  checked_init_state,
+  checked_keep_scores,
+  checked_observe,
+  gather_slots,
+)
 from kvjax.policies.observation import Observation
 from kvjax.policies.protocols import DecodeMerging, Rescoring, ValueMerging
 from kvjax.policies.recompression import Recompression
@@ -46,7 +53,11 @@ __all__ = [
   "WindowScorer",
   "check_bool",
   "check_choice",
+  "check_decode_output",
   "check_int",
   "check_window",
+  "checked_init_state",
+  "checked_keep_scores",
+  "checked_observe",
   "gather_slots",
 ]

@@ -105,3 +105,96 @@ def gather_slots(x_LHT: Array, idx_LHC: Array, kept_LHC: Array, num_heads: int) 
   if x_LHT.shape[1] != num_heads:
     x_LHT = x_LHT.reshape(x_LHT.shape[0], num_heads, -1, x_LHT.shape[-1]).mean(2)
   return jnp.where(kept_LHC, jnp.take_along_axis(x_LHT, idx_LHC, -1), 0.0)
+
+
+# --------------------------------------------------------------------------- checked hooks
+
+
+def _label(policy) -> str:
+  return policy.label if isinstance(policy, Policy) else type(policy).__name__
+
+
+def check_decode_output(out, shape: tuple[int, ...], policy, hook: str) -> None:
+  """Checks what a decode-time hook returned against the shape it promises.
+
+  Shapes are static under ``jit``, so the check runs once, when the step is traced, and a wrong
+  output is reported with the policy and the hook named instead of failing in a broadcast.
+
+  Args:
+    out: the hook's output.
+    shape: the shape it promises (the slots' ``[..., H, C]``).
+    policy: the policy (or the object whose hook ran), for the error.
+    hook: the hook's name, for the error.
+
+  Raises:
+    ValueError: ``out`` is not an array of ``shape``.
+  """
+  got = None if out is None else tuple(jnp.shape(out))
+  if got != tuple(shape):
+    what = "None" if got is None else f"shape {got}"
+    raise ValueError(
+      f"{hook}: policy {_label(policy)!r} returned {what}; expected shape {tuple(shape)}, one "
+      "value per cache slot ([..., heads, slots])"
+    )
+
+
+def checked_init_state(policy, evidence, scores_LHT, idx_LHC, kept_LHC) -> Array | None:
+  """``policy.init_state``, its state checked against the slots' ``[L, H, C]``.
+
+  Args:
+    policy: a decode-time policy (:meth:`DecodePolicy.init_state`).
+    evidence: the prompt's evidence.
+    scores_LHT: the prompt's grouped scores ``[L, H, T]``.
+    idx_LHC: the kept slots' positions, int32 ``[L, H, C]``.
+    kept_LHC: which slots hold a kept position, bool ``[L, H, C]``.
+
+  Returns:
+    The state ``[L, H, C]``, or ``None`` for a policy without state.
+
+  Raises:
+    ValueError: the state is not ``None`` and not ``[L, H, C]``.
+  """
+  state = policy.init_state(evidence, scores_LHT, idx_LHC, kept_LHC)
+  if state is not None:
+    check_decode_output(state, jnp.shape(idx_LHC), policy, "init_state")
+  return state
+
+
+def checked_observe(policy, state_HC, attn_HC) -> Array:
+  """``policy.observe``, the new state checked against the state's shape.
+
+  Args:
+    policy: a decode-time policy (:meth:`DecodePolicy.observe`).
+    state_HC: the state before the step, ``[..., H, C]``.
+    attn_HC: the attention paid to each slot, ``[..., H, C]``.
+
+  Returns:
+    The state after the step, ``[..., H, C]``.
+
+  Raises:
+    ValueError: the new state's shape differs from ``state_HC``'s.
+  """
+  state = policy.observe(state_HC, attn_HC)
+  check_decode_output(state, jnp.shape(state_HC), policy, "observe")
+  return state
+
+
+def checked_keep_scores(policy, state_HC, positions_HC, t, budget_H) -> Array:
+  """``policy.keep_scores``, checked against the slots' ``[..., H, C]``.
+
+  Args:
+    policy: a decode-time policy (:meth:`DecodePolicy.keep_scores`).
+    state_HC: the state, or ``None``.
+    positions_HC: the slots' positions, ``[..., H, C]``.
+    t: the joining token's position.
+    budget_H: each head's budget, ``[..., H]``.
+
+  Returns:
+    Keep scores ``[..., H, C]``.
+
+  Raises:
+    ValueError: the scores' shape differs from ``positions_HC``'s.
+  """
+  scores = policy.keep_scores(state_HC, positions_HC, t, budget_H)
+  check_decode_output(scores, jnp.shape(positions_HC), policy, "keep_scores")
+  return scores
