@@ -226,3 +226,74 @@ def test_decode_time_hook_checks_pass_good_outputs_unchanged():
     policies.check_decode_output(state[..., 0], state.shape, pol, "observe")
   with pytest.raises(ValueError, match="^keep_scores: policy 'H2O' returned None"):
     policies.check_decode_output(None, state.shape, pol, "keep_scores")
+
+
+# --------------------------------------------------------------------------- before the workdir
+
+
+def _quick_eval(**fields):
+  from configs import eval as eval_config  # noqa: PLC0415
+
+  c = eval_config.get_config("quick")
+  c.heatmap.policies = ()
+  for k, v in fields.items():
+    c[k] = v
+  return c
+
+
+@pytest.mark.parametrize(
+  ("fields", "match"),
+  [
+    (dict(lengths=(256, 4096)), r"^lengths: \[4096\] leave no room .* context of 4096 positions"),
+    (dict(lengths=(9000,)), r"^lengths: \[9000\]"),
+  ],
+)
+def test_eval_lengths_the_model_cannot_hold_refused_before_the_workdir(tmp_path, fields, match):
+  from kvjax.eval import evaluate  # noqa: PLC0415
+
+  with pytest.raises(ValueError, match=match):
+    evaluate.run(_quick_eval(**fields), tmp_path / "w", log=lambda *_: None)
+  assert not (tmp_path / "w").exists()
+  c = _quick_eval()
+  c.heatmap.update(policies=("snapkv",), lengths=(256, 5000))
+  with pytest.raises(ValueError, match=r"^heatmap.lengths: \[5000\]"):
+    evaluate.run(c, tmp_path / "w", log=lambda *_: None)
+  assert not (tmp_path / "w").exists()
+
+
+def test_eval_answers_past_the_context_refused():
+  from kvjax.eval import run_setup, tasks  # noqa: PLC0415
+
+  class Cfg:
+    max_positions = 100
+
+  def ex(T, N):
+    z = np.zeros(N, bool)
+    return tasks.Example("t", np.zeros(T, np.int32), np.zeros(N, np.int32), z, z, "exact", 0, ())
+
+  run_setup.check_answers_fit(Cfg, {("t", 96): [ex(96, 4), ex(96, 3)]})
+  with pytest.raises(ValueError, match=r"^lengths: 97 tokens of 't' and its answer make 101, .*"):
+    run_setup.check_answers_fit(Cfg, {("t", 97): [ex(97, 4)]})
+  with pytest.raises(ValueError, match=r"^heatmap.lengths: .*at most 96"):
+    run_setup.check_answers_fit(Cfg, {("t", 97): [ex(97, 4)]}, "heatmap.lengths")
+  Cfg.max_positions = None
+  run_setup.check_answers_fit(Cfg, {("t", 97): [ex(97, 4)]})
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "text", "truncated"])
+def test_eval_calibration_with_nan_refused_before_the_workdir(tmp_path, tiny, bad):
+  from kvjax.eval import evaluate  # noqa: PLC0415
+
+  _, cfg, _ = tiny
+  q = np.ones((cfg.num_layers, cfg.num_kv_heads, cfg.head_dim), np.float32)
+  path = tmp_path / "calibration.npz"
+  if bad in ("nan", "inf"):
+    q[1, 0, 2] = float(bad)
+  np.savez(path, qfilters_LGD=q.astype(str) if bad == "text" else q)
+  if bad == "truncated":
+    path.write_bytes(path.read_bytes()[:-40])
+  c = _quick_eval(policies=(dict(label="qfilter", policy="qfilter"),), calibration=str(path))
+  what = {"nan": "NaN or inf", "inf": "NaN or inf", "text": "no numbers"}.get(bad, "")
+  with pytest.raises(ValueError, match=rf"^calibration: {path} .*{what}"):
+    evaluate.run(c, tmp_path / "w", log=lambda *_: None)
+  assert not (tmp_path / "w").exists()

@@ -9,6 +9,8 @@ is computed from each batch's context (KVzip's second pass, every kind declaring
 from __future__ import annotations
 
 import pathlib
+import zipfile
+import zlib
 
 import numpy as np
 
@@ -109,7 +111,8 @@ def load_calibration(config, needs) -> dict:
   """``qfilters_LGD`` / ``retrieval_heads_LG`` / ExpectedAttentionStats' query statistics from
   ``config.calibration`` (the ``calibration.npz`` that ``python -m experiments.calibrate``
   writes; DuoAttention's gates of ``config.duo_method``), for the policies that read them; ``{}``
-  when none does."""
+  when none does. A file that is not an npz, lacks an array, or holds NaN, inf or no numbers in
+  one is a ``ValueError`` naming ``calibration`` and the file."""
   wanted = sorted(set(needs) & set(CALIBRATION_EVIDENCE))
   if not wanted:
     return {}
@@ -128,13 +131,24 @@ def load_calibration(config, needs) -> dict:
   }
   try:
     data = np.load(path)
-  except (OSError, ValueError) as e:
+  except (OSError, ValueError, zipfile.BadZipFile) as e:
     raise ValueError(f"calibration: {path} is not a calibration.npz ({e})") from None
   with data:
     absent = [names[w] for w in wanted if names[w] not in data.files]
     if absent:
       raise ValueError(f"calibration: {path} has no {absent}; it has {sorted(data.files)}")
-    return {w: np.asarray(data[names[w]]) for w in wanted}
+    try:
+      out = {w: np.asarray(data[names[w]]) for w in wanted}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+      raise ValueError(f"calibration: {path} is truncated or corrupt ({e})") from None
+  for w, value in out.items():
+    if not np.issubdtype(value.dtype, np.number) or not np.isfinite(value).all():
+      bad = "no numbers" if not np.issubdtype(value.dtype, np.number) else "NaN or inf"
+      raise ValueError(
+        f"calibration: {path} holds {bad} in {names[w]}; expected finite measurements "
+        "(recalibrate: python -m experiments.calibrate)"
+      )
+  return out
 
 
 def check_calibration(calibration: dict, cfg, path) -> None:

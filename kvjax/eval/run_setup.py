@@ -227,8 +227,10 @@ class Prepared:
 def prepare(config) -> Prepared:
   """Loads the model of a validated ``config`` (:func:`validate_config`) and everything a run
   reads before the workdir is claimed, so that a model that does not load, a calibration of
-  another model or a length too short for a task fails with nothing written."""
+  another model, a length too short for a task or too long for the model fails with nothing
+  written."""
   model, cfg, tok = load_model(config.model)
+  check_lengths_fit(config, cfg)
   entries = config_entries(config)
   needs = policy_needs(entries)
   calibration = load_calibration(config, needs)
@@ -250,8 +252,59 @@ def prepare(config) -> Prepared:
       for length in h.lengths
       for d in h.depths
     }
+  check_answers_fit(cfg, sets)
+  check_answers_fit(cfg, {(h.task, n): exs for (n, _), exs in heatmap.items()}, "heatmap.lengths")
   check_ratios_fit(config, entries, sets)
   return Prepared(model, cfg, tok, calibration, template, sets, heatmap, learned)
+
+
+def check_lengths_fit(config, cfg) -> None:
+  """Refuses, before any example is drawn, a context length (``lengths``, ``heatmap.lengths``)
+  longer than the model's context (``cfg.max_positions``; unknown: nothing is checked).
+
+  Args:
+    config: the evaluation config.
+    cfg: the model's config.
+
+  Raises:
+    ValueError: naming the field, the length and the model's context.
+  """
+  limit = cfg.max_positions
+  fields = {"lengths": config.lengths}
+  if config.heatmap.policies:
+    fields["heatmap.lengths"] = config.heatmap.lengths
+  for name, lengths in fields.items():
+    long = [n for n in lengths if limit is not None and n >= limit]
+    if long:
+      raise ValueError(
+        f"{name}: {long} leave no room for an answer in the model's context of {limit} "
+        f"positions (max_positions of {config.model!r}); expected lengths below {limit}"
+      )
+
+
+def check_answers_fit(cfg, sets, name: str = "lengths") -> None:
+  """Refuses, before the workdir is touched, examples whose prompt and answer together pass the
+  model's context (``cfg.max_positions``): the answer is fed after the prompt.
+
+  Args:
+    cfg: the model's config.
+    sets: the example sets, ``{(task, length): examples}``.
+    name: the config field of the lengths, for the error.
+
+  Raises:
+    ValueError: naming ``name``, the task, the length and the tokens needed.
+  """
+  limit = cfg.max_positions
+  if limit is None:
+    return
+  for (task, length), exs in sets.items():
+    need = max((e.prompt.size + e.answer.size for e in exs), default=0)
+    if need > limit:
+      raise ValueError(
+        f"{name}: {length} tokens of {task!r} and its answer make {need}, past the model's "
+        f"context of {limit} positions (max_positions); expected a length of at most "
+        f"{length - (need - limit)}"
+      )
 
 
 def check_ratios_fit(config, entries, sets) -> None:
