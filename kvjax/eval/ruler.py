@@ -304,20 +304,17 @@ def sample(
   prompt = np.asarray(head + context + tail, np.int32)
   assert prompt.size == length, (prompt.size, length)
 
-  answer, given, piece = [], [], []
-  for i, (item, before) in enumerate(zip(t.items, t.given, strict=True)):
-    for text, is_given in ((before, True), (item, False)):
-      ids = enc(text) if text else []
-      answer += ids
-      given += [is_given] * len(ids)
-      piece += [i] * len(ids)
+  parts = [  # each item's given text (if any) before the item itself
+    (i, text, is_given)
+    for i, (item, before) in enumerate(zip(t.items, t.given, strict=True))
+    for text, is_given in ((before, True), (item, False))
+    if text
+  ]
   at = sorted(range(len(starts)), key=starts.__getitem__)
   example = tasks.Example(
     task=task,
     prompt=prompt,
-    answer=np.asarray(answer, np.int32),
-    answer_given=np.asarray(given, bool),
-    answer_piece=np.asarray(piece, np.int32),
+    **tasks.answer_fields(enc, parts),
     scoring=t.scoring,
     depth=float(depth) if depth is not None else first,
     needle_at=tuple(len(head) + starts[i] for i in at),

@@ -85,6 +85,31 @@ class Example:
   question_len: int = 1  # the prompt's last ``question_len`` tokens are the question
 
 
+def answer_fields(enc, parts) -> dict[str, np.ndarray]:
+  """An :class:`Example`'s answer arrays from its texts, each text encoded on its own.
+
+  Args:
+    enc: a text's token ids (a tokenizer's ``encode``).
+    parts: ``(piece, text, given)`` triples in answer order: the answer item the text belongs
+      to and whether its tokens are given (fed, never scored).
+
+  Returns:
+    ``answer`` (int32), ``answer_given`` (bool) and ``answer_piece`` (int32), ``[N]`` each: the
+    keyword arguments of :class:`Example`.
+  """
+  answer, given, piece = [], [], []
+  for i, text, is_given in parts:
+    ids = enc(text)
+    answer += ids
+    given += [is_given] * len(ids)
+    piece += [i] * len(ids)
+  return {
+    "answer": np.asarray(answer, np.int32),
+    "answer_given": np.asarray(given, bool),
+    "answer_piece": np.asarray(piece, np.int32),
+  }
+
+
 def _scored(example: Example, predicted) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """The reference and predicted tokens at the scored answer positions, and the answer item
   (value) each position belongs to."""
@@ -316,18 +341,11 @@ def generate(
   prompt = np.asarray([t for p in pieces for t in p], np.int32)
   assert prompt.size == length, (prompt.size, length)
 
-  ans_ids, given, piece = [], [], []
-  for i, (w, g) in enumerate(zip(spec.answer, spec.given, strict=True)):
-    ids = enc(w)
-    ans_ids += ids
-    given += [g] * len(ids)
-    piece += [i] * len(ids)
+  parts = enumerate(zip(spec.answer, spec.given, strict=True))
   return Example(
     task=task,
     prompt=prompt,
-    answer=np.asarray(ans_ids, np.int32),
-    answer_given=np.asarray(given, bool),
-    answer_piece=np.asarray(piece, np.int32),
+    **answer_fields(enc, ((i, w, g) for i, (w, g) in parts)),
     scoring=spec.scoring,
     depth=d,
     needle_at=tuple(needle_at),
