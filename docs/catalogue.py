@@ -7,8 +7,14 @@ that it lists exactly what ``kvjax.policies.names()`` registers (``tests/test_do
 from __future__ import annotations
 
 import pathlib
+import re
 
 from kvjax import policies
+
+ARXIV = re.compile(r"arXiv (\d{4}\.\d{4,5})")
+# owner/repository at the start of a reference, or after "; " (never a path inside backticks)
+GITHUB = re.compile(r"(^|; )([A-Za-z0-9][\w-]*/[\w.-]*[\w-])(?=[ ,;)]|$)")
+KVPRESS = re.compile(r"\bkvpress 0\.5\.5\b")
 
 
 def _kind(policy: policies.Policy) -> str:
@@ -23,6 +29,17 @@ def _defaults(policy: policies.Policy) -> str:
   shared = {"num_kv_heads": None, "gqa": "mean", "channel_ratio": None, "decode_every": None}
   own = {k: v for k, v in policy.options.items() if shared.get(k, object()) != v}
   return ", ".join(f"`{k}={v!r}`" for k, v in own.items()) or "—"
+
+
+def linked(text: str) -> str:
+  """``text`` (a paper or reference-code line) with its arXiv ids and repositories as links;
+  code spans are left as they are."""
+  parts = text.split("`")
+  for i in range(0, len(parts), 2):  # outside backticks
+    part = ARXIV.sub(r"[arXiv \1](https://arxiv.org/abs/\1)", parts[i])
+    part = GITHUB.sub(r"\1[\2](https://github.com/\2)", part)
+    parts[i] = KVPRESS.sub("[kvpress 0.5.5](https://github.com/NVIDIA/kvpress)", part)
+  return "`".join(parts)
 
 
 def entry(name: str) -> dict[str, str]:
@@ -63,8 +80,8 @@ def markdown() -> str:
       "",
       e["summary"],
       "",
-      f"- **Paper:** {e['paper']}",
-      f"- **Reference code followed:** {e['code']}",
+      f"- **Paper:** {linked(e['paper'])}",
+      f"- **Reference code followed:** {linked(e['code'])}",
       f"- **Class:** `kvjax.policies.{e['class']}`, allocator `{e['allocator']}`; {e['kind']}",
       f"- **Evidence:** {e['evidence']}",
       f"- **Defaults:** {e['defaults']}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -18,6 +19,8 @@ sys.path.insert(0, str(ROOT))  # configs/ and experiments/ live at the repositor
 sys.path.insert(0, str(ROOT / "docs"))
 
 import pages  # noqa: E402  (docs/pages.py, after the path above)
+
+from kvjax import policies  # noqa: E402
 
 project = "kvjax"
 author = "the kvjax authors"
@@ -37,20 +40,23 @@ exclude_patterns = ["_build", "**.ipynb_checkpoints", "methods_catalogue.md"]
 html_theme = "sphinx_book_theme"
 html_title = "kvjax"
 html_static_path = ["_static"]
+html_css_files = ["kvjax.css"]  # nothing cut off at a 1280 px window
 html_theme_options = {
   "repository_url": "https://github.com/kvjax/kvjax",
   "use_repository_button": True,
   "show_toc_level": 2,
 }
 
-myst_enable_extensions = ["colon_fence", "dollarmath"]
+myst_enable_extensions = ["colon_fence", "dollarmath", "substitution"]
 myst_heading_anchors = 3
+# Counts the pages state, read from the registry so that they cannot go stale.
+myst_substitutions = {"num_policies": len(policies.names())}
 
 # The notebooks are executed by pages.prepare (papermill, QUICK mode), not by myst-nb: papermill
 # injects the parameters and runs them from notebooks/, as a user would.
 nb_execution_mode = "off"
 
-autosummary_generate = True
+autosummary_generate = False  # docs/pages.py writes the pages: each object documented once
 autodoc_default_options = {"members": True, "undoc-members": False, "show-inheritance": False}
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
@@ -60,6 +66,18 @@ napoleon_use_ivar = True  # dataclass fields are members already: no second attr
 suppress_warnings = ["myst.header", "mystnb.unknown_mime_type"]
 
 
+# A field naming several things ("keys, values: the outputs", Google style) would reach Sphinx as
+# ":ivar keys, values:", which it reads as the type "keys," of "values" and links.
+_SHARED_FIELD = re.compile(r"^(\s*:(?:ivar|param|var|cvar) )([\w*]+(?:, [\w*]+)+):")
+
+
+def _join_shared_fields(app, what, name, obj, options, lines):
+  """Writes such a field's names without spaces, so that none of them reads as a type."""
+  del app, what, name, obj, options
+  lines[:] = [_SHARED_FIELD.sub(lambda m: m[1] + m[2].replace(", ", ",") + ":", x) for x in lines]
+
+
 def setup(app):
   """Writes the generated pages before Sphinx reads the sources."""
   pages.prepare(execute_notebooks=EXECUTE)
+  app.connect("autodoc-process-docstring", _join_shared_fields, priority=600)  # after napoleon

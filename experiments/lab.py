@@ -9,6 +9,8 @@ python -m experiments.lab --config=configs/lab_keys.py[:quick]  (attention-free 
 """
 
 import datetime
+import importlib.util
+import logging
 import os
 import pathlib
 
@@ -20,6 +22,15 @@ from configs import common
 from kvjax import lab, rundir
 from kvjax.lab import explorer, suite
 
+# What the main job's tables hold (``kvjax.lab.metrics``), each a mean over the generated steps,
+# layers and heads; the per-policy progress lines print retained_mass as R.
+METRICS = {
+  "retained_mass": "share of the full cache's attention the kept tokens hold (R; 1 is lossless)",
+  "oracle_gap": "the best set of the same size's retained mass minus the policy's (0 is optimal)",
+  "output_error": "L2 error of the attention output against the full cache's (0 is lossless)",
+  "fact_recall": "share of the facts being asked about still in the cache (1: all of them)",
+}
+
 _CONFIG = common.config_flag(
   str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "lab.py"),
   "Lab configuration.",
@@ -27,9 +38,20 @@ _CONFIG = common.config_flag(
 )
 
 
+def print_tables(pivot: pd.DataFrame) -> None:
+  """One policy x scenario table per metric of ``pivot`` (:func:`kvjax.lab.pivot`), each under
+  its definition, so that no line is wider than a terminal."""
+  for metric in pivot.columns.get_level_values(0).unique():
+    print(f"\n{metric}: {METRICS.get(metric, '')}")
+    print(pivot[metric].rename_axis(index=None, columns=None).to_string())
+
+
 def main(argv):
   del argv
   matplotlib.use("Agg")  # figures go to files
+  # jax reports at INFO each accelerator plugin it probed and did not find (libtpu on a CPU
+  # machine); the run says which devices it uses where that matters
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   config = _CONFIG.value
   # unset: a fresh timestamped directory; "" is refused like everywhere (rundir.check_workdir)
   workdir = config.workdir
@@ -54,9 +76,14 @@ def main(argv):
     built = suite.validate_config(config)
     if config.explorer:
       explorer.budget_grid(config, built)  # a bad explorer_budgets fails before any work
+      if importlib.util.find_spec("plotly") is None:  # lab.html is written after the run
+        raise ValueError("explorer: lab.html needs plotly (pip install plotly); or explorer=False")
+    print(
+      f"{len(config.policies)} policies x {len(config.scenarios)} scenarios at a budget of "
+      f"{config.budget} per layer and head; R: {METRICS['retained_mass']}"
+    )
     table = lab.run(config, workdir)
-    with pd.option_context("display.width", 200, "display.max_columns", 40):
-      print(lab.pivot(table).to_string())
+    print_tables(lab.pivot(table))
     if config.explorer:
       data = explorer.explorer_data(config, built)
       print("interactive figure:", explorer.write_html(data, pathlib.Path(workdir) / "lab.html"))

@@ -124,3 +124,24 @@ def test_public_functions_of_the_core_and_the_model_have_args_and_returns():
     if sig.return_annotation not in (None, "None") and not ("Returns:" in doc or "Yields:" in doc):
       missing.append(f"{name} (Returns)")
   assert not missing, missing
+
+
+def test_the_main_jobs_tables_are_narrow_and_define_their_columns(capsys):
+  """``python -m experiments.lab`` prints one policy x scenario table per metric, each under its
+  definition, no line wider than a terminal of 100 columns."""
+  import pandas as pd
+
+  from experiments import lab as main_job
+  from kvjax import lab
+
+  rows = [
+    dict(scenario=s, policy=p, retained_mass=0.5, oracle_gap=0.1, output_error=0.2, fact_recall=1)
+    for s in ("streaming_chat", "needle_qa", "diffuse", "topic_drift", "funnel")
+    for p in ("sliding_window", "streaming_llm", "adakv_snapkv", "oracle")
+  ]
+  main_job.print_tables(lab.pivot(pd.DataFrame(rows)))
+  out = capsys.readouterr().out
+  assert max(len(line) for line in out.splitlines()) <= 100, out
+  for metric in ("retained_mass", "oracle_gap", "output_error", "fact_recall"):
+    assert re.search(rf"^{metric}: \w", out, re.MULTILINE), metric
+  assert "(R;" in out  # the progress lines' R is named
