@@ -99,14 +99,7 @@ def gate_targets(
 
 
 def _check_xy(X_NLd, y_NLG) -> tuple[np.ndarray, np.ndarray]:
-  X, y = np.asarray(X_NLd, np.float32), np.asarray(y_NLG, np.float32)
-  if X.ndim != 3 or y.ndim != 3 or X.shape[:2] != y.shape[:2] or X.shape[0] == 0:
-    raise ValueError(
-      f"X_NLd, y_NLG: expected [N, L, d] and [N, L, G] with the same N, L > 0, got {X.shape} "
-      f"and {y.shape}"
-    )
-  if not (np.isfinite(X).all() and np.isfinite(y).all()):
-    raise ValueError("X_NLd, y_NLG: expected finite values")
+  X, y = training.check_pairs(X_NLd, y_NLG)
   if y.min() < 0 or y.max() > 1:
     raise ValueError(
       f"y_NLG: expected KVzip scores in [0, 1] (binary cross-entropy targets), got values in "
@@ -174,9 +167,9 @@ def loss(gates: dict, X_NLd: Array, y_NLG: Array) -> Array:
   """``optim.py``'s objective: the layers' losses summed (:func:`layer_losses`).
 
   Args:
-    gates: the gates.
-    X_NLd: attention inputs ``[N, L, d]``.
-    y_NLG: KVzip scores ``[N, L, G]``.
+    gates: as :func:`layer_losses`.
+    X_NLd: as :func:`layer_losses`.
+    y_NLG: as :func:`layer_losses`.
 
   Returns:
     The fp32 scalar.
@@ -188,9 +181,9 @@ def accuracy(gates: dict, X_NLd: Array, y_NLG: Array) -> Array:
   """``utils.acc_fn`` of each layer: how often the gate and KVzip agree on ``score >= 0.05``.
 
   Args:
-    gates: the gates.
-    X_NLd: attention inputs ``[N, L, d]``.
-    y_NLG: KVzip scores ``[N, L, G]``.
+    gates: as :func:`layer_losses`.
+    X_NLd: as :func:`layer_losses`.
+    y_NLG: as :func:`layer_losses`.
 
   Returns:
     fp32 ``[L]``.
@@ -486,7 +479,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
 
   The training pairs of the first ``c.rows`` contexts (:func:`gate_targets`) are extracted batch
   by batch and saved (``targets/part_*.npz``, shared among the processes:
-  :func:`kvjax.model.training.cached_parts`); the gates train data-parallel with orbax
+  :func:`kvjax.model.training.saved_targets`); the gates train data-parallel with orbax
   checkpoints (``gate_checkpoints/``, :func:`train_gates`); process 0 compares them with KVzip
   on the remaining (held-out) contexts (:func:`compare_with_kvzip`), writes
   ``fastkvzip_gates.npz`` and ``results.json`` (the loss curve, a constant-gate baseline, the
@@ -501,36 +494,31 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
     params: the parameter pytree.
     rows: the contexts ``[rows + held out, T]``
       (:func:`kvjax.model.reconstruction.kvzip_corpus`).
-    template: KVzip's reconstruction prompt.
+    template: KVzip's reconstruction prompt, of the targets and of the comparison.
     source: where the text comes from (kept in the files).
 
   Returns:
-    The results (``results.json``) on process 0, ``None`` on the others.
+    The results (``results.json``) on process 0, ``None`` on the others (which extract the
+    targets and train, then return).
 
   Raises:
-    ValueError: for a refused ``workdir`` (:func:`kvjax.rundir.check_workdir`), saved targets
-      or checkpoints of other settings, or bad :class:`GateConfig` fields.
+    ValueError: for a refused ``workdir`` (:func:`kvjax.rundir.check_workdir`), bad
+      :class:`GateConfig` fields, or saved targets (:func:`kvjax.model.training.saved_targets`) or
+      checkpoints of other settings.
   """
   workdir = rundir.check_workdir(c.workdir)
   primary = distributed.is_primary()
   config = GateConfig.from_settings(c)
-  if primary:
-    workdir.mkdir(parents=True, exist_ok=True)
   rows, held_out = rows[: c.rows], rows[c.rows :]
   names = ("model", "dtype", "rows", "length", "batch_rows", "chunk_size", "n_sink")
   names += ("prefix", "suffix")  # saved parts are reused only by a run that computes the same
-  identity = {k: getattr(c, k) for k in names} | {"rows_sum": int(np.sum(rows))}
 
-  def part(i):
-    part_rows = rows[i : i + c.batch_rows]
+  def part(part_rows, _):
     return gate_targets(cfg, params, part_rows, template, chunk_size=c.chunk_size, n_sink=c.n_sink)
 
-  t0 = time.perf_counter()
-  data = training.cached_parts(
-    workdir / "targets", len(rows), c.batch_rows, part, {"X": 0, "y": 0}, identity=identity
-  )
+  data, seconds = training.saved_targets(c, workdir, rows, names, part)
   X, y = data["X"], data["y"]
-  timings = {"targets": round(time.perf_counter() - t0, 2)}
+  timings = {"targets": seconds}
   if primary:
     print(f"positions: {len(X)}; X {X.shape[1:]}, y {y.shape[1:]}, mean KVzip score {y.mean():.4f}")
   t0 = time.perf_counter()

@@ -381,10 +381,7 @@ def metadata_float(meta: dict, key: str, where: str, default: Any = ..., *, posi
   Integers are accepted, bools and strings are not.
 
   Args:
-    meta: a GGUF file's metadata (:attr:`Header.metadata`).
-    key: the metadata key, e.g. ``"llama.rope.freq_base"``.
-    where: how errors name the file, e.g. ``"path: GGUF file m.gguf"``.
-    default: returned as is when ``key`` is absent; ``...`` makes the key required.
+    meta, key, where, default: as :func:`metadata_int` (``key``, e.g. ``"llama.rope.freq_base"``).
     positive: whether zero is refused as well.
 
   Returns:
@@ -408,10 +405,7 @@ def metadata_str(meta: dict, key: str, where: str, default: Any = ...):
   """Reads a string metadata value.
 
   Args:
-    meta: a GGUF file's metadata (:attr:`Header.metadata`).
-    key: the metadata key, e.g. ``"general.architecture"``.
-    where: how errors name the file, e.g. ``"path: GGUF file m.gguf"``.
-    default: returned as is when ``key`` is absent; ``...`` makes the key required.
+    meta, key, where, default: as :func:`metadata_int` (``key``, e.g. ``"general.architecture"``).
 
   Returns:
     ``meta[key]``, or ``default`` when ``key`` is absent.
@@ -426,10 +420,8 @@ def metadata_bool(meta: dict, key: str, where: str, default: Any = ...):
   """Reads a bool metadata value.
 
   Args:
-    meta: a GGUF file's metadata (:attr:`Header.metadata`).
-    key: the metadata key, e.g. ``"tokenizer.ggml.add_space_prefix"``.
-    where: how errors name the file, e.g. ``"path: GGUF file m.gguf"``.
-    default: returned as is when ``key`` is absent; ``...`` makes the key required.
+    meta, key, where, default: as :func:`metadata_int` (``key``, e.g.
+      ``"tokenizer.ggml.add_space_prefix"``).
 
   Returns:
     ``meta[key]`` as a ``bool``, or ``default`` when ``key`` is absent.
@@ -445,10 +437,7 @@ def metadata_strings(meta: dict, key: str, where: str, default: Any = ...):
   """Reads a metadata value that is an array of strings.
 
   Args:
-    meta: a GGUF file's metadata (:attr:`Header.metadata`).
-    key: the metadata key, e.g. ``"tokenizer.ggml.tokens"``.
-    where: how errors name the file, e.g. ``"path: GGUF file m.gguf"``.
-    default: returned as is when ``key`` is absent; ``...`` makes the key required.
+    meta, key, where, default: as :func:`metadata_int` (``key``, e.g. ``"tokenizer.ggml.tokens"``).
 
   Returns:
     ``meta[key]``, a list of strings, or ``default`` when ``key`` is absent.
@@ -465,10 +454,7 @@ def metadata_numbers(meta: dict, key: str, where: str, default: Any = ..., *, in
   """Reads a metadata value that is a numeric array, as numpy.
 
   Args:
-    meta: a GGUF file's metadata (:attr:`Header.metadata`).
-    key: the metadata key, e.g. ``"tokenizer.ggml.scores"``.
-    where: how errors name the file, e.g. ``"path: GGUF file m.gguf"``.
-    default: returned as is when ``key`` is absent; ``...`` makes the key required.
+    meta, key, where, default: as :func:`metadata_int` (``key``, e.g. ``"tokenizer.ggml.scores"``).
     integer: whether the array must hold integers.
 
   Returns:

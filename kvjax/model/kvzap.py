@@ -269,18 +269,6 @@ def init_mlp(key: Array, L: int, d: int, G: int, hidden: int = HIDDEN_DIM) -> Su
   return Surrogate(params, "mlp")
 
 
-def _check_xy(X_NLd, y_NLG) -> tuple[np.ndarray, np.ndarray]:
-  X, y = np.asarray(X_NLd, np.float32), np.asarray(y_NLG, np.float32)
-  if X.ndim != 3 or y.ndim != 3 or X.shape[:2] != y.shape[:2] or X.shape[0] == 0:
-    raise ValueError(
-      f"X_NLd, y_NLG: expected [N, L, d] and [N, L, G] with the same N, L > 0, got {X.shape} "
-      f"and {y.shape}"
-    )
-  if not (np.isfinite(X).all() and np.isfinite(y).all()):
-    raise ValueError("X_NLd, y_NLG: expected finite values (a zero KVzip+ score has log -inf)")
-  return X, y
-
-
 def fit_linear(X_NLd, y_NLG, *, alpha: float = 1.0) -> Surrogate:
   """KVzap's linear surrogate: a ridge regression per layer (kvpress ``kvzap/train.py``
   ``train_linear``: scikit-learn ``Ridge()``, ``alpha=1.0`` with an intercept).
@@ -300,7 +288,7 @@ def fit_linear(X_NLd, y_NLG, *, alpha: float = 1.0) -> Surrogate:
     ValueError: for arrays of mismatched or wrong shapes, non-finite values or a negative
       ``alpha``.
   """
-  X, y = _check_xy(X_NLd, y_NLG)
+  X, y = training.check_pairs(X_NLd, y_NLG, " (a zero KVzip+ score has log -inf)")
   alpha = training.check_float("alpha", alpha, zero=True)
   ws, bs = [], []
   for layer in range(X.shape[1]):
@@ -532,7 +520,7 @@ def train_mlp(
       arguments or data shapes.
   """
   c = MLPConfig.make(config, **options)
-  X, y = _check_xy(X_NLd, y_NLG)
+  X, y = training.check_pairs(X_NLd, y_NLG, " (a zero KVzip+ score has log -inf)")
   train_idx, valid_idx = valid_split(X.shape[0], c.valid_fraction, c.seed)
   if train_idx.size == 0:
     raise ValueError(f"X_NLd: {X.shape[0]} examples leave none to train on")
@@ -720,7 +708,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
 
   The targets of ``rows`` (:func:`kvzap_targets`, ``n_tokens`` positions per context) are
   extracted batch by batch and saved (``targets/part_*.npz``, shared among the processes:
-  :func:`kvjax.model.training.cached_parts`); the first ``test_rows`` contexts are held out (as
+  :func:`kvjax.model.training.saved_targets`); the first ``test_rows`` contexts are held out (as
   ``kvzap/train.py``'s test split); the MLP trains data-parallel with orbax checkpoints
   (``mlp_checkpoints/``, :func:`train_mlp`), process 0 fits the ridge surrogate
   (:func:`fit_linear`) and writes ``kvzap_linear.npz``, ``kvzap_mlp.npz`` and ``results.json``
@@ -742,27 +730,21 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
     The results (``results.json``) on process 0, ``None`` on the others.
 
   Raises:
-    ValueError: for a refused ``workdir`` (:func:`kvjax.rundir.check_workdir`), saved targets
-      or checkpoints of other settings, or bad :class:`MLPConfig` fields.
+    ValueError: for a refused ``workdir`` (:func:`kvjax.rundir.check_workdir`), bad
+      :class:`MLPConfig` fields, or saved targets (:func:`kvjax.model.training.saved_targets`) or
+      checkpoints of other settings.
   """
   workdir = rundir.check_workdir(c.workdir)
   primary = distributed.is_primary()
   config = MLPConfig.from_settings(c)
-  if primary:
-    workdir.mkdir(parents=True, exist_ok=True)
   # saved parts are reused only by a run that would compute the same ones
   names = ("model", "dtype", "rows", "length", "n_tokens", "batch_rows", "seed", "prefix", "suffix")
-  identity = {k: getattr(c, k) for k in names} | {"rows_sum": int(np.sum(rows))}
 
-  def part(i):
-    part_rows = rows[i : i + c.batch_rows]
+  def part(part_rows, i):
     return kvzap_targets(cfg, params, part_rows, template, n_tokens=c.n_tokens, seed=c.seed + i)
 
-  t0 = time.perf_counter()
-  data = training.cached_parts(
-    workdir / "targets", len(rows), c.batch_rows, part, {"X": 0, "y": 0}, identity=identity
-  )
-  timings = {"targets": round(time.perf_counter() - t0, 2)}
+  data, seconds = training.saved_targets(c, workdir, rows, names, part)
+  timings = {"targets": seconds}
   n_test = c.test_rows * c.n_tokens  # the first contexts, as kvzap/train.py's test split
   X_train, X_test = data["X"][n_test:], data["X"][:n_test]
   y_train, y_test = data["y"][n_test:], data["y"][:n_test]

@@ -264,7 +264,53 @@ class WordTokenizer:
     return cls(sorted(vocab, key=vocab.get))
 
 
-class HFTokenizer:
+class _Decoding:
+  """``decode`` of the ``tokenizers``-backed tokenizers: the ids checked against ``vocab_size``,
+  then turned to text by ``_text`` (whose special tokens are the class's choice)."""
+
+  vocab_size: int
+
+  def _text(self, ids: list[int]) -> str:
+    raise NotImplementedError
+
+  def decode(self, ids) -> str:
+    """Decodes token ids to text (special tokens kept or dropped as the class says).
+
+    Args:
+      ids: token ids in ``[0, vocab_size)``.
+
+    Returns:
+      The text.
+
+    Raises:
+      ValueError: for ids that are not integers or lie outside the vocabulary (:func:`check_ids`).
+    """
+    return self._text(check_ids(ids, self.vocab_size))
+
+
+class _Pieces(_Decoding):
+  """``encode`` of the tokenizers for text written in pieces: each piece with a leading space and
+  no special tokens (by ``_ids``), so that concatenated pieces read like the joined text."""
+
+  def _ids(self, text: str) -> list[int]:
+    raise NotImplementedError
+
+  def encode(self, text: str) -> list[int]:
+    """Encodes a text piece with a leading space and no special tokens.
+
+    Args:
+      text: the piece.
+
+    Returns:
+      Its token ids.
+
+    Raises:
+      ValueError: when ``text`` is not encodable text (:func:`check_text`).
+    """
+    return self._ids(" " + check_text(text))
+
+
+class HFTokenizer(_Pieces):
   """A tokenizer read from any Hugging Face ``tokenizer.json``, such as Llama 3's or Qwen 2.5's.
 
   Uses the ``tokenizers`` package. Pieces are encoded with a leading space and without special
@@ -289,39 +335,17 @@ class HFTokenizer:
     # padding only fills unscored answer slots (never attended: prompts are unpadded)
     self.pad_id = self.bos_id if self.bos_id is not None else 0
 
-  def encode(self, text: str) -> list[int]:
-    """Encodes a text piece with a leading space and no special tokens.
+  def _ids(self, text: str) -> list[int]:
+    return self.tok.encode(text, add_special_tokens=False).ids
 
-    Args:
-      text: the piece.
-
-    Returns:
-      Its token ids.
-
-    Raises:
-      ValueError: when ``text`` is not encodable text (:func:`check_text`).
-    """
-    return self.tok.encode(" " + check_text(text), add_special_tokens=False).ids
-
-  def decode(self, ids) -> str:
-    """Decodes token ids to text.
-
-    Args:
-      ids: token ids in ``[0, vocab_size)``.
-
-    Returns:
-      The text.
-
-    Raises:
-      ValueError: for ids that are not integers or lie outside the vocabulary (:func:`check_ids`).
-    """
-    return self.tok.decode(check_ids(ids, self.vocab_size))
+  def _text(self, ids: list[int]) -> str:
+    return self.tok.decode(ids)  # special tokens dropped (the ``tokenizers`` default)
 
 
 # --------------------------------------------------------------------------- real models' tokenizers
 
 
-class ModelTokenizer:
+class ModelTokenizer(_Decoding):
   """A real model's tokenizer (a ``tokenizers.Tokenizer``) with its special ids.
 
   ``encode`` adds no special tokens and no leading space: the ids are those of ``transformers``'
@@ -357,19 +381,8 @@ class ModelTokenizer:
     """
     return self.tok.encode(check_text(text), add_special_tokens=False).ids
 
-  def decode(self, ids) -> str:
-    """Decodes token ids to text, special tokens included.
-
-    Args:
-      ids: token ids in ``[0, vocab_size)``.
-
-    Returns:
-      The text.
-
-    Raises:
-      ValueError: for ids that are not integers or lie outside the vocabulary (:func:`check_ids`).
-    """
-    return self.tok.decode(check_ids(ids, self.vocab_size), skip_special_tokens=False)
+  def _text(self, ids: list[int]) -> str:
+    return self.tok.decode(ids, skip_special_tokens=False)
 
   def token(self, i: int) -> str:
     """Returns the vocabulary's string for one token id.
@@ -390,7 +403,7 @@ class ModelTokenizer:
     return f"ModelTokenizer({self.source!r}, vocab_size={self.vocab_size})"
 
 
-class PieceTokenizer:
+class PieceTokenizer(_Pieces):
   """A real model's tokenizer for text written in pieces, as the task generators write it.
 
   Each piece is encoded with a leading space and no special tokens, so concatenated pieces read
@@ -406,33 +419,11 @@ class PieceTokenizer:
     # padding only fills unscored answer slots (never attended: prompts are unpadded)
     self.pad_id = tok.bos_id if tok.bos_id is not None else tok.pad_id
 
-  def encode(self, text: str) -> list[int]:
-    """Encodes a text piece with a leading space and no special tokens.
+  def _ids(self, text: str) -> list[int]:
+    return self.tok.encode(text)
 
-    Args:
-      text: the piece.
-
-    Returns:
-      Its token ids.
-
-    Raises:
-      ValueError: when ``text`` is not encodable text (:func:`check_text`).
-    """
-    return self.tok.encode(" " + check_text(text))
-
-  def decode(self, ids) -> str:
-    """Decodes token ids to text, as the model's tokenizer does.
-
-    Args:
-      ids: token ids in ``[0, vocab_size)``.
-
-    Returns:
-      The text.
-
-    Raises:
-      ValueError: for ids that are not integers or lie outside the vocabulary (:func:`check_ids`).
-    """
-    return self.tok.decode(ids)
+  def _text(self, ids: list[int]) -> str:
+    return self.tok.decode(ids)  # as the model's tokenizer: special tokens kept
 
 
 def load_tokenizer(path_or_name: str | pathlib.Path) -> ModelTokenizer:

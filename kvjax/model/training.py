@@ -17,7 +17,8 @@
   uninterrupted one would;
 * :func:`optax_step`: the usual step (the loss's value and gradient, one optax update);
 * :func:`cached_parts`: training data computed part by part, each part saved, so that a killed
-  run computes only the missing ones (shared among the processes of a run).
+  run computes only the missing ones (shared among the processes of a run); :func:`saved_targets`,
+  an experiment's targets saved that way.
 """
 
 from __future__ import annotations
@@ -568,6 +569,32 @@ def run(
 # --------------------------------------------------------------------------- training data
 
 
+def check_pairs(X_NLd, y_NLG, why_finite: str = "") -> tuple[np.ndarray, np.ndarray]:
+  """Checks per-position training pairs: attention inputs and their per-KV-head targets.
+
+  Args:
+    X_NLd: inputs ``[N, L, d]``.
+    y_NLG: targets ``[N, L, G]``.
+    why_finite: appended to the error for a non-finite value, e.g. what makes one.
+
+  Returns:
+    ``(X, y)`` as fp32 numpy arrays.
+
+  Raises:
+    ValueError: for arrays that are not 3-D, of different ``N`` or ``L``, empty, or holding a
+      non-finite value.
+  """
+  X, y = np.asarray(X_NLd, np.float32), np.asarray(y_NLG, np.float32)
+  if X.ndim != 3 or y.ndim != 3 or X.shape[:2] != y.shape[:2] or X.shape[0] == 0:
+    raise ValueError(
+      f"X_NLd, y_NLG: expected [N, L, d] and [N, L, G] with the same N, L > 0, got {X.shape} "
+      f"and {y.shape}"
+    )
+  if not (np.isfinite(X).all() and np.isfinite(y).all()):
+    raise ValueError(f"X_NLd, y_NLG: expected finite values{why_finite}")
+  return X, y
+
+
 def timed(fn: Callable[[], object]) -> tuple[object, float]:
   """``(result, seconds)`` of a second call of ``fn`` (the first one compiles).
 
@@ -678,3 +705,39 @@ def cached_parts(
         k: _from_primary(arrays[k] if arrays else None, "sharing the saved parts") for k in names
       }
   return {k: np.concatenate([got[i][k] for i in starts], axis=axis) for k, axis in names.items()}
+
+
+def saved_targets(
+  c, workdir: pathlib.Path, rows, names: Sequence[str], compute: Callable[[np.ndarray, int], tuple]
+) -> tuple[dict[str, np.ndarray], float]:
+  """An experiment's training targets ``X`` and ``y`` of ``rows``, computed ``c.batch_rows`` rows
+  at a time and saved (``<workdir>/targets/part_*.npz``, :func:`cached_parts`); every process
+  calls it with the same arguments.
+
+  Args:
+    c: the settings: ``batch_rows`` and the fields ``names``.
+    workdir: the run directory, checked (:func:`kvjax.rundir.check_workdir`); process 0 makes it.
+    rows: the contexts ``[N, T]``.
+    names: the settings the targets depend on: saved parts of other settings (or other rows)
+      are refused.
+    compute: ``(part_rows, start) -> (X, y)``, the targets of the rows ``start ..``.
+
+  Returns:
+    ``({"X": ..., "y": ...}, seconds)``: the targets of every row joined in order and the time
+    they took.
+
+  Raises:
+    ValueError: for saved targets of other settings.
+  """
+  if distributed.is_primary():
+    workdir.mkdir(parents=True, exist_ok=True)
+  identity = {k: getattr(c, k) for k in names} | {"rows_sum": int(np.sum(rows))}
+
+  def part(i):
+    return compute(rows[i : i + c.batch_rows], i)
+
+  t0 = time.perf_counter()
+  data = cached_parts(
+    workdir / "targets", len(rows), c.batch_rows, part, {"X": 0, "y": 0}, identity=identity
+  )
+  return data, round(time.perf_counter() - t0, 2)
