@@ -297,3 +297,59 @@ def test_eval_calibration_with_nan_refused_before_the_workdir(tmp_path, tiny, ba
   with pytest.raises(ValueError, match=rf"^calibration: {path} .*{what}"):
     evaluate.run(c, tmp_path / "w", log=lambda *_: None)
   assert not (tmp_path / "w").exists()
+
+
+def _lab_config(world=None, **fields):
+  import configs.lab as lab_config  # noqa: PLC0415
+
+  c = lab_config.get_config("quick")
+  c.scenarios = ("needle_qa", "topic_drift")
+  c.policies = ("sliding_window", "snapkv")
+  c.world.update(world or {})
+  for k, v in fields.items():
+    c[k] = v
+  return c
+
+
+@pytest.mark.parametrize(
+  ("world", "fields", "match"),
+  [
+    (dict(prompt_len=17), {}, r"^world.prompt_len: 17 leaves no room for the facts"),
+    (dict(prompt_len=0), {}, r"^world.prompt_len: expected an int >= 1, got 0"),
+    (dict(gen_steps=2), {}, r"^world.gen_steps: 2 steps cannot hold the topic drift"),
+    ({}, dict(figure_step=48), r"^figure_step: 48 is outside the 48 generation steps"),
+    ({}, dict(budget=0), r"^budget: 0 does not fit the world"),
+  ],
+)
+def test_lab_world_settings_refused_before_anything_is_written(tmp_path, world, fields, match):
+  from kvjax import lab  # noqa: PLC0415
+
+  with pytest.raises(ValueError, match=match):
+    lab.run(_lab_config(world, **fields), tmp_path / "w", log=lambda *_: None)
+  assert not (tmp_path / "w").exists()
+
+
+def test_lab_world_typo_and_short_runs_without_drift():
+  from kvjax import lab  # noqa: PLC0415
+  from kvjax.lab import synthetic  # noqa: PLC0415
+
+  c = _lab_config()
+  c.world.promptlen = 64  # ignored silently before: the run used the default prompt
+  with pytest.raises(ValueError, match=r"^world: unknown fields \['promptlen'\]"):
+    lab.run(c, None)
+  with pytest.raises(ValueError, match=r"^world: unknown fields"):
+    lab.run_keys(_keys_config(promptlen=64), None)
+  # a world without topic drift needs no room for one (drift_step=-1)
+  sizes = dict(num_layers=1, num_heads=2, prompt_len=64, gen_steps=3, window=8)
+  assert synthetic.world_config("needle_qa", sizes).gen_steps == 3
+  with pytest.raises(ValueError, match=r"^world.gen_steps: expected an int >= 1, got 2.5"):
+    synthetic.world_config("needle_qa", dict(sizes, gen_steps=2.5))
+
+
+def _keys_config(**world):
+  import configs.lab_keys as keys_config  # noqa: PLC0415
+
+  k = keys_config.get_config("quick")
+  for name, v in world.items():
+    k.world[name] = v
+  return k

@@ -131,17 +131,45 @@ def _check_names(config) -> dict[str, policies.Policy]:
   return build_policies(config)
 
 
+def check_worlds(config) -> synthetic.WorldConfig:
+  """Every scenario's world of ``config`` (:func:`kvjax.lab.synthetic.world_config`: the world
+  settings, room for the scenario's facts and drift), checked before any world is made.
+
+  Args:
+    config: a lab config with ``scenarios`` (known ones) and ``world``.
+
+  Returns:
+    The first scenario's :class:`~kvjax.lab.synthetic.WorldConfig` (the sizes are shared).
+
+  Raises:
+    ValueError: naming the world field, or ``scenarios`` when there is none.
+  """
+  if not config.scenarios:
+    raise ValueError("scenarios: expected at least one scenario")
+  worlds = [synthetic.world_config(s, config.world) for s in config.scenarios]
+  return worlds[0]
+
+
 def validate_config(config) -> dict[str, policies.Policy]:
-  """Names the offending field for an unknown scenario or policy, a bad policy option or a bad
-  budget, or a field the config lacks (:data:`CONFIG_FIELDS`); returns the built policies
-  (:func:`build_policies`)."""
+  """Names the offending field for an unknown scenario or policy, a bad policy option, bad world
+  settings (:func:`check_worlds`), a budget or figure step that does not fit the world, or a
+  field the config lacks (:data:`CONFIG_FIELDS`); returns the built policies
+  (:func:`build_policies`). Nothing is computed or written before it passes."""
   rundir.require_fields(config, CONFIG_FIELDS, "configs/lab.py")
   built = _check_names(config)
   if not config.scenarios or not config.policies:
     raise ValueError("scenarios/policies: expected at least one of each")
-  T = config.world.prompt_len + config.world.gen_steps
-  if not 1 <= config.budget <= T:
-    raise ValueError(f"budget: {config.budget} does not fit the world (1..T={T})")
+  world = check_worlds(config)
+  T = world.total_len
+  budget = config.budget
+  if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= T:
+    raise ValueError(f"budget: {budget!r} does not fit the world (an int in 1..T={T})")
+  step = config.figure_step
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step >= world.gen_steps:
+    raise ValueError(
+      f"figure_step: {step!r} is outside the {world.gen_steps} generation steps; expected an int "
+      f"in [0, {world.gen_steps}) or -1 (the middle of the last fact's query window)"
+    )
   if config.figure_policy and config.figure_policy not in built:
     raise ValueError(f"figure_policy: {config.figure_policy!r} is not among the policies run")
   return built
@@ -289,9 +317,10 @@ KEY_COLUMNS = (
 
 
 def validate_keys_config(config) -> dict[str, policies.Policy]:
-  """:func:`validate_config`'s checks for ``configs/lab_keys.py``: budgets, the key model's knobs
-  (:class:`~kvjax.lab.keys.KeyGeometry` names a bad one) and per-policy options (here only for
-  policies run), repeated budgets or values; returns the built policies."""
+  """:func:`validate_config`'s checks for ``configs/lab_keys.py``: the world
+  (:func:`check_worlds`), budgets, the key model's knobs (:class:`~kvjax.lab.keys.KeyGeometry`
+  names a bad one) and per-policy options (here only for policies run), repeated budgets or
+  values; returns the built policies."""
   rundir.require_fields(config, KEYS_CONFIG_FIELDS, "configs/lab_keys.py")
   _distinct("budgets", config.budgets)
   _distinct("fact_distinctness", config.fact_distinctness)
@@ -301,7 +330,7 @@ def validate_keys_config(config) -> dict[str, policies.Policy]:
   built = _check_names(config)
   if not config.scenarios or not config.policies or not config.budgets:
     raise ValueError("scenarios/policies/budgets: expected at least one of each")
-  T = config.world.prompt_len + config.world.gen_steps
+  T = check_worlds(config).total_len
   for b in config.budgets:
     if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= T:
       raise ValueError(f"budgets: {b!r} does not fit the world (an int in 1..T={T})")

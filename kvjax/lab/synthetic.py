@@ -124,7 +124,10 @@ def validate(cfg: WorldConfig) -> WorldConfig:
     raise ValueError(
       f"role_fractions: expected non-negative fractions summing to <= 1, got {cfg.role_fractions}"
     )
-  if cfg.drift_step >= cfg.gen_steps or cfg.drift_step + cfg.drift_tokens > cfg.gen_steps:
+  drifts = cfg.drift_step >= 0  # -1: no drift, whatever drift_tokens says
+  if drifts and (
+    cfg.drift_step >= cfg.gen_steps or cfg.drift_step + cfg.drift_tokens > cfg.gen_steps
+  ):
     raise ValueError(
       f"drift_step: {cfg.drift_step} + drift_tokens does not fit gen_steps={cfg.gen_steps}"
     )
@@ -409,15 +412,67 @@ WORLD_SIZE_FIELDS = (
 )
 
 
-def world_config(name: str, world_cfg) -> WorldConfig:
-  """Scenario ``name``'s preset with the size fields of a lab config (``config.world``)."""
+def check_world_sizes(world_cfg) -> dict:
+  """The size fields of a lab config's ``world``, checked before any world is made.
+
+  Args:
+    world_cfg: a mapping of some of :data:`WORLD_SIZE_FIELDS`.
+
+  Returns:
+    The sizes as a dict.
+
+  Raises:
+    ValueError: naming ``world`` for a field it does not know (a typo would be ignored), or
+      ``world.<field>`` for a value that is not a positive int (``seed``: a non-negative one).
+  """
+  unknown = sorted(set(world_cfg) - set(WORLD_SIZE_FIELDS))
+  if unknown:
+    raise ValueError(f"world: unknown fields {unknown}; expected some of {WORLD_SIZE_FIELDS}")
   sizes = {k: world_cfg[k] for k in WORLD_SIZE_FIELDS if k in world_cfg}
+  for k, v in sizes.items():
+    low = 0 if k == "seed" else 1
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+      raise ValueError(f"world.{k}: expected an int >= {low}, got {v!r}")
+  return sizes
+
+
+def _drift_fits(cfg: WorldConfig, S: int) -> bool:
+  return int(cfg.drift_step * S / cfg.gen_steps) + cfg.drift_tokens <= S
+
+
+def world_config(name: str, world_cfg) -> WorldConfig:
+  """Scenario ``name``'s preset with the size fields of a lab config (``config.world``).
+
+  Args:
+    name: a scenario of :data:`SCENARIOS`.
+    world_cfg: a mapping of some of :data:`WORLD_SIZE_FIELDS` (:func:`check_world_sizes`).
+
+  Returns:
+    The validated :class:`WorldConfig`.
+
+  Raises:
+    ValueError: for an unknown scenario, a size :func:`check_world_sizes` refuses, a
+      ``prompt_len`` without room for the scenario's facts before its observation window, a
+      ``gen_steps`` too short for its topic drift, or a world :func:`validate` refuses.
+  """
+  sizes = check_world_sizes(world_cfg)
   cfg = scenario(name)
   # Presets place facts for the default 512-token prompt: rescale them to the requested sizes.
   fields = dict(sizes)
   P = sizes.get("prompt_len", cfg.prompt_len)
   S = sizes.get("gen_steps", cfg.gen_steps)
   W = sizes.get("window", cfg.window)
+  if cfg.fact_positions and W <= P < W + cfg.fact_span:
+    raise ValueError(
+      f"world.prompt_len: {P} leaves no room for the facts of scenario {name!r} before the "
+      f"observation window of {W} tokens; expected prompt_len >= {W + cfg.fact_span}"
+    )
+  if cfg.drift_step >= 0 and not _drift_fits(cfg, S):
+    least = next(n for n in range(S, S + cfg.gen_steps + cfg.drift_tokens) if _drift_fits(cfg, n))
+    raise ValueError(
+      f"world.gen_steps: {S} steps cannot hold the topic drift of scenario {name!r} "
+      f"({cfg.drift_tokens} tokens); expected gen_steps >= {least}"
+    )
   fields["fact_positions"] = tuple(
     min(int(p * P / cfg.prompt_len), P - W - cfg.fact_span) for p in cfg.fact_positions
   )
