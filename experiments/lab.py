@@ -10,7 +10,6 @@ python -m experiments.lab --config=configs/lab_keys.py[:quick]  (attention-free 
 
 import datetime
 import importlib.util
-import importlib.util
 import logging
 import os
 import pathlib
@@ -77,8 +76,6 @@ def main(argv):
     built = suite.validate_config(config)
     if config.explorer:
       explorer.budget_grid(config, built)  # a bad explorer_budgets fails before any work
-      if importlib.util.find_spec("plotly") is None:  # lab.html is written after the run
-        raise ValueError("explorer: lab.html needs plotly (pip install plotly); or explorer=False")
       if importlib.util.find_spec("plotly") is None:  # lab.html is written after the run
         raise ValueError("explorer: lab.html needs plotly (pip install plotly); or explorer=False")
     print(
