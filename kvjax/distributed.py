@@ -42,6 +42,7 @@ import json
 import os
 import pathlib
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 
@@ -77,6 +78,7 @@ __all__ = [
   "run_identity",
   "settings",
   "share",
+  "start_diagnosis",
   "to_host",
 ]
 
@@ -225,12 +227,20 @@ def maybe_initialize(config_or_flags=None) -> bool:
   """Calls ``jax.distributed.initialize`` when this process runs under a cluster (:func:`cluster`);
   does nothing in a one-process run. Call it first, before anything runs on a device.
 
+  A process that does not see every peer within ``initialization_timeout`` is stopped by JAX's
+  runtime (an abort, not an exception, saying "another task died"); just before, this prints
+  :func:`start_diagnosis`: the settings it was started with and that a peer never registered.
+
   Args:
     config_or_flags: as for :func:`settings`; the heartbeat and connection timeouts apply to
       every cluster.
 
   Returns:
     Whether JAX's distributed runtime is initialised (by this call or an earlier one).
+
+  Raises:
+    ValueError: for settings :func:`settings` refuses (a ``process_id`` outside
+      ``[0, num_processes)`` among them), before anything connects.
   """
   if jax.distributed.is_initialized():
     return True
@@ -258,8 +268,63 @@ def maybe_initialize(config_or_flags=None) -> bool:
     file=sys.stderr,
     flush=True,
   )
-  jax.distributed.initialize(**kwargs)
+  # JAX aborts the process at the deadline (no exception to catch), saying "another task died":
+  # just before it, say what kvjax knows (JAX's call releases the GIL, so the timer runs)
+  timeout = s["initialization_timeout"]
+  watchdog = threading.Timer(
+    max(timeout - min(5.0, timeout / 10), 0.0),
+    lambda: print(start_diagnosis(found, s, config_or_flags), file=sys.stderr, flush=True),
+  )
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    jax.distributed.initialize(**kwargs)
+  finally:
+    watchdog.cancel()
   return True
+
+
+def _origin(config_or_flags, name: str) -> str:
+  """Where a setting came from: the flags or config, the environment, or the default."""
+  if _given(config_or_flags, name) not in (None, ""):
+    return "flag"
+  return f"${ENV[name]}" if os.environ.get(ENV[name]) else "default"
+
+
+def start_diagnosis(found: str, s: dict, config_or_flags=None) -> str:
+  """What kvjax knows when the processes of a cluster have not all joined by the deadline: the
+  settings this process was started with (and where each came from), and that a peer never
+  registered with the coordinator.
+
+  Args:
+    found: the cluster (:func:`cluster`).
+    s: the settings (:func:`settings`).
+    config_or_flags: as for :func:`settings`, to say where each setting came from.
+
+  Returns:
+    The message :func:`maybe_initialize` prints just before JAX's runtime stops the process.
+  """
+  timeout = s["initialization_timeout"]
+  if found != "explicit":
+    return (
+      f"kvjax.distributed: not every process of the {found} cluster joined within {timeout} s: "
+      "some process never registered with the coordinator (not started, started with other "
+      "settings, or unable to reach process 0); JAX's runtime stops this process now ('another "
+      "task died', 'Deadline Exceeded')"
+    )
+  started = ", ".join(
+    f"{k}={s[k]} ({_origin(config_or_flags, k)})"
+    for k in ("coordinator", "num_processes", "process_id")
+  )
+  return (
+    f"kvjax.distributed: process {s['process_id']} of {s['num_processes']} has not seen every "
+    f"process at {s['coordinator']} within {timeout} s: some process_id in "
+    f"[0, {s['num_processes']}) never registered (a process not started, two started with the "
+    f"same process_id, one given another num_processes or coordinator, or process 0 "
+    f"unreachable). This process was started with {started}; expected one process per "
+    f"process_id. JAX's runtime stops this process now ('another task died', "
+    "'Deadline Exceeded')"
+  )
 
 
 # --------------------------------------------------------------------------- who is who

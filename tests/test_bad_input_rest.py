@@ -3,6 +3,7 @@ decode-time policies' outputs checked with the policy named, validation before a
 is claimed, and the process flags named when a multi-host start cannot complete."""
 
 import dataclasses
+import os
 from pathlib import Path
 
 import jax
@@ -353,3 +354,50 @@ def _keys_config(**world):
   for name, v in world.items():
     k.world[name] = v
   return k
+
+
+# --------------------------------------------------------------------------- process flags
+
+
+def test_a_peer_that_never_registers_is_named_with_the_flags(tmp_path):
+  # JAX aborts the process at the deadline ("another task died"); kvjax says first what it knows
+  import socket  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    port = sock.getsockname()[1]
+  code = (
+    "from kvjax import distributed; distributed.maybe_initialize(dict(coordinator="
+    f"'localhost:{port}', num_processes=2, process_id=0, initialization_timeout=3))"
+  )
+  env = {k: v for k, v in os.environ.items() if not k.startswith("KVJAX_")}
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+  )
+  assert out.returncode != 0
+  err = out.stderr
+  assert "kvjax.distributed: process 0 of 2 has not seen every process" in err
+  assert "some process_id in [0, 2) never registered" in err
+  assert f"coordinator=localhost:{port} (flag), num_processes=2 (flag), process_id=0 (flag)" in err
+  assert err.index("never registered") < err.index("another task died")
+
+
+def test_the_start_watchdog_is_quiet_when_every_process_joins(monkeypatch, capsys):
+  import time  # noqa: PLC0415
+
+  from kvjax import distributed  # noqa: PLC0415
+
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: None)
+  flags = dict(coordinator="localhost:1", num_processes=2, process_id=1, initialization_timeout=1)
+  assert distributed.maybe_initialize(flags)
+  time.sleep(1.2)
+  assert "never registered" not in capsys.readouterr().err
+  with pytest.raises(ValueError, match="^process_id: 2 is not below num_processes=2"):
+    distributed.maybe_initialize(dict(flags, process_id=2))
+  monkeypatch.setenv("KVJAX_PROCESS_ID", "1")
+  s = distributed.settings(dict(coordinator="h:1", num_processes=2))
+  message = distributed.start_diagnosis("explicit", s, dict(coordinator="h:1", num_processes=2))
+  assert "process_id=1 ($KVJAX_PROCESS_ID)" in message
