@@ -25,7 +25,7 @@ from kvjax.lab import explorer, suite
 # What the main job's tables hold (``kvjax.lab.metrics``), each a mean over the generated steps,
 # layers and heads; the per-policy progress lines print retained_mass as R.
 METRICS = {
-  "retained_mass": "share of the full cache's attention the kept tokens hold (R; 1 is lossless)",
+  "retained_mass": "share of the full cache's attention the kept tokens hold (R above; 1: lossless)",
   "oracle_gap": "the best set of the same size's retained mass minus the policy's (0 is optimal)",
   "output_error": "L2 error of the attention output against the full cache's (0 is lossless)",
   "fact_recall": "share of the facts being asked about still in the cache (1: all of them)",
@@ -79,8 +79,9 @@ def main(argv):
       if importlib.util.find_spec("plotly") is None:  # lab.html is written after the run
         raise ValueError("explorer: lab.html needs plotly (pip install plotly); or explorer=False")
     print(
-      f"{len(config.policies)} policies x {len(config.scenarios)} scenarios at a budget of "
-      f"{config.budget} per layer and head; R: {METRICS['retained_mass']}"
+      f"{len(config.policies)} policies, {len(config.scenarios)} scenarios, a budget of "
+      f"{config.budget} per layer and head.\nEach line: scenario, policy, R = the retained mass "
+      "(share of the full cache's attention the kept tokens hold), seconds taken"
     )
     table = lab.run(config, workdir)
     print_tables(lab.pivot(table))

@@ -144,4 +144,4 @@ def test_the_main_jobs_tables_are_narrow_and_define_their_columns(capsys):
   assert max(len(line) for line in out.splitlines()) <= 100, out
   for metric in ("retained_mass", "oracle_gap", "output_error", "fact_recall"):
     assert re.search(rf"^{metric}: \w", out, re.MULTILINE), metric
-  assert "(R;" in out  # the progress lines' R is named
+  assert "(R above;" in out  # the progress lines name R
