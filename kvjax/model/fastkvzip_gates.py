@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.model import llama, npzfile
+from kvjax.model import passes, training
 from kvjax.model.config import ModelConfig
 from kvjax.scores import PRECISION
 
@@ -194,45 +194,26 @@ def attention_inputs(cfg: ModelConfig, params: dict, ids_BT, mask_BT=None) -> Ar
   return _inputs_jit(cfg, params, ids, mask)
 
 
-def _inputs(cfg: ModelConfig, params: dict, ids_BT: Array, mask_BT: Array) -> Array:
-  B, T = ids_BT.shape
-  pos = llama.positions_from_mask(mask_BT)
-  index = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  allowed = llama.causal_allowed(pos, pos, mask_BT.astype(bool), index, index, cfg.sliding_window)
-
-  def layer(x, p):
-    h = llama.norm(cfg, x, p["attn_norm"]).astype(jnp.float32)
-    x, _ = llama.dense_layer(cfg, p, x, pos, allowed)
-    return x, h
-
-  _, h = jax.lax.scan(layer, llama.embed_tokens(cfg, params, ids_BT), llama.stacked(params))
-  return h
-
-
-_inputs_jit = jax.jit(_inputs, static_argnums=0)
+_inputs_jit = jax.jit(passes.prompt_attention_inputs, static_argnums=0)
 
 
 # --------------------------------------------------------------------------- files
 
 
 def save(path: str | pathlib.Path, gates: dict, meta: dict | None = None) -> pathlib.Path:
-  """Writes gates as an ``.npz`` file: the arrays and a json header (``format``, ``shapes`` and
-  the caller's ``meta``, e.g. the model's name and the training data).
+  """Writes gates as an ``.npz`` file (:func:`kvjax.model.training.write_trained`): the arrays
+  and a json header (``format``, ``shapes`` and the caller's ``meta``).
 
   Args:
     path: the file to write.
     gates: the gates.
-    meta: json-serialisable facts to keep with them.
+    meta: as :func:`kvjax.model.training.write_trained`.
 
   Returns:
     The path written.
   """
-  header = {
-    **(meta or {}),
-    "format": FORMAT,
-    "shapes": {k: list(v) for k, v in shapes_of(gates).items()},
-  }
-  return npzfile.write(path, {k: gates[k] for k in PARAM_KEYS}, header)
+  arrays = {k: gates[k] for k in PARAM_KEYS}
+  return training.write_trained(path, arrays, FORMAT, meta, shapes=shapes_of(gates))
 
 
 def check_gates(gates, cfg: ModelConfig, where: str = "gates") -> None:
@@ -277,8 +258,7 @@ def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[dict, dict]:
     ValueError: naming the file, for one that is missing or unreadable, lacks the header or an
       array, or holds shapes that do not fit ``cfg`` (each named with what it should be).
   """
-  files, meta = npzfile.read(path, FORMAT, "Fast KVzip gates")
-  where = f"path: {path} (model {meta.get('model')!r})"
+  files, meta, where = training.read_trained(path, FORMAT, "Fast KVzip gates")
   check_gates(files, cfg, where)
   return {k: jnp.asarray(files[k], jnp.float32) for k in PARAM_KEYS}, meta
 
@@ -287,7 +267,9 @@ def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[dict, dict]:
 
 
 def _evidence(cfg, params, gates, ids_BT, mask_BT):
-  return gate_scores(gates, _inputs(cfg, params, ids_BT, mask_BT))  # [L, G, B, T]
+  return gate_scores(
+    gates, passes.prompt_attention_inputs(cfg, params, ids_BT, mask_BT)
+  )  # [L, G, B, T]
 
 
 _evidence_jit = jax.jit(_evidence, static_argnums=0)
@@ -321,13 +303,7 @@ def fastkvzip_evidence(cfg: ModelConfig, params: dict, gates: dict, input_ids, a
     ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule, a mask of
       another shape, or gates that do not fit the model (:func:`check_gates`).
   """
-  ids = np.asarray(input_ids)
-  if ids.ndim != 2 or ids.shape[1] == 0:
-    raise ValueError(f"input_ids: expected token ids [B, T], got shape {ids.shape}")
-  ids = llama.check_token_ids("input_ids", ids, cfg.vocab_size)
-  mask = np.ones(ids.shape, np.int32) if attention_mask is None else np.asarray(attention_mask)
-  if mask.shape != ids.shape:
-    raise ValueError(f"attention_mask: expected shape {ids.shape}, got {mask.shape}")
+  ids, mask = passes.padded_prompt(cfg, input_ids, attention_mask)
   check_gates(gates, cfg)
   gates = {k: jnp.asarray(gates[k], jnp.float32) for k in PARAM_KEYS}
   out = _evidence_jit(cfg, params, gates, jnp.asarray(ids, jnp.int32), jnp.asarray(mask))

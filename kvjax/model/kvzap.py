@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from kvjax import distributed, rundir
-from kvjax.model import llama, npzfile, passes, training
+from kvjax.model import llama, passes, training
 from kvjax.model.config import ModelConfig
 from kvjax.model.kvgrad import value_output_norms
 from kvjax.model.reconstruction import KVzipTemplate, check_template
@@ -46,11 +46,6 @@ FORMAT = "kvjax.kvzap/1"
 # --------------------------------------------------------------------------- targets
 
 
-def _attention_inputs(cfg: ModelConfig, p: dict, x_BTd: Array) -> Array:
-  """The hidden states the attention module receives (after its input norm), fp32."""
-  return llama.norm(cfg, x_BTd, p["attn_norm"]).astype(jnp.float32)
-
-
 def _repeat_pass(cfg: ModelConfig, params: dict, ids_BS: Array, prompt: tuple, repeat: tuple):
   """One dense causal pass over ``ids_BS``; per layer the attention inputs at the prompt
   positions ``[p0, p1)`` and KVzip+'s score of each of them: the maximum over the repeated
@@ -63,7 +58,7 @@ def _repeat_pass(cfg: ModelConfig, params: dict, ids_BS: Array, prompt: tuple, r
   allowed = llama.causal_allowed(pos, pos, jnp.ones((B, S), bool), pos, pos, cfg.sliding_window)
 
   def layer(x, p):
-    h = _attention_inputs(cfg, p, x)
+    h = passes.layer_attention_inputs(cfg, p, x)
     q, k, v = llama.project_qkv(cfg, p, x, pos)
     probs = llama.attention_probs(q, k, allowed, softcap=cfg.attn_softcap)  # [B, Hq, S, S]
     rows = probs[:, :, r0:r1, p0:p1].astype(jnp.float32)
@@ -575,24 +570,18 @@ def train_mlp(
 
 
 def save(path: str | pathlib.Path, surrogate: Surrogate, meta: dict | None = None) -> pathlib.Path:
-  """Writes a surrogate as an ``.npz`` file: its weights and a json header (``format``,
-  ``kind``, ``shapes`` and the caller's ``meta``, e.g. the model's name and the training data).
+  """Writes a surrogate as an ``.npz`` file (:func:`kvjax.model.training.write_trained`): its
+  weights and a json header (``format``, ``kind``, ``shapes`` and the caller's ``meta``).
 
   Args:
     path: the file to write.
     surrogate: the surrogate.
-    meta: json-serialisable facts to keep with it.
+    meta: json-serialisable facts to keep with it, e.g. the model's name and the training data.
 
   Returns:
     The path written.
   """
-  header = {
-    **(meta or {}),
-    "format": FORMAT,
-    "kind": surrogate.kind,
-    "shapes": {k: list(v) for k, v in surrogate.shapes.items()},
-  }
-  return npzfile.write(path, surrogate.params, header)
+  return training.write_trained(path, surrogate.params, FORMAT, meta, kind=surrogate.kind)
 
 
 def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[Surrogate, dict]:
@@ -609,7 +598,7 @@ def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[Surrogate, dict]:
     ValueError: naming the file, for one that is missing or unreadable, lacks the header or a
       weight, has another kind, or weights whose shapes do not fit ``cfg``.
   """
-  files, meta = npzfile.read(path, FORMAT, "KVzap surrogate")
+  files, meta, _ = training.read_trained(path, FORMAT, "KVzap surrogate")
   kind = meta.get("kind")
   if kind not in KINDS:
     raise ValueError(f"path: {path} has kind {kind!r}, expected one of {KINDS}")
@@ -632,24 +621,10 @@ def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[Surrogate, dict]:
 # --------------------------------------------------------------------------- evidence
 
 
-def _prompt_inputs(cfg: ModelConfig, params: dict, ids_BT: Array, mask_BT: Array) -> Array:
-  """Every layer's attention inputs over a (left-)padded prompt ``[L, B, T, d]``."""
-  B, T = ids_BT.shape
-  pos = llama.positions_from_mask(mask_BT)
-  index = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  allowed = llama.causal_allowed(pos, pos, mask_BT.astype(bool), index, index, cfg.sliding_window)
-
-  def layer(x, p):
-    h = _attention_inputs(cfg, p, x)
-    x, _ = llama.dense_layer(cfg, p, x, pos, allowed)
-    return x, h
-
-  _, h = jax.lax.scan(layer, llama.embed_tokens(cfg, params, ids_BT), llama.stacked(params))
-  return h
-
-
 def _evidence(cfg, params, surrogate, ids_BT, mask_BT):
-  return apply(surrogate, _prompt_inputs(cfg, params, ids_BT, mask_BT))  # [L, G, B, T]
+  return apply(
+    surrogate, passes.prompt_attention_inputs(cfg, params, ids_BT, mask_BT)
+  )  # [L, G, B, T]
 
 
 _evidence_jit = jax.jit(_evidence, static_argnums=0)
@@ -682,13 +657,7 @@ def kvzap_evidence(
     ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule, a mask of
       another shape, or a surrogate that is not a :class:`Surrogate` of this model's shapes.
   """
-  ids = np.asarray(input_ids)
-  if ids.ndim != 2 or ids.shape[1] == 0:
-    raise ValueError(f"input_ids: expected token ids [B, T], got shape {ids.shape}")
-  ids = llama.check_token_ids("input_ids", ids, cfg.vocab_size)
-  mask = np.ones(ids.shape, np.int32) if attention_mask is None else np.asarray(attention_mask)
-  if mask.shape != ids.shape:
-    raise ValueError(f"attention_mask: expected shape {ids.shape}, got {mask.shape}")
+  ids, mask = passes.padded_prompt(cfg, input_ids, attention_mask)
   if not isinstance(surrogate, Surrogate):
     raise ValueError(f"surrogate: expected a Surrogate, got {type(surrogate).__name__}")
   hidden = surrogate.shapes["w1"][-1] if surrogate.kind == "mlp" else HIDDEN_DIM

@@ -1,6 +1,8 @@
 """The pieces the calibration passes share (:mod:`kvjax.model.calibrate`,
 :mod:`kvjax.model.duo`, :mod:`kvjax.model.reconstruction`): checked token-id rows, the
-positions and causal mask of an unpadded prompt, and the pre-RoPE queries and keys of a layer.
+positions and causal mask of an unpadded prompt, and the pre-RoPE queries and keys of a layer;
+and those of the learned scorers (:mod:`kvjax.model.kvzap`, :mod:`kvjax.model.fastkvzip`): a
+checked (left-)padded prompt and every layer's attention inputs over it.
 
 Every pass built on them is a plain layer loop (``lax.scan`` over the stacked layers) of the
 public functions of :mod:`kvjax.model.llama`, with dense attention: calibration prompts are
@@ -62,12 +64,30 @@ def id_rows(name: str, ids, cfg: ModelConfig) -> list[np.ndarray]:
 
 
 def positions(B: int, T: int, start: int = 0) -> Array:
-  """Positions ``start .. start + T - 1`` of ``B`` unpadded rows, int32 ``[B, T]``."""
+  """Positions ``start .. start + T - 1`` of ``B`` unpadded rows.
+
+  Args:
+    B: rows.
+    T: positions per row.
+    start: the first position.
+
+  Returns:
+    int32 ``[B, T]``.
+  """
   return jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (B, T))
 
 
 def causal_allowed(cfg: ModelConfig, B: int, T: int) -> Array:
-  """``[B, T, T]`` causal mask of an unpadded prompt (with the model's sliding window)."""
+  """The causal mask of an unpadded prompt (with the model's sliding window).
+
+  Args:
+    cfg: the model's config.
+    B: rows.
+    T: positions per row.
+
+  Returns:
+    bool ``[B, T, T]``.
+  """
   pos = positions(B, T)
   return llama.causal_allowed(pos, pos, jnp.ones((B, T), bool), pos, pos, cfg.sliding_window)
 
@@ -94,3 +114,71 @@ def pre_rope(cfg: ModelConfig, p: dict, h_BTd: Array):
     q = llama.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = llama.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
   return q, k
+
+
+def padded_prompt(
+  cfg: ModelConfig, input_ids, attention_mask=None
+) -> tuple[np.ndarray, np.ndarray]:
+  """Checks a (left-)padded prompt and its mask.
+
+  Args:
+    cfg: the model's config.
+    input_ids: token ids ``[B, T]``.
+    attention_mask: ``[B, T]`` 0/1 of the real tokens (``None``: all real).
+
+  Returns:
+    ``(ids, mask)`` as numpy arrays.
+
+  Raises:
+    ValueError: for ids that are not ``[B, T]`` with ``T >= 1`` or break
+      :func:`kvjax.model.llama.check_token_ids`'s rule, or a mask of another shape.
+  """
+  ids = np.asarray(input_ids)
+  if ids.ndim != 2 or ids.shape[1] == 0:
+    raise ValueError(f"input_ids: expected token ids [B, T], got shape {ids.shape}")
+  ids = llama.check_token_ids("input_ids", ids, cfg.vocab_size)
+  mask = np.ones(ids.shape, np.int32) if attention_mask is None else np.asarray(attention_mask)
+  if mask.shape != ids.shape:
+    raise ValueError(f"attention_mask: expected shape {ids.shape}, got {mask.shape}")
+  return ids, mask
+
+
+def layer_attention_inputs(cfg: ModelConfig, p: dict, x_BTd: Array) -> Array:
+  """The hidden states one layer's attention receives (after its input norm), fp32.
+
+  Args:
+    cfg: the model's config.
+    p: the layer's parameters.
+    x_BTd: the layer's input ``[B, T, d]``.
+
+  Returns:
+    fp32 ``[B, T, d]``.
+  """
+  return llama.norm(cfg, x_BTd, p["attn_norm"]).astype(jnp.float32)
+
+
+def prompt_attention_inputs(cfg: ModelConfig, params: dict, ids_BT: Array, mask_BT: Array) -> Array:
+  """Every layer's attention inputs (:func:`layer_attention_inputs`) over a (left-)padded prompt, in
+  one dense causal pass; traceable (it runs inside its caller's ``jit``).
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    ids_BT: token ids ``[B, T]``.
+    mask_BT: ``[B, T]`` 0/1 of the real tokens.
+
+  Returns:
+    fp32 ``[L, B, T, d]``.
+  """
+  B, T = ids_BT.shape
+  pos = llama.positions_from_mask(mask_BT)
+  index = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  allowed = llama.causal_allowed(pos, pos, mask_BT.astype(bool), index, index, cfg.sliding_window)
+
+  def layer(x, p):
+    h = layer_attention_inputs(cfg, p, x)
+    x, _ = llama.dense_layer(cfg, p, x, pos, allowed)
+    return x, h
+
+  _, h = jax.lax.scan(layer, llama.embed_tokens(cfg, params, ids_BT), llama.stacked(params))
+  return h

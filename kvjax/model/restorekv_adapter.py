@@ -21,7 +21,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.model import cache as cache_lib
-from kvjax.model import llama, npzfile, training
+from kvjax.model import llama, training
 from kvjax.model.config import ModelConfig
 from kvjax.policies.restorekv import RESTORE_TOKENS
 
@@ -281,15 +281,9 @@ def save(path: str | pathlib.Path, adapter: Adapter, meta: dict | None = None) -
   Returns:
     The path written.
   """
-  arrays = _arrays(adapter)
-  header = {
-    **(meta or {}),
-    "format": FORMAT,
-    "alpha": float(adapter.alpha),
-    "targets": list(TARGETS),
-    "shapes": {k: list(np.shape(v)) for k, v in arrays.items()},
-  }
-  return npzfile.write(path, arrays, header)
+  return training.write_trained(
+    path, _arrays(adapter), FORMAT, meta, alpha=float(adapter.alpha), targets=list(TARGETS)
+  )
 
 
 def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[Adapter, dict]:
@@ -306,8 +300,7 @@ def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[Adapter, dict]:
     ValueError: naming the file, for one that is missing or unreadable, lacks the header or an
       array, or holds shapes that do not fit ``cfg`` (each named with what it should be).
   """
-  files, meta = npzfile.read(path, FORMAT, "RestoreKV adapter")
-  where = f"path: {path} (model {meta.get('model')!r})"
+  files, meta, where = training.read_trained(path, FORMAT, "RestoreKV adapter")
   need = ["embeddings"] + [f"{p}_{t}" for t in TARGETS for p in ("a", "b")]
   missing = [k for k in need if k not in files]
   if missing:
