@@ -9,6 +9,7 @@ parts: the notebooks render without outputs and the lab page is not regenerated)
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import re
@@ -77,7 +78,39 @@ def _join_shared_fields(app, what, name, obj, options, lines):
   lines[:] = [_SHARED_FIELD.sub(lambda m: m[1] + m[2].replace(", ", ",") + ":", x) for x in lines]
 
 
+# viewcode links each source module back to one name it was documented under (a package that
+# re-exports its objects, say), so a link from a module's source to an object documented on the
+# module's own page would name an anchor that page does not have.
+_SOURCE_LINK = re.compile(r'href="([^"#]*_autosummary/([\w.]+)\.html)#([\w.]+)"')
+
+
+def _anchor_on_page(page: str, anchor: str, modules: frozenset[str]) -> str:
+  """``anchor`` (a module name, then an object's qualified name) as ``page`` names it."""
+  parts = anchor.split(".")
+  for k in range(len(parts) - 1, 0, -1):
+    if ".".join(parts[:k]) in modules:
+      return f"{page}.{'.'.join(parts[k:])}"
+  return anchor
+
+
+@functools.cache
+def _api_modules() -> frozenset[str]:
+  return frozenset(pages.api_members())
+
+
+def _link_source_to_pages(app, pagename, templatename, context, doctree):
+  """Points each source page's links at the anchors of the pages that document the objects."""
+  del app, templatename, doctree
+  if not pagename.startswith("_modules/") or "body" not in context:
+    return
+  modules = _api_modules()
+  context["body"] = _SOURCE_LINK.sub(
+    lambda m: f'href="{m[1]}#{_anchor_on_page(m[2], m[3], modules)}"', context["body"]
+  )
+
+
 def setup(app):
   """Writes the generated pages before Sphinx reads the sources."""
   pages.prepare(execute_notebooks=EXECUTE)
   app.connect("autodoc-process-docstring", _join_shared_fields, priority=600)  # after napoleon
+  app.connect("html-page-context", _link_source_to_pages)

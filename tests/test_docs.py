@@ -2,6 +2,7 @@
 registry, no reference to a document the repository lacks. (The Sphinx build itself runs in
 ``tests/test_notebooks.py``, after the notebooks it renders.)"""
 
+import importlib
 import pathlib
 import re
 import sys
@@ -145,3 +146,31 @@ def test_the_main_jobs_tables_are_narrow_and_define_their_columns(capsys):
   for metric in ("retained_mass", "oracle_gap", "output_error", "fact_recall"):
     assert re.search(rf"^{metric}: \w", out, re.MULTILINE), metric
   assert "(R above;" in out  # the progress lines name R
+
+
+def test_the_api_reference_documents_every_object_once():
+  """``docs/pages.py`` writes the API pages: each class and function on one page only (its
+  package's when the package exports it), the other modules that offer it linking there."""
+  import pages
+
+  members = pages.api_members()
+  homes = {}
+  for module, (own, _) in members.items():
+    for name in own:
+      obj = getattr(importlib.import_module(module), name)
+      assert id(obj) not in homes, f"{module}.{name} is also documented as {homes[id(obj)]}"
+      homes[id(obj)] = f"{module}.{name}"
+  assert "SnapKV" in members["kvjax.policies"][0]
+  assert "kvjax.policies.SnapKV" in members["kvjax.policies.methods"][1]
+  assert not members["kvjax.policies.methods"][0]  # every method class is exported
+  for module, (_, elsewhere) in members.items():
+    for full in elsewhere:
+      assert full in homes.values(), f"{module} links {full}, which no page documents"
+
+
+def test_the_catalogue_links_arxiv_ids_and_repositories():
+  text = catalogue.markdown()
+  ids = set(re.findall(r"arXiv (\d{4}\.\d{4,5})", text))
+  assert ids and all(f"(https://arxiv.org/abs/{i})" in text for i in ids)
+  assert "[FasterDecoding/SnapKV](https://github.com/FasterDecoding/SnapKV)" in text
+  assert catalogue.linked("`a/b.py` of me/mine") == "`a/b.py` of me/mine"  # paths stay code
