@@ -267,14 +267,14 @@ def allocation_window(key: GroupKey) -> int:
 
 def sweep_problem(policy: policies.Policy) -> str | None:
   """Why the sweep cannot score ``policy``, or ``None`` when it can (:func:`sweepable`)."""
-  if policy.merges:
-    return "it merges evicted values into kept ones, which the sweep's cache does not model"
-  if policy.merges_while_decoding:
-    return "it merges evicted values while decoding, which the sweep's cache does not model"
-  missing = sorted(policy.evidence_fields - SWEEP_EVIDENCE)
-  if missing:
-    fields = ", ".join(f"evidence.{f}" for f in missing)
-    return f"it reads {fields}, which the sweep's world does not provide"
+  refusals = (
+    (lambda p: p.merges, "it merges evicted values into kept ones"),
+    (lambda p: p.merges_while_decoding, "it merges evicted values while decoding"),
+  )
+  refusals = [(test, f"{why}, which the sweep's cache does not model") for test, why in refusals]
+  problem = synthetic.policy_problem(policy, refusals, SWEEP_EVIDENCE, "the sweep's world")
+  if problem:
+    return problem
   if policy.allocates:
     return "it allocates its own budgets; sweep its scorer under the schedule and head_alloc axes"
   if policy.rescores:

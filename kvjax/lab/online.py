@@ -67,19 +67,20 @@ LAB_EVIDENCE = frozenset(
 )
 
 
+# what the lab's cache (whole tokens, the prompt compressed once, no merging) cannot replay
+_REPLAY_REFUSALS = (
+  (lambda p: p.channel_ratio, "it prunes key channels (channel_ratio)"),
+  (lambda p: p.decode_every is not None, "it re-compresses every decode_every tokens"),
+  (lambda p: p.merges, "it merges evicted values into kept ones"),
+)
+
+
 def replay_problem(policy: policies.Policy) -> str | None:
   """Why the lab cannot replay ``policy``, or ``None`` when it can."""
-  if policy.channel_ratio:
-    return "it prunes key channels (channel_ratio), which the lab's cache does not model"
-  if policy.decode_every is not None:
-    return "it re-compresses every decode_every tokens, which the lab's cache does not model"
-  if policy.merges:
-    return "it merges evicted values into kept ones, which the lab's cache does not model"
-  missing = sorted(policy.evidence_fields - LAB_EVIDENCE)
-  if missing:
-    fields = ", ".join(f"evidence.{f}" for f in missing)
-    return f"it reads {fields}, which the lab does not provide"
-  return None
+  refusals = [
+    (test, f"{why}, which the lab's cache does not model") for test, why in _REPLAY_REFUSALS
+  ]
+  return synthetic.policy_problem(policy, refusals, LAB_EVIDENCE, "the lab")
 
 
 def can_replay(policy: policies.Policy | str) -> bool:

@@ -333,6 +333,29 @@ def active_fact_positions(world: World, step: Array) -> Array:
   return (world.fact_mask_FT & active_F[:, None]).any(0)
 
 
+def policy_problem(policy, refusals, provided: frozenset[str], provider: str) -> str | None:
+  """The first reason a world cannot serve ``policy``, or ``None``.
+
+  Args:
+    policy: a :class:`kvjax.policies.Policy` object.
+    refusals: ``(refused, why)`` pairs, in order: ``why`` is the reason when ``refused(policy)``.
+    provided: the evidence fields the world provides.
+    provider: what provides them, named in the reason, e.g. ``"the lab"``.
+
+  Returns:
+    The first refusal's reason; else, for a policy that reads an evidence field outside
+    ``provided``, one naming those fields; else ``None``.
+  """
+  for refused, why in refusals:
+    if refused(policy):
+      return why
+  missing = sorted(policy.evidence_fields - provided)
+  if missing:
+    fields = ", ".join(f"evidence.{f}" for f in missing)
+    return f"it reads {fields}, which {provider} does not provide"
+  return None
+
+
 # --------------------------------------------------------------------------- scenarios
 
 SCENARIOS: dict[str, dict] = {
