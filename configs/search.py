@@ -4,7 +4,7 @@ or a SmolLM2 preset: ``:smollm2_quick`` or ``:smollm2`` (with ``keep=0.1`` for a
 Searches a per-layer (``shape="L"``) or per-layer-and-KV-head (``"LG"``) allocation at a fixed
 memory (``budget`` tokens per entry, or a compression ``ratio``) that maximises the retained
 attention mass on calibration evidence, and judges it on held-out evidence
-(``docs/search.md``). ``quick`` shrinks the world and the search for a smoke run; ``lg``
+(``docs/allocation_search.md``). ``quick`` shrinks the world and the search for a smoke run; ``lg``
 searches ``[L, G]``; ``tiny`` searches on the shipped tiny model's task prompts instead of the
 lab; ``ratio`` sets the memory as kvpress's compression ratio. ``kl`` searches on the
 next-token KL of the full model's continuations (a model source); ``keydiff`` scores with

@@ -5,7 +5,7 @@
 Both evaluate the same allocations on the same evidence in this process: the population call is
 one ``jit(vmap)`` over ``population`` parameter vectors (feasible map + retained mass), the loop
 calls a jitted single evaluation once per candidate (one evaluation per candidate, EvolKV's
-way). The ratio is printed with the machine's numbers (``docs/search.md``).
+way). The ratio is printed with the machine's numbers (``docs/allocation_search.md``).
 """
 
 import time

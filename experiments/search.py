@@ -5,7 +5,7 @@
 Rerunning the same command with the same workdir resumes from the last generation's checkpoint
 (an interrupted search ends as an uninterrupted one would). The run directory holds
 ``allocation.npz`` (``kvjax.policies.searched.Searched(path)`` reads it), ``summary.json``,
-``history.csv`` and ``search.png`` (``docs/search.md``).
+``history.csv`` and ``search.png`` (``docs/allocation_search.md``).
 """
 
 import datetime

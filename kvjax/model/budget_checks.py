@@ -64,9 +64,7 @@ def checked_allocation(cfg, pre, spec, policy: policies.Policy, budget, evidence
     return None
   budget_LH = np.asarray(allocation(cfg, pre, spec, budget, evidence))
   check_nan_scores(budget_LH)
-  # every allocator's rows hold at least the policy's own protected window
-  window = policy.evidence_request(pre.valid.shape[-1]).window if policy.windowed else 0
-  policy.check_allocation(budget_LH, window=window)
+  policy.check_allocation(budget_LH)  # every row holds the policy's declared window
   return budget_LH
 
 

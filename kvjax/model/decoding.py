@@ -637,9 +637,8 @@ def keep_mask(
   spec = cache_lib.CacheSpec(pol, pre.valid.shape[1], layout, row_budgets=ratio is not None)
   cache = cache_lib.compress(cfg, pre, spec, budget, evidence=ev)
   check_overflow(cache)
-  if pol.requires_budget:  # every allocator's rows hold at least the protected window
-    window = pol.evidence_request(T).window if pol.windowed else 0
-    pol.check_allocation(np.asarray(cache.budget), window=window)
+  if pol.requires_budget:  # every row holds the policy's declared window
+    pol.check_allocation(np.asarray(cache.budget))
   positions = np.asarray(cache.positions)
   # the prompt's own slots (appended restore tokens sit at positions past each row's prompt)
   prompt = positions < mask.sum(-1)[None, :, None, None]

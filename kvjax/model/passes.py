@@ -1,7 +1,9 @@
-"""The pieces the calibration passes share (:mod:`kvjax.model.calibrate`,
-:mod:`kvjax.model.duo`, :mod:`kvjax.model.reconstruction`): checked token-id rows, the
+"""The pieces the calibration passes and the learned scorers share.
+
+The calibration passes (:mod:`kvjax.model.calibrate`, :mod:`kvjax.model.duo`,
+:mod:`kvjax.model.reconstruction`) share checked token-id rows, the
 positions and causal mask of an unpadded prompt, and the pre-RoPE queries and keys of a layer;
-and those of the learned scorers (:mod:`kvjax.model.kvzap`, :mod:`kvjax.model.fastkvzip`): a
+the learned scorers (:mod:`kvjax.model.kvzap`, :mod:`kvjax.model.fastkvzip`) share a
 checked (left-)padded prompt and every layer's attention inputs over it.
 
 Every pass built on them is a plain layer loop (``lax.scan`` over the stacked layers) of the

@@ -100,8 +100,15 @@ def reference(
   """The ragged attention in plain XLA: each row's pages gathered, a masked fp32 softmax.
 
   Args:
-    q_RGD, keys_NPD, values_NPD, pages_RM, length_R, softcap, positions_NP, query_pos_R,
-      window: as :func:`ragged_decode_attention`.
+    q_RGD: as :func:`ragged_decode_attention`.
+    keys_NPD: as :func:`ragged_decode_attention`.
+    values_NPD: as :func:`ragged_decode_attention`.
+    pages_RM: as :func:`ragged_decode_attention`.
+    length_R: as :func:`ragged_decode_attention`.
+    softcap: as :func:`ragged_decode_attention`.
+    positions_NP: as :func:`ragged_decode_attention`.
+    query_pos_R: as :func:`ragged_decode_attention`.
+    window: as :func:`ragged_decode_attention`.
 
   Returns:
     fp32 ``[R, Hq / G, D]``; a row holding no visible slot gives zeros.
