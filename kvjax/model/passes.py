@@ -66,7 +66,7 @@ def id_rows(name: str, ids, cfg: ModelConfig) -> list[np.ndarray]:
 
 
 def positions(B: int, T: int, start: int = 0) -> Array:
-  """Positions ``start .. start + T - 1`` of ``B`` unpadded rows.
+  """The positions of ``B`` unpadded rows, from ``start`` to ``start + T - 1``.
 
   Args:
     B: rows.
@@ -95,8 +95,10 @@ def causal_allowed(cfg: ModelConfig, B: int, T: int) -> Array:
 
 
 def pre_rope(cfg: ModelConfig, p: dict, h_BTd: Array):
-  """Pre-RoPE queries ``[B, Hq, T, D]`` and keys ``[B, G, T, D]`` of normed hidden states
-  (q/k bias and Qwen3's q/k norm included): kvpress's ``get_prerope_query_states``.
+  """The pre-RoPE queries and keys of a layer's normed hidden states.
+
+  Queries ``[B, Hq, T, D]`` and keys ``[B, G, T, D]``, q/k bias and Qwen3's q/k norm included
+  (kvpress's ``get_prerope_query_states``).
 
   Args:
     cfg: the model's config.

@@ -225,7 +225,7 @@ class Composed(Policy):
     return super().evidence_request(T)
 
   def stage_counts(self, evidence: Evidence, T: int) -> list:
-    """``n_1 .. n_{S-1}``: what each token stage but the last keeps (kvpress's counts)."""
+    """The counts ``n_1`` to ``n_{S-1}``: what each token stage but the last keeps (kvpress's counts)."""
     n, out = _valid_count(evidence, T), []
     for r in self.compression_ratios:
       n = n_kept(n, r, max_n=T)
