@@ -7,7 +7,6 @@ Re-exported by :mod:`kvjax.model.cache`, whose names these are.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -219,14 +218,9 @@ def sliding_layers(cfg: ModelConfig, spec: CacheSpec) -> np.ndarray | None:
 
 
 def _layer_subset(ev: policies.Evidence, layers: np.ndarray) -> policies.Evidence:
-  """The evidence of some layers: every per-layer field (all but ``valid_T`` and ``rng``) cut
+  """The evidence of some layers: every per-layer kind (all but ``valid_T`` and ``rng``) cut
   on its leading layer axis."""
-  out = {}
-  for f in dataclasses.fields(ev):
-    value = getattr(ev, f.name)
-    if f.name in ("valid_T", "rng", "observation_window") or value is None:
-      continue
-    out[f.name] = value[layers]
+  out = {name: value[layers] for name, value in ev.fields.items() if name not in ("valid_T", "rng")}
   return ev.replace(**out)
 
 
