@@ -313,8 +313,10 @@ def test_value_norm_swept_under_the_layer_ramp(tmp_path):
     sweep.Engine(c.world, capacity=32).world_evidence(c.base.scenario).future_mass_LHP
   )
   L, H = mass.shape[:2]
-  for b in (16, 32):  # the ramp's layer budgets (the sweep's window is 8), each head's top b_l
-    budget_L = ramp_np(b, c.base.window, L)
+  # the ramp's layer budgets, floored at ValueNorm's own protected window (none) + 1, as
+  # policy.budgets and the lab give them; each head's top b_l
+  for b in (16, 32):
+    budget_L = ramp_np(b, 0, L)
     kept = top_b(value_norm_np(values, 4).reshape(-1, P), np.repeat(budget_L, H))
     expected = (mass * kept.reshape(L, H, P)).sum(-1).mean()
     np.testing.assert_allclose(table[table.budget == b].retained_mass.item(), expected, rtol=1e-5)
