@@ -343,7 +343,8 @@ def test_run_identities_name_the_fields_that_differ(monkeypatch):
   distributed.check_same(a, "sweep")
 
 
-def _sweep_process(workdir, budgets, port, index):
+def _entry_process(module, args, port, index):
+  """One of two local processes running ``python -m module args`` as a cluster."""
   import os
   import subprocess
   import sys
@@ -354,13 +355,8 @@ def _sweep_process(workdir, budgets, port, index):
     [
       sys.executable,
       "-m",
-      "experiments.sweep",
-      "--config=configs/sweep_lab.py:quick",
-      f"--config.workdir={workdir}",
-      "--noplots",
-      "--config.grid.product.policy=('snapkv',)",
-      "--config.grid.product.schedule=('uniform',)",
-      f"--config.grid.product.budget={budgets}",
+      module,
+      *args,
       f"--coordinator=localhost:{port}",
       "--num_processes=2",
       f"--process_id={index}",
@@ -373,16 +369,52 @@ def _sweep_process(workdir, budgets, port, index):
   )
 
 
-def test_sweep_processes_given_different_grids_stop_naming_the_field(tmp_path):
-  """Process 1's grid differs from process 0's in one budget: both stop before any work, with a
-  ValueError naming the field, and nothing is written."""
+def _sweep_process(workdir, budgets, port, index):
+  args = [
+    "--config=configs/sweep_lab.py:quick",
+    f"--config.workdir={workdir}",
+    "--noplots",
+    "--config.grid.product.policy=('snapkv',)",
+    "--config.grid.product.schedule=('uniform',)",
+    f"--config.grid.product.budget={budgets}",
+  ]
+  return _entry_process("experiments.sweep", args, port, index)
+
+
+def _free_port() -> int:
   import contextlib
   import socket
 
   with contextlib.closing(socket.socket()) as s:
     s.bind(("localhost", 0))
-    port = s.getsockname()[1]
-  workdir = tmp_path / "run"
+    return s.getsockname()[1]
+
+
+def test_evaluation_processes_given_different_seeds_stop_naming_the_field(tmp_path):
+  """Process 1 holds another ``seed`` (it would draw other examples): both stop before any work,
+  naming the field, and nothing is written."""
+  port, workdir = _free_port(), tmp_path / "run"
+  procs = [
+    _entry_process(
+      "experiments.eval",
+      ["--config=configs/eval.py:quick", f"--config.workdir={workdir}", f"--config.seed={seed}"],
+      port,
+      i,
+    )
+    for i, seed in enumerate((0, 1))
+  ]
+  outs = [p.communicate(timeout=240) for p in procs]
+  errors = [err for _, err in outs]
+  assert [p.returncode for p in procs] == [1, 1], [e[-2000:] for e in errors]
+  for err in errors:
+    assert "ValueError: config.seed: process 1 of 2" in err, err[-2000:]
+  assert not (workdir / "results.csv").exists()
+
+
+def test_sweep_processes_given_different_grids_stop_naming_the_field(tmp_path):
+  """Process 1's grid differs from process 0's in one budget: both stop before any work, with a
+  ValueError naming the field, and nothing is written."""
+  port, workdir = _free_port(), tmp_path / "run"
   procs = [
     _sweep_process(workdir, budgets, port, i) for i, budgets in enumerate(("(12,16)", "(12,20)"))
   ]
