@@ -12,7 +12,6 @@ from kvjax import model as km
 from kvjax import policies
 from kvjax.model import cache as cache_lib
 from kvjax.model import decoding, llama
-from kvjax.policies import cam as cam_lib
 from kvjax.policies.cam import CaM, cam_compress, cam_merge
 from kvjax.policies.merging import Merging
 
@@ -143,7 +142,7 @@ def test_cam_compression_step_matches_kvpress_with_its_draws(golden):
 
 
 def _cam_draws(z, T):
-  """kvpress's recorded uniforms as a ``merge_uniforms`` replacement: compression ``c`` (after
+  """kvpress's recorded uniforms as CaM's ``draws``: compression ``c`` (after
   ``(c + 1) N`` fed tokens) of layer ``l`` reads ``cam_{c L + l}_uniform_Gk``."""
   N = int(z["cam_constants"][0])
   calls = int(z["cam_calls"])
@@ -161,20 +160,21 @@ def _cam_draws(z, T):
   return draws
 
 
-def test_cam_in_the_models_cache_matches_kvpress(golden, monkeypatch):
+def test_cam_in_the_models_cache_matches_kvpress(golden):
   """``CAMPress(KnormPress(), compression_interval=4, target_size=14, merge_budget=3)`` while
   decoding 12 tokens is ``CaM(base=KNorm(), decode_every=4, decode_budget=14,
-  merge_budget=3)`` in the model's cache: with kvpress's recorded Bernoulli uniforms in place
-  of kvjax's draws (both sides' randomness fixed), the final cache holds the same positions per
+  merge_budget=3)`` in the model's cache: with kvpress's recorded Bernoulli uniforms as its
+  ``draws`` (both sides' randomness fixed), the final cache holds the same positions per
   layer and KV head, with the merged values within 1e-5."""
   z, cfg, params = golden
   ids = z["input_ids_T"][None]
   T = ids.shape[1]
   N, target, mb = (int(x) for x in z["cam_constants"])
   fed = z["cam_fed_S"]
-  monkeypatch.setattr(cam_lib, "merge_uniforms", _cam_draws(z, T))
-  # a seed of its own: a decode step compiled with kvjax's own draws is not reused
-  pol = CaM(base=policies.KNorm(), decode_every=N, decode_budget=target, merge_budget=mb, seed=7)
+  draws = _cam_draws(z, T)
+  pol = CaM(
+    base=policies.KNorm(), decode_every=N, decode_budget=target, merge_budget=mb, draws=draws
+  )
   assert pol.merges_while_decoding and not pol.requires_budget
   spec, cache = _compress(cfg, params, ids, pol, None, pol.decode_capacity(T, T, len(fed)))
   _, cache = _feed(cfg, params, spec, cache, fed, T)
