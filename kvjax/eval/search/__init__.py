@@ -3,6 +3,8 @@ fixed memory, instead of hand-made schedules (EvolKV, arXiv 2509.08315; BaKlaVa)
 
 * :mod:`~kvjax.eval.search.space`: any real vector -> a feasible integer allocation whose total
   is the memory budget exactly (:class:`Space`), from free logits or a rule's few parameters;
+* :mod:`~kvjax.eval.search.allocator_spaces`: a named allocator's few parameters as the space
+  (PyramidKV's ``beta``, Ada-KV's ``floor_alpha``, CAKE's temperatures);
 * :mod:`~kvjax.eval.search.fitness`: the retained attention mass of an allocation, from the
   lab's world or a real model's calibration prompts, vmapped over a population;
 * :mod:`~kvjax.eval.search.optimise`: evosax's CMA-ES, SNES, OpenAI-ES and random search, one
@@ -12,17 +14,23 @@ fixed memory, instead of hand-made schedules (EvolKV, arXiv 2509.08315; BaKlaVa)
 * :mod:`~kvjax.eval.search.runner`: a search from a config (``experiments/search.py``).
 """
 
-from kvjax.eval.search import fitness, optimise, space
+from kvjax.eval.search import allocator_spaces, fitness, optimise, space
+from kvjax.eval.search.allocator_spaces import ALLOCATOR_RULES, AdaKVSpace, CakeSpace, PyramidSpace
 from kvjax.eval.search.fitness import MassTable, lab_table, model_table, retained_mass
 from kvjax.eval.search.optimise import OPTIMISERS, SearchResult, population_call
 from kvjax.eval.search.space import RULES, Space
 
 __all__ = [
+  "ALLOCATOR_RULES",
   "OPTIMISERS",
   "RULES",
+  "AdaKVSpace",
+  "CakeSpace",
   "MassTable",
+  "PyramidSpace",
   "SearchResult",
   "Space",
+  "allocator_spaces",
   "fitness",
   "lab_table",
   "model_table",

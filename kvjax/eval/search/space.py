@@ -13,6 +13,7 @@ curvature) give weights over layers from one or two parameters through the same 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -77,14 +78,16 @@ class Space:
   window: int
   prompt_len: int
   rule: str = "free"
+  # the rules this class accepts (a named allocator's space accepts its own name)
+  rules: ClassVar[tuple[str, ...]] = RULES
 
   def __post_init__(self):
     object.__setattr__(self, "shape", check_shape(self.shape))
     _positive_int("prompt_len", self.prompt_len)
     _positive_int("window", self.window, low=0)
     _positive_int("total", self.total, low=0)
-    if self.rule not in RULES:
-      raise ValueError(f"rule: unknown value {self.rule!r}; expected one of {RULES}")
+    if self.rule not in self.rules:
+      raise ValueError(f"rule: unknown value {self.rule!r}; expected one of {self.rules}")
     if self.low > self.prompt_len:
       raise ValueError(
         f"window: {self.window} + 1 exceeds the prompt_len {self.prompt_len}; expected a window "
@@ -105,24 +108,38 @@ class Space:
       raise ValueError(f"total: {self.total} does not fit int32; expected < 2**31")
 
   @classmethod
-  def from_budget(cls, shape, budget: int, window: int, prompt_len: int, rule: str = "free"):
+  def from_budget(
+    cls, shape, budget: int, window: int, prompt_len: int, rule: str | None = None, **fields
+  ):
     """The space whose total is ``budget`` slots per entry (uniform's memory).
+
+    Args:
+      shape: ``(L,)`` or ``(L, G)``.
+      budget: tokens per entry.
+      window: the protected window.
+      prompt_len: the prompt.
+      rule: one of the class's :attr:`rules` (default its first: ``"free"`` for :class:`Space`).
+      **fields: a subclass's other fields (a named allocator's evidence and ranges).
 
     Raises:
       ValueError: as the constructor's.
     """
     budget = _positive_int("budget", budget, low=0)
     shape = check_shape(shape)
-    return cls(shape, budget * int(np.prod(shape)), window, prompt_len, rule)
+    rule = cls.rules[0] if rule is None else rule
+    return cls(shape, budget * int(np.prod(shape)), window, prompt_len, rule, **fields)
 
   @classmethod
-  def from_ratio(cls, shape, ratio: float, window: int, prompt_len: int, rule: str = "free"):
+  def from_ratio(
+    cls, shape, ratio: float, window: int, prompt_len: int, rule: str | None = None, **fields
+  ):
     """The space at kvpress's compression ``ratio`` (:func:`ratio_budget` per entry).
 
     Raises:
       ValueError: a ratio outside ``[0, 1)``, and as the constructor's.
     """
-    return cls.from_budget(shape, ratio_budget(ratio, prompt_len), window, prompt_len, rule)
+    budget = ratio_budget(ratio, prompt_len)
+    return cls.from_budget(shape, budget, window, prompt_len, rule, **fields)
 
   @property
   def size(self) -> int:
