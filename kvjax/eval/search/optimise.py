@@ -27,6 +27,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from evosax import algorithms as evo
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from kvjax.eval.search.space import Space
@@ -112,8 +113,13 @@ def strategy(optimiser: str, population: int, num_dims: int, std_init: float = 1
   return es, es.default_params
 
 
-def population_call(space: Space, fitness_fn: Callable, *args) -> Callable:
+def population_call(space: Space, fitness_fn: Callable, *args, devices=None) -> Callable:
   """One compiled call over a population: ``params_KN -> (fitness_K, allocations_K...)``.
+
+  The population axis is sharded over a one-axis device mesh (``"population"``): each device
+  evaluates its share of the candidates and the evidence is replicated on every device. A
+  population that does not divide the device count is padded by repeating its last candidate,
+  and the padding is dropped from the results; the results equal one device's.
 
   Args:
     space: the search space.
@@ -121,17 +127,50 @@ def population_call(space: Space, fitness_fn: Callable, *args) -> Callable:
       :func:`kvjax.eval.search.fitness.retained_mass` with its table as ``args``).
     *args: the evidence ``fitness_fn`` reads (arguments of the call, never constants folded
       into it).
+    devices: the devices the population is sharded over (default: this process's,
+      ``jax.local_devices()``; one device: no sharding).
 
   Returns:
-    A jitted function of the population.
+    A function of the population, its ``devices`` attribute the devices it spans.
+
+  Raises:
+    ValueError: an empty ``devices``.
   """
+  devices = list(jax.local_devices() if devices is None else devices)
+  if not devices:
+    raise ValueError("devices: an empty list; expected at least one device")
 
   def one(params_N, *evidence):
     budget = space.allocate(params_N)
     return fitness_fn(*evidence, budget), budget
 
-  call = jax.jit(jax.vmap(one, in_axes=(0,) + (None,) * len(args)))
-  return lambda params_KN: call(jnp.asarray(params_KN, jnp.float32), *args)
+  batched = jax.vmap(one, in_axes=(0,) + (None,) * len(args))
+  if len(devices) == 1:
+    call = jax.jit(batched)
+
+    def evaluate(params_KN):
+      return call(jnp.asarray(params_KN, jnp.float32), *args)
+
+  else:
+    mesh = Mesh(np.asarray(devices), ("population",))
+    rows, whole = (
+      NamedSharding(mesh, PartitionSpec("population")),
+      NamedSharding(mesh, PartitionSpec()),
+    )
+    placed = jax.device_put(args, whole)
+    call = jax.jit(batched, in_shardings=(rows,) + (whole,) * len(args), out_shardings=rows)
+
+    def evaluate(params_KN):
+      x = jnp.asarray(params_KN, jnp.float32)
+      K = x.shape[0]
+      padded = -(-K // len(devices)) * len(devices)
+      if padded > K:  # a padded candidate repeats the last one: no new work to misread
+        x = jnp.concatenate([x, jnp.repeat(x[-1:], padded - K, axis=0)], axis=0)
+      fitness_K, budgets_K = call(x, *placed)
+      return fitness_K[:K], budgets_K[:K]
+
+  evaluate.devices = tuple(devices)
+  return evaluate
 
 
 def ranked(fitness_K: np.ndarray, generation: int, log: Callable) -> np.ndarray:
