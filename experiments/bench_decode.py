@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments import machine
 from kvjax import model as km
 from kvjax import policies
 from kvjax.model import cache as cache_lib
@@ -78,6 +79,7 @@ def main():
   cfg = model_config(args.quick)
   model = km.Llama(cfg, rngs=nnx.Rngs(0))
   params = model.params()
+  print(machine.machine_line())
   print(
     f"jax {jax.__version__} on {jax.default_backend()}; model {cfg.num_layers}L d={cfg.hidden_size} "
     f"Hq={cfg.num_heads} G={cfg.num_kv_heads} D={cfg.head_dim}"

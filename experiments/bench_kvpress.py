@@ -61,6 +61,7 @@ import types
 
 import numpy as np
 
+from experiments import machine
 from kvjax import budgets as budgets_lib
 from kvjax import model as km
 from kvjax import policies
@@ -879,6 +880,7 @@ def main() -> int:
   n_examples = args.examples or (2 if args.quick else 8)
   budgets = (64, 256) if args.quick else (64, 128, 256, 512)
 
+  print(machine.machine_line(), flush=True)
   t0 = time.perf_counter()
   model, cfg, ptok = evaluate.load_model("smollm2")
   hf = load_hf(torch)

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from experiments import machine
 from experiments.bench_decode import model_config
 from kvjax import budgets as budgets_lib
 from kvjax import model as km
@@ -401,6 +402,7 @@ def run(
     if emit is not None:
       emit(line)
 
+  say(machine.machine_line())
   say(
     f"jax {jax.__version__} on {device.device_kind} ({jax.default_backend()}); model "
     f"{cfg.num_layers}L d={cfg.hidden_size} Hq={cfg.num_heads} G={cfg.num_kv_heads} "

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments import bench_roofline
+from experiments import bench_roofline, machine
 from experiments.bench_memory import EVIDENCE, SHAPES
 from kvjax import model as km
 from kvjax import policies
@@ -144,7 +144,8 @@ def main() -> None:
   if args.quick:
     cfg = dataclasses.replace(cfg, num_layers=2, vocab_size=4096)
   rows = [
-    f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
+    machine.machine_line(),
+    f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}",
   ]
   rows.append(f"golden selection + kvpress fixtures: {golden_tests()}")
   rows += prefill_rows(cfg, lengths)
