@@ -13,6 +13,7 @@ import pytest
 
 from kvjax import model as km
 from kvjax import policies
+from kvjax.lab import online, synthetic
 from kvjax.model import cache as cache_lib
 from kvjax.model import compression, decoding
 from kvjax.policies.cam import CaM
@@ -215,6 +216,57 @@ def test_decode_time_hooks_checked_with_the_policy_named(tiny, policy, hook, got
     ValueError, match=rf"^{hook}: policy '{type(policy).__name__}' returned {got}"
   ):
     km.generate(model, ids, policy=policy, budget=20, max_new_tokens=3)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _NanKeep(policies.SlidingWindow):
+  """Recency, with NaN keep scores from generation step 3 (position P + 3) on."""
+
+  prompt_len: int = 64
+
+  def keep_scores(self, state_HC, positions_HC, t, budget_H):
+    s = positions_HC.astype(jnp.float32)
+    return jnp.where(t >= self.prompt_len + 3, jnp.nan, s)
+
+
+@pytest.fixture(scope="module")
+def lab_world():
+  world = synthetic.scenario(
+    "streaming_chat",
+    num_layers=4,
+    num_heads=2,
+    prompt_len=64,
+    gen_steps=8,
+    fact_positions=(20,),
+    fact_steps=((1, 4),),
+  )
+  return synthetic.make_world(world)
+
+
+@pytest.mark.parametrize(
+  ("policy", "hook", "got"),
+  [
+    (_HeadMeanKeep(), "keep_scores", r"shape \(4, 1, 20\); expected shape \(4, 2, 20\)"),
+    (_WideState(recent=4), "init_state", r"shape \(4, 2, 20, 1\); expected shape \(4, 2, 20\)"),
+    (_SummedObserve(recent=4), "observe", r"shape \(4, 2\); expected shape \(4, 2, 20\)"),
+  ],
+)
+def test_the_labs_replay_checks_decode_time_hooks_with_the_policy_named(
+  lab_world, policy, hook, got
+):
+  """The lab's online replay runs a decode-time policy's hooks through the same checks as the
+  model's cache: a wrong shape is refused with the policy and the hook named."""
+  with pytest.raises(
+    ValueError, match=rf"^{hook}: policy '{type(policy).__name__}' returned {got}"
+  ):
+    online.simulate(lab_world, policy, 20)
+
+
+def test_the_labs_replay_refuses_nan_keep_scores(lab_world):
+  with pytest.raises(ValueError, match=r"^keep_scores: policy '_NanKeep' returned NaN .* step 3"):
+    online.simulate(lab_world, _NanKeep(), 20)
+  good = online.simulate(lab_world, policies.SlidingWindow(), 20)  # the same policy, finite
+  assert np.isfinite(np.asarray(good.metrics.retained)).all()
 
 
 def test_decode_time_hook_checks_pass_good_outputs_unchanged():

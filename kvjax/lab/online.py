@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import policies, select
+from kvjax import checks, policies, select
 from kvjax.lab import keys as keys_lib
 from kvjax.lab import metrics as metrics_lib
 from kvjax.lab import synthetic
@@ -248,6 +248,12 @@ def simulate(
 
   Returns:
     The :class:`Trace`.
+
+  Raises:
+    ValueError: for a policy the lab cannot replay, a budget or capacity that does not fit the
+      world, a decode-time hook (``init_state``, ``observe``, ``keep_scores``) returning another
+      shape than the slots' ``[L, H, C]`` (raised while tracing, with the policy and hook
+      named), and keep scores holding NaN (:func:`check_keep_scores`).
   """
   policy = policies.build(policy, **options)
   why = replay_problem(policy)
@@ -266,7 +272,34 @@ def simulate(
   capacity = int(b.max()) if capacity is None else int(capacity)
   if capacity < b.max():
     raise ValueError(f"capacity: {capacity} is smaller than the largest budget {int(b.max())}")
-  return _simulate(world, policy, jnp.asarray(b, jnp.int32), evidence, capacity, record_map)
+  trace, nan_step = _simulate(
+    world, policy, jnp.asarray(b, jnp.int32), evidence, capacity, record_map
+  )
+  check_keep_scores(policy, nan_step)
+  return trace
+
+
+def check_keep_scores(policy: policies.Policy, nan_step) -> None:
+  """Refuses a replay in which the cache's ``keep_scores`` held NaN at a kept slot: a NaN cannot
+  be ranked, so what it evicted would be arbitrary (the model's cache refuses it too).
+
+  Args:
+    policy: the replayed policy, for the error.
+    nan_step: the first generation step whose keep scores held NaN, ``-1`` for none; a traced
+      one (a replay inside the caller's ``jit``) is not checked.
+
+  Raises:
+    ValueError: naming the policy and the step, for a concrete ``nan_step >= 0``.
+  """
+  if not checks.is_concrete(nan_step):
+    return
+  step = int(nan_step)
+  if step >= 0:
+    raise ValueError(
+      f"keep_scores: policy {policy.label!r} returned NaN for a cached slot at generation step "
+      f"{step}, which cannot be ranked; expected finite keep scores (or +-inf to force a slot "
+      "in or out)"
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "capacity", "record_map"))
@@ -280,28 +313,30 @@ def _simulate(world, policy, budget_LH, evidence, capacity, record_map):
   else:
     slots = _prefill(policy, cache, budget_LH, evidence, capacity)
 
-  def step(slots, s):
+  def step(carry, s):
+    slots, nan_step = carry
     t = cfg.prompt_len + s
     row = synthetic.attention_row(world, t)
     if oracle:
       pos, valid = select.compact(row, budget_LH, capacity, length=jnp.full(budget_LH.shape, t + 1))
       slots = _Slots(pos, valid, slots.state)
     else:
-      slots = _evict(cache, slots, budget_LH, t, capacity)
+      slots, nan = _evict(cache, slots, budget_LH, t, capacity)
+      nan_step = jnp.where((nan_step < 0) & nan, s, nan_step)
     fact_T = synthetic.active_fact_positions(world, s)
     m, a_hat = metrics_lib.step_metrics(
       row, world.values_LHTD, slots.pos, slots.valid, budget_LH, fact_T, capacity
     )
     if slots.state is not None:  # the attention the compressed cache paid
-      state = cache.observe(slots.state, a_hat)
+      state = policies.checked_observe(cache, slots.state, a_hat)
       slots = slots.replace(state=jnp.where(slots.valid, state, 0.0))
     out = (m, slots.pos, slots.valid) if record_map else (m,)
-    return slots, out
+    return (slots, nan_step), out
 
-  _, outs = jax.lax.scan(step, slots, jnp.arange(cfg.gen_steps))
+  (_, nan_step), outs = jax.lax.scan(step, (slots, jnp.int32(-1)), jnp.arange(cfg.gen_steps))
   if record_map:
-    return Trace(outs[0], budget_LH, outs[1], outs[2])
-  return Trace(outs[0], budget_LH)
+    return Trace(outs[0], budget_LH, outs[1], outs[2]), nan_step
+  return Trace(outs[0], budget_LH), nan_step
 
 
 def _prefill(policy, cache, budget_LH, evidence, capacity) -> _Slots:
@@ -310,18 +345,20 @@ def _prefill(policy, cache, budget_LH, evidence, capacity) -> _Slots:
   scores_LHT = policy.scores(evidence)
   selection = policy.selection_scores(evidence, scores_LHT, budget_LH, capacity=capacity)
   pos, valid = select.compact(selection, budget_LH, capacity)
-  state = cache.init_state(evidence, scores_LHT, pos, valid)
+  state = policies.checked_init_state(cache, evidence, scores_LHT, pos, valid)
   if state is not None:
     state = jnp.where(valid, state, 0.0)
   return _Slots(pos, valid, state)
 
 
-def _evict(cache, slots: _Slots, budget_LH, t, capacity) -> _Slots:
+def _evict(cache, slots: _Slots, budget_LH, t, capacity) -> tuple[_Slots, Array]:
   """Keeps each row's best ``budget - 1`` slots (by the cache's keep scores, what it knew before
   step ``t``) and admits token ``t`` into the next free slot: the new token is always cached,
-  even when protected tokens (sinks, probation, pins) alone could fill the budget."""
+  even when protected tokens (sinks, probation, pins) alone could fill the budget. Also says
+  whether a kept slot's keep score was NaN (the ranking is then arbitrary)."""
   pos, valid, state = slots.pos, slots.valid, slots.state
-  score = cache.keep_scores(state, pos, t, budget_LH)
+  score = policies.checked_keep_scores(cache, state, pos, t, budget_LH)
+  nan = (jnp.isnan(score) & valid).any()
   score = jnp.where(valid, score, -jnp.inf)
   room = jnp.minimum(budget_LH - 1, valid.sum(-1))
   idx, kept = select.compact(score, room, capacity)  # ascending positions, valid slots first
@@ -330,4 +367,4 @@ def _evict(cache, slots: _Slots, budget_LH, t, capacity) -> _Slots:
   pos = jnp.where(new_slot, t, jnp.where(kept, take(pos), 0))
   if state is not None:
     state = jnp.where(kept, take(state), 0.0)  # a new slot's state starts at 0
-  return _Slots(pos.astype(jnp.int32), kept | new_slot, state)
+  return _Slots(pos.astype(jnp.int32), kept | new_slot, state), nan
