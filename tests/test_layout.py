@@ -46,13 +46,28 @@ def _resolve(name: str) -> str | None:
   return name or None
 
 
-def _imports(tree: ast.Module):
-  """``(node, imported kvjax module, aliases)`` for every kvjax import in ``tree``."""
+def _absolute(node: ast.ImportFrom, me: str | None) -> str | None:
+  """The module ``node`` imports from, a relative import (``from .x import y``, ``from .. import
+  checks``) resolved against the importing module ``me``."""
+  if not node.level:
+    return node.module
+  if me is None:
+    return None
+  package = me if MODULES[me].name == "__init__.py" else me.rpartition(".")[0]
+  for _ in range(node.level - 1):
+    package = package.rpartition(".")[0]
+  return f"{package}.{node.module}" if node.module else package
+
+
+def _imports(tree: ast.Module, me: str | None = None):
+  """``(node, imported kvjax module, aliases)`` for every kvjax import in ``tree``, the module
+  ``me`` (relative imports are resolved against it)."""
   for node in ast.walk(tree):
-    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvjax"):
+    module = _absolute(node, me) if isinstance(node, ast.ImportFrom) else None
+    if module and module.startswith("kvjax"):
       for a in node.names:
-        full = f"{node.module}.{a.name}"
-        target = full if full in MODULES else _resolve(node.module)
+        full = f"{module}.{a.name}"
+        target = full if full in MODULES else _resolve(module)
         yield node, target, a
     elif isinstance(node, ast.Import):
       for a in node.names:
@@ -68,9 +83,9 @@ def _function_level(tree: ast.Module) -> set[int]:
   return ids
 
 
-def _aliases(tree: ast.Module) -> dict[str, str]:
+def _aliases(tree: ast.Module, me: str | None = None) -> dict[str, str]:
   out = {}
-  for _, target, a in _imports(tree):
+  for _, target, a in _imports(tree, me):
     if target is not None:
       out[a.asname or a.name.split(".")[-1]] = target
   return out
@@ -82,7 +97,7 @@ def test_imports_point_one_way_with_no_local_imports():
     tree = ast.parse(path.read_text())
     local = _function_level(tree)
     rank, room = layer(me)
-    for node, target, _ in _imports(tree):
+    for node, target, _ in _imports(tree, me):
       where = f"{path.relative_to(ROOT)}:{node.lineno}"
       if id(node) in local:
         problems.append(f"{where}: kvjax import inside a function")
@@ -99,8 +114,8 @@ def test_no_private_names_across_modules():
   for path in [*MODULES.values(), *ENTRY_POINTS]:
     tree = ast.parse(path.read_text())
     me = _module(path) if path.is_relative_to(ROOT / "kvjax") else None
-    aliases = _aliases(tree)
-    for node, target, a in _imports(tree):
+    aliases = _aliases(tree, me)
+    for node, target, a in _imports(tree, me):
       if a.name.startswith("_") and target != me:
         problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {a.name}")
     for node in ast.walk(tree):
@@ -123,7 +138,7 @@ def test_entry_points_do_not_edit_sys_path():
 def test_lab_and_model_are_independent_and_the_core_imports_only_the_core():
   tree_of = {m: ast.parse(p.read_text()) for m, p in MODULES.items()}
   for me, tree in tree_of.items():
-    targets = {t for _, t, _ in _imports(tree) if t}
+    targets = {t for _, t, _ in _imports(tree, me) if t}
     if layer(me)[1] == "core":
       assert all(layer(t)[1] == "core" for t in targets), (me, targets)
     if me.startswith("kvjax.lab"):

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import jax
 
-from kvjax.budgets.heads import (
+from ..checks import real as check_real
+from .heads import (
   ADAKV_MODES,
   HEADKV_MODES,
   adakv,
@@ -36,11 +37,11 @@ from kvjax.budgets.heads import (
   headkv,
   headkv_scores_from_json,
 )
-from kvjax.budgets.rounding import (
+from .rounding import (
   adjust_budgets,
   round_to_total,
 )
-from kvjax.budgets.schedules import (
+from .schedules import (
   PYRAMID_MODES,
   cake,
   cake_from_statistics,
@@ -51,7 +52,6 @@ from kvjax.budgets.schedules import (
   pyramid,
   uniform,
 )
-from kvjax.checks import real as check_real
 
 Array = jax.Array
 

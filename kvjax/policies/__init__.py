@@ -4,37 +4,60 @@ Build one by name, ``policies.make("pyramidkv", beta=5)``, or as an object,
 ``policies.SnapKV(allocator=policies.Pyramid(beta=5))``; every entry point of kvjax (the lab,
 sweeps, the model's ``generate``/``keep_mask``/``answer_configs``, evaluations) takes either.
 A policy's numbers (budgets, data options) stay traced data under ``jit``/``vmap``; the choice
-of method is static Python (never ``lax.switch`` over policies under ``vmap``).
+of method is static Python (never ``lax.switch`` over policies under ``vmap``). Budgets passed
+to a policy are per-(layer, head) ``max_capacity_prompt`` values: a scalar, ``[L]`` or
+``[L, H]``, window and sinks included.
 
-* :mod:`~kvjax.policies.evidence`: :class:`Evidence` (what a policy observes),
-  :class:`EvidenceRequest` (what it asks a prefill to compute) and the declared evidence kinds
-  (:class:`EvidenceKind`, :func:`declare_evidence`, :func:`evidence_kind`, :func:`evidence_kinds`).
-* :mod:`~kvjax.policies.base`: the protocol: :class:`Policy` (write ``score``; declare
-  ``sinks`` and ``window``), :class:`WindowPolicy` (write ``score_rows``), :class:`DecodePolicy`
-  (a decode-time state machine: ``init_state``, ``observe``, ``keep_scores``), and the optional
-  protocols a policy opts into: :class:`Rescoring`, :class:`ValueMerging`,
-  :class:`DecodeMerging`.
-* :mod:`~kvjax.policies.allocators`: total budget -> ``budget_LH``: :class:`Uniform`,
-  :class:`Pyramid`, :class:`AdaKV`, :class:`HeadKV`, :class:`CakeLayers`, :class:`DuoSplit`,
-  :class:`Pooled`, :class:`KeepAll`.
-* :mod:`~kvjax.policies.methods`: one class per method; :mod:`~kvjax.policies.wrappers`:
-  :class:`Critical`, :class:`CriticalAdaKV`, :class:`ChunkKV`, :class:`SelectOnce` over any base.
-* One module per later method: :mod:`~kvjax.policies.leverage`, ``noncausal``, ``compactor``,
-  ``curkv``, ``capkv``, ``kvcompose``, ``kvgrad``, ``merging``, ``cam``, ``simlayerkv``,
-  ``finch``, ``dms``, ``entropy_chunkkv``, ``lukv``, ``expected_stats``, ``kvzap``,
-  ``fastkvzip``, ``restorekv``;
-  :mod:`~kvjax.policies.combinators` (:class:`Composed`, :class:`Chunked`, :class:`Blockwise`,
-  :class:`PrefillDecoding`, :class:`RatioDecoding`) and :mod:`~kvjax.policies.per_layer`
-  (:class:`PerLayer`).
-* :mod:`~kvjax.policies.registry`: names at the boundary: :func:`make`, :func:`register`,
-  :func:`build`; :mod:`~kvjax.policies.papers`: each name's paper, reference code and
-  named differences (:func:`provenance`).
+This package exports what a user of policies needs; the helpers each method is built from stay
+in the module that defines them (``kvjax.policies.cam.cam_merge``,
+``kvjax.policies.searched.read_allocation``, ``kvjax.policies.registry.Preset``).
 
-Budgets passed to a policy are per-(layer, head) ``max_capacity_prompt`` values: a scalar,
-``[L]`` or ``[L, H]``, window and sinks included.
+Names (:mod:`~kvjax.policies.registry`, :mod:`~kvjax.policies.papers`):
+  :func:`make` builds a registered name once, :func:`build` takes a name or an object;
+  :func:`names`, :func:`names_where`, :func:`is_registered`; :func:`register` and
+  :func:`unregister` a user's own; :func:`accepted_options`, :func:`doc`, :func:`describe`
+  and :func:`provenance` (each name's paper, reference code and named differences).
+
+Writing a policy (:mod:`~kvjax.policies.core` and the protocols):
+  :class:`Policy` (write ``score``; declare ``sinks`` and ``window``), :class:`WindowPolicy`
+  (write ``score_rows``), :class:`DecodePolicy` (a decode-time state machine: ``init_state``,
+  ``observe``, ``keep_scores``; :func:`gather_slots` reads evidence at the kept slots),
+  :class:`Wrapper` (a policy over a base policy); the optional protocols a policy opts into:
+  :class:`Rescoring`, :class:`ValueMerging`, :class:`DecodeMerging`.
+
+Checked hooks (what the model's cache and the lab's replay call on a decode-time policy):
+  :func:`checked_init_state`, :func:`checked_observe`, :func:`checked_keep_scores` and the
+  check they share, :func:`check_decode_output`.
+
+Evidence (:mod:`~kvjax.policies.evidence`):
+  :class:`Evidence` (what a policy observes), :class:`EvidenceRequest` (what it asks a prefill
+  to compute), :func:`evidence_from_qk`, :data:`DEFAULT_WINDOW`; the declared kinds:
+  :class:`EvidenceKind`, :func:`declare_evidence`, :func:`evidence_kind`, :func:`evidence_kinds`.
+
+Allocators (:mod:`~kvjax.policies.allocators`: a total budget -> ``budget_LH``):
+  :class:`Allocator`, :class:`Layered`, :class:`Uniform`, :class:`Pyramid`, :class:`AdaKV`,
+  :class:`HeadKV`, :class:`CakeLayers`, :class:`DuoSplit`, :class:`Pooled`, :class:`KeepAll`,
+  :class:`PerLayer`, :class:`BudgetCurve`, :class:`Composite`, :class:`Searched`;
+  :func:`as_budget_LH` broadcasts a budget to ``[L, H]``.
+
+Methods (:mod:`~kvjax.policies.methods` and one module per later method):
+  :class:`Full`, :class:`SlidingWindow`, :class:`StreamingLLM`, :class:`HeavyHitters`,
+  :class:`ObservedAttention`, :class:`H2O`, :class:`TOVA`, :class:`SnapKV`, :class:`CAKE`,
+  :class:`KNorm`, :class:`Random`, :class:`Oracle`, :class:`KeyDiff`, :class:`LagKV`,
+  :class:`ExpectedAttention`, :class:`ExpectedAttentionStats`, :class:`QFilter`,
+  :class:`DuoAttention`, :class:`KVzip`, :class:`ThinK`, :class:`RKV`, :class:`LeverageScore`,
+  :class:`NonCausalAttention`, :class:`Compactor`, :class:`CurDKV`, :class:`CapKV`,
+  :class:`KVCompose`, :class:`KVgrad`, :class:`SimLayerKV`, :class:`Finch`, :class:`KVzap`,
+  :class:`FastKVzip`, :class:`RestoreKV`.
+
+Wrappers and combinators (:mod:`~kvjax.policies.wrappers`, :mod:`~kvjax.policies.combinators`):
+  :class:`Critical`, :class:`CriticalAdaKV`, :class:`ChunkKV`, :class:`SelectOnce`,
+  :class:`EntropyGatedChunkKV`, :class:`LUKV`, :class:`DMS`, :class:`Merging`, :class:`CaM`
+  over a base; :class:`Composed`, :class:`Chunked`, :class:`Blockwise`,
+  :class:`PrefillDecoding`, :class:`RatioDecoding`.
 """
 
-from kvjax.policies.allocators import (
+from .allocators import (
   AdaKV,
   Allocator,
   CakeLayers,
@@ -46,34 +69,25 @@ from kvjax.policies.allocators import (
   Pyramid,
   Uniform,
   as_budget_LH,
-  check_budget_counts,
 )
-from kvjax.policies.base import (
-  DecodeMerging,
+from .cam import CaM
+from .capkv import CapKV
+from .combinators import Blockwise, Chunked, Composed, PrefillDecoding, RatioDecoding
+from .compactor import Compactor
+from .core import Policy
+from .curkv import CurDKV
+from .decode_policy import (
   DecodePolicy,
-  Policy,
-  Rescoring,
-  ValueMerging,
-  WindowPolicy,
-  WindowScorer,
   check_decode_output,
   checked_init_state,
   checked_keep_scores,
   checked_observe,
   gather_slots,
 )
-from kvjax.policies.cam import CaM, cam_compress, cam_merge, merge_uniforms
-from kvjax.policies.capkv import CapKV
-from kvjax.policies.combinators import Blockwise, Chunked, Composed, PrefillDecoding, RatioDecoding
-from kvjax.policies.compactor import Compactor
-from kvjax.policies.curkv import CurDKV
-from kvjax.policies.dms import DMS
-from kvjax.policies.entropy_chunkkv import EntropyGatedChunkKV
-from kvjax.policies.evidence import (
+from .dms import DMS
+from .entropy_chunkkv import EntropyGatedChunkKV
+from .evidence import (
   DEFAULT_WINDOW,
-  KEY_AXIS,
-  N_FUTURE,
-  N_SINK,
   Evidence,
   EvidenceKind,
   EvidenceRequest,
@@ -82,16 +96,16 @@ from kvjax.policies.evidence import (
   evidence_kind,
   evidence_kinds,
 )
-from kvjax.policies.expected_stats import ExpectedAttentionStats
-from kvjax.policies.fastkvzip import FastKVzip
-from kvjax.policies.finch import Finch
-from kvjax.policies.kvcompose import Composite, KVCompose
-from kvjax.policies.kvgrad import KVgrad
-from kvjax.policies.kvzap import KVzap
-from kvjax.policies.leverage import LeverageScore
-from kvjax.policies.lukv import LUKV, BudgetCurve
-from kvjax.policies.merging import Merging, merge_values
-from kvjax.policies.methods import (
+from .expected_stats import ExpectedAttentionStats
+from .fastkvzip import FastKVzip
+from .finch import Finch
+from .kvcompose import Composite, KVCompose
+from .kvgrad import KVgrad
+from .kvzap import KVzap
+from .leverage import LeverageScore
+from .lukv import LUKV, BudgetCurve
+from .merging import Merging
+from .methods import (
   CAKE,
   H2O,
   RKV,
@@ -113,13 +127,11 @@ from kvjax.policies.methods import (
   StreamingLLM,
   ThinK,
 )
-from kvjax.policies.noncausal import NonCausalAttention
-from kvjax.policies.papers import provenance
-from kvjax.policies.per_layer import PerLayer
-from kvjax.policies.registry import (
-  BUILTIN,
-  REGISTRY,
-  Preset,
+from .noncausal import NonCausalAttention
+from .papers import provenance
+from .per_layer import PerLayer
+from .protocols import DecodeMerging, Rescoring, ValueMerging
+from .registry import (
   accepted_options,
   build,
   describe,
@@ -131,10 +143,11 @@ from kvjax.policies.registry import (
   register,
   unregister,
 )
-from kvjax.policies.restorekv import RestoreKV
-from kvjax.policies.searched import Searched, read_allocation
-from kvjax.policies.simlayerkv import LAZY_THRESHOLDS, SimLayerKV
-from kvjax.policies.wrappers import ChunkKV, Critical, CriticalAdaKV, SelectOnce, Wrapper
+from .restorekv import RestoreKV
+from .searched import Searched
+from .simlayerkv import SimLayerKV
+from .window import WindowPolicy
+from .wrappers import ChunkKV, Critical, CriticalAdaKV, SelectOnce, Wrapper
 
 __all__ = [
   "accepted_options",
@@ -144,14 +157,10 @@ __all__ = [
   "Blockwise",
   "BudgetCurve",
   "build",
-  "BUILTIN",
   "CAKE",
   "CakeLayers",
   "CaM",
-  "cam_compress",
-  "cam_merge",
   "CapKV",
-  "check_budget_counts",
   "check_decode_output",
   "checked_init_state",
   "checked_keep_scores",
@@ -191,7 +200,6 @@ __all__ = [
   "HeavyHitters",
   "is_registered",
   "KeepAll",
-  "KEY_AXIS",
   "KeyDiff",
   "KNorm",
   "KVCompose",
@@ -200,15 +208,10 @@ __all__ = [
   "KVzip",
   "LagKV",
   "Layered",
-  "LAZY_THRESHOLDS",
   "LeverageScore",
   "LUKV",
   "make",
-  "merge_uniforms",
-  "merge_values",
   "Merging",
-  "N_FUTURE",
-  "N_SINK",
   "names",
   "names_where",
   "NonCausalAttention",
@@ -218,15 +221,12 @@ __all__ = [
   "Policy",
   "Pooled",
   "PrefillDecoding",
-  "Preset",
   "provenance",
   "Pyramid",
   "QFilter",
   "Random",
   "RatioDecoding",
-  "read_allocation",
   "register",
-  "REGISTRY",
   "Rescoring",
   "RestoreKV",
   "RKV",
@@ -242,6 +242,5 @@ __all__ = [
   "unregister",
   "ValueMerging",
   "WindowPolicy",
-  "WindowScorer",
   "Wrapper",
 ]

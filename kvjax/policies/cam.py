@@ -20,8 +20,10 @@ import jax.numpy as jnp
 
 from kvjax import select
 from kvjax.policies import methods
-from kvjax.policies.base import DecodeMerging, Policy, check_int
+from kvjax.policies.checks import check_int
 from kvjax.policies.combinators import PrefillDecoding
+from kvjax.policies.core import Policy
+from kvjax.policies.protocols import DecodeMerging
 
 Array = jax.Array
 

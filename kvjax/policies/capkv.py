@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import budgets as budgets_lib
-from kvjax.policies.base import Policy, check_int
+from kvjax.policies.checks import check_int
+from kvjax.policies.core import Policy
 from kvjax.policies.evidence import N_FUTURE, N_SINK, EvidenceRequest
 
 Array = jax.Array

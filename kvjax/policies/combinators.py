@@ -32,9 +32,12 @@ from kvjax import scores as scores_lib
 from kvjax import select
 from kvjax.policies import allocators as alloc_lib
 from kvjax.policies import methods
-from kvjax.policies.base import DecodePolicy, Policy, Rescoring, check_int
+from kvjax.policies.checks import check_int
+from kvjax.policies.core import Policy
+from kvjax.policies.decode_policy import DecodePolicy
 from kvjax.policies.evidence import Evidence, EvidenceRequest
 from kvjax.policies.per_layer import n_kept
+from kvjax.policies.protocols import Rescoring
 from kvjax.policies.wrappers import Wrapper, check_base
 
 Array = jax.Array
@@ -282,7 +285,23 @@ def _chunked(x: Array, axis: int, chunk: int, n: int) -> Array:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Chunked(Wrapper):
+class _Restricted(Wrapper):
+  """A wrapper whose ``base`` scores subsets of the positions on their own: the base is checked
+  by :func:`check_restrictable`, and a subset's share of the budget (not a window) bounds what
+  it keeps."""
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_restrictable(self.base, "base")
+
+  @property
+  def windowed(self) -> bool:
+    """False: the base protects no window."""
+    return False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Chunked(_Restricted):
   """``base`` scored and ranked in each fixed-size chunk on its own (kvpress ``ChunkPress``).
 
   Reference: kvpress 0.5.5 ``presses/chunk_press.py::ChunkPress`` (FINCH's chunking: Corallo &
@@ -307,7 +326,8 @@ class Chunked(Wrapper):
   last queries, rotated at the prompt's last positions) is refused.
 
   Attributes:
-    base: a scorer of restrictable evidence (:func:`check_restrictable`: knorm, keydiff, ...).
+    base: the scorer of each chunk, reading restrictable evidence only
+      (:func:`check_restrictable`: knorm, keydiff, ...).
     chunk: the chunk length (kvpress ``chunk_length``, 1024).
   """
 
@@ -315,13 +335,7 @@ class Chunked(Wrapper):
 
   def __post_init__(self):
     super().__post_init__()
-    check_restrictable(self.base, "base")
     check_int("chunk", self.chunk, 1)
-
-  @property
-  def windowed(self) -> bool:
-    """False: a chunk's share of the budget bounds what it keeps."""
-    return False
 
   def _chunk_scores(self, evidence: Evidence) -> Array:
     L, H, T = evidence.positions_shape(self.label)
@@ -366,7 +380,7 @@ class Chunked(Wrapper):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Blockwise(Rescoring, Wrapper):
+class Blockwise(Rescoring, _Restricted):
   """Block-wise iterative selection under ``base`` (kvpress ``BlockPress``).
 
   Reference: kvpress 0.5.5 ``presses/block_press.py::BlockPress``, simulating the block prompt
@@ -387,7 +401,7 @@ class Blockwise(Rescoring, Wrapper):
   recomputes the window attention from each block's last queries) is refused.
 
   Attributes:
-    base: a scorer of restrictable evidence (:func:`check_restrictable`: knorm, keydiff, ...).
+    base: the scorer of each candidate set (:func:`check_restrictable`: knorm, keydiff, ...).
     block: the block length (kvpress ``block_size``, 128).
   """
 
@@ -395,13 +409,7 @@ class Blockwise(Rescoring, Wrapper):
 
   def __post_init__(self):
     super().__post_init__()
-    check_restrictable(self.base, "base")
     check_int("block", self.block, 1)
-
-  @property
-  def windowed(self) -> bool:
-    """False: the base protects nothing."""
-    return False
 
   def rescore(self, evidence, scores_LHT, budget_LH, capacity):
     """The block-wise iteration's kept set as 1 (kept) and 0 (kvpress ``BlockPress``)."""
@@ -670,16 +678,7 @@ class RatioDecoding(PrefillDecoding):
     )
 
   def decode_capacity(self, max_budget: int, T: int, new_tokens: int) -> int:
-    """``max(max_budget, n_kept(T + new_tokens)) + decode_every``: the largest target of the
-    generation (the targets grow with the tokens seen) plus the tokens between two
-    re-compressions.
-
-    Args:
-      max_budget: the largest prompt budget of any head.
-      T: the prompt's tokens.
-      new_tokens: the tokens decoded after it.
-
-    Returns:
-      The slots.
-    """
+    """The slots a row holds, ``max(max_budget, n_kept(T + new_tokens)) + decode_every``: the
+    largest target of the generation (the targets grow with the tokens seen) plus the tokens
+    between two re-compressions; the arguments are :meth:`PrefillDecoding.decode_capacity`'s."""
     return max(max_budget, n_kept(int(T + new_tokens), self.compression_ratio)) + self.decode_every

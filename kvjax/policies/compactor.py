@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import budgets as budgets_lib
-from kvjax.policies.base import Policy, check_int
+from kvjax.policies.checks import check_int
+from kvjax.policies.core import Policy
 from kvjax.policies.leverage import check_sketch_dimension, leverage_zscores, sketch_of
 from kvjax.policies.noncausal import aligned, check_heads, noncausal_zscores
 

@@ -9,7 +9,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import Policy, check_bool, check_choice, check_int
+from kvjax.policies.checks import check_bool, check_choice, check_int
+from kvjax.policies.core import Policy
 from kvjax.policies.leverage import HIGHEST, sketch_of
 from kvjax.policies.noncausal import aligned
 

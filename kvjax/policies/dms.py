@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from kvjax import budgets as budgets_lib
 from kvjax import scores as scores_lib
-from kvjax.policies.base import check_int
+from kvjax.policies.checks import check_int
 from kvjax.policies.wrappers import Wrapper, check_base
 
 Array = jax.Array

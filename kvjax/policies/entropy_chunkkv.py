@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import select
-from kvjax.policies.base import Rescoring, check_int
+from kvjax.policies.checks import check_int
+from kvjax.policies.protocols import Rescoring
 from kvjax.policies.wrappers import Wrapper, check_base
 
 Array = jax.Array

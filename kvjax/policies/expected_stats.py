@@ -13,8 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from kvjax import scores as scores_lib
-from kvjax.policies.base import Policy
+from kvjax.policies.core import Policy
 from kvjax.policies.evidence import EvidenceRequest
 from kvjax.policies.methods import ExpectedAttention
 
@@ -82,17 +81,4 @@ class ExpectedAttentionStats(ExpectedAttention):
         "model's cache; pass evidence={'stats_query_mean_LHD': ..., 'stats_query_cov_LHDD': ...}"
         " (kvjax.model.calibrate.query_stats) to a kvjax.model entry point"
       )
-    name = self.label
-    cov = evidence.need("query_cov_LHDD", name) if self.use_covariance else None
-    values = evidence.need("values_LGTD", name) if self.use_vnorm else None
-    return scores_lib.expected_attention(
-      evidence.query_mean_LHD,
-      cov,
-      evidence.need("keys_LGTD", name),
-      values,
-      sinks=self.sinks,
-      use_covariance=self.use_covariance,
-      use_vnorm=self.use_vnorm,
-      epsilon=self.epsilon,
-      valid_T=evidence.valid_T,
-    )
+    return super().score(evidence)

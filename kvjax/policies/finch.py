@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import select
-from kvjax.policies.base import Policy, check_bool, check_window
+from kvjax.policies.checks import check_bool, check_window
+from kvjax.policies.core import Policy
 from kvjax.policies.evidence import DEFAULT_WINDOW
 
 Array = jax.Array

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from kvjax import select
 from kvjax.policies import allocators as alloc_lib
-from kvjax.policies.base import Policy, check_bool, check_choice, check_int
+from kvjax.policies.checks import check_bool, check_choice, check_int
+from kvjax.policies.core import Policy
 
 Array = jax.Array
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from kvjax import scores as scores_lib
 from kvjax.policies import allocators as alloc_lib
-from kvjax.policies.base import Policy
+from kvjax.policies.core import Policy
 
 Array = jax.Array
 

@@ -9,7 +9,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import Policy
+from kvjax.policies.core import Policy
 
 Array = jax.Array
 

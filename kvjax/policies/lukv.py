@@ -11,7 +11,8 @@ import numpy as np
 
 from kvjax import scores as scores_lib
 from kvjax.policies import allocators as alloc_lib
-from kvjax.policies.base import Policy, check_int
+from kvjax.policies.checks import check_int
+from kvjax.policies.core import Policy
 from kvjax.policies.methods import ExpectedAttention
 from kvjax.policies.wrappers import Wrapper, check_base
 

@@ -16,18 +16,12 @@ import numpy as np
 from kvjax import budgets as budgets_lib
 from kvjax import scores as scores_lib
 from kvjax.policies import allocators as alloc_lib
-from kvjax.policies.base import (
-  DecodePolicy,
-  Policy,
-  Rescoring,
-  WindowPolicy,
-  check_bool,
-  check_choice,
-  check_int,
-  check_window,
-  gather_slots,
-)
+from kvjax.policies.checks import check_bool, check_choice, check_int, check_window
+from kvjax.policies.core import Policy
+from kvjax.policies.decode_policy import DecodePolicy, gather_slots
 from kvjax.policies.evidence import Evidence, EvidenceRequest
+from kvjax.policies.protocols import Rescoring
+from kvjax.policies.window import WindowPolicy
 
 Array = jax.Array
 

@@ -8,7 +8,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.base import Policy, check_int
+from kvjax.policies.checks import check_int
+from kvjax.policies.core import Policy
 from kvjax.policies.leverage import HIGHEST, valid_mask, znorm
 
 Array = jax.Array

@@ -19,10 +19,10 @@ from kvjax.policies import allocators as alloc_lib
 from kvjax.policies import combinators as comb
 from kvjax.policies import methods as m
 from kvjax.policies import wrappers as w
-from kvjax.policies.base import Policy
 from kvjax.policies.cam import CaM
 from kvjax.policies.capkv import CapKV
 from kvjax.policies.compactor import Compactor
+from kvjax.policies.core import Policy
 from kvjax.policies.curkv import CurDKV
 from kvjax.policies.dms import DMS
 from kvjax.policies.entropy_chunkkv import EntropyGatedChunkKV

@@ -13,7 +13,8 @@ from kvjax import budgets as budgets_lib
 from kvjax import scores as scores_lib
 from kvjax import select
 from kvjax.policies import allocators as alloc_lib
-from kvjax.policies.base import Policy, check_int
+from kvjax.policies.checks import check_int
+from kvjax.policies.core import Policy
 
 Array = jax.Array
 

@@ -19,8 +19,12 @@ from kvjax import budgets as budgets_lib
 from kvjax import scores as scores_lib
 from kvjax import select
 from kvjax.policies import allocators as alloc_lib
-from kvjax.policies.base import DecodePolicy, Policy, Rescoring, WindowScorer, check_int
+from kvjax.policies.checks import check_int
+from kvjax.policies.core import Policy
+from kvjax.policies.decode_policy import DecodePolicy
 from kvjax.policies.evidence import EvidenceRequest
+from kvjax.policies.protocols import Rescoring
+from kvjax.policies.window import WindowScorer
 
 Array = jax.Array
 

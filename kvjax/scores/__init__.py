@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import jax
 
-from kvjax.scores.attention import (
+from .attention import (
   COLUMN_SUM_MASKS,
   PRECISION,
   attention_column_sums,
@@ -31,7 +31,7 @@ from kvjax.scores.attention import (
   var_rows,
   window_attention,
 )
-from kvjax.scores.classic import (
+from .classic import (
   H2O_FORMS,
   REDUCES,
   cake,
@@ -45,7 +45,7 @@ from kvjax.scores.classic import (
   streaming,
   tova,
 )
-from kvjax.scores.modern import (
+from .modern import (
   chunkkv,
   critical,
   duo_streaming_heads,
@@ -59,12 +59,12 @@ from kvjax.scores.modern import (
   think_channel_mask,
   think_channel_scores,
 )
-from kvjax.scores.rope import (
+from .rope import (
   average_rope,
   expected_attention,
   expected_query_stats,
 )
-from kvjax.scores.transforms import (
+from .transforms import (
   GROUPINGS,
   POOLS,
   check_count,

@@ -52,10 +52,10 @@ import numpy as np
 from jax import lax
 from jax.experimental import checkify
 
-from kvjax.checks import INT32_LIMIT, is_concrete
-from kvjax.checks import counts as check_counts
-from kvjax.checks import static_int as check_static_count
-from kvjax.select.threshold import (
+from ..checks import INT32_LIMIT, is_concrete
+from ..checks import counts as check_counts
+from ..checks import static_int as check_static_count
+from .threshold import (
   COUNT_THRESHOLD_MIN_POSITIONS,
   TAIL_ROWS,
   count_threshold,
@@ -63,7 +63,7 @@ from kvjax.select.threshold import (
   sortable_int32,
   uses_count_threshold,
 )
-from kvjax.select.validation import (
+from .validation import (
   check_scores,
   check_selection,
   check_slots,
