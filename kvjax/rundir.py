@@ -16,6 +16,8 @@ module is the one place that knows how:
   file without them, so that their configurations run again. Only a file that starts with the
   header (or, cut by a kill, with a prefix of it) is ever repaired: anything else is refused;
 * :func:`read_jsonl` does the same for JSON-lines logs;
+* :func:`restore_checkpoint` restores a saved step of a run's checkpoints, and names the step and
+  its directory when its files are damaged (not the checkpoint library's traceback);
 * :func:`enable_compilation_cache` keeps a run's compiled programs across processes (JAX's
   persistent compilation cache), for sweeps and evaluations alike.
 
@@ -36,13 +38,15 @@ import os
 import pathlib
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import jax
 import ml_collections
 import pandas as pd
 
 LOCK_NAME = ".rundir.lock"
+T = TypeVar("T")
 
 
 def plain(value):
@@ -567,6 +571,42 @@ def require_fields(config, fields: Sequence[str], what: str) -> None:
           f"config.{dotted}: missing; expected the fields of {what} (a config file must set it)"
         )
       node = node[part]
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def restore_checkpoint(path: str | pathlib.Path, step: int, restore: Callable[[], T]) -> T:
+  """Restores one saved step of a run's checkpoints, naming the step and its files when it cannot.
+
+  A step directory that a kill, a full disk or an edit left damaged (a truncated or rewritten
+  metadata file, a missing or cut array file) makes the checkpoint library fail with its own
+  error (a ``JSONDecodeError``, a ``UnicodeDecodeError``, a storage driver's ``DATA_LOSS``);
+  this says which step of which directory it was and what to do, instead of that traceback.
+
+  Args:
+    path: the checkpoint directory (the one the checkpoint manager was given).
+    step: the step being restored (its directory is ``path/step``).
+    restore: restores the step and returns it (e.g. ``lambda: mngr.restore(step, args=...)``).
+
+  Returns:
+    What ``restore`` returned.
+
+  Raises:
+    ValueError: naming ``checkpoint_dir``, the step, its directory and the library's error, when
+      ``restore`` raises.
+  """
+  try:
+    return restore()
+  except Exception as e:  # the checkpoint library's errors have no common base class
+    where = pathlib.Path(path).absolute() / str(step)
+    said = (str(e).strip().splitlines() or [""])[0][:300]
+    raise ValueError(
+      f"checkpoint_dir: step {step} of the checkpoints in {pathlib.Path(path).absolute()} "
+      f"cannot be restored ({type(e).__name__}: {said}); its files in {where} are damaged or "
+      f"incomplete. Expected an intact step: remove {where} to resume from the step before it, "
+      "or start in a fresh directory"
+    ) from e
 
 
 # --------------------------------------------------------------------------- compiled programs

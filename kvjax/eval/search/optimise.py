@@ -17,6 +17,7 @@ generation with no finite fitness raises.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import warnings
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from evosax import algorithms as evo
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
+from kvjax import rundir
 from kvjax.eval.search.space import Space
 
 Array = jax.Array
@@ -258,7 +260,8 @@ def run(
     The :class:`SearchResult`, or ``None`` when stopped by ``stop_after`` before the end.
 
   Raises:
-    ValueError: as :func:`check_options`, and a generation without a finite fitness.
+    ValueError: as :func:`check_options`, a generation without a finite fitness, and a saved
+      step that cannot be restored (:func:`kvjax.rundir.restore_checkpoint`).
   """
   check_options(optimiser, population, generations, std_init)
   es, params = strategy(optimiser, population, space.num_params, float(std_init))
@@ -266,7 +269,8 @@ def run(
   mngr = _manager(checkpoint_dir) if checkpoint_dir is not None else None
   if mngr is not None and mngr.latest_step() is not None:
     step = mngr.latest_step()
-    tree = mngr.restore(step, args=ocp.args.StandardRestore(tree))
+    restore = functools.partial(mngr.restore, step, args=ocp.args.StandardRestore(tree))
+    tree = rundir.restore_checkpoint(checkpoint_dir, step, restore)
     log(f"search: resumed after generation {step} of {generations}")
   start = int(tree["generation"])
   base_key = jax.random.key(seed)
