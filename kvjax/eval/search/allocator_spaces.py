@@ -106,6 +106,8 @@ class AllocatorSpace(Space):
   """
 
   rules: ClassVar[tuple[str, ...]] = ALLOCATOR_RULES
+  # the allocator's own default arguments (its hand-made setting, a baseline)
+  defaults: ClassVar[dict[str, float]] = {}
 
   def __post_init__(self):
     super().__post_init__()
@@ -144,6 +146,16 @@ class AllocatorSpace(Space):
     if sorted(values) != sorted(names):
       raise ValueError(f"values: got {sorted(values)}; expected exactly {names}")
     return np.asarray([b.encode(float(values[b.name])) for b in self.bounds()], np.float32)
+
+  def default_params(self) -> np.ndarray | None:
+    """The vector of the allocator's :attr:`defaults`, or ``None`` when one is out of bounds."""
+    if not all(b.low <= self.defaults[b.name] <= b.high for b in self.bounds()):
+      return None
+    return self.encode(**self.defaults)
+
+  def values(self, params_N) -> dict[str, float]:
+    """:meth:`decode` as plain floats (what an allocation file records)."""
+    return {k: float(v) for k, v in self.decode(jnp.asarray(params_N, jnp.float32)).items()}
 
   def budgets(self, values: dict[str, Array]) -> Array:
     """The allocator's own budgets of the space's shape at the decoded ``values``."""
@@ -198,6 +210,7 @@ class PyramidSpace(AllocatorSpace):
 
   rule: str = "pyramid_beta"
   rules: ClassVar[tuple[str, ...]] = ("pyramid_beta",)
+  defaults: ClassVar[dict[str, float]] = {"beta": 20.0}
   beta_range: tuple[float, float] = (1.0, 100.0)
   pyramid_mode: str = "exact_total"
 
@@ -245,6 +258,7 @@ class AdaKVSpace(AllocatorSpace):
 
   rule: str = "adakv"
   rules: ClassVar[tuple[str, ...]] = ("adakv",)
+  defaults: ClassVar[dict[str, float]] = {"floor_alpha": 0.2}
   scores_LGP: Array | None = None
   alpha_range: tuple[float, float] = (0.0, 1.0)
   adakv_mode: str = "official"
@@ -308,6 +322,7 @@ class CakeSpace(AllocatorSpace):
 
   rule: str = "cake"
   rules: ClassVar[tuple[str, ...]] = ("cake",)
+  defaults: ClassVar[dict[str, float]] = {"tau1": 1.0, "tau2": 1.0}
   statistics: tuple | None = None
   tau_range: tuple[float, float] = (0.25, 4.0)
 

@@ -6,10 +6,11 @@ positions once, the future attention is summed along that order once, and any al
 a gather. A :class:`MassTable` holds those prefix sums; :func:`retained_mass` evaluates one
 allocation on it, and a population is one ``jit(vmap)`` of it.
 
-* :func:`lab_table`: the synthetic lab's world of one scenario (its window rows score, its future
+* :func:`lab_table` (:func:`lab_tables` with the :class:`RuleEvidence` a named allocator's space
+  reads): the synthetic lab's world of one scenario (its window rows score, its future
   mass judges: the sweep's ``retained_mass``, :mod:`kvjax.lab.groups`);
-* :func:`model_table`: a real model's calibration prompts, one prefill each, whose window rows
-  hold both the policy's observation window (the last ``window`` prompt queries) and the
+* :func:`model_table` (:func:`model_tables`, likewise): a real model's calibration prompts, one
+  prefill each, whose window rows hold both the policy's observation window (the last ``window`` prompt queries) and the
   attention of a continuation of ``future`` tokens to the prompt (the oracle's evidence); a
   query-agnostic scorer (KeyDiff) reads the prompt's keys and values from the same prefill;
 * :func:`kl_data` and :func:`population_kl`: the real objective, the next-token KL divergence
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import budgets as budgets_lib
 from kvjax import policies, select
 from kvjax.lab import groups, synthetic
 from kvjax.model import answers, decoding, llama
@@ -108,6 +110,45 @@ def population_fitness(table: MassTable, budgets_K) -> Array:
   return jax.vmap(retained_mass, in_axes=(None, 0))(table, budgets_K)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RuleEvidence:
+  """What a named allocator's search space reads from the calibration data
+  (:mod:`kvjax.eval.search.allocator_spaces`), mean over the calibration rows.
+
+  Attributes:
+    scores_LHP: the policy's scores ``[L, H, P]`` (Ada-KV's split; ``H``: the policy's score
+      heads, the KV heads under ``num_kv_heads``).
+    entropy_L: CAKE's entropy ``[L]`` over the policy's window rows
+      (:func:`kvjax.budgets.cake_statistics`); NaN when the window has fewer than 2 rows.
+    var_L: CAKE's variance ``[L]``, likewise.
+  """
+
+  scores_LHP: Array
+  entropy_L: Array
+  var_L: Array
+
+  @property
+  def statistics(self) -> tuple[Array, Array]:
+    """CAKE's ``(entropy_L, var_L)``."""
+    return self.entropy_L, self.var_L
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def rule_evidence(scores_BLHP: Array, attn_BLHWP: Array, window: int) -> RuleEvidence:
+  """The :class:`RuleEvidence` of rows ``B``: their mean scores and mean CAKE statistics over
+  the last ``window`` rows of each row's window attention (NaN statistics below 2 rows)."""
+  scores = jnp.asarray(scores_BLHP, jnp.float32).mean(0)
+  L = scores.shape[0]
+  if window < 2 or attn_BLHWP.shape[3] < window:
+    nan = jnp.full((L,), jnp.nan, jnp.float32)
+    return RuleEvidence(scores, nan, nan)
+  stats = jax.vmap(lambda a: budgets_lib.cake_statistics(a, window))(
+    jnp.asarray(attn_BLHWP, jnp.float32)
+  )
+  return RuleEvidence(scores, stats[0].mean(0), stats[1].mean(0))
+
+
 # --------------------------------------------------------------------------- the lab
 
 
@@ -128,13 +169,21 @@ def lab_table(scenario: str, world_cfg, policy: policies.Policy) -> MassTable:
   Returns:
     The table, at the world's ``[L, H, P]``.
   """
+  return lab_tables(scenario, world_cfg, policy)[0]
+
+
+def lab_tables(scenario: str, world_cfg, policy: policies.Policy) -> tuple[MassTable, RuleEvidence]:
+  """:func:`lab_table` and the world's :class:`RuleEvidence` (what a named allocator's space
+  reads: the policy's scores, CAKE's statistics over the policy's window rows)."""
   ev = groups.world_evidence(scenario, world_cfg)
   arrays = {"attn": ev.attn_window_LHWP, "mass": ev.future_mass_LHP, "fact": ev.fact_P}
   fields = policy.evidence_fields
   if "column_sums_LHT" in fields:
     arrays["column_sums"] = ev.column_sums_LHP
   scores = groups.policy_scores(policy, arrays)
-  return jax.jit(mass_table)(scores, ev.future_mass_LHP)
+  table = jax.jit(mass_table)(scores, ev.future_mass_LHP)
+  attn = jnp.asarray(ev.attn_window_LHWP)[None]  # one row
+  return table, rule_evidence(scores[None], attn, int(policy.window or 0))
 
 
 def lab_dims(scenario: str, world_cfg) -> synthetic.WorldConfig:
@@ -187,6 +236,18 @@ def model_table(model, ids, prompt_len: int, policy: policies.Policy) -> MassTab
     ValueError: ids :func:`check_calibration` refuses, or a policy that reads evidence other
       than :data:`MODEL_FIELDS`.
   """
+  return model_tables(model, ids, prompt_len, policy)[0]
+
+
+def model_tables(
+  model, ids, prompt_len: int, policy: policies.Policy
+) -> tuple[MassTable, RuleEvidence]:
+  """:func:`model_table` and the rows' :class:`RuleEvidence` (the policy's scores and CAKE's
+  statistics over its observation window), from the same prefill.
+
+  Raises:
+    ValueError: as :func:`model_table`.
+  """
   arr = check_calibration(ids, prompt_len)
   extra = set(policy.evidence_fields) - set(MODEL_FIELDS)
   if extra:
@@ -207,7 +268,8 @@ def model_table(model, ids, prompt_len: int, policy: policies.Policy) -> MassTab
   kv = None
   if {"keys_LGTD", "values_LGTD"} & set(policy.evidence_fields):
     kv = (pre.keys[..., :prompt_len, :], pre.values[..., :prompt_len, :])
-  return _model_table(policy, rows_LBHWT, kv, window, model.cfg.num_kv_heads)
+  table = _model_table(policy, rows_LBHWT, kv, window, model.cfg.num_kv_heads)
+  return table, _model_rule_evidence(policy, rows_LBHWT, kv, window)
 
 
 # the evidence the model fitness gives a policy: the window rows, and the prompt's keys and values
@@ -231,6 +293,21 @@ def _model_table(policy, rows_LBHWT, kv, window: int, num_kv_heads: int) -> Mass
   kv_B = None if kv is None else tuple(jnp.moveaxis(x, 1, 0) for x in kv)
   tables = jax.lax.map(one_row, (jnp.moveaxis(rows_LBHWT, 1, 0), kv_B))
   return jax.tree.map(lambda x: x.mean(0), tables)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _model_rule_evidence(policy, rows_LBHWT, kv, window: int) -> RuleEvidence:
+  def one_row(row):
+    rows_LHWT, kv_row = row
+    fields = {"attn_window_LHWT": rows_LHWT[:, :, :window]} if window else {}
+    if kv_row is not None:
+      fields |= {"keys_LGTD": kv_row[0], "values_LGTD": kv_row[1]}
+    return policy.scores(policies.Evidence(**fields))
+
+  kv_B = None if kv is None else tuple(jnp.moveaxis(x, 1, 0) for x in kv)
+  rows_BLHWT = jnp.moveaxis(rows_LBHWT, 1, 0)
+  scores_BLHP = jax.lax.map(one_row, (rows_BLHWT, kv_B))
+  return rule_evidence(scores_BLHP, rows_BLHWT[:, :, :, :window], window)
 
 
 # --------------------------------------------------------------------------- the KL fitness

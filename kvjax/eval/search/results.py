@@ -15,9 +15,11 @@ import json
 import os
 import pathlib
 
+import jax.numpy as jnp
 import numpy as np
 
 from kvjax import budgets as budgets_lib
+from kvjax.eval.search.allocator_spaces import AllocatorSpace
 from kvjax.eval.search.optimise import SearchResult
 from kvjax.eval.search.space import Space
 from kvjax.policies.searched import FORMAT, read_allocation
@@ -68,6 +70,8 @@ def header(
     "window": space.window,
     "prompt_len": space.prompt_len,
     "rule": space.rule,
+    # a named allocator's searched arguments (allocator_spaces), else None
+    "parameters": space.values(result.params) if isinstance(space, AllocatorSpace) else None,
     "policy": policy,
     "fitness": result.fitness,
     "held_out": held_out,
@@ -116,7 +120,9 @@ def baselines(space: Space) -> dict[str, np.ndarray]:
 
   ``uniform`` (equal budgets, any remainder to the first entries) and ``pyramid_beta{b}``
   (PyramidKV's ``exact_total`` schedule at each of :data:`PYRAMID_BETAS`, kept when its total
-  is the space's and every layer is within the space's bounds).
+  is the space's and every layer is within the space's bounds); under a named allocator's space
+  (:class:`~kvjax.eval.search.allocator_spaces.AllocatorSpace`) also ``{rule}_default``, the
+  allocator at its own default arguments.
 
   Args:
     space: the search space.
@@ -140,4 +146,8 @@ def baselines(space: Space) -> dict[str, np.ndarray]:
     ok = layer_L.sum() == space.total and layer_L.min() >= space.low
     if ok and layer_L.max() <= space.prompt_len:
       out[f"pyramid_beta{beta:g}"] = layer_L.astype(np.int32)
+  if isinstance(space, AllocatorSpace) and space.default_params() is not None:
+    default = np.asarray(space.allocate(jnp.asarray(space.default_params())))
+    if not any(np.array_equal(default, a) for a in out.values()):  # PyramidKV's 20 is there
+      out[f"{space.rule}_default"] = default
   return out

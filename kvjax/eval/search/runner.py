@@ -28,14 +28,16 @@ import pandas as pd
 
 from kvjax import policies, rundir
 from kvjax.eval import ruler, tasks
-from kvjax.eval.search import fitness, optimise, results
-from kvjax.eval.search.space import Space
+from kvjax.eval.search import allocator_spaces, fitness, optimise, results
+from kvjax.eval.search.space import RULES, Space
 from kvjax.model import loading
 from kvjax.model import tokenizer as tokenizer_lib
 
 SOURCES = ("lab", "tiny", "smollm2")
 SHAPES = ("L", "LG")
 FITNESSES = ("mass", "kl")
+# a free split, a layer profile's rule, or a named allocator's parameters
+ALL_RULES = RULES + allocator_spaces.ALLOCATOR_RULES
 CONFIG_FIELDS = (
   "source",
   "fitness",
@@ -60,9 +62,9 @@ def _choice(name: str, value, choices) -> None:
     raise ValueError(f"{name}: unknown value {value!r}; expected one of {choices}")
 
 
-def lab_evidence(config) -> tuple[fitness.MassTable, fitness.MassTable, dict, dict]:
-  """The lab's calibration and held-out tables (worlds of two seeds), the model identity and
-  the calibration's identity."""
+def lab_evidence(config) -> SearchData:
+  """The lab's calibration and held-out tables (worlds of two seeds), the model identity, the
+  calibration's identity and the calibration world's :class:`~fitness.RuleEvidence`."""
   lab = config.lab
   if lab.calibration_seed == lab.held_out_seed:
     raise ValueError(
@@ -71,13 +73,13 @@ def lab_evidence(config) -> tuple[fitness.MassTable, fitness.MassTable, dict, di
     )
   policy = fitness.lab_policy(config.policy, config.window)
   world = dict(lab.world)
-  cal = fitness.lab_table(lab.scenario, world | {"seed": lab.calibration_seed}, policy)
+  cal, rules = fitness.lab_tables(lab.scenario, world | {"seed": lab.calibration_seed}, policy)
   held = fitness.lab_table(lab.scenario, world | {"seed": lab.held_out_seed}, policy)
   L, H = cal.prefix_LHP.shape[:2]
   model = results.model_identity(f"lab:{lab.scenario}", L, H, H)
   calibration = {"source": "lab", "scenario": lab.scenario, "world": world}
   calibration |= {"seed": lab.calibration_seed, "held_out_seed": lab.held_out_seed}
-  return cal, held, model, calibration
+  return SearchData(cal, held, model, calibration, rules=rules)
 
 
 def model_rows(tokenizer, task: str, prompt_len: int, seeds) -> np.ndarray:
@@ -88,7 +90,7 @@ def model_rows(tokenizer, task: str, prompt_len: int, seeds) -> np.ndarray:
   return np.stack([np.concatenate([e.prompt, e.answer[:m]]) for e in examples]).astype(np.int32)
 
 
-def model_evidence(config, shape: str):
+def model_evidence(config, shape: str) -> SearchData:
   """The tiny model's calibration and held-out tables (task prompts of disjoint seeds)."""
   mc = config.model
   model, cfg, tok = loading.load_tiny()
@@ -96,13 +98,13 @@ def model_evidence(config, shape: str):
   cal_seeds, held_seeds = _seeds(mc)
   cal_ids = model_rows(tok, mc.task, mc.prompt_len, cal_seeds)
   held_ids = model_rows(tok, mc.task, mc.prompt_len, held_seeds)
-  cal = fitness.model_table(model, cal_ids, mc.prompt_len, policy)
+  cal, rules = fitness.model_tables(model, cal_ids, mc.prompt_len, policy)
   held = fitness.model_table(model, held_ids, mc.prompt_len, policy)
   identity = results.model_identity("tiny", cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
   calibration = {"source": "tiny", "task": mc.task, "prompt_len": mc.prompt_len}
   calibration |= {"seeds": list(cal_seeds), "held_out_seeds": list(held_seeds)}
   calibration["ids"] = results.data_identity(cal_ids)
-  return cal, held, identity, calibration
+  return SearchData(cal, held, identity, calibration, rules=rules)
 
 
 def ruler_prompts(tokenizer, task_names, prompt_len: int, seeds) -> np.ndarray:
@@ -130,6 +132,7 @@ class SearchData:
   policy: policies.Policy | None = None
   cal_kl: fitness.KLData | None = None
   held_kl: fitness.KLData | None = None
+  rules: fitness.RuleEvidence | None = None  # what a named allocator's space reads
 
 
 def _seeds(mc) -> tuple[range, range]:
@@ -170,13 +173,15 @@ def smollm2_evidence(config, shape: str) -> SearchData:
     rows = np.concatenate([prompts, fitness.continuation(model, prompts, mc.future)], 1)
     sets.append(rows)
   cal_ids, held_ids = sets
+  cal, rules = fitness.model_tables(model, cal_ids, mc.prompt_len, policy)
   data = SearchData(
-    cal=fitness.model_table(model, cal_ids, mc.prompt_len, policy),
+    cal=cal,
     held=fitness.model_table(model, held_ids, mc.prompt_len, policy),
     model=results.model_identity("smollm2", cfg.num_layers, cfg.num_heads, cfg.num_kv_heads),
     calibration={"source": "smollm2", "tasks": list(mc.tasks), "prompt_len": mc.prompt_len},
     llm=model,
     policy=policy,
+    rules=rules,
   )
   data.calibration |= {"future": mc.future, "seeds": list(cal_seeds)}
   data.calibration |= {"held_out_seeds": list(held_seeds), "ids": results.data_identity(cal_ids)}
@@ -195,12 +200,14 @@ def check_config(config) -> None:
 
   Raises:
     ValueError: a missing field, an unknown source, shape, fitness, rule or optimiser, the KL
-      fitness on the lab, both or neither of ``budget`` and ``ratio``, and the optimiser's options (:func:`optimise.check_options`).
+      fitness on the lab, both or neither of ``budget`` and ``ratio``, and the optimiser's
+      options (:func:`optimise.check_options`).
   """
   rundir.require_fields(config, CONFIG_FIELDS, "configs/search.py")
   _choice("source", config.source, SOURCES)
   _choice("shape", config.shape, SHAPES)
   _choice("fitness", config.fitness, FITNESSES)
+  _choice("rule", config.rule, ALL_RULES)
   if config.fitness == "kl" and config.source == "lab":
     raise ValueError(
       "fitness: 'kl' needs a model's continuations; expected source 'tiny' or 'smollm2' "
@@ -214,14 +221,39 @@ def check_config(config) -> None:
   optimise.check_options(config.optimiser, config.population, config.generations, config.std_init)
 
 
-def space_of(config, table: fitness.MassTable, num_kv_heads: int) -> Space:
-  """The config's :class:`Space` over the table's layers (and KV heads, shape ``"LG"``)."""
+def space_of(
+  config, table: fitness.MassTable, num_kv_heads: int, rules: fitness.RuleEvidence | None = None
+) -> Space:
+  """The config's :class:`Space` over the table's layers (and KV heads, shape ``"LG"``): a
+  free or rule space (:data:`RULES`), or a named allocator's
+  (:data:`~kvjax.eval.search.allocator_spaces.ALLOCATOR_RULES`) on the calibration's ``rules``.
+
+  Raises:
+    ValueError: an unknown rule, a named allocator's space without its evidence (CAKE: a window
+      below 2), and as the space's constructor.
+  """
   L = table.prefix_LHP.shape[0]
   shape = (L,) if config.shape == "L" else (L, num_kv_heads)
   P = table.prompt_len
+  rule = config.rule
+  _choice("rule", rule, ALL_RULES)
+  cls, fields = Space, {}
+  if rule in allocator_spaces.ALLOCATOR_RULES:
+    cls = allocator_spaces.SPACES[rule]
+    if rule == "cake" and config.window < 2:
+      raise ValueError(
+        f"window: {config.window}; rule 'cake' measures CAKE's variance over the window's "
+        "queries, expected a window of at least 2"
+      )
+    if rule != "pyramid_beta" and rules is None:
+      raise ValueError(f"rules: None; rule {rule!r} reads the calibration's evidence")
+    if rule == "adakv":
+      fields = {"scores_LGP": rules.scores_LHP}
+    if rule == "cake":
+      fields = {"statistics": rules.statistics}
   if config.ratio is not None:
-    return Space.from_ratio(shape, float(config.ratio), config.window, P, config.rule)
-  return Space.from_budget(shape, int(config.budget), config.window, P, config.rule)
+    return cls.from_ratio(shape, float(config.ratio), config.window, P, rule, **fields)
+  return cls.from_budget(shape, int(config.budget), config.window, P, rule, **fields)
 
 
 def run(config, workdir, *, log: Callable = print, stop_after: int | None = None) -> dict | None:
@@ -243,7 +275,7 @@ def run(config, workdir, *, log: Callable = print, stop_after: int | None = None
   rundir.check_workdir(workdir)
   out = pathlib.Path(workdir)
   data = evidence(config)
-  space = space_of(config, data.cal, data.model["num_kv_heads"])
+  space = space_of(config, data.cal, data.model["num_kv_heads"], data.rules)
   result = optimise.run(
     evaluator(config, space, data),
     space,
@@ -283,10 +315,10 @@ def run(config, workdir, *, log: Callable = print, stop_after: int | None = None
 def evidence(config) -> SearchData:
   """The config's :class:`SearchData` (its ``source``: the lab, the tiny model or SmolLM2)."""
   if config.source == "lab":
-    return SearchData(*lab_evidence(config))
+    return lab_evidence(config)
   if config.source == "smollm2":
     return smollm2_evidence(config, config.shape)
-  data = SearchData(*model_evidence(config, config.shape))
+  data = model_evidence(config, config.shape)
   if config.fitness == "kl":
     data = tiny_kl(config, data)
   return data
