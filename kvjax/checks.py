@@ -5,10 +5,16 @@ Static values (shapes, kernels, windows, modes) are checked in Python; so are co
 (counts, reals, arrays). Traced data (under ``jit`` or ``vmap``) cannot be checked in Python:
 the dtype of a traced count is still checked (dtypes are static), its values are not.
 Where an int is expected, a numpy integer (``np.int64(7)``) is one too, and a bool is not.
+
+:func:`model_identity` and :func:`same_model` identify the model a trained file was made for
+(a learned scorer or adapter), so that it is refused for another model of the same shapes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import math
 from collections.abc import Sequence
 
@@ -350,3 +356,78 @@ def valid_positions(valid_T, num_positions: int) -> Array:
       f"valid_T: expected bool [T={num_positions}] (the row's real positions), got {shape}"
     )
   return jnp.asarray(valid_T, bool)
+
+
+# --------------------------------------------------------------------------- model identity
+
+IDENTITY_SAMPLE = 4096  # elements read at each end of every weight array for its digest
+
+
+def model_identity(cfg, params) -> dict:
+  """What identifies a model for a file trained on it: its config and a digest of its weights.
+
+  The digest reads the first and last :data:`IDENTITY_SAMPLE` elements of every weight array
+  (with its name and shape), rounded to bfloat16, so it costs little for any size of model,
+  tells two checkpoints of one architecture apart (training changes every array), and is the same
+  for a checkpoint loaded in float32 or in bfloat16.
+
+  Args:
+    cfg: the model's config (a dataclass, :class:`kvjax.model.ModelConfig`).
+    params: the parameter pytree.
+
+  Returns:
+    A JSON-able dict: ``config`` (the config's fields) and ``weights_sha256``.
+  """
+  digest = hashlib.sha256()
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
+    flat = jnp.ravel(jnp.asarray(leaf))
+    if flat.size > 2 * IDENTITY_SAMPLE:
+      flat = jnp.concatenate([flat[:IDENTITY_SAMPLE], flat[-IDENTITY_SAMPLE:]])
+    digest.update(json.dumps([jax.tree_util.keystr(path), list(jnp.shape(leaf))]).encode())
+    digest.update(np.asarray(flat.astype(jnp.bfloat16)).tobytes())
+  config = json.loads(json.dumps(dataclasses.asdict(cfg)))  # as a file's JSON header holds it
+  return {"config": config, "weights_sha256": digest.hexdigest()}
+
+
+def same_model(where: str, saved, want: dict, *, unverified: bool = False) -> None:
+  """Checks that a file was made for the model it is loaded for, by :func:`model_identity`.
+
+  Args:
+    where: how the error names the file (``"path: <file>"``).
+    saved: the identity the file records (``None``: it records none).
+    want: :func:`model_identity` of the model it is loaded for.
+    unverified: skip the check (the caller's explicit choice, e.g. for a file saved without an
+      identity, or one deliberately reused on a fine-tune of its model).
+
+  Raises:
+    ValueError: naming ``where``, unless ``unverified``: for a file that records no identity,
+      one whose identity is not a JSON object of ``config`` and ``weights_sha256``, and one made
+      for another model: the config fields that differ, or else that the weights differ.
+  """
+  if unverified:
+    return
+  if saved is None:
+    raise ValueError(
+      f"{where}: records no model identity, so the model it was trained on is unknown; "
+      "expected a file saved with the identity of its model (save it again with identity=), "
+      "or pass unverified=True to load it for this model without the check"
+    )
+  if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
+    raise ValueError(
+      f"{where}: holds a model identity {saved!r} that is not a JSON object with config and "
+      "weights_sha256; expected the one its save recorded"
+    )
+  old, new = saved["config"], want["config"]
+  differ = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+  if differ:
+    said = ", ".join(f"{k} ({old.get(k)!r}, {new.get(k)!r})" for k in differ)
+    raise ValueError(
+      f"{where}: was trained on another model; its config differs (file, this model): {said}"
+    )
+  if saved.get("weights_sha256") != want["weights_sha256"]:
+    raise ValueError(
+      f"{where}: was trained on another model of the same config: its weights differ (digest "
+      f"{str(saved.get('weights_sha256'))[:12]} in the file, {want['weights_sha256'][:12]} "
+      "here); expected the model it was trained on, or unverified=True to use it anyway"
+    )

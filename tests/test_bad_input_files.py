@@ -2,14 +2,19 @@
 file (KVzap surrogate, Fast KVzip gates, RestoreKV adapter) is refused for a model other than the
 one it was trained on, even one of the same shapes."""
 
+import dataclasses
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax import rundir
+from kvjax import checks, rundir
+from kvjax import model as km
 from kvjax.eval.search import optimise
 from kvjax.eval.search.space import Space
+from kvjax.model import fastkvzip_gates, kvzap, restorekv_adapter
 
 # --------------------------------------------------------------------------- checkpoints
 
@@ -81,3 +86,73 @@ def test_restore_checkpoint_passes_a_result_and_names_a_failure(tmp_path):
     rundir.restore_checkpoint(tmp_path, 3, broken)
   assert isinstance(e.value.__cause__, OSError)
   assert str(pathlib.Path(tmp_path).absolute() / "3") in str(e.value)
+
+
+# --------------------------------------------------------------------------- learned files
+
+
+@pytest.fixture(scope="module")
+def two_models():
+  """The tiny model and another of the very same config and shapes, with other weights."""
+  model, cfg, _ = km.load_tiny()
+  params = model.params()
+  keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(params))))
+  other = jax.tree.map(lambda w: w + 0.01 * jax.random.normal(next(keys), w.shape, w.dtype), params)
+  return cfg, params, other
+
+
+def _learned(kind, cfg, params):
+  """``(module, an untrained instance)`` of each kind of learned file."""
+  if kind == "kvzap":
+    return kvzap, kvzap.init_mlp(jax.random.key(0), cfg.num_layers, cfg.hidden_size, 2, 8)
+  if kind == "fastkvzip":
+    return fastkvzip_gates, fastkvzip_gates.init_gates(0, *fastkvzip_gates.model_dims(cfg))
+  return restorekv_adapter, restorekv_adapter.init_adapter(cfg, params, tokens=2, rank=2)
+
+
+KINDS = ("kvzap", "fastkvzip", "restorekv")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_learned_file_is_refused_for_another_model_of_the_same_shapes(two_models, tmp_path, kind):
+  cfg, params, other = two_models
+  lib, thing = _learned(kind, cfg, params)
+  path = lib.save(
+    tmp_path / "f.npz", thing, {"model": "tiny"}, identity=checks.model_identity(cfg, params)
+  )
+  _, meta = lib.load(path, cfg, params)  # its own model
+  assert meta["model_identity"] == checks.model_identity(cfg, params)
+  with pytest.raises(
+    ValueError, match=r"f\.npz.*trained on another model of the same config: its weights differ"
+  ):
+    lib.load(path, cfg, other)
+  lib.load(path, cfg, other, unverified=True)  # the caller's explicit choice
+  other_config = dataclasses.replace(
+    cfg, rope_theta=cfg.rope_theta * 2
+  )  # same shapes, other config
+  with pytest.raises(
+    ValueError, match=r"config differs \(file, this model\): rope_theta \(10000\.0, 20000\.0\)"
+  ):
+    lib.load(path, other_config, params)
+  lib.load(path, cfg)  # without the model's weights: the shapes only
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_learned_file_without_an_identity_needs_the_explicit_opt_out(two_models, tmp_path, kind):
+  cfg, params, _ = two_models
+  lib, thing = _learned(kind, cfg, params)
+  path = lib.save(tmp_path / "old.npz", thing, {"model": "tiny"})  # as files saved before
+  _, meta = lib.load(path, cfg)
+  assert "model_identity" not in meta
+  with pytest.raises(ValueError, match=r"old\.npz.*records no model identity.*unverified=True"):
+    lib.load(path, cfg, params)
+  lib.load(path, cfg, params, unverified=True)
+
+
+def test_the_model_identity_is_the_same_in_float32_and_bfloat16(two_models):
+  cfg, params, other = two_models
+  half = jax.tree.map(lambda w: w.astype(jnp.bfloat16), params)
+  assert checks.model_identity(cfg, half) == checks.model_identity(cfg, params)
+  assert checks.model_identity(cfg, other) != checks.model_identity(cfg, params)
+  with pytest.raises(ValueError, match="not a JSON object with config"):
+    checks.same_model("path: f", "abc", checks.model_identity(cfg, params))

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kvjax import distributed, rundir
+from kvjax import checks, distributed, rundir
 from kvjax.model import llama, passes, training
 from kvjax.model.config import ModelConfig
 from kvjax.model.kvgrad import value_output_norms
@@ -569,36 +569,55 @@ def train_mlp(
 # --------------------------------------------------------------------------- files
 
 
-def save(path: str | pathlib.Path, surrogate: Surrogate, meta: dict | None = None) -> pathlib.Path:
+def save(
+  path: str | pathlib.Path,
+  surrogate: Surrogate,
+  meta: dict | None = None,
+  *,
+  identity: dict | None = None,
+) -> pathlib.Path:
   """Writes a surrogate as an ``.npz`` file (:func:`kvjax.model.training.write_trained`): its
-  weights and a json header (``format``, ``kind``, ``shapes`` and the caller's ``meta``).
+  weights and a json header (``format``, ``kind``, ``shapes``, ``model_identity`` and the
+  caller's ``meta``).
 
   Args:
     path: the file to write.
     surrogate: the surrogate.
     meta: json-serialisable facts to keep with it, e.g. the model's name and the training data.
+    identity: :func:`kvjax.checks.model_identity` of the model it was trained on, checked by
+      :func:`load`; ``None`` records none (such a file loads for a model only with
+      ``unverified=True``).
 
   Returns:
     The path written.
   """
+  meta = (meta or {}) | ({} if identity is None else {"model_identity": identity})
   return training.write_trained(path, surrogate.params, FORMAT, meta, kind=surrogate.kind)
 
 
-def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[Surrogate, dict]:
+def load(
+  path: str | pathlib.Path, cfg: ModelConfig, params: dict | None = None, *, unverified=False
+) -> tuple[Surrogate, dict]:
   """Reads a surrogate written by :func:`save` and checks it against a model.
 
   Args:
     path: the ``.npz`` file.
     cfg: the model the surrogate must fit (``num_layers``, ``hidden_size``, ``num_kv_heads``).
+    params: the model's weights: the file must record the identity of this very model
+      (:func:`kvjax.checks.same_model`), not only fit its shapes. ``None``: only the shapes
+      are checked.
+    unverified: load a file whose identity is missing or another model's anyway (shapes are
+      still checked): the caller vouches that it suits this model.
 
   Returns:
     ``(surrogate, meta)``.
 
   Raises:
     ValueError: naming the file, for one that is missing or unreadable, lacks the header or a
-      weight, has another kind, or weights whose shapes do not fit ``cfg``.
+      weight, has another kind, weights whose shapes do not fit ``cfg``, and (with ``params``,
+      unless ``unverified``) one that records no model identity or another model's.
   """
-  files, meta, _ = training.read_trained(path, FORMAT, "KVzap surrogate")
+  files, meta, where = training.read_trained(path, FORMAT, "KVzap surrogate")
   kind = meta.get("kind")
   if kind not in KINDS:
     raise ValueError(f"path: {path} has kind {kind!r}, expected one of {KINDS}")
@@ -614,8 +633,11 @@ def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[Surrogate, dict]:
       f"path: {path} does not fit this model (L={cfg.num_layers}, d={cfg.hidden_size}, "
       f"G={cfg.num_kv_heads}; the file says model {meta.get('model')!r}): {said}"
     )
-  params = {k: jnp.asarray(files[k], jnp.float32) for k in PARAM_KEYS[kind]}
-  return Surrogate(params, kind), meta
+  if params is not None:
+    mine = checks.model_identity(cfg, params)
+    checks.same_model(where, meta.get("model_identity"), mine, unverified=unverified)
+  weights = {k: jnp.asarray(files[k], jnp.float32) for k in PARAM_KEYS[kind]}
+  return Surrogate(weights, kind), meta
 
 
 # --------------------------------------------------------------------------- evidence
@@ -747,8 +769,10 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
     "processes": distributed.process_count(),
   }
   meta = {k: getattr(c, k) for k in ("model", "rows", "length", "n_tokens")} | {"source": source}
+  identity = checks.model_identity(cfg, params)
   for kind, s in (("linear", linear), ("mlp", trained.surrogate)):
-    save(workdir / f"kvzap_{kind}.npz", s, {**meta, "test_mse": results["test_mse"][kind]})
+    fields = {**meta, "test_mse": results["test_mse"][kind]}
+    save(workdir / f"kvzap_{kind}.npz", s, fields, identity=identity)
   (workdir / "results.json").write_text(json.dumps(results, indent=1))
   print(json.dumps(results["test_mse"]))
   print(f"run directory: {workdir.absolute()}")

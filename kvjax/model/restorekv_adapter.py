@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax import checks
 from kvjax.model import cache as cache_lib
 from kvjax.model import llama, training
 from kvjax.model.config import ModelConfig
@@ -269,36 +270,56 @@ def restore_kv(cfg: ModelConfig, params: dict, adapter: Adapter, pre: llama.Pref
 # --------------------------------------------------------------------------- files
 
 
-def save(path: str | pathlib.Path, adapter: Adapter, meta: dict | None = None) -> pathlib.Path:
+def save(
+  path: str | pathlib.Path,
+  adapter: Adapter,
+  meta: dict | None = None,
+  *,
+  identity: dict | None = None,
+) -> pathlib.Path:
   """Writes an adapter as an ``.npz`` file: the arrays and a json header (``format``,
-  ``alpha``, ``targets``, ``shapes`` and the caller's ``meta``, e.g. the model and the data).
+  ``alpha``, ``targets``, ``shapes``, ``model_identity`` and the caller's ``meta``, e.g. the
+  model and the data).
 
   Args:
     path: the file to write.
     adapter: the :class:`Adapter`.
     meta: json-serialisable facts to keep with it.
+    identity: :func:`kvjax.checks.model_identity` of the model it was trained on, checked by
+      :func:`load`; ``None`` records none (such a file loads for a model only with
+      ``unverified=True``).
 
   Returns:
     The path written.
   """
+  meta = (meta or {}) | ({} if identity is None else {"model_identity": identity})
   return training.write_trained(
     path, _arrays(adapter), FORMAT, meta, alpha=float(adapter.alpha), targets=list(TARGETS)
   )
 
 
-def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[Adapter, dict]:
+def load(
+  path: str | pathlib.Path, cfg: ModelConfig, params: dict | None = None, *, unverified=False
+) -> tuple[Adapter, dict]:
   """Reads an adapter written by :func:`save` and checks it against a model.
 
   Args:
     path: the ``.npz`` file.
     cfg: the model the adapter must fit.
+    params: the model's weights: the file must record the identity of this very model
+      (:func:`kvjax.checks.same_model`), not only fit its shapes. ``None``: only the shapes
+      are checked.
+    unverified: load a file whose identity is missing or another model's anyway (shapes are
+      still checked): the caller vouches that it suits this model.
 
   Returns:
     ``(adapter, meta)``.
 
   Raises:
     ValueError: naming the file, for one that is missing or unreadable, lacks the header or an
-      array, or holds shapes that do not fit ``cfg`` (each named with what it should be).
+      array, holds shapes that do not fit ``cfg`` (each named with what it should be), and
+      (with ``params``, unless ``unverified``) one that records no model identity or another
+      model's.
   """
   files, meta, where = training.read_trained(path, FORMAT, "RestoreKV adapter")
   need = ["embeddings"] + [f"{p}_{t}" for t in TARGETS for p in ("a", "b")]
@@ -312,6 +333,9 @@ def load(path: str | pathlib.Path, cfg: ModelConfig) -> tuple[Adapter, dict]:
     float(meta.get("alpha", ALPHA)),
   )
   check_adapter(adapter, cfg, where)
+  if params is not None:
+    mine = checks.model_identity(cfg, params)
+    checks.same_model(where, meta.get("model_identity"), mine, unverified=unverified)
   return adapter, meta
 
 
