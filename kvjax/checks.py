@@ -3,7 +3,13 @@ and what was expected, and returns the value in the form the caller computes wit
 
 Static values (shapes, kernels, windows, modes) are checked in Python; so are concrete data
 (counts, reals, arrays). Traced data (under ``jit`` or ``vmap``) cannot be checked in Python:
-the dtype of a traced count is still checked (dtypes are static), its values are not.
+the dtype of a traced count is still checked (dtypes are static); its values are checked by
+``jax.experimental.checkify`` when the caller asks for it. :func:`counts`, :func:`real` and
+:func:`finite` (and :func:`float_array`, which calls :func:`finite`) add a
+``checkify.debug_check`` for traced values, with the message their concrete check raises:
+under ``checkify.checkify(jax.jit(fn))`` the returned error reports it (``error.throw()`` raises
+it), and under a plain ``jax.jit`` the check is dropped (no cost, no change to any result).
+Every other value check of kvjax runs on concrete values only.
 Where an int is expected, a numpy integer (``np.int64(7)``) is one too, and a bool is not.
 
 :func:`model_identity` and :func:`same_model` identify the model a trained file was made for
@@ -21,6 +27,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 Array = jax.Array
 
@@ -134,6 +141,7 @@ def counts(name: str, value, *, minimum: int = 0):
   if not is_concrete(value):
     if not jnp.issubdtype(value.dtype, jnp.integer):
       raise ValueError(f"{name}: expected an integer array, got dtype {value.dtype}")
+    _traced_counts(name, value, minimum)
     return value
   arr = np.asarray(value)
   if arr.dtype == object:
@@ -150,8 +158,24 @@ def counts(name: str, value, *, minimum: int = 0):
   return arr
 
 
+def _traced_counts(name: str, value, minimum: int) -> None:
+  """:func:`counts`' value checks on traced counts, reported under ``checkify`` only."""
+  expected = "non-negative counts" if minimum == 0 else f"counts >= {minimum}"
+  checkify.debug_check(
+    jnp.all(value >= minimum),
+    f"{name}: expected {expected}, got minimum {{low}}",
+    low=jnp.min(value, initial=minimum),
+  )
+  if jnp.iinfo(value.dtype).max >= INT32_LIMIT:  # int32 counts always fit
+    checkify.debug_check(
+      jnp.all(value < INT32_LIMIT),
+      f"{name}: {{high}} does not fit int32; expected 0 <= {name} < 2**31",
+      high=jnp.max(value, initial=0),
+    )
+
+
 def real(name: str, value, low: float, *, strict: bool = False, high: float | None = None) -> None:
-  """Checks a real-valued option when it is concrete; traced values pass through (they are data).
+  """Checks a real-valued option: a concrete value at once, a traced one under ``checkify``.
 
   A concrete value must be finite and ``>= low`` (``> low`` when ``strict``), and ``<= high``
   when given.
@@ -166,7 +190,17 @@ def real(name: str, value, low: float, *, strict: bool = False, high: float | No
   Raises:
     ValueError: for a concrete value that is not a real number, not finite, or out of bounds.
   """
+  bound = f"{name} > {low}" if strict else f"{name} >= {low}"
+  if high is not None:
+    bound = f"{low} <= {name} <= {high}"
   if not is_concrete(value):
+    if is_real_dtype(value.dtype):
+      x = value.astype(jnp.float32)
+      ok = jnp.isfinite(x) & ((x > low) if strict else (x >= low))
+      ok = ok if high is None else ok & (x <= high)
+      checkify.debug_check(
+        jnp.all(ok), f"{name}: expected a finite value with {bound}, got {{value}}", value=value
+      )
     return
   arr = np.asarray(value)
   if not is_real_dtype(arr.dtype):
@@ -176,9 +210,6 @@ def real(name: str, value, low: float, *, strict: bool = False, high: float | No
   if high is not None:
     ok &= arr <= high
   if not np.all(ok):
-    bound = f"{name} > {low}" if strict else f"{name} >= {low}"
-    if high is not None:
-      bound = f"{low} <= {name} <= {high}"
     raise ValueError(f"{name}: expected a finite value with {bound}, got {value!r}")
 
 
@@ -204,7 +235,7 @@ def ratio(name: str, value, *, high_open: bool = True) -> float:
 
 
 def finite(name: str, x) -> None:
-  """Checks that concrete values are finite; traced values pass through.
+  """Checks that values are finite: concrete ones at once, traced ones under ``checkify``.
 
   Args:
     name: the argument's name, quoted in the error message.
@@ -213,8 +244,13 @@ def finite(name: str, x) -> None:
   Raises:
     ValueError: for concrete values with NaN or inf.
   """
-  if is_concrete(x) and not np.isfinite(np.asarray(x, np.float64)).all():
-    raise ValueError(f"{name}: contains NaN or inf; expected finite values")
+  message = f"{name}: contains NaN or inf; expected finite values"
+  if not is_concrete(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):  # an integer array is always finite
+      checkify.debug_check(jnp.all(jnp.isfinite(x)), message)
+    return
+  if not np.isfinite(np.asarray(x, np.float64)).all():
+    raise ValueError(message)
 
 
 def float_array(name: str, x, ndim: int, letters: str) -> None:
