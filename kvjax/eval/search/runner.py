@@ -7,6 +7,7 @@ kvjax's essay haystack with the full model's continuations), the
 :class:`~kvjax.eval.search.space.Space` at the memory budget (tokens per entry, or a compression
 ratio), runs the search on the config's ``fitness`` (``"mass"``: the retained attention mass;
 ``"kl"``: the next-token KL of the continuations against the full cache, a real model only;
+``"accuracy"``: task accuracy, RULER's on SmolLM2 or the tiny model's task, a real model only;
 resumable from its ``workdir``), judges the found allocation and the hand-made baselines of the
 same memory on the held-out evidence (retained mass, and on a real model the KL too), and writes ``allocation.npz`` (read by
 :class:`kvjax.policies.searched.Searched`), ``summary.json``, ``history.csv`` and
@@ -35,7 +36,7 @@ from kvjax.model import tokenizer as tokenizer_lib
 
 SOURCES = ("lab", "tiny", "smollm2")
 SHAPES = ("L", "LG")
-FITNESSES = ("mass", "kl")
+FITNESSES = ("mass", "kl", "accuracy")
 # a free split, a layer profile's rule, or a named allocator's parameters
 ALL_RULES = RULES + allocator_spaces.ALLOCATOR_RULES
 CONFIG_FIELDS = (
@@ -132,6 +133,8 @@ class SearchData:
   policy: policies.Policy | None = None
   cal_kl: fitness.KLData | None = None
   held_kl: fitness.KLData | None = None
+  cal_acc: fitness.AccuracyData | None = None  # the task examples (fitness "accuracy")
+  held_acc: fitness.AccuracyData | None = None
   rules: fitness.RuleEvidence | None = None  # what a named allocator's space reads
 
 
@@ -208,9 +211,9 @@ def check_config(config) -> None:
   _choice("shape", config.shape, SHAPES)
   _choice("fitness", config.fitness, FITNESSES)
   _choice("rule", config.rule, ALL_RULES)
-  if config.fitness == "kl" and config.source == "lab":
+  if config.fitness in ("kl", "accuracy") and config.source == "lab":
     raise ValueError(
-      "fitness: 'kl' needs a model's continuations; expected source 'tiny' or 'smollm2' "
+      f"fitness: {config.fitness!r} needs a model's continuations; expected source 'tiny' or 'smollm2' "
       "(or fitness 'mass' on the lab)"
     )
   if (config.budget is None) == (config.ratio is None):
@@ -305,6 +308,11 @@ def run(config, workdir, *, log: Callable = print, stop_after: int | None = None
   path = results.save_allocation(out / "allocation.npz", result, head)
   pd.DataFrame(result.history).rename_axis("generation").to_csv(out / "history.csv")
   summary = {"allocation_file": str(path.resolve()), "judged": judged, "header": head}
+  if data.cal_acc is not None:  # the full cache's scores: the ceiling of the accuracy fitness
+    summary["full_cache"] = {
+      "calibration_accuracy": float(data.cal_acc.full.mean()),
+      "held_out_accuracy": float(data.held_acc.full.mean()),
+    }
   (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_plain))
   fig = figure(result, space, results.baselines(space), judged, objective=config.fitness)
   fig.savefig(out / "search.png", dpi=110)
@@ -317,10 +325,42 @@ def evidence(config) -> SearchData:
   if config.source == "lab":
     return lab_evidence(config)
   if config.source == "smollm2":
-    return smollm2_evidence(config, config.shape)
+    return with_accuracy(config, smollm2_evidence(config, config.shape))
   data = model_evidence(config, config.shape)
   if config.fitness == "kl":
     data = tiny_kl(config, data)
+  return with_accuracy(config, data)
+
+
+def with_accuracy(config, data: SearchData) -> SearchData:
+  """``data`` with the task-accuracy data of the calibration and held-out seeds when the config's
+  fitness is ``"accuracy"``: the tiny model's task examples, or SmolLM2's RULER examples of
+  ``model.tasks`` (the ``i``-th of a set is ``tasks[i % len(tasks)]``), scored by
+  ``model.metric`` (``"accuracy"`` or RULER's partial-credit ``"recall"``)."""
+  if config.fitness != "accuracy":
+    return data
+  mc = config.model
+  if config.source == "smollm2":
+    model, cfg = loading.load("smollm2")
+    tok = tokenizer_lib.PieceTokenizer(tokenizer_lib.load_tokenizer("smollm2"))
+    names = list(mc.tasks)
+
+    def example(i, seed):
+      return ruler.generate(names[i % len(names)], tok, length=mc.prompt_len, seed=int(seed))
+
+  else:
+    model, cfg, tok = loading.load_tiny()
+
+    def example(i, seed):
+      return tasks.generate(mc.task, tok, length=mc.prompt_len, seed=int(seed))
+
+  policy = _model_policy(config, config.shape, cfg.num_kv_heads)
+  metric = mc.get("metric", "accuracy")
+  sets = [
+    fitness.accuracy_data(model, [example(i, s) for i, s in enumerate(seeds)], policy, metric)
+    for seeds in _seeds(mc)
+  ]
+  return dataclasses.replace(data, llm=model, policy=policy, cal_acc=sets[0], held_acc=sets[1])
   return data
 
 
@@ -347,6 +387,13 @@ def evaluator(config, space: Space, data: SearchData) -> Callable:
   if config.fitness == "mass":
     return optimise.population_call(space, fitness.retained_mass, data.cal)
   allocate = jax.jit(jax.vmap(space.allocate))
+  if config.fitness == "accuracy":
+
+    def evaluate_accuracy(params_KN):
+      budgets = allocate(jnp.asarray(space.check_params(params_KN), jnp.float32))
+      return fitness.population_accuracy(data.llm, data.cal_acc, data.policy, budgets), budgets
+
+    return evaluate_accuracy
 
   def evaluate(params_KN):
     budgets = allocate(jnp.asarray(space.check_params(params_KN), jnp.float32))
@@ -370,7 +417,8 @@ def judge(
   """Calibration and held-out retained mass of the found allocation and of every baseline of the
   same memory, and with a model's KL data (``data.cal_kl``) their calibration and held-out KL
   (``calibration_kl``, ``held_out_kl``: every allocation one configuration of one call per
-  set). ``best_hand_made`` is the baseline best on calibration under ``objective`` (the
+  set), and with task-accuracy data (``data.cal_acc``) their ``calibration_accuracy`` and
+  ``held_out_accuracy``. ``best_hand_made`` is the baseline best on calibration under ``objective`` (the
   searched fitness), as a user would pick."""
   rows = {"searched": allocation} | results.baselines(space)
   judged = {}
@@ -387,8 +435,16 @@ def judge(
       values = fitness.population_kl(data.llm, kl, data.policy, stack)
       for name, v in zip(rows, values, strict=True):
         judged[name][key] = float(v)
+  if data is not None and data.cal_acc is not None:
+    stack = np.stack([np.asarray(a) for a in rows.values()])
+    for key, acc in (("calibration_accuracy", data.cal_acc), ("held_out_accuracy", data.held_acc)):
+      values = fitness.population_accuracy(data.llm, acc, data.policy, stack)
+      for name, v in zip(rows, values, strict=True):
+        judged[name][key] = float(v)
   hand = {k: v for k, v in judged.items() if k != "searched"}
-  if objective == "kl":
+  if objective == "accuracy":
+    best = max(hand, key=lambda k: hand[k]["calibration_accuracy"])
+  elif objective == "kl":
     best = min(hand, key=lambda k: hand[k]["calibration_kl"])
   else:
     best = max(hand, key=lambda k: hand[k]["calibration"])
@@ -407,9 +463,11 @@ def figure(
   axes[0].plot(g, result.history["best"], label="best so far")
   axes[0].plot(g, result.history["mean"], label="generation mean")
   best = judged["best_hand_made"]
-  line = -best["calibration_kl"] if objective == "kl" else best["calibration"]
+  line = {"kl": -best.get("calibration_kl", 0.0), "accuracy": best.get("calibration_accuracy")}
+  line = line.get(objective, best["calibration"])
   axes[0].axhline(line, color="gray", ls="--", label=f"{best['name']}")
-  ylabel = "-KL (calibration)" if objective == "kl" else "retained mass (calibration)"
+  ylabel = {"kl": "-KL (calibration)", "accuracy": "task accuracy (calibration)"}
+  ylabel = ylabel.get(objective, "retained mass (calibration)")
   axes[0].set(xlabel="generation", ylabel=ylabel, title=result.optimiser)
   axes[0].legend(fontsize=8)
   pyramid = hand.get("pyramid_beta20", hand["uniform"])
