@@ -93,6 +93,19 @@ def test_mixed_precision_runs_the_matmuls_on_bf16_and_keeps_the_rest_fp32():
   np.testing.assert_array_equal(l32.argmax(-1), lmx.argmax(-1))
 
 
+def test_mixed_precision_decodes_and_keeps_what_fp32_does_on_the_tiny_model():
+  m32, _, _ = km.load_tiny()
+  mixed, _, _ = km.load_tiny(matmul_dtype=jnp.bfloat16)
+  ids = np.random.default_rng(0).integers(4, 200, (2, 120)).astype(np.int32)
+  out32, outmx = (
+    km.generate(m, ids, policy="snapkv", budget=40, max_new_tokens=8) for m in (m32, mixed)
+  )
+  assert outmx.memory == out32.memory  # the cache stays fp32
+  assert (np.asarray(outmx.tokens) == np.asarray(out32.tokens)).mean() >= 0.9
+  kept32, keptmx = (km.keep_mask(m, ids, "snapkv", 40) for m in (m32, mixed))
+  assert (np.asarray(kept32) == np.asarray(keptmx)).mean() >= 0.95
+
+
 @pytest.mark.parametrize("dtype", ["int8", "float64", "bf16", object()])
 def test_weight_dtypes_are_checked(dtype):
   with pytest.raises(ValueError, match="matmul_dtype: expected float32, bfloat16 or float16"):
