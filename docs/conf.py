@@ -2,15 +2,14 @@
 flax and penzai build theirs).
 
 Build: ``sphinx-build -W --keep-going -b html docs docs/_build/html``. The build generates the
-methods catalogue from the policy registry, the lab's interactive page (``_static/lab.html``)
-and executes the notebooks in QUICK mode (``KVJAX_DOCS_EXECUTE=0`` skips both of the slow
-parts: the notebooks render without outputs and the lab page is not regenerated).
+methods catalogue from the policy registry, the API pages and the lab's interactive page
+(``_static/lab.html``, from stored data), and renders the notebooks' stored runs
+(``docs/notebooks/``); it executes nothing (``docs/pages.py`` refreshes what is stored).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
 import re
 import sys
@@ -34,7 +33,6 @@ extensions = [
   "sphinx.ext.napoleon",
   "sphinx.ext.viewcode",
 ]
-EXECUTE = os.environ.get("KVJAX_DOCS_EXECUTE", "1") != "0"
 
 # methods_catalogue.md is included by methods.md, not a page of its own
 exclude_patterns = ["_build", "**.ipynb_checkpoints", "methods_catalogue.md"]
@@ -46,15 +44,24 @@ html_theme_options = {
   "repository_url": "https://github.com/kvjax/kvjax",
   "use_repository_button": True,
   "show_toc_level": 2,
+  # The sidebar expands the current page's branch only: the API reference's hundred module
+  # pages stay out of every other page's navigation (rendering the whole tree on each of ~300
+  # pages was most of the build's time).
+  "collapse_navbar": True,
 }
+# A first visit (no mode stored in the browser yet) starts in the reader's system mode, without
+# the theme's console error about an empty mode.
+html_context = {"default_mode": "auto"}
+# The highlighted source pages need no navigation tree of their own.
+html_sidebars = {"_modules/**": []}
 
 myst_enable_extensions = ["colon_fence", "dollarmath", "substitution"]
 myst_heading_anchors = 3
 # Counts the pages state, read from the registry so that they cannot go stale.
 myst_substitutions = {"num_policies": len(policies.names())}
 
-# The notebooks are executed by pages.prepare (papermill, QUICK mode), not by myst-nb: papermill
-# injects the parameters and runs them from notebooks/, as a user would.
+# The notebooks' pages are stored runs (docs/pages.py runs them under papermill from notebooks/,
+# as a user would), never executed by the build.
 nb_execution_mode = "off"
 
 autosummary_generate = False  # docs/pages.py writes the pages: each object documented once
@@ -111,6 +118,6 @@ def _link_source_to_pages(app, pagename, templatename, context, doctree):
 
 def setup(app):
   """Writes the generated pages before Sphinx reads the sources."""
-  pages.prepare(execute_notebooks=EXECUTE)
+  pages.prepare()
   app.connect("autodoc-process-docstring", _join_shared_fields, priority=600)  # after napoleon
   app.connect("html-page-context", _link_source_to_pages)

@@ -1,20 +1,30 @@
 """The generated parts of the documentation: the methods catalogue, the API reference's pages,
-the notebooks executed in QUICK mode (so every figure shows in the browser) and the lab's
-interactive page.
+the notebooks' pages and the lab's interactive page.
 
-``docs/conf.py`` calls :func:`prepare` before Sphinx reads the sources; an executed notebook is
-reused while it is newer than its source, so a build after ``tests/test_notebooks.py`` (which
-hands its executed notebooks over through :func:`adopt`) executes nothing again.
+``docs/conf.py`` calls :func:`prepare` before Sphinx reads the sources; it computes nothing.
+The notebooks' pages are stored runs (``docs/notebooks/*.ipynb``: each notebook run with its
+default parameters, cleaned of noise, with the command, machine and date in its metadata), and
+the lab page is written from stored data (``docs/_static/lab_data.json.gz``). Both are
+refreshed by hand::
+
+  python docs/pages.py notebooks [NAME ...]   # the notebooks' default runs (minutes each)
+  python docs/pages.py lab                    # the lab page's data (configs/lab.py:quick)
 """
 
 from __future__ import annotations
 
+import datetime
+import gzip
 import importlib
 import inspect
+import json
 import os
 import pathlib
 import pkgutil
+import re
+import sys
 import tempfile
+import time
 
 import nbformat
 
@@ -23,7 +33,11 @@ DOCS = ROOT / "docs"
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 EXECUTED = DOCS / "notebooks"
 LAB_PAGE = DOCS / "_static" / "lab.html"
-LIMIT_S = 600
+# The lab page's data, computed by `python docs/pages.py lab` (minutes) and stored, so that a
+# build only writes the page around them.
+LAB_DATA = DOCS / "_static" / "lab_data.json.gz"
+LAB_CONFIG = "quick"
+LIMIT_S = 1800  # a notebook's default run on a CPU
 # The kernel's matplotlib backend: figures become image outputs, as Jupyter shows them (a
 # headless MPLBACKEND=Agg in the environment would leave the pages without figures).
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
@@ -136,38 +150,126 @@ def write_api(directory: pathlib.Path = API) -> list[str]:
 
 
 def executed_path(source: pathlib.Path) -> pathlib.Path:
+  """Where the stored run of the notebook ``source`` lives (``docs/notebooks/``)."""
   return EXECUTED / source.name
 
 
-def is_fresh(source: pathlib.Path) -> bool:
-  """Whether an executed copy of ``source`` (papermill's, not a plain copy) is newer than it."""
-  out = executed_path(source)
-  if not out.exists() or out.stat().st_mtime < source.stat().st_mtime:
-    return False
-  return "papermill" in nbformat.read(str(out), as_version=4).metadata
+def code_sources(nb) -> list[str]:
+  """The code cells' sources of ``nb``, papermill's injected parameters left out: what a stored
+  run must share with its notebook."""
+  return [
+    c.source.strip()
+    for c in nb.cells
+    if c.cell_type == "code" and "injected-parameters" not in c.metadata.get("tags", ())
+  ]
 
 
-def adopt(executed: str | pathlib.Path, source: pathlib.Path) -> pathlib.Path:
-  """Stores a QUICK-mode run of ``source`` (papermill's output) as its documentation page: the
-  injected-parameters cell is hidden (readers see the notebook's own parameters cell)."""
-  nb = nbformat.read(str(executed), as_version=4)
+# Lines of a stored run's stderr that say nothing about the notebook: tqdm's warning that
+# ipywidgets is missing (with the interpreter's path), absl/JAX's probing of absent backends,
+# the kernel's transport warning.
+_NOISE = re.compile(
+  r"TqdmWarning|from \.autonotebook import tqdm|notebook_tqdm|warnings\.warn\(|"
+  r"Unable to initialize backend|An NVIDIA GPU may be present|"
+  r"Kernel is running over TCP|Platform '\w+' is experimental"
+)
+# ml_collections prints a config's tuples as YAML tags
+_YAML_TUPLE = re.compile(r" ?!!python/tuple")
+
+
+def _clean_text(text: str) -> str:
+  return _YAML_TUPLE.sub("", text).replace(str(ROOT) + "/", "")
+
+
+def _as_shown(text: str) -> str:
+  """``text`` as a terminal leaves it: of each line rewritten with carriage returns (a progress
+  bar), its last state."""
+  lines = text.split("\n")
+  return "\n".join(next((p for p in reversed(x.split("\r")) if p), "") for x in lines)
+
+
+def clean(nb) -> None:
+  """Strips a run's noise in place: stderr lines of :data:`_NOISE`, progress bars' intermediate
+  states, ``!!python/tuple`` YAML tags, the repository's absolute path; hides papermill's
+  injected parameters (readers see the notebook's own parameters cell)."""
   for cell in nb.cells:
     tags = cell.metadata.setdefault("tags", [])
     if "injected-parameters" in tags and "remove-cell" not in tags:
       tags.append("remove-cell")
+    outputs = []
+    for out in cell.get("outputs", []):
+      if out.get("output_type") == "stream":
+        last = outputs[-1] if outputs else None
+        if last is not None and last.get("output_type") == "stream" and last.name == out.name:
+          outputs.pop()  # one stream output per run of them, so a bar's states meet
+          out.text = last.text + out.text
+        lines = _as_shown(out.text).splitlines(keepends=True)
+        if out.name == "stderr":
+          lines = [x for x in lines if not _NOISE.search(x)]
+        out.text = _clean_text("".join(lines))
+        if not out.text.strip():
+          continue
+      elif "text/plain" in out.get("data", {}):
+        out.data["text/plain"] = _clean_text(out.data["text/plain"])
+      outputs.append(out)
+    if cell.cell_type == "code":
+      cell.outputs = outputs
+  for key in ("input_path", "output_path"):
+    nb.metadata.get("papermill", {}).pop(key, None)
+  nb.metadata.get("papermill", {}).pop("environment_variables", None)
+
+
+def store(executed: str | pathlib.Path, source: pathlib.Path, run: dict) -> pathlib.Path:
+  """Stores papermill's run of ``source`` as its documentation page, cleaned (:func:`clean`),
+  with ``run`` (``command``, ``machine``, ``date``, ``seconds``) in its metadata."""
+  nb = nbformat.read(str(executed), as_version=4)
+  clean(nb)
+  nb.metadata["kvjax_run"] = run
   EXECUTED.mkdir(parents=True, exist_ok=True)
   out = executed_path(source)
   nbformat.write(nb, str(out))
   return out
 
 
-def execute(source: pathlib.Path) -> pathlib.Path:
-  """Runs ``source`` in QUICK mode under papermill (from the notebooks folder, as a user would)
-  and adopts the result."""
+def machine() -> str:
+  """This machine in a few words: CPU model and count, JAX's backend."""
+  import jax  # noqa: PLC0415
+
+  model = "CPU"
+  cpuinfo = pathlib.Path("/proc/cpuinfo")
+  if cpuinfo.exists():
+    found = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
+    model = found[1].strip() if found else model
+  return f"{os.cpu_count()} x {model}, JAX {jax.__version__} on {jax.default_backend()}"
+
+
+def run_notebook(source: pathlib.Path, *, quick: bool = False) -> pathlib.Path:
+  """Runs ``source`` under papermill as a user would (from the notebooks folder, its default
+  parameters; ``quick``: ``QUICK = True``), figures inline, and stores the run."""
+  import papermill  # noqa: PLC0415  (only a run needs it)
+
   backend = os.environ.get("MPLBACKEND")
   os.environ["MPLBACKEND"] = INLINE_BACKEND  # the kernel inherits it
   try:
-    return _execute(source)
+    with tempfile.TemporaryDirectory() as tmp:
+      out = pathlib.Path(tmp) / source.name
+      start = time.time()
+      papermill.execute_notebook(
+        str(source),
+        str(out),
+        parameters={"QUICK": True} if quick else {},
+        cwd=str(source.parent),
+        kernel_name="python3",
+        progress_bar=False,
+        execution_timeout=LIMIT_S,
+      )
+      command = f"python docs/pages.py notebooks {source.stem}" + (" --quick" * quick)
+      run = dict(
+        command=command,
+        machine=machine(),
+        date=datetime.date.today().isoformat(),
+        seconds=round(time.time() - start),
+      )
+      return store(out, source, run)
   finally:
     if backend is None:
       del os.environ["MPLBACKEND"]
@@ -175,54 +277,68 @@ def execute(source: pathlib.Path) -> pathlib.Path:
       os.environ["MPLBACKEND"] = backend
 
 
-def _execute(source: pathlib.Path) -> pathlib.Path:
-  import papermill  # noqa: PLC0415  (only a build that executes needs it)
-
-  with tempfile.TemporaryDirectory() as tmp:
-    parameters = {"QUICK": True}
-    if "WORKDIR" in papermill.inspect_notebook(str(source)):
-      parameters["WORKDIR"] = str(pathlib.Path(tmp) / "run")
-    out = pathlib.Path(tmp) / source.name
-    papermill.execute_notebook(
-      str(source),
-      str(out),
-      parameters=parameters,
-      cwd=str(source.parent),
-      kernel_name="python3",
-      progress_bar=False,
-      execution_timeout=LIMIT_S,
-    )
-    return adopt(out, source)
-
-
-def lab_page(path: pathlib.Path = LAB_PAGE) -> pathlib.Path:
-  """The lab's interactive page on the quick world (``configs/lab.py:quick``), written once."""
-  if path.exists():
-    return path
+def lab_data(config_name: str = LAB_CONFIG) -> dict:
+  """The lab page's data on ``configs/lab.py:<config_name>`` (a few minutes on 2 cores)."""
   from configs import lab as lab_config  # noqa: PLC0415
   from kvjax.lab import explorer, suite  # noqa: PLC0415
 
-  config = lab_config.get_config("quick")
-  built = suite.validate_config(config)
-  data = explorer.explorer_data(config, built)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  explorer.write_html(data, path)
+  config = lab_config.get_config(config_name)
+  return explorer.explorer_data(config, suite.validate_config(config))
+
+
+def write_lab_data(data: dict, path: pathlib.Path = LAB_DATA) -> pathlib.Path:
+  """Stores the lab page's data (gzipped JSON; ``mtime=0`` so equal data give equal bytes)."""
+  text = json.dumps(data, separators=(",", ":"), sort_keys=False).encode()
+  path.write_bytes(gzip.compress(text, mtime=0))
   return path
 
 
-def prepare(*, execute_notebooks: bool = True) -> None:
-  """Writes the catalogue, and (``execute_notebooks``) the stale notebook pages and the lab
-  page; without execution the notebooks render from their sources, without outputs."""
+def read_lab_data(path: pathlib.Path = LAB_DATA) -> dict:
+  return json.loads(gzip.decompress(path.read_bytes()))
+
+
+def lab_page(path: pathlib.Path = LAB_PAGE) -> pathlib.Path:
+  """The lab's interactive page, from the stored data (:data:`LAB_DATA`): writing it takes a
+  moment, computing the data minutes."""
+  from kvjax.lab import explorer  # noqa: PLC0415
+
+  path.parent.mkdir(parents=True, exist_ok=True)
+  explorer.write_html(read_lab_data(), path)
+  return path
+
+
+def prepare() -> None:
+  """Writes the catalogue, the API pages and the lab page, and puts each notebook's stored run
+  where its page is read (a notebook without one renders from its source, without outputs).
+  Nothing is computed: the stored runs and lab data are refreshed by this file's command line."""
   import catalogue  # noqa: PLC0415  (docs/ is on the path of a build)
 
   catalogue.write(DOCS / "methods_catalogue.md")
   write_api()
   EXECUTED.mkdir(parents=True, exist_ok=True)
   for source in NOTEBOOKS:
-    if execute_notebooks:
-      if not is_fresh(source):
-        execute(source)
-    elif not executed_path(source).exists():
+    if not executed_path(source).exists():
       executed_path(source).write_bytes(source.read_bytes())
-  if execute_notebooks:
-    lab_page()
+  lab_page()
+
+
+def main(argv: list[str]) -> None:
+  """``python docs/pages.py notebooks [NAME ...] [--quick]``: runs the notebooks (all, or those
+  whose names start with a NAME) with their default parameters and stores the runs as their
+  pages; ``python docs/pages.py lab``: recomputes the lab page's data."""
+  sys.path.insert(0, str(ROOT))  # configs/ lives at the repository root
+  if argv[:1] == ["lab"]:
+    write_lab_data(lab_data())
+    LAB_PAGE.unlink(missing_ok=True)
+    print(lab_page())
+  elif argv[:1] == ["notebooks"]:
+    names = [a for a in argv[1:] if not a.startswith("--")]
+    for source in NOTEBOOKS:
+      if not names or any(source.stem.startswith(n) for n in names):
+        print(run_notebook(source, quick="--quick" in argv), flush=True)
+  else:
+    raise SystemExit(main.__doc__)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

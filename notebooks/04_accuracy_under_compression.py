@@ -11,7 +11,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -123,17 +123,37 @@ print(config.tasks, config.lengths, config.budgets)
 # %%
 table = evaluate.run(config, workdir)
 budget_rows = table[table["kind"] == "budget"]
-display(
-  budget_rows.pivot_table(index=["task", "policy"], columns="budget", values="accuracy").round(2)
+# the full cache runs at no budget (its rows hold the context length): a column of its own
+is_full = budget_rows["policy"] == "full"
+accuracy = budget_rows[~is_full].pivot_table(
+  index=["task", "policy"], columns="budget", values="accuracy"
 )
+full_accuracy = budget_rows[is_full].groupby("task")["accuracy"].mean()
+accuracy["full cache"] = accuracy.index.get_level_values("task").map(full_accuracy)
+display(accuracy.round(2))
 
 # %% [markdown]
 # ## Accuracy and KL divergence against budget
 
+
 # %%
-plotting.accuracy_vs_budget(table, "accuracy")
+def legible(fig):
+  """Lines that coincide (several policies at the full cache's accuracy) all show: the first
+  drawn widest, each next one narrower on top of it, the full cache's dashed line beneath."""
+  for ax in fig.axes:
+    lines = [line for line in ax.get_lines() if line.get_label() != "full"]
+    for i, line in enumerate(lines):
+      line.set(linewidth=1 + 5 * (1 - i / len(lines)), markersize=3 + 6 * (1 - i / len(lines)))
+      line.set_zorder(2 + i)
+    for line in ax.get_lines():
+      if line.get_label() == "full":
+        line.set_zorder(1)
+  return fig
+
+
+legible(plotting.accuracy_vs_budget(table, "accuracy"))
 plt.show()
-plotting.accuracy_vs_budget(table, "kl")
+legible(plotting.accuracy_vs_budget(table, "kl"))
 plt.show()
 
 # %% [markdown]

@@ -1,7 +1,8 @@
 """Every notebook runs top to bottom in QUICK mode under plain papermill (as users run it, from the
 notebooks folder; with KVJAX_FULL=1 also by nbclient from the repository root, with
 papermill-style parameter injection) and matches its jupytext twin; Colab essentials are
-present."""
+present; the documentation's stored run of each is a clean run of its current code. (The
+documentation's build is tested in ``tests/test_site.py``.)"""
 
 import json
 import os
@@ -11,8 +12,6 @@ import sys
 import time
 
 import pytest
-
-from kvjax import policies
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "docs"))
 import pages  # noqa: E402  (docs/pages.py)
@@ -201,8 +200,7 @@ def test_papermill_runs_it_from_the_notebooks_folder(path, tmp_path, monkeypatch
   notebook's folder as the working directory; the run above starts from the repository root):
   the language comes from the metadata, the install cell is skipped, parameters are injected."""
   papermill = pytest.importorskip("papermill")
-  # figures inline, as Jupyter shows them: the documentation renders this run (pages.adopt)
-  monkeypatch.setenv("MPLBACKEND", pages.INLINE_BACKEND)
+  monkeypatch.setenv("MPLBACKEND", "Agg")
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(jax_cache))
   inferred = papermill.inspect_notebook(str(path))  # what `papermill --help-notebook` lists
   assert "QUICK" in inferred and "PRESET" in inferred, path.name
@@ -226,31 +224,27 @@ def test_papermill_runs_it_from_the_notebooks_folder(path, tmp_path, monkeypatch
   assert "parameters" in tags[injected - 1], path.name
   install = next(c for c, t in zip(out.cells, tags, strict=True) if "skip-execution" in t)
   assert install.execution_count is None and not install.outputs, path.name
-  pages.adopt(tmp_path / path.name, path)  # the documentation renders this run
 
 
-def test_docs_build_with_the_executed_notebooks(tmp_path):
-  """``sphinx-build -W`` (warnings are errors) of ``docs/``, after the papermill runs above
-  (the same worker runs this file in order), so the notebook pages show their figures and the
-  build executes only what those runs did not; the lab's page is generated once."""
-  sphinx = pytest.importorskip("sphinx", reason="needs the docs packages: pip install -e '.[docs]'")
-  del sphinx
-  out = tmp_path / "html"
-  build = subprocess.run(
-    [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", "docs", str(out)],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=1500,
-    env={**os.environ, "MPLBACKEND": "Agg"},
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_documentation_shows_a_clean_run_of_the_current_code(path):
+  """``docs/notebooks/`` holds each notebook's stored run (``python docs/pages.py notebooks
+  NAME`` refreshes one): the same code cells, every cell run, a figure, the run's command,
+  machine and date, and none of the noise :func:`pages.clean` strips."""
+  stored_path = pages.executed_path(path)
+  assert stored_path.exists(), f"no stored run: python docs/pages.py notebooks {path.stem}"
+  stored = nbformat.read(stored_path, as_version=4)
+  assert pages.code_sources(stored) == pages.code_sources(nbformat.read(path, as_version=4)), (
+    f"{path.name} changed since its stored run: python docs/pages.py notebooks {path.stem}"
   )
-  assert build.returncode == 0, build.stderr[-4000:]
-  for path in NOTEBOOKS:
-    html = (out / "notebooks" / f"{path.stem}.html").read_text()
-    assert "<img" in html and "_images/" in html, f"{path.name}: no figure on its page"
-    executed = nbformat.read(pages.executed_path(path), as_version=4)
-    assert "papermill" in executed.metadata, f"{path.name}: the page is not an executed run"
-  assert (out / "_static" / "lab.html").exists()
-  methods = (out / "methods.html").read_text()
-  for name in policies.names():
-    assert f"policy-{name.replace('_', '-')}" in methods, name
+  assert "papermill" in stored.metadata, path.name
+  assert set(stored.metadata["kvjax_run"]) >= {"command", "machine", "date"}, path.name
+  code = [c for c in stored.cells if c.cell_type == "code"]
+  ran = [c for c in code if "skip-execution" not in c.metadata.get("tags", ())]
+  assert all(c.execution_count is not None for c in ran), path.name
+  outputs = [o for c in code for o in c.outputs]
+  assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name}: no figure"
+  assert not [o for o in outputs if o.output_type == "error"], path.name
+  text = json.dumps([o for o in outputs if "image/png" not in o.get("data", {})])
+  for noise in ("TqdmWarning", "!!python/tuple", "Unable to initialize backend", str(ROOT)):
+    assert noise not in text, f"{path.name}: {noise!r} in its stored run"
