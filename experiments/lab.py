@@ -81,7 +81,7 @@ def main(argv):
     print(
       f"{len(config.policies)} policies, {len(config.scenarios)} scenarios, a budget of "
       f"{config.budget} per layer and head.\nEach line: scenario, policy, R = the retained mass "
-      "(share of the full cache's attention the kept tokens hold), seconds taken"
+      "(share of the full cache's\nattention the kept tokens hold), seconds taken"
     )
     table = lab.run(config, workdir)
     print_tables(lab.pivot(table))
