@@ -187,5 +187,5 @@ def test_a_named_allocators_config_errors():
     runner.check_config(c)
   c = search_config.get_config("quick,rule=cake")
   c.window = 1
-  with pytest.raises(ValueError, match="window: 1; rule 'cake'"):
+  with pytest.raises(ValueError, match="window: 1; rule 'cake' reads the window's queries"):
     runner.space_of(c, fitness.MassTable(jnp.zeros((6, 4, 193)), jnp.zeros((6, 4))), 4, None)

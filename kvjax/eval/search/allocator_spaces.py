@@ -108,6 +108,10 @@ class AllocatorSpace(Space):
   rules: ClassVar[tuple[str, ...]] = ALLOCATOR_RULES
   # the allocator's own default arguments (its hand-made setting, a baseline)
   defaults: ClassVar[dict[str, float]] = {}
+  # the calibration evidence the space reads: (the RuleEvidence attribute, the space's field)
+  evidence: ClassVar[tuple[str, str] | None] = None
+  # the smallest protected window the allocator's evidence is defined for
+  min_window: ClassVar[int] = 0
 
   def __post_init__(self):
     super().__post_init__()
@@ -259,6 +263,7 @@ class AdaKVSpace(AllocatorSpace):
   rule: str = "adakv"
   rules: ClassVar[tuple[str, ...]] = ("adakv",)
   defaults: ClassVar[dict[str, float]] = {"floor_alpha": 0.2}
+  evidence: ClassVar[tuple[str, str] | None] = ("scores_LHP", "scores_LGP")
   scores_LGP: Array | None = None
   alpha_range: tuple[float, float] = (0.0, 1.0)
   adakv_mode: str = "official"
@@ -323,6 +328,8 @@ class CakeSpace(AllocatorSpace):
   rule: str = "cake"
   rules: ClassVar[tuple[str, ...]] = ("cake",)
   defaults: ClassVar[dict[str, float]] = {"tau1": 1.0, "tau2": 1.0}
+  evidence: ClassVar[tuple[str, str] | None] = ("statistics", "statistics")
+  min_window: ClassVar[int] = 2  # CAKE's variance over the window's queries
   statistics: tuple | None = None
   tau_range: tuple[float, float] = (0.25, 4.0)
 

@@ -243,17 +243,16 @@ def space_of(
   cls, fields = Space, {}
   if rule in allocator_spaces.ALLOCATOR_RULES:
     cls = allocator_spaces.SPACES[rule]
-    if rule == "cake" and config.window < 2:
+    if config.window < cls.min_window:
       raise ValueError(
-        f"window: {config.window}; rule 'cake' measures CAKE's variance over the window's "
-        "queries, expected a window of at least 2"
+        f"window: {config.window}; rule {rule!r} reads the window's queries, expected a window "
+        f"of at least {cls.min_window}"
       )
-    if rule != "pyramid_beta" and rules is None:
-      raise ValueError(f"rules: None; rule {rule!r} reads the calibration's evidence")
-    if rule == "adakv":
-      fields = {"scores_LGP": rules.scores_LHP}
-    if rule == "cake":
-      fields = {"statistics": rules.statistics}
+    if cls.evidence is not None:
+      if rules is None:
+        raise ValueError(f"rules: None; rule {rule!r} reads the calibration's evidence")
+      attr, field = cls.evidence
+      fields = {field: getattr(rules, attr)}
   if config.ratio is not None:
     return cls.from_ratio(shape, float(config.ratio), config.window, P, rule, **fields)
   return cls.from_budget(shape, int(config.budget), config.window, P, rule, **fields)
