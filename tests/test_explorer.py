@@ -14,6 +14,9 @@ import pytest
 from configs import lab as lab_config
 from kvjax.lab import explorer, metrics, online, suite, synthetic
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "docs"))
+import pages  # noqa: E402  (docs/pages.py)
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
@@ -161,3 +164,29 @@ def test_the_main_job_writes_the_page(tmp_path):
   data = json.loads(page[start : page.index(";\nconst $")])
   assert data["budgets"] == [16, 24] and list(data["scenarios"]) == ["needle_qa"]
   assert (workdir / "summary.csv").exists()
+
+
+def test_the_documentation_stores_the_quick_labs_page():
+  """The documentation's lab page is written from stored data (``python docs/pages.py lab``):
+  those of ``configs/lab.py:quick``, its policies, scenarios and budgets."""
+  c = lab_config.get_config(pages.LAB_CONFIG)
+  built = suite.validate_config(c)
+  stored = pages.read_lab_data()
+  assert stored["policies"] == list(built)
+  assert list(stored["scenarios"]) == list(c.scenarios)
+  assert stored["budgets"] == list(explorer.budget_grid(c, built))
+  assert stored["focus"] == explorer.focus_policy(c, built)
+
+
+@pytest.mark.slow  # a scenario of the quick lab over three budgets: about 25 s on 2 cores
+def test_the_stored_lab_data_are_the_labs():
+  """The first scenario of the stored data, computed again, agrees with it."""
+  c = lab_config.get_config(pages.LAB_CONFIG)
+  c.scenarios = c.scenarios[:1]
+  data = explorer.explorer_data(c, suite.validate_config(c), log=lambda *_: None)
+  stored = pages.read_lab_data()
+  (name,) = data["scenarios"]
+  for budget, entry in data["scenarios"][name]["budgets"].items():
+    got = stored["scenarios"][name]["budgets"][budget]
+    for policy, mean in entry["mean"].items():
+      assert got["mean"][policy] == pytest.approx(mean, abs=1e-3), (budget, policy)
