@@ -34,10 +34,18 @@ def main(argv):
     workdir = os.path.join("runs", "search-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
   summary = runner.run(config, workdir)
   judged = summary["judged"]
-  print(f"{'allocation':<18} {'calibration':>12} {'held-out':>10}")
+  # the retained mass, and each further objective a run judged (KL, task accuracy)
+  extra = [k for k in ("held_out_kl", "held_out_accuracy") if k in judged["searched"]]
+  head = "".join(f" {k.replace('_', '-'):>18}" for k in extra)
+  print(f"{'allocation':<18} {'calibration':>12} {'held-out':>10}{head}")
   for name, row in judged.items():
     label = f"{name} ({row['name']})" if name == "best_hand_made" else name
-    print(f"{label:<18} {row['calibration']:>12.6f} {row['held_out']:>10.6f}")
+    cells = "".join(f" {row[k]:>18.6f}" for k in extra)
+    print(f"{label:<18} {row['calibration']:>12.6f} {row['held_out']:>10.6f}{cells}")
+  if summary["header"].get("parameters"):
+    print(f"parameters found: {summary['header']['parameters']}")
+  if "full_cache" in summary:
+    print(f"full cache: {summary['full_cache']}")
   print(f"allocation file: {summary['allocation_file']}")
   print(f"run directory: {os.path.abspath(workdir)}")
 
