@@ -249,8 +249,11 @@ class AdaKVSpace(AllocatorSpace):
 
   Each layer's budget ``G * budget`` is split over its KV heads by :func:`kvjax.budgets.adakv`
   on ``scores_LGP`` (a policy's scores at KV-head granularity, mean over the calibration rows);
-  shape ``(L, G)`` only. Reference: Ada-KV (Feng et al., arXiv 2407.11550;
-  github.com/FFY0/AdaKV, ``AdaptiveSnapKVCluster``; kvpress ``AdaKVPress``).
+  shape ``(L, G)`` only. The searched ``floor_alpha`` is traced data, so the floor
+  ``int(b * alpha)`` is the allocator's float32 form (a concrete call computes it in float64;
+  the two differ only where ``b * alpha`` lies within float32 rounding of an integer). Reference:
+  Ada-KV (Feng et al., arXiv 2407.11550; github.com/FFY0/AdaKV, ``AdaptiveSnapKVCluster``;
+  kvpress ``AdaKVPress``).
 
   Attributes:
     scores_LGP: the scores ``[L, G, prompt_len]`` (finite), the last ``window`` positions the
