@@ -16,6 +16,7 @@ mixture up to ``max_length`` so that the model keeps working at 2k tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import queue
@@ -287,7 +288,8 @@ def restore(mngr: ocp.CheckpointManager, like: TrainState) -> TrainState | None:
   if step is None:
     return None
   target = {"params": like.params, "opt_state": like.opt_state}
-  item = mngr.restore(step, args=ocp.args.StandardRestore(target))
+  restore = functools.partial(mngr.restore, step, args=ocp.args.StandardRestore(target))
+  item = rundir.restore_checkpoint(mngr.directory, step, restore)
   return TrainState(step, item["params"], item["opt_state"])
 
 

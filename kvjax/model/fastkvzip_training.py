@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kvjax import distributed, policies, rundir
+from kvjax import checks, distributed, policies, rundir
 from kvjax.model import training
 from kvjax.model.config import ModelConfig
 from kvjax.model.fastkvzip_gates import (
@@ -555,7 +555,12 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
   }
   meta = {k: getattr(c, k) for k in ("model", "rows", "length", "max_steps")}
   meta |= {"source": source, "test_loss": results["final"]["test_loss"]}
-  save(workdir / "fastkvzip_gates.npz", trained.gates, meta)
+  save(
+    workdir / "fastkvzip_gates.npz",
+    trained.gates,
+    meta,
+    identity=checks.model_identity(cfg, params),
+  )
   (workdir / "results.json").write_text(json.dumps(results, indent=1))
   print(
     json.dumps({"initial_test_loss": trained.initial_test_loss, **baseline, **results["final"]})

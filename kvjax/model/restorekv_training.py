@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kvjax import policies, rundir
+from kvjax import checks, policies, rundir
 from kvjax.model import cache as cache_lib
 from kvjax.model import llama, training
 from kvjax.model.config import ModelConfig
@@ -466,7 +466,12 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
   }
   meta = {k: getattr(c, k) for k in ("model", "rows", "ratio", "max_steps")}
   meta |= {"source": source, "context": context, "test_kl": results["test_kl_trained"]}
-  save(workdir / "restorekv_adapter.npz", trained.adapter, meta)
+  save(
+    workdir / "restorekv_adapter.npz",
+    trained.adapter,
+    meta,
+    identity=checks.model_identity(cfg, params),
+  )
   (workdir / "results.json").write_text(json.dumps(results, indent=1))
   keys = ("test_kl_untrained", "test_kl_trained", "test_kl_kvzip_alone", "trained_fraction")
   print(json.dumps({k: results[k] for k in keys} | results["timing"]))

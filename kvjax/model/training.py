@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -37,7 +38,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from kvjax import distributed
+from kvjax import distributed, rundir
 from kvjax.model import npzfile
 
 Array = jax.Array
@@ -502,7 +503,8 @@ def run(
     The :class:`Trained` weights, optimiser state and history.
 
   Raises:
-    ValueError: for a ``checkpoint_dir`` holding a run with another ``record``.
+    ValueError: for a ``checkpoint_dir`` holding a run with another ``record``, and a saved
+      step that cannot be restored (:func:`kvjax.rundir.restore_checkpoint`).
   """
   history: list[tuple[float, ...]] = []
   start, mngr = 0, None
@@ -522,7 +524,8 @@ def run(
         "opt_state": opt_state,
         "history": np.zeros((rows, len(loop.columns)), np.float64),
       }
-      item = mngr.restore(last, args=ocp.args.StandardRestore(like))
+      restore = functools.partial(mngr.restore, last, args=ocp.args.StandardRestore(like))
+      item = rundir.restore_checkpoint(path, last, restore)
       params, opt_state = item["params"], item["opt_state"]
       history = [tuple(float(v) for v in row) for row in np.asarray(item["history"])]
       start = last
