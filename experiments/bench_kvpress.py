@@ -44,7 +44,9 @@ Not part of CI. Run it in a venv that has torch 2.13.0 (CPU), kvpress 0.5.5, ggu
   /tmp/kvp/bin/python -m experiments.bench_kvpress [--quick] [--agreement-only]
 
 ``--agreement-only`` runs sections 0 and 1 only (a few minutes); ``--grid-only`` sections 2
-and 3.
+and 3; ``--kvjax-only`` section 3's kvjax side alone (no torch or kvpress needed). Section 3
+splits kvjax's time into the examples' prefill, the compressions, the answers (each stage with
+its compilation) and jax's compilation across them (tracing, lowering, XLA).
 
 It prints a line and exits 0 when torch, transformers, kvpress or the model file is missing.
 """
@@ -59,6 +61,7 @@ import sys
 import time
 import types
 
+import jax
 import numpy as np
 
 from experiments import machine
@@ -701,26 +704,67 @@ def pyramid_budget_check(kp, cfg, Tc: int, budgets: tuple[int, ...]) -> list[str
 # --------------------------------------------------------------------------- 2 + 3: answers, time
 
 
-def kvjax_grid(model, exs, pairs, budgets, G: int) -> tuple[float, dict]:
+# jax's compilation events: tracing, lowering to MLIR, XLA's compile
+COMPILE_EVENTS = (
+  "/jax/core/compile/jaxpr_trace_duration",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+  "/jax/core/compile/backend_compile_duration",
+)
+_compile_seconds = [0.0]
+
+
+def _count_compilation(event: str, seconds: float, **kwargs) -> None:
+  if event in COMPILE_EVENTS:
+    _compile_seconds[0] += seconds
+
+
+def compilation_seconds() -> float:
+  """jax's tracing, lowering and compiling seconds in this process so far."""
+  if not getattr(_count_compilation, "registered", False):
+    jax.monitoring.register_event_duration_secs_listener(_count_compilation)
+    _count_compilation.registered = True
+  return _compile_seconds[0]
+
+
+def kvjax_grid(model, exs, pairs, budgets, G: int) -> tuple[float, dict, dict, dict]:
   """One prefill of all examples, then every policy's budgets vmapped: ``(seconds, accuracy,
-  answers)`` with ``accuracy[(label, budget)]`` and the greedy answer tokens ``[B, N]``.
-  StreamingLLM and TOVA run as kvpress runs them, selected once after the context
-  (``PREFILL_TWINS``)."""
+  answers, breakdown)`` with ``accuracy[(label, budget)]``, the greedy answer tokens ``[B, N]``
+  and the seconds of the prefill, the compressions, the answers (each with its compilation) and
+  of jax's compilation in all of them. StreamingLLM and TOVA run as kvpress runs them, selected
+  once after the context (``PREFILL_TWINS``)."""
+  compiled0 = compilation_seconds()
   start = time.perf_counter()
   prefilled = evaluate.prefill_examples(
     model, exs, question="after", window=WINDOW_GRID, oracle=False
   )
+  jax.block_until_ready(prefilled.pre)
+  breakdown = {"prefill": time.perf_counter() - start, "compression": 0.0, "answers": 0.0}
   acc, answers = {}, {}
   for pair in pairs:
     b_kj = [b + pair.extra_budget for b in budgets]
     policy = PREFILL_TWINS.get(pair.policy, pair.policy)
     res = evaluate.evaluate_group(
-      model, exs, b_kj, policies.make(policy, **pair.options, num_kv_heads=G), prefilled=prefilled
+      model,
+      exs,
+      b_kj,
+      policies.make(policy, **pair.options, num_kv_heads=G),
+      prefilled=prefilled,
+      timings=breakdown,
     )
     for c, (b, row) in enumerate(zip(budgets, res["rows"], strict=True)):
       acc[(pair.label, b)] = row["accuracy"]
       answers[(pair.label, b)] = res["answers"].predicted[c]
-  return time.perf_counter() - start, acc, answers
+  seconds = time.perf_counter() - start
+  breakdown["compilation"] = compilation_seconds() - compiled0
+  return seconds, acc, answers, breakdown
+
+
+def breakdown_line(seconds: float, breakdown: dict) -> str:
+  """The kvjax grid's time split into its stages (each with its compilation), and the
+  compilation across them."""
+  parts = ", ".join(f"{k} {breakdown[k]:.1f} s" for k in ("prefill", "compression", "answers"))
+  rest = seconds - sum(breakdown[k] for k in ("prefill", "compression", "answers"))
+  return f"{parts}, the rest {rest:.1f} s; jax compilation {breakdown['compilation']:.1f} s of it"
 
 
 def kvpress_grid(torch, hf, exs, pairs, budgets, Tc: int, n_new: int) -> tuple[float, dict]:
@@ -811,11 +855,15 @@ def run_grid(torch, kvpress, hf, model, cfg, ptok, n_examples, budgets) -> tuple
     f"{list(budgets)}; context {Tc} tokens + question {q_len}, {n_new} answer tokens",
     flush=True,
   )
-  t_cold, acc_kj, ans_kj = kvjax_grid(model, exs, pairs, budgets, G)
+  t_cold, acc_kj, ans_kj, split = kvjax_grid(model, exs, pairs, budgets, G)
   print(f"  kvjax cold (compilation included): {t_cold:.1f} s", flush=True)
-  t_warm, _, ans_warm = kvjax_grid(model, exs, pairs, budgets, G)
+  print(f"    {breakdown_line(t_cold, split)}", flush=True)
+  t_warm, _, ans_warm, split = kvjax_grid(model, exs, pairs, budgets, G)
   same = all(np.array_equal(ans_warm[k], ans_kj[k]) for k in ans_kj)
   print(f"  kvjax warm: {t_warm:.1f} s (same answers as cold: {same})", flush=True)
+  print(f"    {breakdown_line(t_warm, split)}", flush=True)
+  if kvpress is None:  # --kvjax-only
+    return t_cold, t_warm, None
   t_kp, acc_kp, ans_kp = kvpress_grid(torch, hf, exs, pairs, budgets, Tc, n_new)
   print(f"  kvpress: {t_kp:.1f} s ({t_kp / (len(exs) * len(pairs) * len(budgets)):.2f} s per run)")
 
@@ -866,7 +914,14 @@ def main() -> int:
   parser.add_argument(
     "--presses", default="", help="section 1 for these press labels only (comma-separated)"
   )
+  parser.add_argument(
+    "--kvjax-only",
+    action="store_true",
+    help="section 3's kvjax side only, cold and warm with its breakdown (no torch or kvpress)",
+  )
   args = parser.parse_args()
+  if args.kvjax_only:
+    return kvjax_only(args.examples or (2 if args.quick else 8), args.quick)
   why = missing_requirement()
   if why:
     print(f"bench_kvpress: skipped ({why})")
@@ -941,6 +996,22 @@ def main() -> int:
   )
 
   return 0 if grid is None else _print_grid_ratio(grid)
+
+
+def kvjax_only(n_examples: int, quick: bool) -> int:
+  """Section 3's kvjax side alone (``--kvjax-only``): cold and warm, with the breakdown."""
+  try:
+    km.smollm2_path()
+  except FileNotFoundError as e:
+    print(f"bench_kvpress: skipped ({e})")
+    return 0
+  print(machine.machine_line(), flush=True)
+  register_prefill_twins()
+  model, cfg, ptok = evaluate.load_model("smollm2")
+  budgets = (64, 256) if quick else (64, 128, 256, 512)
+  t_cold, t_warm, _ = run_grid(None, None, None, model, cfg, ptok, n_examples, budgets)
+  print(f"\nkvjax grid: cold {t_cold:.1f} s, warm {t_warm:.1f} s")
+  return 0
 
 
 def _print_grid_ratio(grid) -> int:

@@ -176,6 +176,7 @@ def evaluate_group(
   prefilled=None,
   evidence=None,
   ratios=None,
+  timings=None,
 ) -> dict:
   """One (task, length, policy) group: per-budget accuracy and KL (``question``: see
   :func:`kvjax.model.answer_configs`), answered from ``prefilled`` (:func:`prefill_examples`)
@@ -183,7 +184,9 @@ def evaluate_group(
   (calibration, KVzip's reconstruction attention, HeadKV's ``head_scores_LH``); the policy
   gets those it reads. ``ratios`` (with ``budgets=None``): kvpress compression ratios of the
   compressed context instead of token budgets, all answered by one compiled program; each row
-  holds its ratio and the token budget it kept (:func:`kvjax.model.answers.budgets_of`)."""
+  holds its ratio and the token budget it kept (:func:`kvjax.model.answers.budgets_of`).
+  ``timings``: a dict that gets the seconds of the compression and of the answers added
+  (:func:`kvjax.model.answers.answer_prefilled`)."""
   if ratios is None and len(budgets) == 0:
     raise ValueError(f"budgets: no budget to evaluate for policy {policy.label!r}")
   n_len = None
@@ -201,7 +204,7 @@ def evaluate_group(
     policy, budgets, ratios, prefilled.pre.valid.shape[1]
   )
   out = answers_lib.answer_prefilled(
-    model, prefilled, budgets_K, policy=policy, evidence=given or None
+    model, prefilled, budgets_K, policy=policy, evidence=given or None, timings=timings
   )
   rows = []
   for c, b in enumerate(np.asarray(budgets_K)):

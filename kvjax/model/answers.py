@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -534,6 +535,7 @@ def answer_prefilled(
   layout: cache_lib.Layout | str = "kv",
   evidence=None,
   token_loop: bool = False,
+  timings: dict | None = None,
   **policy_options,
 ) -> Answers:
   """Answers under ``K`` budget configurations of ``policy`` from one :func:`prefill_answers`.
@@ -552,6 +554,9 @@ def answer_prefilled(
     token_loop: feed the answers token by token even where decoding only appends and they
       could go at once (the reference, and the baseline of ``experiments/bench_answers.py``; the
       results are the same).
+    timings: a dict to which the wall-clock seconds of the two stages are added, under
+      ``"compression"`` and ``"answers"`` (compilation included); the compressed caches are then
+      waited for before the answers start (``None``: nothing is timed or waited for).
     **policy_options: options of a registered policy name.
 
   Returns:
@@ -598,7 +603,11 @@ def answer_prefilled(
   T = pre.valid.shape[1]
   spec, alloc = decoding.configs_spec(cfg, pol, pre, budgets, window, layout, T, M, ev)
   sharded, K = decoding.shard_configs(budgets, params)
+  start = time.perf_counter()
   caches = _compress_configs(cfg, pre, spec, sharded, ev)
+  if timings is not None:
+    jax.block_until_ready(caches)
+    start = _add_seconds(timings, "compression", start)
   held_K = _held_bytes(caches, K)
   pred, logp, caches = _answer_configs(
     cfg,
@@ -615,7 +624,17 @@ def answer_prefilled(
   pred, logp, caches = jax.tree.map(lambda x: x[:K], (pred, logp, caches))
   decoding.check_overflow(caches)
   full = cache_lib.full_cache_bytes(cfg, B, Tc, llama.kv_itemsize(cfg, params))
-  return Answers(np.asarray(pred), np.asarray(logp), np.asarray(alloc), held_K, full, ratios)
+  out = Answers(np.asarray(pred), np.asarray(logp), np.asarray(alloc), held_K, full, ratios)
+  if timings is not None:
+    _add_seconds(timings, "answers", start)
+  return out
+
+
+def _add_seconds(timings: dict, stage: str, start: float) -> float:
+  """Adds the seconds since ``start`` to ``timings[stage]``; returns the time now."""
+  now = time.perf_counter()
+  timings[stage] = timings.get(stage, 0.0) + now - start
+  return now
 
 
 def _held_bytes(caches_K: cache_lib.KVCache, K: int) -> np.ndarray:
