@@ -223,9 +223,8 @@ def make_world(cfg: WorldConfig, *, values: bool = True) -> World:
     active[f, start:end] = True
   depth = np.linspace(0.0, 1.0, cfg.num_layers) if cfg.num_layers > 1 else np.zeros(1)
   beta = cfg.beta_bottom + (cfg.beta_top - cfg.beta_bottom) * depth
-  noise, roles, weights, values_LHTD = _random_tables(
-    dataclasses.replace(cfg, seed=0), values, jax.random.key(cfg.seed)
-  )
+  noise, roles, values_LHTD = _random_tables(_draw_config(cfg), values, jax.random.key(cfg.seed))
+  weights = _weights(_weights_config(cfg), roles)
   # scaled and added op by op: in one program with the draw, XLA:CPU folds the scale into the
   # draw's own factor and contracts multiplies and additions into fused multiply-adds, so some
   # values would move by an ulp or two from every world built before
@@ -254,16 +253,44 @@ def make_world(cfg: WorldConfig, *, values: bool = True) -> World:
   )
 
 
+# The fields each compiled table program reads: every other field is reset to its default, so
+# the scenarios of one world size share the random draw's program (the slowest to compile).
+_DRAW_FIELDS = ("num_layers", "num_heads", "prompt_len", "gen_steps", "head_dim", "role_fractions")
+_WEIGHT_FIELDS = (
+  "num_layers",
+  "num_heads",
+  "sink_weight",
+  "recency_weight",
+  "fact_weight",
+  "background_weight",
+  "sink_funnel",
+  "role_boost",
+)
+
+
+def _draw_config(cfg: WorldConfig) -> WorldConfig:
+  return WorldConfig(**{f: getattr(cfg, f) for f in _DRAW_FIELDS})
+
+
+def _weights_config(cfg: WorldConfig) -> WorldConfig:
+  return WorldConfig(**{f: getattr(cfg, f) for f in _WEIGHT_FIELDS})
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _random_tables(cfg: WorldConfig, values: bool, key: Array) -> tuple:
   """:func:`make_world`'s drawn tables from the seed's ``key`` (``cfg.seed`` is not read): the
-  salience's standard normal draw ``[L, H, T]``, the roles, the mixture weights and the
-  values."""
+  salience's standard normal draw ``[L, H, T]``, the roles and the values."""
   L, H, T = cfg.num_layers, cfg.num_heads, cfg.total_len
   k_sal, k_roles, k_val = jax.random.split(key, 3)
   roles = _roles(cfg, k_roles)
   values_LHTD = jax.random.normal(k_val, (L, H, T, cfg.head_dim if values else 0), jnp.float32)
-  return jax.random.normal(k_sal, (L, H, T)), roles, _mixture_weights(cfg, roles), values_LHTD
+  return jax.random.normal(k_sal, (L, H, T)), roles, values_LHTD
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _weights(cfg: WorldConfig, roles_LH: Array) -> Array:
+  """The mixture weights of :func:`_mixture_weights`, compiled per scenario (a small program)."""
+  return _mixture_weights(cfg, roles_LH)
 
 
 def _normalise(x: Array, visible: Array) -> tuple[Array, Array]:
