@@ -1,0 +1,509 @@
+"""Memory plans per chip: the longest prompt a policy family fits, from XLA's compiled plans.
+
+:func:`plan` compiles the three programs one generation runs, at abstract shapes
+(``jax.ShapeDtypeStruct``: no weights, nothing allocated), and reads XLA's memory plan of each
+(``compile().memory_analysis()``): the prefill with the evidence the policy asks for
+(:func:`kvjax.model.decoding.jit_prefill`), the compression of its outputs into the cache
+(the weights held alongside), and one decode step over the cache sized for every generated
+token (the cache donated, as the decode loop updates it in place; every step holds the same
+buffers). A program's bytes are its arguments, outputs and temporaries, less what an output
+aliases; the run's peak is the largest program's. :func:`longest_prompt` searches prompt
+lengths on a grid (doubling, then bisection) for the longest whose peak fits a chip of
+:data:`CHIPS` with :data:`HEADROOM` of its memory left free.
+
+What the plan is and is not:
+
+* It is XLA's **CPU** compile of the program, not a TPU's or a GPU's: their compilers may lay
+  buffers out differently (fusion, rematerialisation, their own scratch, and the CPU's
+  workarounds that kvjax takes on CPU only: 16-bit K/V carried as bits, the LM head by
+  vocabulary chunks, the packed sort). The headroom is there for that, the runtime's own
+  allocations and fragmentation. XLA:CPU computes bf16 matmuls in fp32, so the temporaries hold
+  one layer's fp32 weight copies (0.8 GiB at 8B) that a TPU or GPU never allocates: the plan
+  errs short on that side. The decode step is the device's form (the stacked cache; on CPU
+  kvjax splits the cache per layer for speed).
+* Compile with ``XLA_FLAGS=--xla_disable_hlo_passes=while-loop-invariant-code-motion``
+  (``experiments/memory_plan.py`` sets it): otherwise XLA:CPU converts every layer's bf16
+  weights to fp32 once, before the decode step's layer loop (twice the weights' bytes of
+  temporaries), which is an artefact of the CPU's fp32 matmuls.
+* **Sharded weights** (``shards=N``) are planned by compiling the per-device program of
+  kvjax's tensor-parallel layout (:mod:`kvjax.model.sharding`): each device holds ``Hq / N``
+  query and ``G / N`` KV heads of every layer and ``F / N`` of the MLP's features, with the
+  embeddings, norms and LM head whole. That program is the model's own at a config with those
+  head counts and MLP width (:func:`shard_config`); its plan is one device's, without the
+  all-reduce buffers (a ``[B, chunk, d]`` activation per layer) and with each head group's
+  allocation made within the device's own heads. ``N`` must divide ``G``, ``Hq`` and ``F``
+  (kvjax replicates K/V heads that do not divide, saving less).
+* Policies whose allocator adapts to the prompt (Ada-KV) are planned at the library's own bound
+  (:func:`kvjax.model.decoding.slots_bound`): any head may hold the whole prompt, and the
+  stacked cache pads every head to its layer's largest, so their cache is the full one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import policies
+from kvjax.eval import export_check
+from kvjax.model import cache as cache_lib
+from kvjax.model import decoding
+from kvjax.model.config import ModelConfig
+
+GiB = 2**30
+HEADROOM = 0.10  # the fraction of a chip's memory left free: compiler, runtime, fragmentation
+NEW_TOKENS = 128  # tokens generated after the prompt (the cache's room and the decode loop)
+STEP = 1024  # the grid of prompt lengths searched
+FRACTIONS = (1.0, 0.25, 0.1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One accelerator.
+
+  Attributes:
+    name: its short name.
+    hbm_gib: its memory in GiB, as the runtime reports it usable.
+    platform: ``"tpu"`` or ``"gpu"``.
+    device_kind: a lower-case substring of ``jax.Device.device_kind`` that identifies it.
+  """
+
+  name: str
+  hbm_gib: float
+  platform: str
+  device_kind: str
+
+
+CHIPS = {
+  c.name: c
+  for c in (
+    Chip("v5e-1", 16.0, "tpu", "v5 lite"),
+    Chip("v6e-1", 32.0, "tpu", "v6 lite"),
+    Chip("t4", 15.0, "gpu", "t4"),
+    Chip("l4", 24.0, "gpu", "l4"),
+    Chip("a100-40", 40.0, "gpu", "a100-sxm4-40gb"),
+    Chip("a100-80", 80.0, "gpu", "a100-sxm4-80gb"),
+    Chip("h100-80", 80.0, "gpu", "h100"),
+  )
+}
+
+# a family's representative policy: what its prefill computes and what its cache holds
+FAMILIES = {
+  "snapkv": "snapkv",  # window scores reduced in the layer scan; a uniform budget (PyramidKV too)
+  "adakv": "adakv_snapkv",  # the same evidence, budgets allocated per head from it
+  "h2o": "h2o",  # column sums over the whole prompt; accumulated scores evicted while decoding
+  "knorm": "knorm",  # no attention evidence: key norms alone
+  "expected_attention": "expected_attention",  # query statistics of the prompt
+}
+
+
+def qwen3_8b(num_layers: int = 36) -> ModelConfig:
+  """A Qwen3-8B-shaped config (32 query / 8 KV heads of 128 with QK-norm, d 4096, F 12288).
+
+  Args:
+    num_layers: the layers (36 in the model).
+
+  Returns:
+    The config.
+  """
+  return ModelConfig(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=num_layers,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    qk_norm=True,
+    family="qwen3",
+    max_positions=40960,
+  )
+
+
+MODELS = {"llama-3.1-8b": export_check.llama31_8b, "qwen3-8b": qwen3_8b}
+
+
+def check_chip(chip: str) -> Chip:
+  """The :class:`Chip` named ``chip``.
+
+  Raises:
+    ValueError: for a name not in :data:`CHIPS`.
+  """
+  if chip not in CHIPS:
+    raise ValueError(f"chip: unknown chip {chip!r}; expected one of {tuple(CHIPS)}")
+  return CHIPS[chip]
+
+
+def check_family(family: str) -> str:
+  """The registered policy name of ``family``.
+
+  Raises:
+    ValueError: for a family not in :data:`FAMILIES`.
+  """
+  if family not in FAMILIES:
+    raise ValueError(f"family: unknown policy family {family!r}; expected one of {tuple(FAMILIES)}")
+  return FAMILIES[family]
+
+
+def check_fraction(fraction) -> float:
+  """``fraction`` as a float in ``(0, 1]``.
+
+  Raises:
+    ValueError: for anything else.
+  """
+  if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+    raise ValueError(f"fraction: expected a number in (0, 1], got {fraction!r}")
+  if not (0 < fraction <= 1) or math.isnan(fraction):
+    raise ValueError(f"fraction: expected a number in (0, 1], got {fraction!r}")
+  return float(fraction)
+
+
+def _check_count(name: str, value, low: int = 1) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+  return value
+
+
+def check_headroom(headroom) -> float:
+  """``headroom`` as a float in ``[0, 1)``.
+
+  Raises:
+    ValueError: for anything else.
+  """
+  if isinstance(headroom, bool) or not isinstance(headroom, int | float) or not 0 <= headroom < 1:
+    raise ValueError(f"headroom: expected a fraction in [0, 1), got {headroom!r}")
+  return float(headroom)
+
+
+def shard_config(cfg: ModelConfig, shards: int) -> ModelConfig:
+  """The config whose program is one device's of ``cfg``'s weights split over ``shards``.
+
+  kvjax's tensor-parallel layout (:mod:`kvjax.model.sharding`) gives each device whole query
+  and KV heads and a slice of the MLP's features; the embeddings, norms and LM head stay
+  whole. A device then runs the model at ``Hq / N`` and ``G / N`` heads and ``F / N``
+  features (plus the all-reduces, whose buffers this leaves out).
+
+  Args:
+    cfg: the model's config.
+    shards: the devices the weights are split over.
+
+  Returns:
+    ``cfg`` with its heads and MLP width divided by ``shards``.
+
+  Raises:
+    ValueError: for ``shards`` not an int >= 1, or one that does not divide the KV heads, the
+      query heads and the MLP width.
+  """
+  n = _check_count("shards", shards)
+  counts = {
+    "num_kv_heads": cfg.num_kv_heads,
+    "num_heads": cfg.num_heads,
+    "intermediate_size": cfg.intermediate_size,
+  }
+  wrong = {k: v for k, v in counts.items() if v % n}
+  if wrong:
+    raise ValueError(f"shards: {n} does not divide the model's {wrong}; expected a divisor of all")
+  return dataclasses.replace(cfg, **{k: v // n for k, v in counts.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """XLA's memory plan of one generation, in bytes.
+
+  Attributes:
+    prefill: the prefill program's arguments + outputs + temporaries.
+    compress: the compression's (the weights and the prefill's outputs in, the cache out).
+    decode: one decode step's (the weights and the cache, updated in place).
+    weights: the weights' bytes (one device's).
+    cache: the compressed cache's bytes (the decode loop's cache output).
+  """
+
+  prefill: int
+  compress: int
+  decode: int
+  weights: int
+  cache: int
+
+  @property
+  def peak(self) -> int:
+    """The larger program's bytes: what the device must hold at once."""
+    return max(self.prefill, self.compress, self.decode)
+
+
+def _bytes(compiled) -> int:
+  """A compiled program's planned bytes: arguments, outputs and temporaries (an output that
+  aliases an argument counted once)."""
+  m = compiled.memory_analysis()
+  return (
+    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+  )
+
+
+def _tree_bytes(tree) -> int:
+  return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+def _ids(batch: int, tokens: int):
+  return jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
+
+
+@functools.cache
+def _prefill_bytes(cfg: ModelConfig, name: str, tokens: int, batch: int) -> tuple[int, object]:
+  """The prefill program's bytes and its abstract output, traced for the device."""
+  pol = policies.build(name)
+  params = export_check.abstract_params(cfg, jnp.bfloat16)
+  ids = _ids(batch, tokens)
+  request = pol.evidence_request(tokens, reduce_rows=True)
+  lowered = decoding.jit_prefill.lower(cfg, params, ids, ids, request)
+  pre = jax.eval_shape(
+    functools.partial(decoding.jit_prefill, cfg, request=request), params, ids, ids
+  )
+  return _bytes(lowered.compile()), pre
+
+
+def _compress(cfg, spec, params, pre, budget):
+  """Compression of the prefill into the cache; the weights stay resident meanwhile (an
+  argument kept, unused)."""
+  del params
+  return cache_lib.compress(cfg, pre, spec, budget)
+
+
+def _decode_step(cfg, spec, params, cache, token, pos, t):
+  """One decode step; the cache is donated, as the decode loop updates its carry in place."""
+  return cache_lib.decode_step(cfg, params, spec, cache, token, pos, t, step=0)
+
+
+@functools.cache
+def _plan(cfg: ModelConfig, name: str, fraction: float, tokens: int, batch: int, new: int) -> Plan:
+  prefill, pre = _prefill_bytes(cfg, name, tokens, batch)
+  pol = policies.build(name)
+  budget = max(1, int(tokens * fraction))
+  capacity = decoding.slots_bound(pol, budget, tokens, new)
+  spec = cache_lib.CacheSpec(pol, capacity, new_tokens=new)
+  params = export_check.abstract_params(cfg, jnp.bfloat16)
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  compress = jax.jit(_compress, static_argnames=("cfg", "spec"), keep_unused=True)
+  lowered = compress.lower(cfg, spec, params, pre, scalar)
+  cache = jax.eval_shape(functools.partial(_compress, cfg, spec), params, pre, scalar)
+  compressed = _bytes(lowered.compile())
+  rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  step = jax.jit(_decode_step, static_argnames=("cfg", "spec"), donate_argnames=("cache",))
+  lowered = step.lower(cfg, spec, params, cache, rows, rows, rows)
+  decoded = _bytes(lowered.compile())
+  return Plan(prefill, compressed, decoded, _tree_bytes(params), _tree_bytes(cache))
+
+
+def plan(
+  cfg: ModelConfig,
+  family: str,
+  fraction: float,
+  tokens: int,
+  *,
+  shards: int = 1,
+  batch: int = 1,
+  new_tokens: int = NEW_TOKENS,
+) -> Plan:
+  """XLA's compiled memory plan of one generation (prefill, compression, decode), in bf16.
+
+  Compiles are cached by their shapes: a prefill is compiled once for every cache fraction.
+
+  Args:
+    cfg: the model's config.
+    family: a policy family of :data:`FAMILIES`.
+    fraction: the cache's budget as a fraction of the prompt, in ``(0, 1]`` (1: every token).
+    tokens: the prompt's tokens per row.
+    shards: the devices the weights are split over (:func:`shard_config`); the plan is one
+      device's.
+    batch: rows per call.
+    new_tokens: tokens generated after the prompt (>= 1).
+
+  Returns:
+    The :class:`Plan`.
+
+  Raises:
+    ValueError: for an unknown family, a fraction outside ``(0, 1]``, counts that are not
+      ints >= 1, or ``shards`` that do not divide the model's heads.
+  """
+  name = check_family(family)
+  fraction = check_fraction(fraction)
+  for arg, value in (("tokens", tokens), ("batch", batch), ("new_tokens", new_tokens)):
+    _check_count(arg, value)
+  return _plan(shard_config(cfg, shards), name, fraction, tokens, batch, new_tokens)
+
+
+def longest_fitting(
+  bytes_of: Callable[[int], int], limit: int, *, step: int = STEP, max_tokens: int
+) -> tuple[int, list[int]]:
+  """The longest multiple of ``step`` up to ``max_tokens`` whose ``bytes_of`` is at most ``limit``.
+
+  ``bytes_of`` must not decrease with the length. Doubling from ``step`` brackets the answer,
+  bisection on the grid narrows it; the search stops at the first length that does not fit.
+
+  Args:
+    bytes_of: a prompt length -> the bytes it needs.
+    limit: the bytes available.
+    step: the grid's spacing (tokens).
+    max_tokens: the longest prompt allowed (the model's context less the generated tokens).
+
+  Returns:
+    ``(tokens, tried)``: the longest fitting length (0 when not even ``step`` fits) and the
+    lengths evaluated, in order.
+
+  Raises:
+    ValueError: for ``step`` or ``max_tokens`` not an int >= 1, or ``limit`` < 0.
+  """
+  _check_count("step", step)
+  _check_count("max_tokens", max_tokens)
+  if isinstance(limit, bool) or not isinstance(limit, int | float) or limit < 0:
+    raise ValueError(f"limit: expected bytes >= 0, got {limit!r}")
+  top = max_tokens // step  # the grid's last point, in steps
+  tried = []
+
+  def fits(k: int) -> bool:
+    tried.append(k * step)
+    return bytes_of(k * step) <= limit
+
+  if top == 0 or not fits(1):
+    return 0, tried
+  lo, hi = 1, None
+  while hi is None:
+    k = min(2 * lo, top)
+    if k == lo:  # the whole grid fits
+      return lo * step, tried
+    if fits(k):
+      lo = k
+    else:
+      hi = k
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    if fits(mid):
+      lo = mid
+    else:
+      hi = mid
+  return lo * step, tried
+
+
+def max_prompt(cfg: ModelConfig, new_tokens: int = NEW_TOKENS) -> int:
+  """The longest prompt the model's context allows before ``new_tokens`` (its
+  ``max_positions``; 128k when it does not say)."""
+  context = cfg.max_positions if cfg.max_positions is not None else 131072
+  return context - new_tokens
+
+
+def longest_prompt(
+  cfg: ModelConfig,
+  family: str,
+  fraction: float,
+  chip: str,
+  *,
+  shards: int = 1,
+  headroom: float = HEADROOM,
+  step: int = STEP,
+  batch: int = 1,
+  new_tokens: int = NEW_TOKENS,
+) -> int:
+  """The longest prompt (a multiple of ``step``) a chip fits under a policy family.
+
+  Args:
+    cfg: the model's config.
+    family: a policy family of :data:`FAMILIES`.
+    fraction: the cache's budget as a fraction of the prompt, in ``(0, 1]``.
+    chip: a chip of :data:`CHIPS`.
+    shards: the chips the weights are split over (the plan is one chip's).
+    headroom: the fraction of the chip's memory left free.
+    step: the grid of prompt lengths.
+    batch: rows per call.
+    new_tokens: tokens generated after the prompt.
+
+  Returns:
+    The longest fitting prompt, 0 when not even ``step`` tokens fit.
+
+  Raises:
+    ValueError: for an unknown chip or family, a fraction outside ``(0, 1]``, a headroom
+      outside ``[0, 1)``, or counts that are not ints >= 1.
+  """
+  limit = check_chip(chip).hbm_gib * GiB * (1 - check_headroom(headroom))
+  check_family(family)
+  check_fraction(fraction)
+  shard_config(cfg, shards)
+
+  def peak(tokens: int) -> int:
+    return plan(
+      cfg, family, fraction, tokens, shards=shards, batch=batch, new_tokens=new_tokens
+    ).peak
+
+  return longest_fitting(peak, limit, step=step, max_tokens=max_prompt(cfg, new_tokens))[0]
+
+
+# The longest prompts of the table in docs/accelerators.md (python -m experiments.memory_plan),
+# batch 1, 128 new tokens, 10 % headroom: {(model, chip, shards): {(family, fraction): tokens}}.
+# Filled from the full run; a device kvjax has no entry for falls back to CPU_DEFAULT.
+TABLE: dict[tuple[str, str, int], dict[tuple[str, float], int]] = {}
+CPU_DEFAULT = 4096  # a prompt the notebooks run in minutes on a laptop's CPU
+
+
+def detect_chip(devices=None) -> str | None:
+  """The :data:`CHIPS` name of the first device, or ``None`` on a CPU or an unlisted chip.
+
+  Args:
+    devices: the devices (``jax.devices()`` when ``None``).
+
+  Returns:
+    The chip's name, or ``None``.
+  """
+  devices = jax.devices() if devices is None else devices
+  if not devices or devices[0].platform == "cpu":
+    return None
+  kind = str(getattr(devices[0], "device_kind", "")).lower()
+  # the longest matching substring wins ("a100-sxm4-80gb" over a shorter one)
+  found = [c for c in CHIPS.values() if c.device_kind in kind]
+  return max(found, key=lambda c: len(c.device_kind)).name if found else None
+
+
+def settings_for_device(
+  model: str = "llama-3.1-8b",
+  family: str = "snapkv",
+  fraction: float = 0.1,
+  *,
+  devices=None,
+  table: dict | None = None,
+) -> dict:
+  """The longest prompt to run on the device found, from the memory plans' table.
+
+  Args:
+    model: a model of :data:`MODELS`.
+    family: a policy family of :data:`FAMILIES`.
+    fraction: one of :data:`FRACTIONS`.
+    devices: the devices (``jax.devices()`` when ``None``); several of one chip plan the
+      weights sharded over them where the table has that count.
+    table: the plans (:data:`TABLE` when ``None``).
+
+  Returns:
+    ``{"chip", "shards", "tokens", "source"}``: the chip's name (``None`` on a CPU or an
+    unlisted chip), the shards planned, the longest prompt, and ``"plan"`` or ``"default"``
+    (:data:`CPU_DEFAULT`, where the table has no entry or the model does not fit).
+
+  Raises:
+    ValueError: for an unknown model or family, or a fraction not in :data:`FRACTIONS`.
+  """
+  if model not in MODELS:
+    raise ValueError(f"model: unknown model {model!r}; expected one of {tuple(MODELS)}")
+  check_family(family)
+  if check_fraction(fraction) not in FRACTIONS:
+    raise ValueError(f"fraction: {fraction!r} has no plan; expected one of {FRACTIONS}")
+  devices = jax.devices() if devices is None else devices
+  table = TABLE if table is None else table
+  chip = detect_chip(devices)
+  if chip is not None:
+    counts = sorted({s for (m, c, s) in table if (m, c) == (model, chip) and s <= len(devices)})
+    for shards in reversed(counts):
+      tokens = table[(model, chip, shards)].get((family, float(fraction)), 0)
+      if tokens:
+        return {"chip": chip, "shards": shards, "tokens": tokens, "source": "plan"}
+  return {"chip": chip, "shards": 1, "tokens": CPU_DEFAULT, "source": "default"}
