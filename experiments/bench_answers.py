@@ -22,6 +22,7 @@ import time
 import jax
 import numpy as np
 
+from experiments import machine
 from kvjax import policies
 from kvjax.eval import evaluate
 from kvjax.model import answers
@@ -52,6 +53,7 @@ def main() -> int:
   parser.add_argument("--length", type=int, default=1024)
   parser.add_argument("--repeats", type=int, default=2)
   args = parser.parse_args()
+  print(machine.machine_line())
   length = args.length
   if length <= max(CASES[1][1]):
     parser.error(f"--length: {length} must exceed the largest budget {max(CASES[1][1])}")

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from experiments import machine
 from kvjax import model as km
 from kvjax import policies
 
@@ -109,6 +110,7 @@ def main() -> None:
   )
   parser.add_argument("--attention", default="blocked", choices=km.llama.ATTENTION)
   args = parser.parse_args()
+  print(machine.machine_line())
   chunk = args.chunk or None
   cases = [("llama-3.2-1b", 8192)]
   if not args.quick:

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import machine
 from kvjax import model as km
 from kvjax.eval import streaming
 
@@ -114,6 +115,7 @@ def main() -> None:
   parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every core)")
   args = parser.parse_args()
   threads = args.threads or os.cpu_count()
+  print(machine.machine_line())
   model, cfg = km.load("smollm2", dtype="float32")
   params = {"fp32": model.params()}
   params["mixed"] = km.llama.with_matmul_dtype(params["fp32"], jnp.bfloat16)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from experiments import machine
 from kvjax import model as km
 from kvjax.eval.search import fitness, optimise, runner
 from kvjax.eval.search.space import Space
@@ -36,6 +37,7 @@ def _table():
 
 def main(argv):
   del argv
+  print(machine.machine_line())
   table, shape, window = _table()
   space = Space.from_budget(shape, 32, window, table.prompt_len)
   pop = np.random.default_rng(0).normal(size=(_POP.value, space.num_params)).astype(np.float32)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import machine
 from kvjax import select
 
 
@@ -80,6 +81,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small shapes for a smoke run")
   args = parser.parse_args()
+  print(machine.machine_line())
   L, H, T, C, K = (4, 4, 1024, 64, 8) if args.quick else (32, 32, 8192, 512, 64)
 
   rng = np.random.default_rng(0)

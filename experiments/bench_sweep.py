@@ -36,6 +36,7 @@ import ml_collections
 import numpy as np
 
 from configs import sweep_lab
+from experiments import machine
 from kvjax import policies
 from kvjax.lab import sweep
 
@@ -126,6 +127,7 @@ def main() -> None:
     help="persistent compilation cache: a directory, 'default' (the user cache dir) or '' (off)",
   )
   args = parser.parse_args()
+  print(machine.machine_line())
   os.environ[sweep.COMPILATION_CACHE_ENV] = args.compilation_cache  # fresh processes too
   sizes = (4, 4, 1024, 8) if args.quick else (32, 32, 8192, 16)
   L, H, P, S = sizes
