@@ -84,7 +84,22 @@ def _round(x, digits: int = 3):
   return np.vectorize(lambda v: float(f"{v:.{digits}g}"), otypes=[float])(np.asarray(x)).tolist()
 
 
-def _scenario(world: synthetic.World, built: dict, budgets, focus: str, seed: int) -> dict:
+def _capacities(worlds: dict, evidence: dict, built: dict, budgets) -> dict[str, int]:
+  """Each policy's slot count: its largest allocation over every scenario and budget, so that one
+  compiled replay per policy serves the whole page."""
+  return {
+    name: max(
+      int(np.asarray(online.allocate(world, policy, b, evidence[scenario])).max())
+      for scenario, world in worlds.items()
+      for b in budgets
+    )
+    for name, policy in built.items()
+  }
+
+
+def _scenario(
+  world: synthetic.World, evidence, built: dict, budgets, focus: str, seed: int, capacity: dict
+) -> dict:
   dims = world.dims
   P, T, S = dims.prompt_len, dims.total_len, dims.gen_steps
   width = math.ceil(T / MAX_BINS)
@@ -92,12 +107,6 @@ def _scenario(world: synthetic.World, built: dict, budgets, focus: str, seed: in
   rows_SLHT = np.stack([np.asarray(synthetic.attention_row(world, P + s)) for s in steps])
   facts_T = np.asarray(world.fact_mask_FT).any(0)
   active = [np.flatnonzero(np.asarray(synthetic.active_fact_positions(world, s))) for s in steps]
-  evidence = online.prompt_evidence(world, jax.random.key(seed))
-  # One compiled replay per policy serves every budget: its capacity is the largest allocation.
-  capacity = {
-    name: max(int(np.asarray(online.allocate(world, p, b, evidence)).max()) for b in budgets)
-    for name, p in built.items()
-  }
   per_budget = {}
   for budget in budgets:
     entry = {"mass": {}, "mean": {}, "layer": {}, "map": {}}
@@ -163,11 +172,19 @@ def explorer_data(config, built: dict, *, focus: str | None = None, log=print) -
   if focus not in built:
     raise ValueError(f"focus: {focus!r} is not among the policies {list(built)}")
   budgets = budget_grid(config, built)
+  seed = config.world.seed
+  worlds = {
+    name: synthetic.make_world(synthetic.world_config(name, config.world))
+    for name in config.scenarios
+  }
+  evidence = {
+    name: online.prompt_evidence(world, jax.random.key(seed)) for name, world in worlds.items()
+  }
+  capacity = _capacities(worlds, evidence, built, budgets)
   scenarios = {}
-  for name in config.scenarios:
+  for name, world in worlds.items():
     log(f"  explorer: {name} over budgets {list(budgets)}")
-    world = synthetic.make_world(synthetic.world_config(name, config.world))
-    scenarios[name] = _scenario(world, built, budgets, focus, config.world.seed)
+    scenarios[name] = _scenario(world, evidence[name], built, budgets, focus, seed, capacity)
   default = min(budgets, key=lambda b: abs(b - config.budget))
   return {
     "policies": list(built),
