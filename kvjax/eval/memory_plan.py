@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Callable
 
 import jax
@@ -69,7 +70,7 @@ class Chip:
     name: its short name.
     hbm_gib: its memory in GiB, as the runtime reports it usable.
     platform: ``"tpu"`` or ``"gpu"``.
-    device_kind: a lower-case substring of ``jax.Device.device_kind`` that identifies it.
+    device_kind: a regular expression that ``jax.Device.device_kind`` (lower-cased) matches.
   """
 
   name: str
@@ -81,13 +82,13 @@ class Chip:
 CHIPS = {
   c.name: c
   for c in (
-    Chip("v5e-1", 16.0, "tpu", "v5 lite"),
-    Chip("v6e-1", 32.0, "tpu", "v6 lite"),
-    Chip("t4", 15.0, "gpu", "t4"),
-    Chip("l4", 24.0, "gpu", "l4"),
-    Chip("a100-40", 40.0, "gpu", "a100-sxm4-40gb"),
-    Chip("a100-80", 80.0, "gpu", "a100-sxm4-80gb"),
-    Chip("h100-80", 80.0, "gpu", "h100"),
+    Chip("v5e-1", 16.0, "tpu", r"v5 ?lite|v5e"),
+    Chip("v6e-1", 32.0, "tpu", r"v6 ?lite|v6e"),
+    Chip("t4", 15.0, "gpu", r"\bt4\b"),
+    Chip("l4", 24.0, "gpu", r"\bl4\b"),
+    Chip("a100-40", 40.0, "gpu", r"a100.*40gb"),
+    Chip("a100-80", 80.0, "gpu", r"a100.*80gb"),
+    Chip("h100-80", 80.0, "gpu", r"h100"),
   )
 }
 
@@ -441,10 +442,212 @@ def longest_prompt(
   return longest_fitting(peak, limit, step=step, max_tokens=max_prompt(cfg, new_tokens))[0]
 
 
-# The longest prompts of the table in docs/accelerators.md (python -m experiments.memory_plan),
-# batch 1, 128 new tokens, 10 % headroom: {(model, chip, shards): {(family, fraction): tokens}}.
-# Filled from the full run; a device kvjax has no entry for falls back to CPU_DEFAULT.
-TABLE: dict[tuple[str, str, int], dict[tuple[str, float], int]] = {}
+# The longest prompts of the tables in docs/accelerators.md (python -m experiments.memory_plan:
+# batch 1, bf16, 128 new tokens, 10 % headroom, a 4096-token grid), as
+# {(model, chip, shards): {(family, fraction): tokens}}; 0: not even 4096 tokens fit. A device
+# without an entry falls back to CPU_DEFAULT.
+_ROWS = {  # (model, chip, shards): {family: longest prompts at FRACTIONS (100 %, 25 %, 10 %)}
+  ("llama-3.1-8b", "v5e-1", 1): {
+    "snapkv": (0, 0, 0),
+    "adakv": (0, 0, 0),
+    "h2o": (0, 0, 0),
+    "knorm": (0, 0, 0),
+    "expected_attention": (0, 0, 0),
+  },
+  ("llama-3.1-8b", "v6e-1", 1): {
+    "snapkv": (53248, 81920, 94208),
+    "adakv": (53248, 53248, 53248),
+    "h2o": (32768, 49152, 49152),
+    "knorm": (24576, 32768, 32768),
+    "expected_attention": (4096, 4096, 4096),
+  },
+  ("llama-3.1-8b", "t4", 1): {
+    "snapkv": (0, 0, 0),
+    "adakv": (0, 0, 0),
+    "h2o": (0, 0, 0),
+    "knorm": (0, 0, 0),
+    "expected_attention": (0, 0, 0),
+  },
+  ("llama-3.1-8b", "l4", 1): {
+    "snapkv": (24576, 40960, 40960),
+    "adakv": (24576, 24576, 24576),
+    "h2o": (16384, 20480, 20480),
+    "knorm": (12288, 16384, 16384),
+    "expected_attention": (0, 0, 0),
+  },
+  ("llama-3.1-8b", "a100-40", 1): {
+    "snapkv": (81920, 126976, 126976),
+    "adakv": (81920, 81920, 81920),
+    "h2o": (53248, 73728, 77824),
+    "knorm": (40960, 49152, 53248),
+    "expected_attention": (8192, 8192, 8192),
+  },
+  ("llama-3.1-8b", "a100-80", 1): {
+    "snapkv": (126976, 126976, 126976),
+    "adakv": (126976, 126976, 126976),
+    "h2o": (126976, 126976, 126976),
+    "knorm": (114688, 126976, 126976),
+    "expected_attention": (28672, 28672, 28672),
+  },
+  ("llama-3.1-8b", "h100-80", 1): {
+    "snapkv": (126976, 126976, 126976),
+    "adakv": (126976, 126976, 126976),
+    "h2o": (126976, 126976, 126976),
+    "knorm": (114688, 126976, 126976),
+    "expected_attention": (28672, 28672, 28672),
+  },
+  ("llama-3.1-8b", "v5e-1", 2): {
+    "snapkv": (45056, 69632, 73728),
+    "adakv": (45056, 45056, 45056),
+    "h2o": (28672, 40960, 40960),
+    "knorm": (20480, 28672, 28672),
+    "expected_attention": (4096, 4096, 4096),
+  },
+  ("llama-3.1-8b", "v6e-1", 2): {
+    "snapkv": (126976, 126976, 126976),
+    "adakv": (126976, 126976, 126976),
+    "h2o": (106496, 126976, 126976),
+    "knorm": (81920, 98304, 106496),
+    "expected_attention": (20480, 20480, 20480),
+  },
+  ("llama-3.1-8b", "t4", 2): {
+    "snapkv": (36864, 61440, 61440),
+    "adakv": (36864, 36864, 36864),
+    "h2o": (24576, 32768, 32768),
+    "knorm": (20480, 24576, 24576),
+    "expected_attention": (4096, 4096, 4096),
+  },
+  ("llama-3.1-8b", "l4", 2): {
+    "snapkv": (102400, 126976, 126976),
+    "adakv": (102400, 102400, 102400),
+    "h2o": (69632, 90112, 94208),
+    "knorm": (53248, 65536, 65536),
+    "expected_attention": (12288, 12288, 12288),
+  },
+  ("llama-3.1-8b", "a100-40", 2): {
+    "snapkv": (126976, 126976, 126976),
+    "adakv": (126976, 126976, 126976),
+    "h2o": (126976, 126976, 126976),
+    "knorm": (110592, 126976, 126976),
+    "expected_attention": (24576, 28672, 28672),
+  },
+  ("llama-3.1-8b", "a100-80", 2): {
+    "snapkv": (126976, 126976, 126976),
+    "adakv": (126976, 126976, 126976),
+    "h2o": (126976, 126976, 126976),
+    "knorm": (126976, 126976, 126976),
+    "expected_attention": (61440, 65536, 65536),
+  },
+  ("llama-3.1-8b", "h100-80", 2): {
+    "snapkv": (126976, 126976, 126976),
+    "adakv": (126976, 126976, 126976),
+    "h2o": (126976, 126976, 126976),
+    "knorm": (126976, 126976, 126976),
+    "expected_attention": (61440, 65536, 65536),
+  },
+  ("qwen3-8b", "v5e-1", 1): {
+    "snapkv": (0, 0, 0),
+    "adakv": (0, 0, 0),
+    "h2o": (0, 0, 0),
+    "knorm": (0, 0, 0),
+    "expected_attention": (0, 0, 0),
+  },
+  ("qwen3-8b", "v6e-1", 1): {
+    "snapkv": (36864, 36864, 36864),
+    "adakv": (36864, 36864, 36864),
+    "h2o": (28672, 36864, 36864),
+    "knorm": (20480, 28672, 28672),
+    "expected_attention": (4096, 4096, 4096),
+  },
+  ("qwen3-8b", "t4", 1): {
+    "snapkv": (0, 0, 0),
+    "adakv": (0, 0, 0),
+    "h2o": (0, 0, 0),
+    "knorm": (0, 0, 0),
+    "expected_attention": (0, 0, 0),
+  },
+  ("qwen3-8b", "l4", 1): {
+    "snapkv": (20480, 32768, 36864),
+    "adakv": (20480, 20480, 20480),
+    "h2o": (12288, 16384, 16384),
+    "knorm": (8192, 12288, 12288),
+    "expected_attention": (0, 0, 0),
+  },
+  ("qwen3-8b", "a100-40", 1): {
+    "snapkv": (36864, 36864, 36864),
+    "adakv": (36864, 36864, 36864),
+    "h2o": (36864, 36864, 36864),
+    "knorm": (36864, 36864, 36864),
+    "expected_attention": (8192, 8192, 8192),
+  },
+  ("qwen3-8b", "a100-80", 1): {
+    "snapkv": (36864, 36864, 36864),
+    "adakv": (36864, 36864, 36864),
+    "h2o": (36864, 36864, 36864),
+    "knorm": (36864, 36864, 36864),
+    "expected_attention": (24576, 24576, 24576),
+  },
+  ("qwen3-8b", "h100-80", 1): {
+    "snapkv": (36864, 36864, 36864),
+    "adakv": (36864, 36864, 36864),
+    "h2o": (36864, 36864, 36864),
+    "knorm": (36864, 36864, 36864),
+    "expected_attention": (24576, 24576, 24576),
+  },
+  ("qwen3-8b", "v5e-1", 2): {
+    "snapkv": (36864, 36864, 36864),
+    "adakv": (36864, 36864, 36864),
+    "h2o": (24576, 32768, 32768),
+    "knorm": (16384, 24576, 24576),
+    "expected_attention": (4096, 4096, 4096),
+  },
+  ("qwen3-8b", "v6e-1", 2): {
+    "snapkv": (36864, 36864, 36864),
+    "adakv": (36864, 36864, 36864),
+    "h2o": (36864, 36864, 36864),
+    "knorm": (36864, 36864, 36864),
+    "expected_attention": (16384, 16384, 16384),
+  },
+  ("qwen3-8b", "t4", 2): {
+    "snapkv": (32768, 36864, 36864),
+    "adakv": (32768, 32768, 32768),
+    "h2o": (20480, 28672, 28672),
+    "knorm": (16384, 20480, 20480),
+    "expected_attention": (4096, 4096, 4096),
+  },
+  ("qwen3-8b", "l4", 2): {
+    "snapkv": (36864, 36864, 36864),
+    "adakv": (36864, 36864, 36864),
+    "h2o": (36864, 36864, 36864),
+    "knorm": (36864, 36864, 36864),
+    "expected_attention": (8192, 8192, 12288),
+  },
+  ("qwen3-8b", "a100-40", 2): {
+    "snapkv": (36864, 36864, 36864),
+    "adakv": (36864, 36864, 36864),
+    "h2o": (36864, 36864, 36864),
+    "knorm": (36864, 36864, 36864),
+    "expected_attention": (24576, 24576, 24576),
+  },
+  ("qwen3-8b", "a100-80", 2): {
+    "snapkv": (36864, 36864, 36864),
+    "adakv": (36864, 36864, 36864),
+    "h2o": (36864, 36864, 36864),
+    "knorm": (36864, 36864, 36864),
+    "expected_attention": (36864, 36864, 36864),
+  },
+  ("qwen3-8b", "h100-80", 2): {
+    "snapkv": (36864, 36864, 36864),
+    "adakv": (36864, 36864, 36864),
+    "h2o": (36864, 36864, 36864),
+    "knorm": (36864, 36864, 36864),
+    "expected_attention": (36864, 36864, 36864),
+  },
+}
+TABLE: dict[tuple[str, str, int], dict[tuple[str, float], int]] = {
+  key: {(f, x): n for f, ns in row.items() for x, n in zip(FRACTIONS, ns, strict=True)}
+  for key, row in _ROWS.items()
+}
 CPU_DEFAULT = 4096  # a prompt the notebooks run in minutes on a laptop's CPU
 
 
@@ -461,9 +664,8 @@ def detect_chip(devices=None) -> str | None:
   if not devices or devices[0].platform == "cpu":
     return None
   kind = str(getattr(devices[0], "device_kind", "")).lower()
-  # the longest matching substring wins ("a100-sxm4-80gb" over a shorter one)
-  found = [c for c in CHIPS.values() if c.device_kind in kind]
-  return max(found, key=lambda c: len(c.device_kind)).name if found else None
+  found = [c.name for c in CHIPS.values() if re.search(c.device_kind, kind)]
+  return found[0] if found else None
 
 
 def settings_for_device(
