@@ -9,6 +9,9 @@ in two precisions on each side:
 * ``mixed`` (kvjax, ``km.load(..., matmul_dtype=jnp.bfloat16)``): the projections' and MLP's
   weights in bf16, their matmuls on bf16 operands accumulated in fp32 (the CPU's AVX-512 BF16 and
   AMX units), the residual stream, norms, attention, softmax and cache in fp32;
+* ``mixed-bf16att`` (kvjax): ``mixed`` with ``PrefillPlan(attention_dtype=jnp.bfloat16)``: the
+  attention output's two matmuls on bf16 operands too (fp32 accumulation and softmax), as flash
+  attention runs in bf16;
 * ``bf16`` (torch): the model loaded in bf16 (every activation bf16, oneDNN's bf16 kernels): the
   nearest torch has to kvjax's mixed precision, and less exact.
 
@@ -51,12 +54,17 @@ def seconds(fn, arg) -> float:
   return time.perf_counter() - t0
 
 
-def kvjax_prefill(cfg, params, attention: str, block: int):
+def kvjax_prefill(cfg, params, attention: str, block: int, attention_dtype=jnp.float32):
   """``ids -> last logits``: the jitted prefill with no evidence (what generation runs). The
   weights are an argument, not a closure, so XLA does not fold 0.5 GB of constants."""
   run = jax.jit(
     lambda p, ids: (
-      km.llama.prefill(cfg, p, ids, plan=km.llama.PrefillPlan(block, attention=attention)).logits
+      km.llama.prefill(
+        cfg,
+        p,
+        ids,
+        plan=km.llama.PrefillPlan(block, attention=attention, attention_dtype=attention_dtype),
+      ).logits
     )
   )
   return functools.partial(run, params)
@@ -108,7 +116,7 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--attention", nargs="+", default=["blocked", "xla"])
   parser.add_argument("--blocks", type=int, nargs="+", default=[256], help="attention tile sizes")
-  parser.add_argument("--precisions", nargs="+", default=["fp32", "mixed"], choices=PRECISIONS)
+  parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
   parser.add_argument(
     "--torch-precisions", nargs="+", default=["fp32", "bf16"], choices=TORCH_DTYPES
   )
@@ -119,6 +127,7 @@ def main() -> None:
   model, cfg = km.load("smollm2", dtype="float32")
   params = {"fp32": model.params()}
   params["mixed"] = km.llama.with_matmul_dtype(params["fp32"], jnp.bfloat16)
+  params["mixed-bf16att"] = params["mixed"]
   tokenizer = km.load_tokenizer("smollm2")
   print(f"jax {jax.__version__} on {jax.default_backend()}; SmolLM2-135M, batch 1")
   reference = torch_prefill(threads, args.torch_precisions)
@@ -132,7 +141,8 @@ def main() -> None:
     for precision in args.precisions:
       for attention, block in [(a, b) for a in args.attention for b in args.blocks]:
         key = f"kvjax {precision} {attention} {block}"
-        runs[key] = kvjax_prefill(cfg, params[precision], attention, block)
+        operands = jnp.bfloat16 if precision.endswith("bf16att") else jnp.float32
+        runs[key] = kvjax_prefill(cfg, params[precision], attention, block, operands)
         t0 = time.perf_counter()
         outputs[key] = last_logits(jax.block_until_ready(runs[key](x)))
         compile_s[key] = time.perf_counter() - t0
@@ -151,7 +161,7 @@ def main() -> None:
       gap = float(np.abs(outputs[key] - base).max())
       extra = f"; first call incl. compile {compile_s[key]:.1f} s" if key in compile_s else ""
       print(
-        f"T={T:5d} {key:26s} {warm * 1e3:8.0f} ms ({T / warm:,.0f} tok/s; last logits within "
+        f"T={T:5d} {key:31s} {warm * 1e3:8.0f} ms ({T / warm:,.0f} tok/s; last logits within "
         f"{gap:.1e} of torch fp32{extra})"
       )
     for precision in args.precisions:
@@ -167,7 +177,7 @@ def main() -> None:
     )
 
 
-PRECISIONS = ("fp32", "mixed")
+PRECISIONS = ("fp32", "mixed", "mixed-bf16att")
 
 
 if __name__ == "__main__":

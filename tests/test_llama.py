@@ -106,6 +106,41 @@ def test_mixed_precision_decodes_and_keeps_what_fp32_does_on_the_tiny_model():
   assert (np.asarray(kept32) == np.asarray(keptmx)).mean() >= 0.95
 
 
+def test_bf16_attention_rounds_the_output_only_and_keeps_the_evidence_exact():
+  model, cfg, _ = km.load_tiny()
+  ids = jnp.asarray(np.random.default_rng(1).integers(4, 200, (2, 70)))
+  request = Request(window=6, column_sums=False)
+  exact = km.prefill(cfg, model.params(), ids, request=request, plan=Plan(block=16), logits="all")
+  fast = km.prefill(
+    cfg,
+    model.params(),
+    ids,
+    request=request,
+    plan=Plan(block=16, attention_dtype=jnp.bfloat16),
+    logits="all",
+  )
+  text = str(
+    jax.make_jaxpr(
+      lambda ids: (
+        km.prefill(
+          cfg, model.params(), ids, plan=Plan(block=16, attention_dtype=jnp.bfloat16)
+        ).logits
+      )
+    )(ids)
+  )
+  assert "bf16[" in text and "preferred_element_type=float32" in text
+  gap = np.abs(np.asarray(exact.logits) - np.asarray(fast.logits)).max()
+  assert 0 < gap < 0.02 * np.abs(np.asarray(exact.logits)).max()
+  assert (exact.logits.argmax(-1) == fast.logits.argmax(-1)).mean() >= 0.95
+  # layer 0's keys and window rows come before any rounded output reaches the stream
+  np.testing.assert_array_equal(np.asarray(exact.keys[0]), np.asarray(fast.keys[0]))
+  np.testing.assert_allclose(
+    np.asarray(exact.attn_window[0]), np.asarray(fast.attn_window[0]), atol=1e-6
+  )
+  with pytest.raises(ValueError, match="attention_dtype: expected float32, bfloat16 or float16"):
+    km.prefill(cfg, model.params(), ids, plan=Plan(attention_dtype=jnp.int8))
+
+
 @pytest.mark.parametrize("dtype", ["int8", "float64", "bf16", object()])
 def test_weight_dtypes_are_checked(dtype):
   with pytest.raises(ValueError, match="matmul_dtype: expected float32, bfloat16 or float16"):

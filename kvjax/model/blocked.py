@@ -79,9 +79,17 @@ def _first_key(positions_BT: Array, q_pos_B: Array, sliding_window: int | None):
 
 
 def _tile_logits(
-  q_BGRQD, rows: _Rows, keys: Keys, s, sliding_window, fresh_only=True, softcap=None
+  q_BGRQD,
+  rows: _Rows,
+  keys: Keys,
+  s,
+  sliding_window,
+  fresh_only=True,
+  softcap=None,
+  operands=jnp.float32,
 ):
-  """fp32 ``q k^T / sqrt(D)`` of the key tile from ``s`` (``-inf`` where not allowed).
+  """fp32 ``q k^T / sqrt(D)`` of the key tile from ``s`` (``-inf`` where not allowed), the
+  product of ``operands``-typed queries and keys accumulated in fp32.
 
   The tile is read from ``min(s, T - size)`` so that it stays inside the prompt; with
   ``fresh_only`` its keys before ``s`` (the previous tile's) are masked, so that sums over tiles
@@ -98,7 +106,11 @@ def _tile_logits(
   if rows.real is not None:
     allowed = allowed & rows.real[:, :, None]
   logits = jnp.einsum(
-    "bgrqd,bgkd->bgrqk", q_BGRQD, k.astype(jnp.float32), precision=PRECISION
+    "bgrqd,bgkd->bgrqk",
+    q_BGRQD.astype(operands),
+    k.astype(operands),
+    precision=PRECISION,
+    preferred_element_type=jnp.float32,
   ) / math.sqrt(q_BGRQD.shape[-1])
   logits = softcap_logits(logits, softcap)
   return start, allowed, jnp.where(allowed[:, None, None], logits, -jnp.inf), v
@@ -109,9 +121,13 @@ def _finite(m: Array) -> Array:
   return jnp.where(jnp.isneginf(m), 0.0, m)
 
 
-def _pv(probs_BGRQK: Array, v_BGKD: Array) -> Array:
+def _pv(probs_BGRQK: Array, v_BGKD: Array, operands=jnp.float32) -> Array:
   return jnp.einsum(
-    "bgrqk,bgkd->bgrqd", probs_BGRQK, v_BGKD.astype(jnp.float32), precision=PRECISION
+    "bgrqk,bgkd->bgrqd",
+    probs_BGRQK.astype(operands),
+    v_BGKD.astype(operands),
+    precision=PRECISION,
+    preferred_element_type=jnp.float32,
   )
 
 
@@ -136,9 +152,10 @@ def _normalised(allowed, logits, m, norm) -> Array:
   return jnp.where(allowed[:, None, None], probs, 0.0)
 
 
-def _attend_block(q_BGRQD, tile, lo, count, size, sums_BHT):
+def _attend_block(q_BGRQD, tile, lo, count, size, sums_BHT, operands=jnp.float32):
   """One query block's attention output ``[B, G, R, Q, D]`` over ``count`` key tiles from
-  ``lo``, and ``sums_BHT`` with the block's probabilities added (unless None)."""
+  ``lo``, and ``sums_BHT`` with the block's probabilities added (unless None); the online pass
+  multiplies ``operands``-typed probabilities and values (the exact pass stays fp32)."""
   B, G, R, Q, D = q_BGRQD.shape
   o0 = jnp.zeros((B, G, R, Q, D), jnp.float32)
   if sums_BHT is None:  # one pass with an online softmax (flash attention)
@@ -149,7 +166,7 @@ def _attend_block(q_BGRQD, tile, lo, count, size, sums_BHT):
       new = jnp.maximum(m, logits.max(-1))
       shift = _finite(new)
       scale, e = jnp.exp(m - shift), jnp.exp(logits - shift[..., None])
-      return new, norm * scale + e.sum(-1), o * scale[..., None] + _pv(e, v)
+      return new, norm * scale + e.sum(-1), o * scale[..., None] + _pv(e, v, operands)
 
     init = (jnp.full((B, G, R, Q), -jnp.inf), jnp.zeros((B, G, R, Q), jnp.float32), o0)
     _, norm, o = jax.lax.fori_loop(0, count, online, init)
@@ -169,7 +186,17 @@ def _attend_block(q_BGRQD, tile, lo, count, size, sums_BHT):
   return jax.lax.fori_loop(0, count, second, (o0, sums_BHT))
 
 
-def attend_chunk(q_BHQD, c0, n, keys: Keys, sums_BHT, block, sliding_window, softcap=None):
+def attend_chunk(
+  q_BHQD,
+  c0,
+  n,
+  keys: Keys,
+  sums_BHT,
+  block,
+  sliding_window,
+  softcap=None,
+  operands=jnp.float32,
+):
   """Computes the attention output of the queries ``[c0, c0 + n)``, ``block`` at a time, over
   the keys before them; tiles above the diagonal or behind the window are never read.
 
@@ -183,6 +210,9 @@ def attend_chunk(q_BHQD, c0, n, keys: Keys, sums_BHT, block, sliding_window, sof
     block: queries per tile.
     sliding_window: the layer's window (:func:`kvjax.model.attention.layer_window`).
     softcap: the attention soft-capping (``cfg.attn_softcap``); ``None``: none.
+    operands: the dtype the one-pass output's two matmuls (``q k^T``, ``p v``) read their
+      operands in, accumulated in fp32 (``PrefillPlan.attention_dtype``); with ``sums_BHT``
+      every product stays fp32, so the evidence is exact.
 
   Returns:
     ``(out [B, Hq, n, D] fp32, sums_BHT with the chunk's rows added, or None)``.
@@ -207,10 +237,17 @@ def attend_chunk(q_BHQD, c0, n, keys: Keys, sums_BHT, block, sliding_window, sof
     )
     lo = _first_key(keys.positions, rows.pos[:, 0], sliding_window)
     count = (jnp.minimum(q0 + size, end) - lo + keys.size - 1) // keys.size
+    dtype = operands if sums is None else jnp.float32
     tile = functools.partial(
-      _tile_logits, q_b, rows, keys, sliding_window=sliding_window, softcap=softcap
+      _tile_logits,
+      q_b.astype(dtype),
+      rows,
+      keys,
+      sliding_window=sliding_window,
+      softcap=softcap,
+      operands=dtype,
     )
-    o, sums = _attend_block(q_b, tile, lo, count, keys.size, sums)
+    o, sums = _attend_block(q_b, tile, lo, count, keys.size, sums, dtype)
     return sums, o
 
   sums, o = jax.lax.scan(one, sums_BHT, (jnp.arange(num), q_blocks))

@@ -18,6 +18,7 @@ from kvjax.model.blocked import Keys, attend_chunk, fused_chunk, window_rows
 from kvjax.model.checks import check_context, check_token_ids
 from kvjax.model.config import ModelConfig
 from kvjax.model.layers import (
+  check_weight_dtype,
   embed_tokens,
   full_attention_maps,
   logits_of,
@@ -42,19 +43,26 @@ NO_EVIDENCE = policies.EvidenceRequest()  # logits, keys and values only
 @dataclasses.dataclass(frozen=True)
 class PrefillPlan:
   """How :func:`prefill` computes: its memory plan and kernels (static, hashable). None of these
-  changes a value beyond rounding, but ``window_dtype`` stores the window rows narrower.
+  changes a value beyond rounding, but ``window_dtype`` stores the window rows narrower and
+  ``attention_dtype`` rounds the attention output's matmul operands.
 
   Attributes:
     block: queries (and keys) per attention tile.
     chunk: prompt tokens per chunk of each layer (``None``: all at once).
     attention: the kernel of the attention output, one of :data:`ATTENTION`.
     window_dtype: the floating dtype the window rows are stored in.
+    attention_dtype: the dtype the blocked kernel's output matmuls (``q k^T`` and ``p v``)
+      read their operands in, accumulated in fp32 with an fp32 softmax: ``jnp.bfloat16`` runs
+      them on bf16 units (AVX-512 BF16 and AMX CPUs, accelerators), as flash attention does,
+      at bf16's rounding of the attention output (evidence, column sums and window rows stay
+      fp32); fp32 by default.
   """
 
   block: int = 256
   chunk: int | None = CHUNK
   attention: str = "blocked"
   window_dtype: Any = jnp.float32
+  attention_dtype: Any = jnp.float32
 
 
 @struct.dataclass
@@ -176,7 +184,7 @@ def prefill(
     full_attention_layers: layers whose full ``[B, Hq, T, T]`` attention maps to return.
     logits: ``"last"`` or ``"all"`` positions' logits (:data:`LOGITS`).
     plan: the memory plan and kernels (:class:`PrefillPlan`: ``block``, ``chunk``,
-      ``attention``, ``window_dtype``).
+      ``attention``, ``window_dtype``, ``attention_dtype``).
 
   Returns:
     A :class:`Prefill` with the logits, the post-RoPE keys and values, positions, validity and
@@ -192,6 +200,7 @@ def prefill(
   if not isinstance(plan, PrefillPlan):
     raise ValueError(f"plan: expected a kvjax.model.llama.PrefillPlan, got {plan!r}")
   block, chunk, attention, window_dtype = plan.block, plan.chunk, plan.attention, plan.window_dtype
+  attention_dtype = check_weight_dtype("attention_dtype", plan.attention_dtype)
   input_ids = check_token_ids("input_ids", input_ids, cfg.vocab_size)
   B, T = input_ids.shape
   check_context(cfg, T)
@@ -241,6 +250,7 @@ def prefill(
     window_queries=window_queries,
     n_sink=n_sink if query_stats else None,
     window_scores=window_scores,
+    attention_dtype=attention_dtype,
   )
   q_dtype, kv_dtype = qkv_dtypes(cfg, params, x, positions)
   if attention == "cudnn" and (
@@ -323,6 +333,7 @@ def _layer(
   n_sink,
   attention,
   window_scores,
+  attention_dtype=jnp.float32,
   n_future=None,
 ):
   """One decoder layer over the whole prompt, ``chunk`` tokens at a time (residual stream, K/V
@@ -334,7 +345,9 @@ def _layer(
   wq = max(window, window_queries)
   q_win = jnp.zeros((B, Hq, wq, D), q_dtype) if wq else None
   moments = empty_moments(B, Hq, D) if n_sink is not None else None
-  step = _chunk_step(cfg, p, l, positions, valid, block, attention, n_sink, seq_len)
+  step = _chunk_step(
+    cfg, p, l, positions, valid, block, attention, n_sink, seq_len, attention_dtype
+  )
   full, tail = divmod(T, chunk)
   state = (x, out, sums, q_win, moments)
   state = jax.lax.fori_loop(0, full, lambda i, s: step(i * chunk, chunk, s), state)
@@ -362,7 +375,18 @@ def _layer(
   return x, out
 
 
-def _chunk_step(cfg, p, l, positions, valid, block, attention, n_sink=None, seq_len=None):
+def _chunk_step(
+  cfg,
+  p,
+  l,
+  positions,
+  valid,
+  block,
+  attention,
+  n_sink=None,
+  seq_len=None,
+  attention_dtype=jnp.float32,
+):
   """``step(c0, n, state)``: tokens ``[c0, c0 + n)`` of one layer (``n`` static)."""
   T = positions.shape[1]
   window = layer_window(cfg, l)
@@ -401,7 +425,9 @@ def _chunk_step(cfg, p, l, positions, valid, block, attention, n_sink=None, seq_
       moments = update_moments(moments, q_pre, real_c & (pos_c >= n_sink))
     keys = Keys(out["keys"], out["values"], positions, valid, l, min(block, T))
     if attention == "blocked" or sums is not None:
-      o, sums = attend_chunk(q, c0, n, keys, sums, block, window, cfg.attn_softcap)
+      o, sums = attend_chunk(
+        q, c0, n, keys, sums, block, window, cfg.attn_softcap, operands=attention_dtype
+      )
     else:
       o = fused_chunk(q, c0, n, keys, window, attention)
     x = jax.lax.dynamic_update_slice_in_dim(x, output_and_mlp(cfg, p, x_c, o), c0, 1)
