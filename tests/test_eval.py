@@ -601,11 +601,16 @@ def test_learned_evidence_comes_from_the_configs_trained_file(tmp_path):
   file (refused before the workdir otherwise) and writes its rows."""
   from kvjax.model import kvzap
 
-  cfg = km.load_tiny()[1]
+  from kvjax import checks
+
+  model, cfg, _ = km.load_tiny()
   rng = np.random.default_rng(0)
   X = rng.normal(size=(64, cfg.num_layers, cfg.hidden_size)).astype(np.float32)
   y = rng.normal(size=(64, cfg.num_layers, cfg.num_kv_heads)).astype(np.float32)
-  path = kvzap.save(tmp_path / "kvzap.npz", kvzap.fit_linear(X, y), {"model": "tiny"})
+  identity = checks.model_identity(cfg, model.params())
+  path = kvzap.save(
+    tmp_path / "kvzap.npz", kvzap.fit_linear(X, y), {"model": "tiny"}, identity=identity
+  )
   pols = (dict(label="kvzap", policy="kvzap"),)
   with pytest.raises(ValueError, match="kvzap: policies read kvzap_LGT"):
     evaluate.validate_config(tiny_eval(policies=pols))

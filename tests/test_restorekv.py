@@ -446,9 +446,14 @@ def test_evaluation_reads_the_adapter_from_the_config(tmp_path):
   from configs import eval as eval_config
   from kvjax.eval import evaluate
 
+  from kvjax import checks
+
   model, cfg = km.load_tiny()[:2]
   path = restorekv.save(
-    tmp_path / "a.npz", restorekv.init_adapter(cfg, model.params(), tokens=4, rank=2), {}
+    tmp_path / "a.npz",
+    restorekv.init_adapter(cfg, model.params(), tokens=4, rank=2),
+    {},
+    identity=checks.model_identity(cfg, model.params()),
   )
   c = eval_config.get_config("quick")
   c.tasks = ml_collections.ConfigDict({"single_needle": {}})
