@@ -255,6 +255,19 @@ def simulate(
       shape than the slots' ``[L, H, C]`` (raised while tracing, with the policy and hook
       named), and keep scores holding NaN (:func:`check_keep_scores`).
   """
+  policy = _replayable_policy(policy, options)
+  evidence = _world_evidence(world, policy, evidence, geometry, seed)
+  b = _checked_allocation(world, policy, budget, evidence)
+  capacity = _checked_capacity(capacity, [b])
+  trace, nan_step = _simulate(
+    world, policy, jnp.asarray(b, jnp.int32), evidence, capacity, record_map
+  )
+  check_keep_scores(policy, nan_step)
+  return trace
+
+
+def _replayable_policy(policy, options) -> policies.Policy:
+  """``policy`` built with ``options``, or ``ValueError`` when the lab cannot replay it."""
   policy = policies.build(policy, **options)
   why = replay_problem(policy)
   if why is not None:
@@ -262,21 +275,109 @@ def simulate(
       f"name: policy {policy.label!r} is not simulated in the lab: {why}; expected a "
       f"replayable policy, e.g. one of {replayable()}"
     )
+  return policy
+
+
+def _world_evidence(world, policy, evidence, geometry, seed) -> policies.Evidence:
+  """The evidence ``policy`` reads on ``world``: :func:`prompt_evidence` unless given, with the
+  modelled keys when it reads keys (:func:`simulate`'s ``geometry`` rule)."""
   if evidence is None:
     evidence = prompt_evidence(world, jax.random.key(seed))
   if needs_keys(policy) and (evidence.keys_LGTD is None or geometry is not None):
     evidence = key_evidence(world, evidence, geometry, seed=seed)
+  return evidence
+
+
+def _checked_allocation(world, policy, budget, evidence) -> np.ndarray:
+  """The policy's concrete ``[L, H]`` budget on ``world``, each check of :func:`simulate`
+  passed."""
   policy.check_budget(budget, policy.protected_window(evidence))
   b = check_budget(world, allocate(world, policy, budget, evidence))
   policy.check_allocation(b)
-  capacity = int(b.max()) if capacity is None else int(capacity)
-  if capacity < b.max():
-    raise ValueError(f"capacity: {capacity} is smaller than the largest budget {int(b.max())}")
-  trace, nan_step = _simulate(
-    world, policy, jnp.asarray(b, jnp.int32), evidence, capacity, record_map
-  )
-  check_keep_scores(policy, nan_step)
-  return trace
+  return b
+
+
+def _checked_capacity(capacity, allocations) -> int:
+  """``capacity`` (default: the largest of ``allocations``), or ``ValueError`` when it cannot
+  hold one of them."""
+  largest = max(int(b.max()) for b in allocations)
+  capacity = largest if capacity is None else int(capacity)
+  if capacity < largest:
+    raise ValueError(f"capacity: {capacity} is smaller than the largest budget {largest}")
+  return capacity
+
+
+def simulate_batch(
+  worlds,
+  policy: policies.Policy | str,
+  budgets,
+  *,
+  capacity: int | None = None,
+  record_map: bool = False,
+  seed: int = 0,
+  evidence=None,
+  geometry: keys_lib.KeyGeometry | None = None,
+  **options,
+) -> list[list[Trace]]:
+  """Runs ``policy`` on every world at every budget: :func:`simulate` of each (world, budget)
+  case, to the bit at the same ``capacity``. One compiled program replays every budget of a
+  world at once (``jax.vmap`` over the budgets; the world's attention rows and the oracle's
+  ranking are computed once for all of them) and serves every world of the same shapes; it is
+  compiled once per (policy, capacity, shapes, number of budgets) and reused by later calls.
+  (Worlds are not stacked into one program: on CPU that compiles slower, runs no faster and
+  moves the metrics by float rounding.)
+
+  Args:
+    worlds: a sequence of synthetic worlds.
+    policy: as for :func:`simulate`.
+    budgets: a sequence of budgets (each as :func:`simulate`'s ``budget``), run on every world.
+    capacity: static slot count shared by every case (default: the largest allocation over
+      every case, so one program serves them all).
+    record_map: record the cache map ``[S, L, H, C]`` of each case.
+    seed: as for :func:`simulate`.
+    evidence: ``None`` or one :func:`prompt_evidence` per world.
+    geometry: as for :func:`simulate`.
+    **options: the policy's options (with a name only).
+
+  Returns:
+    ``traces[i][j]``: the :class:`Trace` of world ``i`` at budget ``j``.
+
+  Raises:
+    ValueError: whatever :func:`simulate` refuses in any case (every case is checked before any
+      is replayed), and ``evidence`` not one per world.
+  """
+  worlds, budgets = list(worlds), list(budgets)
+  policy = _replayable_policy(policy, options)
+  evidence = [None] * len(worlds) if evidence is None else list(evidence)
+  if len(evidence) != len(worlds):
+    raise ValueError(
+      f"evidence: {len(evidence)} entries for {len(worlds)} worlds; expected one per world"
+    )
+  evidence = [
+    _world_evidence(w, policy, e, geometry, seed) for w, e in zip(worlds, evidence, strict=True)
+  ]
+  allocations = [
+    [_checked_allocation(w, policy, budget, e) for budget in budgets]
+    for w, e in zip(worlds, evidence, strict=True)
+  ]
+  if not budgets:
+    return [[] for _ in worlds]
+  capacity = _checked_capacity(capacity, [b for row in allocations for b in row])
+  traces = []
+  for world, ev, allocation in zip(worlds, evidence, allocations, strict=True):
+    budget_BLH = jnp.asarray(np.stack(allocation), jnp.int32)
+    batched, nan_B = _simulate_budgets(world, policy, budget_BLH, ev, capacity, record_map)
+    for nan_step in np.asarray(nan_B):
+      check_keep_scores(policy, nan_step)
+    traces.append([jax.tree.map(lambda x, j=j: x[j], batched) for j in range(len(budgets))])
+  return traces
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "capacity", "record_map"))
+def _simulate_budgets(world, policy, budget_BLH, evidence, capacity, record_map):
+  """:func:`_simulate` at every budget of ``budget_BLH`` (vmapped: what does not depend on the
+  budget, the world's rows among it, is computed once)."""
+  return jax.vmap(lambda b: _simulate(world, policy, b, evidence, capacity, record_map))(budget_BLH)
 
 
 def check_keep_scores(policy: policies.Policy, nan_step) -> None:
