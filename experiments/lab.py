@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import pathlib
+from concurrent import futures
 
 import matplotlib
 import pandas as pd
@@ -83,11 +84,19 @@ def main(argv):
       f"{config.budget} per layer and head.\nEach line: scenario, policy, R = the retained mass "
       "(share of the full cache's\nattention the kept tokens hold), seconds taken"
     )
-    table = lab.run(config, workdir)
-    print_tables(lab.pivot(table))
-    if config.explorer:
-      data = explorer.explorer_data(config, built)
-      print("interactive figure:", explorer.write_html(data, pathlib.Path(workdir) / "lab.html"))
+    out = suite.prepare_workdir(config, workdir)
+    replays = suite.simulate_scenarios(config, built=built)
+    # the page's replays run on the other threads while this one draws the figures
+    with futures.ThreadPoolExecutor(suite.default_workers()) as pool:
+      page = None
+      if config.explorer:
+        page = explorer.start_replays(config, built, replays=replays, executor=pool)
+      table = suite.write_run(config, out, replays)
+      print_tables(lab.pivot(table))
+      if page is not None:
+        print()
+        data = explorer.explorer_data(config, built, replays=replays, started=page)
+        print("interactive figure:", explorer.write_html(data, out / "lab.html"))
   print(f"run directory: {os.path.abspath(workdir)}")
 
 

@@ -190,3 +190,14 @@ def test_the_stored_lab_data_are_the_labs():
     got = stored["scenarios"][name]["budgets"][budget]
     for policy, mean in entry["mean"].items():
       assert got["mean"][policy] == pytest.approx(mean, abs=1e-3), (budget, policy)
+
+
+def test_the_page_takes_the_runs_replays_at_its_budget():
+  """Given the main run's replays, the page replays only the other budgets; a position kept in
+  a row with empty slots is drawn kept, whatever the slot count."""
+  c = tiny_config()
+  built = suite.validate_config(c)
+  runs = suite.simulate_scenarios(c, lambda *_: None, built, workers=2)
+  got = explorer.explorer_data(c, built, focus="snapkv", log=lambda *_: None, replays=runs)
+  alone = explorer.explorer_data(c, built, focus="snapkv", log=lambda *_: None, workers=1)
+  assert got == alone

@@ -18,9 +18,12 @@ so the page stays a few megabytes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
+import time
+from concurrent import futures
 
 import jax
 import numpy as np
@@ -84,22 +87,9 @@ def _round(x, digits: int = 3):
   return np.vectorize(lambda v: float(f"{v:.{digits}g}"), otypes=[float])(np.asarray(x)).tolist()
 
 
-def _capacities(worlds: dict, evidence: dict, built: dict, budgets) -> dict[str, int]:
-  """Each policy's slot count: its largest allocation over every scenario and budget, so that one
-  compiled replay per policy serves the whole page."""
-  return {
-    name: max(
-      int(np.asarray(online.allocate(world, policy, b, evidence[scenario])).max())
-      for scenario, world in worlds.items()
-      for b in budgets
-    )
-    for name, policy in built.items()
-  }
-
-
-def _scenario(
-  world: synthetic.World, evidence, built: dict, budgets, focus: str, seed: int, capacity: dict
-) -> dict:
+def _scenario(world: synthetic.World, traces: dict, budgets, focus: str) -> dict:
+  """The page's entry for one scenario from its replays ``traces[budget][policy]`` (each with
+  its cache map recorded)."""
   dims = world.dims
   P, T, S = dims.prompt_len, dims.total_len, dims.gen_steps
   width = math.ceil(T / MAX_BINS)
@@ -110,24 +100,17 @@ def _scenario(
   per_budget = {}
   for budget in budgets:
     entry = {"mass": {}, "mean": {}, "layer": {}, "map": {}}
-    for name, policy in built.items():
-      trace = online.simulate(
-        world,
-        policy,
-        budget,
-        capacity=capacity[name],
-        record_map=True,
-        evidence=evidence,
-        seed=seed,
-      )
+    for name, trace in traces[budget].items():
       retained_SLH = np.asarray(trace.metrics.retained)
       entry["mass"][name] = _round(retained_SLH.mean((1, 2)))
       entry["mean"][name] = round(float(retained_SLH.mean()), 4)
       entry["layer"][name] = _round(retained_SLH.mean((0, 2)))
       pos = np.asarray(trace.positions_SLHC)[steps]
       valid = np.asarray(trace.valid_SLHC)[steps]
-      kept_SLHT = np.zeros((len(steps), *pos.shape[1:3], T), bool)
-      np.put_along_axis(kept_SLHT, pos, valid, axis=-1)
+      # an empty slot (pos 0, not valid) writes to a spare column, never over a kept position 0
+      kept_SLHT = np.zeros((len(steps), *pos.shape[1:3], T + 1), bool)
+      np.put_along_axis(kept_SLHT, np.where(valid, pos, T), True, axis=-1)
+      kept_SLHT = kept_SLHT[..., :T]
       share = _binned(kept_SLHT.mean((1, 2)), width) / width
       entry["map"][name] = [_encode_levels(row) for row in share]
       if name == focus:
@@ -153,7 +136,93 @@ def focus_policy(config, built: dict) -> str:
   return suite.DEFAULT_FIGURE_POLICY if suite.DEFAULT_FIGURE_POLICY in built else next(iter(built))
 
 
-def explorer_data(config, built: dict, *, focus: str | None = None, log=print) -> dict:
+@dataclasses.dataclass
+class PageReplays:
+  """The page's replays (:func:`start_replays`): the scenarios' worlds, the budgets replayed and
+  the one taken from the main run, and per policy its traces ``[world][budget]`` (futures while
+  they run)."""
+
+  names: tuple[str, ...]
+  worlds: list
+  budgets: tuple[int, ...]
+  to_run: list[int]
+  reused: int | None
+  per_policy: list
+  start: float
+
+  def traces(self) -> list:
+    """Per policy its traces ``[world][budget]``, waiting for those still running."""
+    return [r.result() if isinstance(r, futures.Future) else r for r in self.per_policy]
+
+
+def start_replays(
+  config,
+  built: dict,
+  *,
+  replays: dict | None = None,
+  executor: futures.Executor | None = None,
+  workers: int | None = None,
+  log=print,
+) -> PageReplays:
+  """Replays every policy on every scenario at every budget of :func:`budget_grid`: one
+  :func:`kvjax.lab.online.simulate_batch` per policy (one compiled program replays all the
+  budgets of a world and serves every world).
+
+  Args:
+    config: the lab config (``configs/lab.py``), validated.
+    built: the built policies by label (:func:`kvjax.lab.suite.build_policies`).
+    replays: the main run's replays at ``config.budget`` by scenario
+      (:func:`kvjax.lab.suite.simulate_scenarios`), used for that budget instead of replaying
+      it again (the same numbers to the page's rounding).
+    executor: where the policies' replays run (returning at once; :meth:`PageReplays.traces`
+      waits); default: here, on ``workers`` threads (:func:`kvjax.lab.suite.map_threads`).
+    workers: as above.
+    log: progress messages.
+
+  Returns:
+    The :class:`PageReplays`, for :func:`explorer_data`'s ``started``.
+
+  Raises:
+    ValueError: ``replays`` missing a scenario of ``config``.
+  """
+  budgets = budget_grid(config, built)
+  seed = config.world.seed
+  names = tuple(config.scenarios)
+  reused = config.budget if replays is not None and config.budget in budgets else None
+  if reused is not None and any(s not in replays for s in names):
+    raise ValueError(f"replays: expected every scenario of {names}, got {list(replays)}")
+  worlds = [synthetic.make_world(synthetic.world_config(name, config.world)) for name in names]
+  evidence = [online.prompt_evidence(world, jax.random.key(seed)) for world in worlds]
+  to_run = [b for b in budgets if b != reused]
+  log(
+    f"lab.html: replaying {len(built)} policies x {len(names)} scenarios at budgets {to_run}"
+    + (f" ({reused}: the run's)" if reused is not None else "")
+    + "..."
+  )
+
+  def replay(policy) -> list[list]:
+    return online.simulate_batch(
+      worlds, policy, to_run, record_map=True, evidence=evidence, seed=seed
+    )
+
+  policies_ = list(built.values()) if to_run else []
+  if executor is None:
+    per_policy = suite.map_threads(replay, policies_, workers)
+  else:
+    per_policy = [executor.submit(replay, policy) for policy in policies_]
+  return PageReplays(names, worlds, budgets, to_run, reused, per_policy, time.perf_counter())
+
+
+def explorer_data(
+  config,
+  built: dict,
+  *,
+  focus: str | None = None,
+  log=print,
+  replays: dict | None = None,
+  workers: int | None = None,
+  started: PageReplays | None = None,
+) -> dict:
   """Everything the page draws, for every scenario of ``config`` and every budget of
   :func:`budget_grid`.
 
@@ -163,6 +232,11 @@ def explorer_data(config, built: dict, *, focus: str | None = None, log=print) -
     focus: the policy whose kept attention the row panel draws (one of ``built``; default
       :func:`focus_policy`).
     log: progress messages.
+    replays: the main run's replays at ``config.budget`` (:func:`start_replays`).
+    workers: threads replaying policies at once (default
+      :func:`kvjax.lab.suite.default_workers`).
+    started: :func:`start_replays`' result when the caller started them (``workers`` is then
+      unused; ``replays`` the same as there).
 
   Returns:
     A JSON-serialisable dict: ``policies``, ``focus``, ``budgets``, ``default_budget`` and one
@@ -171,25 +245,26 @@ def explorer_data(config, built: dict, *, focus: str | None = None, log=print) -
   focus = focus_policy(config, built) if focus is None else focus
   if focus not in built:
     raise ValueError(f"focus: {focus!r} is not among the policies {list(built)}")
-  budgets = budget_grid(config, built)
-  seed = config.world.seed
-  worlds = {
-    name: synthetic.make_world(synthetic.world_config(name, config.world))
-    for name in config.scenarios
-  }
-  evidence = {
-    name: online.prompt_evidence(world, jax.random.key(seed)) for name, world in worlds.items()
-  }
-  capacity = _capacities(worlds, evidence, built, budgets)
+  if started is None:
+    started = start_replays(config, built, replays=replays, workers=workers, log=log)
+  if started.reused is not None and replays is None:
+    raise ValueError("replays: the replays started reuse the run's; expected them here too")
+  per_policy = started.traces()
   scenarios = {}
-  for name, world in worlds.items():
-    log(f"  explorer: {name} over budgets {list(budgets)}")
-    scenarios[name] = _scenario(world, evidence[name], built, budgets, focus, seed, capacity)
-  default = min(budgets, key=lambda b: abs(b - config.budget))
+  for i, (name, world) in enumerate(zip(started.names, started.worlds, strict=True)):
+    traces = {b: {} for b in started.budgets}
+    for p, label in enumerate(built):
+      for j, b in enumerate(started.to_run):
+        traces[b][label] = per_policy[p][i][j]
+      if started.reused is not None:
+        traces[started.reused][label] = replays[name].traces[label][0]
+    scenarios[name] = _scenario(world, traces, started.budgets, focus)
+  log(f"lab.html: data in {time.perf_counter() - started.start:.0f} s")
+  default = min(started.budgets, key=lambda b: abs(b - config.budget))
   return {
     "policies": list(built),
     "focus": focus,
-    "budgets": list(budgets),
+    "budgets": list(started.budgets),
     "default_budget": default,
     "map_levels": MAP_LEVELS,
     "scenarios": scenarios,

@@ -15,8 +15,10 @@ by that name.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import time
+from concurrent import futures
 
 import jax
 import numpy as np
@@ -198,28 +200,93 @@ class ScenarioRun:
   rows: list[dict]
 
 
+def default_workers() -> int:
+  """Threads that replay policies at once: one per CPU core (each replay is one compiled program
+  run on one core; XLA compiles and runs outside the GIL)."""
+  return max(1, os.cpu_count() or 1)
+
+
 def simulate_scenario(scenario: str, config, log=print, built=None) -> ScenarioRun:
   """All policies of ``config`` on one scenario (the figure's attention maps recorded);
   ``built``: :func:`build_policies` of ``config`` when the caller has them."""
+  return simulate_scenarios(config, log, built, scenarios=(scenario,), workers=1)[scenario]
+
+
+def simulate_scenarios(
+  config, log=print, built=None, *, scenarios=None, workers: int | None = None
+) -> dict[str, ScenarioRun]:
+  """:func:`simulate_scenario` of every scenario, the policies replayed on ``workers`` threads.
+
+  Args:
+    config: the lab config (``configs/lab.py``).
+    log: progress messages, one line per replay.
+    built: :func:`build_policies` of ``config`` when the caller has them.
+    scenarios: the scenarios to run (default ``config.scenarios``).
+    workers: threads replaying policies at once (default :func:`default_workers`); each replay
+      is the same :func:`kvjax.lab.online.simulate` call whatever the threads, so the results
+      do not depend on them.
+
+  Returns:
+    Each scenario's :class:`ScenarioRun`, in the order of ``scenarios``; its traces and rows in
+    the order of the policies.
+  """
   built = build_policies(config) if built is None else built
-  world = synthetic.make_world(synthetic.world_config(scenario, config.world))
-  step = pick_step(world, config.figure_step)
-  evidence = online.prompt_evidence(world, jax.random.key(config.world.seed))
-  rows, traces = [], {}
-  for name, policy in built.items():
-    start = time.perf_counter()
-    trace = online.simulate(world, policy, config.budget, record_map=True, evidence=evidence)
-    summary = metrics.summarize(trace.metrics)
-    traces[name] = (trace, summary)
-    rows.append(
+  scenarios = tuple(config.scenarios if scenarios is None else scenarios)
+  worlds = {s: synthetic.make_world(synthetic.world_config(s, config.world)) for s in scenarios}
+  key = jax.random.key(config.world.seed)
+  evidence = {s: online.prompt_evidence(world, key) for s, world in worlds.items()}
+
+  def replay(name: str) -> dict:
+    """One policy on every scenario: one compiled program per slot count."""
+    out = {}
+    for scenario, world in worlds.items():
+      start = time.perf_counter()
+      trace = online.simulate(
+        world, built[name], config.budget, record_map=True, evidence=evidence[scenario]
+      )
+      out[scenario] = (trace, metrics.summarize(trace.metrics))
+      log(
+        f"  {scenario:15s} {name:16s} R={out[scenario][1]['retained_mass']:.3f} "
+        f"({time.perf_counter() - start:.1f}s)"
+      )
+    return out
+
+  # the allocating policies first: their slot count differs by scenario, so they compile most
+  order = sorted(built, key=lambda name: not built[name].allocates)
+  start = time.perf_counter()
+  log(f"replaying {len(built)} policies x {len(worlds)} scenarios...")
+  by_policy = dict(zip(order, map_threads(replay, order, workers), strict=True))
+  log(f"replayed in {time.perf_counter() - start:.0f} s")
+  runs = {}
+  for scenario, world in worlds.items():
+    traces = {name: by_policy[name][scenario] for name in built}
+    rows = [
       dict(scenario=scenario, policy=name, budget=config.budget)
       | {k: summary[k] for k in SUMMARY_COLUMNS[3:]}
       | {"layer_retained": summary["retained_mass_L"].tolist()}
+      for name, (_, summary) in traces.items()
+    ]
+    runs[scenario] = ScenarioRun(
+      scenario, world, pick_step(world, config.figure_step), traces, rows
     )
-    log(
-      f"  {scenario:15s} {name:16s} R={summary['retained_mass']:.3f} ({time.perf_counter() - start:.1f}s)"
-    )
-  return ScenarioRun(scenario, world, step, traces, rows)
+  return runs
+
+
+def map_threads(fn, items: list, workers: int | None = None) -> list:
+  """``[fn(item) for item in items]`` on ``workers`` threads (default :func:`default_workers`);
+  the first error is raised once the running calls end, and the calls not started are
+  cancelled."""
+  workers = min(len(items), default_workers() if workers is None else workers)
+  if workers <= 1:
+    return [fn(item) for item in items]
+  with futures.ThreadPoolExecutor(workers) as pool:
+    pending = [pool.submit(fn, item) for item in items]
+    try:
+      return [f.result() for f in pending]
+    except BaseException:
+      for f in pending:
+        f.cancel()
+      raise
 
 
 def figure(sim: ScenarioRun, config, step: int | None = None):
@@ -275,16 +342,42 @@ def run(config, workdir: str | pathlib.Path | None, log=print) -> pd.DataFrame:
   """Runs the lab described by ``config`` (``configs/lab.py``); returns the summary table.
   ``workdir``: where the tables and figures go (``None``: nowhere; never empty,
   :func:`kvjax.rundir.check_workdir`)."""
+  return run_with_replays(config, workdir, log)[0]
+
+
+def run_with_replays(
+  config, workdir: str | pathlib.Path | None, log=print, *, workers: int | None = None
+) -> tuple[pd.DataFrame, dict[str, ScenarioRun]]:
+  """:func:`run`, also returning each scenario's replays (:func:`simulate_scenarios`, on
+  ``workers`` threads), e.g. for :func:`kvjax.lab.explorer.explorer_data`."""
   built = validate_config(config)
-  out = None
-  if workdir is not None:
-    out = rundir.check_workdir(workdir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(config.to_json_best_effort(indent=2))
-  rows = []
-  for scenario in config.scenarios:
-    rows += run_scenario(scenario, config, out, log, built)
-  table, layers = summary_tables(rows)
+  out = prepare_workdir(config, workdir)
+  sims = simulate_scenarios(config, log, built, workers=workers)
+  return write_run(config, out, sims, log), sims
+
+
+def prepare_workdir(config, workdir: str | pathlib.Path | None) -> pathlib.Path | None:
+  """Creates the run directory (refusing a bad one, :func:`kvjax.rundir.check_workdir`) and
+  writes ``config.json`` into it; ``None`` for no directory."""
+  if workdir is None:
+    return None
+  out = rundir.check_workdir(workdir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "config.json").write_text(config.to_json_best_effort(indent=2))
+  return out
+
+
+def write_run(config, out: pathlib.Path | None, sims: dict, log=print) -> pd.DataFrame:
+  """The summary table of :func:`simulate_scenarios`' runs; with a directory ``out``, also its
+  figures (one per scenario), ``summary.csv`` and ``layers.csv``."""
+  if out is not None:
+    start = time.perf_counter()
+    for scenario, sim in sims.items():
+      fig = figure(sim, config)
+      fig.savefig(out / f"{scenario}.png", dpi=110)
+      plotting.close(fig)
+    log(f"{len(sims)} figures drawn in {time.perf_counter() - start:.0f} s")
+  table, layers = summary_tables([row for sim in sims.values() for row in sim.rows])
   if out is not None:
     table.to_csv(out / "summary.csv", index=False)
     layers.rename(columns={"layer_retained": "retained_mass"}).to_csv(
