@@ -12,6 +12,9 @@ in two precisions on each side:
 * ``mixed-bf16att`` (kvjax): ``mixed`` with ``PrefillPlan(attention_dtype=jnp.bfloat16)``: the
   attention output's two matmuls on bf16 operands too (fp32 accumulation and softmax), as flash
   attention runs in bf16;
+* ``bf16`` (both): the model loaded in bf16 (``km.load(..., dtype=jnp.bfloat16)``: every
+  activation bf16, the matmuls accumulated in fp32; kvjax's attention on bf16 operands too): the
+  like-for-like comparison with torch's bf16;
 * ``bf16`` (torch): the model loaded in bf16 (every activation bf16, oneDNN's bf16 kernels): the
   nearest torch has to kvjax's mixed precision, and less exact.
 
@@ -128,6 +131,8 @@ def main() -> None:
   params = {"fp32": model.params()}
   params["mixed"] = km.llama.with_matmul_dtype(params["fp32"], jnp.bfloat16)
   params["mixed-bf16att"] = params["mixed"]
+  if "bf16" in args.precisions:
+    params["bf16"] = km.load("smollm2", dtype="bfloat16")[0].params()
   tokenizer = km.load_tokenizer("smollm2")
   print(f"jax {jax.__version__} on {jax.default_backend()}; SmolLM2-135M, batch 1")
   reference = torch_prefill(threads, args.torch_precisions)
@@ -141,7 +146,7 @@ def main() -> None:
     for precision in args.precisions:
       for attention, block in [(a, b) for a in args.attention for b in args.blocks]:
         key = f"kvjax {precision} {attention} {block}"
-        operands = jnp.bfloat16 if precision.endswith("bf16att") else jnp.float32
+        operands = jnp.bfloat16 if precision.endswith(("bf16att", "bf16")) else jnp.float32
         runs[key] = kvjax_prefill(cfg, params[precision], attention, block, operands)
         t0 = time.perf_counter()
         outputs[key] = last_logits(jax.block_until_ready(runs[key](x)))
@@ -177,7 +182,7 @@ def main() -> None:
     )
 
 
-PRECISIONS = ("fp32", "mixed", "mixed-bf16att")
+PRECISIONS = ("fp32", "mixed", "mixed-bf16att", "bf16")
 
 
 if __name__ == "__main__":
