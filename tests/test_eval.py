@@ -599,9 +599,8 @@ def _trained_bpe(tmp_path):
 def test_learned_evidence_comes_from_the_configs_trained_file(tmp_path):
   """A KVzap policy reads its surrogate's evidence on each batch's context: the run needs the
   file (refused before the workdir otherwise) and writes its rows."""
-  from kvjax.model import kvzap
-
   from kvjax import checks
+  from kvjax.model import kvzap
 
   model, cfg, _ = km.load_tiny()
   rng = np.random.default_rng(0)

@@ -368,6 +368,7 @@ def test_policy_scores_window_and_refusals():
 # --------------------------------------------------------------------------- the entry point
 
 
+@pytest.mark.slow  # CI: KVzap's entry point resumes through the same training loop
 def test_experiment_entry_point_and_resume(tmp_path):
   """``:quick`` trains the gates on the shipped tiny model; a second run reuses the saved
   targets and the last checkpoint, and writes the same gates."""

@@ -616,6 +616,7 @@ def _eval_reference(tmp_path) -> pd.DataFrame:
   return _eval_rows(tmp_path / "one")
 
 
+@pytest.mark.slow  # CI: the sweep's two-process run and the evaluation's run-identity check
 def test_evaluation_over_two_processes_matches_one(tmp_path):
   """The policies of each group split over two processes: ``results.csv`` equals a one-process
   run's (in order, but for ``seconds``) and ``tables.md`` too."""

@@ -194,7 +194,13 @@ def test_notebook_runs_in_quick_mode(path, tmp_path, monkeypatch, jax_cache):
   assert elapsed < LIMIT_S, f"{path.name} took {elapsed:.0f}s in QUICK mode"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+# CI runs notebook 5 under KVJAX_FULL=1 only: its search is the allocation-search tests' own
+PAPERMILL = [
+  pytest.param(p, marks=pytest.mark.slow) if p.stem.startswith("05_") else p for p in NOTEBOOKS
+]
+
+
+@pytest.mark.parametrize("path", PAPERMILL, ids=lambda p: p.stem)
 def test_papermill_runs_it_from_the_notebooks_folder(path, tmp_path, monkeypatch, jax_cache):
   """Plain papermill (``papermill X.ipynb out.ipynb -p QUICK True``, as Jupyter would, with the
   notebook's folder as the working directory; the run above starts from the repository root):

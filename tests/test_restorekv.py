@@ -406,6 +406,7 @@ def test_training_checks(tiny, examples):
       restorekv.mean_loss(cfg, params, None, None, batch)
 
 
+@pytest.mark.slow  # CI: KVzap's entry point resumes through the same training loop
 def test_experiment_entry_point_and_resume(tmp_path):
   """``:quick`` trains the adapter on the shipped tiny model; a second run reuses the saved
   examples and the last checkpoint, and writes the same adapter."""
@@ -444,9 +445,8 @@ def test_evaluation_reads_the_adapter_from_the_config(tmp_path):
   import ml_collections
 
   from configs import eval as eval_config
-  from kvjax.eval import evaluate
-
   from kvjax import checks
+  from kvjax.eval import evaluate
 
   model, cfg = km.load_tiny()[:2]
   path = restorekv.save(
