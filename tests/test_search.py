@@ -282,7 +282,6 @@ def smollm2_run(tmp_path_factory):
   return c, runner.run(c, out, log=len)
 
 
-@pytest.mark.slow
 def test_smollm2_search_beats_the_best_hand_made_schedule_on_held_out(smollm2_run):
   c, summary = smollm2_run
   judged = summary["judged"]
