@@ -10,7 +10,11 @@
 4. the decode roofline (``experiments/bench_roofline``): each case's step as a fraction of the
    device's bandwidth measured by a large reduction in the same run (its HBM bandwidth on a GPU
    or TPU); quick sizes;
-5. one notebook (``01_policy_lab``) in QUICK mode through nbclient.
+5. the ragged per-head decode kernel (:mod:`kvjax.model.ragged`) compiled for the device (Mosaic
+   on a TPU, Triton on a GPU; the Pallas interpreter on a CPU) against its XLA reference over
+   random ragged lengths (0, 1 and full among them) with a soft-cap and a sliding window, its
+   largest difference and its time against the reference's;
+6. one notebook (``01_policy_lab``) in QUICK mode through nbclient.
 
 Each line says what ran where; a failing part is reported, not hidden. Record the table in the
 README's benchmark section.
@@ -35,6 +39,7 @@ from experiments.bench_memory import EVIDENCE, SHAPES
 from kvjax import model as km
 from kvjax import policies
 from kvjax.model import cache as cache_lib
+from kvjax.model import ragged
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -115,6 +120,47 @@ def roofline_rows() -> list[str]:
   return [line.strip() for line in lines if line.startswith(("reference", "roofline"))]
 
 
+def ragged_rows(quick: bool) -> list[str]:
+  """The ragged kernel on this device against :func:`kvjax.model.ragged.reference`."""
+  B, G, group, D, page = (1, 2, 4, 64, 16) if quick else (4, 8, 4, 128, 64)
+  C = 4 * page if quick else 16384
+  rng = np.random.default_rng(0)
+  k = rng.standard_normal((B, G, C, D)).astype(np.float32)
+  v = rng.standard_normal((B, G, C, D)).astype(np.float32)
+  length = rng.integers(2, C, (B, G))
+  length.flat[:3] = (0, 1, C)[: length.size]
+  positions = np.broadcast_to(np.arange(C, dtype=np.int32), (B, G, C))
+  kp, vp, pages, length_R, pos_NP = ragged.pack_rows(
+    k, v, length, page=page, positions_BGC=positions
+  )
+  kp, vp = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16)
+  q = jnp.asarray(rng.standard_normal((B * G, group, D)), jnp.bfloat16)
+  qpos = jnp.full((B * G,), C, jnp.int32)
+  kw = dict(softcap=30.0, positions_NP=pos_NP, query_pos_R=qpos, window=C // 2)
+  interpret = jax.default_backend() == "cpu"
+  backend = {"tpu": "tpu", "gpu": "gpu"}.get(jax.default_backend(), "tpu")
+  rows = []
+  try:
+    kernel = jax.jit(
+      lambda *a: ragged.ragged_decode_attention(*a, backend=backend, interpret=interpret, **kw)
+    )
+    reference = jax.jit(lambda *a: ragged.reference(*a, **kw))
+    args = (q, kp, vp, pages, length_R)
+    gap = float(jnp.abs(kernel(*args) - reference(*args)).max())
+    where = f"{backend} kernel" + (" (interpreter)" if interpret else "")
+    rows.append(f"ragged decode, {where}: max |kernel - reference| {gap:.1e}")
+    if not interpret:
+      t_kernel, t_ref = timed(kernel, *args), timed(reference, *args)
+      read = ragged.bytes_read(length_R, page, D, 2)
+      rows.append(
+        f"ragged decode at {C} slots: kernel {t_kernel * 1e3:.2f} ms, reference "
+        f"{t_ref * 1e3:.2f} ms; {read / t_kernel / 1e9:.0f} GB/s of the kernel's own bytes"
+      )
+  except Exception as e:  # noqa: BLE001  (a failure is a result here)
+    rows.append(f"ragged decode: FAILED {type(e).__name__}: {str(e)[:120]}")
+  return rows
+
+
 def notebook_row() -> str:
   import nbclient
   import nbformat
@@ -151,6 +197,7 @@ def main() -> None:
   rows += prefill_rows(cfg, lengths)
   rows.append(decode_row(cfg, lengths[-1] // 2 if args.quick else 16384))
   rows += roofline_rows()
+  rows += ragged_rows(args.quick)
   rows.append(notebook_row())
   print("\n".join(f"| {r} |" for r in rows))
 

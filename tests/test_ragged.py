@@ -118,3 +118,12 @@ def test_kernel_lowers(platform):
   from kvjax.eval import export_check
 
   assert export_check.check(["ragged_decode"], platforms=(platform,))[0].ok
+
+
+def test_the_device_check_runs_the_kernel_against_its_reference():
+  """``experiments.device_check``'s ragged row, as it runs on a CPU (the Pallas interpreter)."""
+  from experiments import device_check
+
+  (row,) = device_check.ragged_rows(quick=True)
+  assert "interpreter" in row and "FAILED" not in row, row
+  assert float(row.rsplit(" ", 1)[1]) < 1e-5, row
