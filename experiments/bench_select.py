@@ -90,7 +90,7 @@ def main() -> None:
   scores, budget = jnp.asarray(scores_np), jnp.asarray(budget_np)
   print(f"jax {jax.__version__} on {jax.default_backend()}; scores [{L}, {H}, {T}], budgets <= {C}")
 
-  keep = jax.jit(lambda s, b: select.keep_mask(s, b, capacity=C))
+  keep = jax.jit(lambda s, b: select.top_mask(s, b, capacity=C))
   compact = jax.jit(lambda s, b: select.compact(s, b, C))
   assert np.array_equal(np.asarray(keep(scores, budget)), numpy_keep_mask(scores_np, budget_np, C))
   ours_idx, ours_valid = compact(scores, budget)
@@ -116,7 +116,7 @@ def main() -> None:
   deep_C = T // 2
   deep_budget_np = rng.integers(1, deep_C + 1, size=(L, H)).astype(np.int32)
   deep_budget = jnp.asarray(deep_budget_np)
-  deep = jax.jit(lambda s, b: select.keep_mask(s, b, capacity=deep_C))
+  deep = jax.jit(lambda s, b: select.top_mask(s, b, capacity=deep_C))
   assert np.array_equal(
     np.asarray(deep(scores, deep_budget)), numpy_keep_mask(scores_np, deep_budget_np, deep_C)
   )
@@ -133,7 +133,7 @@ def main() -> None:
   budgets_KLH = jnp.asarray(rng.integers(1, C + 1, size=(K, L, H)).astype(np.int32))
   # the scores are an argument (shared by every configuration: in_axes None), not a closed-over
   # constant, which XLA would try to constant-fold (its sort included) at compile time
-  sweep = jax.jit(jax.vmap(lambda s, b: select.keep_mask(s, b, capacity=C), in_axes=(None, 0)))
+  sweep = jax.jit(jax.vmap(lambda s, b: select.top_mask(s, b, capacity=C), in_axes=(None, 0)))
 
   def loop(s, budgets):
     return [keep(s, budgets[k]) for k in range(K)]

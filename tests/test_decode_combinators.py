@@ -296,7 +296,7 @@ def test_a_recompression_scores_only_the_held_slots(tiny, scorer):
       keys_LGTD=jnp.asarray(in_order(held.keys)), values_LGTD=jnp.asarray(in_order(held.values))
     )
     scores = decoder.scores(ev)
-    keep = np.asarray(select.keep_mask(scores, 9))
+    keep = np.asarray(select.top_mask(scores, 9))
     for l in range(L):
       for g in range(G):
         want = np.sort(pos[l, g, order[l][g]][keep[l, g]])

@@ -175,7 +175,7 @@ def test_keep_mask_is_exact_or_a_value_error(case):
   scores, scores64, (budget, budget_ints), length, capacity = case
   T = scores.shape[-1]
   length_arg, length_ints = length or (None, np.full(scores.shape[:-1], T, dtype=object))
-  call = functools.partial(select.keep_mask, scores, budget, length=length_arg, capacity=capacity)
+  call = functools.partial(select.top_mask, scores, budget, length=length_arg, capacity=capacity)
   cap = T if capacity is None else capacity
   if selection_error(scores64, budget_ints, length_ints, cap, slots=False):
     expect_value_error(call, "scores", "budget", "length", "capacity")
@@ -216,7 +216,7 @@ def checked():
       def fn(s, b, n):
         if slots:
           return select.checked_compact(s, b, capacity, length=n)
-        return select.checked_keep_mask(s, b, length=n, capacity=capacity)
+        return select.checked_top_mask(s, b, length=n, capacity=capacity)
 
       fns[capacity, slots] = jax.jit(fn)
     return fns[capacity, slots]
@@ -363,7 +363,7 @@ def test_adakv_is_exact_or_a_value_error(seed, mode, window, alpha, normalize, d
   if mode == "kvpress":
     assert int(got.sum()) == L * min(H * b, H * T)
     # what the policy then keeps: exactly its counts, per head
-    keep = np.asarray(select.keep_mask(scores, got))
+    keep = np.asarray(select.top_mask(scores, got))
     np.testing.assert_array_equal(keep.sum(-1), np.minimum(got, T))
   elif b > T:
     assert (got == T).all()  # no compression

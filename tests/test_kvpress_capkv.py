@@ -177,7 +177,7 @@ def test_kvcompose_counts_at_kvpress_totals(fx, name):
       scores, int(L * G * T * (1 - ratio)), keep_token_lower_bound=bound
     )
     np.testing.assert_array_equal(np.asarray(budget_LG), fx[f"{name}_per_head_LG"])
-  keep = np.asarray(select.keep_mask(scores, budget_LG))
+  keep = np.asarray(select.top_mask(scores, budget_LG))
   np.testing.assert_array_equal(keep, fx[f"{name}_keep_LGT"])
 
 

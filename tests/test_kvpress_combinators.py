@@ -206,7 +206,7 @@ def test_chunked_spreads_the_budget_over_chunks():
   assert (per_chunk == 5).all()
   # within each chunk, knorm's best 5
   s = np.asarray(policies.KNorm().scores(ev)).reshape(2, 2, 4, 10)
-  ref = np.asarray(select.keep_mask(jnp.asarray(s), 5)).reshape(2, 2, 40)
+  ref = np.asarray(select.top_mask(jnp.asarray(s), 5)).reshape(2, 2, 40)
   np.testing.assert_array_equal(keep, ref)
 
 
@@ -267,7 +267,7 @@ def test_prefill_decoding_phases():
   keep = np.asarray(policy.recompress_keep(slots, budget_LH, 60))
   assert (keep.sum(-1) == 12).all() and not keep[..., 30:].any()
   s = np.asarray(policies.KNorm().scores(ev))[..., :30]
-  ref = np.asarray(select.keep_mask(jnp.asarray(s), 12))
+  ref = np.asarray(select.top_mask(jnp.asarray(s), 12))
   np.testing.assert_array_equal(keep[..., :30], ref)
   same = comb.PrefillDecoding(prefill=SNAP, decoding=policies.KNorm(), decode_every=16)
   assert (np.asarray(same.recompress_keep(slots, budget_LH, 60)).sum(-1) == 20).all()

@@ -49,13 +49,13 @@ def test_snapkv_scores_and_kept_set(fx):
   T = ours.shape[-1]
   np.testing.assert_allclose(ours[..., : T - 8], fx["snapkv_scores_LGT"][..., : T - 8], atol=1e-6)
   assert np.isinf(ours[..., T - 8 :]).all()
-  keep = np.asarray(select.keep_mask(jnp.asarray(ours), jnp.int32(n_kept(T))))
+  keep = np.asarray(select.top_mask(jnp.asarray(ours), jnp.int32(n_kept(T))))
   np.testing.assert_array_equal(keep, fx["snapkv_keep_LGT"])
 
 
 def test_streaming_llm_kept_set(fx):
   L, G, T = fx["streaming_llm_keep_LGT"].shape
-  keep = np.asarray(select.keep_mask(scores.streaming(T, (L, G), sinks=4), jnp.int32(n_kept(T))))
+  keep = np.asarray(select.top_mask(scores.streaming(T, (L, G), sinks=4), jnp.int32(n_kept(T))))
   np.testing.assert_array_equal(keep, fx["streaming_llm_keep_LGT"])
 
 
@@ -67,7 +67,7 @@ def test_tova_scores_and_kept_set(fx):
   np.testing.assert_allclose(np.asarray(ours)[..., :-1], fx["tova_scores_LGT"][..., :-1], atol=1e-6)
   # kvpress's TOVAPress additionally forces the last token (official TOVA does not).
   forced = scores.protect(ours, recent=1)
-  keep = np.asarray(select.keep_mask(forced, jnp.int32(n_kept(T))))
+  keep = np.asarray(select.top_mask(forced, jnp.int32(n_kept(T))))
   np.testing.assert_array_equal(keep, fx["tova_keep_LGT"])
 
 
@@ -76,14 +76,14 @@ def test_observed_attention_is_h2o_kvpress_form(fx):
   G = k.shape[1]
   ours = scores.group(scores.h2o(q, k, form="kvpress", block=7), G, "mean")
   np.testing.assert_allclose(np.asarray(ours), fx["observed_attention_scores_LGT"], rtol=2e-5)
-  keep = np.asarray(select.keep_mask(ours, jnp.int32(n_kept(ours.shape[-1]))))
+  keep = np.asarray(select.top_mask(ours, jnp.int32(n_kept(ours.shape[-1]))))
   np.testing.assert_array_equal(keep, fx["observed_attention_keep_LGT"])
 
 
 def test_knorm(fx):
   ours = np.asarray(scores.knorm(jnp.asarray(fx["keys_LGTD"])))
   np.testing.assert_allclose(ours, fx["knorm_scores_LGT"], rtol=1e-6)
-  keep = np.asarray(select.keep_mask(jnp.asarray(ours), jnp.int32(n_kept(ours.shape[-1]))))
+  keep = np.asarray(select.top_mask(jnp.asarray(ours), jnp.int32(n_kept(ours.shape[-1]))))
   np.testing.assert_array_equal(keep, fx["knorm_keep_LGT"])
 
 
@@ -92,7 +92,7 @@ def test_pyramidkv_layer_budgets_and_kept_set(fx):
   layer = budgets.pyramid(L, 8 + T * (1 - RATIO), 8, T, beta=20, mode="kvpress")
   np.testing.assert_array_equal(np.asarray(layer), fx["pyramidkv_budgets_L"])
   ours = snapkv_kvpress(fx)
-  keep = np.asarray(select.keep_mask(ours, budgets.per_head(layer, G)))
+  keep = np.asarray(select.top_mask(ours, budgets.per_head(layer, G)))
   np.testing.assert_array_equal(keep, fx["pyramidkv_keep_LGT"])
 
 
@@ -114,7 +114,7 @@ def test_adakv_kvpress_allocation(fx, name, alpha):
   expected = fx["meta"]["presses"][name]["kept_per_head_LG"]
   np.testing.assert_array_equal(np.asarray(counts), expected)
   np.testing.assert_array_equal(np.asarray(counts).sum(-1), raw.shape[1] * n_kept(T))
-  keep = np.asarray(select.keep_mask(raw, counts))
+  keep = np.asarray(select.top_mask(raw, counts))
   np.testing.assert_array_equal(keep, fx[f"{name}_keep_LGT"])
 
 

@@ -169,10 +169,10 @@ def test_chunkkv_keeps_whole_chunks_then_the_next_chunks_best_tokens():
   base[0, :, 4:8] = [[1, 5, 2, 3], [1, 5, 2, 3]]  # chunk 1 (of 4) is best; chunk 2 (2 tokens) next
   base[0, :, 8:] = 2.0
   order = scores.chunkkv(jnp.asarray(base), chunk=4)
-  keep = np.asarray(select.keep_mask(order, jnp.int32(5)))
+  keep = np.asarray(select.top_mask(order, jnp.int32(5)))
   np.testing.assert_array_equal(keep[0, 0], [0, 0, 0, 0, 1, 1, 1, 1, 1, 0])
   np.testing.assert_array_equal(keep[0, 0], keep[0, 1])  # shared across heads
-  keep4 = np.asarray(select.keep_mask(order, jnp.int32(2)))  # inside a chunk: its best tokens
+  keep4 = np.asarray(select.top_mask(order, jnp.int32(2)))  # inside a chunk: its best tokens
   np.testing.assert_array_equal(np.nonzero(keep4[0, 0])[0], [5, 7])
 
 
@@ -261,7 +261,7 @@ def test_critical_first_stage_is_the_base_top(evidence):
   assert (keep.sum(-1) == 10).all()
   off = policies.make("critical_knorm", first_stage_ratio=0.0)
   norms = scores.group_norms(evidence.value_out_norms_LHT, G)
-  plain = select.keep_mask((jnp.asarray(base) + 1e-4) * norms, jnp.int32(10))
+  plain = select.top_mask((jnp.asarray(base) + 1e-4) * norms, jnp.int32(10))
   np.testing.assert_array_equal(np.asarray(off.keep_mask(evidence, 10)), np.asarray(plain))
 
 

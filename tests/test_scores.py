@@ -91,14 +91,14 @@ def test_snapkv_hand_computed():
   s = np.asarray(scores.snapkv(jnp.asarray(attn), kernel=3, pool="avg"))
   np.testing.assert_allclose(s[0, 0, :3], [0.3, 1.3 / 3, 1.0 / 3], rtol=1e-6)
   # budget 3 = window 2 + the best prefix key (1)
-  keep = np.asarray(select.keep_mask(jnp.asarray(scores.snapkv(jnp.asarray(attn), kernel=1)), 3))
+  keep = np.asarray(select.top_mask(jnp.asarray(scores.snapkv(jnp.asarray(attn), kernel=1)), 3))
   assert keep[0, 0].tolist() == [False, True, False, True, True]
 
 
 def test_streaming_and_recency_kept_sets():
-  keep = np.asarray(select.keep_mask(scores.streaming(20, (1,), sinks=4), jnp.int32(9)))
+  keep = np.asarray(select.top_mask(scores.streaming(20, (1,), sinks=4), jnp.int32(9)))
   assert np.flatnonzero(keep[0]).tolist() == [0, 1, 2, 3, 15, 16, 17, 18, 19]
-  keep = np.asarray(select.keep_mask(scores.recency(20, (2, 3)), jnp.int32(5)))
+  keep = np.asarray(select.top_mask(scores.recency(20, (2, 3)), jnp.int32(5)))
   assert (keep[..., 15:]).all() and keep.sum() == 2 * 3 * 5
 
 

@@ -48,7 +48,7 @@ def random_case(rng, with_ties=False):
 def test_keep_mask_matches_reference_count_and_ties(seed):
   rng = np.random.default_rng(seed)
   scores, budget = random_case(rng, with_ties=seed % 2 == 0)
-  keep = np.asarray(select.keep_mask(jnp.asarray(scores), jnp.asarray(budget)))
+  keep = np.asarray(select.top_mask(jnp.asarray(scores), jnp.asarray(budget)))
   np.testing.assert_array_equal(keep, reference_mask(scores, budget))
   np.testing.assert_array_equal(keep.sum(-1), np.minimum(budget, scores.shape[-1]))
 
@@ -63,7 +63,7 @@ def test_length_prefix_and_capacity(seed):
   # budgets either within capacity or covering the row (the only combinations a capacity allows)
   small = rng.integers(0, capacity + 1, size=scores.shape[:-1])
   budget = np.where(rng.random(scores.shape[:-1]) < 0.2, T + 1, small).astype(np.int32)
-  keep = np.asarray(select.keep_mask(jnp.asarray(scores), budget, length=length, capacity=capacity))
+  keep = np.asarray(select.top_mask(jnp.asarray(scores), budget, length=length, capacity=capacity))
   np.testing.assert_array_equal(keep, reference_mask(scores, budget, length))
   assert not keep[np.arange(T) >= length[..., None]].any()
 
@@ -91,9 +91,9 @@ def test_compact_equals_keep_mask(seed):
 
 def test_budget_above_T_keeps_everything_even_beyond_capacity():
   scores = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 50)), jnp.float32)
-  keep = select.keep_mask(scores, jnp.full((2, 3), 50), capacity=8)
+  keep = select.top_mask(scores, jnp.full((2, 3), 50), capacity=8)
   assert bool(keep.all())
-  keep = select.keep_mask(scores, jnp.full((2, 3), 10**6), capacity=8)
+  keep = select.top_mask(scores, jnp.full((2, 3), 10**6), capacity=8)
   assert bool(keep.all())
 
 
@@ -104,7 +104,7 @@ def test_monotone_in_budget(seed):
   T = scores.shape[-1]
   prev = np.zeros(scores.shape, bool)
   for b in range(T + 2):
-    keep = np.asarray(select.keep_mask(jnp.asarray(scores), np.int32(b)))
+    keep = np.asarray(select.top_mask(jnp.asarray(scores), np.int32(b)))
     assert (keep >= prev).all(), "a larger budget must keep a superset"
     prev = keep
 
@@ -114,8 +114,8 @@ def test_head_permutation_equivariance():
   scores = rng.normal(size=(3, 6, 33)).astype(np.float32)
   budget = rng.integers(0, 33, size=(3, 6)).astype(np.int32)
   perm = rng.permutation(6)
-  keep = np.asarray(select.keep_mask(jnp.asarray(scores), budget))
-  keep_p = np.asarray(select.keep_mask(jnp.asarray(scores[:, perm]), budget[:, perm]))
+  keep = np.asarray(select.top_mask(jnp.asarray(scores), budget))
+  keep_p = np.asarray(select.top_mask(jnp.asarray(scores[:, perm]), budget[:, perm]))
   np.testing.assert_array_equal(keep[:, perm], keep_p)
 
 
@@ -125,11 +125,11 @@ def test_protected_positions_win_and_count_inside_budget():
   rng = np.random.default_rng(3)
   raw = jnp.asarray(rng.normal(size=(2, 4, 40)), jnp.float32) * 100
   protected = sc.protect(raw, sinks=3, recent=5)
-  keep = np.asarray(select.keep_mask(protected, jnp.int32(12)))
+  keep = np.asarray(select.top_mask(protected, jnp.int32(12)))
   assert keep[..., :3].all() and keep[..., -5:].all()
   assert (keep.sum(-1) == 12).all()
   # a budget below the protected count keeps the lower protected positions first
-  keep = np.asarray(select.keep_mask(protected, jnp.int32(5)))
+  keep = np.asarray(select.top_mask(protected, jnp.int32(5)))
   assert keep[..., :3].all() and keep[..., 35:37].all() and keep.sum() == 2 * 4 * 5
 
 
@@ -137,7 +137,7 @@ def test_no_retrace_on_new_budget_values():
   @jax.jit
   @chex.assert_max_traces(n=1)
   def run(scores, budget):
-    keep = select.keep_mask(scores, budget, capacity=16)
+    keep = select.top_mask(scores, budget, capacity=16)
     idx, valid = select.compact(scores, budget, 16)
     return keep, idx, valid
 
@@ -155,7 +155,7 @@ def test_vmap_over_budget_configurations():
   rng = np.random.default_rng(11)
   scores = jnp.asarray(rng.normal(size=(2, 3, 30)), jnp.float32)
   budgets_KLH = jnp.asarray(rng.integers(0, 12, size=(5, 2, 3)), jnp.int32)
-  sweep = jax.jit(jax.vmap(lambda b: select.keep_mask(scores, b, capacity=12)))
+  sweep = jax.jit(jax.vmap(lambda b: select.top_mask(scores, b, capacity=12)))
   keep_KLHT = np.asarray(sweep(budgets_KLH))
   for k in range(5):
     np.testing.assert_array_equal(
@@ -169,20 +169,20 @@ def test_pooled_selection(seed):
   L, H, T = 3, int(rng.integers(1, 6)), int(rng.integers(2, 30))
   scores = rng.normal(size=(L, H, T)).astype(np.float32)
   budget = rng.integers(0, H * T + 3, size=(L,)).astype(np.int32)
-  keep = np.asarray(select.keep_mask_pooled(jnp.asarray(scores), budget))
+  keep = np.asarray(select.top_mask_pooled(jnp.asarray(scores), budget))
   expected = reference_mask(scores.reshape(L, H * T), budget).reshape(L, H, T)
   np.testing.assert_array_equal(keep, expected)
   counts = np.asarray(select.pooled_budgets(jnp.asarray(scores), budget))
   np.testing.assert_array_equal(counts.sum(-1), np.minimum(budget, H * T))
   # each head's own top count_h is the pooled set (no exact ties in normal scores)
-  per_head = np.asarray(select.keep_mask(jnp.asarray(scores), counts))
+  per_head = np.asarray(select.top_mask(jnp.asarray(scores), counts))
   np.testing.assert_array_equal(per_head, keep)
 
 
 def test_pooled_with_length():
   scores = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 10)), jnp.float32)
   length = jnp.asarray([[10, 4, 0], [2, 2, 2]], jnp.int32)
-  keep = np.asarray(select.keep_mask_pooled(scores, jnp.asarray([100, 5]), length=length))
+  keep = np.asarray(select.top_mask_pooled(scores, jnp.asarray([100, 5]), length=length))
   assert keep[0].sum() == 14 and keep[1].sum() == 5
   assert not keep[0, 1, 4:].any() and not keep[0, 2].any() and not keep[1, :, 2:].any()
 
@@ -202,12 +202,12 @@ def test_pooled_with_length():
 def test_bad_input_raises(kwargs, match):
   scores = jnp.zeros((2, 16), jnp.float32)
   with pytest.raises(ValueError, match=match):
-    select.keep_mask(scores, **kwargs)
+    select.top_mask(scores, **kwargs)
 
 
 def test_nan_scores_raise():
   with pytest.raises(ValueError, match="scores: contains NaN"):
-    select.keep_mask(jnp.asarray([[0.0, jnp.nan]]), jnp.int32(1))
+    select.top_mask(jnp.asarray([[0.0, jnp.nan]]), jnp.int32(1))
   with pytest.raises(ValueError, match="scores: expected a floating"):
     select.compact(jnp.asarray([[1, 2]]), jnp.int32(1), 2)
 
@@ -301,13 +301,13 @@ def test_signed_zeros_tie_on_the_sort_path_under_jit(seed, sort_path):
   budget[1, 2] = 17
   expected = reference_mask(scores, budget)
   keep = jax.jit(
-    lambda s, b: select.keep_mask(s, b, length=jnp.full(b.shape, 512, jnp.int32), capacity=512)
+    lambda s, b: select.top_mask(s, b, length=jnp.full(b.shape, 512, jnp.int32), capacity=512)
   )
   np.testing.assert_array_equal(np.asarray(keep(jnp.asarray(scores), budget)), expected)
   if sort_path == "packed":
-    np.testing.assert_array_equal(np.asarray(select.keep_mask(scores, budget)), expected)
+    np.testing.assert_array_equal(np.asarray(select.top_mask(scores, budget)), expected)
     np.testing.assert_array_equal(
-      np.asarray(jax.jit(select.keep_mask)(jnp.asarray(scores), budget)), expected
+      np.asarray(jax.jit(select.top_mask)(jnp.asarray(scores), budget)), expected
     )
   idx, valid = jax.jit(lambda s, b: select.compact(s, b, 300, length=jnp.full(b.shape, 512)))(
     jnp.asarray(scores), budget
@@ -324,7 +324,7 @@ def test_signed_zeros_tie_on_the_top_k_path_under_jit(T, capacity):
   rng = np.random.default_rng(T)
   scores = signed_zero_scores(rng, (3, 4, T))
   budget = rng.integers(0, capacity + 1, size=(3, 4)).astype(np.int32)
-  keep = jax.jit(lambda s, b: select.keep_mask(s, b, capacity=capacity))
+  keep = jax.jit(lambda s, b: select.top_mask(s, b, capacity=capacity))
   np.testing.assert_array_equal(
     np.asarray(keep(jnp.asarray(scores), budget)), reference_mask(scores, budget)
   )
@@ -362,9 +362,7 @@ def test_portable_sort_path_equals_the_cpu_path(seed, monkeypatch):
     return (
       select.descending_order(scores, capacity),
       jax.jit(lambda s: select.ranks(s, length=length, capacity=capacity))(scores),
-      jax.jit(lambda s, b: select.keep_mask(s, b, length=length, capacity=capacity))(
-        scores, budget
-      ),
+      jax.jit(lambda s, b: select.top_mask(s, b, length=length, capacity=capacity))(scores, budget),
       jax.jit(lambda s, b: select.compact(s, b, capacity, length=length))(scores, budget),
     )
 
@@ -404,13 +402,13 @@ def test_compact_refuses_a_capacity_below_the_kept_count():
 def test_counts_outside_int32_raise_before_any_cast(kwargs, match):
   scores = jnp.zeros((2, 16), jnp.float32)
   with pytest.raises(ValueError, match=match):
-    select.keep_mask(scores, **kwargs)
+    select.top_mask(scores, **kwargs)
   # the largest int32 budget is the no-compression guard, not an error
-  assert np.asarray(select.keep_mask(scores, np.int64(2**31 - 1))).all()
+  assert np.asarray(select.top_mask(scores, np.int64(2**31 - 1))).all()
 
 
 def test_checked_selection_reports_nan_negative_and_over_capacity_under_jit():
-  mask = jax.jit(lambda s, b, n: select.checked_keep_mask(s, b, length=n, capacity=4))
+  mask = jax.jit(lambda s, b, n: select.checked_top_mask(s, b, length=n, capacity=4))
   slots = jax.jit(lambda s, b: select.checked_compact(s, b, 4))
   scores = jnp.asarray(np.random.default_rng(0).normal(size=(2, 16)), jnp.float32)
   full = jnp.asarray([16, 16])
@@ -434,7 +432,7 @@ def test_checked_selection_reports_nan_negative_and_over_capacity_under_jit():
   assert err.get() is None and np.asarray(valid).sum(-1).tolist() == [4, 1]
   # concrete bad input still raises at the boundary, before any jit
   with pytest.raises(ValueError, match="scores: contains NaN"):
-    select.checked_keep_mask(scores.at[0, 0].set(jnp.nan), 2)
+    select.checked_top_mask(scores.at[0, 0].set(jnp.nan), 2)
 
 
 @pytest.mark.parametrize("k", [3, 40])  # lax.top_k's depth, then the int32 sort's (past T / 8)
@@ -501,11 +499,11 @@ def test_count_threshold_path_equals_the_reference(kind):
   budget[0, 0], budget[0, 1], budget[0, 2] = 0, 1, capacity  # edges
   length = rng.integers(capacity, T + 1, size=(3, 5)).astype(np.int32)
   length[1, 0], length[1, 1] = 0, 3  # an empty row; a row shorter than its budget
-  keep = jax.jit(lambda s, b, n: select.keep_mask(s, b, length=n, capacity=capacity))
+  keep = jax.jit(lambda s, b, n: select.top_mask(s, b, length=n, capacity=capacity))
   np.testing.assert_array_equal(
     np.asarray(keep(scores, budget, length)), reference_mask(scores, budget, length)
   )
-  full = jax.jit(lambda s, b: select.keep_mask(s, b, capacity=capacity))
+  full = jax.jit(lambda s, b: select.top_mask(s, b, capacity=capacity))
   np.testing.assert_array_equal(np.asarray(full(scores, budget)), reference_mask(scores, budget))
   # which path ran: the count threshold wherever every row settles, as numpy predicts
   masked = np.where(np.arange(T) < length[..., None], scores, -np.inf).astype(np.float32)
@@ -542,7 +540,7 @@ def test_count_threshold_pads_rows_to_whole_count_blocks():
   T = 20000
   scores = rng.standard_normal((2, T)).astype(np.float32)
   budget = np.array([1, 2000], np.int32)
-  keep = jax.jit(lambda s, b: select.keep_mask(s, b, capacity=2048))
+  keep = jax.jit(lambda s, b: select.top_mask(s, b, capacity=2048))
   np.testing.assert_array_equal(np.asarray(keep(scores, budget)), reference_mask(scores, budget))
   assert bool(jax.jit(select.count_threshold)(scores, budget)[1])
 
@@ -555,7 +553,7 @@ def test_count_threshold_under_vmap(shared):
   K, T, C = 3, 4096, 256
   scores = rng.standard_normal((K, 2, 4, T)).astype(np.float32)
   budgets = rng.integers(0, C + 1, size=(K, 2, 4)).astype(np.int32)
-  one = lambda s, b: select.keep_mask(s, b, capacity=C)  # noqa: E731
+  one = lambda s, b: select.top_mask(s, b, capacity=C)  # noqa: E731
   if shared:
     keep = jax.jit(jax.vmap(one, in_axes=(None, 0)))(scores[0], budgets)
     expected = [reference_mask(scores[0], budgets[k]) for k in range(K)]
@@ -574,7 +572,7 @@ def test_count_threshold_finishes_the_last_rows_alone(kind):
   scores = threshold_case(rng, kind, (rows, T))
   budget = rng.integers(0, T // 8 + 1, size=rows).astype(np.int32)
   length = rng.integers(T // 8, T + 1, size=rows).astype(np.int32)
-  keep = jax.jit(lambda s, b, n: select.keep_mask(s, b, length=n, capacity=T // 8))
+  keep = jax.jit(lambda s, b, n: select.top_mask(s, b, length=n, capacity=T // 8))
   np.testing.assert_array_equal(
     np.asarray(keep(scores, budget, length)), reference_mask(scores, budget, length)
   )
@@ -622,21 +620,21 @@ def test_float64_scores_are_selected_in_their_own_order():
   close = np.array([[1.0, 1.0 + 1e-12, 1.0 + 2e-12, 0.5]])
   for scores in (huge, close):
     want = reference_mask(scores, [1])
-    np.testing.assert_array_equal(select.keep_mask(scores, 1), want)
-    np.testing.assert_array_equal(select.checked_keep_mask(scores, 1)[1], want)
+    np.testing.assert_array_equal(select.top_mask(scores, 1), want)
+    np.testing.assert_array_equal(select.checked_top_mask(scores, 1)[1], want)
     idx, valid = select.compact(scores, 1, 2)
     assert np.asarray(idx)[0, 0] == 2 and np.asarray(valid).tolist() == [[True, False]]
     np.testing.assert_array_equal(select.ranks(scores), reference_order(scores).argsort(-1))
     # a pooled layer ranks its heads together
-    pooled = select.keep_mask_pooled(scores.reshape(1, 2, 2), 1)
+    pooled = select.top_mask_pooled(scores.reshape(1, 2, 2), 1)
     np.testing.assert_array_equal(np.asarray(pooled).reshape(1, 4), want)
   # the sentinels, ties and signed zeros of float64 scores survive
   mixed = np.array([[-np.inf, 1e39, np.inf, -0.0, 0.0, 1e39, -1e-300]])
   for b in range(8):
-    np.testing.assert_array_equal(select.keep_mask(mixed, b), reference_mask(mixed, [b]))
+    np.testing.assert_array_equal(select.top_mask(mixed, b), reference_mask(mixed, [b]))
   # under x64, traced float64 scores keep their order too
   with jax.enable_x64(True):
-    keep = jax.jit(lambda s, b: select.keep_mask(s, b))(jnp.asarray(close), jnp.int32(2))
+    keep = jax.jit(lambda s, b: select.top_mask(s, b))(jnp.asarray(close), jnp.int32(2))
     np.testing.assert_array_equal(keep, reference_mask(close, [2]))
 
 
@@ -645,12 +643,12 @@ def test_keep_mask_under_jit_keeps_capacity_for_a_traced_budget_above_it_as_docu
   # unchecked path does and which variant reports it
   scores = jnp.asarray(np.random.default_rng(1).normal(size=(2, 16)), jnp.float32)
   with pytest.raises(ValueError, match="budget: 9 exceeds capacity=4"):
-    select.keep_mask(scores, 9, capacity=4)
-  keep = jax.jit(lambda s, b: select.keep_mask(s, b, capacity=4))(scores, jnp.int32(9))
+    select.top_mask(scores, 9, capacity=4)
+  keep = jax.jit(lambda s, b: select.top_mask(s, b, capacity=4))(scores, jnp.int32(9))
   assert np.asarray(keep).sum(-1).tolist() == [4, 4]
-  doc = " ".join(select.keep_mask.__doc__.split())
+  doc = " ".join(select.top_mask.__doc__.split())
   assert "a budget in ``(capacity, length)`` keeps ``capacity`` entries" in doc
-  assert ":func:`checked_keep_mask`" in doc
-  err, _ = jax.jit(lambda s, b: select.checked_keep_mask(s, b, capacity=4))(scores, jnp.int32(9))
+  assert ":func:`checked_top_mask`" in doc
+  err, _ = jax.jit(lambda s, b: select.checked_top_mask(s, b, capacity=4))(scores, jnp.int32(9))
   with pytest.raises(ValueError, match="budget: 9 exceeds capacity=4"):
     err.throw()

@@ -155,7 +155,7 @@ def test_prefix_sum_metric_equals_the_mask_route():
   fns = sweep.make_group(key, dims, 24, 2)
   state = fns.prepare(ev)
   scores, budget_LH = state["scores"], fns.allocate(state, d)
-  keep = select.keep_mask(scores, budget_LH)
+  keep = select.top_mask(scores, budget_LH)
   expected = float((np.asarray(ev["mass"]) * np.asarray(keep)).sum(-1).mean())
   np.testing.assert_allclose(row["retained_mass"], expected, rtol=1e-5)
   assert row["cache_tokens"] == int(np.asarray(budget_LH).sum())
@@ -631,7 +631,7 @@ def test_key_and_value_scorers_are_swept_by_name(tmp_path):
     for b in (16, 48):
       keep = _kept_by_numpy(rank, np.full((L, H), b))
       np.testing.assert_array_equal(
-        np.asarray(select.keep_mask(engine_scores[policy], b)), keep, err_msg=policy
+        np.asarray(select.top_mask(engine_scores[policy], b)), keep, err_msg=policy
       )
       row = table[(table.policy == policy) & (table.budget == b)]
       for m, expected in _metrics_by_numpy(keep, mass, fact).items():

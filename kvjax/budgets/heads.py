@@ -228,7 +228,7 @@ def _adakv_kvpress(scores_LHT, budget_L, alpha, capacity):
   n_safe_L = jnp.where(
     jnp.asarray(alpha) > 0, jnp.where(n_kept_L > 0, jnp.maximum(n_safe_L, 1), 0), n_safe_L
   )
-  forced = select.keep_mask(
+  forced = select.top_mask(
     scores_LHT, jnp.broadcast_to(n_safe_L[:, None], (L, H)), capacity=capacity
   )
   boosted = jnp.where(forced, jnp.inf, scores_LHT)

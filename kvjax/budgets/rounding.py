@@ -16,7 +16,7 @@ def round_to_total(weights_L: Array, total) -> Array:
   """Rounds non-negative reals to ints that sum to exactly ``total`` (largest remainder).
 
   ``weights_L`` must already sum to ``total`` (up to float error). The leftover units go to the
-  largest fractional parts, ties to the lower index (via :func:`kvjax.select.keep_mask`).
+  largest fractional parts, ties to the lower index (via :func:`kvjax.select.top_mask`).
 
   Args:
     weights_L: non-negative floats ``[N]`` that sum to ``total``.
@@ -32,7 +32,7 @@ def round_to_total(weights_L: Array, total) -> Array:
   total = as_int32(checks.counts("total", total))
   floors = jnp.floor(weights_L)
   deficit = total - floors.sum().astype(jnp.int32)
-  extra = select.keep_mask(weights_L - floors, jnp.clip(deficit, 0, weights_L.shape[-1]))
+  extra = select.top_mask(weights_L - floors, jnp.clip(deficit, 0, weights_L.shape[-1]))
   return floors.astype(jnp.int32) + extra.astype(jnp.int32)
 
 

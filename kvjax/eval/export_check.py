@@ -4,7 +4,7 @@
 the host lacks. :func:`check` does that for each entry point of :data:`ENTRY_POINTS` at a
 Llama-3.1-8B shape in bf16 (:func:`llama31_8b`) with 32k-token prompts: the prefill with each
 kind of evidence, the compression under six policies, the decode step (stacked and held one
-buffer per layer), the generate loop, the answers' step, ``select.keep_mask`` /
+buffer per layer), the generate loop, the answers' step, ``select.top_mask`` /
 ``select.compact``, the ragged decode kernel (:mod:`kvjax.model.ragged`) and, on the lab's
 synthetic world, a sweep's compiled group and the online replay. Arguments are
 ``jax.ShapeDtypeStruct`` (``jax.eval_shape`` of the parameters, prefill and cache): nothing of
@@ -335,12 +335,12 @@ def answers_entry(name: str, s: Shapes, configs: int = 2, answer: int = 8):
 
 
 def select_entry(name: str, s: Shapes):
-  """``select.keep_mask`` / ``select.compact`` over ``[B, L, G, T]`` scores."""
+  """``select.top_mask`` / ``select.compact`` over ``[B, L, G, T]`` scores."""
   L, G = s.cfg.num_layers, s.cfg.num_kv_heads
   scores = jax.ShapeDtypeStruct((s.batch, L, G, s.tokens), jnp.float32)
   budget = jax.ShapeDtypeStruct((s.batch, L, G), jnp.int32)
-  if name == "keep_mask":
-    return jax.jit(select.keep_mask), (scores, budget)
+  if name == "top_mask":
+    return jax.jit(select.top_mask), (scores, budget)
   fn = jax.jit(select.compact, static_argnames="capacity")
   return fn, (scores, budget, s.budget)
 
@@ -462,7 +462,7 @@ def _entries() -> dict[str, tuple[Callable, bool]]:
   out["generate:h2o"] = (functools.partial(generate_entry, "h2o"), True)
   out["answers:snapkv"] = (functools.partial(answers_entry, "snapkv"), True)
   out["answers:h2o"] = (functools.partial(answers_entry, "h2o"), True)
-  out["select:keep_mask"] = (functools.partial(select_entry, "keep_mask"), True)
+  out["select:top_mask"] = (functools.partial(select_entry, "top_mask"), True)
   out["select:compact"] = (functools.partial(select_entry, "compact"), True)
   out["ragged_decode"] = (ragged_entry, True)
   out["lab:sweep_max_budget"] = (functools.partial(sweep_entry, "max_budget"), False)

@@ -152,9 +152,9 @@ def _admit(spec: CacheSpec, slots: dict, budget_BH, pos_B):
     # NaN keep scores cannot be ranked: the row is flagged, never evicted from arbitrarily
     slots = dict(slots, overflow=slots["overflow"] | (jnp.isnan(keep_old) & valid).any((-2, -1)))
     keep_old = jnp.where(valid, keep_old, -jnp.inf)
-    # room for the new token: keep the best `budget - 1` current slots (select.keep_mask)
+    # room for the new token: keep the best `budget - 1` current slots (select.top_mask)
     room = jnp.minimum(jnp.minimum(budget_BH, C) - 1, fill)
-    valid = select.keep_mask(keep_old, room) & valid
+    valid = select.top_mask(keep_old, room) & valid
     slot = jnp.argmin(valid, axis=-1)  # the first slot not kept: evicted, or empty
   else:  # append; past the capacity the row is flagged (the caller sizes C for every token)
     slot = jnp.minimum(fill, C - 1)

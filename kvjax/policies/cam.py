@@ -186,7 +186,7 @@ def cam_merge(
   total = jnp.where(valid_GC, scores_GC.astype(jnp.float32), 0.0).sum(0)
   mean_C = jnp.where(filled_C, total / jnp.maximum(held, 1), -jnp.inf)
   count = jnp.minimum(jnp.asarray(count, jnp.int32), filled_C.sum())
-  kept_C = select.keep_mask(mean_C, count) & filled_C
+  kept_C = select.top_mask(mean_C, count) & filled_C
   evicted_C = filled_C & ~kept_C
   slot = jnp.arange(C)
   # the N best evicted, ties to the later slot (kvpress's flipped stable descending argsort)

@@ -252,7 +252,7 @@ class Composed(Policy):
       s = jnp.where(evidence.valid_T[None, None], s, -jnp.inf)
     kept = None
     for stage, n in zip(tokens[1:], self.stage_counts(evidence, T), strict=True):
-      kept = select.keep_mask(s, jnp.broadcast_to(jnp.asarray(n, jnp.int32), (L, H)))
+      kept = select.top_mask(s, jnp.broadcast_to(jnp.asarray(n, jnp.int32), (L, H)))
       s = restricted_scores(stage, evidence, kept, self.gqa)
     return s, kept
 
@@ -425,7 +425,7 @@ class Blockwise(Rescoring, _Restricted):
       block = valid & (order_T >= start) & (order_T < start + self.block)
       candidates = kept | block
       s = restricted_scores(self.base, evidence, candidates, self.gqa)
-      return select.keep_mask(s, b[..., 0]) & candidates
+      return select.top_mask(s, b[..., 0]) & candidates
 
     kept = jax.lax.fori_loop(0, math.ceil(T / self.block), step, kept)
     return jnp.where(kept, 1.0, 0.0)
@@ -625,7 +625,7 @@ class PrefillDecoding(Policy):
       length = evidence.valid_T.sum()
     else:
       length = s.shape[-1]
-    return select.keep_mask(s, jnp.minimum(self.decode_budgets(budget_LH, seen), length))
+    return select.top_mask(s, jnp.minimum(self.decode_budgets(budget_LH, seen), length))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -282,7 +282,7 @@ class Policy(BudgetRules, Recompression, Observation, protocols.ProtocolDefaults
     return self.rescore(evidence, scores_LHT, budget_LH, capacity)
 
   def keep_mask(self, evidence: Evidence, budget, *, capacity: int | None = None) -> Array:
-    """Kept positions ``[L, H, T]`` bool under ``budget`` (:func:`kvjax.select.keep_mask`).
+    """Kept positions ``[L, H, T]`` bool under ``budget`` (:func:`kvjax.select.top_mask`).
 
     Raises:
       ValueError: a budget :meth:`budgets` refuses, or evidence the policy needs is missing.
@@ -290,7 +290,7 @@ class Policy(BudgetRules, Recompression, Observation, protocols.ProtocolDefaults
     scores_LHT = self.scores(evidence)
     budget_LH = self.budgets(evidence, scores_LHT, budget)
     scores_LHT = self.selection_scores(evidence, scores_LHT, budget_LH, capacity=capacity)
-    return select.keep_mask(scores_LHT, budget_LH, capacity=capacity)
+    return select.top_mask(scores_LHT, budget_LH, capacity=capacity)
 
   def compact(self, evidence: Evidence, budget, capacity: int) -> tuple[Array, Array]:
     """Kept positions as ``(idx_LHC, valid_LHC)`` for a cache of ``capacity`` slots per head

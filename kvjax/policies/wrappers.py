@@ -159,7 +159,7 @@ def _first_stage(scores_LHT, count_LH, capacity):
   T = scores_LHT.shape[-1]
   capacity = T if capacity is None else capacity
   count_LH = jnp.minimum(count_LH, capacity)  # a budget >= T keeps everything anyway
-  return select.keep_mask(scores_LHT, count_LH, capacity=capacity)
+  return select.top_mask(scores_LHT, count_LH, capacity=capacity)
 
 
 def _stage_one_count(budget_LH, ratio, floor_one):

@@ -390,7 +390,7 @@ def think_channel_mask(channel_scores_LGD: Array, channel_ratio: float) -> Array
   checks.float_array("channel_scores", channel_scores_LGD, 3, "LGD")
   ratio = checks.ratio("channel_ratio", channel_ratio)
   n_pruned = int(channel_scores_LGD.shape[-1] * ratio)
-  pruned = select.keep_mask(-channel_scores_LGD.astype(jnp.float32), jnp.int32(n_pruned))
+  pruned = select.top_mask(-channel_scores_LGD.astype(jnp.float32), jnp.int32(n_pruned))
   return ~pruned
 
 

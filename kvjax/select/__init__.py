@@ -14,9 +14,9 @@ Semantics shared by every function here (``docs/concepts.md``, step 4):
   ``T``) are static, so a sweep over budget values compiles once.
 * Counts (budgets, lengths, the capacity) are int32 token counts: concrete values are checked to
   lie in ``[0, 2**31)`` before any cast (``ValueError``, never a wrapped value). Traced values
-  cannot be checked in Python: :func:`keep_mask` and :func:`compact` then keep what their
+  cannot be checked in Python: :func:`top_mask` and :func:`compact` then keep what their
   docstrings say without a signal (a budget above the capacity keeps ``capacity`` entries);
-  :func:`checked_keep_mask` and :func:`checked_compact` report NaN scores, negative budgets and
+  :func:`checked_top_mask` and :func:`checked_compact` report NaN scores, negative budgets and
   budgets above the capacity under ``jit`` with ``checkify``.
 * Keys are float32. float64 scores keep their own order: values float32 cannot tell apart or
   hold (``1e39`` would become ``+inf``, the keep-always marker) are selected by their float64
@@ -82,7 +82,7 @@ __all__ = [
   "check_selection",
   "check_static_count",
   "checked_compact",
-  "checked_keep_mask",
+  "checked_top_mask",
   "compact",
   "count_threshold",
   "descending_order",
@@ -90,8 +90,6 @@ __all__ = [
   "descending_values",
   "float32_scores",
   "is_concrete",
-  "keep_mask",
-  "keep_mask_pooled",
   "kept_count",
   "order_keys",
   "pooled_budgets",
@@ -101,6 +99,8 @@ __all__ = [
   "pooled_rank_table",
   "ranks",
   "sortable_int32",
+  "top_mask",
+  "top_mask_pooled",
   "uses_packed_sort",
 ]
 
@@ -340,7 +340,7 @@ def _mask_impl(scores: Array, budget: Array, length: Array, capacity: int) -> Ar
   return _threshold_mask(scores, budget, length, capacity)
 
 
-def keep_mask(scores: Array, budget, *, length=None, capacity: int | None = None) -> Array:
+def top_mask(scores: Array, budget, *, length=None, capacity: int | None = None) -> Array:
   """Marks the ``min(budget, length)`` highest scores of each row in a bool mask ``[..., T]``.
 
   Exactly ``min(budget, length)`` entries are True per row; ties go to the lower position.
@@ -349,7 +349,7 @@ def keep_mask(scores: Array, budget, *, length=None, capacity: int | None = None
   Concrete budgets and lengths are checked here; traced ones (under ``jit``) cannot be, and
   this unchecked path then answers without a signal: a budget in ``(capacity, length)`` keeps
   ``capacity`` entries, a negative budget keeps nothing, and a NaN score (traced) ranks above
-  every number. :func:`checked_keep_mask` is the same selection that reports each of these
+  every number. :func:`checked_top_mask` is the same selection that reports each of these
   under ``jit``.
 
   Args:
@@ -378,7 +378,7 @@ def ranks(scores: Array, *, length=None, capacity: int | None = None) -> Array:
   """Ranks every position in its row, best first, ties to the lower position.
 
   Positions outside the top ``capacity`` (default ``T``) or beyond ``length`` get rank
-  ``capacity`` (or more). ``keep_mask(scores, b) == ranks(scores) < min(b, length)`` for every
+  ``capacity`` (or more). ``top_mask(scores, b) == ranks(scores) < min(b, length)`` for every
   ``b <= capacity``, so a sweep computes the ranks once and answers every budget with a
   comparison (or a prefix sum of the sorted metric).
 
@@ -405,7 +405,7 @@ def compact(scores: Array, budget, capacity: int, *, length=None) -> tuple[Array
 
   For ``scores_LHT`` the result is ``(idx_LHC, valid_LHC)``. The valid slots hold the kept
   positions in ascending order and come first; invalid slots hold 0 (a safe gather index) and
-  must be masked by ``valid``. The set equals :func:`keep_mask`'s. ``min(budget, length)`` must
+  must be masked by ``valid``. The set equals :func:`top_mask`'s. ``min(budget, length)`` must
   fit the ``capacity``: traced inputs are not checked and keep the first ``capacity`` slots (the
   model cache flags it as ``overflow``; :func:`checked_compact` reports it). This is the layout
   of :mod:`kvjax.model.cache`.
@@ -461,7 +461,7 @@ def _flatten_heads(scores_LHT: Array) -> Array:
   return scores_LHT.reshape(scores_LHT.shape[:-2] + (-1,))
 
 
-def keep_mask_pooled(
+def top_mask_pooled(
   scores_LHT: Array, budget_L, *, length=None, capacity: int | None = None
 ) -> Array:
   """Selects across the heads of each layer under a per-layer total budget.
@@ -475,7 +475,7 @@ def keep_mask_pooled(
     budget_L: int total per layer, broadcastable to ``scores_LHT.shape[:-2]``.
     length: optional int per layer and head, broadcastable to ``scores_LHT.shape[:-1]``:
       excludes positions past each head's prefix. Defaults to ``T``.
-    capacity: static upper bound on the pooled budgets below ``H*T``, as in :func:`keep_mask`.
+    capacity: static upper bound on the pooled budgets below ``H*T``, as in :func:`top_mask`.
 
   Returns:
     The kept positions, bool ``[..., H, T]``.
@@ -483,7 +483,7 @@ def keep_mask_pooled(
   Raises:
     ValueError: for scores with fewer than two axes, not floating, empty or NaN (when
       concrete); budgets or lengths that are not integers, negative, beyond int32 or do not
-      broadcast to the rows; and the capacity errors of :func:`keep_mask`.
+      broadcast to the rows; and the capacity errors of :func:`top_mask`.
   """
   flat = _flatten_heads(scores_LHT)  # validates [..., H, T]
   check_scores(flat)
@@ -501,12 +501,12 @@ def keep_mask_pooled(
   if total is not None:
     # Invalid positions carry -inf and must never be kept, so cap by the valid count.
     budget_L = jnp.minimum(budget_L, total)
-  keep = keep_mask(flat, budget_L, capacity=capacity)
+  keep = top_mask(flat, budget_L, capacity=capacity)
   return keep.reshape(scores_LHT.shape[:-2] + (num_heads, num_positions))
 
 
 def pooled_budgets(scores_LHT: Array, budget_L, *, capacity: int | None = None) -> Array:
-  """Counts the entries each head keeps under :func:`keep_mask_pooled`: int32 ``[..., H]``.
+  """Counts the entries each head keeps under :func:`top_mask_pooled`: int32 ``[..., H]``.
 
   The counts sum to ``budget_L``. Selecting each head's own top ``count_h`` reproduces the
   pooled set (up to exact ties across heads), which is how a real per-head cache stores a pooled
@@ -515,15 +515,15 @@ def pooled_budgets(scores_LHT: Array, budget_L, *, capacity: int | None = None) 
   Args:
     scores_LHT: float scores ``[..., H, T]``, higher = keep.
     budget_L: int total per layer, broadcastable to ``scores_LHT.shape[:-2]``.
-    capacity: static upper bound on the pooled budgets below ``H*T``, as in :func:`keep_mask`.
+    capacity: static upper bound on the pooled budgets below ``H*T``, as in :func:`top_mask`.
 
   Returns:
     int32 per-head counts ``[..., H]``.
 
   Raises:
-    ValueError: as :func:`keep_mask_pooled`.
+    ValueError: as :func:`top_mask_pooled`.
   """
-  return keep_mask_pooled(scores_LHT, budget_L, capacity=capacity).sum(-1, dtype=jnp.int32)
+  return top_mask_pooled(scores_LHT, budget_L, capacity=capacity).sum(-1, dtype=jnp.int32)
 
 
 def _pooled_depth(scores_LHT: Array, max_total) -> tuple[int, int, int]:
@@ -676,13 +676,13 @@ _checked_mask_jit = jax.jit(checkify.checkify(_checked_mask_impl), static_argnam
 _checked_compact_jit = jax.jit(checkify.checkify(_checked_compact_impl), static_argnames="capacity")
 
 
-def checked_keep_mask(
+def checked_top_mask(
   scores: Array, budget, *, length=None, capacity: int | None = None
 ) -> tuple[checkify.Error, Array]:
-  """Runs :func:`keep_mask` and also checks its traced data: ``(error, keep)``.
+  """Runs :func:`top_mask` and also checks its traced data: ``(error, keep)``.
 
   Under ``jit`` a NaN score, a negative budget or a budget above the capacity cannot be seen in
-  Python, and :func:`keep_mask` then answers with no signal (a NaN ranks above every number, a
+  Python, and :func:`top_mask` then answers with no signal (a NaN ranks above every number, a
   negative budget keeps nothing). This opt-in form runs the :func:`check_selection` checks with
   ``jax.experimental.checkify``: call ``error.throw()`` (or read ``error.get()``) outside
   ``jit``. It can be called inside ``jit``; the error is a pytree to return from it.
@@ -694,10 +694,10 @@ def checked_keep_mask(
     capacity: static upper bound on the budgets below ``T`` (default ``T``).
 
   Returns:
-    ``(error, keep)``: a ``checkify.Error`` and :func:`keep_mask`'s bool ``[..., T]``.
+    ``(error, keep)``: a ``checkify.Error`` and :func:`top_mask`'s bool ``[..., T]``.
 
   Raises:
-    ValueError: at once for concrete bad input, as :func:`keep_mask`.
+    ValueError: at once for concrete bad input, as :func:`top_mask`.
   """
   scores, budget, length, capacity = prepare(scores, budget, length, capacity)
   return _checked_mask_jit(scores, budget, length, capacity=capacity)
@@ -708,7 +708,7 @@ def checked_compact(
 ) -> tuple[checkify.Error, tuple[Array, Array]]:
   """Runs :func:`compact` and also checks its traced data: ``(error, (idx, valid))``.
 
-  As :func:`checked_keep_mask`, and reports ``min(budget, length) > capacity`` (slots overflow).
+  As :func:`checked_top_mask`, and reports ``min(budget, length) > capacity`` (slots overflow).
 
   Args:
     scores: float ``[..., T]``, higher = keep.

@@ -2,7 +2,7 @@
 found by a bisection on those keys, with a counting pass per step and nothing ordered.
 
 On rows of :data:`COUNT_THRESHOLD_MIN_POSITIONS` positions or more with a capacity up to
-``T / 8``, :func:`kvjax.select.keep_mask` takes this path (:func:`uses_count_threshold`); rows
+``T / 8``, :func:`kvjax.select.top_mask` takes this path (:func:`uses_count_threshold`); rows
 whose ``n``-th best is tied with the next fall back to an ordered top ``k``.
 """
 

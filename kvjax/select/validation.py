@@ -215,8 +215,8 @@ def check_selection(
 
   Args:
     scores: float scores ``[..., T]``.
-    budget: the int32 per-row budgets (:func:`kvjax.select.keep_mask`'s validated argument).
-    length: the int32 per-row lengths (:func:`kvjax.select.keep_mask`'s validated argument).
+    budget: the int32 per-row budgets (:func:`kvjax.select.top_mask`'s validated argument).
+    length: the int32 per-row lengths (:func:`kvjax.select.top_mask`'s validated argument).
     capacity: static capacity of the selection.
     slots: True for the compact form (:func:`kvjax.select.compact`), False for a mask.
   """

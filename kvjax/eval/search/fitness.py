@@ -66,7 +66,7 @@ class MassTable:
 
 def mass_table(scores_LHP: Array, mass_LHP: Array) -> MassTable:
   """Prefix sums of ``mass_LHP`` along each head's order of ``scores_LHP`` (best first, ties to
-  the lower position, as :func:`kvjax.select.keep_mask`).
+  the lower position, as :func:`kvjax.select.top_mask`).
 
   Args:
     scores_LHP: a policy's scores ``[L, H, P]``.

@@ -258,7 +258,7 @@ def water_fill(weights_N: Array, free: float, cap: float) -> Array:
 def round_capped(shares_N: Array, total: int, cap: int) -> Array:
   """Integers in ``[0, cap]`` summing to exactly ``total``, nearest ``shares_N``.
 
-  Largest-remainder rounding (ties to the lower index, :func:`kvjax.select.keep_mask`), then an
+  Largest-remainder rounding (ties to the lower index, :func:`kvjax.select.top_mask`), then an
   integer repair of what float rounding left over: one slot at a time to the first entries with
   room (or from the first with any), so the total is exact whatever the floats did.
 
@@ -274,7 +274,7 @@ def round_capped(shares_N: Array, total: int, cap: int) -> Array:
   room = floors < cap
   frac = jnp.where(room, shares_N - floors, -1.0)
   deficit = jnp.clip(total - floors.sum(), 0, room.sum())
-  out = floors + select.keep_mask(frac, deficit).astype(jnp.int32)
+  out = floors + select.top_mask(frac, deficit).astype(jnp.int32)
   return _repair(_repair(out, total, cap, 1), total, cap, -1)
 
 
