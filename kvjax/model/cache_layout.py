@@ -53,17 +53,23 @@ class Layout:
     compress_sliding: on a model whose layers differ (Gemma 2/3), compress the sliding layers
       too (default: each keeps its window's most recent tokens, as kvpress leaves them;
       :func:`~kvjax.model.cache.sliding_layers`).
+    paged: decode over each head's own pages (:mod:`kvjax.model.paged`): ``None`` (default)
+      on TPU and GPU when the budgets differ across heads or layers, ``True`` on any platform,
+      ``False`` never.
   """
 
   heads: str = "kv"
   reindex: bool = False
   compress_sliding: bool = False
+  paged: bool | None = None
 
   def __post_init__(self):
     check_layout(self.heads)
     for name in ("reindex", "compress_sliding"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+    if self.paged is not None and not isinstance(self.paged, bool):
+      raise ValueError(f"paged: expected None or a bool, got {self.paged!r}")
 
 
 def as_layout(layout: Layout | str) -> Layout:

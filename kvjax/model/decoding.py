@@ -22,7 +22,7 @@ import numpy as np
 
 from kvjax import policies
 from kvjax.model import cache as cache_lib
-from kvjax.model import llama, restorekv, sharding, stored
+from kvjax.model import llama, paged, restorekv, sharding, stored
 from kvjax.model.budget_checks import (
   cache_bytes,
   cache_capacity,
@@ -173,6 +173,29 @@ def _compress_and_decode(cfg, params, pre, spec, budget, first, new, temperature
   (cache, last, _), tokens = jax.lax.scan(step, (cache, first, rng), jnp.arange(new - 1))
   tokens = jnp.concatenate([tokens, last[None]], 0) if new > 1 else first[None]
   return tokens.T, cache_lib.restacked(cache, spec.capacity)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "new", "temperature", "pool"))
+def _compress_and_decode_paged(
+  cfg, params, pre, spec, budget, first, new, temperature, rng, evidence, pool
+):
+  """:func:`_compress_and_decode` over a :class:`~kvjax.model.paged.PagedCache` of ``pool``
+  pages: the compressed cache moved into pages, each step reading each head's own slots.
+  Tokens ``[B, new]``, the paged cache and the compression's allocation ``[B, L, H]``."""
+  stacked = cache_lib.compress(cfg, pre, spec, budget, rng=rng, evidence=evidence)
+  cache = paged.from_stacked(stacked, new=new, pool=pool)
+  start_pos = pre.valid.sum(-1).astype(jnp.int32)
+
+  def step(carry, i):
+    cache, token, rng = carry
+    rng, sub = jax.random.split(rng)
+    logits, cache = paged.decode_step(cfg, params, cache, token, start_pos + i, backend="auto")
+    return (cache, _pick(logits, temperature, sub), rng), token
+
+  (cache, last, _), tokens = jax.lax.scan(step, (cache, first, rng), jnp.arange(new - 1))
+  tokens = jnp.concatenate([tokens, last[None]], 0) if new > 1 else first[None]
+  overflow = cache.overflow | stacked.overflow
+  return tokens.T, dataclasses.replace(cache, overflow=overflow), stacked.budget
 
 
 def _layer_capacity(cfg, policy: policies.Policy, budget, T: int, new: int):
@@ -396,6 +419,17 @@ def generate(
   rng = jax.random.key(0) if rng is None else rng
   rng, first_rng = jax.random.split(rng)
   first = _pick(pre.logits[:, -1], float(temperature), first_rng)
+  if paged.uses_paged(cfg, spec, budget_LH, layout.paged, jax.default_backend()):
+    held_LH = np.full((cfg.num_layers, cfg.num_kv_heads), T) if budget_LH is None else budget_LH
+    pool = paged.pool_size(held_LH, B, new, paged.PAGE)
+    tokens, pcache, used = _compress_and_decode_paged(
+      cfg, params, pre, spec, budget, first, new, float(temperature), rng, ev, pool
+    )
+    check_overflow(pcache)
+    mem = paged.memory(pcache) | {
+      "full_cache_bytes": cache_lib.full_cache_bytes(cfg, tokens.shape[0], T + new, itemsize)
+    }
+    return Generation(np.asarray(tokens), mem, np.asarray(used))
   tokens, cache = _compress_and_decode(
     cfg, params, pre, spec, budget, first, new, float(temperature), rng, ev
   )
