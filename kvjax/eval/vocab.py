@@ -11,182 +11,37 @@ import numpy as np
 from kvjax.model.tokenizer import SPECIALS, WordTokenizer
 
 PUNCT = (".", ",", "?", ":", "=")
-TEMPLATE_WORDS = tuple(
-  [
-    "the",
-    "special",
-    "magic",
-    "number",
-    "numbers",
-    "for",
-    "is",
-    "are",
-    "what",
-    "all",
-    "and",
-    "pass",
-    "key",
-    "remember",
-    "it",
-    "answer",
-    "var",
-    "find",
-    "variables",
-    "that",
-    "assigned",
-    "value",
-    "in",
-    "text",
-    "above",
-    "they",
-    "questions",
-    "document",
-    "grass",
-    "sky",
-    "sun",
-    "here",
-    "we",
-    "go",
-    "there",
-    "back",
-    "again",
-  ]
+
+
+def _words(text: str) -> tuple[str, ...]:
+  """The whitespace-separated words of ``text``, in order (a word list written as prose)."""
+  return tuple(text.split())
+
+
+# the task templates' words (kvjax.eval.tasks), in vocabulary order
+TEMPLATE_WORDS = _words(
+  """
+  the special magic number numbers for is are what all and pass key remember it answer var
+  find variables that assigned value in text above they questions document grass sky sun
+  here we go there back again
+  """
 )
-FILLER = tuple(
-  [
-    "a",
-    "an",
-    "this",
-    "every",
-    "some",
-    "many",
-    "few",
-    "old",
-    "new",
-    "small",
-    "large",
-    "quiet",
-    "loud",
-    "bright",
-    "dark",
-    "warm",
-    "cold",
-    "early",
-    "late",
-    "red",
-    "blue",
-    "green",
-    "yellow",
-    "happy",
-    "tired",
-    "busy",
-    "calm",
-    "swift",
-    "slow",
-    "cat",
-    "dog",
-    "bird",
-    "horse",
-    "river",
-    "mountain",
-    "city",
-    "village",
-    "garden",
-    "forest",
-    "ocean",
-    "window",
-    "door",
-    "table",
-    "chair",
-    "book",
-    "letter",
-    "song",
-    "story",
-    "road",
-    "bridge",
-    "tower",
-    "farmer",
-    "teacher",
-    "doctor",
-    "sailor",
-    "baker",
-    "painter",
-    "child",
-    "friend",
-    "king",
-    "queen",
-    "soldier",
-    "merchant",
-    "walks",
-    "runs",
-    "sees",
-    "finds",
-    "builds",
-    "paints",
-    "reads",
-    "writes",
-    "sings",
-    "carries",
-    "follows",
-    "watches",
-    "visits",
-    "opens",
-    "closes",
-    "keeps",
-    "holds",
-    "brings",
-    "sends",
-    "meets",
-    "helps",
-    "near",
-    "under",
-    "over",
-    "beside",
-    "behind",
-    "through",
-    "across",
-    "with",
-    "without",
-    "from",
-    "into",
-    "after",
-    "before",
-    "during",
-    "while",
-    "because",
-    "but",
-    "or",
-    "so",
-    "then",
-    "often",
-    "never",
-    "always",
-    "sometimes",
-    "today",
-    "yesterday",
-    "tomorrow",
-    "morning",
-    "evening",
-    "night",
-    "winter",
-    "summer",
-    "spring",
-    "autumn",
-    "rain",
-    "snow",
-    "wind",
-    "stone",
-    "wood",
-    "gold",
-    "silver",
-    "bread",
-    "milk",
-    "apple",
-    "water",
-    "fire",
-    "light",
-    "shadow",
-  ]
+# the haystack sentences' words, in vocabulary order: determiners, adjectives, nouns, verbs,
+# prepositions and conjunctions, adverbs, then more nouns
+FILLER = _words(
+  """
+  a an this every some many few old new small large quiet loud bright dark warm cold early late
+  red blue green yellow happy tired busy calm swift slow
+  cat dog bird horse river mountain city village garden forest ocean window door table chair
+  book letter song story road bridge tower farmer teacher doctor sailor baker painter child
+  friend king queen soldier merchant
+  walks runs sees finds builds paints reads writes sings carries follows watches visits opens
+  closes keeps holds brings sends meets helps
+  near under over beside behind through across with without from into after before during
+  while because but or so then
+  often never always sometimes today yesterday tomorrow morning evening night winter summer
+  spring autumn rain snow wind stone wood gold silver bread milk apple water fire light shadow
+  """
 )
 _ONSETS = ["b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z"]
 _VOWELS = ["a", "e", "i", "o", "u"]

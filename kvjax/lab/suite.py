@@ -31,10 +31,8 @@ from kvjax.lab import keys, metrics, online, synthetic
 # essay's voter), else the first policy run
 DEFAULT_FIGURE_POLICY = "snapkv"
 
-SUMMARY_COLUMNS = (
-  "scenario",
-  "policy",
-  "budget",
+# the metrics of a replay each table row holds (kvjax.lab.metrics.summarize), in column order
+METRIC_COLUMNS = (
   "retained_mass",
   "oracle_gap",
   "output_error",
@@ -42,6 +40,7 @@ SUMMARY_COLUMNS = (
   "budget_use",
   "oracle_mass",
 )
+SUMMARY_COLUMNS = ("scenario", "policy", "budget", *METRIC_COLUMNS)
 
 
 def policy_label(policy: policies.Policy | str) -> str:
@@ -262,7 +261,7 @@ def simulate_scenarios(
     traces = {name: by_policy[name][scenario] for name in built}
     rows = [
       dict(scenario=scenario, policy=name, budget=config.budget)
-      | {k: summary[k] for k in SUMMARY_COLUMNS[3:]}
+      | {k: summary[k] for k in METRIC_COLUMNS}
       | {"layer_retained": summary["retained_mass_L"].tolist()}
       for name, (_, summary) in traces.items()
     ]
@@ -394,19 +393,7 @@ def pivot(table: pd.DataFrame) -> pd.DataFrame:
 
 # --------------------------------------------------------------------------- attention-free scorers
 
-KEY_COLUMNS = (
-  "scenario",
-  "fact_distinctness",
-  "policy",
-  "budget",
-  "reads_keys",
-  "retained_mass",
-  "oracle_gap",
-  "output_error",
-  "fact_recall",
-  "budget_use",
-  "oracle_mass",
-)
+KEY_COLUMNS = ("scenario", "fact_distinctness", "policy", "budget", "reads_keys", *METRIC_COLUMNS)
 
 
 def validate_keys_config(config) -> dict[str, policies.Policy]:
@@ -454,7 +441,7 @@ def _key_rows(scenario: str, config, built: dict, log=print) -> list[dict]:
         trace = online.simulate(world, policy, budget, capacity=capacity, evidence=ev, seed=seed)
         s = metrics.summarize(trace.metrics)
         row = dict(scenario=scenario, policy=name, budget=budget, reads_keys=reads)
-        row |= {k: s[k] for k in KEY_COLUMNS[5:]}
+        row |= {k: s[k] for k in METRIC_COLUMNS}
         for f in (fd,) if reads else config.fact_distinctness:
           rows.append(dict(row, fact_distinctness=float(f)))
         log(

@@ -41,6 +41,8 @@ Array = jax.Array
 
 ROLES = ("mixed", "local", "retrieval", "sink")
 MAX_FACTS = 4  # fact tables are padded to this many, so scenarios share compiled simulations
+# the attention mixture's components, in the order of World.weights_LH4
+MIXTURE_WEIGHTS = ("sink_weight", "recency_weight", "fact_weight", "background_weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +100,7 @@ def validate(cfg: WorldConfig) -> WorldConfig:
     )
   if not 0 <= cfg.num_sinks <= cfg.prompt_len:
     raise ValueError(f"num_sinks: expected 0..prompt_len={cfg.prompt_len}, got {cfg.num_sinks}")
-  for name in ("sink_weight", "recency_weight", "fact_weight", "background_weight", "preview"):
+  for name in (*MIXTURE_WEIGHTS, "preview"):
     if getattr(cfg, name) < 0:
       raise ValueError(f"{name}: expected a non-negative weight, got {getattr(cfg, name)}")
   if cfg.recency_tau <= 0:
@@ -184,9 +186,7 @@ def _roles(cfg: WorldConfig, key: Array) -> Array:
 
 def _mixture_weights(cfg: WorldConfig, roles_LH: Array) -> Array:
   depth_L = jnp.linspace(0.0, 1.0, cfg.num_layers) if cfg.num_layers > 1 else jnp.zeros((1,))
-  base = jnp.asarray(
-    [cfg.sink_weight, cfg.recency_weight, cfg.fact_weight, cfg.background_weight], jnp.float32
-  )
+  base = jnp.asarray([getattr(cfg, name) for name in MIXTURE_WEIGHTS], jnp.float32)
   w = jnp.broadcast_to(base, (cfg.num_layers, cfg.num_heads, 4))
   sink_scale = (1.0 + cfg.sink_funnel * depth_L)[:, None]
   w = w.at[..., 0].multiply(jnp.broadcast_to(sink_scale, roles_LH.shape))
@@ -256,16 +256,7 @@ def make_world(cfg: WorldConfig, *, values: bool = True) -> World:
 # The fields each compiled table program reads: every other field is reset to its default, so
 # the scenarios of one world size share the random draw's program (the slowest to compile).
 _DRAW_FIELDS = ("num_layers", "num_heads", "prompt_len", "gen_steps", "head_dim", "role_fractions")
-_WEIGHT_FIELDS = (
-  "num_layers",
-  "num_heads",
-  "sink_weight",
-  "recency_weight",
-  "fact_weight",
-  "background_weight",
-  "sink_funnel",
-  "role_boost",
-)
+_WEIGHT_FIELDS = ("num_layers", "num_heads", *MIXTURE_WEIGHTS, "sink_funnel", "role_boost")
 
 
 def _draw_config(cfg: WorldConfig) -> WorldConfig:
