@@ -304,7 +304,7 @@ def test_prefill_validates_its_blocking_arguments():
 def test_attention_tiles_above_the_diagonal_or_behind_the_window_are_never_read():
   # NaN keys and values poison any output row whose tiles read them (0 * NaN = NaN in p @ v):
   # the rows that must not read a poisoned tile keep their clean values only if it is skipped
-  from kvjax.model import llama
+  from kvjax.model import blocked
 
   B, Hq, G, T, D, block = 1, 2, 1, 24, 8, 4
   rng = np.random.default_rng(0)
@@ -316,9 +316,9 @@ def test_attention_tiles_above_the_diagonal_or_behind_the_window_are_never_read(
   def outputs(poisoned, sliding_window, sums):
     bad = kv.copy()
     bad[..., poisoned, :] = np.nan
-    keys = llama._Keys(jnp.asarray(bad), jnp.asarray(bad), positions, valid, 0, block)
+    keys = blocked.Keys(jnp.asarray(bad), jnp.asarray(bad), positions, valid, 0, block)
     sums = jnp.zeros((B, Hq, T), jnp.float32) if sums else None
-    return np.asarray(llama._attend_chunk(q, 8, 8, keys, sums, block, sliding_window)[0])
+    return np.asarray(blocked.attend_chunk(q, 8, keys, sums, block, sliding_window)[0])
 
   for sums in (False, True):
     for poisoned, sliding_window, clean_rows in [

@@ -600,8 +600,7 @@ def answer_prefilled(
     pre = pre.replace(future_attn=prefilled.future_attn)
   ev = decoding.check_evidence(pol, evidence, cfg, np.zeros(pre.valid.shape, np.int32), None)
   pre, ev = restorekv.append_restore(pre, ev)  # RestoreKV's tokens follow the context
-  T = pre.valid.shape[1]
-  spec, alloc = decoding.configs_spec(cfg, pol, pre, budgets, window, layout, T, M, ev)
+  spec, alloc = decoding.configs_spec(cfg, pol, pre, budgets, window, layout, M, ev)
   sharded, K = decoding.shard_configs(budgets, params)
   start = time.perf_counter()
   caches = _compress_configs(cfg, pre, spec, sharded, ev)

@@ -189,7 +189,6 @@ def _attend_block(q_BGRQD, tile, lo, count, size, sums_BHT, operands=jnp.float32
 def attend_chunk(
   q_BHQD,
   c0,
-  n,
   keys: Keys,
   sums_BHT,
   block,
@@ -201,9 +200,8 @@ def attend_chunk(
   the keys before them; tiles above the diagonal or behind the window are never read.
 
   Args:
-    q_BHQD: the chunk's post-RoPE queries ``[B, Hq, n, D]``.
+    q_BHQD: the chunk's post-RoPE queries ``[B, Hq, n, D]`` (``n`` static).
     c0: the chunk's first index in the prompt (traced).
-    n: the chunk's length (static).
     keys: the layer's keys and values (:class:`Keys`), the chunk's written in.
     sums_BHT: column sums ``[B, Hq, T]`` to add the chunk's probabilities to, or ``None`` for
       the one-pass online softmax.
@@ -217,7 +215,7 @@ def attend_chunk(
   Returns:
     ``(out [B, Hq, n, D] fp32, sums_BHT with the chunk's rows added, or None)``.
   """
-  B, Hq, _, D = q_BHQD.shape
+  B, Hq, n, D = q_BHQD.shape
   G = keys.keys.shape[2]
   R, size = Hq // G, min(block, n)
   num = -(-n // size)
@@ -292,31 +290,26 @@ def fused_chunk(q_BHQD, c0, n, keys, sliding_window, implementation) -> Array:
   return o.transpose(0, 2, 1, 3)
 
 
-def window_rows(cfg, q_BHWD, out, l, win, at, positions, valid, block) -> Array:
+def window_rows(cfg, q_BHWD, keys: Keys, win, at) -> Array:
   """Writes layer ``l``'s window rows (the last ``W`` queries over every key) into ``win``, tile
   by tile, from an fp32 softmax.
 
   Args:
     cfg: the model's config.
     q_BHWD: the window's post-RoPE queries ``[B, Hq, W, D]``.
-    out: the prefill's outputs, with the layer's ``keys`` and ``values`` written.
-    l: the layer's index (traced).
+    keys: the layer's keys and values (:class:`Keys`, the prefill's outputs with the layer
+      written), its tile size the keys per tile.
     win: the rows' output ``[N, B, Hq, W, T]``.
     at: the index of ``win``'s first axis to write.
-    positions: RoPE positions ``[B, T]``.
-    valid: the non-padding mask ``[B, T]``.
-    block: keys per tile.
 
   Returns:
     ``win`` with the rows written at ``at``, in its dtype.
   """
   B, Hq, W, D = q_BHWD.shape
-  T = positions.shape[1]
-  G = cfg.num_kv_heads
-  keys = Keys(out["keys"], out["values"], positions, valid, l, min(block, T))
+  positions, T, G = keys.positions, keys.T, cfg.num_kv_heads
   rows = _Rows(jnp.broadcast_to(jnp.arange(T - W, T), (B, W)), positions[:, T - W :], None)
   q = q_BHWD.astype(jnp.float32).reshape(B, G, Hq // G, W, D)
-  window = layer_window(cfg, l)
+  window = layer_window(cfg, keys.layer)
   lo = _first_key(positions, rows.pos[:, 0], window)
   count = (T - lo + keys.size - 1) // keys.size
   tile = functools.partial(

@@ -56,7 +56,7 @@ def shard_configs(budgets_K: Array, params: dict | None = None) -> tuple[Array, 
   return jax.device_put(budgets_K, NamedSharding(mesh, PartitionSpec("k"))), K
 
 
-def configs_spec(cfg, pol, pre, budgets, window, layout, T, new, evidence):
+def configs_spec(cfg, pol, pre, budgets, window, layout, new, evidence):
   """Sizes the cache spec for every configuration and computes their allocations.
 
   The budgets are checked first. Shared by :func:`~kvjax.model.decoding.generate_configs` and
@@ -69,7 +69,6 @@ def configs_spec(cfg, pol, pre, budgets, window, layout, T, new, evidence):
     budgets: the checked budgets ``[K, ...]``.
     window: the observation window the budgets must hold.
     layout: a :class:`kvjax.model.cache.Layout`.
-    T: the prompt's (context's) tokens.
     new: tokens decoded or fed after it.
     evidence: the checked caller-given evidence, or ``None``.
 
@@ -81,6 +80,7 @@ def configs_spec(cfg, pol, pre, budgets, window, layout, T, new, evidence):
     ValueError: for budgets the policy refuses, or a spec
       :func:`kvjax.model.cache.check_spec` refuses.
   """
+  T = pre.valid.shape[1]  # the prompt's (context's) tokens, restore tokens included
   if pol.requires_budget:
     pol.check_budget(budgets, window, T)
   spec = cache_lib.CacheSpec(

@@ -598,7 +598,7 @@ def generate_configs(
     new=("max_new_tokens", new),
   )
   cfg, params, pre, ev = _prefill(model, ids, mask, pol, ev)
-  spec, alloc = configs_spec(cfg, pol, pre, budgets, window, layout, pre.valid.shape[1], new, ev)
+  spec, alloc = configs_spec(cfg, pol, pre, budgets, window, layout, new, ev)
   first = jnp.argmax(pre.logits[:, -1], -1).astype(jnp.int32)
   key = jax.random.key(0)
   run = jax.vmap(

@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax.model import blocked
 from kvjax.model.attention import (
   FULL_WINDOW,
   attend,
@@ -135,8 +134,6 @@ __all__ = [
   "update_moments",
   "value_out_norms",
 ]
-# the tiled attention's key reader and chunk kernel, under the names the tests reach
-_Keys, _attend_chunk = blocked.Keys, blocked.attend_chunk
 
 
 class Llama(nnx.Module):

@@ -365,12 +365,11 @@ def _layer(
     out = dict(out, query_mean=put("query_mean", mean), query_cov=put("query_cov", cov))
   if window:
     q = q_win[:, :, wq - window :]
+    keys = Keys(out["keys"], out["values"], positions, valid, l, min(block, T))
     if window_scores is None:
-      rows = window_rows(cfg, q, out, l, out["attn_window"], l, positions, valid, block)
-      out = dict(out, attn_window=rows)
+      out = dict(out, attn_window=window_rows(cfg, q, keys, out["attn_window"], l))
     else:  # this layer's rows only, reduced before the next layer's are formed
-      rows = jnp.zeros((1, B, Hq, window, T), jnp.float32)
-      rows = window_rows(cfg, q, out, l, rows, 0, positions, valid, block)
+      rows = window_rows(cfg, q, keys, jnp.zeros((1, B, Hq, window, T), jnp.float32), 0)
       out = dict(out, window_scores=put("window_scores", window_scores(rows[0])))
   return x, out
 
@@ -426,7 +425,7 @@ def _chunk_step(
     keys = Keys(out["keys"], out["values"], positions, valid, l, min(block, T))
     if attention == "blocked" or sums is not None:
       o, sums = attend_chunk(
-        q, c0, n, keys, sums, block, window, cfg.attn_softcap, operands=attention_dtype
+        q, c0, keys, sums, block, window, cfg.attn_softcap, operands=attention_dtype
       )
     else:
       o = fused_chunk(q, c0, n, keys, window, attention)
