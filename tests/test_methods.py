@@ -239,7 +239,9 @@ def test_average_rope_is_the_mean_rotation():
 def test_expected_attention_by_hand_and_without_covariance(evidence):
   mu, cov = evidence.query_mean_LHD, evidence.query_cov_LHDD
   k, v = evidence.keys_LGTD, evidence.values_LGTD
-  ours = np.asarray(scores.expected_attention(mu, cov, k, v, sinks=4))
+  ours = np.asarray(
+    scores.expected_attention(mu, cov, k, v, options=scores.ExpectedAttentionOptions(sinks=4))
+  )
   kk = np.repeat(np.asarray(k)[:, :, 4:], 2, axis=1)
   z = np.einsum("lhd,lhtd->lht", np.asarray(mu), kk) / math.sqrt(D)
   z += np.einsum("lhti,lhij,lhtj->lht", kk, np.asarray(cov), kk) / D / 2

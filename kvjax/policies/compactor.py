@@ -17,7 +17,7 @@ from kvjax.policies.noncausal import aligned, check_heads, noncausal_zscores
 Array = jax.Array
 
 
-def compactor_scores(
+def _compactor_scores(
   prerope_keys_LGTD: Array,
   q_LHTD: Array,
   k_LGTD: Array,
@@ -133,7 +133,7 @@ class Compactor(Policy):
     sketch = sketch_of(evidence, self.seed, (L, G, D, self.sketch_dimension), name)
 
     def fn(n, pk, q, k, v):
-      return compactor_scores(
+      return _compactor_scores(
         pk,
         q,
         k,

@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import scores as scores_lib
-from kvjax.policies import allocators as alloc_lib
-from kvjax.policies.core import Policy
+from kvjax.policies.methods import KVzip
 
 Array = jax.Array
 
@@ -42,7 +41,7 @@ def kvgrad_scores(kvgrad_LGT: Array, *, sinks: int = 4) -> Array:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class KVgrad(Policy):
+class KVgrad(KVzip):
   """KVgrad: each KV pair's effect on the final hidden states, by input x gradient attribution.
 
   Paper: KVgrad (https://openreview.net/forum?id=cg1wTCJjjk), as kvpress cites it. Reference:
@@ -53,7 +52,8 @@ class KVgrad(Policy):
   attention of probe token ``p`` and query head ``r`` of the group, the norm of what the pair
   writes into the residual stream, and the sensitivity of ``Phi = sum_p ||h^L_p||^2`` (the last
   hidden states of the "repeat the context" pass) to the attention output ``a_p`` of that layer.
-  The first ``sinks`` (4) positions are protected; the default allocator
+  It is a :class:`~kvjax.policies.KVzip` with this evidence in place of the reconstruction
+  attention: the first ``sinks`` (4) positions are protected; the default allocator
   :class:`~kvjax.policies.Pooled` selects once over every layer and head, as kvpress
   (``Pooled(layerwise=True)``: per layer).
 
@@ -77,12 +77,6 @@ class KVgrad(Policy):
   """
 
   needs: ClassVar[frozenset[str]] = frozenset({FIELD})
-  allocator: alloc_lib.Allocator = alloc_lib.Pooled()
-  sinks: int = 4
-
-  def __post_init__(self):
-    super().__post_init__()
-    scores_lib.check_count("sinks", self.sinks)
 
   def score(self, evidence):
     """The attribution, ``sinks`` protected (kvpress ``KVgradPress``)."""

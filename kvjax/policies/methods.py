@@ -419,10 +419,12 @@ class ExpectedAttention(Policy):
       cov,
       evidence.need("keys_LGTD", name),
       values,
-      sinks=self.sinks,
-      use_covariance=self.use_covariance,
-      use_vnorm=self.use_vnorm,
-      epsilon=self.epsilon,
+      options=scores_lib.ExpectedAttentionOptions(
+        sinks=self.sinks,
+        use_covariance=self.use_covariance,
+        use_vnorm=self.use_vnorm,
+        epsilon=self.epsilon,
+      ),
       valid_T=evidence.valid_T,
     )
 

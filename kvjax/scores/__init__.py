@@ -60,6 +60,7 @@ from .modern import (
   think_channel_scores,
 )
 from .rope import (
+  ExpectedAttentionOptions,
   average_rope,
   expected_attention,
   expected_query_stats,
@@ -78,6 +79,7 @@ Array = jax.Array
 
 __all__ = [
   "COLUMN_SUM_MASKS",
+  "ExpectedAttentionOptions",
   "GROUPINGS",
   "H2O_FORMS",
   "POOLS",

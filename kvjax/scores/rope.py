@@ -3,6 +3,7 @@ future queries it rotates, and the attention they are expected to pay each key."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -101,16 +102,30 @@ def expected_query_stats(
   return mu, cov
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpectedAttentionOptions:
+  """The options of kvpress ``ExpectedAttentionPress`` (its defaults).
+
+  Attributes:
+    sinks: the number of initial positions protected, a static int in ``[0, T)`` (4).
+    use_covariance: adds the covariance term to the expected logits (True).
+    use_vnorm: multiplies by the value norms (True).
+    epsilon: added to the expected attention before the value norms multiply it (0.0).
+  """
+
+  sinks: int = 4
+  use_covariance: bool = True
+  use_vnorm: bool = True
+  epsilon: float = 0.0
+
+
 def expected_attention(
   query_mean_LHD: Array,
   query_cov_LHDD: Array | None,
   keys_LGTD: Array,
   values_LGTD: Array | None,
   *,
-  sinks: int = 4,
-  use_covariance: bool = True,
-  use_vnorm: bool = True,
-  epsilon: float = 0.0,
+  options: ExpectedAttentionOptions | None = None,
   valid_T: Array | None = None,
 ) -> Array:
   """Scores expected attention (kvpress ``ExpectedAttentionPress.score``) per KV head ``[L, G, T]``.
@@ -127,10 +142,8 @@ def expected_attention(
       ``None`` without ``use_covariance``.
     keys_LGTD: the keys ``[L, G, T, D]``; ``Hq`` must be a multiple of ``G``.
     values_LGTD: the values ``[L, G, T, D]``; may be ``None`` without ``use_vnorm``.
-    sinks: the number of initial positions protected, a static int in ``[0, T)``.
-    use_covariance: adds the covariance term to ``z``.
-    use_vnorm: multiplies by the value norms.
-    epsilon: added to ``p`` before the value norms multiply it.
+    options: ``sinks``, ``use_covariance``, ``use_vnorm`` and ``epsilon``
+      (:class:`ExpectedAttentionOptions`; ``None``: kvpress's defaults).
     valid_T: bool ``[T]``, the row's real positions (a padded batch row): the softmax runs over
       them only, as over the unpadded prompt, and padding scores 0. ``None``: every position.
 
@@ -139,10 +152,14 @@ def expected_attention(
 
   Raises:
     ValueError: for arrays that are not floating of the expected rank, or (when concrete)
-      contain NaN or inf; shapes that disagree; ``Hq`` not a multiple of ``G``; a ``sinks``
-      that is not a static int in ``[0, T)``; a missing covariance (``use_covariance``) or
-      missing values (``use_vnorm``); and a ``valid_T`` that is not ``[T]``.
+      contain NaN or inf; shapes that disagree; ``Hq`` not a multiple of ``G``; ``options``
+      that are not :class:`ExpectedAttentionOptions`; a ``sinks`` that is not a static int in
+      ``[0, T)``; a missing covariance (``use_covariance``) or missing values (``use_vnorm``);
+      and a ``valid_T`` that is not ``[T]``.
   """
+  options = ExpectedAttentionOptions() if options is None else options
+  if not isinstance(options, ExpectedAttentionOptions):
+    raise ValueError(f"options: expected ExpectedAttentionOptions or None, got {options!r}")
   checks.float_array("query_mean", query_mean_LHD, 3, "LHD")
   checks.float_array("keys", keys_LGTD, 4, "LGTD")
   L, Hq, D = query_mean_LHD.shape
@@ -150,26 +167,26 @@ def expected_attention(
   if keys_LGTD.shape[0] != L or keys_LGTD.shape[-1] != D:
     raise ValueError(f"keys: shape {keys_LGTD.shape} does not match query_mean {(L, Hq, D)}")
   checks.gqa(Hq, G)
-  sinks = checks.static_int("sinks", sinks, 0)
+  sinks = checks.static_int("sinks", options.sinks, 0)
   if sinks >= T:
     raise ValueError(f"keys: T={T} tokens, expected more than sinks={sinks}")
-  if use_covariance:
+  if options.use_covariance:
     if query_cov_LHDD is None:
       raise ValueError("query_cov: expected [L, Hq, D, D] when use_covariance=True, got None")
     checks.float_array("query_cov", query_cov_LHDD, 4, "LHDD")
     if query_cov_LHDD.shape != (L, Hq, D, D):
       raise ValueError(f"query_cov: expected shape {(L, Hq, D, D)}, got {query_cov_LHDD.shape}")
-  if use_vnorm:
+  if options.use_vnorm:
     if values_LGTD is None:
       raise ValueError("values: expected [L, G, T, D] when use_vnorm=True, got None")
     checks.float_array("values", values_LGTD, 4, "LGTD")
     checks.same_dims("values", values_LGTD, "keys", keys_LGTD, (0, 1, 2))
   return _expected_attention(
     query_mean_LHD,
-    query_cov_LHDD if use_covariance else None,
+    query_cov_LHDD if options.use_covariance else None,
     keys_LGTD,
-    values_LGTD if use_vnorm else None,
-    epsilon,
+    values_LGTD if options.use_vnorm else None,
+    options.epsilon,
     checks.valid_positions(valid_T, T),
     sinks,
   )
