@@ -13,7 +13,10 @@
 5. the ragged per-head decode kernel (:mod:`kvjax.model.ragged`) compiled for the device (Mosaic
    on a TPU, Triton on a GPU; the Pallas interpreter on a CPU) against its XLA reference over
    random ragged lengths (0, 1 and full among them) with a soft-cap and a sliding window, its
-   largest difference and its time against the reference's;
+   largest difference and its time against the reference's; then the roofline with the kernel:
+   the decode step over the paged cache (:mod:`kvjax.model.paged`) against the stacked step at
+   Ada-KV's 10 % budgets, their outputs' difference, and each step's bytes over its time as a
+   fraction of the reduction's bandwidth;
 6. one notebook (``01_policy_lab``) in QUICK mode through nbclient.
 
 Each line says what ran where; a failing part is reported, not hidden. Record the table in the
@@ -39,7 +42,7 @@ from experiments.bench_memory import EVIDENCE, SHAPES
 from kvjax import model as km
 from kvjax import policies
 from kvjax.model import cache as cache_lib
-from kvjax.model import ragged
+from kvjax.model import paged, ragged
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -161,6 +164,47 @@ def ragged_rows(quick: bool) -> list[str]:
   return rows
 
 
+def paged_rows(cfg, T: int) -> list[str]:
+  """The roofline with the kernel: one decode step over the paged cache at Ada-KV's 10 %
+  budgets against the stacked step over the same slots (``bench_roofline``'s cache), their
+  largest logit difference, and each step's bytes (weights and the K/V it reads) over its time
+  as a fraction of a large reduction's bandwidth in the same run."""
+  model = km.Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(2))
+  params = model.params()
+  budget_BLH = bench_roofline.case_budgets("adakv10", cfg, T, np.random.default_rng(0))
+  B = budget_BLH.shape[0]
+  try:
+    stacked = bench_roofline.filled_cache(cfg, budget_BLH, jnp.bfloat16, seed=0)
+    spec = cache_lib.CacheSpec(policies.make("snapkv"), stacked.keys.shape[3])
+    pool = paged.pool_size(budget_BLH, B, bench_roofline.ROOM, paged.PAGE)
+    pcache = paged.from_stacked(stacked, new=bench_roofline.ROOM, pool=pool)
+    tok, pos = jnp.zeros((B,), jnp.int32), jnp.full((B,), T, jnp.int32)
+    stacked_step = jax.jit(lambda c: cache_lib.decode_step(cfg, params, spec, c, tok, pos, pos)[0])
+    paged_step = jax.jit(lambda c: paged.decode_step(cfg, params, c, tok, pos, backend="auto")[0])
+    gap = float(jnp.abs(stacked_step(stacked) - paged_step(pcache)).max())
+    ref_bytes = 2**32 if jax.default_backend() != "cpu" else 2**28
+    reference = bench_roofline.xla_reduction(ref_bytes)
+    t_ref, t_stacked, t_paged = (
+      timed(lambda: reference()),
+      timed(stacked_step, stacked),
+      timed(paged_step, pcache),
+    )
+    bandwidth = ref_bytes / t_ref
+    nbytes = bench_roofline.step_bytes(params, stacked)
+    weights = nbytes["weights"]
+    paged_bytes = weights + paged.bytes_read(pcache)
+    return [
+      f"paged decode at {T} tokens, Ada-KV 10 %: max |paged - stacked| logits {gap:.1e}",
+      f"paged decode: {t_paged * 1e3:.2f} ms ({paged_bytes / 1e6:.0f} MB read, "
+      f"{100 * paged_bytes / t_paged / bandwidth:.0f} % of the reduction's "
+      f"{bandwidth / 1e9:.0f} GB/s); stacked {t_stacked * 1e3:.2f} ms ({nbytes['read'] / 1e6:.0f} "
+      f"MB read, {100 * nbytes['read'] / t_stacked / bandwidth:.0f} %; "
+      f"{100 * nbytes['total'] / t_stacked / bandwidth:.0f} % of the held bytes)",
+    ]
+  except Exception as e:  # noqa: BLE001  (a failure is a result here)
+    return [f"paged decode: FAILED {type(e).__name__}: {str(e)[:120]}"]
+
+
 def notebook_row() -> str:
   import nbclient
   import nbformat
@@ -198,6 +242,7 @@ def main() -> None:
   rows.append(decode_row(cfg, lengths[-1] // 2 if args.quick else 16384))
   rows += roofline_rows()
   rows += ragged_rows(args.quick)
+  rows += paged_rows(cfg, 2048 if args.quick else 16384)
   rows.append(notebook_row())
   print("\n".join(f"| {r} |" for r in rows))
 
