@@ -20,6 +20,7 @@ import kvjax.model as km
 from kvjax import policies
 from kvjax.model import cache as cache_lib
 from kvjax.model import calibrate, restorekv
+from kvjax.model.reconstruction import KVzipOptions
 from kvjax.policies.restorekv import RestoreKV, last_valid
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -327,7 +328,7 @@ def examples(tiny, fx):
     context=32,
     ratio=0.5,
     tokens=4,
-    chunk_size=16,
+    kvzip=KVzipOptions(chunk_size=16),
   )
 
 

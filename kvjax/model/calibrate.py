@@ -180,15 +180,7 @@ def _svd_filters(q_LHND: Array) -> Array:
   return -sign[..., None] * vh[..., 0, :]
 
 
-def qfilters(
-  cfg: ModelConfig,
-  params: dict,
-  calibration_ids,
-  *,
-  num_svd_samples: int = 3000,
-  seed: int = 0,
-  across_processes: bool = False,
-) -> Array:
+def qfilters(cfg: ModelConfig, params: dict, calibration_ids, **options) -> Array:
   """Computes ``qfilters_LGD``: :func:`qfilter_directions` averaged over each KV head's GQA group.
 
   The query heads ``g * R .. g * R + R - 1`` are averaged, not renormalised, exactly as
@@ -199,24 +191,17 @@ def qfilters(
     cfg: the model's config.
     params: the parameter pytree.
     calibration_ids: calibration token ids ``[B, T]`` (or one row ``[T]``).
-    num_svd_samples: queries drawn per layer for the SVD.
-    seed: the seed of the draw.
-    across_processes: split the rows over the processes (:func:`qfilter_directions`).
+    **options: :func:`qfilter_directions`'s keywords (``num_svd_samples``, ``seed``,
+      ``across_processes``), its defaults for those not given.
 
   Returns:
     fp32 filters ``[L, G, D]``.
 
   Raises:
     ValueError: as :func:`qfilter_directions`.
+    TypeError: for an option :func:`qfilter_directions` does not take.
   """
-  dirs_LHD = qfilter_directions(
-    cfg,
-    params,
-    calibration_ids,
-    num_svd_samples=num_svd_samples,
-    seed=seed,
-    across_processes=across_processes,
-  )
+  dirs_LHD = qfilter_directions(cfg, params, calibration_ids, **options)
   L, _, D = dirs_LHD.shape
   return dirs_LHD.reshape(L, cfg.num_kv_heads, cfg.num_groups, D).mean(2)
 

@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import checks
-from kvjax.model import passes, training
+from kvjax.model import learned_io, passes
 from kvjax.model.config import ModelConfig
 from kvjax.scores import PRECISION
 
@@ -204,23 +203,21 @@ _inputs_jit = jax.jit(passes.prompt_attention_inputs, static_argnums=0)
 def save(
   path: str | pathlib.Path, gates: dict, meta: dict | None = None, *, identity: dict | None = None
 ) -> pathlib.Path:
-  """Writes gates as an ``.npz`` file (:func:`kvjax.model.training.write_trained`): the arrays
-  and a json header (``format``, ``shapes``, ``model_identity`` and the caller's ``meta``).
+  """Writes gates as an ``.npz`` file (:func:`kvjax.model.learned_io.write`): the arrays and a
+  json header (``format``, ``shapes``, ``model_identity`` and the caller's ``meta``).
 
   Args:
     path: the file to write.
     gates: the gates.
-    meta: as :func:`kvjax.model.training.write_trained`.
-    identity: :func:`kvjax.checks.model_identity` of the model they were trained on, checked by
-      :func:`load`; ``None`` records none (such a file loads for a model only with
-      ``unverified=True``).
+    meta: as :func:`kvjax.model.learned_io.write`.
+    identity: :func:`kvjax.checks.model_identity` of the model they were trained on
+      (:func:`kvjax.model.learned_io.write`).
 
   Returns:
     The path written.
   """
   arrays = {k: gates[k] for k in PARAM_KEYS}
-  meta = (meta or {}) | ({} if identity is None else {"model_identity": identity})
-  return training.write_trained(path, arrays, FORMAT, meta, shapes=shapes_of(gates))
+  return learned_io.write(path, arrays, FORMAT, meta, identity=identity, shapes=shapes_of(gates))
 
 
 def check_gates(gates, cfg: ModelConfig, where: str = "gates") -> None:
@@ -254,41 +251,33 @@ def check_gates(gates, cfg: ModelConfig, where: str = "gates") -> None:
 def load(
   path: str | pathlib.Path, cfg: ModelConfig, params: dict | None = None, *, unverified=False
 ) -> tuple[dict, dict]:
-  """Reads gates written by :func:`save` and checks them against a model.
+  """Reads gates written by :func:`save` and checks them against a model
+  (:func:`kvjax.model.learned_io.load`; their shapes by :func:`check_gates`).
 
   Args:
-    path: the ``.npz`` file.
-    cfg: the model the gates must fit.
-    params: the model's weights: the file must record the identity of this very model
-      (:func:`kvjax.checks.same_model`), not only fit its shapes. ``None``: only the shapes
-      are checked.
-    unverified: load a file whose identity is missing or another model's anyway (shapes are
-      still checked): the caller vouches that it suits this model.
+    path, cfg, params, unverified: as :func:`kvjax.model.learned_io.load`.
 
   Returns:
-    ``(gates, meta)``.
+    ``(gates, meta)``: fp32 gates.
 
   Raises:
-    ValueError: naming the file, for one that is missing or unreadable, lacks the header or an
-      array, holds shapes that do not fit ``cfg`` (each named with what it should be), and
-      (with ``params``, unless ``unverified``) one that records no model identity or another
-      model's.
+    ValueError: as :func:`kvjax.model.learned_io.load`, naming the file.
   """
-  files, meta, where = training.read_trained(path, FORMAT, "Fast KVzip gates")
-  check_gates(files, cfg, where)
-  if params is not None:
-    mine = checks.model_identity(cfg, params)
-    checks.same_model(where, meta.get("model_identity"), mine, unverified=unverified)
-  return {k: jnp.asarray(files[k], jnp.float32) for k in PARAM_KEYS}, meta
+
+  def gates(files, meta, where):
+    check_gates(files, cfg, where)
+    return {k: jnp.asarray(files[k], jnp.float32) for k in PARAM_KEYS}
+
+  return learned_io.load(
+    path, cfg, params, fmt=FORMAT, what="Fast KVzip gates", build=gates, unverified=unverified
+  )
 
 
 # --------------------------------------------------------------------------- evidence
 
 
-def _evidence(cfg, params, gates, ids_BT, mask_BT):
-  return gate_scores(
-    gates, passes.prompt_attention_inputs(cfg, params, ids_BT, mask_BT)
-  )  # [L, G, B, T]
+def _evidence(cfg, params, gates, ids_BT, mask_BT):  # [L, G, B, T]
+  return gate_scores(gates, passes.prompt_attention_inputs(cfg, params, ids_BT, mask_BT))
 
 
 _evidence_jit = jax.jit(_evidence, static_argnums=0)

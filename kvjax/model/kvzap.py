@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from kvjax import checks, distributed, rundir
-from kvjax.model import llama, passes, training
+from kvjax.model import learned_io, llama, passes, training
 from kvjax.model.config import ModelConfig
 from kvjax.model.kvgrad import value_output_norms
 from kvjax.model.reconstruction import KVzipTemplate, check_template
@@ -576,77 +576,71 @@ def save(
   *,
   identity: dict | None = None,
 ) -> pathlib.Path:
-  """Writes a surrogate as an ``.npz`` file (:func:`kvjax.model.training.write_trained`): its
-  weights and a json header (``format``, ``kind``, ``shapes``, ``model_identity`` and the
-  caller's ``meta``).
+  """Writes a surrogate as an ``.npz`` file (:func:`kvjax.model.learned_io.write`): its weights
+  and a json header (``format``, ``kind``, ``shapes``, ``model_identity`` and the caller's
+  ``meta``).
 
   Args:
     path: the file to write.
     surrogate: the surrogate.
     meta: json-serialisable facts to keep with it, e.g. the model's name and the training data.
-    identity: :func:`kvjax.checks.model_identity` of the model it was trained on, checked by
-      :func:`load`; ``None`` records none (such a file loads for a model only with
-      ``unverified=True``).
+    identity: :func:`kvjax.checks.model_identity` of the model it was trained on
+      (:func:`kvjax.model.learned_io.write`).
 
   Returns:
     The path written.
   """
-  meta = (meta or {}) | ({} if identity is None else {"model_identity": identity})
-  return training.write_trained(path, surrogate.params, FORMAT, meta, kind=surrogate.kind)
+  return learned_io.write(
+    path, surrogate.params, FORMAT, meta, identity=identity, kind=surrogate.kind
+  )
 
 
 def load(
   path: str | pathlib.Path, cfg: ModelConfig, params: dict | None = None, *, unverified=False
 ) -> tuple[Surrogate, dict]:
-  """Reads a surrogate written by :func:`save` and checks it against a model.
+  """Reads a surrogate written by :func:`save` and checks it against a model
+  (:func:`kvjax.model.learned_io.load`): its kind, and its weights' shapes against ``cfg``'s
+  ``num_layers``, ``hidden_size`` and ``num_kv_heads``.
 
   Args:
-    path: the ``.npz`` file.
-    cfg: the model the surrogate must fit (``num_layers``, ``hidden_size``, ``num_kv_heads``).
-    params: the model's weights: the file must record the identity of this very model
-      (:func:`kvjax.checks.same_model`), not only fit its shapes. ``None``: only the shapes
-      are checked.
-    unverified: load a file whose identity is missing or another model's anyway (shapes are
-      still checked): the caller vouches that it suits this model.
+    path, cfg, params, unverified: as :func:`kvjax.model.learned_io.load`.
 
   Returns:
-    ``(surrogate, meta)``.
+    ``(surrogate, meta)``: fp32 weights.
 
   Raises:
-    ValueError: naming the file, for one that is missing or unreadable, lacks the header or a
-      weight, has another kind, weights whose shapes do not fit ``cfg``, and (with ``params``,
-      unless ``unverified``) one that records no model identity or another model's.
+    ValueError: as :func:`kvjax.model.learned_io.load`, naming the file, and for a kind that
+      is not one of ``KINDS``.
   """
-  files, meta, where = training.read_trained(path, FORMAT, "KVzap surrogate")
-  kind = meta.get("kind")
-  if kind not in KINDS:
-    raise ValueError(f"path: {path} has kind {kind!r}, expected one of {KINDS}")
-  missing = [k for k in PARAM_KEYS[kind] if k not in files]
-  if missing:
-    raise ValueError(f"path: {path} lacks the {kind} weights {missing}")
-  hidden = files["w1"].shape[-1] if kind == "mlp" else HIDDEN_DIM
-  want = expected_shapes(kind, cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, hidden)
-  wrong = {k: (files[k].shape, v) for k, v in want.items() if files[k].shape != v}
-  if wrong:
-    said = ", ".join(f"{k} {got} (expected {exp})" for k, (got, exp) in wrong.items())
-    raise ValueError(
-      f"path: {path} does not fit this model (L={cfg.num_layers}, d={cfg.hidden_size}, "
-      f"G={cfg.num_kv_heads}; the file says model {meta.get('model')!r}): {said}"
-    )
-  if params is not None:
-    mine = checks.model_identity(cfg, params)
-    checks.same_model(where, meta.get("model_identity"), mine, unverified=unverified)
-  weights = {k: jnp.asarray(files[k], jnp.float32) for k in PARAM_KEYS[kind]}
-  return Surrogate(weights, kind), meta
+
+  def surrogate(files, meta, _where):
+    kind = meta.get("kind")
+    if kind not in KINDS:
+      raise ValueError(f"path: {path} has kind {kind!r}, expected one of {KINDS}")
+    missing = [k for k in PARAM_KEYS[kind] if k not in files]
+    if missing:
+      raise ValueError(f"path: {path} lacks the {kind} weights {missing}")
+    hidden = files["w1"].shape[-1] if kind == "mlp" else HIDDEN_DIM
+    want = expected_shapes(kind, cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, hidden)
+    wrong = {k: (files[k].shape, v) for k, v in want.items() if files[k].shape != v}
+    if wrong:
+      said = ", ".join(f"{k} {got} (expected {exp})" for k, (got, exp) in wrong.items())
+      raise ValueError(
+        f"path: {path} does not fit this model (L={cfg.num_layers}, d={cfg.hidden_size}, "
+        f"G={cfg.num_kv_heads}; the file says model {meta.get('model')!r}): {said}"
+      )
+    return Surrogate({k: jnp.asarray(files[k], jnp.float32) for k in PARAM_KEYS[kind]}, kind)
+
+  return learned_io.load(
+    path, cfg, params, fmt=FORMAT, what="KVzap surrogate", build=surrogate, unverified=unverified
+  )
 
 
 # --------------------------------------------------------------------------- evidence
 
 
-def _evidence(cfg, params, surrogate, ids_BT, mask_BT):
-  return apply(
-    surrogate, passes.prompt_attention_inputs(cfg, params, ids_BT, mask_BT)
-  )  # [L, G, B, T]
+def _evidence(cfg, params, surrogate, ids_BT, mask_BT):  # [L, G, B, T]
+  return apply(surrogate, passes.prompt_attention_inputs(cfg, params, ids_BT, mask_BT))
 
 
 _evidence_jit = jax.jit(_evidence, static_argnums=0)

@@ -1,6 +1,7 @@
 """KVzip's and KVCompose's reconstruction attention: the context read again after itself.
 
 * :func:`kvzip_template`, :func:`kvzip_chunks`: KVzip's reconstruction prompt;
+  :class:`KVzipOptions`: its other options, passed on together;
 * :func:`kvzip_evidence` -> ``reconstruction_attn_LGT``: KVzip (Kim et al., 2025, arXiv
   2505.23416) as kvpress 0.5.5's ``KVzipPress`` computes it;
 * :func:`kvcompose_evidence` -> ``reconstruction_attn_LHT``: KVCompose (arXiv 2509.05165) as
@@ -50,6 +51,22 @@ class KVzipTemplate:
   later_ids: tuple[int, ...]
   suffix_ids: tuple[int, ...]
   prefix_length: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class KVzipOptions:
+  """KVzip's scoring options besides its template (kvpress ``KVzipPress``'s), for a function
+  that runs :func:`kvzip_evidence` on the caller's behalf; :func:`kvzip_evidence` checks them.
+
+  Attributes:
+    chunk_size: context tokens per reconstruction chunk (2048).
+    n_sink: the first context tokens every repeat query also attends to (4).
+    plus: whether to apply KVzip+'s normalisation.
+  """
+
+  chunk_size: int = 2048
+  n_sink: int = 4
+  plus: bool = False
 
 
 def kvzip_template(tokenizer, *, prefix_text: str = "", suffix_text: str = "\n") -> KVzipTemplate:

@@ -20,9 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import checks
 from kvjax.model import cache as cache_lib
-from kvjax.model import llama, training
+from kvjax.model import learned_io, llama, training
 from kvjax.model.config import ModelConfig
 from kvjax.policies.restorekv import RESTORE_TOKENS
 
@@ -285,58 +284,56 @@ def save(
     path: the file to write.
     adapter: the :class:`Adapter`.
     meta: json-serialisable facts to keep with it.
-    identity: :func:`kvjax.checks.model_identity` of the model it was trained on, checked by
-      :func:`load`; ``None`` records none (such a file loads for a model only with
-      ``unverified=True``).
+    identity: :func:`kvjax.checks.model_identity` of the model it was trained on
+      (:func:`kvjax.model.learned_io.write`).
 
   Returns:
     The path written.
   """
-  meta = (meta or {}) | ({} if identity is None else {"model_identity": identity})
-  return training.write_trained(
-    path, _arrays(adapter), FORMAT, meta, alpha=float(adapter.alpha), targets=list(TARGETS)
+  return learned_io.write(
+    path,
+    _arrays(adapter),
+    FORMAT,
+    meta,
+    identity=identity,
+    alpha=float(adapter.alpha),
+    targets=list(TARGETS),
   )
 
 
 def load(
   path: str | pathlib.Path, cfg: ModelConfig, params: dict | None = None, *, unverified=False
 ) -> tuple[Adapter, dict]:
-  """Reads an adapter written by :func:`save` and checks it against a model.
+  """Reads an adapter written by :func:`save` and checks it against a model
+  (:func:`kvjax.model.learned_io.load`; its shapes by :func:`check_adapter`).
 
   Args:
-    path: the ``.npz`` file.
-    cfg: the model the adapter must fit.
-    params: the model's weights: the file must record the identity of this very model
-      (:func:`kvjax.checks.same_model`), not only fit its shapes. ``None``: only the shapes
-      are checked.
-    unverified: load a file whose identity is missing or another model's anyway (shapes are
-      still checked): the caller vouches that it suits this model.
+    path, cfg, params, unverified: as :func:`kvjax.model.learned_io.load`.
 
   Returns:
     ``(adapter, meta)``.
 
   Raises:
-    ValueError: naming the file, for one that is missing or unreadable, lacks the header or an
-      array, holds shapes that do not fit ``cfg`` (each named with what it should be), and
-      (with ``params``, unless ``unverified``) one that records no model identity or another
-      model's.
+    ValueError: as :func:`kvjax.model.learned_io.load`, naming the file.
   """
-  files, meta, where = training.read_trained(path, FORMAT, "RestoreKV adapter")
-  need = ["embeddings"] + [f"{p}_{t}" for t in TARGETS for p in ("a", "b")]
-  missing = [k for k in need if k not in files]
-  if missing:
-    raise ValueError(f"{where}: lacks the arrays {missing}")
-  adapter = Adapter(
-    jnp.asarray(files["embeddings"]),
-    {t: jnp.asarray(files[f"a_{t}"]) for t in TARGETS},
-    {t: jnp.asarray(files[f"b_{t}"]) for t in TARGETS},
-    float(meta.get("alpha", ALPHA)),
+
+  def adapter(files, meta, where):
+    need = ["embeddings"] + [f"{p}_{t}" for t in TARGETS for p in ("a", "b")]
+    missing = [k for k in need if k not in files]
+    if missing:
+      raise ValueError(f"{where}: lacks the arrays {missing}")
+    built = Adapter(
+      jnp.asarray(files["embeddings"]),
+      {t: jnp.asarray(files[f"a_{t}"]) for t in TARGETS},
+      {t: jnp.asarray(files[f"b_{t}"]) for t in TARGETS},
+      float(meta.get("alpha", ALPHA)),
+    )
+    check_adapter(built, cfg, where)
+    return built
+
+  return learned_io.load(
+    path, cfg, params, fmt=FORMAT, what="RestoreKV adapter", build=adapter, unverified=unverified
   )
-  check_adapter(adapter, cfg, where)
-  if params is not None:
-    mine = checks.model_identity(cfg, params)
-    checks.same_model(where, meta.get("model_identity"), mine, unverified=unverified)
-  return adapter, meta
 
 
 def trained_fraction(adapter: Adapter, params: dict) -> float:

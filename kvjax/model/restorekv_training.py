@@ -25,7 +25,7 @@ from kvjax import checks, policies, rundir
 from kvjax.model import cache as cache_lib
 from kvjax.model import llama, training
 from kvjax.model.config import ModelConfig
-from kvjax.model.reconstruction import KVzipTemplate, kvzip_evidence
+from kvjax.model.reconstruction import KVzipOptions, KVzipTemplate, kvzip_evidence
 from kvjax.model.restorekv_adapter import (
   ALPHA,
   RANK,
@@ -53,9 +53,7 @@ def training_data(
   context: int,
   ratio: float,
   tokens: int = RESTORE_TOKENS,
-  chunk_size: int = 2048,
-  n_sink: int = 4,
-  plus: bool = False,
+  kvzip: KVzipOptions | None = None,
 ):
   """The self-distillation examples of text rows: each row's first ``context`` tokens are the
   context, the rest the text the student and the teacher both predict; the context pairs
@@ -71,16 +69,17 @@ def training_data(
       ``int(context * (1 - ratio))`` slots on average, the restore tokens among them.
     tokens: restore tokens ``N`` (0: KVzip alone over the whole budget, the baseline that
       :func:`distillation_loss` scores without an adapter).
-    chunk_size: KVzip's reconstruction chunk.
-    n_sink: KVzip's sinks.
-    plus: KVzip+'s normalisation.
+    kvzip: KVzip's options (``None``: the defaults) for its scores
+      (:func:`kvjax.model.reconstruction.kvzip_evidence`); ``n_sink`` is also the policy's
+      ``sinks``.
 
   Returns:
     ``(context_BT, continuation_BM, keep_LBGT)``: int32 ids and the bool kept context pairs.
 
   Raises:
-    ValueError: for rows not longer than ``context``, a ratio outside ``[0, 1)``, or a budget
-      that leaves no context pair besides the restore tokens.
+    ValueError: for rows not longer than ``context``, a ratio outside ``[0, 1)``, ``kvzip``
+      that is not a :class:`~kvjax.model.reconstruction.KVzipOptions`, or a budget that leaves
+      no context pair besides the restore tokens.
   """
   rows = np.asarray(rows_BT, np.int32)
   context = training.check_int("context", context)
@@ -96,11 +95,17 @@ def training_data(
   budget = int(context * (1 - float(ratio)))
   if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 0:
     raise ValueError(f"tokens: expected a non-negative int, got {tokens!r}")
-  policy = RestoreKV(restore_tokens=tokens, sinks=n_sink) if tokens else KVzip(sinks=n_sink)
+  kvzip = KVzipOptions() if kvzip is None else kvzip
+  if not isinstance(kvzip, KVzipOptions):
+    raise ValueError(f"kvzip: expected a KVzipOptions or None, got {kvzip!r:.80}")
+  sinks = kvzip.n_sink
+  policy = RestoreKV(restore_tokens=tokens, sinks=sinks) if tokens else KVzip(sinks=sinks)
   policy.check_budget(budget, 0)
   ctx, cont = rows[:, :context], rows[:, context:]
   attn = np.asarray(
-    kvzip_evidence(cfg, params, ctx, template, chunk_size=chunk_size, n_sink=n_sink, plus=plus)
+    kvzip_evidence(
+      cfg, params, ctx, template, chunk_size=kvzip.chunk_size, n_sink=sinks, plus=kvzip.plus
+    )
   )
   L, B, G, T = attn.shape
   keep = np.zeros((L, B, G, T), bool)
@@ -411,6 +416,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
   names = ("model", "dtype", "rows", "length", "continuation", "batch_rows", "ratio", "tokens")
   names += ("chunk_size", "n_sink", "plus", "prefix", "suffix")
   identity = {k: getattr(c, k) for k in names} | {"rows_sum": int(np.sum(rows))}
+  kvzip = KVzipOptions(chunk_size=c.chunk_size, n_sink=c.n_sink, plus=c.plus)
 
   def examples(part_rows, tokens: int, name: str):
     """The self-distillation examples of ``part_rows``, part by part, each part saved."""
@@ -424,9 +430,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
         context=context,
         ratio=c.ratio,
         tokens=tokens,
-        chunk_size=c.chunk_size,
-        n_sink=c.n_sink,
-        plus=c.plus,
+        kvzip=kvzip,
       )
 
     names = {"context": 0, "continuation": 0, "keep": 1}

@@ -39,7 +39,6 @@ import optax
 from tqdm.auto import tqdm
 
 from kvjax import distributed, rundir
-from kvjax.model import npzfile
 
 Array = jax.Array
 
@@ -568,64 +567,6 @@ def run(
   if mngr is not None:
     mngr.close()
   return Trained(params, opt_state, tuple(history))
-
-
-# --------------------------------------------------------------------------- trained files
-
-
-def write_trained(
-  path: str | pathlib.Path,
-  arrays: dict,
-  fmt: str,
-  meta: dict | None = None,
-  *,
-  shapes: dict | None = None,
-  **facts,
-) -> pathlib.Path:
-  """Writes a trained component as an ``.npz`` file (:func:`kvjax.model.npzfile.write`): its
-  fp32 arrays and a json header of the caller's ``meta``, then ``format``, the component's
-  ``facts`` and the arrays' ``shapes``.
-
-  Args:
-    path: the file to write.
-    arrays: ``{name: array}``.
-    fmt: the header's ``format``.
-    meta: json-serialisable facts to keep with the arrays, e.g. the model's name and the
-      training data.
-    shapes: ``{name: shape}`` for the header (``None``: those of ``arrays``).
-    **facts: json-serialisable facts the component's reader needs (e.g. ``kind``).
-
-  Returns:
-    The path written.
-  """
-  shapes = {k: np.shape(v) for k, v in arrays.items()} if shapes is None else shapes
-  header = {
-    **(meta or {}),
-    "format": fmt,
-    **facts,
-    "shapes": {k: list(v) for k, v in shapes.items()},
-  }
-  return npzfile.write(path, arrays, header)
-
-
-def read_trained(path: str | pathlib.Path, fmt: str, what: str) -> tuple[dict, dict, str]:
-  """Reads a file :func:`write_trained` wrote (:func:`kvjax.model.npzfile.read`).
-
-  Args:
-    path: the ``.npz`` file.
-    fmt: the ``format`` its header must name.
-    what: what the file holds, for the errors (e.g. ``"Fast KVzip gates"``).
-
-  Returns:
-    ``(arrays, meta, where)``: numpy arrays by name, the header, and how errors about the arrays
-    name the file (its path and the model its header names).
-
-  Raises:
-    ValueError: naming the file, for one that is missing, unreadable or truncated, lacks the
-      header or names another format.
-  """
-  files, meta = npzfile.read(path, fmt, what)
-  return files, meta, f"path: {path} (model {meta.get('model')!r})"
 
 
 # --------------------------------------------------------------------------- training data
