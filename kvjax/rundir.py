@@ -340,9 +340,10 @@ def _complete_lines(path: pathlib.Path) -> tuple[list[str], bool]:
 def _scan(
   path: pathlib.Path,
   dtype,
-  required: Sequence[str],
-  numeric: Sequence[str],
-  key: str | None,
+  *,
+  required: Sequence[str] = (),
+  numeric: Sequence[str] = (),
+  key: str | None = None,
   columns: Sequence[str] | None = None,
 ) -> tuple[pd.DataFrame, list[str], int]:
   """``(table, kept lines with the header first, number of dropped lines)``."""
@@ -409,24 +410,20 @@ def read_rows(
   line is not a header holding those columns, when a file without a complete line is not a
   prefix of a header (binary data, say), and when ``path`` is a directory.
   """
-  return _scan(pathlib.Path(path), dtype, required, numeric, key, columns)[0]
+  checks = dict(required=required, numeric=numeric, key=key, columns=columns)
+  return _scan(pathlib.Path(path), dtype, **checks)[0]
 
 
 def repair_rows(
-  path: str | pathlib.Path,
-  dtype: dict | None = None,
-  *,
-  required: Sequence[str] = (),
-  numeric: Sequence[str] = (),
-  key: str | None = None,
-  columns: Sequence[str] | None = None,
+  path: str | pathlib.Path, dtype: dict | None = None, **checks
 ) -> tuple[pd.DataFrame, int]:
-  """:func:`read_rows`, then rewrites the file atomically without the dropped lines (when there
-  are any): ``(table, number of dropped lines)``. Hold the directory's :func:`lock`. A file
-  without a complete line is left to :func:`append_rows`, which cuts it only when it is a
-  prefix of the header it writes."""
+  """:func:`read_rows` (``checks``: its ``required``, ``numeric``, ``key`` and ``columns``),
+  then rewrites the file atomically without the dropped lines (when there are any): ``(table,
+  number of dropped lines)``. Hold the directory's :func:`lock`. A file without a complete line
+  is left to :func:`append_rows`, which cuts it only when it is a prefix of the header it
+  writes."""
   path = pathlib.Path(path)
-  table, kept, dropped = _scan(path, dtype, required, numeric, key, columns)
+  table, kept, dropped = _scan(path, dtype, **checks)
   if dropped and kept:
     _write_atomic(path, "".join(line + "\n" for line in kept).encode())
   return table, dropped

@@ -28,9 +28,7 @@ def _search(checkpoint_dir, **kw):
   return optimise.run(
     evaluate,
     space,
-    optimiser="random",
-    population=4,
-    generations=4,
+    optimise.SearchOptions("random", population=4, generations=4),
     checkpoint_dir=checkpoint_dir,
     log=lambda *_: None,
     **kw,

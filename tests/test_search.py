@@ -95,15 +95,13 @@ def test_nan_fitness_is_reported_and_never_first():
     return f, None
 
   with pytest.warns(RuntimeWarning, match="non-finite"):
-    r = optimise.run(evaluate, space, optimiser="random", population=6, generations=2, log=len)
+    r = optimise.run(evaluate, space, optimise.SearchOptions("random", 6, 2), log=len)
   assert np.isfinite(r.fitness) and (r.history["nan"] == 1).all()
   with pytest.raises(ValueError, match="every one"):
     optimise.run(
       lambda p: (np.full(len(p), np.nan), None),
       space,
-      optimiser="random",
-      population=4,
-      generations=1,
+      optimise.SearchOptions("random", population=4, generations=1),
       log=len,
     )
 

@@ -17,7 +17,7 @@ fixed memory, instead of hand-made schedules (EvolKV, arXiv 2509.08315; BaKlaVa)
 from kvjax.eval.search import allocator_spaces, fitness, optimise, space
 from kvjax.eval.search.allocator_spaces import ALLOCATOR_RULES, AdaKVSpace, CakeSpace, PyramidSpace
 from kvjax.eval.search.fitness import MassTable, lab_table, model_table, retained_mass
-from kvjax.eval.search.optimise import OPTIMISERS, SearchResult, population_call
+from kvjax.eval.search.optimise import OPTIMISERS, SearchOptions, SearchResult, population_call
 from kvjax.eval.search.space import RULES, Space
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
   "CakeSpace",
   "MassTable",
   "PyramidSpace",
+  "SearchOptions",
   "SearchResult",
   "Space",
   "allocator_spaces",

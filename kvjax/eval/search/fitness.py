@@ -413,10 +413,15 @@ def population_kl(model, data: KLData, policy: policies.Policy, budgets_K) -> np
   Returns:
     float64 ``[K]``, lower is better (0: the full cache's predictions).
   """
-  b = jnp.asarray(budgets_K, jnp.int32)
-  budgets_KLH = jax.vmap(lambda a: budget_heads(a, data.heads))(b)
-  out = answers.answer_prefilled(model, data.prefilled, np.asarray(budgets_KLH), policy=policy)
+  out = _answer_population(model, data, policy, jnp.asarray(budgets_K, jnp.int32))
   return kl_divergence(data.reference_BNV, out.logprobs)
+
+
+def _answer_population(model, data, policy: policies.Policy, budgets_K) -> answers.Answers:
+  """The answers of each allocation ``[K, L(, G)]`` from ``data.prefilled``: one call whose
+  configuration axis is the population (each ``[L, G]`` entry repeated over its query heads)."""
+  budgets_KLH = jax.vmap(lambda a: budget_heads(a, data.heads))(budgets_K)
+  return answers.answer_prefilled(model, data.prefilled, np.asarray(budgets_KLH), policy=policy)
 
 
 # --------------------------------------------------------------------------- task accuracy
@@ -505,6 +510,5 @@ def population_accuracy(model, data: AccuracyData, policy: policies.Policy, budg
     float64 ``[K]`` in ``[0, 1]``, higher is better.
   """
   b = jnp.minimum(jnp.asarray(budgets_K, jnp.int32), data.context_len)
-  budgets_KLH = jax.vmap(lambda a: budget_heads(a, data.heads))(b)
-  out = answers.answer_prefilled(model, data.prefilled, np.asarray(budgets_KLH), policy=policy)
+  out = _answer_population(model, data, policy, b)
   return _scores(data, np.asarray(out.predicted)).mean(1)

@@ -85,6 +85,31 @@ def check_options(optimiser: str, population: int, generations: int, std_init: f
     raise ValueError(f"std_init: expected a positive float, got {std_init!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+  """How a search samples: its strategy, population, generations, seed and initial scale.
+
+  Attributes:
+    optimiser: one of :data:`OPTIMISERS`.
+    population: candidates per generation.
+    generations: generations in all.
+    seed: the seed of the strategy and of every generation's sampling.
+    std_init: the initial search scale (logits around the uniform allocation).
+
+  Raises:
+    ValueError: as :func:`check_options`, when built.
+  """
+
+  optimiser: str = "cma_es"
+  population: int = 16
+  generations: int = 20
+  seed: int = 0
+  std_init: float = 1.0
+
+  def __post_init__(self):
+    check_options(self.optimiser, self.population, self.generations, self.std_init)
+
+
 def strategy(optimiser: str, population: int, num_dims: int, std_init: float = 1.0):
   """An evosax strategy and its parameters: ``(strategy, params)``.
 
@@ -227,12 +252,8 @@ def _manager(checkpoint_dir) -> ocp.CheckpointManager:
 def run(
   evaluate: Callable,
   space: Space,
+  options: SearchOptions | None = None,
   *,
-  optimiser: str = "cma_es",
-  population: int = 16,
-  generations: int = 20,
-  seed: int = 0,
-  std_init: float = 1.0,
   checkpoint_dir: str | pathlib.Path | None = None,
   stop_after: int | None = None,
   log: Callable = print,
@@ -244,11 +265,8 @@ def run(
     evaluate: ``params_KN -> (fitness_K, allocations)``, one compiled call per generation
       (:func:`population_call`); higher fitness is better.
     space: the search space (its ``num_params`` is the strategy's dimension).
-    optimiser: one of :data:`OPTIMISERS`.
-    population: candidates per generation.
-    generations: generations in all.
-    seed: the seed of the strategy and of every generation's sampling.
-    std_init: the initial search scale (logits around the uniform allocation).
+    options: the strategy, population, generations, seed and initial scale
+      (:class:`SearchOptions`; ``None``: its defaults).
     checkpoint_dir: where the state is saved after each generation (orbax); a directory with a
       checkpoint resumes from it. ``None``: no checkpoints.
     stop_after: stop after this generation index (an interruption, for tests); ``None`` runs
@@ -260,12 +278,15 @@ def run(
     The :class:`SearchResult`, or ``None`` when stopped by ``stop_after`` before the end.
 
   Raises:
-    ValueError: as :func:`check_options`, a generation without a finite fitness, and a saved
-      step that cannot be restored (:func:`kvjax.rundir.restore_checkpoint`).
+    ValueError: a generation without a finite fitness, and a saved step that cannot be
+      restored (:func:`kvjax.rundir.restore_checkpoint`).
   """
-  check_options(optimiser, population, generations, std_init)
-  es, params = strategy(optimiser, population, space.num_params, float(std_init))
-  tree = _initial(es, params, seed, space.num_params, generations)
+  options = SearchOptions() if options is None else options
+  generations = options.generations
+  es, params = strategy(
+    options.optimiser, options.population, space.num_params, float(options.std_init)
+  )
+  tree = _initial(es, params, options.seed, space.num_params, generations)
   mngr = _manager(checkpoint_dir) if checkpoint_dir is not None else None
   if mngr is not None and mngr.latest_step() is not None:
     step = mngr.latest_step()
@@ -273,7 +294,7 @@ def run(
     tree = rundir.restore_checkpoint(checkpoint_dir, step, restore)
     log(f"search: resumed after generation {step} of {generations}")
   start = int(tree["generation"])
-  base_key = jax.random.key(seed)
+  base_key = jax.random.key(options.seed)
   bar = tqdm(total=generations, initial=start, unit="gen", disable=not progress)
   for g in range(start, generations):
     ask_key, tell_key = jax.random.split(jax.random.fold_in(base_key, g))
@@ -304,9 +325,9 @@ def run(
     allocation=np.asarray(space.allocate(jnp.asarray(best))),
     fitness=float(tree["best_fitness"]),
     history=history,
-    optimiser=optimiser,
-    seed=seed,
-    evaluations=population * generations,
+    optimiser=options.optimiser,
+    seed=options.seed,
+    evaluations=options.population * generations,
   )
 
 

@@ -281,11 +281,9 @@ def run(config, workdir, *, log: Callable = print, stop_after: int | None = None
   result = optimise.run(
     evaluator(config, space, data),
     space,
-    optimiser=config.optimiser,
-    population=config.population,
-    generations=config.generations,
-    seed=config.seed,
-    std_init=float(config.std_init),
+    optimise.SearchOptions(
+      config.optimiser, config.population, config.generations, config.seed, float(config.std_init)
+    ),
     checkpoint_dir=out / "checkpoints",
     stop_after=stop_after,
     log=log,
@@ -428,18 +426,22 @@ def judge(
       "held_out": float(fitness.retained_mass(held, a)),
       "allocation": np.asarray(a).tolist(),
     }
+  model_fitness = []  # (key, the population's fitness, its data): every allocation in one call
   if data is not None and data.cal_kl is not None:
-    stack = np.stack([np.asarray(a) for a in rows.values()])
-    for key, kl in (("calibration_kl", data.cal_kl), ("held_out_kl", data.held_kl)):
-      values = fitness.population_kl(data.llm, kl, data.policy, stack)
-      for name, v in zip(rows, values, strict=True):
-        judged[name][key] = float(v)
+    model_fitness += [
+      ("calibration_kl", fitness.population_kl, data.cal_kl),
+      ("held_out_kl", fitness.population_kl, data.held_kl),
+    ]
   if data is not None and data.cal_acc is not None:
-    stack = np.stack([np.asarray(a) for a in rows.values()])
-    for key, acc in (("calibration_accuracy", data.cal_acc), ("held_out_accuracy", data.held_acc)):
-      values = fitness.population_accuracy(data.llm, acc, data.policy, stack)
-      for name, v in zip(rows, values, strict=True):
-        judged[name][key] = float(v)
+    model_fitness += [
+      ("calibration_accuracy", fitness.population_accuracy, data.cal_acc),
+      ("held_out_accuracy", fitness.population_accuracy, data.held_acc),
+    ]
+  stack = np.stack([np.asarray(a) for a in rows.values()]) if model_fitness else None
+  for key, population_fitness, evidence in model_fitness:
+    values = population_fitness(data.llm, evidence, data.policy, stack)
+    for name, v in zip(rows, values, strict=True):
+      judged[name][key] = float(v)
   hand = {k: v for k, v in judged.items() if k != "searched"}
   if objective == "accuracy":
     best = max(hand, key=lambda k: hand[k]["calibration_accuracy"])
