@@ -167,9 +167,7 @@ def loss(gates: dict, X_NLd: Array, y_NLG: Array) -> Array:
   """``optim.py``'s objective: the layers' losses summed (:func:`layer_losses`).
 
   Args:
-    gates: as :func:`layer_losses`.
-    X_NLd: as :func:`layer_losses`.
-    y_NLG: as :func:`layer_losses`.
+    gates, X_NLd, y_NLG: as :func:`layer_losses`.
 
   Returns:
     The fp32 scalar.
@@ -181,9 +179,7 @@ def accuracy(gates: dict, X_NLd: Array, y_NLG: Array) -> Array:
   """``utils.acc_fn`` of each layer: how often the gate and KVzip agree on ``score >= 0.05``.
 
   Args:
-    gates: as :func:`layer_losses`.
-    X_NLd: as :func:`layer_losses`.
-    y_NLG: as :func:`layer_losses`.
+    gates, X_NLd, y_NLG: as :func:`layer_losses`.
 
   Returns:
     fp32 ``[L]``.
