@@ -64,7 +64,13 @@ def search(cfg, families, fractions, chips, shards, step, headroom, log):
       t0 = time.perf_counter()
       row = {
         chip: mp.longest_prompt(
-          cfg, family, fraction, chip, shards=shards, headroom=headroom, step=step
+          cfg,
+          family,
+          fraction,
+          chip,
+          workload=mp.Workload(shards=shards),
+          headroom=headroom,
+          step=step,
         )
         for chip in chips
       }

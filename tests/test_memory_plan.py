@@ -28,7 +28,7 @@ def test_longer_prompts_and_larger_caches_plan_more_bytes():
   tenth = mp.plan(TINY, "snapkv", 0.1, 512)
   assert tenth.cache < long.cache and tenth.peak <= long.peak
   assert tenth.prefill == long.prefill  # one prefill compile serves every fraction
-  halved = mp.plan(TINY, "snapkv", 1.0, 512, shards=2)
+  halved = mp.plan(TINY, "snapkv", 1.0, 512, workload=mp.Workload(shards=2))
   assert halved.weights < long.weights and halved.peak < long.peak
 
 
@@ -58,7 +58,10 @@ def test_a_tenth_of_the_cache_fits_at_least_as_long_a_prompt(monkeypatch):
     (lambda: mp.plan(TINY, "snapkv", 1.5, 128), r"fraction: .* got 1.5"),
     (lambda: mp.plan(TINY, "pyramid", 0.1, 128), "family: unknown policy family 'pyramid'"),
     (lambda: mp.plan(TINY, "snapkv", 0.1, 0), "tokens: expected an int >= 1"),
-    (lambda: mp.plan(TINY, "snapkv", 0.1, 128, shards=3), "shards: 3 does not divide"),
+    (
+      lambda: mp.plan(TINY, "snapkv", 0.1, 128, workload=mp.Workload(shards=3)),
+      "shards: 3 does not divide",
+    ),
     (lambda: mp.longest_prompt(TINY, "snapkv", 0.1, "t4", headroom=1.0), "headroom: expected"),
     (lambda: mp.longest_fitting(len, 1, step=0, max_tokens=8), "step: expected an int >= 1"),
     (lambda: mp.settings_for_device(model="gpt-5"), "model: unknown model 'gpt-5'"),

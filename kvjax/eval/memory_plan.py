@@ -130,15 +130,20 @@ def qwen3_8b(num_layers: int = 36) -> ModelConfig:
 MODELS = {"llama-3.1-8b": export_check.llama31_8b, "qwen3-8b": qwen3_8b}
 
 
+def _entry(table: dict, name: str, arg: str, what: str):
+  """``table[name]``; a ``ValueError`` naming ``arg`` and the known names when there is none."""
+  if name not in table:
+    raise ValueError(f"{arg}: unknown {what} {name!r}; expected one of {tuple(table)}")
+  return table[name]
+
+
 def check_chip(chip: str) -> Chip:
   """The :class:`Chip` named ``chip``.
 
   Raises:
     ValueError: for a name not in :data:`CHIPS`.
   """
-  if chip not in CHIPS:
-    raise ValueError(f"chip: unknown chip {chip!r}; expected one of {tuple(CHIPS)}")
-  return CHIPS[chip]
+  return _entry(CHIPS, chip, "chip", "chip")
 
 
 def check_family(family: str) -> str:
@@ -147,9 +152,7 @@ def check_family(family: str) -> str:
   Raises:
     ValueError: for a family not in :data:`FAMILIES`.
   """
-  if family not in FAMILIES:
-    raise ValueError(f"family: unknown policy family {family!r}; expected one of {tuple(FAMILIES)}")
-  return FAMILIES[family]
+  return _entry(FAMILIES, family, "family", "policy family")
 
 
 def check_fraction(fraction) -> float:
@@ -211,6 +214,29 @@ def shard_config(cfg: ModelConfig, shards: int) -> ModelConfig:
   if wrong:
     raise ValueError(f"shards: {n} does not divide the model's {wrong}; expected a divisor of all")
   return dataclasses.replace(cfg, **{k: v // n for k, v in counts.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """What one generation runs besides the model and the prompt.
+
+  Attributes:
+    batch: rows per call.
+    new_tokens: tokens generated after the prompt (the cache's room and the decode loop).
+    shards: the devices the weights are split over (:func:`shard_config`); a plan is one
+      device's.
+
+  Raises:
+    ValueError: for counts that are not ints >= 1, when built.
+  """
+
+  batch: int = 1
+  new_tokens: int = NEW_TOKENS
+  shards: int = 1
+
+  def __post_init__(self):
+    for arg in ("batch", "new_tokens", "shards"):
+      _check_count(arg, getattr(self, arg))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,9 +332,7 @@ def plan(
   fraction: float,
   tokens: int,
   *,
-  shards: int = 1,
-  batch: int = 1,
-  new_tokens: int = NEW_TOKENS,
+  workload: Workload = Workload(),
 ) -> Plan:
   """XLA's compiled memory plan of one generation (prefill, compression, decode), in bf16.
 
@@ -319,23 +343,20 @@ def plan(
     family: a policy family of :data:`FAMILIES`.
     fraction: the cache's budget as a fraction of the prompt, in ``(0, 1]`` (1: every token).
     tokens: the prompt's tokens per row.
-    shards: the devices the weights are split over (:func:`shard_config`); the plan is one
-      device's.
-    batch: rows per call.
-    new_tokens: tokens generated after the prompt (>= 1).
+    workload: the batch, the tokens generated and the shards (:class:`Workload`).
 
   Returns:
     The :class:`Plan`.
 
   Raises:
-    ValueError: for an unknown family, a fraction outside ``(0, 1]``, counts that are not
-      ints >= 1, or ``shards`` that do not divide the model's heads.
+    ValueError: for an unknown family, a fraction outside ``(0, 1]``, ``tokens`` not an int
+      >= 1, or shards that do not divide the model's heads.
   """
   name = check_family(family)
   fraction = check_fraction(fraction)
-  for arg, value in (("tokens", tokens), ("batch", batch), ("new_tokens", new_tokens)):
-    _check_count(arg, value)
-  return _plan(shard_config(cfg, shards), name, fraction, tokens, batch, new_tokens)
+  _check_count("tokens", tokens)
+  cfg = shard_config(cfg, workload.shards)
+  return _plan(cfg, name, fraction, tokens, workload.batch, workload.new_tokens)
 
 
 def longest_fitting(
@@ -403,11 +424,9 @@ def longest_prompt(
   fraction: float,
   chip: str,
   *,
-  shards: int = 1,
+  workload: Workload = Workload(),
   headroom: float = HEADROOM,
   step: int = STEP,
-  batch: int = 1,
-  new_tokens: int = NEW_TOKENS,
 ) -> int:
   """The longest prompt (a multiple of ``step``) a chip fits under a policy family.
 
@@ -416,30 +435,28 @@ def longest_prompt(
     family: a policy family of :data:`FAMILIES`.
     fraction: the cache's budget as a fraction of the prompt, in ``(0, 1]``.
     chip: a chip of :data:`CHIPS`.
-    shards: the chips the weights are split over (the plan is one chip's).
+    workload: the batch, the tokens generated and the chips the weights are split over
+      (:class:`Workload`; the plan is one chip's).
     headroom: the fraction of the chip's memory left free.
     step: the grid of prompt lengths.
-    batch: rows per call.
-    new_tokens: tokens generated after the prompt.
 
   Returns:
     The longest fitting prompt, 0 when not even ``step`` tokens fit.
 
   Raises:
     ValueError: for an unknown chip or family, a fraction outside ``(0, 1]``, a headroom
-      outside ``[0, 1)``, or counts that are not ints >= 1.
+      outside ``[0, 1)``, or shards that do not divide the model's heads.
   """
   limit = check_chip(chip).hbm_gib * GiB * (1 - check_headroom(headroom))
   check_family(family)
   check_fraction(fraction)
-  shard_config(cfg, shards)
+  shard_config(cfg, workload.shards)
 
   def peak(tokens: int) -> int:
-    return plan(
-      cfg, family, fraction, tokens, shards=shards, batch=batch, new_tokens=new_tokens
-    ).peak
+    return plan(cfg, family, fraction, tokens, workload=workload).peak
 
-  return longest_fitting(peak, limit, step=step, max_tokens=max_prompt(cfg, new_tokens))[0]
+  max_tokens = max_prompt(cfg, workload.new_tokens)
+  return longest_fitting(peak, limit, step=step, max_tokens=max_tokens)[0]
 
 
 # The longest prompts of the tables in docs/accelerators.md (python -m experiments.memory_plan:
@@ -694,8 +711,7 @@ def settings_for_device(
   Raises:
     ValueError: for an unknown model or family, or a fraction not in :data:`FRACTIONS`.
   """
-  if model not in MODELS:
-    raise ValueError(f"model: unknown model {model!r}; expected one of {tuple(MODELS)}")
+  _entry(MODELS, model, "model", "model")
   check_family(family)
   if check_fraction(fraction) not in FRACTIONS:
     raise ValueError(f"fraction: {fraction!r} has no plan; expected one of {FRACTIONS}")

@@ -59,6 +59,9 @@ EVAL_OPTIONS = {
   "variable_tracking": {"num_hops": 4},
   "mqar": {"num_pairs": 16, "num_queries": 8},
 }
+# every option of :func:`generate` with its default; each task reads its own (the module's
+# docstring names which) and leaves the others unread
+OPTIONS = {"num_distractors": 3, "num_values": 4, "num_queries": 4, "num_pairs": 8, "num_hops": 4}
 
 # --------------------------------------------------------------------------- examples
 
@@ -265,17 +268,7 @@ def _spec(task, rng, depth, num_distractors, num_values, num_queries, num_pairs,
 
 
 def generate(
-  task: str,
-  tokenizer,
-  *,
-  length: int,
-  seed: int,
-  depth: float | None = None,
-  num_distractors: int = 3,
-  num_values: int = 4,
-  num_queries: int = 4,
-  num_pairs: int = 8,
-  num_hops: int = 4,
+  task: str, tokenizer, *, length: int, seed: int, depth: float | None = None, **options
 ) -> Example:
   """One example of ``task`` whose prompt is exactly ``length`` tokens (``bos`` included).
 
@@ -284,23 +277,39 @@ def generate(
   tasks with several needles (values, pairs, a chain) the others are drawn uniformly and all are
   placed in sorted order, so ``depth`` places whichever needle sorts there. Deterministic in
   ``seed``.
+
+  Args:
+    task: one of :data:`TASKS`.
+    tokenizer: the tokenizer the prompt is written in.
+    length: the prompt's tokens.
+    seed: the example's seed.
+    depth: the needle's depth, or ``None``.
+    **options: the task's counts (:data:`OPTIONS`, their defaults): ``num_distractors``
+      (``multi_key``), ``num_values`` (``multi_value``), ``num_pairs`` and ``num_queries``
+      (``multi_query``, ``mqar``), ``num_hops`` (``variable_tracking``).
+
+  Returns:
+    The :class:`Example`.
+
+  Raises:
+    ValueError: for an unknown task or option, a depth outside [0, 1], a count below its
+      minimum (0 distractors, 1 of the others), more of a kind than can be drawn, or a
+      ``length`` too short for the needles and the question.
   """
   if task not in TASKS:
     raise ValueError(f"task: {task!r} is not one of {TASKS}")
   if depth is not None and not 0.0 <= depth <= 1.0:
     raise ValueError(f"depth: expected a fraction in [0, 1], got {depth}")
-  for name, val in dict(
-    num_distractors=num_distractors,
-    num_values=num_values,
-    num_queries=num_queries,
-    num_pairs=num_pairs,
-    num_hops=num_hops,
-  ).items():
+  unknown = sorted(set(options) - set(OPTIONS))
+  if unknown:
+    raise ValueError(f"options: {unknown} are not task options; expected some of {list(OPTIONS)}")
+  opts = OPTIONS | options
+  for name, val in opts.items():
     if val < (0 if name == "num_distractors" else 1):
       raise ValueError(f"{name}: expected a count >= {int(name != 'num_distractors')}, got {val}")
   rng = np.random.default_rng([seed, TASKS.index(task)])
   d = float(rng.uniform()) if depth is None else float(depth)
-  spec = _spec(task, rng, d, num_distractors, num_values, num_queries, num_pairs, num_hops)
+  spec = _spec(task, rng, d, **opts)
 
   enc = tokenizer.encode
   head = [tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else []
