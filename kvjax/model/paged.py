@@ -81,6 +81,12 @@ class PagedCache:
 def check_platform(platform: str) -> str:
   """Returns ``platform`` when it is one of :data:`PLATFORMS`.
 
+  Args:
+    platform: a platform's name (``jax.default_backend()``'s).
+
+  Returns:
+    ``platform``.
+
   Raises:
     ValueError: for another name.
   """
