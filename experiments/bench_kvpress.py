@@ -748,7 +748,7 @@ def kvjax_grid(model, exs, pairs, budgets, G: int) -> tuple[float, dict, dict, d
       exs,
       b_kj,
       policies.make(policy, **pair.options, num_kv_heads=G),
-      prefilled=prefilled,
+      evaluate.Shared(prefilled),
       timings=breakdown,
     )
     for c, (b, row) in enumerate(zip(budgets, res["rows"], strict=True)):
@@ -814,7 +814,7 @@ def full_cache_accuracy(torch, hf, model, exs, Tc: int, n_new: int) -> tuple[flo
       tasks.score(e, np.asarray(kvpress_answer(torch, hf, None, ctx, q, n_new)[: e.answer.size]))
     )
   prefilled = evaluate.prefill_examples(model, exs, question="after", window=1, oracle=False)
-  res = evaluate.evaluate_group(model, exs, [LENGTH], evaluate.FULL, prefilled=prefilled)
+  res = evaluate.evaluate_group(model, exs, [LENGTH], evaluate.FULL, evaluate.Shared(prefilled))
   return float(np.mean(oks)), res["rows"][0]["accuracy"]
 
 
@@ -833,7 +833,7 @@ def decode_time_accuracy(model, exs, pairs, budgets, G: int) -> tuple[dict, dict
       exs,
       list(budgets),
       policies.make(pair.policy, **pair.options, num_kv_heads=G),
-      prefilled=prefilled,
+      evaluate.Shared(prefilled),
     )
     for c, (b, row) in enumerate(zip(budgets, res["rows"], strict=True)):
       acc[(pair.label, b)] = row["accuracy"]

@@ -281,7 +281,8 @@ def test_rows_count_what_each_cache_really_held(random_model):
   per_token = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * 4  # K and V, float32
 
   def row(budget, policy, **kw):
-    (r,) = evaluate.evaluate_group(random_model, exs, [budget], policy, prefilled=pre, **kw)["rows"]
+    shared = evaluate.Shared(pre)
+    (r,) = evaluate.evaluate_group(random_model, exs, [budget], policy, shared, **kw)["rows"]
     return r
 
   full = row(Tc, evaluate.FULL)
@@ -301,11 +302,10 @@ def test_example_batches_merge_to_the_rows_of_one_batch(random_model):
 
   def group(part):
     pre = evaluate.prefill_examples(random_model, part, oracle=False, shape=shape)
-    full = evaluate.evaluate_group(random_model, part, [200], evaluate.FULL, prefilled=pre)
+    full = evaluate.evaluate_group(random_model, part, [200], evaluate.FULL, evaluate.Shared(pre))
     snapkv = policies.make("snapkv")
-    return evaluate.evaluate_group(
-      random_model, part, [40, 64], snapkv, full=full["answers"], prefilled=pre
-    )
+    shared = evaluate.Shared(pre, full["answers"])
+    return evaluate.evaluate_group(random_model, part, [40, 64], snapkv, shared)
 
   whole = group(exs)["rows"]
   parts = [group(b) for b in evaluate.example_batches(exs, 2)]

@@ -8,6 +8,8 @@ own scores and HeadKV's retrieval-head measurement, which draw examples the same
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from kvjax import model as km
@@ -165,39 +167,65 @@ def policy_window(entries) -> int:
   return max([policies.DEFAULT_WINDOW, *(policy.observation_window for _, policy in entries)])
 
 
+@dataclasses.dataclass(frozen=True)
+class Shared:
+  """What every policy answering one batch of examples shares.
+
+  Attributes:
+    prefilled: the examples' one prefill (:func:`prefill_examples`).
+    full: the full cache's answers from it (the ``"answers"`` of :func:`evaluate_group` under
+      :data:`FULL`), the reference of each row's KL; ``None``: KL is NaN.
+  """
+
+  prefilled: answers_lib.Prefilled
+  full: answers_lib.Answers | None = None
+
+
 def evaluate_group(
   model,
   exs,
   budgets,
   policy: policies.Policy,
+  shared: Shared | None = None,
   *,
-  full=None,
-  question="in_window",
-  prefilled=None,
   evidence=None,
   ratios=None,
   timings=None,
 ) -> dict:
-  """One (task, length, policy) group: per-budget accuracy and KL (``question``: see
-  :func:`kvjax.model.answer_configs`), answered from ``prefilled`` (:func:`prefill_examples`)
-  when given, else from a prefill of its own. ``evidence``: the caller-given evidence fields
-  (calibration, KVzip's reconstruction attention, HeadKV's ``head_scores_LH``); the policy
-  gets those it reads. ``ratios`` (with ``budgets=None``): kvpress compression ratios of the
-  compressed context instead of token budgets, all answered by one compiled program; each row
-  holds its ratio and the token budget it kept (:func:`kvjax.model.answers.budgets_of`).
-  ``timings``: a dict that gets the seconds of the compression and of the answers added
-  (:func:`kvjax.model.answers.answer_prefilled`)."""
+  """One (task, length, policy) group: per-budget accuracy and KL.
+
+  Args:
+    model: the model.
+    exs: the group's examples (one batch of them).
+    budgets: the token budgets (``None`` with ``ratios``).
+    policy: the policy.
+    shared: the examples' prefill and the full cache's answers (:class:`Shared`); ``None``: a
+      prefill of the group's own, the question in the observation window
+      (:func:`prefill_examples`' defaults), and no KL.
+    evidence: the caller-given evidence fields (calibration, KVzip's reconstruction attention,
+      HeadKV's ``head_scores_LH``); the policy gets those it reads.
+    ratios: instead of ``budgets``, kvpress compression ratios of the compressed context, all
+      answered by one compiled program; each row holds its ratio and the token budget it kept
+      (:func:`kvjax.model.answers.budgets_of`).
+    timings: a dict that gets the seconds of the compression and of the answers added
+      (:func:`kvjax.model.answers.answer_prefilled`).
+
+  Returns:
+    ``{"rows": one row per budget, "answers": the answers, "scored": scored answer tokens}``.
+
+  Raises:
+    ValueError: for no budget, and as :func:`kvjax.model.answers.answer_prefilled`.
+  """
   if ratios is None and len(budgets) == 0:
     raise ValueError(f"budgets: no budget to evaluate for policy {policy.label!r}")
+  prefilled, full = (None, None) if shared is None else (shared.prefilled, shared.full)
   n_len = None
   if prefilled is not None:  # answers as wide as the prefill's (see prefill_examples)
     n_len = prefilled.inputs_BM.shape[1] - prefilled.question_len + 1
   _, answers, scored = tasks.batch(exs, answer_len=n_len)
   if prefilled is None:
     window = policy_window([("", policy)])
-    prefilled = prefill_examples(
-      model, exs, question=question, window=window, oracle=policy.reads_future
-    )
+    prefilled = prefill_examples(model, exs, window=window, oracle=policy.reads_future)
   reads = policy.evidence_fields | restorekv.fields_read(policy)
   given = {k: v for k, v in (evidence or {}).items() if k in reads}
   budgets_K, ratios_K = answers_lib.budgets_of(

@@ -24,6 +24,7 @@ from kvjax.eval import report
 from kvjax.eval.evidence_sources import context_evidence, policy_needs
 from kvjax.eval.grouping import (
   FULL,
+  Shared,
   evaluate_group,
   example_batches,
   finish_row,
@@ -297,7 +298,8 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
         for exs in batches:
           t0 = time.time()  # one prefill per example for every policy, timed with the first
           prefilled, evidence = _prefilled(prepared, exs, entries, q, shapes[length])
-          full = evaluate_group(model, exs, [length], FULL, prefilled=prefilled)
+          full = evaluate_group(model, exs, [length], FULL, Shared(prefilled))
+          shared = Shared(prefilled, full["answers"])
           for label, policy in mine:
             head = _measured_head(policy, head, prepared)
             if policy is FULL:  # its own reference: KL exactly 0; nothing removed
@@ -311,8 +313,7 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
                 exs,
                 None if by_ratio else values,
                 policy,
-                full=full["answers"],
-                prefilled=prefilled,
+                shared,
                 evidence=evidence | _head_evidence(head),
                 ratios=values if by_ratio else None,
               )
@@ -425,7 +426,7 @@ def _heatmap(config, prepared: Prepared, path, done, head, log):
           exs,
           [budget],
           policy,
-          prefilled=prefilled,
+          Shared(prefilled),
           evidence=evidence | _head_evidence(head),
         )
         (r,) = res["rows"]
