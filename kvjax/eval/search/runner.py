@@ -415,8 +415,8 @@ def judge(
   same memory, and with a model's KL data (``data.cal_kl``) their calibration and held-out KL
   (``calibration_kl``, ``held_out_kl``: every allocation one configuration of one call per
   set), and with task-accuracy data (``data.cal_acc``) their ``calibration_accuracy`` and
-  ``held_out_accuracy``. ``best_hand_made`` is the baseline best on calibration under ``objective`` (the
-  searched fitness), as a user would pick."""
+  ``held_out_accuracy``. ``best_hand_made`` is the baseline best on calibration under
+  ``objective`` (the searched fitness), as a user would pick."""
   rows = {"searched": allocation} | results.baselines(space)
   judged = {}
   for name, a in rows.items():
