@@ -337,7 +337,7 @@ def time_attention(cfg, cache, repeats: int, layered: bool = False) -> float:
   def attention(q, keys, values, valid):
     if isinstance(keys, tuple):  # one buffer per layer: the layers unrolled
       for l in range(L):
-        q = q + cache_lib.layer_attention(cfg, q, keys[l], values[l], valid[l])[1]
+        q = q + cache_lib.held_layer_attention(cfg, q, keys[l], values[l], valid[l])[1]
       return q
 
     def layer(q, l):

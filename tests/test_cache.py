@@ -319,9 +319,11 @@ def test_decode_attention_skips_blocks_without_a_visible_slot(monkeypatch):
 def test_decode_steps_per_layer_match_the_stacked_step():
   """A loop of decode steps over the parameters and cache held one buffer per layer
   (``cache.per_layer``, jitted as ``generate`` runs it) gives the stacked step's logits and
-  cache bit for bit where the stacked step reads each layer whole: appending (SnapKV) and
-  evicting (H2O), a sliding window and a soft-cap, the query layout, CaM's attention sums, a
-  16-bit cache; over a cache of several blocks it matches to float rounding."""
+  cache to float rounding (its logits are a product over slots-last keys, summed in another
+  order; a 16-bit cache to its own rounding of the K/V computed from them), the slots and
+  their bookkeeping exactly: appending (SnapKV) and evicting (H2O), a sliding window and a
+  soft-cap, the query layout, CaM's attention sums, a 16-bit cache, a cache of several
+  blocks."""
   from flax import nnx
 
   token, pos = jnp.asarray([3, 5], jnp.int32), jnp.asarray([470, 480], jnp.int32)
@@ -360,10 +362,9 @@ def test_decode_steps_per_layer_match_the_stacked_step():
       logits, split = step(split_params, cache=split, token_B=token, pos_B=pos + i, t_B=pos + i)
     out = cache_lib.restacked(split)
     label = f"{policy} {extra} {jnp.dtype(dtype).name} {layout} {capacity}"
-    if capacity < cache_lib.DECODE_BLOCK:
-      np.testing.assert_array_equal(logits, ref_logits, err_msg=label)
-    else:  # the stacked step reads this cache in blocks, summed in another order
-      np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5, err_msg=label)
+    # the per-layer step's logits are a product over slots-last keys, and the stacked step
+    # reads a long cache in blocks: each sums in its own order
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5, err_msg=label)
     assert out.keys.dtype == dtype
     for name in ("positions", "valid", "overflow"):
       np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), err_msg=label)
@@ -372,8 +373,8 @@ def test_decode_steps_per_layer_match_the_stacked_step():
         np.testing.assert_allclose(
           np.asarray(getattr(out, name), np.float32),
           np.asarray(getattr(ref, name), np.float32),
-          rtol=0 if capacity < cache_lib.DECODE_BLOCK else 1e-5,
-          atol=0 if capacity < cache_lib.DECODE_BLOCK else 1e-6,
+          rtol=1e-5 if jnp.dtype(dtype).itemsize == 4 else 1e-2,
+          atol=1e-6 if jnp.dtype(dtype).itemsize == 4 else 1e-3,
           err_msg=f"{label} {name}",
         )
 
@@ -428,7 +429,7 @@ def test_per_layer_capacities_read_no_empty_slots_and_flag_what_they_cannot_hold
   caps = (48, 28, 16)  # room for 7 more tokens in every layer
   spec = cache_lib.CacheSpec(policies.make("snapkv"), C, layer_capacity=caps)
   split_params, split = cache_lib.per_layer(spec, params, cache)
-  assert [k.shape[2] for k in split.keys] == list(caps)
+  assert [k.shape[3] for k in split.keys] == list(caps)  # the keys held slots-last
   token, pos = jnp.asarray([3, 5], jnp.int32), jnp.asarray([70, 80], jnp.int32)
   ref = cache
   for i in range(7):

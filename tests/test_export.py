@@ -22,6 +22,7 @@ QUICK = (
   "answers:h2o",
   "select:compact",
   "ragged_decode",
+  "decode_step:paged",
   "lab:sweep_metrics",
 )
 
@@ -33,6 +34,7 @@ def test_quick_entry_points_lower_for_tpu_and_cuda():
   assert jax.default_backend() == "cpu"  # the backend answer is restored
   text = export_check.table(results)
   assert "| ragged_decode | ok | ok |" in text
+  assert "| decode_step:paged | ok | ok |" in text
 
 
 @pytest.mark.slow

@@ -34,12 +34,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from flax import nnx
 
 from kvjax import policies, select
 from kvjax.lab import online, synthetic
 from kvjax.lab import sweep as sweep_lib
-from kvjax.model import answers, decoding, llama, ragged
+from kvjax.model import answers, decoding, llama, paged, ragged
 from kvjax.model import cache as cache_lib
 from kvjax.model.config import ModelConfig
 
@@ -254,8 +255,12 @@ def decode_entry(form: str, s: Shapes):
   if form == "per_layer":
     params = jax.eval_shape(llama.unstacked_params, params)
     L, C = s.cfg.num_layers, spec.capacity
+
+    def layer_shape(name, shape):  # per_layer holds the keys slots-last
+      return shape[:2] + (shape[3], shape[2]) if name == "keys" else shape
+
     split = {
-      name: tuple(jax.ShapeDtypeStruct(t.shape[1:], t.dtype) for _ in range(L))
+      name: tuple(jax.ShapeDtypeStruct(layer_shape(name, t.shape[1:]), t.dtype) for _ in range(L))
       for name in cache_lib.PER_LAYER_FIELDS
       if (t := getattr(cache, name)) is not None
     }
@@ -358,6 +363,20 @@ def ragged_entry(s: Shapes, page: int = ragged.PAGE):
     jax.ShapeDtypeStruct((R,), jnp.int32),
   )
   return jax.jit(ragged.ragged_decode_attention), args
+
+
+def paged_entry(s: Shapes):
+  """``paged.decode_step`` over Ada-KV's cache in pages (the ragged kernel of the platform)."""
+  _, cache = _cache_of(s, "adakv_snapkv")
+  budget_BLH = np.full((s.batch, s.cfg.num_layers, s.cfg.num_kv_heads), s.budget)
+  pool = paged.pool_size(budget_BLH, s.batch, NEW_TOKENS, paged.PAGE)
+  pages = jax.eval_shape(lambda c: paged.from_stacked(c, new=NEW_TOKENS, pool=pool), cache)
+
+  def step(cfg, params, cache, token, pos):
+    return paged.decode_step(cfg, params, cache, token, pos, backend="auto")
+
+  fn = jax.jit(step, static_argnames="cfg")
+  return fn, (s.cfg, abstract_params(s.cfg, s.dtype), pages, _rows(s), _rows(s))
 
 
 def _lab_world():
@@ -465,6 +484,7 @@ def _entries() -> dict[str, tuple[Callable, bool]]:
   out["select:top_mask"] = (functools.partial(select_entry, "top_mask"), True)
   out["select:compact"] = (functools.partial(select_entry, "compact"), True)
   out["ragged_decode"] = (ragged_entry, True)
+  out["decode_step:paged"] = (paged_entry, True)
   out["lab:sweep_max_budget"] = (functools.partial(sweep_entry, "max_budget"), False)
   out["lab:sweep_metrics"] = (functools.partial(sweep_entry, "metrics"), False)
   out["lab:replay_snapkv"] = (functools.partial(replay_entry, "snapkv"), False)

@@ -105,6 +105,7 @@ __all__ = [
   "full_cache_bytes",
   "head_scores_to_layout",
   "held_kv",
+  "held_layer_attention",
   "layer_attention",
   "memory",
   "per_layer",
@@ -227,6 +228,38 @@ def layer_attention(
   probs = llama.attention_probs(
     q_BHq1D, keys_BHCD, visible_BHC[:, :, None, :], softcap=cfg.attn_softcap
   )
+  return probs, llama.attend(probs, values_BHCD)
+
+
+def held_layer_attention(
+  cfg: ModelConfig, q_BHq1D: Array, keys_BHDC: Array, values_BHCD: Array, visible_BHC: Array
+) -> tuple[Array, Array]:
+  """Computes one decode query's attention over one layer's keys held slots-last.
+
+  :func:`layer_attention` over ``keys_BHDC`` (the keys ``[B, H, D, C]``, as :func:`per_layer`
+  holds them), equal up to float rounding. With the slots last the logits are one
+  ``[Hq / H, D] x [D, C]`` product per head, the shape of ``p v``: XLA:CPU runs it near a
+  reduction's speed, where ``q k^T`` over ``[B, H, C, D]`` keys takes about 3.6x as long
+  (``docs/benchmarks.md``).
+
+  Args:
+    cfg: the model's config (its attention soft-cap).
+    q_BHq1D: the query ``[B, Hq, 1, D]``, post-RoPE.
+    keys_BHDC: the layer's keys, slots last ``[B, H, D, C]``.
+    values_BHCD: the layer's values ``[B, H, C, D]``.
+    visible_BHC: ``[B, H, C]`` bool, the slots the query may see.
+
+  Returns:
+    ``(probs [B, Hq, 1, C], out [B, Hq, 1, D])``, fp32; a row with no visible slot gives zeros.
+  """
+  B, Hq, _, D = q_BHq1D.shape
+  H, C = keys_BHDC.shape[1], keys_BHDC.shape[3]
+  q = q_BHq1D.astype(jnp.float32).reshape(B, H, Hq // H, D)
+  logits = jnp.einsum(
+    "bhrd,bhdc->bhrc", q, keys_BHDC.astype(jnp.float32), precision=scores_lib.PRECISION
+  )
+  logits = llama.softcap_logits(logits / float(np.sqrt(D)), cfg.attn_softcap)
+  probs = llama.masked_softmax(logits.reshape(B, H, Hq // H, 1, C), visible_BHC[:, :, None, :])
   return probs, llama.attend(probs, values_BHCD)
 
 
@@ -467,15 +500,17 @@ def _observed(spec: CacheSpec, lslots: dict, probs, H: int) -> dict:
   return lslots
 
 
-def _written(buf_BHCD: Array, slot_BH: Array, new_BHD: Array) -> Array:
-  """``buf`` with each row and head's ``new`` vector in its ``slot`` (in place when ``buf`` is
-  donated); a 16-bit buffer is written as its bits on CPU (:func:`_carried_as_bits`)."""
+def _written(buf: Array, slot_BH: Array, new_BHD: Array, slots_last: bool = False) -> Array:
+  """``buf`` (``[B, H, C, D]``, or ``[B, H, D, C]`` with ``slots_last``) with each row and
+  head's ``new`` vector in its ``slot`` (in place when ``buf`` is donated); a 16-bit buffer is
+  written as its bits on CPU (:func:`_carried_as_bits`)."""
   B, H = slot_BH.shape
-  bits = _carried_as_bits(buf_BHCD.dtype)
+  bits = _carried_as_bits(buf.dtype)
   b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, H))
   h_idx = jnp.broadcast_to(jnp.arange(H)[None, :], (B, H))
-  new = _as_bits(new_BHD.astype(buf_BHCD.dtype), bits)
-  return _as_float(_as_bits(buf_BHCD, bits).at[b_idx, h_idx, slot_BH].set(new), buf_BHCD.dtype)
+  new = _as_bits(new_BHD.astype(buf.dtype), bits)
+  at = (b_idx, h_idx, slice(None), slot_BH) if slots_last else (b_idx, h_idx, slot_BH)
+  return _as_float(_as_bits(buf, bits).at[at].set(new), buf.dtype)
 
 
 PER_LAYER_FIELDS = ("keys", "values", "positions", "valid", "scores", "attn_sums")
@@ -534,7 +569,8 @@ def per_layer(spec: CacheSpec, params: dict, cache: KVCache) -> tuple[dict, KVCa
     ``(params, cache)``: where :func:`decodes_per_layer` and the copies fit, the parameters
     split by layer (``llama.unstacked_params``) and the cache whose ``keys``, ``values``,
     ``positions``, ``valid`` (and ``scores``, ``attn_sums`` when held) are tuples of ``L``
-    per-layer arrays; otherwise both as given.
+    per-layer arrays, the keys held slots-last (``[B, H, D, C_l]``:
+    :func:`held_layer_attention`); otherwise both as given.
 
   Raises:
     ValueError: for a ``spec.layer_capacity`` without one entry in ``[1, C]`` per layer.
@@ -560,8 +596,9 @@ def per_layer(spec: CacheSpec, params: dict, cache: KVCache) -> tuple[dict, KVCa
     t = getattr(cache, name)
     if t is None:
       return None
-    # each layer's [B, H, C, ...], its slot axis 2
-    return tuple(jax.lax.slice_in_dim(t[l], 0, caps[l], axis=2) for l in range(L))
+    # each layer's [B, H, C, ...], its slot axis 2; the keys slots-last
+    layers = (jax.lax.slice_in_dim(t[l], 0, caps[l], axis=2) for l in range(L))
+    return tuple(jnp.swapaxes(t, 2, 3) if name == "keys" else t for t in layers)
 
   cache = cache.replace(overflow=overflow, **{name: split(name) for name in PER_LAYER_FIELDS})
   return llama.unstacked_params(params), cache
@@ -597,6 +634,8 @@ def restacked(cache: KVCache, capacity: int | None = None) -> KVCache:
     layers = getattr(cache, name)
     if layers is None:
       return None
+    if name == "keys":  # held slots-last by per_layer
+      layers = [jnp.swapaxes(t, 2, 3) for t in layers]
     axis = 2  # the slot axis of [B, H, C, ...]
     widths = [[(0, 0)] * t.ndim for t in layers]
     for w, t in zip(widths, layers, strict=True):
@@ -608,8 +647,8 @@ def restacked(cache: KVCache, capacity: int | None = None) -> KVCache:
 
 def _decode_step_per_layer(cfg, params, spec: CacheSpec, cache: KVCache, token_B, pos_B):
   """:func:`decode_step` over a cache held one buffer per layer (:func:`per_layer`): the layers
-  unrolled, each reading its own parameters, K and V whole (:func:`layer_attention`) and
-  writing the new token's K and V into its own buffers."""
+  unrolled, each reading its own parameters, K (slots-last) and V whole
+  (:func:`held_layer_attention`) and writing the new token's K and V into its own buffers."""
   B = token_B.shape[0]
   H = cache.keys[0].shape[1]
   x = llama.embed_tokens(cfg, params, token_B)[:, None, :]
@@ -623,9 +662,9 @@ def _decode_step_per_layer(cfg, params, spec: CacheSpec, cache: KVCache, token_B
     lslots["overflow"] = overflow
     slot, lslots = _admit(spec, lslots, cache.budget[:, l], pos_B)
     overflow = lslots.pop("overflow")
-    keys = _written(cache.keys[l], slot, k[:, :, 0])
+    keys = _written(cache.keys[l], slot, k[:, :, 0], slots_last=True)
     values = _written(cache.values[l], slot, v[:, :, 0])
-    probs, attn = layer_attention(cfg, q, keys, values, _visible(cfg, l, lslots, pos_B))
+    probs, attn = held_layer_attention(cfg, q, keys, values, _visible(cfg, l, lslots, pos_B))
     lslots = _observed(spec, lslots, probs, H)
     x = llama.output_and_mlp(cfg, p, x, attn)
     for name, t in dict(lslots, keys=keys, values=values).items():
