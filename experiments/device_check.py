@@ -133,13 +133,13 @@ def ragged_rows(quick: bool) -> list[str]:
   length = rng.integers(2, C, (B, G))
   length.flat[:3] = (0, 1, C)[: length.size]
   positions = np.broadcast_to(np.arange(C, dtype=np.int32), (B, G, C))
-  kp, vp, pages, length_R, pos_NP = ragged.pack_rows(
-    k, v, length, page=page, positions_BGC=positions
+  held = ragged.pack_rows(k, v, length, page=page, positions_BGC=positions)
+  held = dataclasses.replace(
+    held, keys=jnp.asarray(held.keys, jnp.bfloat16), values=jnp.asarray(held.values, jnp.bfloat16)
   )
-  kp, vp = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16)
   q = jnp.asarray(rng.standard_normal((B * G, group, D)), jnp.bfloat16)
   qpos = jnp.full((B * G,), C, jnp.int32)
-  kw = dict(softcap=30.0, positions_NP=pos_NP, query_pos_R=qpos, window=C // 2)
+  kw = dict(softcap=30.0, query_pos_R=qpos, window=C // 2)
   interpret = jax.default_backend() == "cpu"
   backend = {"tpu": "tpu", "gpu": "gpu"}.get(jax.default_backend(), "tpu")
   rows = []
@@ -148,13 +148,13 @@ def ragged_rows(quick: bool) -> list[str]:
       lambda *a: ragged.ragged_decode_attention(*a, backend=backend, interpret=interpret, **kw)
     )
     reference = jax.jit(lambda *a: ragged.reference(*a, **kw))
-    args = (q, kp, vp, pages, length_R)
+    args = (q, held)
     gap = float(jnp.abs(kernel(*args) - reference(*args)).max())
     where = f"{backend} kernel" + (" (interpreter)" if interpret else "")
     rows.append(f"ragged decode, {where}: max |kernel - reference| {gap:.1e}")
     if not interpret:
       t_kernel, t_ref = timed(kernel, *args), timed(reference, *args)
-      read = ragged.bytes_read(length_R, page, D, 2)
+      read = ragged.bytes_read(held.length, page, D, 2)
       rows.append(
         f"ragged decode at {C} slots: kernel {t_kernel * 1e3:.2f} ms, reference "
         f"{t_ref * 1e3:.2f} ms; {read / t_kernel / 1e9:.0f} GB/s of the kernel's own bytes"

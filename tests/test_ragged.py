@@ -3,6 +3,8 @@ to its XLA reference and to the cache's own decode attention (``cache.layer_atte
 random ragged lengths (0, 1 and full among them), GQA groups, soft-caps and sliding windows, in
 fp32 and bf16; its page layout reads only each head's own pages; bad input is a ValueError."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,18 +49,14 @@ def _cfg(softcap):
 def test_kernel_equals_reference_and_layer_attention(backend, dtype, softcap, window):
   q, k, v, length, positions = _case(0, dtype)
   capacity = np.array([[16, 16, C], [C, 32, 48]])
-  kp, vp, pages, length_R, pos_NP = ragged.pack_rows(
-    k, v, length, capacity_BG=capacity, page=PAGE, positions_BGC=positions
-  )
+  rows = ragged.pack_rows(k, v, length, capacity_BG=capacity, page=PAGE, positions_BGC=positions)
   q_RGD = q[:, :, 0].reshape(B * G, GROUP, D)
   query_pos = jnp.full((B * G,), C, jnp.int32)
   kw = dict(softcap=softcap)
   if window is not None:
-    kw.update(positions_NP=pos_NP, query_pos_R=query_pos, window=window)
-  out = ragged.ragged_decode_attention(
-    q_RGD, kp, vp, pages, length_R, backend=backend, interpret=True, **kw
-  )
-  ref = ragged.reference(q_RGD, kp, vp, pages, length_R, **kw)
+    kw.update(query_pos_R=query_pos, window=window)
+  out = ragged.ragged_decode_attention(q_RGD, rows, backend=backend, interpret=True, **kw)
+  ref = ragged.reference(q_RGD, rows, **kw)
   np.testing.assert_allclose(out, ref, rtol=RTOL, atol=ATOL[dtype])
   # the cache's own decode attention over the stacked slot tables (held slots first)
   visible = jnp.arange(C)[None, None, :] < jnp.asarray(length)[:, :, None]
@@ -73,44 +71,45 @@ def test_kernel_equals_reference_and_layer_attention(backend, dtype, softcap, wi
 
 def test_auto_is_the_reference_on_cpu():
   q, k, v, length, _ = _case(1, jnp.float32)
-  kp, vp, pages, length_R, _ = ragged.pack_rows(k, v, length, page=PAGE)
+  rows = ragged.pack_rows(k, v, length, page=PAGE)
   q_RGD = q[:, :, 0].reshape(B * G, GROUP, D)
-  out = jax.jit(ragged.ragged_decode_attention)(q_RGD, kp, vp, pages, length_R)
-  np.testing.assert_array_equal(out, ragged.reference(q_RGD, kp, vp, pages, length_R))
+  out = jax.jit(ragged.ragged_decode_attention)(q_RGD, rows)
+  np.testing.assert_array_equal(out, ragged.reference(q_RGD, rows))
 
 
 def test_pages_are_each_heads_own():
   """A head's pages end at its own capacity: the layout holds (and a step reads) the counted
   bytes, not every head up to the layer's largest budget."""
   _, k, v, length, _ = _case(2, jnp.bfloat16)
-  kp, _, pages, length_R, _ = ragged.pack_rows(k, v, length, page=PAGE)
+  packed = ragged.pack_rows(k, v, length, page=PAGE)
   pages_per_row = -(-np.maximum(length.reshape(-1), 1) // PAGE)
-  assert kp.shape[0] == pages_per_row.sum() + 1  # one spare page
-  rows = [set(np.asarray(pages)[r, :n].tolist()) for r, n in enumerate(pages_per_row)]
+  assert packed.keys.shape[0] == pages_per_row.sum() + 1  # one spare page
+  rows = [set(np.asarray(packed.table)[r, :n].tolist()) for r, n in enumerate(pages_per_row)]
   assert sum(len(r) for r in rows) == len(set().union(*rows))  # no page shared
   counted = 2 * (-(-length.reshape(-1) // PAGE)).sum() * PAGE * D * 2
-  assert ragged.bytes_read(length_R, PAGE, D, 2) == counted
+  assert ragged.bytes_read(packed.length, PAGE, D, 2) == counted
   padded = 2 * B * G * (-(-length.max() // PAGE)) * PAGE * D * 2
-  assert ragged.bytes_read(length_R, PAGE, D, 2) < padded
+  assert ragged.bytes_read(packed.length, PAGE, D, 2) < padded
 
 
 def test_bad_input():
   q, k, v, length, _ = _case(3, jnp.float32)
-  kp, vp, pages, length_R, _ = ragged.pack_rows(k, v, length, page=PAGE)
+  rows = ragged.pack_rows(k, v, length, page=PAGE)
   q_RGD = q[:, :, 0].reshape(B * G, GROUP, D)
   with pytest.raises(ValueError, match="backend"):
-    ragged.ragged_decode_attention(q_RGD, kp, vp, pages, length_R, backend="metal")
-  with pytest.raises(ValueError, match="length_R"):
-    too_long = length_R.at[0].set(pages.shape[1] * PAGE + 1)
-    ragged.ragged_decode_attention(q_RGD, kp, vp, pages, too_long)
+    ragged.ragged_decode_attention(q_RGD, rows, backend="metal")
+  with pytest.raises(ValueError, match=r"pages.length: row 0 holds \d+ slots; expected 0..\d+"):
+    too_long = rows.length.at[0].set(rows.table.shape[1] * PAGE + 1)
+    ragged.ragged_decode_attention(q_RGD, dataclasses.replace(rows, length=too_long))
   with pytest.raises(ValueError, match="page"):
     ragged.pack_rows(k, v, length, page=24)
-  with pytest.raises(ValueError, match="keys_NPD"):
-    ragged.ragged_decode_attention(q_RGD, kp[:, :12], vp[:, :12], pages, length_R)
+  with pytest.raises(ValueError, match="pages.keys: a page of 12 slots"):
+    cut = dataclasses.replace(rows, keys=rows.keys[:, :12], values=rows.values[:, :12])
+    ragged.ragged_decode_attention(q_RGD, cut)
   with pytest.raises(ValueError, match="capacity_BG"):
     ragged.pack_rows(k, v, length, capacity_BG=np.zeros_like(length), page=PAGE)
-  with pytest.raises(ValueError, match="window"):
-    ragged.ragged_decode_attention(q_RGD, kp, vp, pages, length_R, window=8)
+  with pytest.raises(ValueError, match="window: needs pages.positions"):
+    ragged.ragged_decode_attention(q_RGD, rows, window=8)
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])

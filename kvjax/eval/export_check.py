@@ -354,14 +354,9 @@ def ragged_entry(s: Shapes, page: int = ragged.PAGE):
   """The ragged decode kernel over one layer: every (row, KV head) up to the budget's pages."""
   R, Gq, D = s.batch * s.cfg.num_kv_heads, s.cfg.num_groups, s.cfg.head_dim
   M = -(-s.budget // page)
-  pages = jax.ShapeDtypeStruct((R * M + 1, page, D), s.dtype)
-  args = (
-    jax.ShapeDtypeStruct((R, Gq, D), s.dtype),
-    pages,
-    pages,
-    jax.ShapeDtypeStruct((R, M), jnp.int32),
-    jax.ShapeDtypeStruct((R,), jnp.int32),
-  )
+  pool = jax.ShapeDtypeStruct((R * M + 1, page, D), s.dtype)
+  table, length = jax.ShapeDtypeStruct((R, M), jnp.int32), jax.ShapeDtypeStruct((R,), jnp.int32)
+  args = (jax.ShapeDtypeStruct((R, Gq, D), s.dtype), ragged.Pages(pool, pool, table, length))
   return jax.jit(ragged.ragged_decode_attention), args
 
 

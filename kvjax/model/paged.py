@@ -249,14 +249,11 @@ def decode_step(
     values = values.at[at].set(v.reshape(R, -1).astype(values.dtype))
     positions = positions.at[at].set(pos_R)
     length_R = jnp.where(full_R, length_R, length_R + 1)
+    held = ragged.Pages(keys, values, pages_RM, length_R, positions if window else None)
     out_RGD = ragged.ragged_decode_attention(
       q.reshape(R, Hq // G, -1),
-      keys,
-      values,
-      pages_RM,
-      length_R,
+      held,
       softcap=cfg.attn_softcap,
-      positions_NP=positions if window is not None else None,
       query_pos_R=pos_R if window is not None else None,
       window=window,
       backend=backend,

@@ -3,10 +3,10 @@ slots, read in pages, a Pallas kernel for TPU (Mosaic) and GPU (Triton) with an 
 
 The stacked cache (:class:`kvjax.model.cache.KVCache`) gives every head of a layer one capacity,
 so a head whose budget is below its layer's largest (Ada-KV, HeadKV) is padded, and a decode step
-reads the padding. Here each (batch row, KV head) is a *row* ``r = b * G + g`` of its own: its
-slots sit in pages of ``page`` slots (``keys_NPD [num_pages, page, D]``) listed in its page table
-(``pages_RM [R, max_pages]``), and its length ``length_R[r]`` says how many of its first slots it
-holds (Ada-KV's official code hands flash-attn one variable-length sequence per head the same way).
+reads the padding. Here each (batch row, KV head) is a *row* ``r = b * G + g`` of its own
+(:class:`Pages`): its slots sit in pages of ``page`` slots (``keys [num_pages, page, D]``)
+listed in its page table (``table [R, max_pages]``), and its length ``length[r]`` says how many
+of its first slots it holds (Ada-KV's official code hands flash-attn one variable-length sequence per head the same way).
 The kernel reads pages ``0 .. ceil(length / page) - 1`` of each row and nothing else; the query
 heads of a GQA group (``q_RGD [R, Hq / G, D]``) share their row's pages.
 
@@ -19,6 +19,7 @@ from a stacked layer's slot tables (on the host, where the page counts are stati
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -37,31 +38,64 @@ PAGE = 128
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
-def _check(q_RGD, keys_NPD, values_NPD, pages_RM, length_R, positions_NP, query_pos_R, window):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pages:
+  """Rows of slots held in pages: what the kernel reads.
+
+  Row ``r`` holds its first ``length[r]`` slots, slot ``s`` at ``keys[table[r, s // page], s %
+  page]``.
+
+  Attributes:
+    keys: the pages of keys ``[num_pages, page, D]`` (post-RoPE); ``page`` a power of two >= 16.
+    values: the pages of values, the keys' shape.
+    table: int32 ``[R, max_pages]``, each row's pages in slot order (entries past its length are
+      not read; any valid page index).
+    length: int32 ``[R]``, the slots each row holds, ``0 .. max_pages * page``.
+    positions: int32 ``[num_pages, page]``, each slot's position (for a sliding window), or
+      ``None``.
+  """
+
+  keys: Array
+  values: Array
+  table: Array
+  length: Array
+  positions: Array | None = None
+
+  @property
+  def page(self) -> int:
+    """Slots per page."""
+    return self.keys.shape[1]
+
+
+def _check(q_RGD, pages: Pages, query_pos_R, window):
   """Raises a ``ValueError`` naming the argument for shapes that do not fit together."""
   if q_RGD.ndim != 3:
     raise ValueError(f"q_RGD: expected [R, Hq / G, D], got shape {q_RGD.shape}")
   R, _, D = q_RGD.shape
-  if keys_NPD.ndim != 3 or keys_NPD.shape[2] != D:
-    raise ValueError(f"keys_NPD: expected [num_pages, page, {D}], got shape {keys_NPD.shape}")
-  if values_NPD.shape != keys_NPD.shape:
+  keys = pages.keys
+  if keys.ndim != 3 or keys.shape[2] != D:
+    raise ValueError(f"pages.keys: expected [num_pages, page, {D}], got shape {keys.shape}")
+  if pages.values.shape != keys.shape:
     raise ValueError(
-      f"values_NPD: expected the keys' shape {keys_NPD.shape}, got {values_NPD.shape}"
+      f"pages.values: expected the keys' shape {keys.shape}, got {pages.values.shape}"
     )
-  page = keys_NPD.shape[1]
+  page = keys.shape[1]
   if page % 16 or page & (page - 1):
-    raise ValueError(f"keys_NPD: a page of {page} slots; expected a power of two >= 16")
-  if pages_RM.ndim != 2 or pages_RM.shape[0] != R:
-    raise ValueError(f"pages_RM: expected [{R}, max_pages], got shape {pages_RM.shape}")
-  if length_R.shape != (R,):
-    raise ValueError(f"length_R: expected shape ({R},), got {length_R.shape}")
+    raise ValueError(f"pages.keys: a page of {page} slots; expected a power of two >= 16")
+  if pages.table.ndim != 2 or pages.table.shape[0] != R:
+    raise ValueError(f"pages.table: expected [{R}, max_pages], got shape {pages.table.shape}")
+  if pages.length.shape != (R,):
+    raise ValueError(f"pages.length: expected shape ({R},), got {pages.length.shape}")
   if window is not None:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
       raise ValueError(f"window: expected an int >= 1 or None, got {window!r}")
-    if positions_NP is None or query_pos_R is None:
-      raise ValueError("window: needs positions_NP and query_pos_R (the slots' and query's)")
-    if positions_NP.shape != keys_NPD.shape[:2]:
-      raise ValueError(f"positions_NP: expected {keys_NPD.shape[:2]}, got {positions_NP.shape}")
+    if pages.positions is None or query_pos_R is None:
+      raise ValueError("window: needs pages.positions and query_pos_R (the slots' and query's)")
+    if pages.positions.shape != keys.shape[:2]:
+      raise ValueError(
+        f"pages.positions: expected {keys.shape[:2]}, got {pages.positions.shape}"
+      )
     if query_pos_R.shape != (R,):
       raise ValueError(f"query_pos_R: expected shape ({R},), got {query_pos_R.shape}")
 
@@ -82,37 +116,23 @@ def check_lengths(length_R, pages_RM, page: int) -> None:
   bad = (length < 0) | (length > cap)
   if bad.any():
     r = int(np.argmax(bad))
-    raise ValueError(f"length_R: row {r} holds {int(length[r])} slots; expected 0..{cap}")
+    raise ValueError(f"pages.length: row {r} holds {int(length[r])} slots; expected 0..{cap}")
 
 
-def reference(
-  q_RGD,
-  keys_NPD,
-  values_NPD,
-  pages_RM,
-  length_R,
-  *,
-  softcap=None,
-  positions_NP=None,
-  query_pos_R=None,
-  window=None,
-) -> Array:
+def reference(q_RGD, pages: Pages, *, softcap=None, query_pos_R=None, window=None) -> Array:
   """The ragged attention in plain XLA: each row's pages gathered, a masked fp32 softmax.
 
   Args:
     q_RGD: as :func:`ragged_decode_attention`.
-    keys_NPD: as :func:`ragged_decode_attention`.
-    values_NPD: as :func:`ragged_decode_attention`.
-    pages_RM: as :func:`ragged_decode_attention`.
-    length_R: as :func:`ragged_decode_attention`.
+    pages: as :func:`ragged_decode_attention`.
     softcap: as :func:`ragged_decode_attention`.
-    positions_NP: as :func:`ragged_decode_attention`.
     query_pos_R: as :func:`ragged_decode_attention`.
     window: as :func:`ragged_decode_attention`.
 
   Returns:
     fp32 ``[R, Hq / G, D]``; a row holding no visible slot gives zeros.
   """
+  keys_NPD, values_NPD, pages_RM, length_R = pages.keys, pages.values, pages.table, pages.length
   R, Gq, D = q_RGD.shape
   M, P = pages_RM.shape[1], keys_NPD.shape[1]
   k = keys_NPD[pages_RM].reshape(R, M * P, D).astype(jnp.float32)
@@ -124,7 +144,7 @@ def reference(
     logits = jnp.tanh(logits / softcap) * softcap
   visible = jnp.arange(M * P)[None, :] < length_R[:, None]
   if window is not None:
-    pos = positions_NP[pages_RM].reshape(R, M * P)
+    pos = pages.positions[pages_RM].reshape(R, M * P)
     visible = visible & (query_pos_R[:, None] - pos < window)
   logits = jnp.where(visible[:, None, :], logits, -jnp.inf)
   probs = jax.nn.softmax(logits, axis=-1)
@@ -296,13 +316,9 @@ def _gpu_call(
 
 def ragged_decode_attention(
   q_RGD,
-  keys_NPD,
-  values_NPD,
-  pages_RM,
-  length_R,
+  pages: Pages,
   *,
   softcap: float | None = None,
-  positions_NP=None,
   query_pos_R=None,
   window: int | None = None,
   backend: str = "auto",
@@ -310,21 +326,16 @@ def ragged_decode_attention(
 ) -> Array:
   """One decode query per row against the row's own held slots, read in pages.
 
-  Row ``r`` (a (batch row, KV head) pair, ``r = b * G + g``) holds its first ``length_R[r]``
-  slots, slot ``s`` at ``keys_NPD[pages_RM[r, s // page], s % page]``; its ``Hq / G`` query heads
-  attend over those slots alone: ``softmax(q k^T / sqrt(D))`` in fp32 (soft-capped with
-  ``softcap``), within ``window`` of the query's position when given. Pages past a row's length
-  are never read, so a head's bytes per step are its own length's.
+  Row ``r`` (a (batch row, KV head) pair, ``r = b * G + g``) holds its first ``pages.length[r]``
+  slots (:class:`Pages`); its ``Hq / G`` query heads attend over those slots alone:
+  ``softmax(q k^T / sqrt(D))`` in fp32 (soft-capped with ``softcap``), within ``window`` of the
+  query's position when given. Pages past a row's length are never read, so a head's bytes per
+  step are its own length's.
 
   Args:
     q_RGD: the queries ``[R, Hq / G, D]`` (post-RoPE), the group of each row's KV head.
-    keys_NPD: the pages of keys ``[num_pages, page, D]``; ``page`` a power of two >= 16.
-    values_NPD: the pages of values, the keys' shape.
-    pages_RM: int32 ``[R, max_pages]``, each row's pages in slot order (entries past its length
-      are not read; any valid page index).
-    length_R: int32 ``[R]``, the slots each row holds, ``0 .. max_pages * page``.
+    pages: the rows' slots (:class:`Pages`; with ``window``, their ``positions``).
     softcap: Gemma 2's attention soft-cap (``cfg.attn_softcap``), or ``None``.
-    positions_NP: int32 ``[num_pages, page]``, each slot's position (with ``window``).
     query_pos_R: int32 ``[R]``, the query's position (with ``window``).
     window: a sliding window: slots at ``query_pos - position >= window`` are not seen.
     backend: ``"auto"`` (the kernel of the platform lowered for: Mosaic on TPU, Triton on a GPU,
@@ -341,28 +352,27 @@ def ragged_decode_attention(
   """
   if backend not in BACKENDS:
     raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-  _check(q_RGD, keys_NPD, values_NPD, pages_RM, length_R, positions_NP, query_pos_R, window)
-  if not isinstance(length_R, jax.core.Tracer):
-    check_lengths(length_R, pages_RM, keys_NPD.shape[1])
+  _check(q_RGD, pages, query_pos_R, window)
+  if not isinstance(pages.length, jax.core.Tracer):
+    check_lengths(pages.length, pages.table, pages.page)
   R = q_RGD.shape[0]
-  pages_RM = jnp.asarray(pages_RM, jnp.int32)
-  length_R = jnp.asarray(length_R, jnp.int32)
+  pages_RM = jnp.asarray(pages.table, jnp.int32)
+  length_R = jnp.asarray(pages.length, jnp.int32)
   pos_NP = (
-    jnp.zeros(keys_NPD.shape[:2], jnp.int32)
-    if positions_NP is None
-    else jnp.asarray(positions_NP, jnp.int32)
+    jnp.zeros(pages.keys.shape[:2], jnp.int32)
+    if pages.positions is None
+    else jnp.asarray(pages.positions, jnp.int32)
   )
   qpos_R = (
     jnp.zeros((R,), jnp.int32) if query_pos_R is None else jnp.asarray(query_pos_R, jnp.int32)
   )
-  args = (q_RGD, keys_NPD, values_NPD, pages_RM, length_R, pos_NP, qpos_R)
+  args = (q_RGD, pages.keys, pages.values, pages_RM, length_R, pos_NP, qpos_R)
   opts = dict(softcap=softcap, window=window)
 
   def xla(*a):
-    q, k, v, pages, length, pos, qpos = a
-    return reference(
-      q, k, v, pages, length, softcap=softcap, positions_NP=pos, query_pos_R=qpos, window=window
-    )
+    q, k, v, table, length, pos, qpos = a
+    rows = Pages(k, v, table, length, pos)
+    return reference(q, rows, softcap=softcap, query_pos_R=qpos, window=window)
 
   tpu = functools.partial(_tpu_call, **opts, interpret=interpret)
   gpu = functools.partial(_gpu_call, **opts, interpret=interpret)
@@ -399,8 +409,8 @@ def pack_rows(
     positions_BGC: optional int32 slot positions ``[B, G, C]``, packed alike.
 
   Returns:
-    ``(keys_NPD, values_NPD, pages_RM, length_R, positions_NP)`` (``positions_NP`` ``None``
-    without ``positions_BGC``); the last page is a spare the unused table entries name.
+    The :class:`Pages` (``positions`` ``None`` without ``positions_BGC``); the last page is a
+    spare the unused table entries name.
 
   Raises:
     ValueError: for a page that is not a power of two >= 16, or lengths or capacities outside
@@ -434,7 +444,7 @@ def pack_rows(
     if rows_pos is not None:
       pos_out.reshape(N * page)[flat] = rows_pos[r, :n]
   positions = None if rows_pos is None else jnp.asarray(pos_out)
-  return (
+  return Pages(
     jnp.asarray(k_out),
     jnp.asarray(v_out),
     jnp.asarray(pages),
