@@ -91,3 +91,33 @@ def test_settings_for_device_reads_the_table_or_falls_back():
   assert two == {"chip": "v5e-1", "shards": 2, "tokens": 65536, "source": "plan"}
   here = mp.settings_for_device(devices=jax.devices("cpu"), table=table)
   assert here["chip"] is None and here["tokens"] == mp.CPU_DEFAULT
+
+
+def test_an_evaluation_keeps_the_lengths_every_family_fits_beside_the_full_cache():
+  """The notebooks' lengths: a planned model keeps the lengths below the strictest family's
+  plan at 100 % on the chip found (the CPU default on a CPU); a model of no planned shape keeps
+  every length."""
+
+  class Device:
+    platform, device_kind = "gpu", "NVIDIA L4"
+
+  families = tuple(mp.FAMILIES)
+  table = {("qwen3-8b", "l4", 1): {(f, 1.0): 12288 for f in families}}
+  table[("qwen3-8b", "l4", 1)][(families[-1], 1.0)] = 6144  # the strictest family
+  assert mp.planned_model("Qwen/Qwen3-8B") == "qwen3-8b"
+  assert mp.planned_model("meta-llama/Llama-3.1-8B-Instruct") == "llama-3.1-8b"
+  assert mp.planned_model("tiny") is None
+  fit = mp.fitting_lengths("Qwen/Qwen3-8B", (4096, 8192, 16384), devices=[Device()], table=table)
+  assert fit == {
+    "lengths": (4096,),
+    "dropped": (8192, 16384),
+    "limit": 6144,
+    "chip": "l4",
+    "source": "plan",
+  }
+  cpu = mp.fitting_lengths("Qwen/Qwen3-8B", (1024, 8192), devices=jax.devices("cpu"))
+  assert cpu["lengths"] == (1024,) and cpu["limit"] == mp.CPU_DEFAULT and cpu["source"] == "default"
+  tiny = mp.fitting_lengths("tiny", (1024, 65536), devices=[Device()])
+  assert tiny["lengths"] == (1024, 65536) and tiny["source"] == "no plan"
+  with pytest.raises(ValueError, match="lengths: expected an int >= 1, got 0"):
+    mp.fitting_lengths("tiny", (1024, 0))

@@ -725,3 +725,59 @@ def settings_for_device(
       if tokens:
         return {"chip": chip, "shards": shards, "tokens": tokens, "source": "plan"}
   return {"chip": chip, "shards": 1, "tokens": CPU_DEFAULT, "source": "default"}
+
+
+def planned_model(name: str) -> str | None:
+  """The planned shape (:data:`MODELS`) a model name or Hugging Face id is, or ``None``.
+
+  Args:
+    name: a model's name or id (``"meta-llama/Llama-3.1-8B-Instruct"``, ``"Qwen/Qwen3-8B"``).
+
+  Returns:
+    The :data:`MODELS` key whose name the id contains (case and ``_`` / ``-`` aside), or
+    ``None`` for a model with no plan (the shipped tiny model, SmolLM2, ...).
+  """
+  key = str(name).lower().replace("_", "-")
+  return next((m for m in MODELS if m in key), None)
+
+
+def fitting_lengths(model: str, lengths, *, devices=None, table: dict | None = None) -> dict:
+  """The prompt lengths of an evaluation that fit the device found, from the memory plans.
+
+  An evaluation runs the full cache beside every policy, so a length fits where every family
+  fits it at 100 % of the cache (the strictest plan of :func:`settings_for_device`).
+
+  Args:
+    model: the model's name or id (:func:`planned_model`).
+    lengths: the prompt lengths asked for.
+    devices: the devices (``jax.devices()`` when ``None``).
+    table: the plans (:data:`TABLE` when ``None``).
+
+  Returns:
+    ``{"lengths", "dropped", "limit", "chip", "source"}``: the lengths kept (in order) and
+    those above the limit; the limit (``None`` without a plan); the chip found; ``"plan"``,
+    ``"default"`` (a CPU or an unlisted chip: :data:`CPU_DEFAULT`) or ``"no plan"`` (a model
+    of no planned shape: every length kept).
+
+  Raises:
+    ValueError: for a length that is not a positive int.
+  """
+  lengths = tuple(lengths)
+  for t in lengths:
+    _check_count("lengths", t)
+  planned = planned_model(model)
+  if planned is None:
+    chip = detect_chip(devices)
+    return {"lengths": lengths, "dropped": (), "limit": None, "chip": chip, "source": "no plan"}
+  found = [
+    settings_for_device(planned, family, 1.0, devices=devices, table=table) for family in FAMILIES
+  ]
+  limit = min(f["tokens"] for f in found)
+  source = "plan" if all(f["source"] == "plan" for f in found) else "default"
+  return {
+    "lengths": tuple(t for t in lengths if t <= limit),
+    "dropped": tuple(t for t in lengths if t > limit),
+    "limit": limit,
+    "chip": found[0]["chip"],
+    "source": source,
+  }
