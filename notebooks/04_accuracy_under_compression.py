@@ -118,6 +118,22 @@ workdir = WORKDIR + (f"_{PRESET}" if PRESET else "") + ("" if MODEL == "tiny" el
 print(config.tasks, config.lengths, config.budgets)
 
 # %% [markdown]
+# **Lengths that fit the chip.** For a model of a planned shape (Llama-3.1-8B, Qwen3-8B), the
+# contexts are cut to the longest prompt every policy family fits beside the full cache on the
+# chip found, read from the compiled memory plans (`kvjax.eval.memory_plan`, the table in
+# `docs/accelerators.md`); other models keep the preset's lengths.
+
+# %%
+from kvjax.eval import memory_plan
+
+fit = memory_plan.fitting_lengths(MODEL, config.lengths)
+if fit["dropped"]:
+  print(f"{fit['chip'] or 'this device'} fits {fit['limit']} tokens: dropped {fit['dropped']}")
+  config.lengths = fit["lengths"]
+  config.heatmap.lengths = tuple(t for t in config.heatmap.lengths if t <= fit["limit"])
+print("lengths:", config.lengths, "| plan:", fit["source"], fit["chip"] or "")
+
+# %% [markdown]
 # ## Run (or resume) the evaluation
 
 # %%
