@@ -93,9 +93,7 @@ def _check(q_RGD, pages: Pages, query_pos_R, window):
     if pages.positions is None or query_pos_R is None:
       raise ValueError("window: needs pages.positions and query_pos_R (the slots' and query's)")
     if pages.positions.shape != keys.shape[:2]:
-      raise ValueError(
-        f"pages.positions: expected {keys.shape[:2]}, got {pages.positions.shape}"
-      )
+      raise ValueError(f"pages.positions: expected {keys.shape[:2]}, got {pages.positions.shape}")
     if query_pos_R.shape != (R,):
       raise ValueError(f"query_pos_R: expected shape ({R},), got {query_pos_R.shape}")
 
