@@ -34,6 +34,15 @@ def _ids(B=2, T=150, seed=0):
   return np.random.default_rng(seed).integers(0, CFG.vocab_size, (B, T)).astype(np.int32)
 
 
+def _compressed(model, policy: str, T: int, budget: int):
+  """A one-row prompt of ``T`` tokens compressed under ``policy`` to ``budget`` (stacked)."""
+  ids = _ids(B=1, T=T)
+  pol = policies.build(policy)
+  request = pol.evidence_request(T)
+  pre = decoding.jit_prefill(CFG, model.params(), ids, np.ones_like(ids), request)
+  return cache_lib.compress(CFG, pre, cache_lib.CacheSpec(pol, T), np.int32(budget))
+
+
 @pytest.mark.parametrize(
   "policy, options",
   [("adakv_snapkv", {}), ("pyramidkv", {}), ("full", {})],
@@ -68,14 +77,7 @@ def test_paged_cache_holds_each_head_its_own_slots_and_a_step_reads_those_bytes(
   """After compression under Ada-KV the pool holds each row's held slots in its own pages; the
   bytes a step reads are those slots rounded to pages (equal to the roofline's count of held
   slots where each length fills its pages), below the stacked cache's padded read."""
-  ids = _ids(B=1, T=300)
-  pol = policies.build("adakv_snapkv")
-  spec = cache_lib.CacheSpec(pol, 1)
-  pre = decoding.jit_prefill(
-    CFG, model.params(), ids, np.ones_like(ids), pol.evidence_request(ids.shape[1])
-  )
-  budget = np.int32(64)
-  stacked = cache_lib.compress(CFG, pre, dataclasses.replace(spec, capacity=300), budget)
+  stacked = _compressed(model, "adakv_snapkv", 300, 64)
   pool = paged.pool_size(np.asarray(stacked.budget), 1, 0, 16)
   cache = paged.from_stacked(stacked, new=0, pool=pool, page=16)
   length = np.asarray(cache.length)
@@ -104,12 +106,7 @@ def test_paged_cache_holds_each_head_its_own_slots_and_a_step_reads_those_bytes(
 def test_the_paged_step_through_the_interpreted_kernels_equals_the_xla_step(model):
   """One decode step over the paged cache through the TPU and GPU kernels (Pallas
   interpreter) equals the XLA step to rounding."""
-  ids = _ids(B=1, T=120)
-  pol = policies.build("adakv_snapkv")
-  pre = decoding.jit_prefill(
-    CFG, model.params(), ids, np.ones_like(ids), pol.evidence_request(ids.shape[1])
-  )
-  stacked = cache_lib.compress(CFG, pre, cache_lib.CacheSpec(pol, 120), np.int32(48))
+  stacked = _compressed(model, "adakv_snapkv", 120, 48)
   cache = paged.from_stacked(stacked, new=2, pool=40, page=16)
   token, pos = np.array([5], np.int32), np.array([120], np.int32)
   params = model.params()
@@ -165,12 +162,7 @@ def test_paged_selection_and_bad_choices_are_named():
 
 
 def test_a_pool_too_small_flags_overflow_instead_of_losing_tokens(model):
-  ids = _ids(B=1, T=90)
-  pol = policies.build("snapkv")
-  pre = decoding.jit_prefill(
-    CFG, model.params(), ids, np.ones_like(ids), pol.evidence_request(ids.shape[1])
-  )
-  stacked = cache_lib.compress(CFG, pre, cache_lib.CacheSpec(pol, 90), np.int32(48))
+  stacked = _compressed(model, "snapkv", 90, 48)
   small = paged.from_stacked(stacked, new=0, pool=4, page=16)
   assert bool(np.asarray(small.overflow).all())
   with pytest.raises(RuntimeError, match="more slots than"):
