@@ -159,6 +159,12 @@ def test_paged_selection_and_bad_choices_are_named():
     paged.uses_paged(CFG, query, per_head, True, "cpu")
   with pytest.raises(ValueError, match="paged: expected None or a bool, got 'yes'"):
     cache_lib.Layout(paged="yes")
+  with pytest.raises(ValueError, match="page: expected a power of two >= 16, got 24"):
+    paged.pool_size(per_head, 1, 0, 24)
+  with pytest.raises(ValueError, match="new: expected an int >= 0, got -1"):
+    paged.pool_size(per_head, 1, -1, 16)
+  with pytest.raises(ValueError, match="budget_LH: expected"):
+    paged.pool_size(-per_head, 1, 0, 16)
 
 
 def test_a_pool_too_small_flags_overflow_instead_of_losing_tokens(model):

@@ -144,6 +144,18 @@ def _blocker(cfg: ModelConfig, spec: CacheSpec) -> str | None:
   return None
 
 
+def _check_int(name: str, value, low: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+    raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+  return int(value)
+
+
+def _check_page(page) -> int:
+  if _check_int("page", page, 16) & (page - 1):
+    raise ValueError(f"page: expected a power of two >= 16, got {page!r}")
+  return int(page)
+
+
 def pool_size(budget_LH, batch: int, new: int, page: int) -> int:
   """The pages a pool holds for an allocation: every row's own, and one spare.
 
@@ -159,8 +171,15 @@ def pool_size(budget_LH, batch: int, new: int, page: int) -> int:
 
   Returns:
     ``sum_l (sum_r (budget + new)) // P + L * R + 1``.
+
+  Raises:
+    ValueError: for a batch below 1, negative new tokens, a page that is not a power of two
+      >= 16, or a negative budget.
   """
+  batch, new, page = _check_int("batch", batch, 1), _check_int("new", new, 0), _check_page(page)
   budget = np.asarray(budget_LH)
+  if budget.ndim not in (2, 3) or (budget < 0).any():
+    raise ValueError(f"budget_LH: expected [L, H] or [B, L, H] budgets >= 0, got {budget!r}")
   budget_BLH = np.broadcast_to(budget, (batch,) + budget.shape[-2:])
   L, R = budget_BLH.shape[1], batch * budget_BLH.shape[2]
   per_layer = (budget_BLH.astype(np.int64) + new).sum((0, 2))
@@ -179,7 +198,12 @@ def from_stacked(cache: KVCache, *, new: int, pool: int, page: int = PAGE) -> Pa
   Returns:
     The :class:`PagedCache`; slots keep their order, so attention equals the stacked cache's to
     float rounding.
+
+  Raises:
+    ValueError: for negative new tokens, a pool below 1 page, or a page that is not a power of
+      two >= 16.
   """
+  new, pool, page = _check_int("new", new, 0), _check_int("pool", pool, 1), _check_page(page)
   L, B, G, C, D = cache.keys.shape
   R = B * G
   valid = cache.valid.reshape(L, R, C)
