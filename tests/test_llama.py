@@ -139,6 +139,8 @@ def test_bf16_attention_rounds_the_output_only_and_keeps_the_evidence_exact():
   )
   with pytest.raises(ValueError, match="attention_dtype: expected float32, bfloat16 or float16"):
     km.prefill(cfg, model.params(), ids, plan=Plan(attention_dtype=jnp.int8))
+  with pytest.raises(ValueError, match="attention_dtype=bfloat16 needs attention='blocked'"):
+    km.prefill(cfg, model.params(), ids, plan=Plan(attention="xla", attention_dtype=jnp.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float64", "bf16", object()])

@@ -62,6 +62,16 @@ def test_paged_generation_equals_the_stacked_cache(model, policy, options):
   assert out.memory["kv_bytes_held"] == stacked.memory["kv_bytes_held"]
 
 
+def test_new_budgets_rarely_change_the_pool_and_so_the_compiled_decoder():
+  """The pool's pages are bucketed as a capacity is: at a Llama-3.1-8B shape (32 layers, 8 KV
+  heads), the budgets 1,000-2,000 give a few pool sizes, each spanning many budgets."""
+  pools = {paged.pool_size(np.full((32, 8), b), 1, 32, 128) for b in range(1000, 2001)}
+  exact = {int(((b + 32) * 8 // 128) * 32 + 32 * 8 + 1) for b in range(1000, 2001)}
+  assert len(exact) == 64 and len(pools) == 5, (len(exact), sorted(pools))
+  per_head = np.random.default_rng(0).integers(0, 3000, (32, 8))
+  assert paged.pool_size(per_head, 1, 32, 128) >= int(((per_head + 32).sum(1) // 128).sum()) + 257
+
+
 def test_paged_generation_keeps_a_sliding_window_and_a_soft_cap():
   """A model whose every layer attends within a window (Mistral's) with Gemma 2's soft-cap: the
   paged step masks by the slots' positions, as the stacked step does."""

@@ -317,18 +317,6 @@ def retained_by_head(sim: ScenarioRun) -> pd.DataFrame:
   return pd.DataFrame(rows)
 
 
-def run_scenario(
-  scenario: str, config, workdir: pathlib.Path | None, log=print, built=None
-) -> list[dict]:
-  """All policies on one scenario; returns summary rows (and writes the figure)."""
-  sim = simulate_scenario(scenario, config, log, built)
-  if workdir is not None:
-    fig = figure(sim, config)
-    fig.savefig(workdir / f"{scenario}.png", dpi=110)
-    plotting.close(fig)
-  return sim.rows
-
-
 def summary_tables(rows: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame]:
   """Summary rows -> ``(summary [SUMMARY_COLUMNS], per-layer retained mass)``."""
   table = pd.DataFrame(rows)

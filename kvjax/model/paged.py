@@ -28,6 +28,7 @@ import numpy as np
 
 from kvjax import policies
 from kvjax.model import llama, ragged
+from kvjax.model.budget_checks import capacity_bucket
 from kvjax.model.cache_layout import CacheSpec, KVCache
 from kvjax.model.config import ModelConfig
 
@@ -161,7 +162,9 @@ def pool_size(budget_LH, batch: int, new: int, page: int) -> int:
 
   Counted from each layer's total, which a per-head allocation (Ada-KV, HeadKV) keeps whatever
   its split (so one compiled decoder serves every prompt): a layer's rows need at most
-  ``total / P + R`` pages.
+  ``total / P + R`` pages. The count is rounded up as a cache's capacity is
+  (:func:`kvjax.model.budget_checks.capacity_bucket`, four sizes per octave), so that a new
+  budget rarely compiles the decoder again.
 
   Args:
     budget_LH: the allocation, ``[L, H]`` or ``[B, L, H]`` (KV heads), concrete.
@@ -170,7 +173,7 @@ def pool_size(budget_LH, batch: int, new: int, page: int) -> int:
     page: slots per page.
 
   Returns:
-    ``sum_l (sum_r (budget + new)) // P + L * R + 1``.
+    ``sum_l (sum_r (budget + new)) // P + L * R + 1``, bucketed.
 
   Raises:
     ValueError: for a batch below 1, negative new tokens, a page that is not a power of two
@@ -183,7 +186,7 @@ def pool_size(budget_LH, batch: int, new: int, page: int) -> int:
   budget_BLH = np.broadcast_to(budget, (batch,) + budget.shape[-2:])
   L, R = budget_BLH.shape[1], batch * budget_BLH.shape[2]
   per_layer = (budget_BLH.astype(np.int64) + new).sum((0, 2))
-  return int((per_layer // page).sum()) + L * R + 1
+  return capacity_bucket(int((per_layer // page).sum()) + L * R + 1)
 
 
 def from_stacked(cache: KVCache, *, new: int, pool: int, page: int = PAGE) -> PagedCache:

@@ -224,6 +224,12 @@ def prefill(
     )
   if attention not in ATTENTION:
     raise ValueError(f"attention: expected one of {ATTENTION}, got {attention!r}")
+  if attention_dtype != jnp.float32 and attention != "blocked":
+    # only the blocked kernel reads narrower operands; another kernel would ignore the choice
+    raise ValueError(
+      f"plan: attention_dtype={attention_dtype.name} needs attention='blocked', got "
+      f"attention={attention!r}"
+    )
   if (
     isinstance(window_queries, bool)
     or not isinstance(window_queries, (int, np.integer))
