@@ -70,7 +70,8 @@ def train_gates(cfg, params) -> dict:
   rng = np.random.default_rng(0)
   contexts = rng.integers(30, cfg.vocab_size, (24, 40))
   template = calibrate.KVzipTemplate(FIRST_IDS, LATER_IDS, SUFFIX_IDS)
-  X, y = fastkvzip.gate_targets(cfg, params, contexts, template, chunk_size=16)
+  kvzip = calibrate.KVzipOptions(chunk_size=16)
+  X, y = fastkvzip.gate_targets(cfg, params, contexts, template, kvzip=kvzip)
   ck = tempfile.mkdtemp()
   try:
     run = fastkvzip.train_gates(

@@ -50,9 +50,11 @@ def _kvzip(gold, tiny, run, context=None):
     params,
     gold["context_ids_T"] if context is None else context,
     _template(gold, run),
-    chunk_size=args["chunk_size"],
-    n_sink=args.get("n_sink", 4),
-    plus=args.get("kvzip_plus_normalization", False),
+    options=cal.KVzipOptions(
+      chunk_size=args["chunk_size"],
+      n_sink=args.get("n_sink", 4),
+      plus=args.get("kvzip_plus_normalization", False),
+    ),
   )
 
 
@@ -318,8 +320,15 @@ def test_bad_input_names_the_argument(tiny, gold):
       lambda: cal.duo_attention_pattern(cfg, params, method="distant_mass", num_steps=2),
     ),
     ("context_ids", lambda: cal.kvzip_evidence(cfg, params, np.zeros((1, 0), int), t)),
-    ("chunk_size", lambda: cal.kvzip_evidence(cfg, params, ids, t, chunk_size=0)),
-    ("n_sink", lambda: cal.kvzip_evidence(cfg, params, ids, t, n_sink=-1)),
+    (
+      "chunk_size",
+      lambda: cal.kvzip_evidence(cfg, params, ids, t, options=cal.KVzipOptions(chunk_size=0)),
+    ),
+    (
+      "n_sink",
+      lambda: cal.kvzip_evidence(cfg, params, ids, t, options=cal.KVzipOptions(n_sink=-1)),
+    ),
+    ("options", lambda: cal.kvzip_evidence(cfg, params, ids, t, options={"n_sink": 4})),
     ("template", lambda: cal.kvzip_evidence(cfg, params, ids, (1, 2))),
     (
       "template.prefix_length",

@@ -36,6 +36,7 @@ RUNS = (
   "fastkvzip_ratio75_layerwise",
 )
 TEMPLATE = calibrate.KVzipTemplate((5, 6, 7, 8, 9, 10), (11, 12, 13), (25, 26, 27))
+KVZIP = calibrate.KVzipOptions(chunk_size=16)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def data(tiny):
   """Fast KVzip's training pairs on random contexts of the tiny checkpoint."""
   _, cfg, params, _ = tiny
   ctx = np.random.default_rng(1).integers(30, cfg.vocab_size, (8, 40))
-  return fastkvzip.gate_targets(cfg, params, ctx, TEMPLATE, chunk_size=16)
+  return fastkvzip.gate_targets(cfg, params, ctx, TEMPLATE, kvzip=KVZIP)
 
 
 def policy_of(fx, run) -> FastKVzip:
@@ -204,11 +205,11 @@ def test_targets_are_kvzip_scores_and_attention_inputs(tiny, data):
   X, y = data
   assert X.shape == (8 * 40, cfg.num_layers, cfg.hidden_size) and y.shape == (8 * 40, 2, 2)
   ctx = np.random.default_rng(1).integers(30, cfg.vocab_size, (8, 40))
-  ref = np.asarray(calibrate.kvzip_evidence(cfg, params, ctx[2], TEMPLATE, chunk_size=16))
+  ref = np.asarray(calibrate.kvzip_evidence(cfg, params, ctx[2], TEMPLATE, options=KVZIP))
   np.testing.assert_allclose(y[80:120].transpose(1, 2, 0), ref, rtol=1e-5, atol=1e-6)
   # a chat-template header is no target
   t = dataclasses.replace(TEMPLATE, prefix_length=3)
-  X3, y3 = fastkvzip.gate_targets(cfg, params, ctx[:1], t, chunk_size=16)
+  X3, y3 = fastkvzip.gate_targets(cfg, params, ctx[:1], t, kvzip=KVZIP)
   assert X3.shape[0] == 37
   np.testing.assert_allclose(X3, X[3:40], rtol=1e-4, atol=1e-5)
 

@@ -90,7 +90,7 @@ def test_evidence_matches_kvpress(fx, tiny, run):
   m = fx["meta"]["runs"][run]
   ctx = fx["input_ids_T"]
   T = ctx.size
-  kw = {"chunk_size": m["chunk_size"], "n_sink": m["n_sink"]}
+  kw = {"options": calibrate.KVzipOptions(chunk_size=m["chunk_size"], n_sink=m["n_sink"])}
   if run == "kvgrad_template_chunk12":  # a batch of two rows: row 0 is kvpress's
     both = kvgrad.kvgrad_evidence(cfg, params, np.stack([ctx, ctx[::-1]]), template(fx, run), **kw)
     assert both.shape == (cfg.num_layers, 2, cfg.num_kv_heads, T)
@@ -251,9 +251,30 @@ def test_bad_evidence_arguments_refused(tiny):
     ("context_ids", lambda: kvgrad.kvgrad_evidence(cfg, params, np.zeros((1, 0), int), t)),
     ("context_ids", lambda: kvgrad.kvgrad_evidence(cfg, params, np.zeros((1, 2, 3), int), t)),
     ("context_ids", lambda: kvgrad.kvgrad_evidence(cfg, params, [cfg.vocab_size], t)),
-    ("chunk_size", lambda: kvgrad.kvgrad_evidence(cfg, params, ids, t, chunk_size=0)),
-    ("chunk_size", lambda: kvgrad.kvgrad_evidence(cfg, params, ids, t, chunk_size=4.0)),
-    ("n_sink", lambda: kvgrad.kvgrad_evidence(cfg, params, ids, t, n_sink=-1)),
+    (
+      "chunk_size",
+      lambda: kvgrad.kvgrad_evidence(
+        cfg, params, ids, t, options=calibrate.KVzipOptions(chunk_size=0)
+      ),
+    ),
+    (
+      "chunk_size",
+      lambda: kvgrad.kvgrad_evidence(
+        cfg, params, ids, t, options=calibrate.KVzipOptions(chunk_size=4.0)
+      ),
+    ),
+    (
+      "n_sink",
+      lambda: kvgrad.kvgrad_evidence(
+        cfg, params, ids, t, options=calibrate.KVzipOptions(n_sink=-1)
+      ),
+    ),
+    (
+      "options.plus",
+      lambda: kvgrad.kvgrad_evidence(
+        cfg, params, ids, t, options=calibrate.KVzipOptions(plus=True)
+      ),
+    ),
     ("template", lambda: kvgrad.kvgrad_evidence(cfg, params, ids, (1, 2))),
     (
       "template.first_ids",

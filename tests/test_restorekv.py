@@ -59,8 +59,9 @@ def _run(fx, tiny, run):
     adapter,
     fx["context_ids_T"],
     _template(fx["meta"]["template_ids"]),
-    chunk_size=args.get("chunk_size", 2048),
-    plus=args.get("kvzip_plus_normalization", False),
+    kvzip=KVzipOptions(
+      chunk_size=args.get("chunk_size", 2048), plus=args.get("kvzip_plus_normalization", False)
+    ),
   )
   policy = RestoreKV(
     restore_tokens=adapter.tokens,

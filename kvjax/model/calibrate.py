@@ -48,6 +48,7 @@ from kvjax.model.reconstruction import (  # noqa: F401 (re-exported, as above)
   DENSE_CONTEXT,
   KVZIP_FIRST,
   KVZIP_LATER,
+  KVzipOptions,
   KVzipTemplate,
   kvcompose_evidence,
   kvzip_chunks,
@@ -443,7 +444,9 @@ def experiment(c, cfg: ModelConfig, params: dict, texts, examples, context, temp
   out["reconstruction_attn_LGT"] = _timed(
     timings,
     "kvzip",
-    lambda: kvzip_evidence(cfg, params, context, template, chunk_size=c.kvzip_chunk_size),
+    lambda: kvzip_evidence(
+      cfg, params, context, template, options=KVzipOptions(chunk_size=c.kvzip_chunk_size)
+    ),
   )
   np.savez(workdir / "calibration.npz", **{k: np.asarray(v) for k, v in out.items()})
   facts = {"model": c.model, "timings_s": timings, "backend": jax.default_backend()}

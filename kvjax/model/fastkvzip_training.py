@@ -36,7 +36,7 @@ from kvjax.model.fastkvzip_gates import (
   init_gates,
   save,
 )
-from kvjax.model.reconstruction import KVzipTemplate, kvzip_evidence
+from kvjax.model.reconstruction import KVzipOptions, KVzipTemplate, kvzip_evidence
 from kvjax.policies.fastkvzip import FastKVzip
 from kvjax.policies.methods import KVzip
 
@@ -56,8 +56,7 @@ def gate_targets(
   context_ids,
   template: KVzipTemplate,
   *,
-  chunk_size: int = 2048,
-  n_sink: int = 4,
+  kvzip: KVzipOptions | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Fast KVzip's training pairs of each context, as the official ``prefill/feature.py``.
 
@@ -77,8 +76,8 @@ def gate_targets(
     params: the parameter pytree.
     context_ids: the contexts ``[T]`` or ``[B, T]`` (equal lengths, unpadded).
     template: the reconstruction prompt (:func:`kvjax.model.reconstruction.kvzip_template`).
-    chunk_size: context tokens per reconstruction chunk.
-    n_sink: the first context tokens every repeat query also attends to.
+    kvzip: KVzip's options (:class:`~kvjax.model.reconstruction.KVzipOptions`; ``None``: the
+      defaults).
 
   Returns:
     ``(X_NLd, y_NLG)`` fp32 numpy arrays, ``N = B * (T - prefix_length)``, context by context
@@ -87,7 +86,7 @@ def gate_targets(
   Raises:
     ValueError: as :func:`kvjax.model.reconstruction.kvzip_evidence` (ids, template, sizes).
   """
-  y = kvzip_evidence(cfg, params, context_ids, template, chunk_size=chunk_size, n_sink=n_sink)
+  y = kvzip_evidence(cfg, params, context_ids, template, options=kvzip)
   ids = np.asarray(context_ids)
   ids = ids[None] if ids.ndim == 1 else ids
   y = y[:, None] if y.ndim == 3 else y  # [L, B, G, T]
@@ -444,12 +443,11 @@ def compare_with_kvzip(c, cfg: ModelConfig, params: dict, gates: dict, rows, tem
   Returns:
     One dict per context: ``tokens``, ``overlap``, ``kvzip_s`` and ``fastkvzip_s``.
   """
+  kvzip = KVzipOptions.from_settings(c)
   out = []
   for row in rows:
     kv, t_kvzip = training.timed(
-      lambda row=row: kvzip_evidence(
-        cfg, params, row, template, chunk_size=c.chunk_size, n_sink=c.n_sink
-      )
+      lambda row=row: kvzip_evidence(cfg, params, row, template, options=kvzip)
     )
     ev, t_fast = training.timed(
       lambda row=row: fastkvzip_evidence(cfg, params, gates, row[None])[:, 0]
@@ -508,9 +506,10 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
   rows, held_out = rows[: c.rows], rows[c.rows :]
   names = ("model", "dtype", "rows", "length", "batch_rows", "chunk_size", "n_sink")
   names += ("prefix", "suffix")  # saved parts are reused only by a run that computes the same
+  kvzip = KVzipOptions.from_settings(c)
 
   def part(part_rows, _):
-    return gate_targets(cfg, params, part_rows, template, chunk_size=c.chunk_size, n_sink=c.n_sink)
+    return gate_targets(cfg, params, part_rows, template, kvzip=kvzip)
 
   data, seconds = training.saved_targets(c, workdir, rows, names, part)
   X, y = data["X"], data["y"]

@@ -31,7 +31,9 @@ import numpy as np
 from kvjax.model import llama, passes, training
 from kvjax.model.config import ModelConfig
 from kvjax.model.reconstruction import (
+  KVzipOptions,
   KVzipTemplate,
+  check_kvzip_options,
   check_template,
   chunk_allowed,
   chunk_keys,
@@ -44,6 +46,7 @@ from kvjax.model.reconstruction import (
 Array = jax.Array
 
 CHUNK_SIZE, N_SINK = 512, 4  # kvpress KVgradPress's chunk_size and (KVzipPress's) n_sink
+OPTIONS = KVzipOptions(chunk_size=CHUNK_SIZE, n_sink=N_SINK)  # kvgrad_evidence's defaults
 
 
 def replay(cfg: ModelConfig, params: dict, keys_LBGTD, values_LBGTD, repeat_BQ, offsets_LBQd):
@@ -124,8 +127,7 @@ def kvgrad_evidence(
   context_ids,
   template: KVzipTemplate,
   *,
-  chunk_size: int = CHUNK_SIZE,
-  n_sink: int = N_SINK,
+  options: KVzipOptions = OPTIONS,
 ) -> Array:
   """Computes KVgrad's ``kvgrad_LGT`` of a context, as kvpress 0.5.5's ``KVgradPress``.
 
@@ -161,22 +163,30 @@ def kvgrad_evidence(
     params: the parameter pytree.
     context_ids: the context ``[T]``, or a ``[B, T]`` batch of unpadded rows.
     template: the reconstruction prompt (:func:`kvjax.model.reconstruction.kvzip_template`).
-    chunk_size: context tokens per replay (kvpress's 512).
-    n_sink: the first context tokens every probe query also attends to (kvpress's 4).
+    options: ``chunk_size``, context tokens per replay, and ``n_sink``, the first context tokens
+      every probe query also attends to (:class:`~kvjax.model.reconstruction.KVzipOptions`;
+      :data:`OPTIONS`, kvpress's 512 and 4, also for ``None``); ``plus`` must stay ``False``.
 
   Returns:
     fp32 scores ``[L, G, T]`` for a context ``[T]``, ``[L, B, G, T]`` for a batch.
 
   Raises:
     ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule (in the
-      context or the template), a ``chunk_size`` below 1, a negative ``n_sink``, a ``template``
-      that is not a :class:`~kvjax.model.reconstruction.KVzipTemplate`, or a ``prefix_length`` that
-      leaves nothing to reconstruct.
+      context or the template), ``options`` that are not a
+      :class:`~kvjax.model.reconstruction.KVzipOptions` or ask for ``plus``, a ``chunk_size``
+      below 1, a negative ``n_sink``, a ``template`` that is not a
+      :class:`~kvjax.model.reconstruction.KVzipTemplate`, or a ``prefix_length`` that leaves
+      nothing to reconstruct.
   """
   single = np.ndim(context_ids) == 1
   ids = passes.ids_2d("context_ids", context_ids, cfg)
-  chunk_size = training.check_int("chunk_size", chunk_size, 1)
-  n_sink = training.check_int("n_sink", n_sink, 0)
+  options = check_kvzip_options("options", OPTIONS if options is None else options)
+  if options.plus:
+    raise ValueError(
+      f"options.plus: expected False (KVgrad has no KVzip+ normalisation), got {options.plus!r}"
+    )
+  chunk_size = training.check_int("chunk_size", options.chunk_size, 1)
+  n_sink = training.check_int("n_sink", options.n_sink, 0)
   B, T = ids.shape
   check_template(template, cfg, T)
   keys, values = _context_kv_jit(cfg, params, jnp.asarray(ids, jnp.int32))

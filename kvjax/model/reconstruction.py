@@ -55,8 +55,9 @@ class KVzipTemplate:
 
 @dataclasses.dataclass(frozen=True)
 class KVzipOptions:
-  """KVzip's scoring options besides its template (kvpress ``KVzipPress``'s), for a function
-  that runs :func:`kvzip_evidence` on the caller's behalf; :func:`kvzip_evidence` checks them.
+  """KVzip's scoring options besides its template (kvpress ``KVzipPress``'s), of
+  :func:`kvzip_evidence` and of every function that runs it on the caller's behalf;
+  :func:`kvzip_evidence` checks them.
 
   Attributes:
     chunk_size: context tokens per reconstruction chunk (2048).
@@ -67,6 +68,31 @@ class KVzipOptions:
   chunk_size: int = 2048
   n_sink: int = 4
   plus: bool = False
+
+  @classmethod
+  def from_settings(cls, settings) -> KVzipOptions:
+    """The options ``settings`` holds (:func:`kvjax.model.training.from_settings`), unchecked:
+    :func:`kvzip_evidence` checks them."""
+    return training.from_settings(cls, settings)
+
+
+def check_kvzip_options(name: str, options) -> KVzipOptions:
+  """``options``, or the defaults for ``None``.
+
+  Args:
+    name: the argument's name, for the error.
+    options: a :class:`KVzipOptions` or ``None``.
+
+  Returns:
+    The options.
+
+  Raises:
+    ValueError: for anything else.
+  """
+  options = KVzipOptions() if options is None else options
+  if not isinstance(options, KVzipOptions):
+    raise ValueError(f"{name}: expected a KVzipOptions or None, got {options!r:.80}")
+  return options
 
 
 def kvzip_template(tokenizer, *, prefix_text: str = "", suffix_text: str = "\n") -> KVzipTemplate:
@@ -323,9 +349,7 @@ def kvzip_evidence(
   context_ids,
   template: KVzipTemplate,
   *,
-  chunk_size: int = 2048,
-  n_sink: int = 4,
-  plus: bool = False,
+  options: KVzipOptions | None = None,
 ) -> Array:
   """Computes KVzip's ``reconstruction_attn_LGT`` of a context, as kvpress 0.5.5's ``KVzipPress``.
 
@@ -348,23 +372,23 @@ def kvzip_evidence(
     params: the parameter pytree.
     context_ids: the context ``[T]``, or a ``[B, T]`` batch of unpadded rows.
     template: the reconstruction prompt (:func:`kvzip_template`).
-    chunk_size: context tokens per reconstruction chunk.
-    n_sink: the first context tokens every repeat query also attends to.
-    plus: whether to apply KVzip+'s normalisation.
+    options: ``chunk_size``, ``n_sink`` and ``plus`` (:class:`KVzipOptions`; ``None``: the
+      defaults).
 
   Returns:
     fp32 scores ``[L, G, T]`` for a context ``[T]``, ``[L, B, G, T]`` for a batch.
 
   Raises:
     ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule (in the
-      context or the template), a ``chunk_size`` below 1, a negative ``n_sink``, a ``template``
-      that is not a :class:`KVzipTemplate`, or a ``prefix_length`` that leaves nothing to
-      reconstruct.
+      context or the template), ``options`` that are not a :class:`KVzipOptions`, a
+      ``chunk_size`` below 1, a negative ``n_sink``, a ``template`` that is not a
+      :class:`KVzipTemplate`, or a ``prefix_length`` that leaves nothing to reconstruct.
   """
   ids = passes.ids_2d("context_ids", context_ids, cfg)
   single = np.ndim(context_ids) == 1
-  chunk_size = training.check_int("chunk_size", chunk_size)
-  n_sink = training.check_int("n_sink", n_sink, 0)
+  options = check_kvzip_options("options", options)
+  chunk_size = training.check_int("chunk_size", options.chunk_size)
+  n_sink = training.check_int("n_sink", options.n_sink, 0)
   B, T = ids.shape
   check_template(template, cfg, T)
   if T <= DENSE_CONTEXT:
@@ -376,7 +400,7 @@ def kvzip_evidence(
   for start, end, repeat in kvzip_chunks(ids, template, chunk_size):
     sink = min(n_sink, start)
     s = _reconstruct_jit(
-      cfg, params, keys, values, jnp.asarray(repeat), start, end - start, sink, bool(plus)
+      cfg, params, keys, values, jnp.asarray(repeat), start, end - start, sink, bool(options.plus)
     )
     out = out.at[..., start:end].set(s)
   return out[:, 0] if single else out

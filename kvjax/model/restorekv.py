@@ -38,7 +38,7 @@ import numpy as np
 from kvjax.model import cache as cache_lib
 from kvjax.model import llama
 from kvjax.model.config import ModelConfig
-from kvjax.model.reconstruction import KVzipTemplate, kvzip_evidence
+from kvjax.model.reconstruction import KVzipOptions, KVzipTemplate, kvzip_evidence
 
 # The adapter and its training live beside this module; restorekv.X reaches every part.
 from kvjax.model.restorekv_adapter import (  # noqa: F401
@@ -94,9 +94,7 @@ def restorekv_evidence(
   context_ids,
   template: KVzipTemplate,
   *,
-  chunk_size: int = 2048,
-  n_sink: int = 4,
-  plus: bool = False,
+  kvzip: KVzipOptions | None = None,
 ) -> dict:
   """Computes RestoreKV's evidence of a context: KVzip's reconstruction attention
   (:func:`kvjax.model.reconstruction.kvzip_evidence`) and the restore tokens' keys and values
@@ -108,10 +106,8 @@ def restorekv_evidence(
     adapter: the trained :class:`Adapter` (:func:`load`, :func:`train_adapter`).
     context_ids: the context ``[T]``, or a ``[B, T]`` batch of unpadded rows.
     template: KVzip's reconstruction prompt (:func:`kvjax.model.reconstruction.kvzip_template`).
-    chunk_size: context tokens per reconstruction chunk (KVzip's, 2048).
-    n_sink: the first context tokens every repeat query also attends to (KVzip's, 4).
-    plus: KVzip+'s normalisation (kvpress ``kvzip_plus_normalization``, the ``_plus``
-      adapters).
+    kvzip: KVzip's options (:class:`~kvjax.model.reconstruction.KVzipOptions`; ``None``: the
+      defaults); ``plus`` for the ``_plus`` adapters (kvpress ``kvzip_plus_normalization``).
 
   Returns:
     A dict of ``reconstruction_attn_LGT`` ``[L, B, G, T]``, ``restore_keys_LGND`` and
@@ -123,9 +119,7 @@ def restorekv_evidence(
       not fit the model (:func:`check_adapter`).
   """
   check_adapter(adapter, cfg)
-  attn = kvzip_evidence(
-    cfg, params, context_ids, template, chunk_size=chunk_size, n_sink=n_sink, plus=plus
-  )
+  attn = kvzip_evidence(cfg, params, context_ids, template, options=kvzip)
   return {"reconstruction_attn_LGT": attn, **restore_evidence(cfg, params, adapter, context_ids)}
 
 

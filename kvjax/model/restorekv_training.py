@@ -25,7 +25,12 @@ from kvjax import checks, policies, rundir
 from kvjax.model import cache as cache_lib
 from kvjax.model import llama, training
 from kvjax.model.config import ModelConfig
-from kvjax.model.reconstruction import KVzipOptions, KVzipTemplate, kvzip_evidence
+from kvjax.model.reconstruction import (
+  KVzipOptions,
+  KVzipTemplate,
+  check_kvzip_options,
+  kvzip_evidence,
+)
 from kvjax.model.restorekv_adapter import (
   ALPHA,
   RANK,
@@ -95,18 +100,12 @@ def training_data(
   budget = int(context * (1 - float(ratio)))
   if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 0:
     raise ValueError(f"tokens: expected a non-negative int, got {tokens!r}")
-  kvzip = KVzipOptions() if kvzip is None else kvzip
-  if not isinstance(kvzip, KVzipOptions):
-    raise ValueError(f"kvzip: expected a KVzipOptions or None, got {kvzip!r:.80}")
+  kvzip = check_kvzip_options("kvzip", kvzip)
   sinks = kvzip.n_sink
   policy = RestoreKV(restore_tokens=tokens, sinks=sinks) if tokens else KVzip(sinks=sinks)
   policy.check_budget(budget, 0)
   ctx, cont = rows[:, :context], rows[:, context:]
-  attn = np.asarray(
-    kvzip_evidence(
-      cfg, params, ctx, template, chunk_size=kvzip.chunk_size, n_sink=sinks, plus=kvzip.plus
-    )
-  )
+  attn = np.asarray(kvzip_evidence(cfg, params, ctx, template, options=kvzip))
   L, B, G, T = attn.shape
   keep = np.zeros((L, B, G, T), bool)
   for b in range(B):
@@ -370,9 +369,7 @@ def restore_timings(c, cfg: ModelConfig, params: dict, adapter: Adapter, row, te
   restore = jax.jit(lambda p, a, x: restore_kv(cfg, p, a, llama.prefill(cfg, p, x)))
   _, t_restore = training.timed(lambda: restore(params, adapter, ids))
   _, t_kvzip = training.timed(
-    lambda: kvzip_evidence(
-      cfg, params, row, template, chunk_size=c.chunk_size, n_sink=c.n_sink, plus=c.plus
-    )
+    lambda: kvzip_evidence(cfg, params, row, template, options=KVzipOptions.from_settings(c))
   )
   return {"tokens": int(row.size), "restore_pass_s": t_restore, "kvzip_evidence_s": t_kvzip}
 
@@ -416,7 +413,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
   names = ("model", "dtype", "rows", "length", "continuation", "batch_rows", "ratio", "tokens")
   names += ("chunk_size", "n_sink", "plus", "prefix", "suffix")
   identity = {k: getattr(c, k) for k in names} | {"rows_sum": int(np.sum(rows))}
-  kvzip = KVzipOptions(chunk_size=c.chunk_size, n_sink=c.n_sink, plus=c.plus)
+  kvzip = KVzipOptions.from_settings(c)
 
   def examples(part_rows, tokens: int, name: str):
     """The self-distillation examples of ``part_rows``, part by part, each part saved."""

@@ -144,6 +144,21 @@ def float_field(default: float, *, zero: bool = False):
   return config_field(default, lambda name, value: check_float(name, value, zero=zero))
 
 
+def from_settings(cls: type, settings):
+  """An instance of the dataclass ``cls`` of the fields that ``settings`` (an experiment's
+  ``ml_collections`` config, or any object) holds as attributes, the others at their defaults.
+
+  Args:
+    cls: the dataclass.
+    settings: the experiment's settings.
+
+  Returns:
+    The instance.
+  """
+  names = [f.name for f in dataclasses.fields(cls) if hasattr(settings, f.name)]
+  return cls(**{n: getattr(settings, n) for n in names})
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """The hyperparameters every trained component has; each component's config extends it.
@@ -190,8 +205,7 @@ class TrainConfig:
 
   @classmethod
   def from_settings(cls, settings):
-    """A config of the fields that ``settings`` (an experiment's ``ml_collections`` config, or
-    any object) holds as attributes, the others at their defaults.
+    """A config of the fields ``settings`` holds (:func:`from_settings`).
 
     Args:
       settings: the experiment's settings.
@@ -202,8 +216,7 @@ class TrainConfig:
     Raises:
       ValueError: for a field's bad value.
     """
-    names = [f.name for f in dataclasses.fields(cls) if hasattr(settings, f.name)]
-    return cls(**{n: getattr(settings, n) for n in names})
+    return from_settings(cls, settings)
 
   def record(self) -> dict:
     """The fields as json values (tuples become lists), for a run's record."""
