@@ -28,10 +28,14 @@ def test_a_per_layer_allocation_below_the_window_is_refused(tiny):
 
 def test_ratios_as_jax_scalars_and_too_small_ratios_named(tiny):
   model, _, ids = tiny
-  a = km.generate(model, ids, policy="snapkv", window=8, ratio=jnp.float32(0.5), max_new_tokens=2)
-  b = km.generate(model, ids, policy="snapkv", window=8, ratio=0.5, max_new_tokens=2)
+  a = km.generate(
+    model, ids, policy="snapkv", window=8, budget=km.Ratio(jnp.float32(0.5)), max_new_tokens=2
+  )
+  b = km.generate(model, ids, policy="snapkv", window=8, budget=km.Ratio(0.5), max_new_tokens=2)
   np.testing.assert_array_equal(a.tokens, b.tokens)
   with pytest.raises(ValueError, match=r"^ratio: 0.95 keeps 3 tokens"):
-    km.generate(model, ids, policy="snapkv", ratio=0.95, max_new_tokens=2)
+    km.generate(model, ids, policy="snapkv", budget=km.Ratio(0.95), max_new_tokens=2)
   with pytest.raises(ValueError, match="^ratio: "):
-    km.generate(model, ids, policy="snapkv", window=8, ratio=jnp.bool_(True), max_new_tokens=2)
+    km.generate(
+      model, ids, policy="snapkv", window=8, budget=km.Ratio(jnp.bool_(True)), max_new_tokens=2
+    )

@@ -123,7 +123,7 @@ def test_left_padded_rows_count_their_own_tokens_seen(tiny):
   mask = np.ones_like(ids)
   mask[1, :6] = 0  # row 1: 24 real tokens
   pol = _ratio()
-  out = km.generate(model, ids, policy=pol, max_new_tokens=6, attention_mask=mask)
+  out = km.generate(model, km.Padded(ids, mask), policy=pol, max_new_tokens=6)
   per_slot = _per_slot(cfg, model.params())
   rows = cfg.num_layers * cfg.num_kv_heads
   want = rows * ((T + 5) // 2 + (24 + 5) // 2)  # 5 fed, one re-compression

@@ -58,16 +58,10 @@ def test_left_and_right_padding_match_unpadded_rows(family):
   right[0], right[1, :31] = a, b
   right_mask = (np.arange(40) < np.array([[40], [31]])).astype(np.int32)
   for ids, mask, side in ((left, left_mask, "left"), (right, right_mask, "right")):
-    out = km.generate(model, ids, attention_mask=mask, max_new_tokens=12).tokens
+    out = km.generate(model, km.Padded(ids, mask), max_new_tokens=12).tokens
     np.testing.assert_array_equal(out, np.stack(solo), err_msg=side)
     comp = km.generate(
-      model,
-      ids,
-      attention_mask=mask,
-      policy="snapkv",
-      budget=24,
-      window=8,
-      max_new_tokens=12,
+      model, km.Padded(ids, mask), policy="snapkv", budget=24, window=8, max_new_tokens=12
     )
     solo_comp = [
       km.generate(model, r[None], policy="snapkv", budget=24, window=8, max_new_tokens=12).tokens[0]
@@ -136,7 +130,7 @@ def test_keep_mask_on_a_real_prompt_matches_the_policy_and_survives_padding():
   both = np.concatenate([padded, padded], 0)
   mask = np.ones_like(both)
   mask[0, 120:] = 0
-  kept2 = km.keep_mask(model, both, "snapkv", 40, window=8, attention_mask=mask)
+  kept2 = km.keep_mask(model, km.Padded(both, mask), "snapkv", 40, window=8)
   np.testing.assert_array_equal(kept2[:, 0, :, :120], kept[:, 0])
   assert not kept2[:, 0, :, 120:].any()
   with pytest.raises(ValueError, match="num_kv_heads"):
@@ -198,7 +192,7 @@ def test_window_rows_reduced_in_the_layer_scan_keep_what_the_rows_keep(policy):
     np.testing.assert_array_equal(np.asarray(got.budget), np.asarray(want.budget))
   # the entry points ask for the reduction themselves, and keep the same positions
   options = {} if policy == "tova" else {"window": 8}
-  kept = km.keep_mask(model, ids, policy, 32, attention_mask=mask, **options)
+  kept = km.keep_mask(model, km.Padded(ids, mask), policy, 32, **options)
   want = km.cache.compress(cfg, rows, km.cache.CacheSpec(pol, 90, "query"), 32)
   valid = np.asarray(want.valid)
   columns = np.asarray(want.positions) + np.array([0, 17])[None, :, None, None]  # + padding
@@ -220,10 +214,18 @@ def test_one_prefill_serves_every_policy(question):
   rng = np.random.default_rng(1)
   prompt = rng.integers(4, 200, (2, 96)).astype(np.int32)
   answer = rng.integers(4, 200, (2, 3)).astype(np.int32)
-  shared = km.answers.prefill_answers(model, prompt, answer, question_len=5, question=question)
+  shared = km.answers.prefill_answers(
+    model, prompt, answer, question=km.Question(length=5, mode=question)
+  )
   for policy, options in [("snapkv", {"window": 8}), ("h2o", {}), ("oracle", {}), ("tova", {})]:
     alone = km.answer_configs(
-      model, prompt, answer, [24, 40], policy=policy, question_len=5, question=question, **options
+      model,
+      prompt,
+      answer,
+      [24, 40],
+      policy=policy,
+      **options,
+      question=km.Question(length=5, mode=question),
     )
     both = km.answers.answer_prefilled(model, shared, [24, 40], policy=policy, **options)
     np.testing.assert_array_equal(both.predicted, alone.predicted)
@@ -272,7 +274,7 @@ def test_answers_without_a_token_loop_equal_the_token_loop(model_name, question,
     "oracle": ([8], {}),
   }
   shared = km.answers.prefill_answers(
-    model, prompt_ids, answer, question_len=5, question=question, answer_given=given
+    model, prompt_ids, answer, question=km.Question(length=5, mode=question, answer_given=given)
   )
   for policy in names:
     budgets, options = cases[policy]
@@ -308,11 +310,11 @@ def test_bad_generation_calls_are_named(call, match):
   kw = dict(policy=call.get("policy", "streaming_llm"), max_new_tokens=2)
   if "budget" in call or kw["policy"] != "full":
     kw["budget"] = call.get("budget", 16)
-  if "mask" in call:
-    kw["attention_mask"] = np.asarray(call["mask"])
-  if "temperature" in call:
-    kw["temperature"] = call["temperature"]
   with pytest.raises(ValueError, match=match):
+    if "mask" in call:
+      prompt = km.Padded(prompt, np.asarray(call["mask"]))
+    if "temperature" in call:
+      kw["sampling"] = km.Sampling(temperature=call["temperature"])
     km.generate(model, prompt, **kw)
 
 
@@ -467,7 +469,7 @@ def test_lengths_past_the_context_are_refused_before_any_work(monkeypatch):
   mask = np.zeros((1, 4000), np.int32)
   mask[0, -40:] = 1
   with pytest.raises(ValueError, match="max_new_tokens: 4057 tokens after a prompt of 40"):
-    km.generate(model, wide, attention_mask=mask, max_new_tokens=4057)
+    km.generate(model, km.Padded(wide, mask), max_new_tokens=4057)
 
 
 def test_caches_above_the_memory_limit_are_refused_before_any_work(monkeypatch):
@@ -604,3 +606,18 @@ def test_generate_decodes_per_layer_as_the_stacked_step(monkeypatch):
     monkeypatch.undo()
     np.testing.assert_array_equal(out.tokens, ref.tokens, err_msg=policy)
     assert out.memory == ref.memory, policy
+
+
+def test_sampling_draws_from_its_key_and_greedy_is_its_zero_temperature():
+  model, cfg, _ = km.load_tiny()
+  ids = np.random.default_rng(5).integers(4, cfg.vocab_size, (2, 24)).astype(np.int32)
+  kw = dict(policy="snapkv", budget=12, window=4, max_new_tokens=8)
+  greedy = km.generate(model, ids, **kw).tokens
+  np.testing.assert_array_equal(km.generate(model, ids, sampling=km.GREEDY, **kw).tokens, greedy)
+  hot = [km.Sampling(temperature=5.0, rng=jax.random.key(s)) for s in (0, 0, 1)]
+  a, b, c = (km.generate(model, ids, sampling=s, **kw).tokens for s in hot)
+  np.testing.assert_array_equal(a, b)  # one key, one draw
+  assert not np.array_equal(a, c)  # another key draws other tokens at a high temperature
+  assert not np.array_equal(a, greedy)
+  with pytest.raises(ValueError, match="^sampling: expected a kvjax.model.decoding.Sampling"):
+    km.generate(model, ids, sampling=0.5, **kw)

@@ -45,7 +45,12 @@ def test_teacher_forced_logprobs_match_the_full_forward(random_model):
   exs, P, A, S = _batch(num_pairs=4, num_queries=2)
   Q = exs[0].question_len
   out = km.answer_configs(
-    random_model, P, A, np.array([1]), policy="full", answer_given=~S, question_len=Q
+    random_model,
+    P,
+    A,
+    np.array([1]),
+    policy="full",
+    question=km.Question(length=Q, answer_given=~S),
   )
   seq = jnp.asarray(np.concatenate([P, A[:, :-1]], 1))
   logits = km.forward(random_model.cfg, random_model.params(), seq)
@@ -81,7 +86,7 @@ CASES = [
 @pytest.mark.parametrize(("policy", "question"), CASES)
 def test_budget_covering_the_context_matches_the_full_cache_exactly(random_model, policy, question):
   exs, P, A, S = _batch(num_pairs=4, num_queries=2)
-  kw = dict(answer_given=~S, question_len=exs[0].question_len, question=question)
+  kw = dict(question=km.Question(exs[0].question_len, question, answer_given=~S))
   full = km.answer_configs(random_model, P, A, np.array([1]), policy="full", **kw)
   cover = P.shape[1] + A.shape[1]  # context, question and answer: nothing is ever evicted
   out = km.answer_configs(random_model, P, A, np.array([cover, 40]), policy=policy, **kw)
@@ -96,7 +101,7 @@ def test_question_modes_differ_only_in_what_compression_sees(random_model):
 
   def answers(policy, question, budget=40, question_len=exs[0].question_len):
     budgets = np.array([budget])
-    kw = dict(policy=policy, question_len=question_len, question=question)
+    kw = dict(policy=policy, question=km.Question(question_len, question))
     return km.answer_configs(random_model, P, A, budgets, **kw)
 
   def assert_same(got, want, err_msg):
@@ -126,7 +131,14 @@ def test_answer_inputs_are_validated(random_model):
   with pytest.raises(ValueError, match="answer_ids"):
     km.answer_configs(random_model, P, A[:1], np.array([50]), policy="snapkv")
   with pytest.raises(ValueError, match="answer_given"):
-    km.answer_configs(random_model, P, A, np.array([50]), policy="snapkv", answer_given=S[:, :1])
+    km.answer_configs(
+      random_model,
+      P,
+      A,
+      np.array([50]),
+      policy="snapkv",
+      question=km.Question(answer_given=S[:, :1]),
+    )
   with pytest.raises(ValueError, match="budget"):
     km.answer_configs(random_model, P, A, np.array([20]), policy="snapkv")
   with pytest.raises(ValueError, match="budgets"):
@@ -136,7 +148,9 @@ def test_answer_inputs_are_validated(random_model):
   with pytest.raises(ValueError, match="layout"):
     km.answer_configs(random_model, P, A, np.array([50]), policy="snapkv", layout="heads")
   with pytest.raises(ValueError, match="question"):
-    km.answer_configs(random_model, P, A, np.array([50]), policy="snapkv", question="before")
+    km.answer_configs(
+      random_model, P, A, np.array([50]), policy="snapkv", question=km.Question(mode="before")
+    )
   # all-zero importances: no silent window-only
   with pytest.raises(ValueError, match="head_scores: expected finite non-negative"):
     km.answer_configs(
@@ -147,8 +161,10 @@ def test_answer_inputs_are_validated(random_model):
       policy="headkv",
       evidence={"head_scores_LH": np.zeros((2, 2))},
     )
-  with pytest.raises(ValueError, match="question_len"):
-    km.answer_configs(random_model, P, A, np.array([50]), policy="snapkv", question_len=100)
+  with pytest.raises(ValueError, match="question.length"):
+    km.answer_configs(
+      random_model, P, A, np.array([50]), policy="snapkv", question=km.Question(length=100)
+    )
 
 
 def test_funnel_statistics_by_hand():
@@ -197,7 +213,9 @@ def test_tiny_model_reaches_its_stated_accuracy_on_held_out_examples(tiny, task)
   # every task's answers padded to one length (fed after the answer, never scored: causal
   # attention leaves the scored positions unchanged), so all tasks share one compiled program
   P, A, S = tasks.batch(exs, answer_len=32)
-  out = km.answer_configs(model, P, A, np.array([1]), policy="full", answer_given=~S)
+  out = km.answer_configs(
+    model, P, A, np.array([1]), policy="full", question=km.Question(answer_given=~S)
+  )
   acc = evaluate.accuracy(exs, out.predicted[0]).mean()
   recall = evaluate.recall(exs, out.predicted[0]).mean()
   # 8 fresh held-out examples: 2.5 binomial standard deviations below the stated rate, and at
@@ -211,7 +229,7 @@ def test_on_the_tiny_model_the_oracle_beats_random_and_keeps_the_answer(tiny):
   model, cfg, tok = tiny
   exs = evaluate.examples("multi_key", tok, 512, 8, {"num_distractors": 3}, seed=3)
   P, A, S = tasks.batch(exs)
-  kw = dict(question_len=max(e.question_len for e in exs))
+  kw = dict(question=km.Question(max(e.question_len for e in exs)))
   full = km.answer_configs(model, P, A, np.array([1]), policy="full", **kw)
   out = {
     p: km.answer_configs(model, P, A, np.array([16]), policy=p, **kw) for p in ("oracle", "random")

@@ -234,7 +234,7 @@ def test_policies_select_on_each_family_and_a_padded_row_keeps_what_it_alone_kee
   mask[0, :7] = 0
   alone = km.keep_mask(model, ids, policy, 40)
   assert alone.any(-1).all(), policy
-  padded = km.keep_mask(model, both, policy, 40, attention_mask=mask)
+  padded = km.keep_mask(model, km.Padded(both, mask), policy, 40)
   np.testing.assert_array_equal(padded[:, 0, :, 7:], alone[:, 0], err_msg=policy)
 
 

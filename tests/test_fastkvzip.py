@@ -144,7 +144,7 @@ def test_left_padded_row_keeps_what_it_alone_keeps(tiny):
   np.testing.assert_allclose(np.asarray(ev[:, 1, :, 6:]), np.asarray(alone[:, 0]), atol=1e-5)
   policy = FastKVzip(window_ratio=0.1)  # a 2-token window on 26 real tokens
   both = np.asarray(
-    km.keep_mask(model, ids, policy, 10, attention_mask=mask, evidence={"fastkvzip_LGT": ev})
+    km.keep_mask(model, km.Padded(ids, mask), policy, 10, evidence={"fastkvzip_LGT": ev})
   )
   one = np.asarray(km.keep_mask(model, ids[1:, 6:], policy, 10, evidence={"fastkvzip_LGT": alone}))
   np.testing.assert_array_equal(both[:, 1, :, 6:], one[:, 0])

@@ -153,8 +153,7 @@ def test_generate_left_padded_rows(tiny):
   np.testing.assert_allclose(np.asarray(ev[:, 1, :, 6:]), np.asarray(alone[:, 0]), atol=1e-4)
   out = km.generate(
     model,
-    ids,
-    attention_mask=mask,
+    km.Padded(ids, mask),
     policy=KVzap(),
     budget=12,
     evidence={"kvzap_LGT": ev},

@@ -130,7 +130,7 @@ def test_separate_queries_prefill_and_compress_the_context_once(monkeypatch, tmp
   assert refs == [q.outputs for q in sample.queries] and 0.45 < frac < 0.55
   context = sample.example.prompt[None, :Tc].astype(np.int32)
   for query, text in zip(sample.queries, texts, strict=True):
-    fresh = km.compress_context(model, context, policy=policy, ratio=0.5)
+    fresh = km.compress_context(model, context, policy=policy, budget=km.Ratio(0.5))
     want = list(km.answer_context(model, fresh, query.ids[None], max_new_tokens=4).tokens[0])
     if tok.eos_id in want:  # the leaderboard's text stops at the end of sequence
       want = want[: want.index(tok.eos_id)]

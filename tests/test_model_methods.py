@@ -123,7 +123,7 @@ def test_a_padded_batch_row_keeps_what_the_prompt_alone_keeps(name):
   mask = np.ones_like(both)
   mask[0, T:] = 0
   alone = km.keep_mask(model, ids, name, 60)
-  padded = km.keep_mask(model, both, name, 60, attention_mask=mask)
+  padded = km.keep_mask(model, km.Padded(both, mask), name, 60)
   np.testing.assert_array_equal(padded[:, 0, :, :T], alone[:, 0], err_msg=name)
   assert not padded[:, 0, :, T:].any()
 
@@ -457,11 +457,10 @@ def test_reconstruction_attention_follows_the_callers_columns(tiny):
   attn_p = np.concatenate([attn, np.zeros((L, 1, G, 6), np.float32)], -1)
   got = km.keep_mask(
     model,
-    padded,
+    km.Padded(padded, mask),
     "kvzip",
     12,
     num_kv_heads=G,
-    attention_mask=mask,
     evidence={"reconstruction_attn_LGT": attn_p},
   )
   np.testing.assert_array_equal(got[..., :30], alone)

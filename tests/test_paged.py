@@ -54,9 +54,9 @@ def test_paged_generation_equals_the_stacked_cache(model, policy, options):
   mask = np.ones_like(ids)
   mask[1, :17] = 0  # a left-padded row
   budget = None if policy == "full" else 40
-  kw = dict(policy=policy, budget=budget, max_new_tokens=12, attention_mask=mask, **options)
-  stacked = km.generate(model, ids, layout=cache_lib.Layout(paged=False), **kw)
-  out = km.generate(model, ids, layout=cache_lib.Layout(paged=True), **kw)
+  kw = dict(policy=policy, budget=budget, max_new_tokens=12, **options)
+  stacked = km.generate(model, km.Padded(ids, mask), layout=cache_lib.Layout(paged=False), **kw)
+  out = km.generate(model, km.Padded(ids, mask), layout=cache_lib.Layout(paged=True), **kw)
   np.testing.assert_array_equal(out.tokens, stacked.tokens)
   np.testing.assert_array_equal(out.budget_LH, stacked.budget_LH)
   assert out.memory["kv_bytes_held"] == stacked.memory["kv_bytes_held"]

@@ -51,7 +51,7 @@ def tiny():
 
 def test_declared_sinks_keep_the_first_real_token_of_a_left_padded_row(tiny):
   model, ids, mask = tiny
-  keep = km.keep_mask(model, ids, DeclaredSinks(n_sink=2), BUDGET, attention_mask=mask)
+  keep = km.keep_mask(model, km.Padded(ids, mask), DeclaredSinks(n_sink=2), BUDGET)
   assert keep[:, 0, :, :2].all()  # the unpadded row's sinks
   assert keep[:, 1, :, PAD : PAD + 2].all()  # the padded row's, from its first real token
   assert not keep[:, 1, :, :PAD].any()
@@ -63,7 +63,7 @@ def test_declared_sinks_keep_the_first_real_token_of_a_left_padded_row(tiny):
 def test_undeclared_sinks_are_not_guessed_from_an_option_name(tiny):
   model, ids, mask = tiny
   assert RecentWithSinks().sinks is None
-  keep = km.keep_mask(model, ids, RecentWithSinks(n_sink=2), BUDGET, attention_mask=mask)
+  keep = km.keep_mask(model, km.Padded(ids, mask), RecentWithSinks(n_sink=2), BUDGET)
   assert not keep[:, 1, :, PAD].any()  # it protected two padding positions instead
 
 

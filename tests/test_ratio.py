@@ -29,7 +29,7 @@ def test_ratio_budgets_are_kvpress_compute_n_kept():
 def test_a_ratio_keeps_what_its_budget_keeps(tiny, policy, options):
   model, _, ids = tiny
   for r in (0.25, 0.5, 0.8):
-    got = km.keep_mask(model, ids, policy, None, ratio=r, **options)
+    got = km.keep_mask(model, ids, policy, km.Ratio(r), **options)
     want = km.keep_mask(model, ids, policy, int(40 * (1 - r)), **options)
     np.testing.assert_array_equal(got, want)
 
@@ -38,7 +38,7 @@ def test_padded_rows_take_their_own_length(tiny):
   model, _, ids = tiny
   mask = np.ones_like(ids)
   mask[1, :10] = 0  # row 1: 30 real tokens
-  got = km.keep_mask(model, ids, "knorm", None, ratio=0.5, attention_mask=mask)
+  got = km.keep_mask(model, km.Padded(ids, mask), "knorm", km.Ratio(0.5))
   per_row = got.sum(-1)  # [L, B, H]
   assert (per_row[:, 0] == 20).all() and (per_row[:, 1] == 15).all()
   alone = km.keep_mask(model, ids[1:, 10:], "knorm", 15)
@@ -47,13 +47,13 @@ def test_padded_rows_take_their_own_length(tiny):
 
 def test_generate_with_a_ratio_matches_the_budget_and_does_not_retrace(tiny):
   model, _, ids = tiny
-  a = km.generate(model, ids, policy="snapkv", ratio=0.5, max_new_tokens=4, window=4)
+  a = km.generate(model, ids, policy="snapkv", budget=km.Ratio(0.5), max_new_tokens=4, window=4)
   b = km.generate(model, ids, policy="snapkv", budget=20, max_new_tokens=4, window=4)
   np.testing.assert_array_equal(a.tokens, b.tokens)
   assert a.memory == b.memory
   before = decoding._compress_and_decode._cache_size()
-  km.generate(model, ids, policy="snapkv", ratio=0.52, max_new_tokens=4, window=4)
-  km.generate(model, ids, policy="snapkv", ratio=0.55, max_new_tokens=4, window=4)
+  km.generate(model, ids, policy="snapkv", budget=km.Ratio(0.52), max_new_tokens=4, window=4)
+  km.generate(model, ids, policy="snapkv", budget=km.Ratio(0.55), max_new_tokens=4, window=4)
   assert decoding._compress_and_decode._cache_size() == before  # ratios are data
 
 
@@ -61,14 +61,12 @@ def test_bad_ratios_are_refused(tiny):
   model, _, ids = tiny
   for bad in (1.0, -0.1, "0.5", True, float("nan")):
     with pytest.raises(ValueError, match="ratio: expected a float in \\[0, 1\\)"):
-      km.generate(model, ids, policy="knorm", ratio=bad, max_new_tokens=1)
-  with pytest.raises(ValueError, match="not both"):
-    km.generate(model, ids, policy="knorm", budget=8, ratio=0.5, max_new_tokens=1)
+      km.generate(model, ids, policy="knorm", budget=km.Ratio(bad), max_new_tokens=1)
   with pytest.raises(ValueError, match="takes no budget"):
-    km.generate(model, ids, policy="full", ratio=0.5, max_new_tokens=1)
+    km.generate(model, ids, policy="full", budget=km.Ratio(0.5), max_new_tokens=1)
   # a ratio that leaves less than the window is named as the ratio the caller gave
   with pytest.raises(ValueError, match=r"^ratio: 0\.99 keeps \d+ tokens"):
-    km.keep_mask(model, ids, "snapkv", None, ratio=0.99, window=4)
+    km.keep_mask(model, ids, "snapkv", km.Ratio(0.99), window=4)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +80,8 @@ def answer_inputs(tiny):
 
 def test_answer_configs_ratios_match_their_budgets(answer_inputs):
   model, prompt, answer = answer_inputs
-  kw = dict(policy="snapkv", question_len=4, window=4)
-  got = km.answer_configs(model, prompt, answer, ratios=(0.25, 0.5, 0.75), **kw)
+  kw = dict(policy="snapkv", question=km.Question(4), window=4)
+  got = km.answer_configs(model, prompt, answer, budgets=km.Ratio((0.25, 0.5, 0.75)), **kw)
   want = km.answer_configs(model, prompt, answer, [36, 24, 12], **kw)  # int(48 * (1 - r))
   np.testing.assert_array_equal(got.predicted, want.predicted)
   np.testing.assert_array_equal(got.logprobs, want.logprobs)
@@ -96,28 +94,28 @@ def test_answer_configs_ratios_match_their_budgets(answer_inputs):
 def test_answer_configs_compiles_once_for_every_ratio(answer_inputs):
   model, prompt, answer = answer_inputs
   prompt = prompt[:, 2:]  # a shape no other test compiled: 46 context tokens
-  kw = dict(policy="knorm", question_len=4)
+  kw = dict(policy="knorm", question=km.Question(4))
   fns = (answers._compress_configs, answers._answer_configs)
   before = [f._cache_size() for f in fns]
-  km.answer_configs(model, prompt, answer, ratios=(0.2, 0.5, 0.8), **kw)
+  km.answer_configs(model, prompt, answer, budgets=km.Ratio((0.2, 0.5, 0.8)), **kw)
   once = [f._cache_size() for f in fns]
   assert [b - a for a, b in zip(before, once, strict=True)] == [1, 1]  # three ratios, one compile
   # other ratios whose largest budget fills the same capacity bucket: nothing compiles again
-  km.answer_configs(model, prompt, answer, ratios=(0.25, 0.4, 0.875), **kw)
+  km.answer_configs(model, prompt, answer, budgets=km.Ratio((0.25, 0.4, 0.875)), **kw)
   assert [f._cache_size() for f in fns] == once
 
 
 def test_answer_configs_bad_ratios_are_refused(answer_inputs):
   model, prompt, answer = answer_inputs
-  kw = dict(question_len=4)
+  kw = dict(question=km.Question(4))
   for bad in ((1.0,), (-0.1,), ("0.5",), (True,), (float("nan"),), (), 0.5, [[0.5]]):
     with pytest.raises(ValueError, match="ratios: .*expected a non-empty \\[K\\] sequence"):
-      km.answer_configs(model, prompt, answer, policy="knorm", ratios=bad, **kw)
-  with pytest.raises(ValueError, match="ratios: \\(0.5,\\) given with budgets .* not both"):
-    km.answer_configs(model, prompt, answer, [8], policy="knorm", ratios=(0.5,), **kw)
+      km.answer_configs(model, prompt, answer, policy="knorm", budgets=km.Ratio(bad), **kw)
   with pytest.raises(ValueError, match="budgets: .* got neither"):
     km.answer_configs(model, prompt, answer, policy="knorm", **kw)
-  with pytest.raises(ValueError, match="ratios: policy 'full' takes no budget"):
-    km.answer_configs(model, prompt, answer, policy="full", ratios=(0.5,), **kw)
+  with pytest.raises(ValueError, match="budgets: policy 'full' takes no budget"):
+    km.answer_configs(model, prompt, answer, policy="full", budgets=km.Ratio((0.5,)), **kw)
   with pytest.raises(ValueError, match="ratios: 0.95 keeps 2 of the 48 context tokens"):
-    km.answer_configs(model, prompt, answer, policy="snapkv", ratios=(0.5, 0.95), window=4, **kw)
+    km.answer_configs(
+      model, prompt, answer, policy="snapkv", budgets=km.Ratio((0.5, 0.95)), window=4, **kw
+    )

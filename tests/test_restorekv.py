@@ -88,7 +88,7 @@ def test_kept_context_equals_kvpress(fx, tiny, run):
   model, cfg, _, ev, policy, ratio = _run(fx, tiny, run)
   assert fx["meta"]["runs"][run]["min_margin"] > 1e-4  # no near-tie decides the set
   ids = fx["context_ids_T"][None]
-  mask = km.keep_mask(model, ids, policy, None, ratio=ratio, evidence=ev)
+  mask = km.keep_mask(model, ids, policy, km.Ratio(ratio), evidence=ev)
   np.testing.assert_array_equal(mask[:, 0], fx[f"{run}_keep_LGT"])
 
 
@@ -98,7 +98,7 @@ def test_question_logits_equal_kvpress(fx, tiny, run):
   ``T + N``): kvpress's logits."""
   model, cfg, params, ev, policy, ratio = _run(fx, tiny, run)
   ids = fx["context_ids_T"][None]
-  ctx = km.compress_context(model, ids, policy=policy, ratio=ratio, evidence=ev)
+  ctx = km.compress_context(model, ids, policy=policy, budget=km.Ratio(ratio), evidence=ev)
   T, N = ids.shape[1], policy.restore_tokens
   assert ctx.next_pos_B.tolist() == [T + N]
   q = jnp.asarray(fx["question_ids_Q"][None])
@@ -129,7 +129,7 @@ def test_smollm2_kept_context_agrees_with_kvpress(fx):
     np.asarray(ev[restorekv.KEYS]), fx["smollm2_restore_keys_LGND"], atol=2e-3, rtol=1e-3
   )
   policy = RestoreKV(restore_tokens=8, num_kv_heads=cfg.num_kv_heads)
-  mask = km.keep_mask(model, ids[None], policy, None, ratio=0.75, evidence=ev)[:, 0]
+  mask = km.keep_mask(model, ids[None], policy, km.Ratio(0.75), evidence=ev)[:, 0]
   ref = fx["smollm2_keep_LGT"]
   assert mask.sum() == ref.sum()
   assert (mask == ref).mean() >= 0.99
@@ -222,10 +222,12 @@ def test_padded_rows_equal_unpadded_ones(fx, tiny):
   ev = restorekv.restorekv_evidence(cfg, params, adapter, np.stack([a, b]), tmpl)
   policy = RestoreKV(restore_tokens=adapter.tokens)
   both = km.generate(
-    model, np.stack([a, b]), policy=policy, ratio=0.5, evidence=ev, max_new_tokens=4
+    model, np.stack([a, b]), policy=policy, budget=km.Ratio(0.5), evidence=ev, max_new_tokens=4
   )
   ev_a = restorekv.restorekv_evidence(cfg, params, adapter, a, tmpl)
-  one = km.generate(model, a[None], policy=policy, ratio=0.5, evidence=ev_a, max_new_tokens=4)
+  one = km.generate(
+    model, a[None], policy=policy, budget=km.Ratio(0.5), evidence=ev_a, max_new_tokens=4
+  )
   np.testing.assert_array_equal(both.tokens[0], one.tokens[0])
   # the same row with a padded shorter neighbour
   short = np.zeros(40, np.int32)
@@ -239,15 +241,14 @@ def test_padded_rows_equal_unpadded_ones(fx, tiny):
   }
   padded = km.generate(
     model,
-    np.stack([a, short]),
+    km.Padded(np.stack([a, short]), mask),
     policy=policy,
-    ratio=0.5,
+    budget=km.Ratio(0.5),
     evidence=ev_pad,
-    attention_mask=mask,
     max_new_tokens=4,
   )
   alone = km.generate(
-    model, b[None, :32], policy=policy, ratio=0.5, evidence=ev_short, max_new_tokens=4
+    model, b[None, :32], policy=policy, budget=km.Ratio(0.5), evidence=ev_short, max_new_tokens=4
   )
   np.testing.assert_array_equal(padded.tokens[0], one.tokens[0])
   np.testing.assert_array_equal(padded.tokens[1], alone.tokens[0])
@@ -274,19 +275,23 @@ def test_evidence_errors(tiny, fx):
       ids,
       policy="restorekv",
       restore_tokens=4,
-      ratio=0.5,
+      budget=km.Ratio(0.5),
       evidence={"reconstruction_attn_LGT": ev["reconstruction_attn_LGT"]},
     )
   with pytest.raises(ValueError, match="restore_tokens=8"):
-    km.generate(model, ids, policy="restorekv", ratio=0.5, evidence=ev)
+    km.generate(model, ids, policy="restorekv", budget=km.Ratio(0.5), evidence=ev)
   with pytest.raises(ValueError, match="does not read them"):
-    km.generate(model, ids, policy="kvzip", ratio=0.5, evidence=ev)
+    km.generate(model, ids, policy="kvzip", budget=km.Ratio(0.5), evidence=ev)
   bad = dict(ev, restore_keys_LGND=np.asarray(ev[restorekv.KEYS])[..., :3])
   with pytest.raises(ValueError, match="restore_keys_LGND has shape"):
-    km.generate(model, ids, policy="restorekv", restore_tokens=4, ratio=0.5, evidence=bad)
+    km.generate(
+      model, ids, policy="restorekv", restore_tokens=4, budget=km.Ratio(0.5), evidence=bad
+    )
   nan = dict(ev, restore_values_LGND=np.full(np.shape(ev[restorekv.VALUES]), np.nan, np.float32))
   with pytest.raises(ValueError, match="non-finite"):
-    km.generate(model, ids, policy="restorekv", restore_tokens=4, ratio=0.5, evidence=nan)
+    km.generate(
+      model, ids, policy="restorekv", restore_tokens=4, budget=km.Ratio(0.5), evidence=nan
+    )
   with pytest.raises(ValueError, match="restore tokens inside"):
     km.generate(model, ids, policy="restorekv", restore_tokens=4, budget=4, evidence=ev)
 

@@ -340,8 +340,7 @@ def test_kl_fitness_equals_a_direct_computation(tiny, shape):
     rows[:, P + 1 :],
     budgets=budgets_KLH,
     policy=policy,
-    question_len=1,
-    question="after",
+    question=km.Question(length=1, mode="after"),
   )
   ref = logits[:, P:-1] - logits[:, P:-1].max(-1, keepdims=True)
   ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
@@ -400,8 +399,7 @@ def test_searched_allocation_everywhere(tiny, tmp_path, shape):
     ids[:, -1:],
     budgets=[policy.allocator.budget] * 2,
     policy=policy,
-    question_len=1,
-    question="after",
+    question=km.Question(length=1, mode="after"),
   )
   per_kv_head = np.asarray(fitness.budget_heads(a, G))
   np.testing.assert_array_equal(out.budget_LH, np.broadcast_to(per_kv_head, out.budget_LH.shape))
@@ -411,8 +409,7 @@ def test_searched_allocation_everywhere(tiny, tmp_path, shape):
     ids[:, -1:],
     budgets=[per_kv_head],
     policy=policies.SnapKV(window=4, **kv),
-    question_len=1,
-    question="after",
+    question=km.Question(length=1, mode="after"),
   )
   np.testing.assert_array_equal(out.logprobs[0], ref.logprobs[0])
 

@@ -38,12 +38,22 @@ def test_accuracy_fitness_equals_the_evaluations_path(tiny, shape, metric):
   for a in allocations:
     b = np.minimum(np.asarray(fitness.budget_heads(a, data.heads)), context)
     out = km.answer_configs(
-      model, P, A, b[None], policy=policy, answer_given=~S, question_len=exs[0].question_len
+      model,
+      P,
+      A,
+      b[None],
+      policy=policy,
+      question=km.Question(length=exs[0].question_len, answer_given=~S),
     )
     want.append(score(exs, np.asarray(out.predicted[0])).mean())
   np.testing.assert_allclose(got, want)
   full = km.answer_configs(
-    model, P, A, [context], policy=policy, answer_given=~S, question_len=exs[0].question_len
+    model,
+    P,
+    A,
+    [context],
+    policy=policy,
+    question=km.Question(length=exs[0].question_len, answer_given=~S),
   )
   np.testing.assert_allclose(data.full, score(exs, np.asarray(full.predicted[0])))
   with pytest.raises(ValueError, match="metric: unknown value 'f1'"):

@@ -36,10 +36,10 @@ g0 = km.generate_configs(model, ids, budgets, policy="snapkv", window=4, max_new
 mesh = sharding.mesh(model_parallel=2 if len(jax.devices()) == 8 else 1)
 sharding.shard_model(model, mesh)
 wq = model.params()["wq"]
-g = km.generate_configs(model, ids, budgets, policy="snapkv", window=4, max_new_tokens=4,
-  attention_mask=mask)
+g = km.generate_configs(model, km.Padded(ids, mask), budgets, policy="snapkv", window=4,
+  max_new_tokens=4)
 a = km.answer_configs(model, ids, ids[:, :3], [12, 20, 24], policy="pyramidkv", window=4,
-  question_len=4)
+  question=km.Question(4))
 pre = km.prefill(cfg, model.params(), *sharding.place_batch(model.params(), ids, mask))
 print(json.dumps(dict(devices=len(jax.devices()), mesh=dict(mesh.shape),
   wq=len(wq.sharding.device_set), wq_shard=list(wq.addressable_shards[0].data.shape),

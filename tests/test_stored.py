@@ -52,8 +52,8 @@ def test_a_padded_context_row_answers_as_it_alone(tiny):
   model, _, ids, (q, _) = tiny
   mask = np.ones_like(ids)
   mask[1, :12] = 0
-  both = km.compress_context(model, ids, policy="knorm", ratio=0.5, attention_mask=mask)
-  alone = km.compress_context(model, ids[1:, 12:], policy="knorm", ratio=0.5)
+  both = km.compress_context(model, km.Padded(ids, mask), policy="knorm", budget=km.Ratio(0.5))
+  alone = km.compress_context(model, ids[1:, 12:], policy="knorm", budget=km.Ratio(0.5))
   a = km.answer_context(model, both, q, max_new_tokens=5)
   b = km.answer_context(model, alone, q[1:], max_new_tokens=5)
   np.testing.assert_array_equal(a.tokens[1:], b.tokens)

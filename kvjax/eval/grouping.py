@@ -93,7 +93,8 @@ def full_cache_scores(model, tokenizer, lengths, count: int, task_options: dict,
       for start in range(0, count, 8):  # batches of 8 bound memory at long contexts
         part = exs[start : start + 8]
         P, A, S = tasks.batch(part)
-        ans = answers_lib.answer_configs(model, P, A, np.array([1]), policy=FULL, answer_given=~S)
+        question = answers_lib.Question(answer_given=~S)
+        ans = answers_lib.answer_configs(model, P, A, np.array([1]), policy=FULL, question=question)
         oks.append(accuracy(part, ans.predicted[0]))
         found.append(recall(part, ans.predicted[0]))
       out["accuracy"][str(length)][task] = float(np.concatenate(oks).mean())
@@ -135,9 +136,8 @@ def prefill_examples(
     model,
     prompts,
     answers,
-    question_len=q_len,
-    question=question,
-    answer_given=~scored,  # given tokens and padding are fed, never scored
+    # given tokens and padding are fed, never scored
+    question=answers_lib.Question(q_len, question, answer_given=~scored),
     window=window,
     oracle=oracle,
     needs=tuple(sorted(set(needs) & set(PREFILL_EVIDENCE))),
@@ -189,7 +189,6 @@ def evaluate_group(
   shared: Shared | None = None,
   *,
   evidence=None,
-  ratios=None,
   timings=None,
 ) -> dict:
   """One (task, length, policy) group: per-budget accuracy and KL.
@@ -197,16 +196,15 @@ def evaluate_group(
   Args:
     model: the model.
     exs: the group's examples (one batch of them).
-    budgets: the token budgets (``None`` with ``ratios``).
+    budgets: the token budgets, or a :class:`kvjax.model.Ratio` of kvpress compression ratios
+      of the compressed context, all answered by one compiled program; each row then holds its
+      ratio and the token budget it kept (:func:`kvjax.model.answers.budgets_of`).
     policy: the policy.
     shared: the examples' prefill and the full cache's answers (:class:`Shared`); ``None``: a
       prefill of the group's own, the question in the observation window
       (:func:`prefill_examples`' defaults), and no KL.
     evidence: the caller-given evidence fields (calibration, KVzip's reconstruction attention,
       HeadKV's ``head_scores_LH``); the policy gets those it reads.
-    ratios: instead of ``budgets``, kvpress compression ratios of the compressed context, all
-      answered by one compiled program; each row holds its ratio and the token budget it kept
-      (:func:`kvjax.model.answers.budgets_of`).
     timings: a dict that gets the seconds of the compression and of the answers added
       (:func:`kvjax.model.answers.answer_prefilled`).
 
@@ -216,6 +214,7 @@ def evaluate_group(
   Raises:
     ValueError: for no budget, and as :func:`kvjax.model.answers.answer_prefilled`.
   """
+  budgets, ratios = km.decoding.split_ratio(budgets)
   if ratios is None and len(budgets) == 0:
     raise ValueError(f"budgets: no budget to evaluate for policy {policy.label!r}")
   prefilled, full = (None, None) if shared is None else (shared.prefilled, shared.full)

@@ -363,8 +363,8 @@ def shared_question_len(samples) -> int:
 def _compress_and_answer(model, tokenizer, context_ids, questions, policy, ratio, new):
   """``(texts, kv_bytes_held, kv_fraction)``: ``context_ids`` ``[1, T]`` compressed once under
   ``policy`` at ``ratio``, then each of ``questions`` (``[1, Q]`` each) answered from it."""
-  budget_kw = {} if not policy.requires_budget else {"ratio": float(ratio)}
-  ctx = km.compress_context(model, context_ids, policy=policy, **budget_kw)
+  budget = km.Ratio(float(ratio)) if policy.requires_budget else None
+  ctx = km.compress_context(model, context_ids, policy=policy, budget=budget)
   texts = [
     _text(tokenizer, km.answer_context(model, ctx, q, max_new_tokens=new).tokens[0])
     for q in questions

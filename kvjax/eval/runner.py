@@ -43,7 +43,7 @@ from kvjax.eval.run_setup import (
   question_modes,
   validate_config,
 )
-from kvjax.model import assets
+from kvjax.model import Ratio, assets
 
 
 def _measured_head(policy: policies.Policy, head, prepared: Prepared):
@@ -311,11 +311,10 @@ def _run(config, workdir, prepared: Prepared, log) -> pd.DataFrame:
               res = evaluate_group(
                 model,
                 exs,
-                None if by_ratio else values,
+                Ratio(values) if by_ratio else values,
                 policy,
                 shared,
                 evidence=evidence | _head_evidence(head),
-                ratios=values if by_ratio else None,
               )
             parts[label].append(res)
             seconds[label] += time.time() - t0

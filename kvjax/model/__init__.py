@@ -6,7 +6,8 @@ prefill), ``assets`` (the offline models), ``gguf`` (llama.cpp checkpoints), ``t
 ``loading`` (Hugging Face safetensors and GGUF), ``cache`` (the compressed
 per-layer, per-head slot table, with ThinK's pruned key channels and ``decode_every``
 re-compression), ``decoding`` (generation through the cache; caller-given evidence as
-``evidence={...}``), ``answers`` (answers decoded through the compressed cache from one shared
+``evidence={...}``; a padded batch as ``Padded``, kvpress's compression ratio as a ``Ratio``
+budget, sampling as ``Sampling``), ``answers`` (answers decoded through the compressed cache from one shared
 prefill) ``logprobs`` (a text's log-probabilities read token by token through the cache) and
 ``stored`` (a compressed context saved and loaded, answered later by ``answer_context``) and
 ``learned`` (how a model computes the learned kinds of evidence; ``attention_inputs``).
@@ -27,10 +28,14 @@ from kvjax.model import (
   stored,
   tokenizer,
 )
-from kvjax.model.answers import answer_configs
+from kvjax.model.answers import Question, answer_configs
 from kvjax.model.assets import smollm2_path
 from kvjax.model.config import ModelConfig, from_hf_dict
 from kvjax.model.decoding import (
+  GREEDY,
+  Padded,
+  Ratio,
+  Sampling,
   answer_context,
   compress_context,
   generate,
@@ -43,9 +48,14 @@ from kvjax.model.loading import load, load_tiny, save
 from kvjax.model.tokenizer import load_tokenizer
 
 __all__ = [
+  "GREEDY",
   "Llama",
   "ModelConfig",
+  "Padded",
   "Prefill",
+  "Question",
+  "Ratio",
+  "Sampling",
   "answer_configs",
   "answer_context",
   "answers",

@@ -32,8 +32,8 @@ class Answers:
   ``full_cache_bytes``: those of the uncompressed context's cache (every KV head, the same
   rows), so that ``kv_bytes_held / full_cache_bytes`` is the fraction of the full cache held.
   A policy keeping whole heads or layers counts what they really held, not its nominal budget.
-  ``ratios [K]``: each configuration's compression ratio when the call took ``ratios=``
-  (``None`` for token budgets).
+  ``ratios [K]``: each configuration's compression ratio when the call's budgets were a
+  :class:`~kvjax.model.decoding.Ratio` (``None`` for token budgets).
   """
 
   predicted: np.ndarray
@@ -93,7 +93,7 @@ def budgets_of(policy: policies.Policy, budgets, ratios, context_len: int):
   """
   if ratios is None:
     if budgets is None:
-      raise ValueError("budgets: expected [K, ...] token budgets or ratios=[K], got neither")
+      raise ValueError("budgets: expected [K, ...] token budgets or Ratio([K]), got neither")
     return decoding.check_config_budgets(budgets), None
   if budgets is not None:
     raise ValueError(
@@ -102,7 +102,7 @@ def budgets_of(policy: policies.Policy, budgets, ratios, context_len: int):
   r_K = check_ratios(ratios)
   if not policy.requires_budget:
     raise ValueError(
-      f"ratios: policy {policy.label!r} takes no budget; expected ratios=None "
+      f"budgets: policy {policy.label!r} takes no budget; expected no Ratio "
       "(the full cache keeps every context token)"
     )
   b_K = np.concatenate([decoding.ratio_budgets(float(r), [context_len]) for r in r_K])
@@ -289,6 +289,51 @@ def _answer_at_once(cfg, params, spec, cache0, start_pos_B, inputs_BN, given_BN,
 QUESTION_MODES = ("in_window", "after", "compressed")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Question:
+  """Where a prompt's question is, what the compression sees, and how the answer is fed
+  (:func:`answer_configs`, :func:`prefill_answers`).
+
+  Attributes:
+    length: the prompt's last tokens that are the question; the rest is the context.
+    mode: what the compression sees, one of :data:`QUESTION_MODES`: ``"in_window"`` (the whole
+      prompt is prefilled; only context tokens are kept and the question is re-fed), ``"after"``
+      (only the context is prefilled: kvpress's query-agnostic pipeline) or ``"compressed"``
+      (the question is compressed with the context and ``length`` is taken as 1).
+    answer_given: bool ``[B, N]``, the answer positions fed from the answer in the greedy pass
+      (mqar's query keys; ``None``: none).
+  """
+
+  length: int = 1
+  mode: str = "in_window"
+  answer_given: object = None
+
+  def __repr__(self) -> str:
+    given = None if self.answer_given is None else np.shape(self.answer_given)
+    return f"Question(length={self.length!r}, mode={self.mode!r}, answer_given={given})"
+
+
+def as_question(question) -> Question:
+  """Checks that ``question`` is a :class:`Question`.
+
+  Args:
+    question: a :class:`Question`, or ``None`` for ``Question()``.
+
+  Returns:
+    The :class:`Question`.
+
+  Raises:
+    ValueError: for anything else.
+  """
+  if question is None:
+    return Question()
+  if not isinstance(question, Question):
+    raise ValueError(
+      f"question: expected a kvjax.model.answers.Question (or None), got {question!r}"
+    )
+  return question
+
+
 def _check_prefilled_evidence(pol: policies.Policy, prefilled: Prefilled) -> None:
   """``ValueError`` naming ``prefill_answers(needs=...)`` when the shared prefill lacks what the
   policy reads (ExpectedAttention's statistics must also match its ``n_sink``/``n_future``)."""
@@ -380,9 +425,7 @@ def prefill_answers(
   prompt_ids,
   answer_ids,
   *,
-  question_len: int = 1,
-  question: str = "in_window",
-  answer_given=None,
+  question: Question | None = None,
   window: int = policies.DEFAULT_WINDOW,
   oracle: bool = True,
   needs: tuple[str, ...] = (),
@@ -396,10 +439,8 @@ def prefill_answers(
     model: the model (:class:`kvjax.model.llama.Llama`).
     prompt_ids: token ids ``[B, T]``, the context then the question.
     answer_ids: token ids ``[B, N]``.
-    question_len: the prompt's last tokens that are the question (:func:`answer_configs`).
-    question: what the compression sees (:func:`answer_configs`).
-    answer_given: bool ``[B, N]``, the answer positions fed from the answer in the greedy pass
-      (:func:`answer_configs`).
+    question: the prompt's question and how the answer is fed (a :class:`Question`;
+      ``None``: ``Question()``, a one-token question in the window).
     window: the window rows to hold (policies may use fewer).
     oracle: whether to compute the full-cache attention of the fed queries (the oracle's
       evidence).
@@ -422,11 +463,11 @@ def prefill_answers(
   def request(seen_len: int) -> policies.EvidenceRequest:
     return policies.EvidenceRequest.for_fields(needs, min(int(window), seen_len))
 
-  shape = (question_len, question, answer_given)
-  return _prefill_shared(model, prompt_ids, answer_ids, shape, int(window), oracle, request)
+  question = as_question(question)
+  return _prefill_shared(model, prompt_ids, answer_ids, question, int(window), oracle, request)
 
 
-def check_answer_inputs(model, prompt_ids, answer_ids, shape):
+def check_answer_inputs(model, prompt_ids, answer_ids, question: Question):
   """Checks the prompts and answers of :func:`prefill_answers` and :func:`answer_configs`.
 
   The check runs before any work.
@@ -435,11 +476,11 @@ def check_answer_inputs(model, prompt_ids, answer_ids, shape):
     model: the model (its vocabulary and context).
     prompt_ids: ``[B, T]`` token ids, ``T >= 2``.
     answer_ids: ``[B, N]`` token ids.
-    shape: ``(question_len, question, answer_given)`` as :func:`answer_configs` takes them.
+    question: the :class:`Question`.
 
   Returns:
     ``(prompt, answer, question_len, given)``: int32 ids, the question's length (1 for
-    ``question="compressed"``) and the bool ``[B, N]`` given-answer mask.
+    ``mode="compressed"``) and the bool ``[B, N]`` given-answer mask.
 
   Raises:
     ValueError: naming the argument, for ids breaking
@@ -447,7 +488,8 @@ def check_answer_inputs(model, prompt_ids, answer_ids, shape):
       mode, a question as long as the prompt, a mask of the wrong shape, or a prompt plus its
       answer longer than the model's context.
   """
-  question_len, question, answer_given = shape
+  question = as_question(question)
+  question_len, mode, answer_given = question.length, question.mode, question.answer_given
   vocab = model.cfg.vocab_size
   prompt = llama.check_token_ids("prompt_ids", prompt_ids, vocab, min_len=2)
   answer = llama.check_token_ids("answer_ids", answer_ids, vocab)
@@ -459,18 +501,22 @@ def check_answer_inputs(model, prompt_ids, answer_ids, shape):
   llama.check_context(
     model.cfg, prompt.shape[1], answer.shape[1], name="prompt_ids", new_name="answer_ids"
   )
-  if question not in QUESTION_MODES:
-    raise ValueError(f"question: expected one of {QUESTION_MODES}, got {question!r}")
-  if question == "compressed":
+  if not isinstance(mode, str) or mode not in QUESTION_MODES:
+    raise ValueError(f"question.mode: expected one of {QUESTION_MODES}, got {mode!r}")
+  if mode == "compressed":
     question_len = 1
-  if not 1 <= question_len < prompt.shape[1]:
+  if not _is_int(question_len) or not 1 <= question_len < prompt.shape[1]:
     raise ValueError(
-      f"question_len: expected 1 <= question_len < T={prompt.shape[1]}, got {question_len}"
+      f"question.length: expected an int, 1 <= length < T={prompt.shape[1]}, got {question_len!r}"
     )
   given = np.zeros(answer.shape, bool) if answer_given is None else np.asarray(answer_given, bool)
   if given.shape != answer.shape:
-    raise ValueError(f"answer_given: shape {given.shape}, expected {answer.shape}")
+    raise ValueError(f"question.answer_given: shape {given.shape}, expected {answer.shape}")
   return prompt, answer, question_len, given
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def check_answer_memory(model, policy, budgets, layout: str, batch: int, Tc: int, M: int) -> None:
@@ -503,14 +549,13 @@ def check_answer_memory(model, policy, budgets, layout: str, batch: int, Tc: int
   )
 
 
-def _prefill_shared(model, prompt_ids, answer_ids, shape, window, oracle, request_of):
+def _prefill_shared(model, prompt_ids, answer_ids, question, window, oracle, request_of):
   """:func:`prefill_answers` with the evidence ``request_of(seen_len)`` (besides the shared
-  window rows and column sums); ``shape = (question_len, question, answer_given)``."""
-  prompt, answer, question_len, given = check_answer_inputs(model, prompt_ids, answer_ids, shape)
-  question = shape[1]
+  window rows and column sums) for the :class:`Question` ``question``."""
+  prompt, answer, question_len, given = check_answer_inputs(model, prompt_ids, answer_ids, question)
   B = answer.shape[0]
   Tc = prompt.shape[1] - question_len
-  seen = prompt if question == "in_window" else prompt[:, :Tc]
+  seen = prompt if question.mode == "in_window" else prompt[:, :Tc]
   cfg, params = model.cfg, model.params()
   w = min(window, seen.shape[1])
   # every policy's window rows (at most w) and H2O's column sums, plus what the policies ask for
@@ -531,7 +576,6 @@ def answer_prefilled(
   budgets=None,
   *,
   policy: policies.Policy | str,
-  ratios=None,
   layout: cache_lib.Layout | str = "kv",
   evidence=None,
   token_loop: bool = False,
@@ -545,10 +589,10 @@ def answer_prefilled(
   Args:
     model: the model (:class:`kvjax.model.llama.Llama`).
     prefilled: the shared prefill (:func:`prefill_answers`).
-    budgets: ``[K]``, ``[K, L]`` or ``[K, L, H]`` budgets (``None`` with ``ratios``).
-    policy: a policy object, or a name built once with ``policy_options``.
-    ratios: instead of ``budgets``, ``[K]`` kvpress compression ratios of the context
+    budgets: ``[K]``, ``[K, L]`` or ``[K, L, H]`` budgets, or
+      :class:`~kvjax.model.decoding.Ratio` ``([K])``: kvpress compression ratios of the context
       (:func:`budgets_of`).
+    policy: a policy object, or a name built once with ``policy_options``.
     layout: as :func:`kvjax.model.decoding.generate`'s.
     evidence: as :func:`kvjax.model.decoding.generate`'s, over the context's columns.
     token_loop: feed the answers token by token even where decoding only appends and they
@@ -575,7 +619,7 @@ def answer_prefilled(
   decoding.check_model_evidence(pol, future=True)
   pre = prefilled.pre
   B, Tc = pre.valid.shape
-  budgets, ratios = budgets_of(pol, budgets, ratios, Tc)
+  budgets, ratios = budgets_of(pol, *decoding.split_ratio(budgets), Tc)
   M = prefilled.inputs_BM.shape[1]
   window = min(pol.observation_window, prefilled.seen_len)
   if not pol.evidence_fields & {"attn_window_LHWT", "window_queries_LHWD"}:
@@ -653,27 +697,24 @@ def answer_configs(
   budgets=None,
   *,
   policy: policies.Policy | str,
-  ratios=None,
-  question_len: int = 1,
-  question: str = "in_window",
-  answer_given=None,
+  question: Question | None = None,
   layout: cache_lib.Layout | str = "kv",
   evidence=None,
   **policy_options,
 ) -> Answers:
   """Predicts an answer after a prompt under ``K`` budget configurations with one shared prefill.
 
-  The prompt's last ``question_len`` tokens are the question. The context (the rest) is
+  The prompt's last ``question.length`` tokens are the question. The context (the rest) is
   compressed once per budget (vmapped); the question and then the answer are decoded through
-  the compressed cache, so *every* answer token is predicted from it. ``question`` says what the
-  compression sees:
+  the compressed cache, so *every* answer token is predicted from it. ``question.mode`` says what
+  the compression sees (:class:`Question`):
 
   * ``"in_window"`` (default): the whole prompt is prefilled, so the policies' evidence (SnapKV's
     observation window, H2O's sums) includes the question, but only context tokens are kept and
     the question is re-fed. Query-aware selection without the leak below.
   * ``"after"``: only the context is prefilled (kvpress's pipeline: query-agnostic compression).
   * ``"compressed"``: the official generate loop of SnapKV and PyramidKV: the question is
-    compressed with the context (``question_len`` is then 1: only the last prompt token is
+    compressed with the context (``question.length`` is then 1: only the last prompt token is
     re-fed). Caveat: question tokens kept in the cache carry what the model already retrieved
     during the full-attention prefill, so a policy can answer while evicting the needle.
 
@@ -693,15 +734,14 @@ def answer_configs(
     model: the model (:class:`kvjax.model.llama.Llama`).
     prompt_ids: token ids ``[B, T]``, the context then the question.
     answer_ids: token ids ``[B, N]``.
-    budgets: ``[K]``, ``[K, L]`` or ``[K, L, H]`` budgets (``None`` with ``ratios``).
+    budgets: ``[K]``, ``[K, L]`` or ``[K, L, H]`` budgets, or
+      :class:`~kvjax.model.decoding.Ratio` ``([K])``: kvpress compression ratios (the fraction
+      of the context removed), each keeping ``int(Tc * (1 - ratio))`` slots per head of the
+      ``Tc`` context tokens compressed (:func:`budgets_of`). Ratios are data like budgets: every
+      ratio of a call is answered by one compiled program.
     policy: a policy object, or a name built once with ``policy_options``.
-    ratios: instead of ``budgets``, ``[K]`` kvpress compression ratios (the fraction of the
-      context removed): each keeps ``int(Tc * (1 - ratio))`` slots per head of the ``Tc``
-      context tokens compressed (:func:`budgets_of`). Ratios are data like budgets: every ratio
-      of a call is answered by one compiled program.
-    question: ``"in_window"``, ``"after"`` or ``"compressed"`` (:data:`QUESTION_MODES`).
-    answer_given: bool ``[B, N]``, the answer positions fed from the answer in the greedy pass
-      (``None``: none).
+    question: the prompt's question and how the answer is fed (a :class:`Question`;
+      ``None``: ``Question()``).
     layout: as :func:`kvjax.model.decoding.generate`'s.
     evidence: as :func:`kvjax.model.decoding.generate`'s.
     **policy_options: options of a registered policy name.
@@ -719,18 +759,18 @@ def answer_configs(
   """
   pol = policies.build(policy, **policy_options)
   decoding.check_model_evidence(pol, future=True)
-  shape = (question_len, question, answer_given)
-  prompt, answer, q_len, _ = check_answer_inputs(model, prompt_ids, answer_ids, shape)
+  question = as_question(question)
+  prompt, answer, q_len, _ = check_answer_inputs(model, prompt_ids, answer_ids, question)
   layout = cache_lib.as_layout(layout)
   Tc = prompt.shape[1] - q_len
-  budgets, ratios = budgets_of(pol, budgets, ratios, Tc)
+  budgets, ratios = budgets_of(pol, *decoding.split_ratio(budgets), Tc)
   check_answer_memory(
     model, pol, budgets, layout.heads, prompt.shape[0], Tc, q_len + answer.shape[1] - 1
   )
   # the policy's own evidence; at least one window row (the shared prefill always holds some)
   window = max(pol.observation_window, 1)
   prefilled = _prefill_shared(
-    model, prompt_ids, answer_ids, shape, window, pol.reads_future, pol.evidence_request
+    model, prompt_ids, answer_ids, question, window, pol.reads_future, pol.evidence_request
   )
   # the kinds a declaration computes, over the context's columns (what the cache holds)
   evidence = decoding.computed_evidence(model, pol, evidence, np.asarray(prompt)[:, :Tc])

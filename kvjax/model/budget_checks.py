@@ -253,6 +253,40 @@ def check_config_budgets(budgets) -> Array:
   return jnp.asarray(arr, jnp.int32)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Ratio:
+  """kvpress's ``compression_ratio``, given where a budget goes (``budget=Ratio(0.5)``).
+
+  Each row keeps ``int(T_row * (1 - value))`` slots per head of its ``T_row`` real prompt tokens
+  (:func:`ratio_budgets`, kvpress 0.5.5 ``compute_n_kept``). The slots are traced data like a
+  budget, so every ratio shares one compiled program. Where a call takes ``K`` configurations
+  (:func:`kvjax.model.answers.answer_configs`), ``value`` is ``[K]`` ratios.
+
+  Attributes:
+    value: the fraction of the prompt removed, a float in ``[0, 1)`` (or ``[K]`` of them).
+  """
+
+  value: object
+
+  def __repr__(self) -> str:
+    return f"Ratio({self.value!r})"
+
+
+def split_ratio(budget) -> tuple:
+  """Splits what a caller gave as a budget into ``(budget, ratio)``.
+
+  Args:
+    budget: a budget (a scalar, ``[L]``, ``[L, H]``, ``[K, ...]``, or ``None``) or a
+      :class:`Ratio`.
+
+  Returns:
+    ``(None, ratio)`` for a :class:`Ratio`, else ``(budget, None)``.
+  """
+  if isinstance(budget, Ratio):
+    return None, budget.value
+  return budget, None
+
+
 def ratio_budgets(ratio, lengths_B) -> np.ndarray:
   """Each row's budget under kvpress's ``compression_ratio``: ``int(T_row * (1 - ratio))``.
 

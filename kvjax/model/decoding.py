@@ -24,6 +24,7 @@ from kvjax import policies
 from kvjax.model import cache as cache_lib
 from kvjax.model import llama, paged, restorekv, sharding, stored
 from kvjax.model.budget_checks import (
+  Ratio,
   cache_bytes,
   cache_capacity,
   cache_heads,
@@ -37,6 +38,7 @@ from kvjax.model.budget_checks import (
   ratio_budgets,
   ratio_or_budget,
   slots_bound,
+  split_ratio,
 )
 from kvjax.model.budget_configs import configs_spec, shard_configs
 from kvjax.model.config import ModelConfig
@@ -51,9 +53,13 @@ from kvjax.model.model_evidence import (
 Array = jax.Array
 
 __all__ = [
+  "GREEDY",
   "Answer",
   "Generation",
   "MAX_CACHE_BYTES",
+  "Padded",
+  "Ratio",
+  "Sampling",
   "UNAVAILABLE_EVIDENCE",
   "answer_context",
   "cache_bytes",
@@ -76,7 +82,9 @@ __all__ = [
   "ratio_budgets",
   "shard_configs",
   "slots_bound",
+  "split_ratio",
   "to_left_padding",
+  "unpadded",
 ]
 
 
@@ -93,6 +101,67 @@ class Generation:
   tokens: np.ndarray  # [B, N] (or [K, B, N] for K configurations)
   memory: dict  # cache bytes, and the full cache's for comparison
   budget_LH: np.ndarray  # the allocation actually used, per batch row
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Padded:
+  """A batch of prompts of different lengths: their token ids and the 0/1 mask of each row's
+  real tokens (Hugging Face's ``input_ids`` with ``attention_mask``).
+
+  Every entry point that takes a prompt's ids takes this instead for a padded batch, padded on
+  either side; rows run left-padded, and what comes back is in the caller's columns.
+
+  Attributes:
+    ids: token ids ``[B, T]``.
+    mask: the ``[B, T]`` 0/1 (or bool) mask of each row's real tokens.
+  """
+
+  ids: object
+  mask: object
+
+  def __repr__(self) -> str:
+    return f"Padded(ids={np.shape(self.ids)}, mask={np.shape(self.mask)})"
+
+
+def unpadded(prompt) -> tuple:
+  """Splits a prompt into ``(ids, mask)``.
+
+  Args:
+    prompt: token ids ``[B, T]`` or a :class:`Padded` batch.
+
+  Returns:
+    A :class:`Padded` batch's ids and mask, or ``(prompt, None)`` for ids (every token real).
+  """
+  if isinstance(prompt, Padded):
+    return prompt.ids, prompt.mask
+  return prompt, None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sampling:
+  """How :func:`generate` picks each token (gemma's ``sampling=``): the most likely at
+  temperature 0, else a draw from ``softmax(logits / temperature)``.
+
+  Attributes:
+    temperature: 0 (greedy) or a finite positive temperature.
+    rng: the PRNG key of the call's random draws, the sampled tokens and a random policy's
+      scores (``None``: ``jax.random.key(0)``).
+
+  Raises:
+    ValueError: for a temperature that is negative, not finite or not a real number.
+  """
+
+  temperature: float = 0.0
+  rng: object = None
+
+  def __post_init__(self):
+    t = self.temperature
+    real = isinstance(t, int | float | np.integer | np.floating) and not isinstance(t, bool)
+    if not real or not np.isfinite(t) or t < 0:
+      raise ValueError(f"temperature: expected a finite value >= 0 (0 = greedy), got {t!r}")
+
+
+GREEDY = Sampling()
 
 
 def to_left_padding(input_ids: np.ndarray, attention_mask: np.ndarray, pad_id: int = 0):
@@ -286,13 +355,6 @@ def _check_mask(attention_mask, shape) -> np.ndarray:
   return mask.astype(np.int32)
 
 
-def _check_temperature(temperature) -> float:
-  t = float(temperature)
-  if not np.isfinite(t) or t < 0:
-    raise ValueError(f"temperature: expected a finite value >= 0 (0 = greedy), got {temperature!r}")
-  return t
-
-
 def _checked_prompt(model, prompt_ids, attention_mask, new: int, name: str = "prompt_ids"):
   """The prompt's ids and 0/1 mask, checked (ids, mask, and the prompt's longest row plus
   ``new`` tokens within the model's context), as left-padded numpy arrays."""
@@ -302,6 +364,12 @@ def _checked_prompt(model, prompt_ids, attention_mask, new: int, name: str = "pr
   longest = int(mask.sum(-1).max())
   llama.check_context(cfg, longest, new, name=name)
   return to_left_padding(ids, mask)  # left padding whichever side was given
+
+
+def _check_sampling(sampling) -> Sampling:
+  if not isinstance(sampling, Sampling):
+    raise ValueError(f"sampling: expected a kvjax.model.decoding.Sampling, got {sampling!r}")
+  return sampling
 
 
 def _checked_generation(model, policy, options, prompt_ids, attention_mask, max_new_tokens):
@@ -335,19 +403,16 @@ def generate(
   policy: policies.Policy | str = "full",
   budget=None,
   max_new_tokens: int = 32,
-  attention_mask=None,
-  temperature: float = 0.0,
-  rng=None,
   layout: cache_lib.Layout | str = "kv",
   evidence=None,
-  ratio=None,
+  sampling: Sampling = GREEDY,
   **policy_options,
 ) -> Generation:
   """Generates ``max_new_tokens`` tokens per row through a cache compressed with ``policy``.
 
   ``policy="full"`` (:class:`kvjax.policies.Full`) keeps everything. The prompt is compressed
   once after prefill; prefill-time policies then append (no eviction), decode-time policies
-  evict as they go within ``budget``. Greedy by default (``temperature`` 0); rows run
+  evict as they go within ``budget``. Greedy by default (:data:`GREEDY`); rows run
   left-padded. Keys keep their original positions unless ``Layout(reindex=True)`` numbers them
   by rank inside the cache (official StreamingLLM's pos-shift).
 
@@ -356,15 +421,15 @@ def generate(
 
   Args:
     model: the model (:class:`kvjax.model.llama.Llama`).
-    prompt_ids: token ids ``[B, T]``.
+    prompt_ids: token ids ``[B, T]``, or a :class:`Padded` batch (the ids and each row's
+      0/1 mask of real tokens, padded on either side).
     policy: a :class:`kvjax.policies.Policy`, or a registered name built once with
       ``policy_options``.
     budget: slots per head, window included: a scalar, ``[L]`` or ``[L, H]`` (``None`` for the
-      full cache).
+      full cache); or a :class:`Ratio`, kvpress's ``compression_ratio``: the fraction of each
+      row's prompt tokens removed, each head keeping ``int(T_row * (1 - ratio))`` slots
+      (:func:`ratio_budgets`; traced data like a budget).
     max_new_tokens: tokens to generate per row.
-    attention_mask: ``[B, T]`` 0/1 mask of each row's real tokens, padded on either side.
-    temperature: the sampling temperature (0: greedy).
-    rng: a PRNG key that seeds sampling and the random policy.
     layout: the cache's heads (``"kv"`` or ``"query"``) or a
       :class:`kvjax.model.cache.Layout`.
     evidence: the data a policy needs from outside the prompt: ``qfilters_LGD`` ``[L, G, D]``
@@ -372,9 +437,8 @@ def generate(
       ``[L, B, G, T]`` or ``[L, G, T]`` over the caller's columns (KVzip), as
       :mod:`kvjax.model.calibrate` computes them, and HeadKV's head importances
       ``head_scores_LH`` (``[L, Hq]``, or ``[L, G]`` at KV-head granularity).
-    ratio: instead of ``budget``, kvpress's ``compression_ratio``: the fraction of each row's
-      prompt tokens removed, each head keeping ``int(T_row * (1 - ratio))`` slots
-      (:func:`ratio_budgets`; traced data like a budget).
+    sampling: how each token is picked (:class:`Sampling`; :data:`GREEDY` by default), and the
+      PRNG key of the call's random draws.
     **policy_options: options of a registered policy name.
 
   Returns:
@@ -389,7 +453,10 @@ def generate(
     RuntimeError: when a row needed more slots than its cache held.
   """
   layout = cache_lib.as_layout(layout)
-  temperature = _check_temperature(temperature)
+  sampling = _check_sampling(sampling)
+  temperature, rng = sampling.temperature, sampling.rng
+  prompt_ids, attention_mask = unpadded(prompt_ids)
+  budget, ratio = split_ratio(budget)
   pol, new, ids, mask = _checked_generation(
     model, policy, policy_options, prompt_ids, attention_mask, max_new_tokens
   )
@@ -467,8 +534,6 @@ def compress_context(
   *,
   policy: policies.Policy | str = "full",
   budget=None,
-  ratio=None,
-  attention_mask=None,
   layout: cache_lib.Layout | str = "kv",
   evidence=None,
   rng=None,
@@ -483,11 +548,9 @@ def compress_context(
 
   Args:
     model: the model (:class:`kvjax.model.llama.Llama`).
-    context_ids: token ids ``[B, T]``, one context per row.
+    context_ids: token ids ``[B, T]``, one context per row, or a :class:`Padded` batch.
     policy: a policy object, or a registered name built once with ``policy_options``.
-    budget: slots per head, window included (``None``: the full cache, or with ``ratio``).
-    ratio: instead of ``budget``, kvpress's ``compression_ratio`` (:func:`ratio_budgets`).
-    attention_mask: ``[B, T]`` 0/1 mask of each row's real tokens.
+    budget: slots per head, window included (``None``: the full cache), or a :class:`Ratio`.
     layout: the cache's heads or a :class:`kvjax.model.cache.Layout`.
     evidence: caller-given evidence, as :func:`generate`'s.
     rng: a PRNG key for random policies.
@@ -502,6 +565,8 @@ def compress_context(
     RuntimeError: when a row needed more slots than its cache held.
   """
   layout = cache_lib.as_layout(layout)
+  context_ids, attention_mask = unpadded(context_ids)
+  budget, ratio = split_ratio(budget)
   pol = policies.build(policy, **policy_options)
   check_model_evidence(pol)
   if pol.channel_ratio:
@@ -547,7 +612,6 @@ def generate_configs(
   *,
   policy: policies.Policy | str,
   max_new_tokens: int = 32,
-  attention_mask=None,
   layout: cache_lib.Layout | str = "kv",
   evidence=None,
   **policy_options,
@@ -558,11 +622,10 @@ def generate_configs(
 
   Args:
     model: the model (:class:`kvjax.model.llama.Llama`).
-    prompt_ids: token ids ``[B, T]``.
+    prompt_ids: token ids ``[B, T]``, or a :class:`Padded` batch.
     budgets: ``[K]``, ``[K, L]`` or ``[K, L, H]`` budgets.
     policy: as :func:`generate`'s.
     max_new_tokens: tokens to generate per row.
-    attention_mask: as :func:`generate`'s.
     layout: as :func:`generate`'s.
     evidence: as :func:`generate`'s.
     **policy_options: options of a registered policy name.
@@ -577,6 +640,7 @@ def generate_configs(
     RuntimeError: when a row needed more slots than its cache held.
   """
   layout = cache_lib.as_layout(layout)
+  prompt_ids, attention_mask = unpadded(prompt_ids)
   pol, new, ids, mask = _checked_generation(
     model, policy, policy_options, prompt_ids, attention_mask, max_new_tokens
   )
@@ -619,9 +683,7 @@ def keep_mask(
   policy: policies.Policy | str,
   budget,
   *,
-  attention_mask=None,
   evidence=None,
-  ratio=None,
   **options,
 ) -> np.ndarray:
   """Computes which prompt positions ``policy`` keeps under ``budget`` on a real prompt.
@@ -635,12 +697,10 @@ def keep_mask(
 
   Args:
     model: the model (:class:`kvjax.model.llama.Llama`).
-    input_ids: token ids ``[B, T]``.
+    input_ids: token ids ``[B, T]``, or a :class:`Padded` batch.
     policy: a policy object, or a name built once with ``options``.
-    budget: slots per head: a scalar, ``[L]`` or ``[L, H]`` (``None`` with ``ratio``).
-    attention_mask: optional ``[B, T]`` 0/1 mask of the real tokens.
+    budget: slots per head: a scalar, ``[L]`` or ``[L, H]``, or a :class:`Ratio`.
     evidence: as :func:`generate`'s.
-    ratio: instead of ``budget``, kvpress's ``compression_ratio`` (:func:`ratio_budgets`).
     **options: options of a registered policy name (``num_kv_heads``, ``window``, ...).
 
   Returns:
@@ -651,6 +711,8 @@ def keep_mask(
       the model's context included).
     RuntimeError: when a row needed more slots than its cache held.
   """
+  input_ids, attention_mask = unpadded(input_ids)
+  budget, ratio = split_ratio(budget)
   pol = policies.build(policy, **options)
   check_model_evidence(pol)
   cfg = model.cfg
