@@ -344,13 +344,13 @@ def _check_mask(attention_mask, shape) -> np.ndarray:
     return np.ones(shape, np.int32)
   mask = np.asarray(attention_mask)
   if mask.shape != shape:
-    raise ValueError(f"attention_mask: shape {mask.shape}, expected {shape}")
+    raise ValueError(f"Padded.mask: shape {mask.shape}, expected the ids' {shape}")
   if not np.isin(mask, (0, 1)).all():
-    raise ValueError("attention_mask: expected 0/1 (or bool) values")
+    raise ValueError("Padded.mask: expected 0/1 (or bool) values")
   empty = np.flatnonzero(mask.sum(-1) == 0)
   if empty.size:
     raise ValueError(
-      f"attention_mask: row {int(empty[0])} has no real token; there is nothing to continue"
+      f"Padded.mask: row {int(empty[0])} has no real token; there is nothing to continue"
     )
   return mask.astype(np.int32)
 
