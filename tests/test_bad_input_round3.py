@@ -287,7 +287,7 @@ def test_leaderboard_answer_refuses_no_new_tokens():
   from kvjax.eval import leaderboard
 
   with pytest.raises(ValueError, match="max_new_tokens: .* got 0"):
-    leaderboard.answer(None, None, None, None, 0.5, "agnostic", max_new_tokens=0)
+    leaderboard.answer(None, None, None, leaderboard.Cell(None, 0.5, "agnostic", max_new_tokens=0))
 
 
 @pytest.mark.parametrize(

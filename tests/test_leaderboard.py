@@ -123,7 +123,7 @@ def test_separate_queries_prefill_and_compress_the_context_once(monkeypatch, tmp
   monkeypatch.setattr(decoding, "jit_prefill", counting)
   policy = policies.make("snapkv", window=8)
   texts, refs, held, frac = leaderboard.answer_queries(
-    model, tok, sample, policy, 0.5, "agnostic", max_new_tokens=4
+    model, tok, sample, leaderboard.Cell(policy, 0.5, "agnostic", max_new_tokens=4)
   )
   Tc = 256 - sample.example.question_len
   assert prefills == [(1, Tc)]  # two questions, the context prefilled once
@@ -143,8 +143,8 @@ def test_a_run_with_separate_queries_scores_each_sample_over_its_questions(monke
   tok = ruler_tokenizer()
   asked = []
 
-  def answer_queries(model, tokenizer, sample, policy, ratio, loop, max_new_tokens=None):
-    asked.append((sample.task, loop))
+  def answer_queries(model, tokenizer, sample, cell):
+    asked.append((sample.task, cell.loop))
     refs = [q.outputs for q in sample.queries]
     return [" ".join(r) for r in refs[:-1]] + ["no"], refs, 1, 0.5  # three of four right
 
@@ -164,8 +164,8 @@ def test_shared_question_len_feeds_every_task_one_tail(monkeypatch, tmp_path):
   tok = ruler_tokenizer()
   fed = []
 
-  def answer(model, tokenizer, sample, policy, ratio, loop, max_new_tokens=None, fed_len=None):
-    fed.append((sample.task, loop, fed_len))
+  def answer(model, tokenizer, sample, cell, fed_len=None):
+    fed.append((sample.task, cell.loop, fed_len))
     return " ".join(sample.outputs), 1, 0.5
 
   monkeypatch.setattr(leaderboard, "answer", answer)

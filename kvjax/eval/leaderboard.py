@@ -76,6 +76,24 @@ class Method:
     return policies.make(self.policy, **dict(self.options))
 
 
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  """What one leaderboard row is computed under: a method's policy at a ratio in a loop.
+
+  Attributes:
+    policy: the policy object (``full``: ratio 0, the uncompressed cache).
+    ratio: kvpress's compression ratio.
+    loop: ``"agnostic"`` or ``"aware"``.
+    max_new_tokens: tokens to generate (per question), an int >= 1 (``None``: RULER's for the
+      task; :func:`check_max_new_tokens`).
+  """
+
+  policy: policies.Policy
+  ratio: float
+  loop: str
+  max_new_tokens: int | None = None
+
+
 def methods_of(config) -> tuple[Method, ...]:
   """The config's ``methods`` as :class:`Method` objects, each built once to check it.
 
@@ -225,26 +243,14 @@ def _text(tokenizer, ids) -> str:
   return tokenizer.decode(ids)
 
 
-def answer(
-  model,
-  tokenizer,
-  sample: ruler.RulerSample,
-  policy,
-  ratio: float,
-  loop: str,
-  max_new_tokens: int | None = None,
-  fed_len: int | None = None,
-):
-  """One example's generated answer under ``policy`` at ``ratio`` in ``loop``.
+def answer(model, tokenizer, sample: ruler.RulerSample, cell: Cell, fed_len: int | None = None):
+  """One example's generated answer in ``cell`` (its policy, ratio and loop).
 
   Args:
     model: the model.
     tokenizer: its tokenizer.
     sample: the RULER example (:func:`kvjax.eval.ruler.sample`).
-    policy: the policy object (``full``: ratio 0, the uncompressed cache).
-    ratio: kvpress's compression ratio.
-    loop: ``"agnostic"`` or ``"aware"``.
-    max_new_tokens: tokens to generate, an int >= 1 (``None``: RULER's for the task).
+    cell: the policy, ratio, loop and tokens to generate.
     fed_len: the query-agnostic loop's fed tail, at least the question's length (``None``: the
       question and answer prefix alone). Longer, it feeds that many more of the context's last
       tokens uncompressed with them (:func:`shared_question_len`).
@@ -256,14 +262,14 @@ def answer(
     ValueError: for a ``max_new_tokens`` that is neither ``None`` nor an int >= 1, or a
       ``fed_len`` shorter than the question or not shorter than the prompt.
   """
-  given = check_max_new_tokens(max_new_tokens)
+  given = check_max_new_tokens(cell.max_new_tokens)
   ex = sample.example
   new = given or ruler.TOKENS_TO_GENERATE[ruler.KIND[sample.task]]
   prompt = ex.prompt[None].astype(np.int32)
   # agnostic: the question and answer prefix come after the compression; aware: only the last
   # prompt token does (the compressed prompt holds the question, its window observes it)
-  q = ex.question_len if loop == "agnostic" else 1
-  if fed_len is not None and loop == "agnostic":
+  q = ex.question_len if cell.loop == "agnostic" else 1
+  if fed_len is not None and cell.loop == "agnostic":
     if not ex.question_len <= fed_len < ex.prompt.size:
       raise ValueError(
         f"fed_len: {fed_len} tokens, expected at least the question's {ex.question_len} and "
@@ -271,22 +277,14 @@ def answer(
       )
     q = int(fed_len)
   (text,), held, frac = _compress_and_answer(
-    model, tokenizer, prompt[:, :-q], [prompt[:, -q:]], policy, ratio, new
+    model, tokenizer, prompt[:, :-q], [prompt[:, -q:]], cell, new
   )
   return text, held, frac
 
 
-def answer_queries(
-  model,
-  tokenizer,
-  sample: ruler.RulerSample,
-  policy,
-  ratio: float,
-  loop: str,
-  max_new_tokens: int | None = None,
-):
+def answer_queries(model, tokenizer, sample: ruler.RulerSample, cell: Cell):
   """A multi-query example's answers, each asked key a question of its own
-  (:attr:`kvjax.eval.ruler.RulerSample.queries`), under ``policy`` at ``ratio`` in ``loop``.
+  (:attr:`kvjax.eval.ruler.RulerSample.queries`), in ``cell`` (its policy, ratio and loop).
 
   Query-agnostic: the context is prefilled and compressed once
   (:func:`kvjax.model.decoding.compress_context`) and every question is answered from that
@@ -298,11 +296,7 @@ def answer_queries(
     model: the model.
     tokenizer: its tokenizer.
     sample: the RULER example, with :attr:`~kvjax.eval.ruler.RulerSample.queries`.
-    policy: the policy object (``full``: the uncompressed cache).
-    ratio: kvpress's compression ratio.
-    loop: ``"agnostic"`` or ``"aware"``.
-    max_new_tokens: tokens to generate per question, an int >= 1 (``None``: RULER's for the
-      task).
+    cell: the policy, ratio, loop and tokens to generate per question.
 
   Returns:
     ``(texts, references, kv_bytes_held, kv_fraction)``: one generated text and one reference
@@ -318,21 +312,21 @@ def answer_queries(
       f"sample: {sample.task!r} asks one question; expected a sample with several queries "
       "(niah_multiquery)"
     )
-  new = check_max_new_tokens(max_new_tokens) or ruler.TOKENS_TO_GENERATE[ruler.KIND[sample.task]]
+  new = (
+    check_max_new_tokens(cell.max_new_tokens) or ruler.TOKENS_TO_GENERATE[ruler.KIND[sample.task]]
+  )
   prompt = sample.example.prompt[None].astype(np.int32)
   context = prompt[:, : prompt.shape[1] - sample.example.question_len]
   questions = [query.ids[None].astype(np.int32) for query in sample.queries]
   refs = [query.outputs for query in sample.queries]
-  if loop == "agnostic":  # one compression, every question from it
-    texts, held, frac = _compress_and_answer(
-      model, tokenizer, context, questions, policy, ratio, new
-    )
+  if cell.loop == "agnostic":  # one compression, every question from it
+    texts, held, frac = _compress_and_answer(model, tokenizer, context, questions, cell, new)
     return texts, refs, held, frac
   texts, helds, fracs = [], [], []
   for question in questions:  # query-aware: each question's own prompt, compressed
     seen = np.concatenate([context, question], 1)
     (text,), held, frac = _compress_and_answer(
-      model, tokenizer, seen[:, :-1], [seen[:, -1:]], policy, ratio, new
+      model, tokenizer, seen[:, :-1], [seen[:, -1:]], cell, new
     )
     texts.append(text)
     helds.append(held)
@@ -360,11 +354,12 @@ def shared_question_len(samples) -> int:
   return max(s.example.question_len for s in samples)
 
 
-def _compress_and_answer(model, tokenizer, context_ids, questions, policy, ratio, new):
+def _compress_and_answer(model, tokenizer, context_ids, questions, cell, new):
   """``(texts, kv_bytes_held, kv_fraction)``: ``context_ids`` ``[1, T]`` compressed once under
-  ``policy`` at ``ratio``, then each of ``questions`` (``[1, Q]`` each) answered from it."""
-  budget = km.Ratio(float(ratio)) if policy.requires_budget else None
-  ctx = km.compress_context(model, context_ids, policy=policy, budget=budget)
+  ``cell``'s policy at its ratio, then each of ``questions`` (``[1, Q]`` each) answered from
+  it."""
+  budget = km.Ratio(float(cell.ratio)) if cell.policy.requires_budget else None
+  ctx = km.compress_context(model, context_ids, policy=cell.policy, budget=budget)
   texts = [
     _text(tokenizer, km.answer_context(model, ctx, q, max_new_tokens=new).tokens[0])
     for q in questions
@@ -437,13 +432,11 @@ def run(config, workdir, *, model=None, tokenizer=None, log=print) -> pd.DataFra
               if key in done:
                 continue
               t0 = time.perf_counter()
-              new = config.get("max_new_tokens")
+              cell = Cell(pol, r, loop, config.get("max_new_tokens"))
               if separate and sample.queries:  # each key its own question of one context
-                texts, refs, held, frac = answer_queries(
-                  model, tokenizer, sample, pol, r, loop, new
-                )
+                texts, refs, held, frac = answer_queries(model, tokenizer, sample, cell)
               else:
-                text, held, frac = answer(model, tokenizer, sample, pol, r, loop, new, fed_len)
+                text, held, frac = answer(model, tokenizer, sample, cell, fed_len)
                 texts, refs = [text], [sample.outputs]
               score = ruler.score(task, texts, refs)
               row = dict(
