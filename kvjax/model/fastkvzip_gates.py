@@ -276,13 +276,6 @@ def load(
 # --------------------------------------------------------------------------- evidence
 
 
-def _evidence(cfg, params, gates, ids_BT, mask_BT):  # [L, G, B, T]
-  return gate_scores(gates, passes.prompt_attention_inputs(cfg, params, ids_BT, mask_BT))
-
-
-_evidence_jit = jax.jit(_evidence, static_argnums=0)
-
-
 def fastkvzip_evidence(cfg: ModelConfig, params: dict, gates: dict, input_ids, attention_mask=None):
   """Computes Fast KVzip's ``fastkvzip_LGT`` of a prompt, as kvpress 0.5.5's ``FastKVzipPress``
   scores it during prefill (``_score_fast``: ``gates[layer](hidden_states)``).
@@ -314,5 +307,4 @@ def fastkvzip_evidence(cfg: ModelConfig, params: dict, gates: dict, input_ids, a
   ids, mask = passes.padded_prompt(cfg, input_ids, attention_mask)
   check_gates(gates, cfg)
   gates = {k: jnp.asarray(gates[k], jnp.float32) for k in PARAM_KEYS}
-  out = _evidence_jit(cfg, params, gates, jnp.asarray(ids, jnp.int32), jnp.asarray(mask))
-  return jnp.moveaxis(out, 2, 1)
+  return passes.learned_scores(cfg, params, gate_scores, gates, ids, mask)

@@ -639,13 +639,6 @@ def load(
 # --------------------------------------------------------------------------- evidence
 
 
-def _evidence(cfg, params, surrogate, ids_BT, mask_BT):  # [L, G, B, T]
-  return apply(surrogate, passes.prompt_attention_inputs(cfg, params, ids_BT, mask_BT))
-
-
-_evidence_jit = jax.jit(_evidence, static_argnums=0)
-
-
 def kvzap_evidence(
   cfg: ModelConfig, params: dict, surrogate: Surrogate, input_ids, attention_mask=None
 ) -> Array:
@@ -680,8 +673,7 @@ def kvzap_evidence(
   want = expected_shapes(surrogate.kind, cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, hidden)
   if surrogate.shapes != want:
     raise ValueError(f"surrogate: shapes {surrogate.shapes} do not fit this model, expected {want}")
-  out = _evidence_jit(cfg, params, surrogate, jnp.asarray(ids, jnp.int32), jnp.asarray(mask))
-  return jnp.moveaxis(out, 2, 1)
+  return passes.learned_scores(cfg, params, apply, surrogate, ids, mask)
 
 
 # --------------------------------------------------------------------------- the experiment

@@ -4,7 +4,8 @@ The calibration passes (:mod:`kvjax.model.calibrate`, :mod:`kvjax.model.duo`,
 :mod:`kvjax.model.reconstruction`) share checked token-id rows, the
 positions and causal mask of an unpadded prompt, and the pre-RoPE queries and keys of a layer;
 the learned scorers (:mod:`kvjax.model.kvzap`, :mod:`kvjax.model.fastkvzip`) share a
-checked (left-)padded prompt and every layer's attention inputs over it.
+checked (left-)padded prompt, every layer's attention inputs over it and the jitted pass that
+scores them (:func:`learned_scores`).
 
 Every pass built on them is a plain layer loop (``lax.scan`` over the stacked layers) of the
 public functions of :mod:`kvjax.model.llama`, with dense attention: calibration prompts are
@@ -186,3 +187,32 @@ def prompt_attention_inputs(cfg: ModelConfig, params: dict, ids_BT: Array, mask_
 
   _, h = jax.lax.scan(layer, llama.embed_tokens(cfg, params, ids_BT), llama.stacked(params))
   return h
+
+
+def _learned_scores(cfg, params, score, component, ids_BT, mask_BT):  # [L, G, B, T]
+  return score(component, prompt_attention_inputs(cfg, params, ids_BT, mask_BT))
+
+
+_learned_scores_jit = jax.jit(_learned_scores, static_argnums=(0, 2))
+
+
+def learned_scores(cfg: ModelConfig, params: dict, score, component, ids, mask) -> Array:
+  """A learned scorer's scores of a prompt: ``score(component, h_LBTd)`` of every layer's
+  attention inputs (:func:`prompt_attention_inputs`), in one jitted dense causal pass.
+
+  Args:
+    cfg: the model's config.
+    params: the parameter pytree.
+    score: ``(component, h_LBTd) -> [L, G, B, T]``, a module-level function (the jit's static
+      key), e.g. :func:`kvjax.model.kvzap.apply`.
+    component: its trained arrays, checked against the model.
+    ids: the prompt ``[B, T]``, checked by :func:`padded_prompt`.
+    mask: its ``[B, T]`` 0/1 mask of the real tokens (:func:`padded_prompt`).
+
+  Returns:
+    Scores ``[L, B, G, T]``, in the dtype ``score`` gives.
+  """
+  out = _learned_scores_jit(
+    cfg, params, score, component, jnp.asarray(ids, jnp.int32), jnp.asarray(mask)
+  )
+  return jnp.moveaxis(out, 2, 1)
