@@ -213,6 +213,34 @@ def expected_shapes(kind: str, L: int, d: int, G: int, hidden: int = HIDDEN_DIM)
   return {"w1": (L, d, hidden), "b1": (L, hidden), "w2": (L, hidden, G), "b2": (L, G)}
 
 
+def check_surrogate(surrogate, cfg: ModelConfig, where: str = "surrogate") -> None:
+  """Checks that ``surrogate`` is a :class:`Surrogate` whose weights fit ``cfg``'s
+  ``num_layers``, ``hidden_size`` and ``num_kv_heads`` (any MLP width).
+
+  Args:
+    surrogate: the surrogate.
+    cfg: the model's config.
+    where: what the error names (a file's path and model, for :func:`load`).
+
+  Raises:
+    ValueError: naming ``where``, for another type or weights of other shapes.
+  """
+  if not isinstance(surrogate, Surrogate):
+    raise ValueError(f"{where}: expected a Surrogate, got {type(surrogate).__name__}")
+  got = surrogate.shapes
+  hidden = got["w1"][-1] if surrogate.kind == "mlp" else HIDDEN_DIM
+  want = expected_shapes(surrogate.kind, cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, hidden)
+  if got != want:
+    names = [*want, *(k for k in got if k not in want)]
+    said = ", ".join(
+      f"{k} {got.get(k)} (expected {want.get(k)})" for k in names if got.get(k) != want.get(k)
+    )
+    raise ValueError(
+      f"{where}: does not fit this model (L={cfg.num_layers}, d={cfg.hidden_size}, "
+      f"G={cfg.num_kv_heads}): {said}"
+    )
+
+
 def apply(surrogate: Surrogate, X_LTd: Array) -> Array:
   """The surrogate's scores (kvpress ``KVzapPress.score``: ``kvzap_model.layers[l](h)``).
 
@@ -599,8 +627,8 @@ def load(
   path: str | pathlib.Path, cfg: ModelConfig, params: dict | None = None, *, unverified=False
 ) -> tuple[Surrogate, dict]:
   """Reads a surrogate written by :func:`save` and checks it against a model
-  (:func:`kvjax.model.learned_io.load`): its kind, and its weights' shapes against ``cfg``'s
-  ``num_layers``, ``hidden_size`` and ``num_kv_heads``.
+  (:func:`kvjax.model.learned_io.load`): its kind, and its weights' shapes
+  (:func:`check_surrogate`).
 
   Args:
     path, cfg, params, unverified: as :func:`kvjax.model.learned_io.load`.
@@ -613,23 +641,16 @@ def load(
       is not one of ``KINDS``.
   """
 
-  def surrogate(files, meta, _where):
+  def surrogate(files, meta, where):
     kind = meta.get("kind")
     if kind not in KINDS:
       raise ValueError(f"path: {path} has kind {kind!r}, expected one of {KINDS}")
     missing = [k for k in PARAM_KEYS[kind] if k not in files]
     if missing:
       raise ValueError(f"path: {path} lacks the {kind} weights {missing}")
-    hidden = files["w1"].shape[-1] if kind == "mlp" else HIDDEN_DIM
-    want = expected_shapes(kind, cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, hidden)
-    wrong = {k: (files[k].shape, v) for k, v in want.items() if files[k].shape != v}
-    if wrong:
-      said = ", ".join(f"{k} {got} (expected {exp})" for k, (got, exp) in wrong.items())
-      raise ValueError(
-        f"path: {path} does not fit this model (L={cfg.num_layers}, d={cfg.hidden_size}, "
-        f"G={cfg.num_kv_heads}; the file says model {meta.get('model')!r}): {said}"
-      )
-    return Surrogate({k: jnp.asarray(files[k], jnp.float32) for k in PARAM_KEYS[kind]}, kind)
+    built = Surrogate({k: jnp.asarray(files[k], jnp.float32) for k in PARAM_KEYS[kind]}, kind)
+    check_surrogate(built, cfg, where)
+    return built
 
   return learned_io.load(
     path, cfg, params, fmt=FORMAT, what="KVzap surrogate", build=surrogate, unverified=unverified
@@ -664,15 +685,10 @@ def kvzap_evidence(
 
   Raises:
     ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule, a mask of
-      another shape, or a surrogate that is not a :class:`Surrogate` of this model's shapes.
+      another shape, or a surrogate that does not fit the model (:func:`check_surrogate`).
   """
   ids, mask = passes.padded_prompt(cfg, input_ids, attention_mask)
-  if not isinstance(surrogate, Surrogate):
-    raise ValueError(f"surrogate: expected a Surrogate, got {type(surrogate).__name__}")
-  hidden = surrogate.shapes["w1"][-1] if surrogate.kind == "mlp" else HIDDEN_DIM
-  want = expected_shapes(surrogate.kind, cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, hidden)
-  if surrogate.shapes != want:
-    raise ValueError(f"surrogate: shapes {surrogate.shapes} do not fit this model, expected {want}")
+  check_surrogate(surrogate, cfg)
   return passes.learned_scores(cfg, params, apply, surrogate, ids, mask)
 
 
