@@ -4,7 +4,8 @@ object once, :func:`register` adds a user's own.
 A registered name is a factory of flat options (``make("pyramidkv", beta=5, window=16)``): a
 :class:`Preset` routes each option to the policy's field or to its allocator's.
 ``critical_<base>``, ``critical_adakv_<base>``, ``chunkkv_<base>`` and ``think_<base>`` wrap any
-registered prefill scorer ``<base>`` on demand.
+registered prefill scorer ``<base>`` on demand. kvjax's own presets and wrapper prefixes, each
+with its provenance, are written in :mod:`~kvjax.policies.builtins`.
 """
 
 from __future__ import annotations
@@ -16,28 +17,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvjax.policies import allocators as alloc_lib
-from kvjax.policies import combinators as comb
-from kvjax.policies import methods as m
-from kvjax.policies import wrappers as w
-from kvjax.policies.cam import CaM
-from kvjax.policies.capkv import CapKV
-from kvjax.policies.compactor import Compactor
+from kvjax.policies import builtins
+from kvjax.policies.builtins import Provenance
 from kvjax.policies.core import Policy
-from kvjax.policies.curkv import CurDKV
-from kvjax.policies.dms import DMS
-from kvjax.policies.entropy_chunkkv import EntropyGatedChunkKV
-from kvjax.policies.expected_stats import ExpectedAttentionStats
-from kvjax.policies.fastkvzip import FastKVzip
-from kvjax.policies.finch import Finch
-from kvjax.policies.kvcompose import Composite, KVCompose
-from kvjax.policies.kvgrad import KVgrad
-from kvjax.policies.kvzap import KVzap
-from kvjax.policies.leverage import LeverageScore
-from kvjax.policies.lukv import LUKV
-from kvjax.policies.merging import Merging
-from kvjax.policies.noncausal import NonCausalAttention
-from kvjax.policies.restorekv import RestoreKV
-from kvjax.policies.simlayerkv import SimLayerKV
 
 _NOT_OPTIONS = ("allocator", "name", "base")
 
@@ -62,12 +44,16 @@ class Preset:
     defaults: the reference's options, which a call's options override.
     allocator: the allocator (``None``: the class's default one).
     doc: one line on the policy (:func:`doc`).
+    provenance: its paper, reference code and named differences
+      (:func:`kvjax.policies.provenance`; ``None``: not stated, the class's own ``paper``,
+      ``code`` and ``differs`` attributes are read).
   """
 
   cls: type
   defaults: dict = dataclasses.field(default_factory=dict)
   allocator: alloc_lib.Allocator | None = None
   doc: str = ""
+  provenance: Provenance | None = None
 
   @property
   def _allocator(self) -> alloc_lib.Allocator:
@@ -236,7 +222,7 @@ def names() -> tuple[str, ...]:
 
 def _wrapped(name: str):
   """A factory for ``<prefix><base>`` names, or ``None``."""
-  for prefix, wrapper in _WRAPPERS:
+  for prefix, (wrapper, _) in builtins.WRAPPERS.items():
     base_name = name[len(prefix) :]
     if name.startswith(prefix) and base_name:
       if base_name not in REGISTRY:
@@ -278,20 +264,6 @@ def _call(f, name: str, options: dict) -> Policy:
   if isinstance(f, Preset) or getattr(f, "takes_name", False):
     return f(name=name, **options)
   return f(**options)
-
-
-_WRAPPERS = (
-  ("critical_adakv_", w.CriticalAdaKV),
-  ("critical_", w.Critical),
-  ("entropy_chunkkv_", EntropyGatedChunkKV),
-  ("chunkkv_", w.ChunkKV),
-  ("chunk_", comb.Chunked),
-  ("block_", comb.Blockwise),
-  ("dms_", DMS),
-  ("merging_", Merging),
-  ("cam_", CaM),
-  ("think_", None),
-)
 
 
 def factory(name: str):
@@ -393,206 +365,12 @@ def build(policy: Policy | str, **options) -> Policy:
   return make(policy, **options)
 
 
-def _preset(cls, doc: str, allocator=None, **defaults) -> Preset:
-  return Preset(cls, defaults, allocator, doc)
-
-
-_SNAP_MEAN = dict(reduce="mean")
-_BUILTIN = {
-  "full": _preset(m.Full, "the full cache: every token kept"),
-  "sliding_window": _preset(m.SlidingWindow, "the last B tokens"),
-  "streaming_llm": _preset(m.StreamingLLM, "4 sinks + recent"),
-  "h2o": _preset(m.H2O, "causal heavy hitters + recent 8"),
-  "h2o_kvfactory_legacy": _preset(
-    m.HeavyHitters,
-    "KVCache-Factory's published H2O (non-causal prefill column sums) + window 8",
-    form="kvfactory_legacy",
-  ),
-  "h2o_kvpress": _preset(m.ObservedAttention, "kvpress ObservedAttentionPress"),
-  "tova": _preset(m.TOVA, "last query's row averaged over heads"),
-  "snapkv": _preset(m.SnapKV, "window votes, maxpool k=7"),
-  "snapkv_kvpress": _preset(
-    m.SnapKV,
-    "kvpress SnapKVPress (mean votes, avgpool k=5; add num_kv_heads for its GQA mean)",
-    kernel=5,
-    pool="avg",
-    reduce="mean",
-  ),
-  "pyramidkv": _preset(
-    m.SnapKV, "SnapKV scores under PyramidKV's layer schedule", alloc_lib.Pyramid()
-  ),
-  "adakv_snapkv": _preset(
-    m.SnapKV, "Ada-KV head-adaptive budgets over SnapKV scores", alloc_lib.AdaKV(), **_SNAP_MEAN
-  ),
-  "adakv_pyramidkv": _preset(
-    m.SnapKV,
-    "Ada-KV within PyramidKV's layer schedule (Ada-KV pyram_mode)",
-    alloc_lib.AdaKV(pyramid_mode="legacy_floor"),
-    **_SNAP_MEAN,
-  ),
-  "headkv": _preset(
-    m.SnapKV,
-    "HeadKV static head budgets over SnapKV mean votes",
-    alloc_lib.HeadKV(),
-    **_SNAP_MEAN,
-  ),
-  "cake": _preset(m.CAKE, "CAKE layer preference budgets, mean + gamma var eviction score"),
-  "knorm": _preset(m.KNorm, "lowest key norm"),
-  "random": _preset(m.Random, "uniform random scores"),
-  "oracle": _preset(m.Oracle, "future attention (upper bound)"),
-  "keydiff": _preset(m.KeyDiff, "kvpress KeyDiffPress: keys least like the mean normalised key"),
-  "lagkv": _preset(
-    m.LagKV,
-    "kvpress LagKVPress: K/V spread against the next lag chunk, ranked inside each chunk; "
-    "4 sinks and the tail chunk kept",
-  ),
-  "expected_attention": _preset(
-    m.ExpectedAttention,
-    "kvpress ExpectedAttentionPress: softmax of the expected logits of future queries "
-    "(mean + covariance of the pre-RoPE prompt queries, averaged RoPE over the next 512 "
-    "positions, computed by the model), times ||v||; 4 sinks kept",
-  ),
-  "kvzap": _preset(
-    KVzap,
-    "kvpress KVzapPress: a trained per-layer surrogate (ridge or 2-layer MLP) of KVzip+'s log "
-    "scores from each position's attention input (evidence kvzap_LGT, "
-    "kvjax.model.kvzap.kvzap_evidence); top-k per KV head; dms_kvzap: the threshold",
-  ),
-  "fastkvzip": _preset(
-    FastKVzip,
-    "kvpress FastKVzipPress: per-layer gates trained on KVzip's scores (a low-rank sink "
-    "attention over each position's attention input; evidence fastkvzip_LGT, "
-    "kvjax.model.fastkvzip.fastkvzip_evidence), 4 sinks and a 2 % local window kept, one pooled "
-    "selection of L*H*budget across layers and heads (layerwise=True: per layer)",
-  ),
-  "restorekv": _preset(
-    RestoreKV,
-    "kvpress RestoreKVPress: KVzip with 8 learned restore tokens appended after the prompt "
-    "(their keys and values from one LoRA-adapted pass over the full cache, "
-    "kvjax.model.restorekv.restorekv_evidence), kept inside the same budget "
-    "(L*H*(budget - 8) context pairs pooled)",
-  ),
-  "expected_attention_stats": _preset(
-    ExpectedAttentionStats,
-    "kvpress ExpectedAttentionStatsPress: ExpectedAttention with the query mean and covariance "
-    "measured once on a corpus (evidence stats_query_mean_LHD / stats_query_cov_LHDD from "
-    "kvjax.model.calibrate.query_stats), rotated for each prompt by the model's cache",
-  ),
-  "qfilter": _preset(
-    m.QFilter,
-    "kvpress QFilterPress: -<k, f> with the calibrated Q-Filter direction f per KV head",
-  ),
-  "duo_attention": _preset(
-    m.DuoAttention,
-    "kvpress DuoAttentionPress: the lowest round(L*G*head_compression_ratio) gates are streaming "
-    "heads keeping `sinks` sinks + (budget - sinks) recent tokens (kvpress sink_size + "
-    "recent_size = the budget: 128 + 256 = 384 in the official patterns); retrieval heads keep "
-    "everything; head_compression_ratio 0.5 (kvpress's default 0.0 streams no head)",
-  ),
-  "kvzip": _preset(
-    m.KVzip,
-    "kvpress KVzipPress: max attention of the context-reconstruction queries, 4 sinks kept, one "
-    "pooled selection of L*H*budget across all layers and heads (layerwise=True: per layer)",
-  ),
-  "think": _preset(
-    m.ThinK,
-    "kvpress ThinKPress alone: every token kept, the int(D*channel_ratio) least important key "
-    "channels pruned (give any policy channel_ratio to compose it with a token policy)",
-  ),
-  "rkv": _preset(
-    m.RKV,
-    "R-KV (official code): 0.07 * pooled window attention - 0.93 * key-cosine redundancy, "
-    "window 8 kept; re-compresses every 128 generated tokens",
-  ),
-}
-_BUILTIN.update(
-  {
-    "leverage": _preset(
-      LeverageScore,
-      "kvpress LeverageScorePress: approximate leverage of the pre-RoPE keys (Gaussian right "
-      "sketch of 48, Cholesky solve), z-scored per layer",
-      sketch_dimension=48,
-    ),
-    "noncausal_attn": _preset(
-      NonCausalAttention,
-      "kvpress NonCausalAttnPress: non-causal chunked attention each key receives times ||v||, "
-      "avg-pooled over 3, z-scored per layer",
-      chunk_size=256,
-    ),
-    "compactor": _preset(
-      Compactor,
-      "Compactor (kvpress CompactorPress): blending x leverage + non-causal attention, 8 sinks "
-      "and 4 recent tokens kept",
-      sinks=8,
-      recent=4,
-      chunk_size=256,
-      sketch_dimension=48,
-      blending=0.5,
-    ),
-    "curkv": _preset(
-      CurDKV,
-      "CurDKV (kvpress CURPress): locally normalised ||k||^2 x ||v||^2 leverage, 4 sinks kept",
-      sinks=4,
-      leverage_type="kv_product",
-      local_window=16,
-    ),
-    "simlayerkv": _preset(
-      SimLayerKV,
-      "kvpress SimLayerKVPress: a layer whose last queries put more than lazy_threshold of their "
-      "attention on 4 initial + recent keys keeps only those (the budget), the others keep all",
-      lazy_threshold="llama3",
-    ),
-    "finch": _preset(
-      Finch,
-      "kvpress FinchPress: the question's queries vote for the context keys (question_len tokens "
-      "after the context, given per call); the question kept",
-    ),
-    "capkv": _preset(
-      CapKV,
-      "CAPKV (kvpress CapPress): w_i v_i^T A^-1 v_i with A = I + sum (w + eps) v v^T and "
-      "w = exp(tau cos(k, the mean future query)); 4 sinks kept",
-      sinks=4,
-      tau=5.0,
-      epsilon=1e-6,
-    ),
-    "kvcompose": _preset(
-      KVCompose,
-      "KVCompose (kvpress KVComposePress): max attention of a second pass over the context, "
-      "group mean + mean across heads; structured composite counts per layer",
-      Composite(),
-    ),
-    "kvcompose_unstructured": _preset(
-      KVCompose,
-      "KVCompose unstructured: per-head counts pooled over all layers and heads",
-      Composite(structured=False),
-    ),
-    "kvgrad": _preset(
-      KVgrad,
-      "kvpress KVgradPress: input x gradient attribution over KVzip's context reconstruction "
-      "(reconstruction attention x ||W_O v|| x ||dPhi/da||, Phi = sum ||h^L||^2), 4 sinks kept, "
-      "one pooled selection of L*H*budget across layers and heads (layerwise=True: per layer)",
-    ),
-    "lukv": _preset(
-      LUKV,
-      "LU-KV (kvpress LUKVPress): ExpectedAttention under a precomputed per-layer, per-KV-head "
-      "budget curve (curve=, [99, L, G]); 4 sinks and the last token kept",
-    ),
-  }
-)
+_BUILTIN = {name: Preset(**preset) for name, preset in builtins.PRESETS.items()}
 REGISTRY.update(_BUILTIN)
 # The built-in factories, read-only (a user may re-register a name with overwrite=True; this
 # still tells the built-in apart).
 BUILTIN: Mapping[str, Callable[..., Policy]] = types.MappingProxyType(dict(_BUILTIN))
-for _name in (
-  "critical_snapkv",
-  "critical_adakv_snapkv",
-  "chunkkv_snapkv",
-  "entropy_chunkkv_snapkv_kvpress",
-  "chunk_keydiff",
-  "block_keydiff",
-  "merging_knorm",
-  "cam_knorm",
-):
+for _name in builtins.LISTED_WRAPPERS:
   REGISTRY[_name] = _wrapped(_name)
 # every name registered by kvjax itself, with its factory (unregister refuses to remove them)
 _BUILTIN_NAMES: dict[str, Callable[..., Policy]] = dict(REGISTRY)
