@@ -482,7 +482,7 @@ def shipped_qfilters(model, cfg, tokenizer) -> np.ndarray:
   ``QF_ROWS`` rows of ``QF_LENGTH`` tokens of the shipped reference prose."""
   text = streaming.reference_text(6 * QF_ROWS * QF_LENGTH)
   rows = calibrate.calibration_rows(getattr(tokenizer, "tok", tokenizer), text, QF_ROWS, QF_LENGTH)
-  return np.asarray(calibrate.qfilters(cfg, model.params(), rows), np.float32)
+  return np.asarray(calibrate.qfilters(model, rows), np.float32)
 
 
 def chunk_view(scores_LGT, keep_LGT, wrong_LGT, chunk: int):
@@ -677,7 +677,7 @@ def query_stats(model, cfg, tokenizer) -> dict:
   """ExpectedAttentionStats' statistics measured by kvjax on the Q-Filter rows of shipped prose."""
   text = streaming.reference_text(6 * QF_ROWS * QF_LENGTH)
   rows = calibrate.calibration_rows(getattr(tokenizer, "tok", tokenizer), text, QF_ROWS, QF_LENGTH)
-  mean, cov = calibrate.query_stats(cfg, model.params(), rows)
+  mean, cov = calibrate.query_stats(model, rows)
   return {"stats_query_mean_LHD": mean, "stats_query_cov_LHDD": cov}
 
 

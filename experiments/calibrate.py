@@ -42,7 +42,7 @@ def main(argv):
 def run(c):
   """Loads the model and the text of config ``c`` (``configs/calibrate.py``) and computes the
   evidence; every process calls it, process 0 writes the files."""
-  model, cfg, tokenizer = evaluate.load_model(c.model, dtype=jnp.dtype(c.dtype))
+  model, _, tokenizer = evaluate.load_model(c.model, dtype=jnp.dtype(c.dtype))
   tok = getattr(tokenizer, "tok", tokenizer)  # raw ids for the template (no leading space)
 
   def texts(rows, length):  # the reference prose (the tiny word vocabulary: the task filler)
@@ -64,7 +64,7 @@ def run(c):
   head = np.asarray(tok.encode(c.kvzip_prefix) if c.kvzip_prefix else [], np.int32)
   context = np.concatenate([head, texts(1, c.kvzip_length - head.size)[0]])
   examples = calibrate.duo_examples(exs)
-  calibrate.experiment(c, cfg, model.params(), texts, examples, context, template)
+  calibrate.experiment(c, model, texts, examples, context, template)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def run(c):
   """Loads the model and the text of config ``c`` (``configs/fastkvzip.py``: ``rows`` training
   contexts, then ``eval_rows`` held out) and trains the gates; every process calls it, process
   0 compares with KVzip and writes the files."""
-  model, cfg, tokenizer = evaluate.load_model(c.model, dtype=jnp.dtype(c.dtype))
+  model, _, tokenizer = evaluate.load_model(c.model, dtype=jnp.dtype(c.dtype))
   tok = getattr(tokenizer, "tok", tokenizer)  # raw ids for the template (no leading space)
   n = c.rows + c.eval_rows
   if c.model == "tiny":  # the word vocabulary cannot spell KVzip's prompt: filler words instead
@@ -59,7 +59,7 @@ def run(c):
   rows, template = reconstruction.kvzip_corpus(
     tok, n, c.length, prefix_text=c.prefix, suffix_text=c.suffix, **text
   )
-  fastkvzip.experiment(c, cfg, model.params(), rows, template, source)
+  fastkvzip.experiment(c, model, rows, template, source)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def main(argv):
 def run(c):
   """Loads the model and the text of config ``c`` (``configs/kvzap.py``) and trains both
   surrogates; every process calls it, process 0 writes the files."""
-  model, cfg, tokenizer = evaluate.load_model(c.model, dtype=jnp.dtype(c.dtype))
+  model, _, tokenizer = evaluate.load_model(c.model, dtype=jnp.dtype(c.dtype))
   tok = getattr(tokenizer, "tok", tokenizer)  # raw ids for the template (no leading space)
   if c.model == "tiny":  # the word vocabulary cannot spell KVzip's prompt: filler words instead
     text, source = dict(filler=functools.partial(tasks.haystack_ids, tok)), "task filler"
@@ -56,7 +56,7 @@ def run(c):
   rows, template = reconstruction.kvzip_corpus(
     tok, c.rows, c.length, prefix_text=c.prefix, suffix_text=c.suffix, **text
   )
-  kvzap.experiment(c, cfg, model.params(), rows, template, source)
+  kvzap.experiment(c, model, rows, template, source)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def run(c):
   """Loads the model and the text of config ``c`` (``configs/restorekv.py``: ``rows`` training
   rows, then ``eval_rows`` test rows, each ``length + continuation`` tokens after the chat
   template's header) and trains the adapter; writes the files."""
-  model, cfg, tokenizer = evaluate.load_model(c.model, dtype=jnp.dtype(c.dtype))
+  model, _, tokenizer = evaluate.load_model(c.model, dtype=jnp.dtype(c.dtype))
   tok = getattr(tokenizer, "tok", tokenizer)  # raw ids for the template (no leading space)
   if c.model == "tiny":  # the word vocabulary cannot spell KVzip's prompt: filler words instead
     text, source = dict(filler=functools.partial(tasks.haystack_ids, tok)), "task filler"
@@ -55,7 +55,7 @@ def run(c):
     suffix_text=c.suffix,
     **text,
   )
-  restorekv.experiment(c, cfg, model.params(), rows, template, source)
+  restorekv.experiment(c, model, rows, template, source)
 
 
 if __name__ == "__main__":

@@ -64,14 +64,15 @@ RUNS = (
 )
 
 
-def train_gates(cfg, params) -> dict:
+def train_gates(model) -> dict:
   from kvjax.model import calibrate, fastkvzip
 
+  cfg = model.cfg
   rng = np.random.default_rng(0)
   contexts = rng.integers(30, cfg.vocab_size, (24, 40))
   template = calibrate.KVzipTemplate(FIRST_IDS, LATER_IDS, SUFFIX_IDS)
   kvzip = calibrate.KVzipOptions(chunk_size=16)
-  X, y = fastkvzip.gate_targets(cfg, params, contexts, template, kvzip=kvzip)
+  X, y = fastkvzip.gate_targets(model, contexts, template, kvzip=kvzip)
   ck = tempfile.mkdtemp()
   try:
     run = fastkvzip.train_gates(
@@ -227,7 +228,7 @@ def main() -> int:
   import kvjax.model as km
 
   jmodel, cfg = km.load(CKPT)
-  weights = train_gates(cfg, jmodel.params())
+  weights = train_gates(jmodel)
 
   model = LlamaForCausalLM.from_pretrained(CKPT, dtype=torch.float32).eval()
   model.set_attn_implementation("sdpa")  # compress_post refuses eager

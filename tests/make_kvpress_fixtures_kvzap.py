@@ -61,13 +61,14 @@ DMS_WINDOW = 8
 SMOLLM2_WEIGHTS = HERE / "fixtures" / "kvzap_smollm2_linear.npz"
 
 
-def train_surrogates(cfg, params) -> dict:
+def train_surrogates(model) -> dict:
   from kvjax.model import calibrate, kvzap
 
+  cfg = model.cfg
   rng = np.random.default_rng(0)
   contexts = rng.integers(30, cfg.vocab_size, (16, 40))
   template = calibrate.KVzipTemplate(FIRST_IDS, (), SUFFIX_IDS, PREFIX_LENGTH)
-  X, y = kvzap.kvzap_targets(cfg, params, contexts, template, n_tokens=32, seed=0)
+  X, y = kvzap.kvzap_targets(model, contexts, template, n_tokens=32, seed=0)
   lin = kvzap.fit_linear(X, y)
   ck = tempfile.mkdtemp()
   try:
@@ -234,7 +235,7 @@ def main() -> int:
   from kvjax.model import calibrate, kvzap
 
   jmodel, cfg = km.load(CKPT)
-  weights = train_surrogates(cfg, jmodel.params())
+  weights = train_surrogates(jmodel)
 
   model = LlamaForCausalLM.from_pretrained(CKPT, dtype=torch.float32).eval()
   model.set_attn_implementation("sdpa")

@@ -30,7 +30,7 @@ def gold():
 @pytest.fixture(scope="module")
 def tiny():
   model, cfg = km.load(FIXTURES / "kvpress_tiny_llama")
-  return cfg, model.params()
+  return model, cfg, model.params()
 
 
 def _template(gold, run):
@@ -43,11 +43,10 @@ def _template(gold, run):
 
 
 def _kvzip(gold, tiny, run, context=None):
-  cfg, params = tiny
+  model, cfg, params = tiny
   args = json.loads(str(gold["meta_json"]))["runs"][run]["args"]
   return cal.kvzip_evidence(
-    cfg,
-    params,
+    model,
     gold["context_ids_T"] if context is None else context,
     _template(gold, run),
     options=cal.KVzipOptions(
@@ -80,7 +79,7 @@ RUNS = ("template_chunked", "plus_chunked") + tuple(
 
 @pytest.mark.parametrize("run", RUNS)
 def test_kvzip_matches_kvpress(gold, tiny, run):
-  cfg, _ = tiny
+  _, cfg, _ = tiny
   ctx = gold["context_ids_T"]
   T = ctx.size
   if run == "template_chunked":  # a batch of two rows: row 0 is kvpress's, rows are independent
@@ -128,27 +127,27 @@ def test_kvzip_template_from_a_tokenizer():
 
 
 def test_qfilters_match_the_official_svd(gold, tiny):
-  cfg, params = tiny
+  model, cfg, params = tiny
   meta = json.loads(str(gold["meta_json"]))["qfilters"]
   kw = dict(num_svd_samples=meta["num_svd_samples"], seed=meta["seed"])
-  dirs = cal.qfilter_directions(cfg, params, gold["qfilters_rows_BT"], **kw)
+  dirs = cal.qfilter_directions(model, gold["qfilters_rows_BT"], **kw)
   np.testing.assert_allclose(np.asarray(dirs), gold["qfilters_directions_LHD"], atol=2e-5)
-  f = cal.qfilters(cfg, params, gold["qfilters_rows_BT"], **kw)
+  f = cal.qfilters(model, gold["qfilters_rows_BT"], **kw)
   assert f.shape == (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) and f.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(f), gold["qfilters_LGD"], atol=2e-5)
 
 
 def test_qfilters_unit_vectors_and_sign_rule(gold, tiny):
-  cfg, params = tiny
+  model, cfg, params = tiny
   ids, n, seed = gold["qfilters_rows_BT"], 64, 5
-  dirs = np.asarray(cal.qfilter_directions(cfg, params, ids, num_svd_samples=n, seed=seed))
+  dirs = np.asarray(cal.qfilter_directions(model, ids, num_svd_samples=n, seed=seed))
   np.testing.assert_allclose(np.linalg.norm(dirs, axis=-1), 1.0, atol=1e-5)
   rng = np.random.default_rng(seed)  # the same draw: the rule holds over the sampled queries
   idx = np.stack([np.argsort(rng.random(ids.size))[:n] for _ in range(cfg.num_layers)])
   q = np.asarray(cal.sampled_queries_jit(cfg, params, jnp.asarray(ids), jnp.asarray(idx)))
   negative = (np.einsum("lhnd,lhd->lhn", q, dirs) < 0).mean(-1)
   assert (negative >= 0.5).all(), negative  # most queries point against the filter
-  f = np.asarray(cal.qfilters(cfg, params, ids, num_svd_samples=n, seed=seed))
+  f = np.asarray(cal.qfilters(model, ids, num_svd_samples=n, seed=seed))
   np.testing.assert_allclose(f, dirs.reshape(f.shape[0], f.shape[1], -1, f.shape[2]).mean(2))
 
 
@@ -206,65 +205,63 @@ def _random_examples(cfg, n, T, seed=0):
 
 
 def test_duo_official_training(tiny):
-  cfg, params = tiny
+  model, cfg, params = tiny
   examples = _random_examples(cfg, 2, 40)
-  run = cal.train_duo_attention(cfg, params, examples, num_steps=6, sizes=(2, 4))
+  run = cal.train_duo_attention(model, examples, num_steps=6, sizes=(2, 4))
   assert run.alpha_LG.shape == (cfg.num_layers, cfg.num_kv_heads)
   assert ((run.alpha_LG >= 0) & (run.alpha_LG <= 1)).all()
   assert run.distill[0] < 1e-8  # every gate at 1: the gated model is the model
   assert run.loss[-1] < run.loss[0]
   assert (run.alpha_LG < 1).any()
-  pattern = cal.duo_attention_pattern(cfg, params, examples, num_steps=6, sizes=(2, 4))
+  pattern = cal.duo_attention_pattern(model, examples, num_steps=6, sizes=(2, 4))
   np.testing.assert_allclose(pattern, run.alpha_LG)
 
 
 def test_duo_batches_average_the_examples_and_pad_shorter_ones(tiny):
-  cfg, params = tiny
+  model, cfg, params = tiny
   short, long = _random_examples(cfg, 1, 30)[0], _random_examples(cfg, 1, 40)[0]
   kw = dict(num_steps=3, sizes=(2, 4))
-  one = cal.train_duo_attention(cfg, params, [short], **kw)
+  one = cal.train_duo_attention(model, [short], **kw)
   # one process: the data-parallel path at batch size 1 is the plain loop, bit for bit
-  same = cal.train_duo_attention(cfg, params, [short], across_processes=True, **kw)
+  same = cal.train_duo_attention(model, [short], across_processes=True, **kw)
   np.testing.assert_array_equal(same.alpha_LG, one.alpha_LG)
   # a batch of the same example twice, padded beside a longer one or not: the same gradient
-  twice = cal.train_duo_attention(cfg, params, [short, short], batch_size=2, **kw)
+  twice = cal.train_duo_attention(model, [short, short], batch_size=2, **kw)
   np.testing.assert_allclose(twice.alpha_LG, one.alpha_LG, atol=1e-6)
   np.testing.assert_allclose(twice.loss, one.loss, rtol=1e-5)
-  mixed = cal.train_duo_attention(cfg, params, [short, long], batch_size=2, **kw)
-  alone = [
-    cal.train_duo_attention(cfg, params, [e], num_steps=1, sizes=(2, 4)) for e in (short, long)
-  ]
+  mixed = cal.train_duo_attention(model, [short, long], batch_size=2, **kw)
+  alone = [cal.train_duo_attention(model, [e], num_steps=1, sizes=(2, 4)) for e in (short, long)]
   np.testing.assert_allclose(mixed.loss[0], np.mean([r.loss[0] for r in alone]), rtol=1e-5)
   with pytest.raises(ValueError, match="^batch_size"):
-    cal.train_duo_attention(cfg, params, [short], batch_size=0)
+    cal.train_duo_attention(model, [short], batch_size=0)
 
 
 def test_query_stats_and_qfilters_across_one_process_are_the_plain_ones(tiny):
-  cfg, params = tiny
+  model, cfg, params = tiny
   ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (5, 24))
-  plain = cal.query_stats(cfg, params, ids, batch=2)
-  across = cal.query_stats(cfg, params, ids, batch=2, across_processes=True)
+  plain = cal.query_stats(model, ids, batch=2)
+  across = cal.query_stats(model, ids, batch=2, across_processes=True)
   for a, b in zip(plain, across, strict=True):
     np.testing.assert_array_equal(a, b)
   np.testing.assert_array_equal(
-    cal.qfilters(cfg, params, ids, num_svd_samples=50),
-    cal.qfilters(cfg, params, ids, num_svd_samples=50, across_processes=True),
+    cal.qfilters(model, ids, num_svd_samples=50),
+    cal.qfilters(model, ids, num_svd_samples=50, across_processes=True),
   )
 
 
 def test_duo_kvpress_on_the_fly_matches_kvpress(gold, tiny):
-  cfg, params = tiny
+  model, cfg, params = tiny
   meta = json.loads(str(gold["meta_json"]))["duo_on_the_fly"]
   texts = [gold[name] for name in meta["texts"]]
   got = cal.duo_attention_pattern(
-    cfg, params, method="kvpress_on_the_fly", calibration_ids=texts, q_len=meta["q_len"]
+    model, method="kvpress_on_the_fly", calibration_ids=texts, q_len=meta["q_len"]
   )
   assert got.shape == (cfg.num_layers, cfg.num_kv_heads)
   np.testing.assert_allclose(got, gold["duo_otf_scores_LG"], atol=1e-6)
 
 
 def test_duo_distant_mass_and_task_examples(tiny):
-  cfg, params = tiny
+  model, cfg, params = tiny
   tok = WordTokenizer.load(assets.tiny_path() / "tokenizer.json")
   exs = [
     tasks.generate("multi_query", tok, length=64, seed=s, num_pairs=3, num_queries=2)
@@ -276,10 +273,10 @@ def test_duo_distant_mass_and_task_examples(tiny):
   assert labels.sum() == exs[0].question_len + exs[0].answer.size and labels[-1]
   # the tiny fixture's vocabulary is smaller: the proxy runs on random ids of the same layout
   examples = [(np.asarray(i) % cfg.vocab_size, lab) for i, lab in pairs]
-  mass = cal.duo_attention_pattern(cfg, params, examples, method="distant_mass")
+  mass = cal.duo_attention_pattern(model, examples, method="distant_mass")
   assert mass.shape == (cfg.num_layers, cfg.num_kv_heads)
   assert ((mass >= 0) & (mass <= 1)).all() and (mass > 0).any()
-  everything = cal.duo_attention_pattern(cfg, params, examples, method="distant_mass", sizes=(1, 1))
+  everything = cal.duo_attention_pattern(model, examples, method="distant_mass", sizes=(1, 1))
   assert (everything >= mass - 1e-6).all()  # a smaller streaming window leaves more far mass
 
 
@@ -287,58 +284,56 @@ def test_duo_distant_mass_and_task_examples(tiny):
 
 
 def test_bad_input_names_the_argument(tiny, gold):
-  cfg, params = tiny
+  model, cfg, params = tiny
   ids = np.zeros((1, 8), np.int32)
   t = _template(gold, "chunked")
   cases = [
-    ("calibration_ids", lambda: cal.qfilters(cfg, params, ids.astype(float))),
-    ("calibration_ids", lambda: cal.qfilters(cfg, params, ids + cfg.vocab_size)),
-    ("num_svd_samples", lambda: cal.qfilters(cfg, params, ids, num_svd_samples=0)),
-    ("method", lambda: cal.duo_attention_pattern(cfg, params, [], method="nope")),
-    ("examples", lambda: cal.duo_attention_pattern(cfg, params, [])),
-    ("examples\\[0\\]", lambda: cal.train_duo_attention(cfg, params, [(ids[0], [1, 0])])),
+    ("calibration_ids", lambda: cal.qfilters(model, ids.astype(float))),
+    ("calibration_ids", lambda: cal.qfilters(model, ids + cfg.vocab_size)),
+    ("num_svd_samples", lambda: cal.qfilters(model, ids, num_svd_samples=0)),
+    ("method", lambda: cal.duo_attention_pattern(model, [], method="nope")),
+    ("examples", lambda: cal.duo_attention_pattern(model, [])),
+    ("examples\\[0\\]", lambda: cal.train_duo_attention(model, [(ids[0], [1, 0])])),
     (
       "num_steps",
-      lambda: cal.train_duo_attention(cfg, params, [(ids[0], ids[0] == 0)], num_steps=0),
+      lambda: cal.train_duo_attention(model, [(ids[0], ids[0] == 0)], num_steps=0),
     ),
     (
       "calibration_ids",
-      lambda: cal.duo_attention_pattern(cfg, params, method="kvpress_on_the_fly"),
+      lambda: cal.duo_attention_pattern(model, method="kvpress_on_the_fly"),
     ),
     (
       "sizes",
-      lambda: cal.train_duo_attention(cfg, params, [(ids[0], ids[0] == 0)], sizes=(2,)),
+      lambda: cal.train_duo_attention(model, [(ids[0], ids[0] == 0)], sizes=(2,)),
     ),
     (
       "recent_size",
       lambda: cal.duo_attention_pattern(
-        cfg, params, [(ids[0], ids[0] == 0)], method="distant_mass", sizes=(2, 0)
+        model, [(ids[0], ids[0] == 0)], method="distant_mass", sizes=(2, 0)
       ),
     ),
     (
       "num_steps",
-      lambda: cal.duo_attention_pattern(cfg, params, method="distant_mass", num_steps=2),
+      lambda: cal.duo_attention_pattern(model, method="distant_mass", num_steps=2),
     ),
-    ("context_ids", lambda: cal.kvzip_evidence(cfg, params, np.zeros((1, 0), int), t)),
+    ("context_ids", lambda: cal.kvzip_evidence(model, np.zeros((1, 0), int), t)),
     (
       "chunk_size",
-      lambda: cal.kvzip_evidence(cfg, params, ids, t, options=cal.KVzipOptions(chunk_size=0)),
+      lambda: cal.kvzip_evidence(model, ids, t, options=cal.KVzipOptions(chunk_size=0)),
     ),
     (
       "n_sink",
-      lambda: cal.kvzip_evidence(cfg, params, ids, t, options=cal.KVzipOptions(n_sink=-1)),
+      lambda: cal.kvzip_evidence(model, ids, t, options=cal.KVzipOptions(n_sink=-1)),
     ),
-    ("options", lambda: cal.kvzip_evidence(cfg, params, ids, t, options={"n_sink": 4})),
-    ("template", lambda: cal.kvzip_evidence(cfg, params, ids, (1, 2))),
+    ("options", lambda: cal.kvzip_evidence(model, ids, t, options={"n_sink": 4})),
+    ("template", lambda: cal.kvzip_evidence(model, ids, (1, 2))),
     (
       "template.prefix_length",
-      lambda: cal.kvzip_evidence(cfg, params, ids, cal.KVzipTemplate((1,), (2,), (3,), 8)),
+      lambda: cal.kvzip_evidence(model, ids, cal.KVzipTemplate((1,), (2,), (3,), 8)),
     ),
     (
       "template.suffix_ids",
-      lambda: cal.kvzip_evidence(
-        cfg, params, ids, cal.KVzipTemplate((1,), (2,), (cfg.vocab_size,))
-      ),
+      lambda: cal.kvzip_evidence(model, ids, cal.KVzipTemplate((1,), (2,), (cfg.vocab_size,))),
     ),
   ]
   for name, call in cases:

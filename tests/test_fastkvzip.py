@@ -57,9 +57,9 @@ def tiny():
 @pytest.fixture(scope="module")
 def data(tiny):
   """Fast KVzip's training pairs on random contexts of the tiny checkpoint."""
-  _, cfg, params, _ = tiny
+  model, cfg, params, _ = tiny
   ctx = np.random.default_rng(1).integers(30, cfg.vocab_size, (8, 40))
-  return fastkvzip.gate_targets(cfg, params, ctx, TEMPLATE, kvzip=KVZIP)
+  return fastkvzip.gate_targets(model, ctx, TEMPLATE, kvzip=KVZIP)
 
 
 def policy_of(fx, run) -> FastKVzip:
@@ -94,8 +94,8 @@ def test_fixture_records_every_run(fx):
 
 @pytest.fixture(scope="module")
 def evidence(tiny, fx):
-  _, cfg, params, gates = tiny
-  return fastkvzip.fastkvzip_evidence(cfg, params, gates, fx["input_ids_T"][None])
+  model, cfg, params, gates = tiny
+  return fastkvzip.fastkvzip_evidence(model, gates, fx["input_ids_T"][None])
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -139,8 +139,8 @@ def test_left_padded_row_keeps_what_it_alone_keeps(tiny):
   ids = rng.integers(30, cfg.vocab_size, (2, 32)).astype(np.int32)
   mask = np.ones_like(ids)
   mask[1, :6] = 0
-  ev = fastkvzip.fastkvzip_evidence(cfg, params, gates, ids, mask)
-  alone = fastkvzip.fastkvzip_evidence(cfg, params, gates, ids[1:, 6:])
+  ev = fastkvzip.fastkvzip_evidence(model, gates, ids, mask)
+  alone = fastkvzip.fastkvzip_evidence(model, gates, ids[1:, 6:])
   np.testing.assert_allclose(np.asarray(ev[:, 1, :, 6:]), np.asarray(alone[:, 0]), atol=1e-5)
   policy = FastKVzip(window_ratio=0.1)  # a 2-token window on 26 real tokens
   both = np.asarray(
@@ -201,15 +201,15 @@ def test_gate_scores_match_the_reference_formula():
 
 
 def test_targets_are_kvzip_scores_and_attention_inputs(tiny, data):
-  _, cfg, params, _ = tiny
+  model, cfg, params, _ = tiny
   X, y = data
   assert X.shape == (8 * 40, cfg.num_layers, cfg.hidden_size) and y.shape == (8 * 40, 2, 2)
   ctx = np.random.default_rng(1).integers(30, cfg.vocab_size, (8, 40))
-  ref = np.asarray(calibrate.kvzip_evidence(cfg, params, ctx[2], TEMPLATE, options=KVZIP))
+  ref = np.asarray(calibrate.kvzip_evidence(model, ctx[2], TEMPLATE, options=KVZIP))
   np.testing.assert_allclose(y[80:120].transpose(1, 2, 0), ref, rtol=1e-5, atol=1e-6)
   # a chat-template header is no target
   t = dataclasses.replace(TEMPLATE, prefix_length=3)
-  X3, y3 = fastkvzip.gate_targets(cfg, params, ctx[:1], t, kvzip=KVZIP)
+  X3, y3 = fastkvzip.gate_targets(model, ctx[:1], t, kvzip=KVZIP)
   assert X3.shape[0] == 37
   np.testing.assert_allclose(X3, X[3:40], rtol=1e-4, atol=1e-5)
 
@@ -305,24 +305,24 @@ def test_save_load_round_trip_and_wrong_files(tiny, tmp_path):
 
 
 def test_bad_arguments_are_named(tiny):
-  _, cfg, params, gates = tiny
+  model, cfg, params, gates = tiny
   ids = np.arange(30, 50)
   X, y = np.zeros((300, 2, 4), np.float32), np.full((300, 2, 2), 0.5, np.float32)
   cases = [
-    ("template", lambda: fastkvzip.gate_targets(cfg, params, ids, (5, 6))),
-    ("context_ids", lambda: fastkvzip.gate_targets(cfg, params, [cfg.vocab_size], TEMPLATE)),
+    ("template", lambda: fastkvzip.gate_targets(model, ids, (5, 6))),
+    ("context_ids", lambda: fastkvzip.gate_targets(model, [cfg.vocab_size], TEMPLATE)),
     ("X_NLd", lambda: fastkvzip.train_gates(X, y[:4], 2)),
     ("y_NLG", lambda: fastkvzip.train_gates(X, y + 1.0, 2)),
     ("max_steps", lambda: fastkvzip.train_gates(X, y, 2, max_steps=0)),
     ("lr", lambda: fastkvzip.train_gates(X, y, 2, lr=-0.1)),
     ("num_query_groups", lambda: fastkvzip.train_gates(X, y, 0)),
     ("batch_size", lambda: fastkvzip.train_gates(X, y, 2, batch_size=1000)),
-    ("gates", lambda: fastkvzip.fastkvzip_evidence(cfg, params, "g.npz", ids[None])),
+    ("gates", lambda: fastkvzip.fastkvzip_evidence(model, "g.npz", ids[None])),
     (
       "attention_mask",
-      lambda: fastkvzip.fastkvzip_evidence(cfg, params, gates, ids[None], np.ones(3)),
+      lambda: fastkvzip.fastkvzip_evidence(model, gates, ids[None], np.ones(3)),
     ),
-    ("input_ids", lambda: fastkvzip.fastkvzip_evidence(cfg, params, gates, ids)),
+    ("input_ids", lambda: fastkvzip.fastkvzip_evidence(model, gates, ids)),
   ]
   for match, call in cases:
     with pytest.raises(ValueError, match=match):
@@ -424,7 +424,7 @@ def test_smollm2_kept_set_agrees_with_kvpress(fx):
   for k, total in fx["meta"]["smollm2"]["gate_sums"].items():
     assert float(gates[k].astype(np.float64).sum()) == pytest.approx(total, rel=1e-9), k
   ids = fx["smollm2_input_ids_T"][None]
-  ev = fastkvzip.fastkvzip_evidence(cfg, model.params(), gates, ids)[:, 0]
+  ev = fastkvzip.fastkvzip_evidence(model, gates, ids)[:, 0]
   np.testing.assert_allclose(np.asarray(ev), fx["smollm2_gates_LGT"], atol=1e-4)
   for run, layerwise in (("smollm2", False), ("smollm2_layerwise", True)):
     policy = FastKVzip(allocator=policies.Pooled(layerwise=layerwise))

@@ -131,14 +131,12 @@ def test_kvcompose_evidence_matches_kvpress(fx):
   """The second pass (the context read again after itself): per query head, the max attention
   each context key receives, as ``KVComposePress``'s task aggregators hold it."""
   model, cfg = km.load(FIXTURES / "kvpress_tiny_llama")
-  ours = calibrate.kvcompose_evidence(cfg, model.params(), fx["input_ids_T"])
+  ours = calibrate.kvcompose_evidence(model, fx["input_ids_T"])
   assert ours.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(ours), fx["reconstruction_attn_LHT"], atol=1e-5)
-  batch = calibrate.kvcompose_evidence(cfg, model.params(), np.stack([fx["input_ids_T"]] * 2))
+  batch = calibrate.kvcompose_evidence(model, np.stack([fx["input_ids_T"]] * 2))
   np.testing.assert_allclose(np.asarray(batch[:, 1]), np.asarray(ours), atol=1e-5)
-  again = calibrate.kvcompose_evidence(
-    cfg, model.params(), fx["input_ids_T"], prompt_ids=fx["input_ids_T"]
-  )
+  again = calibrate.kvcompose_evidence(model, fx["input_ids_T"], prompt_ids=fx["input_ids_T"])
   np.testing.assert_allclose(np.asarray(again), np.asarray(ours), atol=1e-6)
   ev = compose_evidence(fx).replace(reconstruction_attn_LHT=ours)
   keep = np.asarray(KVCompose().keep_mask(ev, fx["meta"]["n_kept"]))

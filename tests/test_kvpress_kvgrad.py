@@ -52,7 +52,7 @@ def fx():
 @pytest.fixture(scope="module")
 def tiny():
   model, cfg = km.load(FIXTURES / "kvpress_tiny_llama")
-  return cfg, model.params()
+  return model, cfg, model.params()
 
 
 def template(fx, run) -> calibrate.KVzipTemplate:
@@ -86,18 +86,18 @@ def test_fixture_records_every_run(fx):
 def test_evidence_matches_kvpress(fx, tiny, run):
   """The replay, its backward pass and the attribution, as ``KVgradPress.score_val``; then the
   policy on kvjax's evidence keeps kvpress's pairs."""
-  cfg, params = tiny
+  model, cfg, params = tiny
   m = fx["meta"]["runs"][run]
   ctx = fx["input_ids_T"]
   T = ctx.size
   kw = {"options": calibrate.KVzipOptions(chunk_size=m["chunk_size"], n_sink=m["n_sink"])}
   if run == "kvgrad_template_chunk12":  # a batch of two rows: row 0 is kvpress's
-    both = kvgrad.kvgrad_evidence(cfg, params, np.stack([ctx, ctx[::-1]]), template(fx, run), **kw)
+    both = kvgrad.kvgrad_evidence(model, np.stack([ctx, ctx[::-1]]), template(fx, run), **kw)
     assert both.shape == (cfg.num_layers, 2, cfg.num_kv_heads, T)
     assert not np.allclose(np.asarray(both[:, 1]), np.asarray(both[:, 0]))
     ours = both[:, 0]
   else:
-    ours = kvgrad.kvgrad_evidence(cfg, params, ctx, template(fx, run), **kw)
+    ours = kvgrad.kvgrad_evidence(model, ctx, template(fx, run), **kw)
   assert ours.shape == (cfg.num_layers, cfg.num_kv_heads, T) and ours.dtype == jnp.float32
   ours, ref = np.asarray(ours), fx[f"{run}_kvgrad_LGT"]
   np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
@@ -132,7 +132,7 @@ def test_layerwise_run_shares_the_evidence(fx):
 def test_gradient_is_the_attention_output_derivative(tiny):
   """``replay``'s offsets shift each layer's attention output: a finite difference of ``Phi``
   along one offset matches ``jax.grad``'s directional derivative."""
-  cfg, params = tiny
+  model, cfg, params = tiny
   L, d = cfg.num_layers, params["embed"].shape[-1]
   rng = np.random.default_rng(0)
   ctx = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 12)), jnp.int32)
@@ -244,48 +244,40 @@ def test_bad_options_refused(options, match):
 
 
 def test_bad_evidence_arguments_refused(tiny):
-  cfg, params = tiny
+  model, cfg, params = tiny
   ids = np.arange(10, 30)
   t = calibrate.KVzipTemplate((5, 6), (7,), (3,))
   cases = [
-    ("context_ids", lambda: kvgrad.kvgrad_evidence(cfg, params, np.zeros((1, 0), int), t)),
-    ("context_ids", lambda: kvgrad.kvgrad_evidence(cfg, params, np.zeros((1, 2, 3), int), t)),
-    ("context_ids", lambda: kvgrad.kvgrad_evidence(cfg, params, [cfg.vocab_size], t)),
+    ("context_ids", lambda: kvgrad.kvgrad_evidence(model, np.zeros((1, 0), int), t)),
+    ("context_ids", lambda: kvgrad.kvgrad_evidence(model, np.zeros((1, 2, 3), int), t)),
+    ("context_ids", lambda: kvgrad.kvgrad_evidence(model, [cfg.vocab_size], t)),
     (
       "chunk_size",
-      lambda: kvgrad.kvgrad_evidence(
-        cfg, params, ids, t, options=calibrate.KVzipOptions(chunk_size=0)
-      ),
+      lambda: kvgrad.kvgrad_evidence(model, ids, t, options=calibrate.KVzipOptions(chunk_size=0)),
     ),
     (
       "chunk_size",
-      lambda: kvgrad.kvgrad_evidence(
-        cfg, params, ids, t, options=calibrate.KVzipOptions(chunk_size=4.0)
-      ),
+      lambda: kvgrad.kvgrad_evidence(model, ids, t, options=calibrate.KVzipOptions(chunk_size=4.0)),
     ),
     (
       "n_sink",
-      lambda: kvgrad.kvgrad_evidence(
-        cfg, params, ids, t, options=calibrate.KVzipOptions(n_sink=-1)
-      ),
+      lambda: kvgrad.kvgrad_evidence(model, ids, t, options=calibrate.KVzipOptions(n_sink=-1)),
     ),
     (
       "options.plus",
-      lambda: kvgrad.kvgrad_evidence(
-        cfg, params, ids, t, options=calibrate.KVzipOptions(plus=True)
-      ),
+      lambda: kvgrad.kvgrad_evidence(model, ids, t, options=calibrate.KVzipOptions(plus=True)),
     ),
-    ("template", lambda: kvgrad.kvgrad_evidence(cfg, params, ids, (1, 2))),
+    ("template", lambda: kvgrad.kvgrad_evidence(model, ids, (1, 2))),
     (
       "template.first_ids",
       lambda: kvgrad.kvgrad_evidence(
-        cfg, params, ids, calibrate.KVzipTemplate((cfg.vocab_size,), (7,), (3,))
+        model, ids, calibrate.KVzipTemplate((cfg.vocab_size,), (7,), (3,))
       ),
     ),
     (
       "prefix_length",
       lambda: kvgrad.kvgrad_evidence(
-        cfg, params, ids, calibrate.KVzipTemplate((5,), (7,), (3,), prefix_length=20)
+        model, ids, calibrate.KVzipTemplate((5,), (7,), (3,), prefix_length=20)
       ),
     ),
   ]

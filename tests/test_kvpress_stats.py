@@ -30,11 +30,11 @@ def golden():
 
 def test_query_stats_are_kvpress_collect_queries(golden):
   z, model, cfg = golden
-  mean, cov = calibrate.query_stats(cfg, model.params(), z["rows_BT"], n_sink=int(z["n_sink"]))
+  mean, cov = calibrate.query_stats(model, z["rows_BT"], n_sink=int(z["n_sink"]))
   np.testing.assert_allclose(mean, z["query_mean_LHD"], atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(cov, z["query_cov_LHDD"], atol=1e-5, rtol=1e-4)
   # the batch size of the passes changes nothing
-  again, _ = calibrate.query_stats(cfg, model.params(), z["rows_BT"], n_sink=4, batch=1)
+  again, _ = calibrate.query_stats(model, z["rows_BT"], n_sink=4, batch=1)
   np.testing.assert_allclose(again, mean, atol=1e-6)
 
 
@@ -108,4 +108,4 @@ def test_bad_statistics_are_refused(golden):
   with pytest.raises(ValueError, match="decode_every"):
     policies.ExpectedAttentionStats(decode_every=8)
   with pytest.raises(ValueError, match="n_sink"):
-    calibrate.query_stats(cfg, model.params(), z["rows_BT"][:1, :5], n_sink=4)
+    calibrate.query_stats(model, z["rows_BT"][:1, :5], n_sink=4)

@@ -49,9 +49,9 @@ def tiny():
 @pytest.fixture(scope="module")
 def data(tiny):
   """KVzap's training pairs on random contexts of the tiny checkpoint."""
-  _, cfg, params = tiny
+  model, cfg, params = tiny
   ctx = np.random.default_rng(1).integers(30, cfg.vocab_size, (8, 24))
-  return kvzap.kvzap_targets(cfg, params, ctx, template_of(None), n_tokens=16, seed=0)
+  return kvzap.kvzap_targets(model, ctx, template_of(None), n_tokens=16, seed=0)
 
 
 def template_of(fx) -> calibrate.KVzipTemplate:
@@ -95,8 +95,8 @@ def test_fixture_records_every_run(fx):
 def test_targets_match_kvpress_formula(fx, tiny):
   """KVzip+'s log scores and the attention inputs, as ``kvzap/data.py``'s hook computes them on
   the same prompt (eager attention)."""
-  _, cfg, params = tiny
-  X, y = kvzap.kvzap_targets(cfg, params, fx["input_ids_T"], template_of(fx))
+  model, cfg, params = tiny
+  X, y = kvzap.kvzap_targets(model, fx["input_ids_T"], template_of(fx))
   T = fx["input_ids_T"].size
   assert X.shape == (T, cfg.num_layers, cfg.hidden_size) and y.shape == (T, cfg.num_layers, 2)
   np.testing.assert_allclose(X.transpose(1, 0, 2), fx["targets_X_LTd"], rtol=1e-5, atol=1e-5)
@@ -107,11 +107,11 @@ def test_targets_match_kvpress_formula(fx, tiny):
 def test_evidence_and_kept_set_match_kvpress(fx, tiny, run):
   """The surrogate file through ``kvzap_evidence`` gives ``KVzapPress.score``'s scores, and the
   policy on them keeps kvpress's pairs (alone at ratio 0.5; inside DMS at its threshold)."""
-  _, cfg, params = tiny
+  model, cfg, params = tiny
   kind = fx["meta"]["runs"][run]["kind"]
   surrogate, meta = kvzap.load(WEIGHTS[kind], cfg)
   assert surrogate.kind == kind and meta["model"] == "tests/fixtures/kvpress_tiny_llama"
-  ev_LBGT = kvzap.kvzap_evidence(cfg, params, surrogate, fx["input_ids_T"][None])
+  ev_LBGT = kvzap.kvzap_evidence(model, surrogate, fx["input_ids_T"][None])
   assert ev_LBGT.shape == (cfg.num_layers, 1, cfg.num_kv_heads, fx["input_ids_T"].size)
   ref = fx[f"{run}_scores_LGT"]
   np.testing.assert_allclose(np.asarray(ev_LBGT[:, 0]), ref, rtol=1e-5, atol=1e-5)
@@ -129,7 +129,7 @@ def test_through_the_model_keeps_kvpress_set(fx, tiny, run):
   kind = fx["meta"]["runs"][run]["kind"]
   surrogate, _ = kvzap.load(WEIGHTS[kind], cfg)
   ids = fx["input_ids_T"][None].astype(np.int32)
-  ev = {"kvzap_LGT": np.asarray(kvzap.kvzap_evidence(cfg, params, surrogate, ids))}
+  ev = {"kvzap_LGT": np.asarray(kvzap.kvzap_evidence(model, surrogate, ids))}
   policy, budget = policy_of(fx, run), budget_of(fx, run)
   keep = np.asarray(km.keep_mask(model, ids, policy, budget, evidence=ev))[:, 0]
   ref = fx[f"{run}_keep_LGT"]
@@ -148,8 +148,8 @@ def test_generate_left_padded_rows(tiny):
   ids = rng.integers(30, cfg.vocab_size, (2, 32)).astype(np.int32)
   mask = np.ones_like(ids)
   mask[1, :6] = 0
-  ev = kvzap.kvzap_evidence(cfg, params, surrogate, ids, mask)
-  alone = kvzap.kvzap_evidence(cfg, params, surrogate, ids[1:, 6:])
+  ev = kvzap.kvzap_evidence(model, surrogate, ids, mask)
+  alone = kvzap.kvzap_evidence(model, surrogate, ids[1:, 6:])
   np.testing.assert_allclose(np.asarray(ev[:, 1, :, 6:]), np.asarray(alone[:, 0]), atol=1e-4)
   out = km.generate(
     model,
@@ -256,20 +256,20 @@ def test_save_load_round_trip_and_wrong_files(tiny, tmp_path):
 
 
 def test_bad_arguments_are_named(tiny):
-  _, cfg, params = tiny
+  model, cfg, params = tiny
   t = template_of(None)
   ids = np.arange(30, 50)
   cases = [
-    ("n_tokens", lambda: kvzap.kvzap_targets(cfg, params, ids, t, n_tokens=21)),
-    ("n_tokens", lambda: kvzap.kvzap_targets(cfg, params, ids, t, n_tokens=0)),
-    ("template", lambda: kvzap.kvzap_targets(cfg, params, ids, (5, 6))),
-    ("context_ids", lambda: kvzap.kvzap_targets(cfg, params, [cfg.vocab_size], t)),
+    ("n_tokens", lambda: kvzap.kvzap_targets(model, ids, t, n_tokens=21)),
+    ("n_tokens", lambda: kvzap.kvzap_targets(model, ids, t, n_tokens=0)),
+    ("template", lambda: kvzap.kvzap_targets(model, ids, (5, 6))),
+    ("context_ids", lambda: kvzap.kvzap_targets(model, [cfg.vocab_size], t)),
     ("alpha", lambda: kvzap.fit_linear(np.zeros((4, 2, 3)), np.zeros((4, 2, 1)), alpha=-1.0)),
     ("X_NLd", lambda: kvzap.fit_linear(np.zeros((4, 2, 3)), np.zeros((5, 2, 1)))),
     ("max_epochs", lambda: kvzap.train_mlp(np.zeros((4, 2, 3)), np.zeros((4, 2, 1)), max_epochs=0)),
     ("kind", lambda: kvzap.Surrogate({}, "cubic")),
-    ("surrogate", lambda: kvzap.kvzap_evidence(cfg, params, "w.npz", ids[None])),
-    ("attention_mask", lambda: kvzap.kvzap_evidence(cfg, params, None, ids[None], np.ones(3))),
+    ("surrogate", lambda: kvzap.kvzap_evidence(model, "w.npz", ids[None])),
+    ("attention_mask", lambda: kvzap.kvzap_evidence(model, None, ids[None], np.ones(3))),
   ]
   for match, call in cases:
     with pytest.raises(ValueError, match=match):
@@ -341,7 +341,7 @@ def test_smollm2_kept_set_agrees_with_kvpress(fx):
   surrogate, meta = kvzap.load(FIXTURES / "kvzap_smollm2_linear.npz", cfg)
   assert meta["model"] == "smollm2"
   ids = fx["smollm2_input_ids_T"][None]
-  ev = kvzap.kvzap_evidence(cfg, model.params(), surrogate, ids)[:, 0]
+  ev = kvzap.kvzap_evidence(model, surrogate, ids)[:, 0]
   ref = fx["smollm2_scores_LGT"]
   np.testing.assert_allclose(np.asarray(ev), ref, atol=1e-4)
   keep = np.asarray(KVzap().keep_mask(policies.Evidence(kvzap_LGT=ev), ids.shape[1] // 2))

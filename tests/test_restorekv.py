@@ -54,8 +54,7 @@ def _run(fx, tiny, run):
   model, cfg, params, adapter = tiny
   args = fx["meta"]["runs"][run]["args"]
   ev = restorekv.restorekv_evidence(
-    cfg,
-    params,
+    model,
     adapter,
     fx["context_ids_T"],
     _template(fx["meta"]["template_ids"]),
@@ -124,7 +123,7 @@ def test_smollm2_kept_context_agrees_with_kvpress(fx):
     }
   )
   ids = fx["smollm2_context_ids_T"]
-  ev = restorekv.restorekv_evidence(cfg, params, ad, ids, _template(meta["template_ids"]))
+  ev = restorekv.restorekv_evidence(model, ad, ids, _template(meta["template_ids"]))
   np.testing.assert_allclose(
     np.asarray(ev[restorekv.KEYS]), fx["smollm2_restore_keys_LGND"], atol=2e-3, rtol=1e-3
   )
@@ -219,12 +218,12 @@ def test_padded_rows_equal_unpadded_ones(fx, tiny):
   tmpl = _template(fx["meta"]["template_ids"])
   ctx = fx["context_ids_T"]
   a, b = ctx[:40], ctx[8:48]
-  ev = restorekv.restorekv_evidence(cfg, params, adapter, np.stack([a, b]), tmpl)
+  ev = restorekv.restorekv_evidence(model, adapter, np.stack([a, b]), tmpl)
   policy = RestoreKV(restore_tokens=adapter.tokens)
   both = km.generate(
     model, np.stack([a, b]), policy=policy, budget=km.Ratio(0.5), evidence=ev, max_new_tokens=4
   )
-  ev_a = restorekv.restorekv_evidence(cfg, params, adapter, a, tmpl)
+  ev_a = restorekv.restorekv_evidence(model, adapter, a, tmpl)
   one = km.generate(
     model, a[None], policy=policy, budget=km.Ratio(0.5), evidence=ev_a, max_new_tokens=4
   )
@@ -234,7 +233,7 @@ def test_padded_rows_equal_unpadded_ones(fx, tiny):
   short[8:] = b[:32]
   mask = np.ones((2, 40), np.int32)
   mask[1, :8] = 0
-  ev_short = restorekv.restorekv_evidence(cfg, params, adapter, b[:32], tmpl)
+  ev_short = restorekv.restorekv_evidence(model, adapter, b[:32], tmpl)
   ev_pad = {
     k: np.stack([np.asarray(ev_a[k]), _pad_to(np.asarray(ev_short[k]), ev_a[k].shape, k)], 1)
     for k in ev_a
@@ -266,9 +265,7 @@ def _pad_to(x, shape, field):
 def test_evidence_errors(tiny, fx):
   model, cfg, params, adapter = tiny
   ids = fx["context_ids_T"][None]
-  ev = restorekv.restorekv_evidence(
-    cfg, params, adapter, ids[0], _template(fx["meta"]["template_ids"])
-  )
+  ev = restorekv.restorekv_evidence(model, adapter, ids[0], _template(fx["meta"]["template_ids"]))
   with pytest.raises(ValueError, match="needs"):
     km.generate(
       model,
@@ -327,8 +324,7 @@ def examples(tiny, fx):
   model, cfg, params, _ = tiny
   rows = np.random.default_rng(0).integers(30, cfg.vocab_size, (6, 40)).astype(np.int32)
   return restorekv.training_data(
-    cfg,
-    params,
+    model,
     rows,
     _template(fx["meta"]["template_ids"]),
     context=32,
@@ -345,8 +341,7 @@ def test_training_reduces_the_distillation_loss(tiny, examples):
   # budget int(32 * 0.5) = 16 per head, 4 of them restore tokens
   assert keep.sum() == cfg.num_layers * cfg.num_kv_heads * 6 * 12
   run = restorekv.train_adapter(
-    cfg,
-    params,
+    model,
     examples,
     test=examples,
     tokens=4,
@@ -368,7 +363,7 @@ def test_resume_gives_the_uninterrupted_adapter(tiny, examples, tmp_path):
   model, cfg, params, _ = tiny
   kw = dict(tokens=4, rank=2, max_steps=6, batch_size=2, log_every=2, checkpoint_every=2, lr=1e-2)
   whole = restorekv.train_adapter(
-    cfg, params, examples, checkpoint_dir=tmp_path / "a", on_log=lambda r: None, **kw
+    model, examples, checkpoint_dir=tmp_path / "a", on_log=lambda r: None, **kw
   )
 
   def kill(row):
@@ -376,10 +371,10 @@ def test_resume_gives_the_uninterrupted_adapter(tiny, examples, tmp_path):
       raise _KilledError
 
   with pytest.raises(_KilledError):
-    restorekv.train_adapter(cfg, params, examples, checkpoint_dir=tmp_path / "b", on_log=kill, **kw)
+    restorekv.train_adapter(model, examples, checkpoint_dir=tmp_path / "b", on_log=kill, **kw)
   seen = []
   resumed = restorekv.train_adapter(
-    cfg, params, examples, checkpoint_dir=tmp_path / "b", on_log=lambda r: seen.append(r[0]), **kw
+    model, examples, checkpoint_dir=tmp_path / "b", on_log=lambda r: seen.append(r[0]), **kw
   )
   assert seen == [2, 4, 5]
   for a, b in zip(jax.tree.leaves(resumed.adapter), jax.tree.leaves(whole.adapter), strict=True):
@@ -390,11 +385,10 @@ def test_resume_gives_the_uninterrupted_adapter(tiny, examples, tmp_path):
 def test_training_checks(tiny, examples):
   model, cfg, params, _ = tiny
   with pytest.raises(ValueError, match="batch_size: 7"):
-    restorekv.train_adapter(cfg, params, examples, batch_size=7)
+    restorekv.train_adapter(model, examples, batch_size=7)
   with pytest.raises(ValueError, match="ratio"):
     restorekv.training_data(
-      cfg,
-      params,
+      model,
       examples[0],
       _template(
         {
@@ -407,7 +401,7 @@ def test_training_checks(tiny, examples):
       ratio=1.0,
     )
   with pytest.raises(ValueError, match="longer than context"):
-    restorekv.training_data(cfg, params, examples[0], None, context=32, ratio=0.5)
+    restorekv.training_data(model, examples[0], None, context=32, ratio=0.5)
   for batch in (0, 2.0, True):
     with pytest.raises(ValueError, match="batch: expected an int"):
       restorekv.mean_loss(cfg, params, None, None, batch)

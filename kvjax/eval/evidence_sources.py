@@ -204,15 +204,15 @@ def context_evidence(model, exs, shape, template, needs, learned=None) -> dict:
   q_len = (shape or (max(e.question_len for e in exs), None))[0]
   prompts, _, _ = tasks.batch(exs)
   context = prompts[:, : prompts.shape[1] - q_len]
-  cfg, params, out = model.cfg, model.params(), {}
+  out = {}
   if "reconstruction_attn_LGT" in wanted:
-    attn = calibrate.kvzip_evidence(cfg, params, context, template)
+    attn = calibrate.kvzip_evidence(model, context, template)
     out["reconstruction_attn_LGT"] = np.asarray(attn)
   mask = np.ones(context.shape, np.int32)
   for name, kind in computed.items():
     extra = () if kind.resource is None else (learned[kind.resource],)
     out[name] = np.asarray(kind.compute(model, context, mask, *extra), np.float32)
   if restorekv.KEYS in wanted:
-    restored = restorekv.restore_evidence(cfg, params, learned["restorekv"], context)
+    restored = restorekv.restore_evidence(model, learned["restorekv"], context)
     out.update({k: np.asarray(v) for k, v in restored.items()})
   return out

@@ -100,8 +100,7 @@ sampled_queries_jit = jax.jit(sampled_queries, static_argnums=0)
 
 
 def qfilter_directions(
-  cfg: ModelConfig,
-  params: dict,
+  model,
   calibration_ids,
   *,
   num_svd_samples: int = 3000,
@@ -119,8 +118,7 @@ def qfilter_directions(
   CPU) instead of bf16 autocast, and numpy's generator for the draw.
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     calibration_ids: calibration token ids ``[B, T]`` (or one row ``[T]``).
     num_svd_samples: queries drawn per layer for the SVD.
     seed: the seed of the draw.
@@ -136,6 +134,7 @@ def qfilter_directions(
     ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule, or a
       ``num_svd_samples`` that is not an int ``>= 1``.
   """
+  cfg, params = model.cfg, model.params()
   ids = passes.ids_2d("calibration_ids", calibration_ids, cfg)
   n = training.check_int("num_svd_samples", num_svd_samples)
   total = ids.size
@@ -181,7 +180,7 @@ def _svd_filters(q_LHND: Array) -> Array:
   return -sign[..., None] * vh[..., 0, :]
 
 
-def qfilters(cfg: ModelConfig, params: dict, calibration_ids, **options) -> Array:
+def qfilters(model, calibration_ids, **options) -> Array:
   """Computes ``qfilters_LGD``: :func:`qfilter_directions` averaged over each KV head's GQA group.
 
   The query heads ``g * R .. g * R + R - 1`` are averaged, not renormalised, exactly as
@@ -189,8 +188,7 @@ def qfilters(cfg: ModelConfig, params: dict, calibration_ids, **options) -> Arra
   head they stay unit vectors. The score is ``-<k, f>`` (kvpress's ``QFilterPress``).
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     calibration_ids: calibration token ids ``[B, T]`` (or one row ``[T]``).
     **options: :func:`qfilter_directions`'s keywords (``num_svd_samples``, ``seed``,
       ``across_processes``), its defaults for those not given.
@@ -202,7 +200,8 @@ def qfilters(cfg: ModelConfig, params: dict, calibration_ids, **options) -> Arra
     ValueError: as :func:`qfilter_directions`.
     TypeError: for an option :func:`qfilter_directions` does not take.
   """
-  dirs_LHD = qfilter_directions(cfg, params, calibration_ids, **options)
+  cfg = model.cfg
+  dirs_LHD = qfilter_directions(model, calibration_ids, **options)
   L, _, D = dirs_LHD.shape
   return dirs_LHD.reshape(L, cfg.num_kv_heads, cfg.num_groups, D).mean(2)
 
@@ -285,8 +284,7 @@ _query_scatter_jit = jax.jit(_query_scatter, static_argnums=(0, 4))
 
 
 def query_stats(
-  cfg: ModelConfig,
-  params: dict,
+  model,
   ids_BT,
   *,
   n_sink: int = 4,
@@ -305,8 +303,7 @@ def query_stats(
   each text to 1,000 characters, so its rows differ in length).
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     ids_BT: calibration token ids ``[B, T]`` (:func:`calibration_rows`).
     n_sink: the first positions of each row left out (kvpress ``n_sink``, 4).
     batch: rows per forward.
@@ -324,6 +321,7 @@ def query_stats(
     ValueError: for ids that are not ``[B, T]`` ints in the vocabulary, an ``n_sink`` that
       leaves fewer than 2 queries, or a ``batch`` that is not an int ``>= 1``.
   """
+  cfg, params = model.cfg, model.params()
   ids = passes.ids_2d("ids_BT", ids_BT, cfg)
   B, T = ids.shape
   n_sink = training.check_int("n_sink", n_sink, 0)
@@ -373,7 +371,7 @@ def _timed(timings: dict, name: str, fn):
   return out
 
 
-def experiment(c, cfg: ModelConfig, params: dict, texts, examples, context, template) -> dict:
+def experiment(c, model, texts, examples, context, template) -> dict:
   """The model-made evidence of ``python -m experiments.calibrate``: every process calls it
   with the same arguments, process 0 writes the files.
 
@@ -386,8 +384,7 @@ def experiment(c, cfg: ModelConfig, params: dict, texts, examples, context, temp
 
   Args:
     c: the settings (``configs/calibrate.py``).
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     texts: ``(rows, length) -> [rows, length]`` token ids of calibration text.
     examples: DuoAttention's ``(ids_T, label_mask_T)`` pairs (:func:`duo_examples`).
     context: KVzip's context ids ``[T]``.
@@ -409,14 +406,14 @@ def experiment(c, cfg: ModelConfig, params: dict, texts, examples, context, temp
     timings,
     "qfilters",
     lambda: qfilters(
-      cfg, params, rows, num_svd_samples=c.num_svd_samples, seed=c.seed, across_processes=True
+      model, rows, num_svd_samples=c.num_svd_samples, seed=c.seed, across_processes=True
     ),
   )
   # ExpectedAttentionStats: the query moments of the same rows (kvpress: 100 BookSum chapters)
   out["stats_query_mean_LHD"], out["stats_query_cov_LHDD"] = _timed(
     timings,
     "query_stats",
-    lambda: query_stats(cfg, params, rows, n_sink=c.stats_n_sink, across_processes=True),
+    lambda: query_stats(model, rows, n_sink=c.stats_n_sink, across_processes=True),
   )
   for method in c.duo_methods:
     if method != "official" and not primary:  # the proxies are one cheap pass: process 0's
@@ -426,15 +423,15 @@ def experiment(c, cfg: ModelConfig, params: dict, texts, examples, context, temp
       config = DuoConfig(
         num_steps=c.duo_steps, lr=c.duo_lr, reg_weight=c.duo_reg_weight, batch_size=c.duo_batch
       )
-      trained = train_duo_attention(cfg, params, examples, config, across_processes=True)
+      trained = train_duo_attention(model, examples, config, across_processes=True)
       gates = trained.alpha_LG
       out["duo_loss"], out["duo_distill"] = trained.loss, trained.distill
       out["duo_sink_recent"] = (trained.sink_size, trained.recent_size)
     elif method == "kvpress_on_the_fly":
       ids = texts(c.duo_otf_rows, c.qfilter_length)
-      gates = duo_attention_pattern(cfg, params, method=method, calibration_ids=ids)
+      gates = duo_attention_pattern(model, method=method, calibration_ids=ids)
     else:
-      gates = duo_attention_pattern(cfg, params, examples, method=method)
+      gates = duo_attention_pattern(model, examples, method=method)
     out[f"retrieval_heads_LG_{method}"] = gates
     timings[f"duo_{method}"] = round(time.perf_counter() - t0, 2)
     print(f"duo_{method}: {timings[f'duo_{method}']} s")
@@ -445,7 +442,7 @@ def experiment(c, cfg: ModelConfig, params: dict, texts, examples, context, temp
     timings,
     "kvzip",
     lambda: kvzip_evidence(
-      cfg, params, context, template, options=KVzipOptions(chunk_size=c.kvzip_chunk_size)
+      model, context, template, options=KVzipOptions(chunk_size=c.kvzip_chunk_size)
     ),
   )
   np.savez(workdir / "calibration.npz", **{k: np.asarray(v) for k, v in out.items()})

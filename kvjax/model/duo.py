@@ -232,8 +232,7 @@ class DuoConfig(training.TrainConfig):
 
 
 def train_duo_attention(
-  cfg: ModelConfig,
-  params: dict,
+  model,
   examples,
   config: DuoConfig | None = None,
   *,
@@ -255,8 +254,7 @@ def train_duo_attention(
   2000 steps on 1k-32k tokens), fp32 instead of bf16 FSDP, no sequence parallelism.
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     examples: ``(ids_T, label_mask_T)`` pairs (:func:`duo_examples`); the label mask marks the
       question-and-answer tokens, where the hidden states are distilled.
     config: the hyperparameters (``None``: :class:`DuoConfig`'s defaults).
@@ -277,6 +275,7 @@ def train_duo_attention(
       no label), or a bad :class:`DuoConfig` field (a ``num_steps`` that is not an int ``>= 1``,
       a non-positive ``lr``, a negative ``reg_weight``, malformed ``sizes``).
   """
+  cfg, params = model.cfg, model.params()
   c = DuoConfig.make(config, **options)
   data = _examples(examples, cfg)
   sizes = _sizes(c.sizes, min(ids.shape[1] for ids, _ in data))
@@ -482,8 +481,7 @@ def _sizes(sizes, T: int) -> tuple[int, int]:
 
 
 def duo_attention_pattern(
-  cfg: ModelConfig,
-  params: dict,
+  model,
   examples=None,
   *,
   method: str = "official",
@@ -505,8 +503,7 @@ def duo_attention_pattern(
     averaged over them and over the group, then over the examples.
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     examples: ``(ids_T, label_mask_T)`` pairs (:func:`duo_examples`), for ``"official"`` and
       ``"distant_mass"``.
     method: one of :data:`DUO_METHODS`.
@@ -525,10 +522,11 @@ def duo_attention_pattern(
       malformed ``calibration_ids`` or ``examples``, a ``q_len`` that is not an int ``>= 1``,
       or malformed ``sizes`` (and as :func:`train_duo_attention` for ``"official"``).
   """
+  cfg, params = model.cfg, model.params()
   if method not in DUO_METHODS:
     raise ValueError(f"method: expected one of {DUO_METHODS}, got {method!r}")
   if method == "official":
-    return train_duo_attention(cfg, params, examples, sizes=sizes, **train_options).alpha_LG
+    return train_duo_attention(model, examples, sizes=sizes, **train_options).alpha_LG
   if train_options:
     raise ValueError(f"{sorted(train_options)[0]}: only method='official' trains")
   if method == "kvpress_on_the_fly":

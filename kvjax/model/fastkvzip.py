@@ -40,7 +40,6 @@ from kvjax.model.fastkvzip_gates import (  # noqa: F401
   FORMAT,
   PARAM_KEYS,
   SINK,
-  attention_inputs,
   check_gates,
   dims_of,
   expected_shapes,

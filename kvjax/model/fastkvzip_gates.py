@@ -2,7 +2,7 @@
 and the evidence they give a prompt; :mod:`kvjax.model.fastkvzip` re-exports these.
 
 * :func:`init_gates`, :func:`gate_scores`: the gates, a "low-rank sink attention" applied to
-  attention inputs (:func:`attention_inputs`);
+  attention inputs (:func:`kvjax.model.passes.attention_inputs`);
 * :func:`save` / :func:`load` / :func:`check_gates`: an ``.npz`` file with a json header,
   checked against the model;
 * :func:`fastkvzip_evidence` -> ``fastkvzip_LGT``, the evidence
@@ -172,31 +172,6 @@ def gate_scores(gates: dict, h_LTd) -> Array:
   return jnp.moveaxis(score.reshape(L, *mid, G), -1, 1)
 
 
-# --------------------------------------------------------------------------- attention inputs
-
-
-def attention_inputs(cfg: ModelConfig, params: dict, ids_BT, mask_BT=None) -> Array:
-  """Every layer's attention inputs over a (left-)padded prompt: the hidden states after each
-  layer's input norm, what kvpress's hook reads as ``hidden_states`` and what
-  ``prefill/feature.py`` saves.
-
-  Args:
-    cfg: the model's config.
-    params: the parameter pytree.
-    ids_BT: token ids ``[B, T]``.
-    mask_BT: ``[B, T]`` 0/1 of the real tokens (``None``: all real).
-
-  Returns:
-    fp32 ``[L, B, T, d]``.
-  """
-  ids = jnp.asarray(ids_BT, jnp.int32)
-  mask = jnp.ones(ids.shape, jnp.int32) if mask_BT is None else jnp.asarray(mask_BT)
-  return _inputs_jit(cfg, params, ids, mask)
-
-
-_inputs_jit = jax.jit(passes.prompt_attention_inputs, static_argnums=0)
-
-
 # --------------------------------------------------------------------------- files
 
 
@@ -276,7 +251,7 @@ def load(
 # --------------------------------------------------------------------------- evidence
 
 
-def fastkvzip_evidence(cfg: ModelConfig, params: dict, gates: dict, input_ids, attention_mask=None):
+def fastkvzip_evidence(model, gates: dict, input_ids, attention_mask=None):
   """Computes Fast KVzip's ``fastkvzip_LGT`` of a prompt, as kvpress 0.5.5's ``FastKVzipPress``
   scores it during prefill (``_score_fast``: ``gates[layer](hidden_states)``).
 
@@ -291,8 +266,7 @@ def fastkvzip_evidence(cfg: ModelConfig, params: dict, gates: dict, input_ids, a
   layer), so this suits prompts of a few thousand tokens.
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     gates: the trained gates (:func:`load`, :func:`train_gates`).
     input_ids: the prompt ``[B, T]`` (left-padded when rows differ).
     attention_mask: ``[B, T]`` 0/1 of the real tokens (``None``: all real).
@@ -304,7 +278,7 @@ def fastkvzip_evidence(cfg: ModelConfig, params: dict, gates: dict, input_ids, a
     ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule, a mask of
       another shape, or gates that do not fit the model (:func:`check_gates`).
   """
-  ids, mask = passes.padded_prompt(cfg, input_ids, attention_mask)
-  check_gates(gates, cfg)
+  ids, mask = passes.padded_prompt(model.cfg, input_ids, attention_mask)
+  check_gates(gates, model.cfg)
   gates = {k: jnp.asarray(gates[k], jnp.float32) for k in PARAM_KEYS}
-  return passes.learned_scores(cfg, params, gate_scores, gates, ids, mask)
+  return passes.learned_scores(model, gate_scores, gates, ids, mask)

@@ -25,12 +25,10 @@ import numpy as np
 import optax
 
 from kvjax import checks, distributed, policies, rundir
-from kvjax.model import training
-from kvjax.model.config import ModelConfig
+from kvjax.model import passes, training
 from kvjax.model.fastkvzip_gates import (
   DIM,
   SINK,
-  attention_inputs,
   fastkvzip_evidence,
   gate_scores,
   init_gates,
@@ -51,8 +49,7 @@ ACC_THRESHOLD = 0.05  # utils.acc_fn's threshold
 
 
 def gate_targets(
-  cfg: ModelConfig,
-  params: dict,
+  model,
   context_ids,
   template: KVzipTemplate,
   *,
@@ -72,8 +69,7 @@ def gate_targets(
   official features are the model's dtype, bfloat16); the template comes pre-tokenised.
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     context_ids: the contexts ``[T]`` or ``[B, T]`` (equal lengths, unpadded).
     template: the reconstruction prompt (:func:`kvjax.model.reconstruction.kvzip_template`).
     kvzip: KVzip's options (:class:`~kvjax.model.reconstruction.KVzipOptions`; ``None``: the
@@ -86,11 +82,11 @@ def gate_targets(
   Raises:
     ValueError: as :func:`kvjax.model.reconstruction.kvzip_evidence` (ids, template, sizes).
   """
-  y = kvzip_evidence(cfg, params, context_ids, template, options=kvzip)
+  y = kvzip_evidence(model, context_ids, template, options=kvzip)
   ids = np.asarray(context_ids)
   ids = ids[None] if ids.ndim == 1 else ids
   y = y[:, None] if y.ndim == 3 else y  # [L, B, G, T]
-  h = attention_inputs(cfg, params, ids)  # [L, B, T, d]
+  h = passes.attention_inputs(model, ids)  # [L, B, T, d]
   prefix = template.prefix_length
   X = np.asarray(h[:, :, prefix:]).transpose(1, 2, 0, 3)  # [B, n, L, d]
   y = np.asarray(y[..., prefix:]).transpose(1, 3, 0, 2)  # [B, n, L, G]
@@ -428,14 +424,13 @@ def train_gates(
 COLUMNS = ("step", "train_loss", "test_loss", "train_acc", "test_acc")  # a history row
 
 
-def compare_with_kvzip(c, cfg: ModelConfig, params: dict, gates: dict, rows, template) -> list:
+def compare_with_kvzip(c, model, gates: dict, rows, template) -> list:
   """On held-out contexts: the share of KVzip's kept pairs (pooled, half the context per head)
   that Fast KVzip's policy also keeps, and the time of each one's evidence.
 
   Args:
     c: the settings (``chunk_size``, ``n_sink``: KVzip's).
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     gates: the trained gates.
     rows: the held-out contexts ``[B, T]``.
     template: KVzip's reconstruction prompt.
@@ -447,11 +442,9 @@ def compare_with_kvzip(c, cfg: ModelConfig, params: dict, gates: dict, rows, tem
   out = []
   for row in rows:
     kv, t_kvzip = training.timed(
-      lambda row=row: kvzip_evidence(cfg, params, row, template, options=kvzip)
+      lambda row=row: kvzip_evidence(model, row, template, options=kvzip)
     )
-    ev, t_fast = training.timed(
-      lambda row=row: fastkvzip_evidence(cfg, params, gates, row[None])[:, 0]
-    )
+    ev, t_fast = training.timed(lambda row=row: fastkvzip_evidence(model, gates, row[None])[:, 0])
     budget = row.size // 2
     ref = np.asarray(KVzip().keep_mask(policies.Evidence(reconstruction_attn_LGT=kv), budget))
     ours = np.asarray(FastKVzip().keep_mask(policies.Evidence(fastkvzip_LGT=ev), budget))
@@ -467,7 +460,7 @@ def compare_with_kvzip(c, cfg: ModelConfig, params: dict, gates: dict, rows, tem
   return out
 
 
-def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate, source: str):
+def experiment(c, model, rows, template: KVzipTemplate, source: str):
   """Fast KVzip's gates of ``python -m experiments.fastkvzip``: every process calls it with the
   same arguments, process 0 writes the files.
 
@@ -484,8 +477,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
     c: the settings (``configs/fastkvzip.py``): ``workdir``, ``model``, ``dtype``, ``rows``,
       ``length``, ``batch_rows``, ``chunk_size``, ``n_sink``, ``prefix``, ``suffix`` and the
       :class:`GateConfig` fields.
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     rows: the contexts ``[rows + held out, T]``
       (:func:`kvjax.model.reconstruction.kvzip_corpus`).
     template: KVzip's reconstruction prompt, of the targets and of the comparison.
@@ -509,7 +501,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
   kvzip = KVzipOptions.from_settings(c)
 
   def part(part_rows, _):
-    return gate_targets(cfg, params, part_rows, template, kvzip=kvzip)
+    return gate_targets(model, part_rows, template, kvzip=kvzip)
 
   data, seconds = training.saved_targets(c, workdir, rows, names, part)
   X, y = data["X"], data["y"]
@@ -520,7 +512,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
   trained = train_gates(
     X,
     y,
-    cfg.num_groups,
+    model.cfg.num_groups,
     config,
     checkpoint_dir=workdir / "gate_checkpoints",
     across_processes=True,
@@ -544,7 +536,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
     **baseline,
     "final": dict(zip(COLUMNS, trained.history[-1], strict=True)),
     "history": np.asarray(trained.history).tolist(),
-    "held_out": compare_with_kvzip(c, cfg, params, trained.gates, held_out, template),
+    "held_out": compare_with_kvzip(c, model, trained.gates, held_out, template),
     "timings_s": timings,
     "processes": distributed.process_count(),
   }
@@ -554,7 +546,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
     workdir / "fastkvzip_gates.npz",
     trained.gates,
     meta,
-    identity=checks.model_identity(cfg, params),
+    identity=checks.model_identity(model.cfg, model.params()),
   )
   (workdir / "results.json").write_text(json.dumps(results, indent=1))
   print(

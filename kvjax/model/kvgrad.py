@@ -122,8 +122,7 @@ _chunk_scores_jit = jax.jit(_chunk_scores, static_argnums=(0, 6, 7))
 
 
 def kvgrad_evidence(
-  cfg: ModelConfig,
-  params: dict,
+  model,
   context_ids,
   template: KVzipTemplate,
   *,
@@ -159,8 +158,7 @@ def kvgrad_evidence(
     builds it from the model's tokenizer and chat template.
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     context_ids: the context ``[T]``, or a ``[B, T]`` batch of unpadded rows.
     template: the reconstruction prompt (:func:`kvjax.model.reconstruction.kvzip_template`).
     options: ``chunk_size``, context tokens per replay, and ``n_sink``, the first context tokens
@@ -178,6 +176,7 @@ def kvgrad_evidence(
       :class:`~kvjax.model.reconstruction.KVzipTemplate`, or a ``prefix_length`` that leaves
       nothing to reconstruct.
   """
+  cfg, params = model.cfg, model.params()
   single = np.ndim(context_ids) == 1
   ids = passes.ids_2d("context_ids", context_ids, cfg)
   options = check_kvzip_options("options", OPTIONS if options is None else options)

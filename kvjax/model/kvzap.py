@@ -105,8 +105,7 @@ def repeat_ids(context_BT: np.ndarray, template: KVzipTemplate) -> tuple[np.ndar
 
 
 def kvzap_targets(
-  cfg: ModelConfig,
-  params: dict,
+  model,
   context_ids,
   template: KVzipTemplate,
   *,
@@ -130,8 +129,7 @@ def kvzap_targets(
   numpy's generator, not torch's; the model's sliding window applies.
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     context_ids: the contexts ``[T]`` or ``[B, T]`` (equal lengths), each starting with
       ``template.prefix_length`` chat-template tokens that are not targets.
     template: the reconstruction prompt (:func:`kvjax.model.reconstruction.kvzip_template`).
@@ -146,6 +144,7 @@ def kvzap_targets(
       ``template`` that is not a :class:`~kvjax.model.reconstruction.KVzipTemplate`, a
       ``prefix_length`` that leaves nothing, or an ``n_tokens`` below 1 or above the positions.
   """
+  cfg, params = model.cfg, model.params()
   ids = passes.ids_2d("context_ids", context_ids, cfg)
   B, T = ids.shape
   prefix = check_template(template, cfg, T, ("first_ids", "suffix_ids"), "score")
@@ -660,9 +659,7 @@ def load(
 # --------------------------------------------------------------------------- evidence
 
 
-def kvzap_evidence(
-  cfg: ModelConfig, params: dict, surrogate: Surrogate, input_ids, attention_mask=None
-) -> Array:
+def kvzap_evidence(model, surrogate: Surrogate, input_ids, attention_mask=None) -> Array:
   """Computes KVzap's ``kvzap_LGT`` of a prompt, as kvpress 0.5.5's ``KVzapPress.score``.
 
   One dense causal forward over the prompt gives every layer's attention inputs (the hidden
@@ -674,8 +671,7 @@ def kvzap_evidence(
   forward is dense (``[B, Hq, T, T]`` per layer), so this suits calibration-sized prompts.
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     surrogate: the trained surrogate (:func:`load`, :func:`fit_linear`, :func:`train_mlp`).
     input_ids: the prompt ``[B, T]`` (left-padded when rows differ).
     attention_mask: ``[B, T]`` 0/1 of the real tokens (``None``: all real).
@@ -687,15 +683,15 @@ def kvzap_evidence(
     ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule, a mask of
       another shape, or a surrogate that does not fit the model (:func:`check_surrogate`).
   """
-  ids, mask = passes.padded_prompt(cfg, input_ids, attention_mask)
-  check_surrogate(surrogate, cfg)
-  return passes.learned_scores(cfg, params, apply, surrogate, ids, mask)
+  ids, mask = passes.padded_prompt(model.cfg, input_ids, attention_mask)
+  check_surrogate(surrogate, model.cfg)
+  return passes.learned_scores(model, apply, surrogate, ids, mask)
 
 
 # --------------------------------------------------------------------------- the experiment
 
 
-def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate, source: str):
+def experiment(c, model, rows, template: KVzipTemplate, source: str):
   """KVzap's surrogates of ``python -m experiments.kvzap``: every process calls it with the
   same arguments, process 0 writes the files.
 
@@ -713,8 +709,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
     c: the settings (``configs/kvzap.py``): ``workdir``, ``model``, ``dtype``, ``rows``,
       ``length``, ``test_rows``, ``n_tokens``, ``batch_rows``, ``prefix``, ``suffix``,
       ``ridge_alpha`` and the :class:`MLPConfig` fields.
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     rows: the contexts ``[rows, T]`` (:func:`kvjax.model.reconstruction.kvzip_corpus`).
     template: KVzip's reconstruction prompt.
     source: where the text comes from (kept in the files).
@@ -734,7 +729,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
   names = ("model", "dtype", "rows", "length", "n_tokens", "batch_rows", "seed", "prefix", "suffix")
 
   def part(part_rows, i):
-    return kvzap_targets(cfg, params, part_rows, template, n_tokens=c.n_tokens, seed=c.seed + i)
+    return kvzap_targets(model, part_rows, template, n_tokens=c.n_tokens, seed=c.seed + i)
 
   data, seconds = training.saved_targets(c, workdir, rows, names, part)
   timings = {"targets": seconds}
@@ -771,7 +766,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
     "processes": distributed.process_count(),
   }
   meta = {k: getattr(c, k) for k in ("model", "rows", "length", "n_tokens")} | {"source": source}
-  identity = checks.model_identity(cfg, params)
+  identity = checks.model_identity(model.cfg, model.params())
   for kind, s in (("linear", linear), ("mlp", trained.surrogate)):
     fields = {**meta, "test_mse": results["test_mse"][kind]}
     save(workdir / f"kvzap_{kind}.npz", s, fields, identity=identity)

@@ -19,33 +19,18 @@ from __future__ import annotations
 import jax
 
 from kvjax.model import fastkvzip, kvzap
+from kvjax.model.passes import attention_inputs  # noqa: F401 (km.attention_inputs)
 from kvjax.policies import evidence as evidence_lib
 
 Array = jax.Array
 
 
-def attention_inputs(model, input_ids, attention_mask=None) -> Array:
-  """Every layer's attention inputs over a prompt: the hidden states after each layer's input
-  norm (what kvpress's hooks read as ``hidden_states``), the features of the learned scorers.
-
-  Args:
-    model: the model (:class:`kvjax.model.llama.Llama`).
-    input_ids: token ids ``[B, T]``.
-    attention_mask: ``[B, T]`` 0/1 of the real tokens (``None``: all real).
-
-  Returns:
-    fp32 ``[L, B, T, d]``.
-  """
-  return fastkvzip.attention_inputs(model.cfg, model.params(), input_ids, attention_mask)
-
-
 def _kvzap(model, input_ids, attention_mask, surrogate) -> Array:
-  return kvzap.kvzap_evidence(model.cfg, model.params(), surrogate, input_ids, attention_mask)
+  return kvzap.kvzap_evidence(model, surrogate, input_ids, attention_mask)
 
 
 def _fastkvzip(model, input_ids, attention_mask, gates) -> Array:
-  cfg, params = model.cfg, model.params()
-  return fastkvzip.fastkvzip_evidence(cfg, params, gates, input_ids, attention_mask)
+  return fastkvzip.fastkvzip_evidence(model, gates, input_ids, attention_mask)
 
 
 evidence_lib.provide("kvzap_LGT", _kvzap, resource="kvzap", load=kvzap.load)

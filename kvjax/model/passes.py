@@ -4,8 +4,8 @@ The calibration passes (:mod:`kvjax.model.calibrate`, :mod:`kvjax.model.duo`,
 :mod:`kvjax.model.reconstruction`) share checked token-id rows, the
 positions and causal mask of an unpadded prompt, and the pre-RoPE queries and keys of a layer;
 the learned scorers (:mod:`kvjax.model.kvzap`, :mod:`kvjax.model.fastkvzip`) share a
-checked (left-)padded prompt, every layer's attention inputs over it and the jitted pass that
-scores them (:func:`learned_scores`).
+checked (left-)padded prompt, every layer's attention inputs over it (:func:`attention_inputs`,
+the features of the learned scorers) and the jitted pass that scores them (:func:`learned_scores`).
 
 Every pass built on them is a plain layer loop (``lax.scan`` over the stacked layers) of the
 public functions of :mod:`kvjax.model.llama`, with dense attention: calibration prompts are
@@ -189,6 +189,28 @@ def prompt_attention_inputs(cfg: ModelConfig, params: dict, ids_BT: Array, mask_
   return h
 
 
+_inputs_jit = jax.jit(prompt_attention_inputs, static_argnums=0)
+
+
+def attention_inputs(model, input_ids, attention_mask=None) -> Array:
+  """Every layer's attention inputs over a (left-)padded prompt: the hidden states after each
+  layer's input norm (what kvpress's hooks read as ``hidden_states`` and Fast KVzip's
+  ``prefill/feature.py`` saves), the features of the learned scorers; one jitted dense causal
+  pass (:func:`prompt_attention_inputs`).
+
+  Args:
+    model: the model (:class:`kvjax.model.llama.Llama`).
+    input_ids: token ids ``[B, T]``.
+    attention_mask: ``[B, T]`` 0/1 of the real tokens (``None``: all real).
+
+  Returns:
+    fp32 ``[L, B, T, d]``.
+  """
+  ids = jnp.asarray(input_ids, jnp.int32)
+  mask = jnp.ones(ids.shape, jnp.int32) if attention_mask is None else jnp.asarray(attention_mask)
+  return _inputs_jit(model.cfg, model.params(), ids, mask)
+
+
 def _learned_scores(cfg, params, score, component, ids_BT, mask_BT):  # [L, G, B, T]
   return score(component, prompt_attention_inputs(cfg, params, ids_BT, mask_BT))
 
@@ -196,13 +218,12 @@ def _learned_scores(cfg, params, score, component, ids_BT, mask_BT):  # [L, G, B
 _learned_scores_jit = jax.jit(_learned_scores, static_argnums=(0, 2))
 
 
-def learned_scores(cfg: ModelConfig, params: dict, score, component, ids, mask) -> Array:
+def learned_scores(model, score, component, ids, mask) -> Array:
   """A learned scorer's scores of a prompt: ``score(component, h_LBTd)`` of every layer's
   attention inputs (:func:`prompt_attention_inputs`), in one jitted dense causal pass.
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     score: ``(component, h_LBTd) -> [L, G, B, T]``, a module-level function (the jit's static
       key), e.g. :func:`kvjax.model.kvzap.apply`.
     component: its trained arrays, checked against the model.
@@ -212,6 +233,7 @@ def learned_scores(cfg: ModelConfig, params: dict, score, component, ids, mask) 
   Returns:
     Scores ``[L, B, G, T]``, in the dtype ``score`` gives.
   """
+  cfg, params = model.cfg, model.params()
   out = _learned_scores_jit(
     cfg, params, score, component, jnp.asarray(ids, jnp.int32), jnp.asarray(mask)
   )

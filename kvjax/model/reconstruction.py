@@ -344,8 +344,7 @@ _reconstruct_jit = jax.jit(_reconstruct, static_argnums=(0, 6, 7, 8))
 
 
 def kvzip_evidence(
-  cfg: ModelConfig,
-  params: dict,
+  model,
   context_ids,
   template: KVzipTemplate,
   *,
@@ -368,8 +367,7 @@ def kvzip_evidence(
   applied to the forward pass (the score ignores it, as kvpress).
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     context_ids: the context ``[T]``, or a ``[B, T]`` batch of unpadded rows.
     template: the reconstruction prompt (:func:`kvzip_template`).
     options: ``chunk_size``, ``n_sink`` and ``plus`` (:class:`KVzipOptions`; ``None``: the
@@ -384,6 +382,7 @@ def kvzip_evidence(
       ``chunk_size`` below 1, a negative ``n_sink``, a ``template`` that is not a
       :class:`KVzipTemplate`, or a ``prefix_length`` that leaves nothing to reconstruct.
   """
+  cfg, params = model.cfg, model.params()
   ids = passes.ids_2d("context_ids", context_ids, cfg)
   single = np.ndim(context_ids) == 1
   options = check_kvzip_options("options", options)
@@ -433,7 +432,7 @@ def _repeat_attention(cfg, params, keys_LBGTD, values_LBGTD, repeat_BQ):
 _repeat_attention_jit = jax.jit(_repeat_attention, static_argnums=0)
 
 
-def kvcompose_evidence(cfg: ModelConfig, params: dict, context_ids, prompt_ids=None) -> Array:
+def kvcompose_evidence(model, context_ids, prompt_ids=None) -> Array:
   """Computes KVCompose's ``reconstruction_attn_LHT`` of a context, as kvpress 0.5.5's
   ``KVComposePress``.
 
@@ -447,8 +446,7 @@ def kvcompose_evidence(cfg: ModelConfig, params: dict, context_ids, prompt_ids=N
   list of prompts one after another, the cache growing).
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     context_ids: the context ``[T]``, or a ``[B, T]`` batch of unpadded rows.
     prompt_ids: the second pass's ids ``[Q]`` or ``[B, Q]`` (``None``: the context).
 
@@ -459,6 +457,7 @@ def kvcompose_evidence(cfg: ModelConfig, params: dict, context_ids, prompt_ids=N
     ValueError: for ids breaking :func:`kvjax.model.llama.check_token_ids`'s rule, or prompt
       rows that do not match the context's.
   """
+  cfg, params = model.cfg, model.params()
   ids = passes.ids_2d("context_ids", context_ids, cfg)
   single = np.ndim(context_ids) == 1
   B, T = ids.shape

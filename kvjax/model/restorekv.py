@@ -37,7 +37,6 @@ import numpy as np
 
 from kvjax.model import cache as cache_lib
 from kvjax.model import llama
-from kvjax.model.config import ModelConfig
 from kvjax.model.reconstruction import KVzipOptions, KVzipTemplate, kvzip_evidence
 
 # The adapter and its training live beside this module; restorekv.X reaches every part.
@@ -88,8 +87,7 @@ def _evidence_jit(cfg, params, adapter, ids_BT):
 
 
 def restorekv_evidence(
-  cfg: ModelConfig,
-  params: dict,
+  model,
   adapter: Adapter,
   context_ids,
   template: KVzipTemplate,
@@ -101,8 +99,7 @@ def restorekv_evidence(
   (:func:`restore_kv`).
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     adapter: the trained :class:`Adapter` (:func:`load`, :func:`train_adapter`).
     context_ids: the context ``[T]``, or a ``[B, T]`` batch of unpadded rows.
     template: KVzip's reconstruction prompt (:func:`kvjax.model.reconstruction.kvzip_template`).
@@ -118,18 +115,17 @@ def restorekv_evidence(
     ValueError: as :func:`kvjax.model.reconstruction.kvzip_evidence`, and for an adapter that does
       not fit the model (:func:`check_adapter`).
   """
-  check_adapter(adapter, cfg)
-  attn = kvzip_evidence(cfg, params, context_ids, template, options=kvzip)
-  return {"reconstruction_attn_LGT": attn, **restore_evidence(cfg, params, adapter, context_ids)}
+  check_adapter(adapter, model.cfg)
+  attn = kvzip_evidence(model, context_ids, template, options=kvzip)
+  return {"reconstruction_attn_LGT": attn, **restore_evidence(model, adapter, context_ids)}
 
 
-def restore_evidence(cfg: ModelConfig, params: dict, adapter: Adapter, context_ids) -> dict:
+def restore_evidence(model, adapter: Adapter, context_ids) -> dict:
   """The restore tokens' keys and values after a context (:func:`restore_kv` after a prefill
   of it), without KVzip's scores.
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     adapter: the trained :class:`Adapter`.
     context_ids: the context ``[T]``, or a ``[B, T]`` batch of unpadded rows.
 
@@ -141,6 +137,7 @@ def restore_evidence(cfg: ModelConfig, params: dict, adapter: Adapter, context_i
     ValueError: for an adapter that does not fit the model, or ids that are not ``[T]`` or
       ``[B, T]`` tokens of the vocabulary.
   """
+  cfg, params = model.cfg, model.params()
   check_adapter(adapter, cfg)
   ids = np.asarray(context_ids)
   single = ids.ndim == 1

@@ -50,8 +50,7 @@ LR, BATCH_SIZE, MAX_STEPS, CLIP = 1e-3, 4, 300, 1.0
 
 
 def training_data(
-  cfg: ModelConfig,
-  params: dict,
+  model,
   rows_BT,
   template: KVzipTemplate,
   *,
@@ -65,8 +64,7 @@ def training_data(
   RestoreKV keeps at ``ratio`` are fixed once (KVzip's scores do not depend on the adapter).
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     rows_BT: unpadded text rows ``[B, T]`` with ``T > context``.
     template: KVzip's reconstruction prompt.
     context: the context tokens of each row.
@@ -105,7 +103,7 @@ def training_data(
   policy = RestoreKV(restore_tokens=tokens, sinks=sinks) if tokens else KVzip(sinks=sinks)
   policy.check_budget(budget, 0)
   ctx, cont = rows[:, :context], rows[:, context:]
-  attn = np.asarray(kvzip_evidence(cfg, params, ctx, template, options=kvzip))
+  attn = np.asarray(kvzip_evidence(model, ctx, template, options=kvzip))
   L, B, G, T = attn.shape
   keep = np.zeros((L, B, G, T), bool)
   for b in range(B):
@@ -263,8 +261,7 @@ def _check_examples(name: str, data) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def train_adapter(
-  cfg: ModelConfig,
-  params: dict,
+  model,
   train,
   config: AdapterConfig | None = None,
   *,
@@ -284,8 +281,7 @@ def train_adapter(
   from the last checkpoint: the result equals an uninterrupted run's.
 
   Args:
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     train: ``(context_BT, continuation_BM, keep_LBGT)`` (:func:`training_data`).
     config: the hyperparameters (``None``: :class:`AdapterConfig`'s defaults).
     test: held-out examples of the same form, scored every ``log_every`` steps (``None``: no
@@ -303,6 +299,7 @@ def train_adapter(
       ``batch_size``, examples whose arrays disagree in shape, or a ``checkpoint_dir`` holding
       a run with other arguments.
   """
+  cfg, params = model.cfg, model.params()
   c = AdapterConfig.make(config, **options)
   ctx, cont, keep = _check_examples("train", train)
   if len(ctx) < c.batch_size:
@@ -351,13 +348,12 @@ def train_adapter(
 # --------------------------------------------------------------------------- the experiment
 
 
-def restore_timings(c, cfg: ModelConfig, params: dict, adapter: Adapter, row, template) -> dict:
+def restore_timings(c, model, adapter: Adapter, row, template) -> dict:
   """The restore pass (a prefill and the ``N`` tokens) against KVzip's reconstruction evidence.
 
   Args:
     c: the settings (``chunk_size``, ``n_sink``, ``plus``: KVzip's).
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     adapter: the :class:`Adapter`.
     row: one context ``[T]``.
     template: KVzip's reconstruction prompt.
@@ -365,16 +361,17 @@ def restore_timings(c, cfg: ModelConfig, params: dict, adapter: Adapter, row, te
   Returns:
     ``{"tokens", "restore_pass_s", "kvzip_evidence_s"}``.
   """
+  cfg, params = model.cfg, model.params()
   ids = jnp.asarray(row[None])
   restore = jax.jit(lambda p, a, x: restore_kv(cfg, p, a, llama.prefill(cfg, p, x)))
   _, t_restore = training.timed(lambda: restore(params, adapter, ids))
   _, t_kvzip = training.timed(
-    lambda: kvzip_evidence(cfg, params, row, template, options=KVzipOptions.from_settings(c))
+    lambda: kvzip_evidence(model, row, template, options=KVzipOptions.from_settings(c))
   )
   return {"tokens": int(row.size), "restore_pass_s": t_restore, "kvzip_evidence_s": t_kvzip}
 
 
-def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate, source: str):
+def experiment(c, model, rows, template: KVzipTemplate, source: str):
   """RestoreKV's adapter of ``python -m experiments.restorekv`` (one process).
 
   Each row is a context of ``template.prefix_length + c.length`` tokens and the continuation
@@ -392,8 +389,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
     c: the settings (``configs/restorekv.py``): ``workdir``, ``model``, ``dtype``, ``rows``,
       ``length``, ``continuation``, ``batch_rows``, ``ratio``, ``chunk_size``, ``n_sink``,
       ``plus``, ``prefix``, ``suffix`` and the :class:`AdapterConfig` fields.
-    cfg: the model's config.
-    params: the parameter pytree.
+    model: the model (:class:`kvjax.model.llama.Llama`).
     rows: the text rows ``[rows + test rows, header + length + continuation]``
       (:func:`kvjax.model.reconstruction.kvzip_corpus`).
     template: KVzip's reconstruction prompt.
@@ -406,6 +402,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
     ValueError: for a refused ``workdir`` (:func:`kvjax.rundir.check_workdir`), saved data or
       checkpoints of other settings, or bad :class:`AdapterConfig` fields.
   """
+  cfg, params = model.cfg, model.params()
   workdir = rundir.check_workdir(c.workdir)
   config = AdapterConfig.from_settings(c)
   workdir.mkdir(parents=True, exist_ok=True)
@@ -420,8 +417,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
 
     def part(i):
       return training_data(
-        cfg,
-        params,
+        model,
         part_rows[i : i + c.batch_rows],
         template,
         context=context,
@@ -445,9 +441,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
   spent = {"data": round(time.perf_counter() - t0, 2)}
   print(f"examples: {len(train[0])} train, {len(test[0])} test; context {context} tokens")
   t0 = time.perf_counter()
-  trained = train_adapter(
-    cfg, params, train, config, test=test, checkpoint_dir=workdir / "checkpoints"
-  )
+  trained = train_adapter(model, train, config, test=test, checkpoint_dir=workdir / "checkpoints")
   spent["training"] = round(time.perf_counter() - t0, 2)
   results = {
     "model": c.model,
@@ -462,7 +456,7 @@ def experiment(c, cfg: ModelConfig, params: dict, rows, template: KVzipTemplate,
     "test_kl_trained": trained.history[-1][2],
     "test_kl_kvzip_alone": mean_loss(cfg, params, None, baseline, c.batch_size),
     "history": [list(r) for r in trained.history],
-    "timing": restore_timings(c, cfg, params, trained.adapter, test_rows[0, :context], template),
+    "timing": restore_timings(c, model, trained.adapter, test_rows[0, :context], template),
     "seconds": spent,
   }
   meta = {k: getattr(c, k) for k in ("model", "rows", "ratio", "max_steps")}
