@@ -199,7 +199,7 @@ def smollm2(arrays: dict, meta: dict) -> None:
   jmodel, cfg = km.load(assets.SMOLLM2, dtype=np.float32)
   tok = km.load_tokenizer(assets.SMOLLM2)
   ids = np.asarray(tok.encode(streaming.reference_text(4000))[:256], np.int32)
-  surrogate, _ = kvzap.load(SMOLLM2_WEIGHTS, cfg)
+  surrogate, _ = kvzap.load(SMOLLM2_WEIGHTS, jmodel, unverified=True)
   weights = {k: np.asarray(v) for k, v in surrogate.params.items()}
   ckpt = tempfile.mkdtemp()
   try:

@@ -4,6 +4,7 @@ one it was trained on, even one of the same shapes."""
 
 import dataclasses
 import pathlib
+import types
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +100,12 @@ def two_models():
   return cfg, params, other
 
 
+def _model(cfg, params):
+  """A model of ``cfg`` and ``params`` as the file loaders read one (its ``cfg`` and
+  ``params()``), so the same weights can be paired with another config."""
+  return types.SimpleNamespace(cfg=cfg, params=lambda: params)
+
+
 def _learned(kind, cfg, params):
   """``(module, an untrained instance)`` of each kind of learned file."""
   if kind == "kvzap":
@@ -118,21 +125,20 @@ def test_a_learned_file_is_refused_for_another_model_of_the_same_shapes(two_mode
   path = lib.save(
     tmp_path / "f.npz", thing, {"model": "tiny"}, identity=checks.model_identity(cfg, params)
   )
-  _, meta = lib.load(path, cfg, params)  # its own model
+  _, meta = lib.load(path, _model(cfg, params))  # its own model
   assert meta["model_identity"] == checks.model_identity(cfg, params)
   with pytest.raises(
     ValueError, match=r"f\.npz.*trained on another model of the same config: its weights differ"
   ):
-    lib.load(path, cfg, other)
-  lib.load(path, cfg, other, unverified=True)  # the caller's explicit choice
+    lib.load(path, _model(cfg, other))
+  lib.load(path, _model(cfg, other), unverified=True)  # the caller's explicit choice
   other_config = dataclasses.replace(
     cfg, rope_theta=cfg.rope_theta * 2
   )  # same shapes, other config
   with pytest.raises(
     ValueError, match=r"config differs \(file, this model\): rope_theta \(10000\.0, 20000\.0\)"
   ):
-    lib.load(path, other_config, params)
-  lib.load(path, cfg)  # without the model's weights: the shapes only
+    lib.load(path, _model(other_config, params))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -140,11 +146,11 @@ def test_a_learned_file_without_an_identity_needs_the_explicit_opt_out(two_model
   cfg, params, _ = two_models
   lib, thing = _learned(kind, cfg, params)
   path = lib.save(tmp_path / "old.npz", thing, {"model": "tiny"})  # as files saved before
-  _, meta = lib.load(path, cfg)
+  _, meta = lib.load(path, _model(cfg, params), unverified=True)
   assert "model_identity" not in meta
   with pytest.raises(ValueError, match=r"old\.npz.*records no model identity.*unverified=True"):
-    lib.load(path, cfg, params)
-  lib.load(path, cfg, params, unverified=True)
+    lib.load(path, _model(cfg, params))
+  lib.load(path, _model(cfg, params), unverified=True)
 
 
 def test_the_model_identity_is_the_same_in_float32_and_bfloat16(two_models):

@@ -32,8 +32,8 @@ def context():
 
 
 def _load(context, path, policy=None):
-  model, cfg, pol, _ = context
-  return stored.load(path, cfg, model.params(), pol if policy is None else policy)
+  model, _, pol, _ = context
+  return stored.load(path, model, pol if policy is None else policy)
 
 
 def _edited(ctx, **cache_fields):

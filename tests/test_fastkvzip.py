@@ -15,6 +15,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +51,7 @@ def fx():
 @pytest.fixture(scope="module")
 def tiny():
   model, cfg = km.load(FIXTURES / "kvpress_tiny_llama")
-  gates, _ = fastkvzip.load(WEIGHTS, cfg)
+  gates, _ = fastkvzip.load(WEIGHTS, model, unverified=True)
   return model, cfg, model.params(), gates
 
 
@@ -275,33 +276,40 @@ def test_schedule_and_split_are_the_official_ones():
 # --------------------------------------------------------------------------- files and errors
 
 
+def _with_config(model, cfg):
+  """``model``'s weights under another config, as the file loaders read a model (its ``cfg`` and
+  ``params()``): a file's shapes are checked against ``cfg``."""
+  return types.SimpleNamespace(cfg=cfg, params=model.params)
+
+
 def test_save_load_round_trip_and_wrong_files(tiny, tmp_path):
-  _, cfg, _, gates = tiny
+  model, cfg, _, gates = tiny
   path = fastkvzip.save(tmp_path / "g.npz", gates, {"model": "tiny"})
-  back, meta = fastkvzip.load(path, cfg)
+  back, meta = fastkvzip.load(path, model, unverified=True)
   assert meta["model"] == "tiny" and meta["format"] == fastkvzip.FORMAT
   for k in fastkvzip.PARAM_KEYS:
     np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(gates[k]))
-  other = dataclasses.replace(cfg, hidden_size=32)
+  other = _with_config(model, dataclasses.replace(cfg, hidden_size=32))
   with pytest.raises(
     ValueError, match=r"g\.npz.*'tiny'.*wq \(2, 64, 64\) \(expected \(2, 32, 64\)\)"
   ):
-    fastkvzip.load(path, other)
+    fastkvzip.load(path, other, unverified=True)
   with pytest.raises(ValueError, match=r"fastkvzip_tiny_gates\.npz.*G=4.*b \(2, 2, 2\)"):
-    fastkvzip.load(WEIGHTS, dataclasses.replace(cfg, num_kv_heads=4, num_heads=8))
+    wide = _with_config(model, dataclasses.replace(cfg, num_kv_heads=4, num_heads=8))
+    fastkvzip.load(WEIGHTS, wide, unverified=True)
   header = np.asarray(json.dumps({"format": fastkvzip.FORMAT}))
   arrays = {k: np.asarray(v) for k, v in gates.items() if k != "k_base"}
   np.savez(tmp_path / "missing.npz", meta_json=header, **arrays)
   with pytest.raises(ValueError, match=r"missing\.npz.*lacks the gate arrays \['k_base'\]"):
-    fastkvzip.load(tmp_path / "missing.npz", cfg)
+    fastkvzip.load(tmp_path / "missing.npz", model, unverified=True)
   np.savez(tmp_path / "bare.npz", w=np.zeros(3))
   with pytest.raises(ValueError, match=r"bare\.npz has no meta_json"):
-    fastkvzip.load(tmp_path / "bare.npz", cfg)
+    fastkvzip.load(tmp_path / "bare.npz", model, unverified=True)
   np.savez(tmp_path / "kvzap.npz", meta_json=np.asarray(json.dumps({"format": "kvjax.kvzap/1"})))
   with pytest.raises(ValueError, match=r"kvzap\.npz has format 'kvjax.kvzap/1'"):
-    fastkvzip.load(tmp_path / "kvzap.npz", cfg)
+    fastkvzip.load(tmp_path / "kvzap.npz", model, unverified=True)
   with pytest.raises(ValueError, match=r"nothing\.npz"):
-    fastkvzip.load(tmp_path / "nothing.npz", cfg)
+    fastkvzip.load(tmp_path / "nothing.npz", model, unverified=True)
 
 
 def test_bad_arguments_are_named(tiny):
@@ -392,7 +400,7 @@ def test_experiment_entry_point_and_resume(tmp_path):
   assert runs[1].returncode == 0, runs[1].stderr[-2000:]
   assert "targets: contexts" not in runs[1].stdout and "fastkvzip gates: [" not in runs[1].stdout
   assert json.loads((tmp_path / "results.json").read_text())["history"] == first["history"]
-  gates, meta = fastkvzip.load(tmp_path / "fastkvzip_gates.npz", km.load_tiny()[1])
+  gates, meta = fastkvzip.load(tmp_path / "fastkvzip_gates.npz", km.load_tiny()[0])
   assert meta["model"] == "tiny" and meta["source"] == "task filler"
 
 

@@ -14,6 +14,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +110,7 @@ def test_evidence_and_kept_set_match_kvpress(fx, tiny, run):
   policy on them keeps kvpress's pairs (alone at ratio 0.5; inside DMS at its threshold)."""
   model, cfg, params = tiny
   kind = fx["meta"]["runs"][run]["kind"]
-  surrogate, meta = kvzap.load(WEIGHTS[kind], cfg)
+  surrogate, meta = kvzap.load(WEIGHTS[kind], model, unverified=True)
   assert surrogate.kind == kind and meta["model"] == "tests/fixtures/kvpress_tiny_llama"
   ev_LBGT = kvzap.kvzap_evidence(model, surrogate, fx["input_ids_T"][None])
   assert ev_LBGT.shape == (cfg.num_layers, 1, cfg.num_kv_heads, fx["input_ids_T"].size)
@@ -127,7 +128,7 @@ def test_through_the_model_keeps_kvpress_set(fx, tiny, run):
   repeated over its query heads); ``km.generate`` runs with it within the budget."""
   model, cfg, params = tiny
   kind = fx["meta"]["runs"][run]["kind"]
-  surrogate, _ = kvzap.load(WEIGHTS[kind], cfg)
+  surrogate, _ = kvzap.load(WEIGHTS[kind], model, unverified=True)
   ids = fx["input_ids_T"][None].astype(np.int32)
   ev = {"kvzap_LGT": np.asarray(kvzap.kvzap_evidence(model, surrogate, ids))}
   policy, budget = policy_of(fx, run), budget_of(fx, run)
@@ -143,7 +144,7 @@ def test_through_the_model_keeps_kvpress_set(fx, tiny, run):
 def test_generate_left_padded_rows(tiny):
   """Two rows of different lengths: the evidence of the padded batch, each row within budget."""
   model, cfg, params = tiny
-  surrogate, _ = kvzap.load(WEIGHTS["linear"], cfg)
+  surrogate, _ = kvzap.load(WEIGHTS["linear"], model, unverified=True)
   rng = np.random.default_rng(3)
   ids = rng.integers(30, cfg.vocab_size, (2, 32)).astype(np.int32)
   mask = np.ones_like(ids)
@@ -231,28 +232,35 @@ def test_schedule_is_cosine_per_epoch():
 # --------------------------------------------------------------------------- files and errors
 
 
+def _with_config(model, cfg):
+  """``model``'s weights under another config, as the file loaders read a model (its ``cfg`` and
+  ``params()``): a file's shapes are checked against ``cfg``."""
+  return types.SimpleNamespace(cfg=cfg, params=model.params)
+
+
 def test_save_load_round_trip_and_wrong_files(tiny, tmp_path):
-  _, cfg, _ = tiny
-  s, _ = kvzap.load(WEIGHTS["mlp"], cfg)
+  model, cfg, _ = tiny
+  s, _ = kvzap.load(WEIGHTS["mlp"], model, unverified=True)
   path = kvzap.save(tmp_path / "s.npz", s, {"model": "tiny"})
-  back, meta = kvzap.load(path, cfg)
+  back, meta = kvzap.load(path, model, unverified=True)
   assert meta["kind"] == "mlp" and meta["model"] == "tiny"
   for k in s.params:
     np.testing.assert_array_equal(np.asarray(back.params[k]), np.asarray(s.params[k]))
-  other = dataclasses.replace(cfg, hidden_size=32)
+  other = _with_config(model, dataclasses.replace(cfg, hidden_size=32))
   with pytest.raises(ValueError, match=r"s\.npz.*w1 \(2, 64, 32\) \(expected \(2, 32, 32\)\)"):
-    kvzap.load(path, other)
+    kvzap.load(path, other, unverified=True)
   with pytest.raises(ValueError, match=r"kvzap_tiny_linear\.npz.*G=4"):
-    kvzap.load(WEIGHTS["linear"], dataclasses.replace(cfg, num_kv_heads=4, num_heads=8))
+    wide = _with_config(model, dataclasses.replace(cfg, num_kv_heads=4, num_heads=8))
+    kvzap.load(WEIGHTS["linear"], wide, unverified=True)
   header = np.asarray(json.dumps({"format": kvzap.FORMAT, "kind": "linear"}))
   np.savez(tmp_path / "missing.npz", meta_json=header, w=np.zeros((2, 64, 2), np.float32))
   with pytest.raises(ValueError, match=r"missing\.npz lacks the linear weights \['b'\]"):
-    kvzap.load(tmp_path / "missing.npz", cfg)
+    kvzap.load(tmp_path / "missing.npz", model, unverified=True)
   np.savez(tmp_path / "bare.npz", w=np.zeros(3))
   with pytest.raises(ValueError, match=r"bare\.npz has no meta_json"):
-    kvzap.load(tmp_path / "bare.npz", cfg)
+    kvzap.load(tmp_path / "bare.npz", model, unverified=True)
   with pytest.raises(ValueError, match=r"nothing\.npz"):
-    kvzap.load(tmp_path / "nothing.npz", cfg)
+    kvzap.load(tmp_path / "nothing.npz", model, unverified=True)
 
 
 def test_bad_arguments_are_named(tiny):
@@ -323,7 +331,7 @@ def test_experiment_entry_point_and_resume(tmp_path):
   assert json.loads((tmp_path / "results.json").read_text())["test_mse"] == first["test_mse"]
   model, cfg, _ = km.load_tiny()
   for kind in kvzap.KINDS:  # the files record the model they were trained on
-    s, meta = kvzap.load(tmp_path / f"kvzap_{kind}.npz", cfg, model.params())
+    s, meta = kvzap.load(tmp_path / f"kvzap_{kind}.npz", model)
     assert s.kind == kind and meta["model"] == "tiny"
 
 
@@ -338,7 +346,7 @@ def test_smollm2_kept_set_agrees_with_kvpress(fx):
   from kvjax.model import assets
 
   model, cfg = km.load(assets.SMOLLM2, dtype=np.float32)
-  surrogate, meta = kvzap.load(FIXTURES / "kvzap_smollm2_linear.npz", cfg)
+  surrogate, meta = kvzap.load(FIXTURES / "kvzap_smollm2_linear.npz", model, unverified=True)
   assert meta["model"] == "smollm2"
   ids = fx["smollm2_input_ids_T"][None]
   ev = kvzap.kvzap_evidence(model, surrogate, ids)[:, 0]

@@ -40,7 +40,7 @@ def fx():
 @pytest.fixture(scope="module")
 def tiny():
   model, cfg = km.load(FIXTURES / "kvpress_tiny_llama")
-  adapter, _ = restorekv.load(WEIGHTS, cfg)
+  adapter, _ = restorekv.load(WEIGHTS, model, unverified=True)
   return model, cfg, model.params(), adapter
 
 
@@ -299,19 +299,19 @@ def test_evidence_errors(tiny, fx):
 def test_save_load_roundtrip_and_errors(tiny, tmp_path):
   model, cfg, params, adapter = tiny
   path = restorekv.save(tmp_path / "a.npz", adapter, {"model": "tiny"})
-  back, meta = restorekv.load(path, cfg)
+  back, meta = restorekv.load(path, model, unverified=True)
   assert meta["model"] == "tiny" and back.alpha == adapter.alpha and back.rank == adapter.rank
   np.testing.assert_array_equal(np.asarray(back.embeddings), np.asarray(adapter.embeddings))
   with pytest.raises(ValueError, match="not a readable"):
-    restorekv.load(tmp_path / "missing.npz", cfg)
+    restorekv.load(tmp_path / "missing.npz", model, unverified=True)
   arrays = dict(np.load(path))
   np.savez(tmp_path / "nokey.npz", **{k: v for k, v in arrays.items() if k != "a_wq"})
   with pytest.raises(ValueError, match="lacks the arrays \\['a_wq'\\]"):
-    restorekv.load(tmp_path / "nokey.npz", cfg)
+    restorekv.load(tmp_path / "nokey.npz", model, unverified=True)
   other = dict(arrays, embeddings=np.zeros((4, cfg.hidden_size + 1), np.float32))
   np.savez(tmp_path / "other.npz", **other)
   with pytest.raises(ValueError, match=r"other.npz.*embeddings \(4, \d+\) \(expected"):
-    restorekv.load(tmp_path / "other.npz", cfg)
+    restorekv.load(tmp_path / "other.npz", model, unverified=True)
   with pytest.raises(ValueError, match="Adapter"):
     restorekv.check_adapter({"embeddings": 1}, cfg)
 

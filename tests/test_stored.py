@@ -4,6 +4,7 @@ context saved and loaded in another process (``kvjax.model.stored``)."""
 import pathlib
 import subprocess
 import sys
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -63,8 +64,8 @@ def test_a_padded_context_row_answers_as_it_alone(tiny):
 _CHILD = """
 import sys, numpy as np
 from kvjax import model as km, policies
-model, cfg, _ = km.load_tiny()
-ctx = km.stored.load(sys.argv[1], cfg, model.params(), policies.make("snapkv", window=4))
+model, _, _ = km.load_tiny()
+ctx = km.stored.load(sys.argv[1], model, policies.make("snapkv", window=4))
 q = np.load(sys.argv[2])
 a = km.answer_context(model, ctx, q, max_new_tokens=6)
 np.savez(sys.argv[3], tokens=a.tokens, logprobs=a.logprobs)
@@ -98,19 +99,19 @@ def test_another_model_or_policy_is_refused(tiny, tmp_path):
   ctx = km.compress_context(model, ids, policy=pol, budget=16)
   path = ctx.save(tmp_path / "c.safetensors")
   with pytest.raises(ValueError, match="policy: .* was compressed with"):
-    stored.load(path, cfg, model.params(), policies.make("snapkv", window=8))
+    stored.load(path, model, policies.make("snapkv", window=8))
   other = dict(model.params(), embed=model.params()["embed"] + 1.0)
   with pytest.raises(ValueError, match="another model; differs .*embed_sha256"):
-    stored.load(path, cfg, other, pol)
+    stored.load(path, types.SimpleNamespace(cfg=cfg, params=lambda: other), pol)
   garbage = tmp_path / "g.safetensors"
   garbage.write_bytes(b"not a file of tensors")
   with pytest.raises(ValueError, match="not a safetensors file"):
-    stored.load(garbage, cfg, model.params(), pol)
+    stored.load(garbage, model, pol)
   with pytest.raises(ValueError, match="is not a file"):
-    stored.load(tmp_path / "absent.safetensors", cfg, model.params(), pol)
+    stored.load(tmp_path / "absent.safetensors", model, pol)
   with pytest.raises(ValueError, match="question_ids: 1 rows for a context of 2"):
     km.answer_context(model, ctx, q[:1])
   with pytest.raises(ValueError, match="channel_ratio"):
     km.compress_context(model, ids, policy="think_snapkv", budget=16, window=4)
-  loaded = stored.load(path, cfg, model.params(), pol)
+  loaded = stored.load(path, model, pol)
   assert jnp.array_equal(loaded.cache.keys, ctx.cache.keys)

@@ -43,7 +43,7 @@ def _learned_fields() -> dict:
   return {**LEARNED_EVIDENCE, **RESTORE_RESOURCE}
 
 
-def load_learned(config, needs, cfg, params=None) -> dict:
+def load_learned(config, needs, model) -> dict:
   """The trained surrogates the policies read, loaded from the config's files: ``kvzap`` (a
   KVzap surrogate, ``python -m experiments.kvzap``), ``fastkvzip`` (Fast KVzip's gates,
   ``python -m experiments.fastkvzip``) and ``restorekv`` (RestoreKV's adapter,
@@ -52,9 +52,8 @@ def load_learned(config, needs, cfg, params=None) -> dict:
   Args:
     config: the evaluation config.
     needs: the evidence fields the policies read.
-    cfg: the model's config.
-    params: the model's weights, checked against the identity each file records (a file
-      trained on another model of the same shapes is refused); ``None``: shapes only.
+    model: the model (:class:`kvjax.model.llama.Llama`): each file must fit its shapes and
+      record its identity (a file trained on another model of the same shapes is refused).
 
   Returns:
     ``{"kvzap": surrogate, "fastkvzip": gates, "restorekv": adapter}`` for the ones needed.
@@ -66,7 +65,7 @@ def load_learned(config, needs, cfg, params=None) -> dict:
   loaders = {k.resource: k.load for k in evidence_lib.evidence_kinds().values() if k.resource}
   loaders["restorekv"] = restorekv.load
   paths = learned_paths(config, needs)
-  return {name: loaders[name](path, cfg, params)[0] for name, path in paths.items()}
+  return {name: loaders[name](path, model)[0] for name, path in paths.items()}
 
 
 def learned_paths(config, needs) -> dict:

@@ -235,7 +235,7 @@ def prepare(config) -> Prepared:
   needs = policy_needs(entries)
   calibration = load_calibration(config, needs)
   check_calibration(calibration, cfg, config.get("calibration"))
-  learned = load_learned(config, needs, cfg, model.params())
+  learned = load_learned(config, needs, model)
   template = kvzip_template(tok, config.model) if set(needs) & set(CONTEXT_EVIDENCE) else None
   sets = {
     (task, length): examples(

@@ -223,14 +223,12 @@ def check_gates(gates, cfg: ModelConfig, where: str = "gates") -> None:
     raise ValueError(f"{where}: does not fit this model (L={L}, d={d}, G={G}, R={R}): {said}")
 
 
-def load(
-  path: str | pathlib.Path, cfg: ModelConfig, params: dict | None = None, *, unverified=False
-) -> tuple[dict, dict]:
+def load(path: str | pathlib.Path, model, *, unverified=False) -> tuple[dict, dict]:
   """Reads gates written by :func:`save` and checks them against a model
   (:func:`kvjax.model.learned_io.load`; their shapes by :func:`check_gates`).
 
   Args:
-    path, cfg, params, unverified: as :func:`kvjax.model.learned_io.load`.
+    path, model, unverified: as :func:`kvjax.model.learned_io.load`.
 
   Returns:
     ``(gates, meta)``: fp32 gates.
@@ -238,13 +236,14 @@ def load(
   Raises:
     ValueError: as :func:`kvjax.model.learned_io.load`, naming the file.
   """
+  cfg = model.cfg
 
   def gates(files, meta, where):
     check_gates(files, cfg, where)
     return {k: jnp.asarray(files[k], jnp.float32) for k in PARAM_KEYS}
 
   return learned_io.load(
-    path, cfg, params, fmt=FORMAT, what="Fast KVzip gates", build=gates, unverified=unverified
+    path, model, fmt=FORMAT, what="Fast KVzip gates", build=gates, unverified=unverified
   )
 
 

@@ -622,15 +622,13 @@ def save(
   )
 
 
-def load(
-  path: str | pathlib.Path, cfg: ModelConfig, params: dict | None = None, *, unverified=False
-) -> tuple[Surrogate, dict]:
+def load(path: str | pathlib.Path, model, *, unverified=False) -> tuple[Surrogate, dict]:
   """Reads a surrogate written by :func:`save` and checks it against a model
   (:func:`kvjax.model.learned_io.load`): its kind, and its weights' shapes
   (:func:`check_surrogate`).
 
   Args:
-    path, cfg, params, unverified: as :func:`kvjax.model.learned_io.load`.
+    path, model, unverified: as :func:`kvjax.model.learned_io.load`.
 
   Returns:
     ``(surrogate, meta)``: fp32 weights.
@@ -639,6 +637,7 @@ def load(
     ValueError: as :func:`kvjax.model.learned_io.load`, naming the file, and for a kind that
       is not one of ``KINDS``.
   """
+  cfg = model.cfg
 
   def surrogate(files, meta, where):
     kind = meta.get("kind")
@@ -652,7 +651,7 @@ def load(
     return built
 
   return learned_io.load(
-    path, cfg, params, fmt=FORMAT, what="KVzap surrogate", build=surrogate, unverified=unverified
+    path, model, fmt=FORMAT, what="KVzap surrogate", build=surrogate, unverified=unverified
   )
 
 

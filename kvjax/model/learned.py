@@ -9,9 +9,9 @@ outside kvjax computes the same way, from :func:`attention_inputs` (``examples/p
 
 A trained file (a KVzap surrogate, Fast KVzip gates, a RestoreKV adapter) records the identity of
 the model it was trained on (``save(..., identity=kvjax.checks.model_identity(cfg, params))``):
-its ``load(path, cfg, params)`` refuses it for another model, even one of the same shapes, and a
-file that records no identity unless the caller passes ``unverified=True``
-(:func:`kvjax.checks.same_model`). Given only ``cfg``, ``load`` checks the shapes alone.
+its ``load(path, model)`` refuses it for another model, even one of the same shapes, and a file
+that records no identity unless the caller passes ``unverified=True``
+(:func:`kvjax.checks.same_model`); with ``unverified=True``, ``load`` checks the shapes alone.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ the component was trained on.
 
 * :func:`write`: a component's file, with the identity of its model;
 * :func:`load`: such a file read back and checked against a model, its arrays' shapes and
-  the identity it records; each component's ``load(path, cfg, params, *, unverified=False)``
-  calls it with its own format and builder.
+  the identity it records; each component's ``load(path, model, *, unverified=False)`` calls
+  it with its own format and builder.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import numpy as np
 
 from kvjax import checks
 from kvjax.model import npzfile
-from kvjax.model.config import ModelConfig
 
 
 def write(
@@ -63,8 +62,7 @@ def write(
 
 def load(
   path: str | pathlib.Path,
-  cfg: ModelConfig,
-  params: dict | None,
+  model,
   *,
   fmt: str,
   what: str,
@@ -72,23 +70,23 @@ def load(
   unverified: bool = False,
 ) -> tuple[object, dict]:
   """Reads a learned component's file (:func:`write`, :func:`kvjax.model.npzfile.read`) and
-  checks it against a model: the component's arrays against ``cfg`` (``build``), and the
-  identity the file records against ``params`` (:func:`kvjax.checks.same_model`). Each
-  component's ``load(path, cfg, params=None, *, unverified=False)`` is this one.
+  checks it against a model: the component's arrays against the model's config (``build``),
+  and the identity the file records against the model's config and weights
+  (:func:`kvjax.checks.same_model`). Each component's ``load(path, model, *, unverified=False)``
+  is this one.
 
   Args:
     path: the ``.npz`` file.
-    cfg: the model the component must fit.
-    params: the model's weights: the file must record the identity of this very model
-      (:func:`kvjax.checks.same_model`), not only fit its shapes. ``None``: only the shapes
-      are checked.
+    model: the model (:class:`kvjax.model.llama.Llama`) the component must fit: the file must
+      record the identity of this very model (:func:`kvjax.checks.same_model`), not only fit
+      its shapes.
     fmt: the ``format`` its header must name.
     what: what the file holds, for the errors (e.g. ``"Fast KVzip gates"``).
     build: ``(arrays, meta, where) -> component``: the component of the file's numpy arrays
-      and header, checked against ``cfg`` (raising ``ValueError`` naming ``where``: the path
-      and the model the header names).
-    unverified: load a file whose identity is missing or another model's anyway (shapes are
-      still checked): the caller vouches that it suits this model.
+      and header, checked against the model's config (raising ``ValueError`` naming
+      ``where``: the path and the model the header names).
+    unverified: load a file whose identity is missing or another model's anyway (only the
+      shapes are checked): the caller vouches that it suits this model.
 
   Returns:
     ``(component, meta)``: what ``build`` made, and the header.
@@ -96,13 +94,13 @@ def load(
   Raises:
     ValueError: naming the file, for one that is missing, unreadable or truncated, lacks the
       header or names another format, what ``build`` refuses (an array missing, or of a shape
-      that does not fit ``cfg``), and (with ``params``, unless ``unverified``) one that records
-      no model identity or another model's.
+      that does not fit the model), and (unless ``unverified``) one that records no model
+      identity or another model's.
   """
   files, meta = npzfile.read(path, fmt, what)
   where = f"path: {path} (model {meta.get('model')!r})"
   component = build(files, meta, where)
-  if params is not None:
-    mine = checks.model_identity(cfg, params)
-    checks.same_model(where, meta.get("model_identity"), mine, unverified=unverified)
+  if not unverified:  # the identity hashes the weights: only when it is checked
+    mine = checks.model_identity(model.cfg, model.params())
+    checks.same_model(where, meta.get("model_identity"), mine)
   return component, meta

@@ -301,14 +301,12 @@ def save(
   )
 
 
-def load(
-  path: str | pathlib.Path, cfg: ModelConfig, params: dict | None = None, *, unverified=False
-) -> tuple[Adapter, dict]:
+def load(path: str | pathlib.Path, model, *, unverified=False) -> tuple[Adapter, dict]:
   """Reads an adapter written by :func:`save` and checks it against a model
   (:func:`kvjax.model.learned_io.load`; its shapes by :func:`check_adapter`).
 
   Args:
-    path, cfg, params, unverified: as :func:`kvjax.model.learned_io.load`.
+    path, model, unverified: as :func:`kvjax.model.learned_io.load`.
 
   Returns:
     ``(adapter, meta)``.
@@ -316,6 +314,7 @@ def load(
   Raises:
     ValueError: as :func:`kvjax.model.learned_io.load`, naming the file.
   """
+  cfg = model.cfg
 
   def adapter(files, meta, where):
     need = ["embeddings"] + [f"{p}_{t}" for t in TARGETS for p in ("a", "b")]
@@ -332,7 +331,7 @@ def load(
     return built
 
   return learned_io.load(
-    path, cfg, params, fmt=FORMAT, what="RestoreKV adapter", build=adapter, unverified=unverified
+    path, model, fmt=FORMAT, what="RestoreKV adapter", build=adapter, unverified=unverified
   )
 
 

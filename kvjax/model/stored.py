@@ -368,7 +368,7 @@ def check_arrays(path, cfg: ModelConfig, header: dict, arrays: dict) -> None:
     raise _bad(path, f"key channels outside [0, {D})")
 
 
-def load(path, cfg: ModelConfig, params: dict, policy: policies.Policy) -> CompressedContext:
+def load(path, model, policy: policies.Policy) -> CompressedContext:
   """Reads a :class:`CompressedContext` saved by :meth:`CompressedContext.save`.
 
   The file is checked whole first: its header, its checksum and every array
@@ -377,8 +377,8 @@ def load(path, cfg: ModelConfig, params: dict, policy: policies.Policy) -> Compr
 
   Args:
     path: the file.
-    cfg: the model's config.
-    params: the model's parameters (the fingerprint is checked against them).
+    model: the model (:class:`kvjax.model.llama.Llama`) the context was saved for (the
+      fingerprint is checked against its config and parameters).
     policy: the policy the context was compressed with (an object).
 
   Returns:
@@ -390,10 +390,11 @@ def load(path, cfg: ModelConfig, params: dict, policy: policies.Policy) -> Compr
       :func:`check_arrays` refuses, one saved for another model (what differs) or another
       policy.
   """
+  cfg = model.cfg
   path = pathlib.Path(path)
   header, arrays = _read(path)
   _check_header(path, header)
-  want = model_fingerprint(cfg, params)
+  want = model_fingerprint(cfg, model.params())
   differs = {k: (header["model"].get(k), v) for k, v in want.items() if header["model"].get(k) != v}
   if differs:
     raise ValueError(

@@ -67,7 +67,8 @@ class EvidenceKind:
       over the caller's columns.
     resource: the evaluation config field naming a trained file that ``compute`` needs
       (``"kvzap"``), loaded once with ``load``.
-    load: ``load(path, model_config) -> (resource, meta)``, checking the file fits the model.
+    load: ``load(path, model) -> (resource, meta)``, checking the file fits the model (its
+      shapes, and the identity of the model it was trained on).
     check: an extra check of a caller's concrete value (a NumPy array): returns what is wrong,
       or ``None``.
   """
