@@ -171,7 +171,7 @@ def test_paged_selection_and_bad_choices_are_named():
     cache_lib.Layout(paged="yes")
   with pytest.raises(ValueError, match="page: expected a power of two >= 16, got 24"):
     paged.pool_size(per_head, 1, 0, 24)
-  with pytest.raises(ValueError, match="new: expected an int >= 0, got -1"):
+  with pytest.raises(ValueError, match="new: expected a static int >= 0, got -1"):
     paged.pool_size(per_head, 1, -1, 16)
   with pytest.raises(ValueError, match="budget_LH: expected"):
     paged.pool_size(-per_head, 1, 0, 16)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import policies
+from kvjax import checks, policies
 from kvjax.model import cache as cache_lib
 from kvjax.model import decoding, llama, restorekv, sharding
 
@@ -505,7 +505,7 @@ def check_answer_inputs(model, prompt_ids, answer_ids, question: Question):
     raise ValueError(f"question.mode: expected one of {QUESTION_MODES}, got {mode!r}")
   if mode == "compressed":
     question_len = 1
-  if not _is_int(question_len) or not 1 <= question_len < prompt.shape[1]:
+  if not checks.is_int(question_len) or not 1 <= question_len < prompt.shape[1]:
     raise ValueError(
       f"question.length: expected an int, 1 <= length < T={prompt.shape[1]}, got {question_len!r}"
     )
@@ -513,10 +513,6 @@ def check_answer_inputs(model, prompt_ids, answer_ids, question: Question):
   if given.shape != answer.shape:
     raise ValueError(f"question.answer_given: shape {given.shape}, expected {answer.shape}")
   return prompt, answer, question_len, given
-
-
-def _is_int(value) -> bool:
-  return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def check_answer_memory(model, policy, budgets, layout: str, batch: int, Tc: int, M: int) -> None:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import policies
+from kvjax import checks, policies
 from kvjax.model import llama, ragged
 from kvjax.model.budget_checks import capacity_bucket
 from kvjax.model.cache_layout import CacheSpec, KVCache
@@ -145,14 +145,8 @@ def _blocker(cfg: ModelConfig, spec: CacheSpec) -> str | None:
   return None
 
 
-def _check_int(name: str, value, low: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-    raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
-  return int(value)
-
-
 def _check_page(page) -> int:
-  if _check_int("page", page, 16) & (page - 1):
+  if checks.static_int("page", page, 16) & (page - 1):
     raise ValueError(f"page: expected a power of two >= 16, got {page!r}")
   return int(page)
 
@@ -179,7 +173,8 @@ def pool_size(budget_LH, batch: int, new: int, page: int) -> int:
     ValueError: for a batch below 1, negative new tokens, a page that is not a power of two
       >= 16, or a negative budget.
   """
-  batch, new, page = _check_int("batch", batch, 1), _check_int("new", new, 0), _check_page(page)
+  batch, new = checks.static_int("batch", batch, 1), checks.static_int("new", new, 0)
+  page = _check_page(page)
   budget = np.asarray(budget_LH)
   if budget.ndim not in (2, 3) or (budget < 0).any():
     raise ValueError(f"budget_LH: expected [L, H] or [B, L, H] budgets >= 0, got {budget!r}")
@@ -206,7 +201,8 @@ def from_stacked(cache: KVCache, *, new: int, pool: int, page: int = PAGE) -> Pa
     ValueError: for negative new tokens, a pool below 1 page, or a page that is not a power of
       two >= 16.
   """
-  new, pool, page = _check_int("new", new, 0), _check_int("pool", pool, 1), _check_page(page)
+  new, pool = checks.static_int("new", new, 0), checks.static_int("pool", pool, 1)
+  page = _check_page(page)
   L, B, G, C, D = cache.keys.shape
   R = B * G
   valid = cache.valid.reshape(L, R, C)
